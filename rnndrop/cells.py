@@ -1,0 +1,183 @@
+"""LSTM and GRU cells that apply the dropout masks they are given.
+
+Cells never sample: a mask is a tensor the caller passes (see :mod:`rnndrop.masks`).
+A mask multiplies the input or the previous hidden state *before* the gate
+matmuls, the form of Gal & Ghahramani (2016). A mask of shape ``[batch, size]``
+is shared by all gates; a mask of shape ``[batch, gates, size]`` gives every
+gate its own mask (Gal's "untied" variant). No mask means no dropout.
+
+The gate arithmetic lives in :func:`lstm_pointwise` and :func:`gru_pointwise` so
+that the cells and the layers' time loops compute the very same thing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+LSTM_GATES = 4  # (i, f, g, o), the order of nn.LSTM
+GRU_GATES = 3  # (r, z, n), the order of nn.GRU
+
+
+def masked_linear(x: Tensor, mask: Tensor | None, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``(x * mask) @ weight.T + bias``.
+
+    Args:
+        x: ``[..., in]``.
+        mask: ``None``; a tensor broadcastable to ``x`` (one mask for all gates);
+            or ``[..., gates, in]`` (one more dimension than ``x``: one mask per gate,
+            ``weight`` is then read as ``gates`` blocks of rows).
+        weight: ``[gates * out, in]``.
+        bias: ``[gates * out]`` or None.
+
+    Returns:
+        ``[..., gates * out]``.
+    """
+    if mask is None:
+        return F.linear(x, weight, bias)
+    if mask.dim() <= x.dim():
+        return F.linear(x * mask, weight, bias)
+    gates = mask.shape[-2]
+    xm = x.unsqueeze(-2) * mask  # [..., gates, in]
+    w = weight.view(gates, -1, weight.shape[-1])  # [gates, out, in]
+    out = torch.einsum("...gi,goi->...go", xm, w).flatten(-2)
+    return out if bias is None else out + bias
+
+
+def lstm_pointwise(gates: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+    """LSTM gate nonlinearities: pre-activations ``[..., 4 * H]`` (i, f, g, o) and
+    ``c_{t-1}`` ``[..., H]`` -> ``(h_t, c_t)``, both ``[..., H]``."""
+    i, f, g, o = gates.chunk(4, -1)
+    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+    return torch.sigmoid(o) * torch.tanh(c), c
+
+
+def gru_pointwise(gates_x: Tensor, gates_h: Tensor, h: Tensor) -> Tensor:
+    """GRU update from the input part ``W_ih x + b_ih`` and the recurrent part
+    ``W_hh h + b_hh`` (both ``[..., 3 * H]``, order r, z, n) and ``h_{t-1}``
+    ``[..., H]`` (unmasked) -> ``h_t`` ``[..., H]``."""
+    xr, xz, xn = gates_x.chunk(3, -1)
+    hr, hz, hn = gates_h.chunk(3, -1)
+    r = torch.sigmoid(xr + hr)
+    z = torch.sigmoid(xz + hz)
+    n = torch.tanh(xn + r * hn)
+    return n + z * (h - n)
+
+
+def check_cell_mask(name: str, mask: Tensor | None, x: Tensor, size: int, gates: int) -> None:
+    """Check a cell mask against its input ``x`` (``[batch, size]`` or unbatched ``[size]``).
+
+    Accepted: ``[batch or 1, size]`` or ``[batch or 1, gates, size]`` (without the
+    batch dimension for unbatched input), same dtype and device as ``x``.
+    """
+    if mask is None:
+        return
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"{name} must be a Tensor or None, got {type(mask).__name__}")
+    lead = x.shape[:-1]
+    batch = lead[0] if lead else None
+    ok_shapes = [(*lead, size), (*lead, gates, size)]
+    if batch is not None:
+        ok_shapes += [(1, size), (1, gates, size)]
+    if tuple(mask.shape) not in ok_shapes:
+        expected = " or ".join(str(list(s)) for s in ok_shapes)
+        raise ValueError(f"{name} must have shape {expected}, got {list(mask.shape)}")
+    if mask.dtype != x.dtype:
+        raise TypeError(f"{name} must have the input's dtype {x.dtype}, got {mask.dtype}")
+    if mask.device != x.device:
+        raise ValueError(f"{name} must be on the input's device {x.device}, got {mask.device}")
+
+
+def _check_cell_input(cell: nn.Module, input: Tensor) -> None:
+    if input.dim() not in (1, 2):
+        raise ValueError(
+            f"{type(cell).__name__}: input must be 1-D [input_size] or 2-D [batch, input_size], "
+            f"got {input.dim()}-D with shape {list(input.shape)}"
+        )
+    if input.shape[-1] != cell.input_size:
+        raise ValueError(
+            f"{type(cell).__name__}: input.size(-1) must be input_size={cell.input_size}, "
+            f"got {input.shape[-1]}"
+        )
+    if input.dtype != cell.weight_ih.dtype:
+        raise TypeError(
+            f"{type(cell).__name__}: input dtype {input.dtype} does not match the weights' "
+            f"dtype {cell.weight_ih.dtype}"
+        )
+
+
+def _check_cell_state(cell: nn.Module, name: str, state: Tensor, input: Tensor) -> None:
+    expected = (*input.shape[:-1], cell.hidden_size)
+    if tuple(state.shape) != expected:
+        raise ValueError(
+            f"{type(cell).__name__}: {name} must have shape {list(expected)}, got {list(state.shape)}"
+        )
+
+
+class VariationalLSTMCell(nn.LSTMCell):
+    """An ``nn.LSTMCell`` that takes dropout masks.
+
+    Parameters, their names, shapes and initialisation are those of ``nn.LSTMCell``,
+    so state dicts interchange.
+
+    Shapes:
+        input: ``[batch, input_size]`` or ``[input_size]``.
+        hx: ``(h, c)``, each ``[batch, hidden_size]`` (``[hidden_size]`` unbatched); zeros if None.
+        input_mask: ``[batch, input_size]`` or per gate ``[batch, 4, input_size]``.
+        hidden_mask: ``[batch, hidden_size]`` or per gate ``[batch, 4, hidden_size]``.
+        returns: ``(h', c')``, each like ``h``.
+    """
+
+    def forward(  # type: ignore[override]
+        self,
+        input: Tensor,
+        hx: tuple[Tensor, Tensor] | None = None,
+        input_mask: Tensor | None = None,
+        hidden_mask: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        _check_cell_input(self, input)
+        if hx is None:
+            zeros = input.new_zeros((*input.shape[:-1], self.hidden_size))
+            hx = (zeros, zeros)
+        h, c = hx
+        _check_cell_state(self, "hx[0]", h, input)
+        _check_cell_state(self, "hx[1]", c, input)
+        check_cell_mask("input_mask", input_mask, input, self.input_size, LSTM_GATES)
+        check_cell_mask("hidden_mask", hidden_mask, h, self.hidden_size, LSTM_GATES)
+        gates = masked_linear(input, input_mask, self.weight_ih, self.bias_ih) + masked_linear(
+            h, hidden_mask, self.weight_hh, self.bias_hh
+        )
+        return lstm_pointwise(gates, c)
+
+
+class VariationalGRUCell(nn.GRUCell):
+    """An ``nn.GRUCell`` that takes dropout masks.
+
+    The hidden mask multiplies ``h_{t-1}`` inside ``W_hh h_{t-1}`` only; the
+    interpolation ``z * h_{t-1}`` uses the unmasked state.
+
+    Shapes:
+        input: ``[batch, input_size]`` or ``[input_size]``.
+        hx: ``[batch, hidden_size]`` (``[hidden_size]`` unbatched); zeros if None.
+        input_mask: ``[batch, input_size]`` or per gate ``[batch, 3, input_size]``.
+        hidden_mask: ``[batch, hidden_size]`` or per gate ``[batch, 3, hidden_size]``.
+        returns: ``h'`` like ``hx``.
+    """
+
+    def forward(  # type: ignore[override]
+        self,
+        input: Tensor,
+        hx: Tensor | None = None,
+        input_mask: Tensor | None = None,
+        hidden_mask: Tensor | None = None,
+    ) -> Tensor:
+        _check_cell_input(self, input)
+        if hx is None:
+            hx = input.new_zeros((*input.shape[:-1], self.hidden_size))
+        _check_cell_state(self, "hx", hx, input)
+        check_cell_mask("input_mask", input_mask, input, self.input_size, GRU_GATES)
+        check_cell_mask("hidden_mask", hidden_mask, hx, self.hidden_size, GRU_GATES)
+        gates_x = masked_linear(input, input_mask, self.weight_ih, self.bias_ih)
+        gates_h = masked_linear(hx, hidden_mask, self.weight_hh, self.bias_hh)
+        return gru_pointwise(gates_x, gates_h, hx)

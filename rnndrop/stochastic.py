@@ -1,0 +1,16 @@
+"""The marker that tells Monte-Carlo prediction which modules sample noise."""
+
+from __future__ import annotations
+
+
+class Stochastic:
+    """Mixin for modules that draw noise in training mode (dropout masks, Gaussian noise).
+
+    :func:`rnndrop.mc.mc_dropout` switches exactly these modules (and ``nn.Dropout``
+    and its siblings) to training mode. A subclass overrides :meth:`is_stochastic`
+    to say whether it would draw any noise at all with its present settings.
+    """
+
+    def is_stochastic(self) -> bool:
+        """True when a forward call in training mode draws noise."""
+        return True
