@@ -31,7 +31,6 @@ from torch.nn.utils.rnn import PackedSequence
 
 from rnndrop.cells import GRU_GATES, LSTM_GATES, masked_linear
 from rnndrop.kernels import DEFAULT_LOOP_KERNEL, get_kernel
-from rnndrop.stochastic import Stochastic
 from rnndrop.masks import (
     MASK_SCOPES,
     NOISES,
@@ -41,6 +40,7 @@ from rnndrop.masks import (
     mask_shape,
     sample_mask,
 )
+from rnndrop.stochastic import Stochastic
 
 __all__ = ["VariationalGRU", "VariationalLSTM"]
 
@@ -132,9 +132,7 @@ class _VariationalRNNMixin(Stochastic):
         gates = self._gates if per_gate else None
         outer = "step" if scope == "step" else "sequence"  # "batch" is for h_{t-1} only
         width = self._num_directions * self._out_size
-        inputs = [
-            (mask_shape(outer, batch_size, self.input_size, seq_len, gates), self.dropout_input)
-        ] + [
+        inputs = [(mask_shape(outer, batch_size, self.input_size, seq_len, gates), self.dropout_input)] + [
             (mask_shape(outer, batch_size, width, seq_len, gates), self.dropout)
             for _ in range(1, self.num_layers)
         ]
@@ -165,9 +163,7 @@ class _VariationalRNNMixin(Stochastic):
         weight = self.weight_ih_l0
         device = weight.device if device is None else device
         dtype = weight.dtype if dtype is None else dtype
-        inputs, hidden, output = self._mask_plan(
-            batch_size, seq_len, self.mask_scope, self.per_gate_masks
-        )
+        inputs, hidden, output = self._mask_plan(batch_size, seq_len, self.mask_scope, self.per_gate_masks)
 
         def draw(shape: tuple[int, ...], p: float) -> Tensor | None:
             return sample_mask(shape, p, self.noise, device=device, dtype=dtype, generator=generator)
@@ -225,9 +221,7 @@ class _VariationalRNNMixin(Stochastic):
             if not (self.training and self._has_dropout()):
                 return None
             # Masks are i.i.d. over the batch: no need to sort them for packed input.
-            masks = self.sample_masks(
-                layout.batch_size, layout.seq_len, device=x.device, dtype=x.dtype
-            )
+            masks = self.sample_masks(layout.batch_size, layout.seq_len, device=x.device, dtype=x.dtype)
         else:
             self._check_masks(masks, layout, x)
             if layout.sorted_indices is not None:
@@ -248,8 +242,12 @@ class _VariationalRNNMixin(Stochastic):
             x = input.data
             batch_sizes = input.batch_sizes
             layout = _Layout(
-                batch_sizes.tolist(), batch_sizes, input.sorted_indices, input.unsorted_indices,
-                self.batch_first, False,
+                batch_sizes.tolist(),
+                batch_sizes,
+                input.sorted_indices,
+                input.unsorted_indices,
+                self.batch_first,
+                False,
             )
             if x.dim() != 2:
                 raise ValueError(f"{name}: PackedSequence data must be 2-D, got {x.dim()}-D")
@@ -259,9 +257,10 @@ class _VariationalRNNMixin(Stochastic):
                     f"{name}: input must be a Tensor or PackedSequence, got {type(input).__name__}"
                 )
             if input.dim() not in (2, 3):
+                batched = "[batch, seq, feature]" if self.batch_first else "[seq, batch, feature]"
                 raise ValueError(
-                    f"{name}: input must be 3-D {'[batch, seq, feature]' if self.batch_first else '[seq, batch, feature]'} "
-                    f"or 2-D unbatched [seq, feature], got {input.dim()}-D with shape {list(input.shape)}"
+                    f"{name}: input must be 3-D {batched} or 2-D unbatched [seq, feature], "
+                    f"got {input.dim()}-D with shape {list(input.shape)}"
                 )
             unbatched = input.dim() == 2
             x = input.unsqueeze(1) if unbatched else input
@@ -269,7 +268,10 @@ class _VariationalRNNMixin(Stochastic):
                 x = x.transpose(0, 1)
             T, B = x.shape[:2]
             if T == 0 or B == 0:
-                raise ValueError(f"{name}: input must have at least one step and one sequence, got shape {list(input.shape)}")
+                raise ValueError(
+                    f"{name}: input must have at least one step and one sequence, "
+                    f"got shape {list(input.shape)}"
+                )
             x = x.reshape(T * B, x.shape[-1])
             layout = _Layout([B] * T, None, None, None, self.batch_first, unbatched)
         if x.shape[-1] != self.input_size:
@@ -359,8 +361,12 @@ class _VariationalRNNMixin(Stochastic):
         masks = self._prepare_masks(masks, layout, x)
         D = self._num_directions
         if masks is None and self.kernel == "auto":
-            weights = [w for layer in range(self.num_layers) for d in range(D)
-                       for w in self._layer_weights(layer, d).values()]
+            weights = [
+                w
+                for layer in range(self.num_layers)
+                for d in range(D)
+                for w in self._layer_weights(layer, d).values()
+            ]
             out, states = self._fused(x, layout, states, weights, self.num_layers)
             return self._finish(out, states, layout)
 
@@ -498,12 +504,26 @@ class VariationalLSTM(_VariationalRNNMixin, nn.LSTM):
         dropout = check_probability("dropout", dropout)
         # nn.LSTM gets dropout=0: it would warn for one layer and must never apply its own.
         super().__init__(
-            input_size, hidden_size, num_layers=num_layers, bias=bias, batch_first=batch_first,
-            dropout=0.0, bidirectional=bidirectional, proj_size=proj_size, device=device, dtype=dtype,
+            input_size,
+            hidden_size,
+            num_layers=num_layers,
+            bias=bias,
+            batch_first=batch_first,
+            dropout=0.0,
+            bidirectional=bidirectional,
+            proj_size=proj_size,
+            device=device,
+            dtype=dtype,
         )
         self._init_dropout(
-            dropout, dropout_input, dropout_hidden, dropout_output, mask_scope, per_gate_masks,
-            noise, kernel,
+            dropout,
+            dropout_input,
+            dropout_hidden,
+            dropout_output,
+            mask_scope,
+            per_gate_masks,
+            noise,
+            kernel,
         )
 
     def _state_sizes(self) -> tuple[int, ...]:
@@ -515,14 +535,28 @@ class VariationalLSTM(_VariationalRNNMixin, nn.LSTM):
     def _fused(self, x, layout, states, weights, num_layers):
         if layout.packed:
             out, h, c = torch.lstm(
-                x, layout.batch_sizes_tensor, states, weights, self.bias, num_layers, 0.0,
-                self.training, self.bidirectional,
+                x,
+                layout.batch_sizes_tensor,
+                states,
+                weights,
+                self.bias,
+                num_layers,
+                0.0,
+                self.training,
+                self.bidirectional,
             )
         else:
             T, B = layout.seq_len, layout.batch_size
             out, h, c = torch.lstm(
-                x.view(T, B, -1), states, weights, self.bias, num_layers, 0.0, self.training,
-                self.bidirectional, False,
+                x.view(T, B, -1),
+                states,
+                weights,
+                self.bias,
+                num_layers,
+                0.0,
+                self.training,
+                self.bidirectional,
+                False,
             )
             out = out.reshape(T * B, -1)
         return out, (h, c)
@@ -530,8 +564,14 @@ class VariationalLSTM(_VariationalRNNMixin, nn.LSTM):
     def _loop(self, kernel, gates_x, layout, states, weights, hidden_mask, reverse):
         h0, c0 = states
         out, h, c = kernel.lstm(
-            gates_x, layout.batch_sizes, h0, c0, weights["weight_hh"], weights.get("weight_hr"),
-            hidden_mask, reverse,
+            gates_x,
+            layout.batch_sizes,
+            h0,
+            c0,
+            weights["weight_hh"],
+            weights.get("weight_hr"),
+            hidden_mask,
+            reverse,
         )
         return out, (h, c)
 
@@ -582,12 +622,25 @@ class VariationalGRU(_VariationalRNNMixin, nn.GRU):
     ) -> None:
         dropout = check_probability("dropout", dropout)
         super().__init__(
-            input_size, hidden_size, num_layers=num_layers, bias=bias, batch_first=batch_first,
-            dropout=0.0, bidirectional=bidirectional, device=device, dtype=dtype,
+            input_size,
+            hidden_size,
+            num_layers=num_layers,
+            bias=bias,
+            batch_first=batch_first,
+            dropout=0.0,
+            bidirectional=bidirectional,
+            device=device,
+            dtype=dtype,
         )
         self._init_dropout(
-            dropout, dropout_input, dropout_hidden, dropout_output, mask_scope, per_gate_masks,
-            noise, kernel,
+            dropout,
+            dropout_input,
+            dropout_hidden,
+            dropout_output,
+            mask_scope,
+            per_gate_masks,
+            noise,
+            kernel,
         )
 
     def _state_sizes(self) -> tuple[int, ...]:
@@ -600,14 +653,28 @@ class VariationalGRU(_VariationalRNNMixin, nn.GRU):
         (h0,) = states
         if layout.packed:
             out, h = torch.gru(
-                x, layout.batch_sizes_tensor, h0, weights, self.bias, num_layers, 0.0,
-                self.training, self.bidirectional,
+                x,
+                layout.batch_sizes_tensor,
+                h0,
+                weights,
+                self.bias,
+                num_layers,
+                0.0,
+                self.training,
+                self.bidirectional,
             )
         else:
             T, B = layout.seq_len, layout.batch_size
             out, h = torch.gru(
-                x.view(T, B, -1), h0, weights, self.bias, num_layers, 0.0, self.training,
-                self.bidirectional, False,
+                x.view(T, B, -1),
+                h0,
+                weights,
+                self.bias,
+                num_layers,
+                0.0,
+                self.training,
+                self.bidirectional,
+                False,
             )
             out = out.reshape(T * B, -1)
         return out, (h,)
@@ -615,8 +682,13 @@ class VariationalGRU(_VariationalRNNMixin, nn.GRU):
     def _loop(self, kernel, gates_x, layout, states, weights, hidden_mask, reverse):
         (h0,) = states
         out, h = kernel.gru(
-            gates_x, layout.batch_sizes, h0, weights["weight_hh"], weights.get("bias_hh"),
-            hidden_mask, reverse,
+            gates_x,
+            layout.batch_sizes,
+            h0,
+            weights["weight_hh"],
+            weights.get("bias_hh"),
+            hidden_mask,
+            reverse,
         )
         return out, (h,)
 
@@ -627,4 +699,3 @@ class VariationalGRU(_VariationalRNNMixin, nn.GRU):
         masks: RecurrentMasks | None = None,
     ) -> tuple[Tensor | PackedSequence, Tensor]:
         return super().forward(input, hx, masks)
-

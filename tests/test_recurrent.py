@@ -1,0 +1,374 @@
+"""VariationalLSTM / VariationalGRU against the oracle nn.LSTM / nn.GRU, and their masks."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils.rnn import pack_sequence
+
+from rnndrop import RecurrentMasks, VariationalGRU, VariationalGRUCell, VariationalLSTM, VariationalLSTMCell
+from rnndrop.kernels import KERNELS
+from tests.helpers import assert_close
+
+I, H, T, B = 5, 6, 7, 4
+KERNEL_NAMES = ["auto", *KERNELS]
+ALL_P = dict(dropout=0.4, dropout_input=0.3, dropout_hidden=0.5, dropout_output=0.2)
+
+CONFIGS = [
+    dict(num_layers=1),
+    dict(num_layers=2),
+    dict(num_layers=3, bias=False),
+    dict(num_layers=2, bidirectional=True),
+    dict(num_layers=2, batch_first=True),
+    dict(num_layers=2, proj_size=3),
+    dict(num_layers=2, proj_size=3, bidirectional=True, batch_first=True),
+]
+
+
+def make_pair(kind, dtype=torch.float32, **kw):
+    """An nn.LSTM/GRU and our layer with the same weights."""
+    ref_cls, our_cls = (nn.LSTM, VariationalLSTM) if kind == "lstm" else (nn.GRU, VariationalGRU)
+    ours_kw = {k: kw.pop(k) for k in list(kw) if k in ("kernel", *ALL_P, "mask_scope", "per_gate_masks")}
+    ref = ref_cls(I, H, dtype=dtype, **kw)
+    ours = our_cls(I, H, dtype=dtype, **kw, **ours_kw)
+    ours.load_state_dict(ref.state_dict())
+    return ref, ours
+
+
+def random_state(kind, layer, batch, dtype=torch.float32):
+    D = 2 if layer.bidirectional else 1
+    L = layer.num_layers * D
+    out_size = getattr(layer, "proj_size", 0) or layer.hidden_size
+    shape = (L, batch) if batch else (L,)
+    h = torch.randn(*shape, out_size, dtype=dtype, requires_grad=True)
+    if kind == "gru":
+        return h
+    return h, torch.randn(*shape, layer.hidden_size, dtype=dtype, requires_grad=True)
+
+
+def grads(out, state, inputs, module):
+    """Gradients of a fixed random functional of the outputs w.r.t. inputs and weights."""
+    data = out.data if hasattr(out, "batch_sizes") else out
+    g = torch.Generator().manual_seed(1)
+    loss = (data * torch.randn(data.shape, generator=g, dtype=data.dtype)).sum()
+    for s in state if isinstance(state, tuple) else (state,):
+        loss = loss + (s * torch.randn(s.shape, generator=g, dtype=s.dtype)).sum()
+    targets = [t for t in inputs if t.requires_grad] + list(module.parameters())
+    return torch.autograd.grad(loss, targets)
+
+
+def _configs(kind):
+    return [c for c in CONFIGS if kind == "lstm" or "proj_size" not in c]
+
+
+def _check_against_oracle(kind, ref, ours, x, hx, masks=None):
+    out_ref, state_ref = ref(x, hx)
+    out, state = ours(x, hx, masks=masks) if masks is not None else ours(x, hx)
+    assert_close(out, out_ref)
+    assert_close(state, state_ref)
+    leaves = [x] if isinstance(x, torch.Tensor) else []
+    leaves += list(hx) if isinstance(hx, tuple) else ([hx] if hx is not None else [])
+    assert_close(grads(out, state, leaves, ours), grads(out_ref, state_ref, leaves, ref))
+
+
+@pytest.mark.parametrize("kernel", KERNEL_NAMES)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_zero_dropout_matches_oracle_in_every_configuration(kind, kernel):
+    for config in _configs(kind):
+        ref, ours = make_pair(kind, kernel=kernel, **config)
+        shape = (B, T, I) if config.get("batch_first") else (T, B, I)
+        x = torch.randn(*shape, requires_grad=True)
+        _check_against_oracle(kind, ref, ours, x, None)
+        _check_against_oracle(kind, ref, ours, x, random_state(kind, ours, B))
+
+
+@pytest.mark.parametrize("kernel", KERNEL_NAMES)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_unbatched_packed_and_float64_match_oracle(kind, kernel):
+    for config in _configs(kind):
+        ref, ours = make_pair(kind, kernel=kernel, **config)
+        x = torch.randn(T, I, requires_grad=True)  # unbatched
+        _check_against_oracle(kind, ref, ours, x, None)
+        _check_against_oracle(kind, ref, ours, x, random_state(kind, ours, None))
+
+        lengths = [3, T, 1, 5]  # unsorted
+        packed = pack_sequence([torch.randn(n, I) for n in lengths], enforce_sorted=False)
+        _check_against_oracle(kind, ref, ours, packed, random_state(kind, ours, len(lengths)))
+
+    ref, ours = make_pair(kind, dtype=torch.float64, kernel=kernel, num_layers=2, bidirectional=True)
+    x = torch.randn(T, B, I, dtype=torch.float64, requires_grad=True)
+    _check_against_oracle(kind, ref, ours, x, random_state(kind, ours, B, torch.float64))
+
+
+@pytest.mark.parametrize("kernel", KERNEL_NAMES)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_masks_of_ones_match_oracle(kind, kernel):
+    """All mask sites active (so the loop runs) but every mask is 1."""
+    for scope in ["sequence", "step", "batch"]:
+        for per_gate in [False, True]:
+            ref, ours = make_pair(
+                kind,
+                kernel=kernel,
+                num_layers=2,
+                bidirectional=True,
+                mask_scope=scope,
+                per_gate_masks=per_gate,
+                **ALL_P,
+            )
+            masks = ours.sample_masks(B, T).map(torch.ones_like)
+            x = torch.randn(T, B, I, requires_grad=True)
+            _check_against_oracle(kind, ref, ours, x, random_state(kind, ours, B), masks)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_eval_mode_is_deterministic_and_matches_oracle(kind):
+    for config in _configs(kind):
+        ref, ours = make_pair(kind, **config, **ALL_P)
+        ours.eval()
+        x = torch.randn(*((B, T, I) if config.get("batch_first") else (T, B, I)), requires_grad=True)
+        _check_against_oracle(kind, ref, ours, x, None)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_state_dict_interchanges_both_ways(kind):
+    ref, ours = make_pair(kind, num_layers=2, bidirectional=True, **ALL_P)
+    assert list(ours.state_dict()) == list(ref.state_dict())
+    fresh_ref = type(ref)(I, H, num_layers=2, bidirectional=True)
+    fresh_ref.load_state_dict(ours.state_dict())
+    for (name, a), b in zip(ref.state_dict().items(), fresh_ref.state_dict().values()):
+        assert torch.equal(a, b), name
+    clone = copy.deepcopy(ours)
+    assert clone.dropout_hidden == ours.dropout_hidden
+    assert isinstance(ours, nn.LSTM if kind == "lstm" else nn.GRU)
+
+
+# ----------------------------------------------------------------- masks by hand
+
+
+def _cell_for(kind, layer, suffix="_l0"):
+    cell_cls = VariationalLSTMCell if kind == "lstm" else VariationalGRUCell
+    cell = cell_cls(layer.input_size, layer.hidden_size, bias=layer.bias)
+    for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+        getattr(cell, name).data.copy_(getattr(layer, name + suffix))
+    return cell
+
+
+def _by_hand(kind, cell, x, in_mask, hid_mask, out_mask, step):
+    """One layer, one direction, step by step with the cell: the reference for masks."""
+    h = x.new_zeros(x.shape[1], cell.hidden_size)
+    state = h if kind == "gru" else (h, h.clone())
+    outs = []
+    for t in range(x.shape[0]):
+        mi = in_mask[t] if step else in_mask
+        mh = hid_mask[t] if step else hid_mask
+        state = cell(x[t], state, input_mask=mi, hidden_mask=mh)
+        h_t = state if kind == "gru" else state[0]
+        outs.append(h_t * (out_mask[t] if step else out_mask))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("scope", ["sequence", "step", "batch"])
+@pytest.mark.parametrize("per_gate", [False, True])
+def test_masks_passed_in_are_the_masks_used(kind, scope, per_gate, kernel):
+    _, layer = make_pair(
+        kind,
+        kernel=kernel,
+        mask_scope=scope,
+        per_gate_masks=per_gate,
+        dropout_input=0.5,
+        dropout_hidden=0.5,
+        dropout_output=0.5,
+    )
+    masks = layer.sample_masks(B, T)
+    x = torch.randn(T, B, I)
+    out, _ = layer(x, masks=masks)
+    expected = _by_hand(
+        kind, _cell_for(kind, layer), x, masks.inputs[0], masks.hidden[0], masks.output, scope == "step"
+    )
+    assert_close(out, expected)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_fresh_masks_are_drawn_by_sample_masks_in_training(kind):
+    _, layer = make_pair(kind, num_layers=2, **ALL_P)
+    x = torch.randn(T, B, I)
+    torch.manual_seed(3)
+    auto, _ = layer(x)
+    torch.manual_seed(3)
+    explicit, _ = layer(x, masks=layer.sample_masks(B, T))
+    assert_close(auto, explicit)
+    again, _ = layer(x)
+    assert not torch.allclose(auto, again), "a new forward call must draw new masks"
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_packed_sequences_use_masks_in_input_batch_order(kind):
+    """Each sequence of an unsorted PackedSequence gets the mask of its batch row."""
+    for scope in ["sequence", "step"]:
+        _, layer = make_pair(kind, num_layers=2, bidirectional=True, mask_scope=scope, **ALL_P)
+        lengths = [3, T, 1, 5]
+        seqs = [torch.randn(n, I) for n in lengths]
+        masks = layer.sample_masks(len(lengths), T)
+        out, state = layer(pack_sequence(seqs, enforce_sorted=False), masks=masks)
+        padded, _ = torch.nn.utils.rnn.pad_packed_sequence(out)
+        step = scope == "step"
+        for b, (seq, n) in enumerate(zip(seqs, lengths)):
+
+            def row(m, b=b, n=n, step=step):
+                return m[:n, b : b + 1] if step else m[b : b + 1]
+
+            single = masks.map(row)
+            out_b, state_b = layer(seq.unsqueeze(1), masks=single)
+            assert_close(padded[:n, b], out_b[:, 0])
+            for s, s_b in zip(
+                state if kind == "lstm" else (state,), state_b if kind == "lstm" else (state_b,)
+            ):
+                assert_close(s[:, b], s_b[:, 0])
+
+
+def test_sampled_masks_are_tied_over_time_and_differ_between_sequences():
+    layer = VariationalLSTM(I, H, num_layers=2, **ALL_P)
+    m = layer.sample_masks(64)
+    assert m.scope == "sequence"
+    assert m.inputs[0].shape == (64, I) and m.hidden[0].shape == (64, H)  # no time dimension
+    assert not torch.equal(m.hidden[0][0], m.hidden[0][1])
+    assert not torch.equal(layer.sample_masks(64).hidden[0], m.hidden[0])
+
+    step = VariationalLSTM(I, H, dropout_hidden=0.5, mask_scope="step").sample_masks(8, T)
+    assert step.hidden[0].shape == (T, 8, H)
+    assert not torch.equal(step.hidden[0][0], step.hidden[0][1])
+
+    batch = VariationalLSTM(I, H, dropout_hidden=0.5, dropout_input=0.5, mask_scope="batch")
+    bm = batch.sample_masks(8)
+    assert bm.hidden[0].shape == (1, H) and bm.inputs[0].shape == (8, I)
+
+
+def test_identical_sequences_get_different_masks_in_one_batch():
+    layer = VariationalLSTM(I, H, dropout_hidden=0.5, dropout_input=0.5)
+    x = torch.randn(T, 1, I).expand(T, 8, I)
+    out, _ = layer(x)
+    assert not torch.allclose(out[:, 0], out[:, 1])
+
+
+@pytest.mark.parametrize("p", [0.2, 0.5, 0.8])
+def test_sampled_masks_preserve_the_expected_value(p):
+    layer = VariationalLSTM(I, 500, dropout_hidden=p)
+    m = layer.sample_masks(400).hidden[0]
+    values = torch.unique(m)
+    assert len(values) == 2 and values[0] == 0
+    assert values[1].item() == pytest.approx(1 / (1 - p))
+    assert m.mean().item() == pytest.approx(1.0, abs=0.02)
+    assert (m == 0).float().mean().item() == pytest.approx(p, abs=0.01)
+
+
+def test_gaussian_noise_masks_have_mean_one_and_the_dropout_variance():
+    p = 0.5
+    m = VariationalLSTM(I, 500, dropout_hidden=p, noise="gaussian").sample_masks(400).hidden[0]
+    assert m.mean().item() == pytest.approx(1.0, abs=0.01)
+    assert m.var().item() == pytest.approx(p / (1 - p), rel=0.02)
+
+
+def test_masks_carry_state_across_truncated_bptt_segments():
+    """The same masks over two half-sequences equal one call over the whole sequence."""
+    layer = VariationalLSTM(I, H, num_layers=2, **ALL_P)
+    masks = layer.sample_masks(B)
+    x = torch.randn(T, B, I)
+    whole, state_whole = layer(x, masks=masks)
+    first, state = layer(x[:3], masks=masks)
+    second, state = layer(x[3:], state, masks=masks)
+    assert_close(torch.cat([first, second]), whole)
+    assert_close(state, state_whole)
+
+
+def test_a_model_with_tied_dropout_trains():
+    """Remember the previous step's first feature, through tied dropout everywhere."""
+    lstm = VariationalLSTM(
+        I,
+        16,
+        num_layers=2,
+        batch_first=True,
+        dropout=0.2,
+        dropout_input=0.1,
+        dropout_hidden=0.2,
+        dropout_output=0.1,
+    )
+    head = nn.Linear(16, 1)
+    opt = torch.optim.Adam([*lstm.parameters(), *head.parameters()], lr=0.02)
+    x = torch.randn(32, T, I)
+    y = torch.cat([torch.zeros(32, 1, 1), x[:, :-1, :1]], dim=1)
+
+    def eval_loss():
+        lstm.eval()
+        with torch.no_grad():
+            loss = nn.functional.mse_loss(head(lstm(x)[0]), y).item()
+        lstm.train()
+        return loss
+
+    before = eval_loss()
+    for _ in range(80):
+        loss = nn.functional.mse_loss(head(lstm(x)[0]), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert eval_loss() < 0.3 * before
+
+
+# ------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("name", ["dropout", "dropout_input", "dropout_hidden", "dropout_output"])
+@pytest.mark.parametrize("p", [-0.1, 1.0, 1.5])
+def test_probability_outside_range_is_rejected_by_name(name, p):
+    with pytest.raises(ValueError, match=rf"{name} must be a probability in \[0, 1\), got {p}"):
+        VariationalLSTM(I, H, **{name: p})
+
+
+def test_bad_options_are_rejected_by_name():
+    with pytest.raises(ValueError, match="mask_scope must be one of .*got 'time'"):
+        VariationalLSTM(I, H, mask_scope="time")
+    with pytest.raises(ValueError, match="kernel must be .*got 'fastest'"):
+        VariationalGRU(I, H, kernel="fastest")
+    with pytest.raises(TypeError, match="dropout_hidden must be a float"):
+        VariationalGRU(I, H, dropout_hidden="0.5")
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_bad_inputs_name_what_was_expected_and_what_came(kind):
+    _, layer = make_pair(kind, num_layers=2, **ALL_P)
+    with pytest.raises(ValueError, match=r"input.size\(-1\) must be equal to input_size=5, got 3"):
+        layer(torch.randn(T, B, 3))
+    with pytest.raises(ValueError, match="input must be 3-D .* got 4-D"):
+        layer(torch.randn(T, B, I, 1))
+    with pytest.raises(TypeError, match="input dtype torch.float64 does not match"):
+        layer(torch.randn(T, B, I, dtype=torch.float64))
+    bad_hx = torch.randn(2, B + 1, H)
+    hx = bad_hx if kind == "gru" else (bad_hx, torch.randn(2, B, H))
+    name = "hx" if kind == "gru" else r"hx\[0\]"
+    with pytest.raises(ValueError, match=rf"{name} must have shape \[2, 4, 6\], got \[2, 5, 6\]"):
+        layer(torch.randn(T, B, I), hx)
+
+
+def test_bad_masks_name_the_mask_and_the_shapes():
+    layer = VariationalLSTM(I, H, num_layers=2, **ALL_P)
+    x = torch.randn(T, B, I)
+    good = layer.sample_masks(B)
+    wrong_batch = layer.sample_masks(B + 1)
+    with pytest.raises(ValueError, match=r"masks.inputs\[0\] must have shape \[4, 5\] .*got \[5, 5\]"):
+        layer(x, masks=wrong_batch)
+    bad_dtype = good.map(lambda m: m.double())
+    with pytest.raises(TypeError, match=r"masks.inputs\[0\] must have the input's dtype torch.float32"):
+        layer(x, masks=bad_dtype)
+    bad_device = good.map(lambda m: m.to("meta"))
+    with pytest.raises(ValueError, match=r"masks.inputs\[0\] must be on the input's device cpu"):
+        layer(x, masks=bad_device)
+    short = RecurrentMasks(inputs=good.inputs[:1], hidden=good.hidden, output=good.output)
+    with pytest.raises(ValueError, match=r"masks.inputs must hold 2 masks, got 1"):
+        layer(x, masks=short)
+    with pytest.raises(TypeError, match="masks must be a RecurrentMasks"):
+        layer(x, masks=[torch.ones(B, I)])
+    step = VariationalLSTM(I, H, dropout_hidden=0.5, mask_scope="step")
+    with pytest.raises(ValueError, match="seq_len is required"):
+        step.sample_masks(B)
