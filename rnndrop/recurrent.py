@@ -23,6 +23,8 @@ all steps hoisted out of the loop.
 
 from __future__ import annotations
 
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +45,25 @@ from rnndrop.masks import (
 from rnndrop.stochastic import Stochastic
 
 __all__ = ["VariationalGRU", "VariationalLSTM"]
+
+
+_COMPACTION_WARNING = "RNN module weights are not part of single contiguous chunk of memory"
+
+
+@contextmanager
+def quiet_weight_compaction(device: torch.device):
+    """Silence cuDNN's warning about weights outside the module's flat buffer.
+
+    A weight computed in forward (a masked ``W_hh``) can never live in that buffer,
+    so cuDNN copies it at every call by design; the warning would only tell the user
+    to call ``flatten_parameters()``, which cannot help. Other warnings pass.
+    """
+    if device.type != "cuda":
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_COMPACTION_WARNING)
+        yield
 
 
 @dataclass
@@ -114,6 +135,38 @@ class _VariationalRNNMixin(Stochastic):
         if kernel != "auto":
             get_kernel(kernel)
         self.kernel = kernel
+
+    @classmethod
+    def from_module(cls, module: nn.RNNBase, **dropout_kwargs):
+        """A layer of this class with ``module``'s configuration, device, dtype and weights.
+
+        ``module`` is an ``nn.LSTM`` (for VariationalLSTM) or ``nn.GRU`` (for VariationalGRU);
+        ``dropout_kwargs`` are this class's keyword arguments (``dropout_hidden=0.3``, ...).
+        ``dropout`` defaults to ``module.dropout``. Example::
+
+            model.rnn = VariationalLSTM.from_module(model.rnn, dropout_hidden=0.3)
+        """
+        parent = nn.LSTM if cls._gates == LSTM_GATES else nn.GRU
+        if not isinstance(module, parent):
+            raise TypeError(
+                f"{cls.__name__}.from_module: module must be an {parent.__name__}, "
+                f"got {type(module).__name__}"
+            )
+        config = dict(
+            num_layers=module.num_layers,
+            bias=module.bias,
+            batch_first=module.batch_first,
+            bidirectional=module.bidirectional,
+            device=module.weight_ih_l0.device,
+            dtype=module.weight_ih_l0.dtype,
+        )
+        if parent is nn.LSTM:
+            config["proj_size"] = module.proj_size
+        dropout_kwargs.setdefault("dropout", module.dropout)
+        layer = cls(module.input_size, module.hidden_size, **config, **dropout_kwargs)
+        layer.load_state_dict(module.state_dict())
+        layer.train(module.training)
+        return layer
 
     # ------------------------------------------------------------------ masks
 
@@ -396,7 +449,8 @@ class _VariationalRNNMixin(Stochastic):
                     if hidden[d] is not None:  # one mask for the batch: fold it into W_hh's columns
                         w["weight_hh"] = w["weight_hh"] * hidden[d]
                     weights.extend(w.values())
-                x, new_states = self._fused(x, layout, layer_states, weights, 1)
+                with quiet_weight_compaction(x.device):
+                    x, new_states = self._fused(x, layout, layer_states, weights, 1)
             else:
                 outs, per_dir = [], []
                 for d in range(D):

@@ -143,6 +143,21 @@ def test_state_dict_interchanges_both_ways(kind):
     assert isinstance(ours, nn.LSTM if kind == "lstm" else nn.GRU)
 
 
+def test_from_module_swaps_an_existing_layer_in_a_model():
+    model = nn.Sequential()
+    model.rnn = nn.LSTM(I, H, num_layers=2, batch_first=True, dropout=0.25, proj_size=3)
+    x = torch.randn(B, T, I)
+    before, _ = model.rnn.eval()(x)
+    model.rnn = VariationalLSTM.from_module(model.rnn, dropout_hidden=0.3)
+    assert model.rnn.dropout == 0.25 and model.rnn.dropout_hidden == 0.3 and model.rnn.proj_size == 3
+    assert not model.rnn.training
+    assert_close(model.rnn(x)[0], before)
+    gru = VariationalGRU.from_module(nn.GRU(I, H, dtype=torch.float64), dropout_input=0.1)
+    assert gru.weight_hh_l0.dtype == torch.float64
+    with pytest.raises(TypeError, match="module must be an LSTM, got GRU"):
+        VariationalLSTM.from_module(nn.GRU(I, H))
+
+
 # ----------------------------------------------------------------- masks by hand
 
 
