@@ -74,10 +74,19 @@ def bernoulli_mask(
     dtype: torch.dtype | None = None,
     generator: torch.Generator | None = None,
 ) -> Tensor:
-    """A tensor of ``shape`` holding 0 with probability ``p`` and ``1 / (1 - p)`` otherwise."""
+    """A tensor of ``shape`` holding 0 with probability ``p`` and ``1 / (1 - p)`` otherwise.
+
+    ``p`` is resolved to a multiple of 2**-16: each element compares 16 random bits
+    with a threshold. Cutting 64-bit random integers into four 16-bit draws costs
+    about half of ``torch.rand(shape) >= p`` (and a fifth of ``bernoulli_``) on CPU,
+    which matters for weight-sized masks (DropConnect on ``W_hh``).
+    """
     dtype = dtype or torch.get_default_dtype()
-    # rand >= p is 2-3x faster than bernoulli_ on CPU (shared/notes/cpu-performance.md).
-    keep = torch.rand(tuple(shape), device=device, dtype=dtype, generator=generator) >= p
+    numel = math.prod(shape)
+    words = torch.empty((numel + 3) // 4, dtype=torch.int64, device=device)
+    words.random_(-(2**63), None, generator=generator)  # all 64 bits random
+    bits = words.view(torch.int16)[:numel].view(tuple(shape))
+    keep = bits >= round(p * 65536) - 32768
     return keep.to(dtype).mul_(1.0 / (1.0 - p))
 
 

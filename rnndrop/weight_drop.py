@@ -1,0 +1,150 @@
+"""DropConnect on the weights of a wrapped module, usually the hidden-to-hidden weights of an RNN.
+
+Wan et al. (2013) drop single weights; Merity et al. (2017, AWD-LSTM) drop the
+entries of ``W_hh`` of an LSTM, drawing one weight mask per forward call, so the
+same connections are dropped at every time step and the fused cuDNN / oneDNN
+kernel still runs. With ``variational=True`` whole columns of the weight are
+dropped: for ``W_hh`` that is a unit of ``h_{t-1}`` dropped for every gate, every
+step and every sequence of the batch, i.e. Gal & Ghahramani's recurrent dropout
+with one mask per batch (what ``VariationalLSTM(mask_scope="batch")`` does).
+
+The parameters are never replaced: each forward call computes the dropped
+weights from the module's own parameters and runs the module with them
+(:func:`torch.func.functional_call`), so the raw weight is what learns, the state
+dict is the module's, and ``.to()``, ``deepcopy`` and ``torch.compile`` need no
+care.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from rnndrop.masks import bernoulli_mask, check_probability
+from rnndrop.recurrent import _VariationalRNNMixin, quiet_weight_compaction
+from rnndrop.stochastic import Stochastic
+
+__all__ = ["WeightDrop"]
+
+
+class WeightDrop(Stochastic, nn.Module):
+    """Wrap ``module`` so that the named weights are dropped (DropConnect) in training.
+
+    Args:
+        module: the module to wrap, e.g. ``nn.LSTM``, ``nn.GRU``, ``VariationalLSTM``
+            or any module with the named parameters; it is ``self.module``.
+        weights: names of parameters of ``module`` to drop (``"weight_hh_l0"``,
+            ``"weight_hh_l1"``, ...; dotted names reach into submodules). A single
+            name may be given as a string.
+        p: probability of dropping an entry (a column with ``variational``), in [0, 1).
+            Kept entries are scaled by ``1 / (1 - p)``.
+        variational: drop whole columns of each (2-D) weight, the same for every row:
+            a mask ``[1, in_features]`` instead of one of the weight's shape.
+
+    ``forward(*args, **kwargs)`` is the wrapped module's forward. One mask per
+    weight is drawn per call, shared by all time steps and all sequences. In eval
+    mode (or with ``p = 0``) it is exactly ``module(*args, **kwargs)``.
+
+    State dict: the module's under the prefix ``module.`` (``module.weight_hh_l0``).
+    :meth:`load_state_dict` also takes the module's own keys, so a plain
+    ``nn.LSTM`` checkpoint loads as is: ``WeightDrop(lstm, ...).load_state_dict(
+    nn.LSTM(...).state_dict())``; ``wd.module.state_dict()`` gives one back.
+
+    Example::
+
+        lstm = WeightDrop(nn.LSTM(400, 1150), ["weight_hh_l0"], p=0.5)
+        out, (h, c) = lstm(x)
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        weights: Iterable[str] | str = ("weight_hh_l0",),
+        p: float = 0.5,
+        *,
+        variational: bool = False,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+        self.module = module
+        self.p = check_probability("p", p)
+        self.variational = bool(variational)
+        names = (weights,) if isinstance(weights, str) else tuple(weights)
+        if not names:
+            raise ValueError("weights must name at least one parameter of the module, got none")
+        available = [name for name, _ in module.named_parameters()]
+        for name in names:
+            if not isinstance(name, str) or name not in available:
+                raise ValueError(
+                    f"weights: {type(module).__name__} has no parameter {name!r}; "
+                    f"its parameters are {', '.join(available) or 'none'}"
+                )
+            if self.variational and module.get_parameter(name).dim() != 2:
+                shape = list(module.get_parameter(name).shape)
+                raise ValueError(
+                    f"weights: variational=True drops columns of 2-D weights, "
+                    f"but {name!r} has shape {shape}"
+                )
+        if len(set(names)) != len(names):
+            raise ValueError(f"weights must not repeat a name, got {list(names)}")
+        self.weights = names
+
+    def is_stochastic(self) -> bool:
+        return self.p > 0
+
+    def sample_masks(self, generator: torch.Generator | None = None) -> dict[str, Tensor]:
+        """One mask per dropped weight: the weight's shape, or ``[1, in_features]``
+        with ``variational``; values 0 or ``1 / (1 - p)``, the weight's device and dtype."""
+        masks = {}
+        for name in self.weights:
+            weight = self.module.get_parameter(name)
+            shape = (1, weight.shape[1]) if self.variational else weight.shape
+            masks[name] = bernoulli_mask(
+                shape, self.p, device=weight.device, dtype=weight.dtype, generator=generator
+            )
+        return masks
+
+    def forward_with_masks(self, masks: Mapping[str, Tensor], *args: Any, **kwargs: Any) -> Any:
+        """The wrapped module's forward with ``weight * masks[name]`` for each named weight.
+
+        Use it to apply the same masks over several calls (truncated BPTT,
+        Monte-Carlo evaluation); it applies them in eval mode too.
+        """
+        unknown = set(masks) - set(self.weights)
+        if unknown:
+            raise ValueError(
+                f"masks: {sorted(unknown)} are not among the dropped weights {list(self.weights)}"
+            )
+        dropped = {name: self.module.get_parameter(name) * m for name, m in masks.items()}
+        if not dropped:
+            return self.module(*args, **kwargs)
+        if isinstance(self.module, _VariationalRNNMixin):
+            # nn.LSTM re-flattens swapped-in weights for cuDNN itself; our layers pass them as
+            # they are, and cuDNN's note that it copies them cannot be acted on.
+            device = next(iter(dropped.values())).device
+            with quiet_weight_compaction(device):
+                return functional_call(self.module, dropped, args, kwargs)
+        return functional_call(self.module, dropped, args, kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not (self.training and self.p > 0):
+            return self.module(*args, **kwargs)
+        return self.forward_with_masks(self.sample_masks(), *args, **kwargs)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        # Keys of the bare module (an nn.LSTM checkpoint) are read as ``module.<key>``.
+        own = prefix + "module."
+        for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(own)]:
+            state_dict[own + key[len(prefix) :]] = state_dict.pop(key)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        s = f"weights={list(self.weights)}, p={self.p}"
+        if self.variational:
+            s += ", variational=True"
+        return s

@@ -1,0 +1,208 @@
+"""WeightDrop: DropConnect on the weights of nn.LSTM / nn.GRU / VariationalLSTM / any module."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils.rnn import pack_sequence
+
+from rnndrop import VariationalLSTM, VariationalLSTMCell, WeightDrop
+from rnndrop.stochastic import Stochastic
+from tests.helpers import assert_close
+
+I, H, T, B = 4, 6, 5, 3
+
+
+def _lstm(**kw):
+    return nn.LSTM(I, H, **kw)
+
+
+def _with_weight(module, name, weight):
+    """A copy of module whose parameter ``name`` holds ``weight``."""
+    clone = copy.deepcopy(module)
+    with torch.no_grad():
+        clone.get_parameter(name).copy_(weight)
+    return clone
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
+def test_first_step_is_untouched_and_later_steps_change(cls):
+    """h_0 = 0, so W_hh cannot matter at the first step (awd-lstm-lm's own check)."""
+    wd = WeightDrop(cls(I, H), ["weight_hh_l0"], p=0.9)
+    x = torch.randn(T, B, I)
+    plain, _ = wd.module(x)
+    a, _ = wd(x)
+    b, _ = wd(x)
+    assert torch.equal(a[0], plain[0]) and torch.equal(b[0], plain[0])
+    assert not torch.allclose(a[1:], plain[1:])
+    assert not torch.allclose(a[1:], b[1:])  # a fresh mask per call
+
+
+def test_dropconnect_equals_the_module_with_the_masked_weight():
+    wd = WeightDrop(_lstm(num_layers=2), ["weight_hh_l0", "weight_hh_l1"], p=0.5)
+    masks = wd.sample_masks()
+    assert set(masks) == {"weight_hh_l0", "weight_hh_l1"}
+    assert masks["weight_hh_l0"].shape == (4 * H, H)
+    assert set(masks["weight_hh_l0"].unique().tolist()) == {0.0, 2.0}
+    ref = wd.module
+    for name, m in masks.items():
+        ref = _with_weight(ref, name, wd.module.get_parameter(name) * m)
+    x = torch.randn(T, B, I)
+    assert_close(wd.forward_with_masks(masks, x), ref(x), atol=0, rtol=0)
+
+
+def test_gradient_reaches_the_raw_weight_through_the_mask():
+    wd = WeightDrop(_lstm(), "weight_hh_l0", p=0.5)
+    masks = wd.sample_masks()
+    out, (_, c) = wd.forward_with_masks(masks, torch.randn(T, B, I))
+    (out.sum() + c.sum()).backward()
+    grad = wd.module.weight_hh_l0.grad
+    dropped = masks["weight_hh_l0"] == 0
+    assert torch.all(grad[dropped] == 0)
+    assert grad[~dropped].abs().min() > 0
+    assert [n for n, _ in wd.named_parameters()] == [f"module.{n}" for n, _ in _lstm().named_parameters()]
+
+
+def test_eval_mode_and_p_zero_equal_the_module():
+    lstm = _lstm(num_layers=2)
+    ref = copy.deepcopy(lstm)
+    x = torch.randn(T, B, I)
+    wd = WeightDrop(lstm, ["weight_hh_l0", "weight_hh_l1"], p=0.5).eval()
+    assert_close(wd(x), ref(x), atol=0, rtol=0)
+    off = WeightDrop(copy.deepcopy(ref), "weight_hh_l0", p=0.0)
+    assert_close(off(x), ref(x), atol=0, rtol=0)
+    assert isinstance(wd, Stochastic) and wd.is_stochastic() and not off.is_stochastic()
+
+
+def test_variational_mode_is_a_per_batch_recurrent_mask():
+    """Dropping columns of W_hh = one mask on h_{t-1} for the whole batch (cells by hand)."""
+    lstm = _lstm(dtype=torch.float64)
+    wd = WeightDrop(lstm, "weight_hh_l0", p=0.5, variational=True)
+    masks = wd.sample_masks()
+    mask = masks["weight_hh_l0"]
+    assert mask.shape == (1, H)
+    x = torch.randn(T, B, I, dtype=torch.float64)
+    out, (h_n, c_n) = wd.forward_with_masks(masks, x)
+
+    cell = VariationalLSTMCell(I, H, dtype=torch.float64)
+    cell.load_state_dict({k[:-3]: v for k, v in lstm.state_dict().items()})  # weight_ih_l0 -> weight_ih
+    state = None
+    steps = []
+    for t in range(T):
+        state = cell(x[t], state, hidden_mask=mask.expand(B, H))
+        steps.append(state[0])
+    assert_close(out, torch.stack(steps), atol=1e-12, rtol=1e-12)
+    assert_close((h_n[0], c_n[0]), state, atol=1e-12, rtol=1e-12)
+
+
+def test_wraps_variational_lstm_together_with_its_own_masks():
+    layer = VariationalLSTM(I, H, num_layers=2, dropout=0.3, dropout_input=0.3, dropout_output=0.3)
+    wd = WeightDrop(layer, ["weight_hh_l0", "weight_hh_l1"], p=0.5)
+    masks = wd.sample_masks()
+    layer_masks = layer.sample_masks(B)
+    ref = layer
+    for name, m in masks.items():
+        ref = _with_weight(ref, name, layer.get_parameter(name) * m)
+    x = torch.randn(T, B, I)
+    assert_close(wd.forward_with_masks(masks, x, None, layer_masks), ref(x, masks=layer_masks))
+    out, _ = wd(x)  # training: both kinds of masks drawn
+    assert out.shape == (T, B, H)
+
+
+def test_packed_input_and_hx_pass_through():
+    wd = WeightDrop(nn.GRU(I, H, batch_first=True), "weight_hh_l0", p=0.5)
+    masks = wd.sample_masks()
+    ref = _with_weight(wd.module, "weight_hh_l0", wd.module.weight_hh_l0 * masks["weight_hh_l0"])
+    packed = pack_sequence([torch.randn(n, I) for n in (2, 5, 3)], enforce_sorted=False)
+    h0 = torch.randn(1, 3, H)
+    assert_close(wd.forward_with_masks(masks, packed, h0), ref(packed, h0), atol=0, rtol=0)
+
+
+def test_any_module_with_a_weight_linear_dropconnect():
+    lin = nn.Linear(5, 3)
+    wd = WeightDrop(lin, "weight", p=0.5, variational=True)
+    masks = wd.sample_masks()
+    x = torch.randn(7, 5)
+    # Dropping columns of W is input dropout with one mask for the batch.
+    assert_close(wd.forward_with_masks(masks, x), lin(x * masks["weight"]))
+
+
+def test_deepcopy_to_float64_and_no_warnings():
+    wd = WeightDrop(_lstm(num_layers=2), ["weight_hh_l0", "weight_hh_l1"], p=0.5)
+    twin = copy.deepcopy(wd)
+    assert twin.module.weight_hh_l0 is not wd.module.weight_hh_l0
+    x = torch.randn(T, B, I)
+    wd.eval(), twin.eval()
+    assert_close(twin(x), wd(x), atol=0, rtol=0)
+    twin.train().to(torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, _ = twin(x.double())
+        out.sum().backward()
+        twin.eval()(x.double())
+    assert out.dtype == torch.float64
+    assert twin.module.weight_hh_l1.grad.dtype == torch.float64
+    assert wd.module.weight_hh_l1.grad is None
+
+
+def test_state_dict_round_trips_and_loads_plain_lstm_checkpoints():
+    wd = WeightDrop(_lstm(num_layers=2), ["weight_hh_l0"], p=0.5)
+    plain = _lstm(num_layers=2)
+    assert list(wd.state_dict()) == [f"module.{k}" for k in plain.state_dict()]
+
+    wd.load_state_dict(plain.state_dict())  # bare nn.LSTM keys
+    for k, v in plain.state_dict().items():
+        assert torch.equal(wd.module.state_dict()[k], v)
+    other = WeightDrop(_lstm(num_layers=2), ["weight_hh_l0"], p=0.5)
+    other.load_state_dict(wd.state_dict())  # own keys
+    fresh = _lstm(num_layers=2)
+    fresh.load_state_dict(other.module.state_dict())  # and back to nn.LSTM
+    x = torch.randn(T, B, I)
+    assert_close(other.eval()(x), plain(x), atol=0, rtol=0)
+    assert_close(fresh(x), plain(x), atol=0, rtol=0)
+
+    # Nested in a model: keys under the model's prefix, both spellings.
+    model = nn.Sequential(WeightDrop(_lstm(), "weight_hh_l0"))
+    model.load_state_dict({f"0.{k}": v for k, v in _lstm().state_dict().items()})
+    with pytest.raises(RuntimeError, match="Missing key"):
+        WeightDrop(_lstm(num_layers=2)).load_state_dict(_lstm().state_dict())
+
+
+def test_works_under_torch_compile():
+    torch._dynamo.reset()
+    wd = WeightDrop(nn.LSTM(2, 3), "weight_hh_l0", p=0.9)
+    compiled = torch.compile(wd)
+    x = torch.randn(4, 2, 2)
+    plain, _ = wd.module(x)
+    out, _ = compiled(x)
+    assert torch.allclose(out[0], plain[0], atol=1e-6)
+    assert not torch.allclose(out[1:], plain[1:], atol=1e-3)
+    out.sum().backward()
+    assert wd.module.weight_hh_l0.grad is not None and wd.module.weight_hh_l0.grad.abs().sum() > 0
+    wd.eval()
+    assert_close(compiled(x), wd.module(x))
+
+
+def test_clear_errors():
+    no_such = r"LSTM has no parameter 'weight_hh'; its parameters are weight_ih_l0, "
+    with pytest.raises(ValueError, match=no_such):
+        WeightDrop(_lstm(), "weight_hh")
+    with pytest.raises(ValueError, match=r"no parameter 'weight_hh_l1'.*weight_hh_l0"):
+        WeightDrop(_lstm(), ["weight_hh_l1"])
+    with pytest.raises(ValueError, match="p must be a probability in"):
+        WeightDrop(_lstm(), p=1.0)
+    with pytest.raises(TypeError, match="p must be a float"):
+        WeightDrop(_lstm(), p="0.5")
+    with pytest.raises(ValueError, match=r"'bias_hh_l0' has shape \[24\]"):
+        WeightDrop(_lstm(), "bias_hh_l0", variational=True)
+    with pytest.raises(ValueError, match="at least one parameter"):
+        WeightDrop(_lstm(), [])
+    with pytest.raises(ValueError, match="must not repeat"):
+        WeightDrop(_lstm(), ["weight_hh_l0", "weight_hh_l0"])
+    with pytest.raises(TypeError, match="module must be an nn.Module"):
+        WeightDrop(torch.randn(3), "weight")
+    wd = WeightDrop(_lstm(), "weight_hh_l0")
+    with pytest.raises(ValueError, match=r"\['weight_ih_l0'\] are not among the dropped weights"):
+        wd.forward_with_masks({"weight_ih_l0": torch.ones(4 * H, I)}, torch.randn(T, B, I))
