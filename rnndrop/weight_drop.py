@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from rnndrop.masks import bernoulli_mask, check_probability
-from rnndrop.recurrent import _VariationalRNNMixin, quiet_weight_compaction
+from rnndrop.recurrent import quiet_weight_compaction
 from rnndrop.stochastic import Stochastic
 
 __all__ = ["WeightDrop"]
@@ -123,13 +123,10 @@ class WeightDrop(Stochastic, nn.Module):
         dropped = {name: self.module.get_parameter(name) * m for name, m in masks.items()}
         if not dropped:
             return self.module(*args, **kwargs)
-        if isinstance(self.module, _VariationalRNNMixin):
-            # nn.LSTM re-flattens swapped-in weights for cuDNN itself; our layers pass them as
-            # they are, and cuDNN's note that it copies them cannot be acted on.
-            device = next(iter(dropped.values())).device
-            with quiet_weight_compaction(device):
-                return functional_call(self.module, dropped, args, kwargs)
-        return functional_call(self.module, dropped, args, kwargs)
+        # A dropped weight can never live in cuDNN's flat weight buffer, so cuDNN copies it
+        # at every call by design; its warning asks for flatten_parameters(), which cannot help.
+        with quiet_weight_compaction(next(iter(dropped.values())).device):
+            return functional_call(self.module, dropped, args, kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.training and self.p > 0):
