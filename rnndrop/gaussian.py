@@ -1,0 +1,373 @@
+"""Gaussian dropout with a learned variance, tied over time (Kingma, Salimans & Welling 2015).
+
+Multiplicative noise ``N(1, alpha)`` drawn once per sequence, like Gal's masks, whose
+``alpha`` is a parameter stored as ``log_alpha`` and learned with the data term
+plus the KL term of :mod:`rnndrop.kl` (see :func:`rnndrop.kl.negative_elbo`).
+With ``alpha`` fixed, ``VariationalLSTM(..., noise="gaussian")`` is the same noise.
+
+:class:`GaussianLSTM` / :class:`GaussianGRU` subclass :class:`~rnndrop.VariationalLSTM` /
+:class:`~rnndrop.VariationalGRU` and only change how masks are sampled: every site
+whose dropout probability ``p`` is positive (``dropout_input``, ``dropout`` between
+layers, ``dropout_hidden``, ``dropout_output``) gets a ``log_alpha`` parameter
+initialised to ``log(p / (1 - p))``, the Gaussian dropout of the same variance.
+
+``granularity``:
+
+``"layer"``   one ``alpha`` per site (shape ``[1]``);
+``"unit"``    one per unit of the site (``[size]``);
+``"weight"``  one per unit and gate (``[gates, size]``, with per-gate masks), i.e. one per
+              column block of ``W_ih`` / ``W_hh`` that the unit feeds; the output site has
+              no gates and falls back to ``"unit"``.
+
+KL term (:meth:`kl`): noise ``ξ_i`` on a unit that feeds weights ``w_ji`` is read as the
+weight posterior ``w_ji ~ N(θ_ji, α_i θ_ji²)``, so each ``alpha`` counts once per weight
+it scales: ``gates * hidden_size`` weights per input unit (twice for a bidirectional
+layer's shared input mask), ``gates * hidden_size`` per recurrent unit. The output site
+feeds a layer outside this module and counts once per unit; so does
+:class:`GaussianLockedDropout`.
+
+State dicts: the base weights keep ``nn.LSTM``'s names, the ``log_alpha_*`` entries
+are extra. Load an ``nn.LSTM`` state dict with ``load_state_dict(sd, strict=False)``
+(``log_alpha`` keeps its value) and give ``nn.LSTM`` :func:`rnn_state_dict`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
+
+from rnndrop.kl import KL_APPROXIMATIONS, KLRegularized
+from rnndrop.locked_dropout import packed_sequence_index
+from rnndrop.masks import RecurrentMasks, check_choice, check_probability, gaussian_mask
+from rnndrop.recurrent import VariationalGRU, VariationalLSTM
+from rnndrop.stochastic import Stochastic
+
+__all__ = ["GRANULARITIES", "GaussianGRU", "GaussianLSTM", "GaussianLockedDropout", "rnn_state_dict"]
+
+GRANULARITIES: tuple[str, ...] = ("layer", "unit", "weight")
+
+
+def rnn_state_dict(layer: nn.RNNBase) -> dict[str, Tensor]:
+    """The entries of ``layer.state_dict()`` that a plain ``nn.LSTM`` / ``nn.GRU`` has."""
+    names = set(layer._flat_weights_names)
+    return {k: v for k, v in layer.state_dict().items() if k in names}
+
+
+def _check_max_alpha(max_alpha: float | None, kl_approximation: str) -> float | None:
+    check_choice("kl_approximation", kl_approximation, tuple(KL_APPROXIMATIONS))
+    if max_alpha is not None:
+        if isinstance(max_alpha, bool) or not isinstance(max_alpha, (int, float)) or max_alpha <= 0:
+            raise ValueError(f"max_alpha must be a positive float or None, got {max_alpha!r}")
+        max_alpha = float(max_alpha)
+    if kl_approximation == "kingma" and (max_alpha is None or max_alpha > 1):
+        raise ValueError(
+            "kl_approximation='kingma' is fitted for alpha <= 1 only: it needs max_alpha <= 1, "
+            f"got max_alpha={max_alpha!r}"
+        )
+    return max_alpha
+
+
+def _alpha_shape(granularity: str, size: int, gates: int | None) -> tuple[int, ...]:
+    if granularity == "layer":
+        return (1,)
+    if granularity == "weight" and gates:
+        return (gates, size)
+    return (size,)
+
+
+class _LearnedAlphaMixin(KLRegularized):
+    """Learned ``log_alpha`` per mask site; placed before VariationalLSTM / VariationalGRU."""
+
+    def _init_learned_alpha(
+        self, granularity: str, max_alpha: float | None, kl_approximation: str
+    ) -> None:
+        self.granularity = check_choice("granularity", granularity, GRANULARITIES)
+        self.max_alpha = _check_max_alpha(max_alpha, kl_approximation)
+        self.kl_approximation = kl_approximation
+        if granularity == "weight":
+            self.per_gate_masks = True
+        D, H, gates = self._num_directions, self.hidden_size, self._gates
+        width = D * self._out_size
+        # site name -> (initial log alpha, shape, weights counted per element in kl())
+        self._alpha_sites: dict[str, tuple[float, tuple[int, ...], float]] = {}
+
+        def add(name: str, p: float, size: int, site_gates: int | None, fan_out: int) -> None:
+            if p == 0:
+                return
+            shape = _alpha_shape(granularity, size, site_gates)
+            count = size * fan_out / math.prod(shape)
+            self._alpha_sites[name] = (math.log(p / (1.0 - p)), shape, count)
+
+        for layer in range(self.num_layers):
+            p = self.dropout_input if layer == 0 else self.dropout
+            size = self.input_size if layer == 0 else width
+            add(f"log_alpha_input_l{layer}", p, size, gates, D * gates * H)
+            for d in range(D):
+                suffix = f"_l{layer}" + ("_reverse" if d else "")
+                add("log_alpha_hidden" + suffix, self.dropout_hidden, self._out_size, gates, gates * H)
+        add("log_alpha_output", self.dropout_output, width, None, 1)
+        weight = self.weight_ih_l0
+        for name, (init, shape, _) in self._alpha_sites.items():
+            param = torch.full(shape, init, device=weight.device, dtype=weight.dtype)
+            self.register_parameter(name, nn.Parameter(param))
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()  # nn.RNNBase draws every parameter uniformly...
+        with torch.no_grad():  # ...so put log_alpha back to its initial value
+            for name, (init, _, _) in getattr(self, "_alpha_sites", {}).items():
+                getattr(self, name).fill_(init)
+
+    def _log_alpha(self, name: str) -> Tensor | None:
+        """The site's ``log_alpha``, clipped at ``log(max_alpha)``; None for a site without noise."""
+        if name not in self._alpha_sites:
+            return None
+        log_alpha = getattr(self, name)
+        if self.max_alpha is not None:
+            log_alpha = log_alpha.clamp(max=math.log(self.max_alpha))
+        return log_alpha
+
+    def alphas(self) -> dict[str, Tensor]:
+        """``alpha`` (after clipping) of every site with noise, by parameter name, detached."""
+        return {name: self._log_alpha(name).detach().exp() for name in self._alpha_sites}
+
+    def kl(self) -> Tensor:
+        """KL term of all sites (scalar); see the module docstring for what is counted."""
+        approx = KL_APPROXIMATIONS[self.kl_approximation]
+        terms = [approx(self._log_alpha(name)).sum() * count
+                 for name, (_, _, count) in self._alpha_sites.items()]
+        return torch.stack(terms).sum() if terms else self.weight_ih_l0.new_zeros(())
+
+    def sample_masks(
+        self,
+        batch_size: int,
+        seq_len: int | None = None,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        generator: torch.Generator | None = None,
+    ) -> RecurrentMasks:
+        """Draw ``1 + sqrt(alpha) * eps`` masks, differentiable in ``log_alpha``.
+
+        Shapes and scopes are those of :meth:`VariationalLSTM.sample_masks`.
+        """
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        weight = self.weight_ih_l0
+        device = weight.device if device is None else device
+        dtype = weight.dtype if dtype is None else dtype
+        inputs, hidden, output = self._mask_plan(
+            batch_size, seq_len, self.mask_scope, self.per_gate_masks
+        )
+
+        def draw(shape: tuple[int, ...], name: str) -> Tensor | None:
+            log_alpha = self._log_alpha(name)
+            if log_alpha is None:
+                return None
+            alpha = log_alpha.exp().to(device=device, dtype=dtype)
+            return gaussian_mask(shape, alpha, device=device, dtype=dtype, generator=generator)
+
+        D = self._num_directions
+        hidden_names = [f"log_alpha_hidden_l{i // D}" + ("_reverse" if i % D else "")
+                        for i in range(len(hidden))]
+        return RecurrentMasks(
+            inputs=tuple(draw(shape, f"log_alpha_input_l{k}") for k, (shape, _) in enumerate(inputs)),
+            hidden=tuple(draw(shape, name) for shape, name in zip(hidden, hidden_names)),
+            output=draw(output, "log_alpha_output"),
+            scope=self.mask_scope,
+            per_gate=self.per_gate_masks,
+        )
+
+    def extra_repr(self) -> str:
+        s = super().extra_repr() + f", granularity={self.granularity!r}"
+        if self.max_alpha is not None:
+            s += f", max_alpha={self.max_alpha}"
+        if self.kl_approximation != "molchanov":
+            s += f", kl_approximation={self.kl_approximation!r}"
+        return s
+
+
+_GAUSSIAN_ARGS_DOC = """
+    The dropout probabilities (``dropout``, ``dropout_input``, ``dropout_hidden``,
+    ``dropout_output``) choose the sites with noise and its initial variance
+    ``alpha = p / (1 - p)``; ``mask_scope`` and ``kernel`` are those of the parent.
+
+    Extra keyword arguments:
+        granularity: ``"layer"``, ``"unit"`` (default) or ``"weight"`` (module docstring).
+        max_alpha: upper bound on ``alpha`` (``1.0`` is Kingma et al.'s constraint); a
+            larger ``log_alpha`` is clipped and gets no gradient. None: unbounded.
+        kl_approximation: ``"molchanov"`` (default, any alpha) or ``"kingma"`` (needs
+            ``max_alpha <= 1``), see :mod:`rnndrop.kl`.
+
+    ``kl()`` returns the KL term; ``alphas()`` the learned variances by site.
+"""
+
+
+class GaussianLSTM(_LearnedAlphaMixin, VariationalLSTM):
+    __doc__ = (
+        """:class:`~rnndrop.VariationalLSTM` with Gaussian noise ``N(1, alpha)`` of learned ``alpha``.
+
+    Example::
+
+        lstm = GaussianLSTM(200, 200, dropout_input=0.5, dropout_hidden=0.2,
+                            dropout_output=0.5, granularity="unit")
+        loss = negative_elbo(nll, model_kl(model), dataset_size=n_tokens)
+"""
+        + _GAUSSIAN_ARGS_DOC
+    )
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        num_layers: int = 1,
+        bias: bool = True,
+        batch_first: bool = False,
+        dropout: float = 0.0,
+        bidirectional: bool = False,
+        proj_size: int = 0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        dropout_input: float = 0.0,
+        dropout_hidden: float = 0.0,
+        dropout_output: float = 0.0,
+        mask_scope: str = "sequence",
+        per_gate_masks: bool = False,
+        granularity: str = "unit",
+        max_alpha: float | None = None,
+        kl_approximation: str = "molchanov",
+        kernel: str = "auto",
+    ) -> None:
+        super().__init__(
+            input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional,
+            proj_size, device, dtype, dropout_input=dropout_input, dropout_hidden=dropout_hidden,
+            dropout_output=dropout_output, mask_scope=mask_scope, per_gate_masks=per_gate_masks,
+            noise="gaussian", kernel=kernel,
+        )
+        self._init_learned_alpha(granularity, max_alpha, kl_approximation)
+
+
+class GaussianGRU(_LearnedAlphaMixin, VariationalGRU):
+    __doc__ = (
+        """:class:`~rnndrop.VariationalGRU` with Gaussian noise ``N(1, alpha)`` of learned ``alpha``.
+"""
+        + _GAUSSIAN_ARGS_DOC
+    )
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        num_layers: int = 1,
+        bias: bool = True,
+        batch_first: bool = False,
+        dropout: float = 0.0,
+        bidirectional: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        dropout_input: float = 0.0,
+        dropout_hidden: float = 0.0,
+        dropout_output: float = 0.0,
+        mask_scope: str = "sequence",
+        per_gate_masks: bool = False,
+        granularity: str = "unit",
+        max_alpha: float | None = None,
+        kl_approximation: str = "molchanov",
+        kernel: str = "auto",
+    ) -> None:
+        super().__init__(
+            input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional,
+            device, dtype, dropout_input=dropout_input, dropout_hidden=dropout_hidden,
+            dropout_output=dropout_output, mask_scope=mask_scope, per_gate_masks=per_gate_masks,
+            noise="gaussian", kernel=kernel,
+        )
+        self._init_learned_alpha(granularity, max_alpha, kl_approximation)
+
+
+class GaussianLockedDropout(KLRegularized, Stochastic, nn.Module):
+    """Locked dropout with Gaussian noise ``N(1, alpha)`` and learned ``alpha``.
+
+    One noise vector per sequence, reused at every time step (like
+    :class:`~rnndrop.LockedDropout`), with ``alpha`` per feature (``granularity="unit"``)
+    or one for all (``"layer"``), stored as the parameter ``log_alpha``.
+
+    Args:
+        size: number of features (last dimension of the input).
+        p: initial variance as a dropout probability: ``alpha = p / (1 - p)``, ``p`` in (0, 1).
+        granularity: ``"unit"`` or ``"layer"``.
+        max_alpha, kl_approximation: as for :class:`GaussianLSTM`.
+        batch_first: input is ``[B, T, size]`` instead of ``[T, B, size]``.
+
+    Shapes:
+        input: ``[T, B, size]`` (``[B, T, size]``), or a ``PackedSequence`` of ``[N, size]``.
+        returns: like ``input``; unchanged in eval mode.
+
+    ``kl()`` counts each ``alpha`` once per feature it scales.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        p: float,
+        *,
+        granularity: str = "unit",
+        max_alpha: float | None = None,
+        kl_approximation: str = "molchanov",
+        batch_first: bool = False,
+    ) -> None:
+        super().__init__()
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"size must be a positive int, got {size!r}")
+        p = check_probability("p", p)
+        if p == 0:
+            raise ValueError("p must be in (0, 1) to set a positive initial alpha, got 0.0")
+        check_choice("granularity", granularity, ("layer", "unit"))
+        self.size = size
+        self.p = p
+        self.granularity = granularity
+        self.max_alpha = _check_max_alpha(max_alpha, kl_approximation)
+        self.kl_approximation = kl_approximation
+        self.batch_first = bool(batch_first)
+        shape = (1,) if granularity == "layer" else (size,)
+        self.log_alpha = nn.Parameter(torch.full(shape, math.log(p / (1.0 - p))))
+
+    def is_stochastic(self) -> bool:
+        return True
+
+    def _clipped_log_alpha(self) -> Tensor:
+        if self.max_alpha is None:
+            return self.log_alpha
+        return self.log_alpha.clamp(max=math.log(self.max_alpha))
+
+    def alpha(self) -> Tensor:
+        """The present ``alpha`` (after clipping), detached: ``[1]`` or ``[size]``."""
+        return self._clipped_log_alpha().detach().exp()
+
+    def kl(self) -> Tensor:
+        count = self.size / self.log_alpha.numel()
+        return KL_APPROXIMATIONS[self.kl_approximation](self._clipped_log_alpha()).sum() * count
+
+    def forward(self, x: Tensor | PackedSequence) -> Tensor | PackedSequence:
+        data = x.data if isinstance(x, PackedSequence) else x
+        if not isinstance(data, Tensor) or data.dim() < 2 or data.shape[-1] != self.size:
+            got = list(data.shape) if isinstance(data, Tensor) else type(data).__name__
+            raise ValueError(f"x must be [T, B, {self.size}] or a PackedSequence, got {got}")
+        if not self.training:
+            return x
+        alpha = self._clipped_log_alpha().exp().to(data.dtype)
+        if isinstance(x, PackedSequence):
+            noise = gaussian_mask((int(x.batch_sizes[0]), self.size), alpha, device=data.device)
+            rows = packed_sequence_index(x.batch_sizes).to(data.device)
+            return PackedSequence(data * noise[rows], x.batch_sizes, x.sorted_indices,
+                                  x.unsorted_indices)
+        if data.dim() != 3:
+            raise ValueError(f"x must be 3-D [T, B, {self.size}], got shape {list(data.shape)}")
+        shape = (data.shape[0], 1, self.size) if self.batch_first else (1, data.shape[1], self.size)
+        return x * gaussian_mask(shape, alpha, device=data.device)
+
+    def extra_repr(self) -> str:
+        return f"{self.size}, p={self.p}, granularity={self.granularity!r}"

@@ -1,0 +1,183 @@
+"""KL terms of variational dropout and the loss that uses them.
+
+Gaussian dropout with multiplicative noise ``N(1, alpha)`` on a weight ``w`` is the
+posterior ``q(w) = N(theta, alpha * theta^2)``; with the scale-invariant log-uniform
+prior ``p(|w|) ∝ 1 / |w|`` its KL divergence depends on ``alpha`` alone and has no
+closed form. Two published approximations, both elementwise in ``log_alpha``:
+
+- :func:`kl_kingma` (Kingma, Salimans & Welling 2015), fitted for ``alpha <= 1``:
+  ``-KL ≈ const + 0.5 log α + c1 α + c2 α² + c3 α³``. The constant is left at 0, so
+  only differences and gradients are meaningful (the value can be negative).
+- :func:`kl_molchanov` (Molchanov, Ashukha & Vetrov 2017), for any ``alpha``:
+  ``-KL ≈ k1 σ(k2 + k3 log α) − 0.5 log(1 + 1/α) − k1``, with the constant chosen so
+  that ``KL → 0`` as ``α → ∞``; it is positive and decreasing in ``alpha``.
+
+Modules with a KL term inherit :class:`KLRegularized` and implement ``kl()``;
+:func:`model_kl` sums them over a model and :func:`negative_elbo` /
+:func:`kl_regularizer` turn the sum into a training loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rnndrop.masks import check_choice
+
+__all__ = [
+    "KINGMA_COEFFICIENTS",
+    "KL_APPROXIMATIONS",
+    "MOLCHANOV_COEFFICIENTS",
+    "KLRegularized",
+    "KLRegularizer",
+    "kl_divergence",
+    "kl_kingma",
+    "kl_molchanov",
+    "kl_regularizer",
+    "kl_warmup",
+    "model_kl",
+    "negative_elbo",
+]
+
+#: (c1, c2, c3) of Kingma et al. (2015).
+KINGMA_COEFFICIENTS = (1.16145124, -1.50204118, 0.58629921)
+#: (k1, k2, k3) of Molchanov et al. (2017).
+MOLCHANOV_COEFFICIENTS = (0.63576, 1.87320, 1.48695)
+
+
+def kl_kingma(log_alpha: Tensor) -> Tensor:
+    """Kingma et al.'s approximation of ``KL(q || p)`` per weight, valid for ``alpha <= 1``.
+
+    Args:
+        log_alpha: any shape.
+
+    Returns:
+        ``-(0.5 log α + c1 α + c2 α² + c3 α³)``, the shape of ``log_alpha``.
+    """
+    c1, c2, c3 = KINGMA_COEFFICIENTS
+    alpha = log_alpha.exp()
+    return -(0.5 * log_alpha + alpha * (c1 + alpha * (c2 + alpha * c3)))
+
+
+def kl_molchanov(log_alpha: Tensor) -> Tensor:
+    """Molchanov et al.'s approximation of ``KL(q || p)`` per weight, for any ``alpha``.
+
+    Args:
+        log_alpha: any shape.
+
+    Returns:
+        ``k1 − k1 σ(k2 + k3 log α) + 0.5 log(1 + 1/α)`` (``> 0``, ``→ 0`` as ``α → ∞``),
+        the shape of ``log_alpha``.
+    """
+    k1, k2, k3 = MOLCHANOV_COEFFICIENTS
+    return k1 - k1 * torch.sigmoid(k2 + k3 * log_alpha) + 0.5 * F.softplus(-log_alpha)
+
+
+KL_APPROXIMATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "molchanov": kl_molchanov,
+    "kingma": kl_kingma,
+}
+
+
+def kl_divergence(log_alpha: Tensor, approximation: str = "molchanov") -> Tensor:
+    """The approximation named ``approximation`` (``"molchanov"`` or ``"kingma"``), elementwise."""
+    check_choice("approximation", approximation, tuple(KL_APPROXIMATIONS))
+    return KL_APPROXIMATIONS[approximation](log_alpha)
+
+
+class KLRegularized:
+    """Mixin for modules whose parameters carry a KL term (learned dropout rates, weight noise).
+
+    ``kl()`` returns the KL divergence of *this module's own* variational parameters
+    (not of its submodules) as a scalar tensor, so that :func:`model_kl` can sum
+    ``kl()`` over ``model.modules()`` without counting anything twice.
+    """
+
+    def kl(self) -> Tensor:
+        """KL divergence of this module's own variational posterior from its prior (scalar)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement kl()")
+
+
+def model_kl(model: nn.Module) -> Tensor:
+    """Sum of ``kl()`` over every :class:`KLRegularized` module in ``model`` (itself included).
+
+    Returns a scalar tensor (zero, on the model's device, when there is none).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    terms = [m.kl() for m in model.modules() if isinstance(m, KLRegularized)]
+    if terms:
+        return torch.stack(terms).sum()
+    param = next(model.parameters(), None)
+    return torch.zeros((), device=None if param is None else param.device)
+
+
+def kl_warmup(progress: float, warmup: float) -> float:
+    """Linear KL warm-up: the weight of the KL term at ``progress`` in [0, 1] of training.
+
+    The weight rises linearly from 0 to 1 over the first ``warmup`` fraction of
+    training and stays at 1 after; ``warmup=0`` gives 1 from the start.
+    """
+    if isinstance(warmup, bool) or not isinstance(warmup, (int, float)) or not 0 <= warmup <= 1:
+        raise ValueError(f"warmup must be a fraction of training in [0, 1], got {warmup!r}")
+    if warmup == 0:
+        return 1.0
+    return float(min(1.0, max(0.0, progress) / warmup))
+
+
+def _check_dataset_size(dataset_size: int) -> int:
+    if isinstance(dataset_size, bool) or not isinstance(dataset_size, int) or dataset_size < 1:
+        raise ValueError(f"dataset_size must be a positive int, got {dataset_size!r}")
+    return dataset_size
+
+
+def negative_elbo(nll: Tensor, kl: Tensor, dataset_size: int, kl_weight: float = 1.0) -> Tensor:
+    """The negative ELBO per data point: ``nll + kl_weight * kl / dataset_size``.
+
+    The ELBO of ``N = dataset_size`` data points is ``N * E[log p(y|x, w)] − KL``; a
+    mini-batch estimates the data term by ``N`` times its mean log-likelihood.
+    Dividing by ``N`` keeps the loss on the scale of ``nll`` (and learning rates
+    unchanged).
+
+    Args:
+        nll: mean negative log-likelihood per data point of the mini-batch (scalar;
+            for a language model, per token, and ``dataset_size`` counts tokens).
+        kl: scalar, e.g. :func:`model_kl`.
+        dataset_size: number of data points in the training set.
+        kl_weight: factor on the KL term, e.g. :func:`kl_warmup`.
+    """
+    return nll + kl_weight * kl / _check_dataset_size(dataset_size)
+
+
+@dataclass(frozen=True)
+class KLRegularizer:
+    """A loss hook ``(model, progress) -> kl_warmup(progress, warmup) * model_kl(model) / N``.
+
+    Added to the mean NLL per data point it gives :func:`negative_elbo` with linear
+    KL warm-up; ``progress`` is the fraction of training done, in [0, 1]. The
+    signature of ``Regime.regularizer`` in :mod:`rnndrop.lm.configs`.
+
+    Attributes:
+        dataset_size: ``N``, data points (tokens) in the training set.
+        warmup: fraction of training over which the KL weight rises from 0 to 1.
+    """
+
+    dataset_size: int
+    warmup: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_dataset_size(self.dataset_size)
+        kl_warmup(0.0, self.warmup)  # checks warmup
+
+    def __call__(self, model: nn.Module, progress: float) -> Tensor:
+        weight = kl_warmup(progress, self.warmup)
+        return model_kl(model) * (weight / self.dataset_size)
+
+
+def kl_regularizer(dataset_size: int, warmup: float = 0.0) -> KLRegularizer:
+    """``KLRegularizer(dataset_size, warmup)``: the KL loss hook with linear warm-up."""
+    return KLRegularizer(dataset_size, warmup)

@@ -1,0 +1,458 @@
+"""Sparse variational dropout (Molchanov et al. 2017) for recurrent layers (Lobacheva et al. 2017).
+
+Every sparsified weight ``w`` has the posterior ``N(θ, σ²)`` with its own
+``log σ²`` (additive reparameterisation: ``θ`` and ``log σ²`` are the parameters,
+``log α = log σ² − log θ²`` is derived), the log-uniform prior and the KL of
+:func:`rnndrop.kl.kl_molchanov`. As ``α`` grows without bound the weight carries
+only noise; in eval mode weights with ``log α >= threshold`` (default 3, i.e.
+``α ≳ 20``) are exactly zero.
+
+What is tied to what in training:
+
+- :class:`SparseLSTM` / :class:`SparseGRU`: ``W_ih``, ``W_hh`` (and ``W_hr``) are
+  sampled **once per forward call**, shared by every sequence of the batch and every
+  time step (Lobacheva et al. sample the recurrent weights once per mini-batch). The
+  layer then runs torch's fused kernel with the sampled weights, so the weight noise
+  costs one ``randn`` per weight and call. Biases are not sparsified. Tied dropout
+  masks of the parent (``dropout_input`` etc.) can be combined with it.
+- :class:`SparseLinear`: local reparameterisation by default: every row (every
+  token) gets independent pre-activation noise ``N(x θᵀ, x² σ²ᵀ)``. This is exact
+  for a layer whose output row feeds only its own loss term (a decoder); set
+  ``local_reparameterization=False`` to sample one weight per forward call instead
+  (e.g. for a layer that feeds a recurrence).
+- :class:`SparseEmbedding`: the rows of the word types in the batch are sampled once
+  per forward call, so a word has the same noisy vector at every step and in every
+  sequence of the batch.
+
+Truncated BPTT: each call (segment) draws new weights.
+
+:func:`sparsity_report` counts the zeroed weights; :func:`prune` returns a copy of
+a model with plain ``nn.LSTM`` / ``nn.GRU`` / ``nn.Linear`` / ``nn.Embedding`` holding
+the zeros, which computes what the sparse model computes in eval mode.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rnndrop.kl import KLRegularized, kl_molchanov
+from rnndrop.recurrent import VariationalGRU, VariationalLSTM
+from rnndrop.stochastic import Stochastic
+
+__all__ = [
+    "DEFAULT_THRESHOLD",
+    "INIT_LOG_SIGMA2",
+    "LayerSparsity",
+    "SparseEmbedding",
+    "SparseGRU",
+    "SparseLSTM",
+    "SparseLinear",
+    "SparsityReport",
+    "prune",
+    "sparsity_report",
+]
+
+#: Weights with ``log alpha`` at or above this are zero in eval mode.
+DEFAULT_THRESHOLD = 3.0
+#: Initial ``log sigma^2`` of every weight (Molchanov et al.).
+INIT_LOG_SIGMA2 = -10.0
+_LOG_ALPHA_CLIP = 10.0  # KL and its gradient are flat beyond this; keeps exp() finite
+_EPS = 1e-8
+
+
+def _check_threshold(threshold: float) -> float:
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
+        raise TypeError(f"threshold must be a float (a log alpha), got {type(threshold).__name__}")
+    return float(threshold)
+
+
+class _SparseWeightsMixin(KLRegularized, Stochastic):
+    """``log_sigma2_<name>`` for each weight in ``_sparse_names``; log alpha, masks, KL."""
+
+    _sparse_names: tuple[str, ...]
+
+    def _init_sparse(self, names: tuple[str, ...], threshold: float) -> None:
+        self.threshold = _check_threshold(threshold)
+        self._sparse_names = names
+        for name in names:
+            weight = getattr(self, name)
+            self.register_parameter(
+                "log_sigma2_" + name, nn.Parameter(torch.full_like(weight, INIT_LOG_SIGMA2))
+            )
+
+    def _reset_log_sigma2(self) -> None:
+        with torch.no_grad():
+            for name in getattr(self, "_sparse_names", ()):
+                getattr(self, "log_sigma2_" + name).fill_(INIT_LOG_SIGMA2)
+
+    def is_stochastic(self) -> bool:
+        return True
+
+    def log_alpha(self, name: str) -> Tensor:
+        """``log σ² − log θ²`` of the weight ``name``, clipped to [-10, 10]; the weight's shape."""
+        theta = getattr(self, name)
+        log_alpha = getattr(self, "log_sigma2_" + name) - torch.log(theta * theta + _EPS)
+        return log_alpha.clamp(-_LOG_ALPHA_CLIP, _LOG_ALPHA_CLIP)
+
+    def keep_mask(self, name: str) -> Tensor:
+        """Bool tensor, the weight's shape: True where ``log alpha < threshold``."""
+        return self.log_alpha(name).detach() < self.threshold
+
+    def pruned_weight(self, name: str) -> Tensor:
+        """``θ`` with the weights over the threshold set to exactly zero."""
+        theta = getattr(self, name)
+        return theta * self.keep_mask(name).to(theta.dtype)
+
+    def sampled_weight(self, name: str) -> Tensor:
+        """One draw ``θ + σ ε`` of the weight ``name``."""
+        theta = getattr(self, name)
+        sigma = torch.exp(0.5 * getattr(self, "log_sigma2_" + name))
+        return theta + sigma * torch.randn_like(theta)
+
+    def kl(self) -> Tensor:
+        """Molchanov's KL summed over all sparsified weights of this module (scalar)."""
+        return torch.stack([kl_molchanov(self.log_alpha(n)).sum() for n in self._sparse_names]).sum()
+
+    def sparse_weight_names(self) -> tuple[str, ...]:
+        """Names of the weights this module sparsifies."""
+        return self._sparse_names
+
+    def _weight_for_forward(self, name: str) -> Tensor:
+        return self.sampled_weight(name) if self.training else self.pruned_weight(name)
+
+
+class _SparseRNNMixin(_SparseWeightsMixin):
+    """Placed before VariationalLSTM / VariationalGRU: swaps the weights the forward uses."""
+
+    def _init_sparse_rnn(self, threshold: float) -> None:
+        names = tuple(n for n in self._flat_weights_names if n.startswith("weight_"))
+        self._init_sparse(names, threshold)
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()  # nn.RNNBase redraws every parameter, log_sigma2 included
+        self._reset_log_sigma2()
+
+    def _layer_weights(self, layer: int, direction: int) -> dict[str, Tensor]:
+        # The forward asks for each layer's weights once per call: one sample per call.
+        weights = super()._layer_weights(layer, direction)
+        suffix = f"_l{layer}" + ("_reverse" if direction else "")
+        for key in weights:
+            if key.startswith("weight_"):
+                weights[key] = self._weight_for_forward(key + suffix)
+        return weights
+
+    def to_dense(self) -> nn.RNNBase:
+        """A plain ``nn.LSTM`` / ``nn.GRU`` holding the pruned weights (zeros over the threshold).
+
+        Its output equals this layer's output in eval mode.
+        """
+        plain_cls = nn.LSTM if isinstance(self, nn.LSTM) else nn.GRU
+        kwargs = {"proj_size": self.proj_size} if plain_cls is nn.LSTM else {}
+        weight = self.weight_ih_l0
+        plain = plain_cls(
+            self.input_size, self.hidden_size, self.num_layers, bias=self.bias,
+            batch_first=self.batch_first, bidirectional=self.bidirectional,
+            device=weight.device, dtype=weight.dtype, **kwargs,
+        )
+        with torch.no_grad():
+            state = {n: getattr(self, n).detach().clone() for n in self._flat_weights_names}
+            for name in self._sparse_names:
+                state[name] = self.pruned_weight(name).detach()
+        plain.load_state_dict(state)
+        return plain.train(self.training)
+
+
+_SPARSE_RNN_DOC = """
+    Extra keyword argument:
+        threshold: weights with ``log alpha >= threshold`` are zero in eval mode (default 3).
+
+    Every weight matrix (``weight_ih_l*``, ``weight_hh_l*``, ``weight_hr_l*``) gets a
+    ``log_sigma2_<name>`` parameter of its shape, initialised to -10; biases stay
+    deterministic. In training, weights are sampled once per forward call (shared by
+    the batch, tied over time) and the fused kernel runs. ``kl()`` is the KL term,
+    ``log_alpha(name)`` / ``keep_mask(name)`` / ``pruned_weight(name)`` inspect a weight,
+    ``to_dense()`` returns the pruned plain layer. The parent's dropout arguments
+    still work (all 0 by default).
+"""
+
+
+class SparseLSTM(_SparseRNNMixin, VariationalLSTM):
+    __doc__ = (
+        """:class:`~rnndrop.VariationalLSTM` with sparse variational dropout on its weights.
+
+    State dicts hold ``nn.LSTM``'s entries plus ``log_sigma2_*``: load an
+    ``nn.LSTM`` checkpoint with ``load_state_dict(sd, strict=False)``.
+"""
+        + _SPARSE_RNN_DOC
+    )
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        num_layers: int = 1,
+        bias: bool = True,
+        batch_first: bool = False,
+        dropout: float = 0.0,
+        bidirectional: bool = False,
+        proj_size: int = 0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        threshold: float = DEFAULT_THRESHOLD,
+        dropout_input: float = 0.0,
+        dropout_hidden: float = 0.0,
+        dropout_output: float = 0.0,
+        mask_scope: str = "sequence",
+        per_gate_masks: bool = False,
+        noise: str = "bernoulli",
+        kernel: str = "auto",
+    ) -> None:
+        super().__init__(
+            input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional,
+            proj_size, device, dtype, dropout_input=dropout_input, dropout_hidden=dropout_hidden,
+            dropout_output=dropout_output, mask_scope=mask_scope, per_gate_masks=per_gate_masks,
+            noise=noise, kernel=kernel,
+        )
+        self._init_sparse_rnn(threshold)
+
+
+class SparseGRU(_SparseRNNMixin, VariationalGRU):
+    __doc__ = (
+        """:class:`~rnndrop.VariationalGRU` with sparse variational dropout on its weights.
+"""
+        + _SPARSE_RNN_DOC
+    )
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        num_layers: int = 1,
+        bias: bool = True,
+        batch_first: bool = False,
+        dropout: float = 0.0,
+        bidirectional: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        threshold: float = DEFAULT_THRESHOLD,
+        dropout_input: float = 0.0,
+        dropout_hidden: float = 0.0,
+        dropout_output: float = 0.0,
+        mask_scope: str = "sequence",
+        per_gate_masks: bool = False,
+        noise: str = "bernoulli",
+        kernel: str = "auto",
+    ) -> None:
+        super().__init__(
+            input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional,
+            device, dtype, dropout_input=dropout_input, dropout_hidden=dropout_hidden,
+            dropout_output=dropout_output, mask_scope=mask_scope, per_gate_masks=per_gate_masks,
+            noise=noise, kernel=kernel,
+        )
+        self._init_sparse_rnn(threshold)
+
+
+class SparseLinear(_SparseWeightsMixin, nn.Linear):
+    """``nn.Linear`` with sparse variational dropout on ``weight`` (``[out, in]``).
+
+    Args:
+        in_features, out_features, bias, device, dtype: as ``nn.Linear``.
+        threshold: weights with ``log alpha >= threshold`` are zero in eval mode.
+        local_reparameterization: True (default): independent noise for every row of
+            the input, drawn on the pre-activations; False: one weight sample per call.
+
+    Shapes: input ``[*, in]`` -> ``[*, out]``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        threshold: float = DEFAULT_THRESHOLD,
+        local_reparameterization: bool = True,
+    ) -> None:
+        super().__init__(in_features, out_features, bias, device, dtype)
+        self.local_reparameterization = bool(local_reparameterization)
+        self._init_sparse(("weight",), threshold)
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        self._reset_log_sigma2()
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not self.training:
+            return F.linear(input, self.pruned_weight("weight"), self.bias)
+        if not self.local_reparameterization:
+            return F.linear(input, self.sampled_weight("weight"), self.bias)
+        mean = F.linear(input, self.weight, self.bias)
+        var = F.linear(input * input, self.log_sigma2_weight.exp())
+        return mean + torch.sqrt(var + _EPS) * torch.randn_like(mean)
+
+    def to_dense(self) -> nn.Linear:
+        """A plain ``nn.Linear`` holding the pruned weight."""
+        w = self.weight
+        plain = nn.Linear(self.in_features, self.out_features, self.bias is not None,
+                          device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            plain.weight.copy_(self.pruned_weight("weight"))
+            if self.bias is not None:
+                plain.bias.copy_(self.bias)
+        return plain.train(self.training)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", threshold={self.threshold}"
+
+
+class SparseEmbedding(_SparseWeightsMixin, nn.Embedding):
+    """``nn.Embedding`` with sparse variational dropout on ``weight`` (``[num_embeddings, dim]``).
+
+    In training the rows of the word types present in the input are sampled once per
+    call, so every occurrence of a word in the batch gets the same noisy vector.
+    ``padding_idx``, ``max_norm`` and sparse gradients are not supported.
+
+    Shapes: input ``[*]`` LongTensor -> ``[*, embedding_dim]``.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        threshold: float = DEFAULT_THRESHOLD,
+    ) -> None:
+        super().__init__(num_embeddings, embedding_dim, device=device, dtype=dtype)
+        self._init_sparse(("weight",), threshold)
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        self._reset_log_sigma2()
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not self.training:
+            return F.embedding(input, self.pruned_weight("weight"))
+        types, where = torch.unique(input, return_inverse=True)
+        theta = self.weight[types]
+        rows = theta + torch.exp(0.5 * self.log_sigma2_weight[types]) * torch.randn_like(theta)
+        return F.embedding(where, rows)
+
+    def to_dense(self) -> nn.Embedding:
+        """A plain ``nn.Embedding`` holding the pruned weight."""
+        w = self.weight
+        plain = nn.Embedding(self.num_embeddings, self.embedding_dim, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            plain.weight.copy_(self.pruned_weight("weight"))
+        return plain.train(self.training)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", threshold={self.threshold}"
+
+
+@dataclass(frozen=True)
+class LayerSparsity:
+    """One sparsified weight: its qualified name, its size and how many entries are zero."""
+
+    name: str
+    total: int
+    zeros: int
+
+    @property
+    def sparsity(self) -> float:
+        return self.zeros / self.total
+
+
+@dataclass(frozen=True)
+class SparsityReport:
+    """Sparsity of every sparsified weight of a model (eval-mode zeros).
+
+    ``compression`` is the number of sparsified weights over the number that remain
+    nonzero; ``dense_params`` counts the model's other parameters (biases, layers
+    that are not sparse, excluding ``log_sigma2``), which pruning keeps.
+    """
+
+    layers: tuple[LayerSparsity, ...]
+    dense_params: int
+
+    @property
+    def total(self) -> int:
+        return sum(layer.total for layer in self.layers)
+
+    @property
+    def zeros(self) -> int:
+        return sum(layer.zeros for layer in self.layers)
+
+    @property
+    def sparsity(self) -> float:
+        return self.zeros / self.total if self.total else 0.0
+
+    @property
+    def compression(self) -> float:
+        """Sparsified weights / nonzero sparsified weights (``inf`` when all are zero)."""
+        kept = self.total - self.zeros
+        return self.total / kept if kept else float("inf")
+
+    @property
+    def model_compression(self) -> float:
+        """All parameters of the pruned model / its nonzero parameters (dense ones kept)."""
+        return (self.total + self.dense_params) / (self.total - self.zeros + self.dense_params)
+
+    def __str__(self) -> str:
+        width = max([len(layer.name) for layer in self.layers] + [6])
+        lines = [f"{'weight':<{width}}  {'size':>10}  {'zeros':>10}  sparsity"]
+        lines += [f"{layer.name:<{width}}  {layer.total:>10}  {layer.zeros:>10}  {layer.sparsity:8.2%}"
+                  for layer in self.layers]
+        lines.append(f"{'total':<{width}}  {self.total:>10}  {self.zeros:>10}  {self.sparsity:8.2%}")
+        lines.append(f"compression x{self.compression:.2f} (sparse weights), "
+                     f"x{self.model_compression:.2f} (whole model)")
+        return "\n".join(lines)
+
+
+def sparsity_report(model: nn.Module) -> SparsityReport:
+    """Count the weights that eval mode zeroes in every sparse layer of ``model``."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    layers = []
+    sparse_params: set[int] = set()
+    for prefix, module in model.named_modules():
+        if not isinstance(module, _SparseWeightsMixin):
+            continue
+        for name in module.sparse_weight_names():
+            keep = module.keep_mask(name)
+            full = f"{prefix}.{name}" if prefix else name
+            layers.append(LayerSparsity(full, keep.numel(), int((~keep).sum())))
+            sparse_params.add(id(getattr(module, name)))
+            sparse_params.add(id(getattr(module, "log_sigma2_" + name)))
+    dense = sum(p.numel() for p in model.parameters() if id(p) not in sparse_params)
+    return SparsityReport(tuple(layers), dense)
+
+
+def prune(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with every sparse layer replaced by its plain pruned counterpart.
+
+    ``SparseLSTM`` -> ``nn.LSTM``, ``SparseGRU`` -> ``nn.GRU``, ``SparseLinear`` ->
+    ``nn.Linear``, ``SparseEmbedding`` -> ``nn.Embedding``, with the weights over the
+    threshold set to zero and no ``log_sigma2``. In eval mode the copy computes what
+    ``model`` computes in eval mode. ``model`` itself is not changed.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if isinstance(model, _SparseWeightsMixin):
+        return model.to_dense()
+    pruned = copy.deepcopy(model)
+    for module in list(pruned.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, _SparseWeightsMixin):
+                setattr(module, name, child.to_dense())
+    return pruned

@@ -1,0 +1,177 @@
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence
+
+from rnndrop.gaussian import GaussianGRU, GaussianLockedDropout, GaussianLSTM, rnn_state_dict
+from rnndrop.kl import kl_molchanov, model_kl, negative_elbo
+from tests.helpers import assert_close
+
+SITES = dict(dropout=0.3, dropout_input=0.5, dropout_hidden=0.2, dropout_output=0.4)
+
+
+def twins(cls, plain_cls, **kwargs):
+    layer = cls(5, 6, num_layers=2, bidirectional=True, **SITES, **kwargs)
+    plain = plain_cls(5, 6, num_layers=2, bidirectional=True)
+    plain.load_state_dict(rnn_state_dict(layer))
+    return layer, plain
+
+
+@pytest.mark.parametrize("granularity", ["layer", "unit", "weight"])
+@pytest.mark.parametrize(("cls", "plain_cls"), [(GaussianLSTM, nn.LSTM), (GaussianGRU, nn.GRU)])
+def test_vanishing_alpha_gives_the_plain_layer_in_training(cls, plain_cls, granularity):
+    layer, plain = twins(cls, plain_cls, granularity=granularity)
+    with torch.no_grad():
+        for name in layer.alphas():
+            getattr(layer, name).fill_(-40.0)
+    x = torch.randn(7, 3, 5)
+    layer.train()
+    assert_close(layer(x), plain(x), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("cls", "plain_cls"), [(GaussianLSTM, nn.LSTM), (GaussianGRU, nn.GRU)])
+def test_eval_mode_is_the_plain_layer(cls, plain_cls):
+    layer, plain = twins(cls, plain_cls)
+    x = torch.randn(7, 3, 5)
+    assert_close(layer.eval()(x), plain(x), atol=1e-6, rtol=1e-5)
+
+
+def test_training_output_is_noisy_and_differentiable_in_log_alpha():
+    layer = GaussianLSTM(5, 6, **SITES)
+    x = torch.randn(7, 3, 5)
+    out1, _ = layer(x)
+    out2, _ = layer(x)
+    assert not torch.allclose(out1, out2)
+    out1.pow(2).sum().backward()
+    for name in ("log_alpha_input_l0", "log_alpha_hidden_l0", "log_alpha_output"):
+        grad = getattr(layer, name).grad
+        assert grad is not None and grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize(
+    ("granularity", "input_shape", "hidden_shape"),
+    [("layer", (1,), (1,)), ("unit", (5,), (6,)), ("weight", (4, 5), (4, 6))],
+)
+def test_parameter_shapes_by_granularity(granularity, input_shape, hidden_shape):
+    layer = GaussianLSTM(5, 6, num_layers=2, **SITES, granularity=granularity)
+    assert layer.log_alpha_input_l0.shape == input_shape
+    assert layer.log_alpha_hidden_l1.shape == hidden_shape
+    assert layer.log_alpha_output.shape == ((1,) if granularity == "layer" else (6,))
+    assert layer.per_gate_masks == (granularity == "weight")
+    # initial variance is the Gaussian dropout of the same p
+    assert layer.alphas()["log_alpha_input_l0"].flatten()[0].item() == pytest.approx(1.0)
+    assert layer.alphas()["log_alpha_input_l1"].flatten()[0].item() == pytest.approx(0.3 / 0.7)
+
+
+def test_sites_without_dropout_have_no_parameter_and_no_noise():
+    layer = GaussianLSTM(5, 6, dropout_hidden=0.2)
+    names = [n for n, _ in layer.named_parameters() if n.startswith("log_alpha")]
+    assert names == ["log_alpha_hidden_l0"]
+    masks = layer.sample_masks(3)
+    assert masks.inputs == (None,) and masks.output is None
+    assert masks.hidden[0].shape == (3, 6)
+
+
+def test_masks_are_tied_over_time_with_mean_one_and_variance_alpha():
+    layer = GaussianLSTM(5, 6, dropout_input=0.5, granularity="unit")
+    with torch.no_grad():
+        layer.log_alpha_input_l0.copy_(torch.log(torch.tensor([0.01, 0.1, 0.5, 1.0, 4.0])))
+    mask = layer.sample_masks(40000).inputs[0]
+    assert mask.shape == (40000, 5)  # one per sequence, reused at every step
+    torch.testing.assert_close(mask.mean(0), torch.ones(5), atol=0.03, rtol=0)
+    torch.testing.assert_close(mask.var(0), torch.tensor([0.01, 0.1, 0.5, 1.0, 4.0]), atol=0, rtol=0.05)
+
+
+def test_batch_scope_shares_the_recurrent_noise():
+    layer = GaussianLSTM(5, 6, dropout_hidden=0.3, mask_scope="batch")
+    assert layer.sample_masks(4).hidden[0].shape == (1, 6)
+    out, _ = layer(torch.randn(7, 4, 5))
+    assert out.shape == (7, 4, 6)
+
+
+def test_packed_input_runs():
+    layer = GaussianGRU(5, 6, **SITES)
+    x = torch.randn(7, 3, 5)
+    packed = pack_padded_sequence(x, [7, 4, 2], enforce_sorted=False)
+    out, h = layer(packed)
+    assert out.data.shape == (13, 6) and h.shape == (1, 3, 6)
+
+
+def test_kl_counts_each_alpha_once_per_weight_it_scales():
+    layer = GaussianLSTM(5, 6, dropout_input=0.5, dropout_hidden=0.2, dropout_output=0.4,
+                         granularity="layer")
+    per_weight = lambda p: kl_molchanov(torch.tensor(math.log(p / (1 - p))))  # noqa: E731
+    expected = per_weight(0.5) * 5 * 24 + per_weight(0.2) * 6 * 24 + per_weight(0.4) * 6
+    torch.testing.assert_close(layer.kl(), expected)
+    for granularity in ("unit", "weight"):
+        other = GaussianLSTM(5, 6, dropout_input=0.5, dropout_hidden=0.2, dropout_output=0.4,
+                             granularity=granularity)
+        torch.testing.assert_close(other.kl(), expected)
+
+
+def test_max_alpha_clips_and_kingma_needs_it():
+    layer = GaussianLSTM(5, 6, dropout_input=0.5, max_alpha=1.0, kl_approximation="kingma")
+    with torch.no_grad():
+        layer.log_alpha_input_l0.fill_(2.0)
+    assert torch.all(layer.alphas()["log_alpha_input_l0"] == 1.0)
+    assert torch.isfinite(layer.kl())
+    with pytest.raises(ValueError, match="max_alpha"):
+        GaussianLSTM(5, 6, dropout_input=0.5, kl_approximation="kingma")
+    with pytest.raises(ValueError, match="max_alpha"):
+        GaussianLSTM(5, 6, dropout_input=0.5, max_alpha=-1.0)
+    with pytest.raises(ValueError, match="granularity"):
+        GaussianGRU(5, 6, dropout_input=0.5, granularity="gate")
+
+
+def test_state_dicts_interchange_with_nn_lstm():
+    layer = GaussianLSTM(5, 6, dropout_input=0.5)
+    plain = nn.LSTM(5, 6)
+    result = layer.load_state_dict(plain.state_dict(), strict=False)
+    assert result.missing_keys == ["log_alpha_input_l0"] and not result.unexpected_keys
+    assert torch.equal(layer.weight_hh_l0, plain.weight_hh_l0)
+    assert torch.all(layer.log_alpha_input_l0 == 0.0)
+    nn.LSTM(5, 6).load_state_dict(rnn_state_dict(layer))  # strict
+    layer.reset_parameters()
+    assert torch.all(layer.log_alpha_input_l0 == 0.0)
+
+
+def test_learned_alpha_rises_on_a_useless_input_and_stays_low_on_a_useful_one():
+    torch.manual_seed(0)
+    lstm = GaussianLSTM(2, 8, dropout_input=0.2, granularity="unit")
+    head = nn.Linear(8, 1)
+    opt = torch.optim.Adam([*lstm.parameters(), *head.parameters()], lr=0.03)
+    for _ in range(100):
+        x = torch.randn(8, 16, 2)
+        target = x[:, :, :1].cumsum(0) * 0.3  # channel 0 carries the signal, channel 1 none
+        out, _ = lstm(x)
+        nll = (head(out) - target).pow(2).mean()
+        loss = negative_elbo(nll, model_kl(lstm), dataset_size=500)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    signal, noise = lstm.alphas()["log_alpha_input_l0"].tolist()
+    initial = 0.2 / 0.8
+    assert noise > 4 * initial
+    assert signal < initial
+    assert noise > 10 * signal
+
+
+def test_gaussian_locked_dropout_is_tied_over_time_and_learned():
+    drop = GaussianLockedDropout(4, 0.5)
+    x = torch.ones(6, 3, 4)
+    y = drop(x)
+    assert torch.equal(y, y[:1].expand_as(y))  # the same noise at every step
+    assert not torch.equal(y[:, 0], y[:, 1])  # but not across sequences
+    y.sum().backward()
+    assert drop.log_alpha.grad.shape == (4,)
+    assert torch.equal(drop.eval()(x), x)
+    torch.testing.assert_close(drop.kl(), kl_molchanov(torch.zeros(4)).sum())
+    batch_first = GaussianLockedDropout(4, 0.5, batch_first=True, granularity="layer")
+    y = batch_first(torch.ones(3, 6, 4))
+    assert torch.equal(y, y[:, :1].expand_as(y))
+    with pytest.raises(ValueError, match="x must be"):
+        drop.train()(torch.ones(6, 3, 5))
+    with pytest.raises(ValueError, match="p must be"):
+        GaussianLockedDropout(4, 0.0)
