@@ -135,6 +135,9 @@ class EmbeddingDropout(Stochastic, nn.Module):
     def is_stochastic(self) -> bool:
         return self.p > 0
 
+    def shares_noise_across_batch(self) -> bool:
+        return self.scope == "batch"
+
     def forward(self, tokens: Tensor) -> Tensor:
         if not isinstance(tokens, Tensor) or tokens.dtype not in (torch.long, torch.int):
             got = tokens.dtype if isinstance(tokens, Tensor) else type(tokens).__name__

@@ -232,6 +232,9 @@ class _VariationalRNNMixin(Stochastic):
     def is_stochastic(self) -> bool:
         return self._has_dropout()
 
+    def shares_noise_across_batch(self) -> bool:
+        return self.mask_scope == "batch" and self.dropout_hidden > 0
+
     def _has_dropout(self) -> bool:
         between = self.dropout if self.num_layers > 1 else 0.0
         return any(p > 0 for p in (self.dropout_input, between, self.dropout_hidden, self.dropout_output))

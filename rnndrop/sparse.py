@@ -93,6 +93,10 @@ class _SparseWeightsMixin(KLRegularized, Stochastic):
     def is_stochastic(self) -> bool:
         return True
 
+    def shares_noise_across_batch(self) -> bool:
+        # Weights are sampled once per call; local reparameterisation samples per row.
+        return not getattr(self, "local_reparameterization", False)
+
     def log_alpha(self, name: str) -> Tensor:
         """``log σ² − log θ²`` of the weight ``name``, clipped to [-10, 10]; the weight's shape."""
         theta = getattr(self, name)

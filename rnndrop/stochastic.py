@@ -14,3 +14,9 @@ class Stochastic:
     def is_stochastic(self) -> bool:
         """True when a forward call in training mode draws noise."""
         return True
+
+    def shares_noise_across_batch(self) -> bool:
+        """True when one draw serves every sequence of a batch (a weight mask, a mask
+        with scope ``"batch"``): copies of an input in one batch then see the same
+        noise, so Monte-Carlo samples must come from separate calls."""
+        return False

@@ -97,6 +97,9 @@ class WeightDrop(Stochastic, nn.Module):
     def is_stochastic(self) -> bool:
         return self.p > 0
 
+    def shares_noise_across_batch(self) -> bool:
+        return True  # one weight mask per call
+
     def sample_masks(self, generator: torch.Generator | None = None) -> dict[str, Tensor]:
         """One mask per dropped weight: the weight's shape, or ``[1, in_features]``
         with ``variational``; values 0 or ``1 / (1 - p)``, the weight's device and dtype."""

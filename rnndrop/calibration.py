@@ -1,0 +1,130 @@
+"""Calibration of class predictions: reliability diagrams and expected calibration error.
+
+A prediction's *confidence* is its largest class probability; it is *correct* when
+that class is the label. Confidences are put into ``n_bins`` equal-width bins of
+[0, 1] (bin ``i`` holds ``(i / n, (i + 1) / n]``, the first also holds 0); a
+calibrated model is right in a fraction of each bin's predictions equal to the
+bin's mean confidence. The expected calibration error (Naeini et al. 2015, Guo et
+al. 2017) is the count-weighted mean gap::
+
+    ECE = sum_b (n_b / N) * |accuracy_b - confidence_b|
+
+Works for standard predictions (``logits.softmax(-1)``) and Monte-Carlo ones
+(``rnndrop.mc.mc_predict(...).mean``) alike::
+
+    diagram = reliability_diagram(probs, labels)      # diagram.confidence / .accuracy / .count
+    ece = expected_calibration_error(probs, labels)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["ReliabilityDiagram", "expected_calibration_error", "reliability_diagram"]
+
+
+@dataclass(frozen=True)
+class ReliabilityDiagram:
+    """Per-bin statistics of top-class confidence against accuracy.
+
+    Attributes (``n`` bins, CPU float64 tensors; ``count`` int64):
+        bin_edges: ``[n + 1]``, from 0 to 1.
+        confidence: mean confidence of the predictions in each bin ``[n]``, NaN when empty.
+        accuracy: fraction of correct predictions in each bin ``[n]``, NaN when empty.
+        count: number of predictions in each bin ``[n]``.
+    """
+
+    bin_edges: Tensor
+    confidence: Tensor
+    accuracy: Tensor
+    count: Tensor
+
+    @property
+    def ece(self) -> float:
+        """Expected calibration error: ``sum_b (n_b / N) |accuracy_b - confidence_b|``."""
+        filled = self.count > 0
+        weights = self.count[filled].double() / self.count.sum()
+        gaps = (self.accuracy[filled] - self.confidence[filled]).abs()
+        return float((weights * gaps).sum())
+
+    @property
+    def max_calibration_error(self) -> float:
+        """Largest ``|accuracy_b - confidence_b|`` over the non-empty bins."""
+        filled = self.count > 0
+        return float((self.accuracy[filled] - self.confidence[filled]).abs().max())
+
+
+def _check_inputs(probs: Tensor, labels: Tensor, n_bins: int) -> tuple[Tensor, Tensor]:
+    if not isinstance(probs, Tensor) or not probs.is_floating_point() or probs.dim() < 1:
+        if isinstance(probs, Tensor):
+            got = f"{probs.dtype} of shape {list(probs.shape)}"
+        else:
+            got = type(probs).__name__
+        raise TypeError(
+            f"probs must be a floating-point Tensor [..., C] of class probabilities, got {got}"
+        )
+    if not isinstance(labels, Tensor) or labels.dtype != torch.long:
+        got = labels.dtype if isinstance(labels, Tensor) else type(labels).__name__
+        raise TypeError(f"labels must be a LongTensor of class indices, got {got}")
+    if tuple(labels.shape) != tuple(probs.shape[:-1]):
+        raise ValueError(
+            f"labels must have probs' shape without the class dimension, {list(probs.shape[:-1])}, "
+            f"got {list(labels.shape)}"
+        )
+    if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 1:
+        raise ValueError(f"n_bins must be a positive int, got {n_bins!r}")
+    if labels.numel() == 0:
+        raise ValueError("probs and labels must hold at least one prediction, got none")
+    probs = probs.detach().reshape(-1, probs.shape[-1])
+    labels = labels.detach().reshape(-1)
+    if labels.min() < 0 or labels.max() >= probs.shape[-1]:
+        raise ValueError(
+            f"labels must be class indices in [0, {probs.shape[-1]}), got values in "
+            f"[{int(labels.min())}, {int(labels.max())}]"
+        )
+    return probs, labels
+
+
+def reliability_diagram(probs: Tensor, labels: Tensor, n_bins: int = 15) -> ReliabilityDiagram:
+    """Bin the predictions by confidence.
+
+    Args:
+        probs: class probabilities ``[..., C]`` (rows summing to 1), e.g.
+            ``logits.softmax(-1)`` or ``mc_predict(...).mean``.
+        labels: true classes ``[...]`` (LongTensor).
+        n_bins: the number of equal-width confidence bins.
+
+    Returns:
+        A :class:`ReliabilityDiagram`; its ``ece`` property is the expected calibration error.
+    """
+    probs, labels = _check_inputs(probs, labels, n_bins)
+    confidence, predicted = probs.max(-1)
+    confidence = confidence.double().cpu()
+    correct = (predicted == labels).double().cpu()
+    edges = torch.linspace(0, 1, n_bins + 1, dtype=torch.float64)
+    # Bin i holds (edges[i], edges[i + 1]]; confidence 0 goes to bin 0.
+    index = torch.bucketize(confidence, edges[1:-1], right=False)
+    count = torch.bincount(index, minlength=n_bins)
+    conf_sum = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, index, confidence)
+    correct_sum = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, index, correct)
+    filled = count.double()
+    return ReliabilityDiagram(
+        bin_edges=edges,
+        confidence=conf_sum / filled,  # 0 / 0 = NaN marks an empty bin
+        accuracy=correct_sum / filled,
+        count=count,
+    )
+
+
+def expected_calibration_error(probs: Tensor, labels: Tensor, n_bins: int = 15) -> float:
+    """ECE of top-class predictions with ``n_bins`` equal-width bins (see the module docstring).
+
+    Args:
+        probs: class probabilities ``[..., C]``.
+        labels: true classes ``[...]`` (LongTensor).
+        n_bins: the number of bins.
+    """
+    return reliability_diagram(probs, labels, n_bins).ece

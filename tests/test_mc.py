@@ -1,0 +1,407 @@
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from rnndrop import VariationalLSTM
+from rnndrop.embedding_dropout import EmbeddingDropout
+from rnndrop.mc import (
+    mc_dropout,
+    mc_language_model_loss,
+    mc_perplexity,
+    mc_predict,
+    sampling_modules,
+)
+from rnndrop.sparse import SparseLSTM
+from rnndrop.stochastic import Stochastic
+from rnndrop.weight_drop import WeightDrop
+
+
+class Classifier(nn.Module):
+    """Batch-first sequence classifier: [B, T, F] -> logits [B, C]."""
+
+    def __init__(self, p=0.3, p_dense=0.3, features=3, hidden=8, classes=4, **lstm_kwargs):
+        super().__init__()
+        self.lstm = VariationalLSTM(
+            features, hidden, batch_first=True, dropout_input=p, dropout_hidden=p,
+            dropout_output=p, **lstm_kwargs,
+        )
+        self.norm = nn.BatchNorm1d(hidden)
+        self.drop = nn.Dropout(p_dense)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        out, _ = self.lstm(x)
+        return self.head(self.drop(self.norm(out[:, -1])))
+
+
+class TinyLM(nn.Module):
+    """The LM protocol: tokens [T, B] -> (logits [T, B, V], hidden)."""
+
+    def __init__(self, vocab=7, hidden=8, p_hidden=0.4, p_input=0.0):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, 5)
+        self.lstm = VariationalLSTM(5, hidden, dropout_hidden=p_hidden, dropout_input=p_input)
+        self.decoder = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens, hidden=None):
+        out, hidden = self.lstm(self.embedding(tokens), hidden)
+        return self.decoder(out), hidden
+
+
+class Wrapper(Stochastic, nn.Module):
+    """A stochastic module with a child that must stay in eval mode."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.p = p
+        self.inner = nn.BatchNorm1d(4)
+
+    def is_stochastic(self):
+        return self.p > 0
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def trained_batchnorm(model):
+    torch.manual_seed(0)
+    model.norm.running_mean.uniform_(-1, 1)
+    model.norm.running_var.uniform_(0.5, 2)
+    return model
+
+
+def modes(model):
+    return {name: m.training for name, m in model.named_modules()}
+
+
+def token_batches(seed=0, vocab=7, segments=3, T=4, B=2):
+    g = torch.Generator().manual_seed(seed)
+    stream = torch.randint(vocab, (segments * T + 1, B), generator=g)
+    return [(stream[i * T : (i + 1) * T], stream[i * T + 1 : (i + 1) * T + 1]) for i in range(segments)]
+
+
+# ------------------------------------------------------------------ mc_dropout
+
+
+def test_modes_are_restored_after_the_context_and_on_error():
+    torch.manual_seed(0)
+    model = Classifier()
+    model.train()
+    model.head.eval()  # a mixed state must come back exactly
+    before = modes(model)
+    with mc_dropout(model):
+        assert model.lstm.training and model.drop.training
+        assert not model.training and not model.norm.training and not model.head.training
+    assert modes(model) == before
+    with pytest.raises(RuntimeError, match="boom"), mc_dropout(model):
+        raise RuntimeError("boom")
+    assert modes(model) == before
+    model.eval()
+    with pytest.raises(RuntimeError, match="boom"), mc_dropout(model):
+        raise RuntimeError("boom")
+    assert not any(modes(model).values())
+
+
+def test_only_sampling_modules_switch_and_not_their_children():
+    model = nn.Sequential(Wrapper(0.5), nn.Dropout(0.0), Wrapper(0.0), nn.Dropout2d(0.2))
+    model.train()
+    assert sampling_modules(model) == [model[0], model[3]]
+    with mc_dropout(model):
+        assert model[0].training and model[3].training
+        assert not model[0].inner.training  # child of a sampling module
+        assert not model[1].training and not model[2].training and not model.training
+
+
+def test_no_sampling_module_is_a_clear_error():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.0), VariationalLSTM(3, 3))
+    with pytest.raises(ValueError, match="no stochastic module with p > 0"), mc_dropout(model):
+        pass
+    with mc_dropout(model, strict=False):
+        assert not any(modes(model).values())
+
+
+def test_batchnorm_stays_in_eval_during_mc_predict():
+    model = trained_batchnorm(Classifier()).train()
+    stats = model.norm.running_mean.clone(), model.norm.running_var.clone()
+    x = torch.randn(5, 6, 3)
+    mc_predict(model, x, n_samples=4)
+    assert torch.equal(model.norm.running_mean, stats[0])
+    assert torch.equal(model.norm.running_var, stats[1])
+    assert model.training  # restored
+
+
+# ------------------------------------------------------------------ mc_predict
+
+
+def test_with_p_zero_every_sample_is_the_eval_prediction_and_mi_is_zero():
+    model = trained_batchnorm(Classifier(p=0.0, p_dense=0.0))
+    x = torch.randn(5, 6, 3)
+    model.eval()
+    with torch.no_grad():
+        expected = model(x)
+    model.train()
+    result = mc_predict(model, x, n_samples=6, return_samples=True, strict=False)
+    assert result.samples.shape == (6, 5, 4)
+    for sample in result.samples:
+        torch.testing.assert_close(sample, expected)
+    torch.testing.assert_close(result.mean, expected.softmax(-1))
+    torch.testing.assert_close(result.mutual_information, torch.zeros(5), atol=1e-6, rtol=0)
+    torch.testing.assert_close(result.predictive_entropy, result.expected_entropy)
+    regression = mc_predict(model, x, n_samples=3, task="regression", strict=False)
+    torch.testing.assert_close(regression.mean, expected)
+    torch.testing.assert_close(regression.std, torch.zeros_like(expected), atol=1e-6, rtol=0)
+
+
+def test_samples_differ_when_p_positive_also_within_one_batched_chunk():
+    torch.manual_seed(1)
+    model = Classifier(p=0.5).eval()
+    x = torch.randn(3, 5, 3)
+    result = mc_predict(model, x, n_samples=4, method="batched", chunk_size=4, return_samples=True)
+    s = result.samples
+    for i in range(4):
+        for j in range(i):
+            assert not torch.allclose(s[i], s[j])
+    assert (result.mutual_information > 0).all()
+    # Mutual information is the gap between predictive and expected entropy.
+    torch.testing.assert_close(
+        result.mutual_information, result.predictive_entropy - result.expected_entropy
+    )
+
+
+class LastStep(nn.Module):
+    """Regression on the last step; the recurrent mask is its only noise."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = VariationalLSTM(3, 6, batch_first=True, dropout_hidden=0.5)
+
+    def forward(self, x):
+        return self.lstm(x)[0][:, -1]
+
+
+def test_batched_and_looped_sampling_agree_exactly_when_draw_order_is_the_same():
+    # One mask per forward call: the rows of one batched draw come from the generator
+    # in the order of the looped draws (as long as every draw is a whole number of
+    # 64-bit words: masks.py cuts each into four 16-bit values, so B * H % 4 == 0).
+    model = LastStep()
+    x = torch.randn(4, 5, 3)
+
+    def predict(**kwargs):
+        torch.manual_seed(7)
+        return mc_predict(model, x, n_samples=10, task="regression", return_samples=True, **kwargs)
+
+    looped = predict(method="loop")
+    assert not torch.allclose(looped.samples[0], looped.samples[1])
+    for kwargs in ({"chunk_size": 10}, {"chunk_size": 3}, {"memory_budget": 200}, {}):
+        other = predict(**kwargs)  # batched: one chunk, chunks of 3, probe + chunks of 2
+        torch.testing.assert_close(other.samples, looped.samples)
+        torch.testing.assert_close(other.mean, looped.mean)
+        torch.testing.assert_close(other.std, looped.std)
+    torch.testing.assert_close(looped.mean, looped.samples.mean(0))
+    torch.testing.assert_close(looped.std, looped.samples.std(0, correction=0))
+
+
+def test_batched_and_looped_sampling_agree_in_distribution():
+    torch.manual_seed(2)
+    model = Classifier(p=0.3, p_dense=0.2, features=2, hidden=5, classes=3).eval()
+    x = torch.randn(2, 4, 2)
+    n = 300
+    looped = mc_predict(model, x, n_samples=n, method="loop", return_samples=True)
+    batched = mc_predict(model, x, n_samples=n, method="batched", return_samples=True)
+    assert not torch.equal(looped.samples, batched.samples)
+    probs_l, probs_b = looped.samples.softmax(-1), batched.samples.softmax(-1)
+    tol = 5 * (probs_l.std(0) / math.sqrt(n)) * math.sqrt(2) + 1e-4
+    assert ((looped.mean - batched.mean).abs() < tol).all()
+    assert ((probs_l.std(0) - probs_b.std(0)).abs() < 0.25 * probs_l.std(0) + 1e-4).all()
+
+
+def test_time_major_inputs_tuple_outputs_and_extra_tensor_arguments():
+    torch.manual_seed(3)
+    lm = TinyLM(p_hidden=0.3).eval()
+    tokens = torch.randint(7, (5, 3))  # [T, B]
+    h0 = (torch.randn(1, 3, 8), torch.randn(1, 3, 8))  # [layers, B, H], batch on dim 1
+    result = mc_predict(lm, (tokens, h0), n_samples=4, batch_dim=1, return_samples=True)
+    assert result.mean.shape == (5, 3, 7)
+    assert result.samples.shape == (4, 5, 3, 7)
+    torch.testing.assert_close(result.mean.sum(-1), torch.ones(5, 3))
+    assert result.mutual_information.shape == (5, 3)
+    # Each sample of a batched chunk starts from the given state of its own sequence.
+    torch.manual_seed(4)
+    batched = mc_predict(lm, (tokens, h0), n_samples=4, batch_dim=1, method="batched",
+                         chunk_size=4, return_samples=True)
+    torch.manual_seed(4)
+    looped = mc_predict(lm, (tokens, h0), n_samples=4, batch_dim=1, method="loop",
+                        return_samples=True)
+    torch.testing.assert_close(batched.samples, looped.samples)
+
+
+def test_noise_shared_by_the_batch_forces_looping():
+    torch.manual_seed(5)
+    model = Classifier(p=0.3, mask_scope="batch").eval()
+    x = torch.randn(3, 4, 3)
+    with pytest.raises(ValueError, match="method='batched' cannot draw independent samples"):
+        mc_predict(model, x, n_samples=3, method="batched")
+    torch.manual_seed(6)
+    auto = mc_predict(model, x, n_samples=3, return_samples=True)
+    torch.manual_seed(6)
+    loop = mc_predict(model, x, n_samples=3, method="loop", return_samples=True)
+    torch.testing.assert_close(auto.samples, loop.samples)
+
+
+class Encoder(nn.Module):
+    """Time-major [T, B, F] -> last output [B, H] of any recurrent layer."""
+
+    def __init__(self, rnn):
+        super().__init__()
+        self.rnn = rnn
+
+    def forward(self, x):
+        return self.rnn(x)[0][-1]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: WeightDrop(nn.LSTM(3, 4), ["weight_hh_l0"], p=0.5),
+        lambda: SparseLSTM(3, 4),
+        lambda: VariationalLSTM(3, 4, dropout_hidden=0.5, mask_scope="batch"),
+    ],
+    ids=["WeightDrop", "SparseLSTM", "mask_scope_batch"],
+)
+def test_weight_noise_forces_looping(make):
+    torch.manual_seed(13)
+    model = Encoder(make())
+    x = torch.randn(5, 3, 3)
+    with pytest.raises(ValueError, match="method='batched' cannot draw independent samples"):
+        mc_predict(model, x, n_samples=3, method="batched", batch_dim=1, output_batch_dim=0)
+    torch.manual_seed(14)
+    auto = mc_predict(model, x, n_samples=3, batch_dim=1, output_batch_dim=0, return_samples=True)
+    torch.manual_seed(14)
+    loop = mc_predict(
+        model, x, n_samples=3, batch_dim=1, output_batch_dim=0, method="loop", return_samples=True
+    )
+    torch.testing.assert_close(auto.samples, loop.samples)
+    assert not torch.allclose(auto.samples[0], auto.samples[1])
+
+
+def test_a_wrapped_module_stays_in_eval_and_embedding_scope_decides_the_method():
+    wrapped = WeightDrop(nn.LSTM(3, 4), ["weight_hh_l0"], p=0.5)
+    with mc_dropout(wrapped):
+        assert wrapped.training and not wrapped.module.training
+    tokens = torch.randint(9, (4, 3))
+    for scope, expected in (("sequence", "batched"), ("batch", "loop")):
+        model = EmbeddingDropout(nn.Embedding(9, 5), 0.5, scope=scope)
+        if expected == "loop":
+            with pytest.raises(ValueError, match="EmbeddingDropout"):
+                mc_predict(model, tokens, n_samples=2, batch_dim=1, method="batched")
+        else:
+            mc_predict(model, tokens, n_samples=2, batch_dim=1, method="batched")
+
+
+def test_bad_arguments_are_named():
+    model = Classifier()
+    x = torch.randn(2, 3, 3)
+    with pytest.raises(ValueError, match="n_samples"):
+        mc_predict(model, x, n_samples=0)
+    with pytest.raises(ValueError, match="method"):
+        mc_predict(model, x, method="parallel")
+    with pytest.raises(ValueError, match="task"):
+        mc_predict(model, x, task="ranking")
+    with pytest.raises(ValueError, match="output_batch_dim"):
+        mc_predict(model, x, n_samples=3, method="batched", output_batch_dim=1)
+    with pytest.raises(ValueError, match="output_batch_dim"):
+        mc_predict(model, x, n_samples=3, method="loop", output_batch_dim=1)
+    with pytest.raises(TypeError, match="inputs must be a Tensor"):
+        mc_predict(model, [None], n_samples=3)
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        mc_predict(lambda x: x, x)
+
+
+# ------------------------------------------------------------------ perplexity
+
+
+def perplexity_in_current_mode(model, batches):
+    nll, count, hidden = 0.0, 0, None
+    with torch.no_grad():
+        for tokens, targets in batches:
+            logits, hidden = model(tokens, hidden)
+            loss = nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+            nll += loss.item()
+            count += targets.numel()
+    return math.exp(nll / count)
+
+
+def test_mc_perplexity_with_one_deterministic_sample_is_ordinary_perplexity():
+    torch.manual_seed(8)
+    lm = TinyLM(p_hidden=0.0)
+    batches = token_batches()
+    expected = perplexity_in_current_mode(lm.eval(), batches)
+    lm.train()
+    assert mc_perplexity(lm, batches, n_samples=1, strict=False) == pytest.approx(expected, rel=1e-6)
+    # With dropout on and one sample it is the perplexity of one stochastic network.
+    lm = TinyLM(p_hidden=0.5)
+    torch.manual_seed(9)
+    mc = mc_perplexity(lm, batches, n_samples=1)
+    torch.manual_seed(9)
+    assert mc == pytest.approx(perplexity_in_current_mode(lm.train(), batches), rel=1e-6)
+
+
+def test_mc_perplexity_averages_probabilities_with_a_state_per_sample():
+    torch.manual_seed(10)
+    lm = TinyLM(p_hidden=0.5, p_input=0.3)
+    batches = token_batches(segments=3, T=3, B=2)
+    S = 3
+    # By hand: the looped order of draws is segment by segment, sample by sample.
+    torch.manual_seed(11)
+    lm.train()
+    states = [None] * S
+    nll, per_sample_nll = 0.0, 0.0
+    with torch.no_grad():
+        for tokens, targets in batches:
+            probs = []
+            for s in range(S):
+                logits, states[s] = lm(tokens, states[s])
+                probs.append(logits.softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1))
+            probs = torch.stack(probs)  # [S, T, B]
+            nll -= probs.mean(0).log().sum().item()
+            per_sample_nll -= probs.log().mean(0).sum().item()
+    count = 3 * 3 * 2
+    torch.manual_seed(11)
+    result = mc_language_model_loss(lm, batches, n_samples=S, method="loop")
+    assert result.num_tokens == count
+    assert result.total_nll == pytest.approx(nll, rel=1e-5)
+    assert result.perplexity == pytest.approx(math.exp(nll / count), rel=1e-5)
+    assert result.total_nll < per_sample_nll - 1e-3  # Jensen: not the mean of log-probabilities
+    assert lm.training  # restored
+    # Batched sampling draws the recurrent and input masks in another order: compare
+    # with a model whose only mask is the recurrent one.
+    lm = TinyLM(p_hidden=0.5)
+    scores = []
+    for kwargs in ({"method": "loop"}, {"chunk_size": 2}, {"memory_budget": 100}, {}):
+        torch.manual_seed(12)
+        scores.append(mc_perplexity(lm, batches, n_samples=5, **kwargs))
+    assert scores == pytest.approx([scores[0]] * 4, rel=1e-5)
+
+
+class LogitsOnly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(7, 7)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, tokens, hidden=None):
+        return self.drop(self.embedding(tokens))
+
+
+def test_mc_perplexity_checks_the_lm_protocol():
+    lm = TinyLM()
+    with pytest.raises(TypeError, match="LongTensor"):
+        mc_perplexity(lm, [(torch.randn(3, 2), torch.zeros(3, 2, dtype=torch.long))], n_samples=2)
+    with pytest.raises(ValueError, match="same shape"):
+        mc_perplexity(lm, [(torch.zeros(3, 2, dtype=torch.long), torch.zeros(3, 1, dtype=torch.long))])
+    with pytest.raises(ValueError, match="at least one"):
+        mc_perplexity(lm, [], n_samples=2)
+    with pytest.raises(TypeError, match=r"\(logits \[T, B, V\], hidden\)"):
+        mc_perplexity(LogitsOnly(), token_batches(), n_samples=2)
