@@ -1,18 +1,65 @@
 """rnndrop: variational (tied) dropout and other regularizers for recurrent networks."""
 
+from rnndrop.calibration import ReliabilityDiagram, expected_calibration_error, reliability_diagram
 from rnndrop.cells import VariationalGRUCell, VariationalLSTMCell
+from rnndrop.embedding_dropout import EmbeddingDropout
+from rnndrop.gaussian import GaussianGRU, GaussianLockedDropout, GaussianLSTM
+from rnndrop.kl import KLRegularized, KLRegularizer, model_kl, negative_elbo
+from rnndrop.locked_dropout import LockedDropout
 from rnndrop.masks import RecurrentMasks, bernoulli_mask, gaussian_mask, sample_mask
+from rnndrop.mc import (
+    LanguageModelLoss,
+    MCPrediction,
+    mc_dropout,
+    mc_language_model_loss,
+    mc_perplexity,
+    mc_predict,
+)
 from rnndrop.recurrent import VariationalGRU, VariationalLSTM
+from rnndrop.sparse import (
+    SparseEmbedding,
+    SparseGRU,
+    SparseLinear,
+    SparseLSTM,
+    prune,
+    sparsity_report,
+)
+from rnndrop.weight_drop import WeightDrop
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "EmbeddingDropout",
+    "GaussianGRU",
+    "GaussianLSTM",
+    "GaussianLockedDropout",
+    "KLRegularized",
+    "KLRegularizer",
+    "LanguageModelLoss",
+    "LockedDropout",
+    "MCPrediction",
     "RecurrentMasks",
+    "ReliabilityDiagram",
+    "SparseEmbedding",
+    "SparseGRU",
+    "SparseLSTM",
+    "SparseLinear",
     "VariationalGRU",
     "VariationalGRUCell",
     "VariationalLSTM",
     "VariationalLSTMCell",
+    "WeightDrop",
     "bernoulli_mask",
+    "expected_calibration_error",
     "gaussian_mask",
+    "mc_dropout",
+    "mc_language_model_loss",
+    "mc_perplexity",
+    "mc_predict",
+    "model_kl",
+    "negative_elbo",
+    "prune",
+    "reliability_diagram",
     "sample_mask",
+    "sparsity_report",
 ]

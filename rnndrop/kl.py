@@ -155,29 +155,38 @@ def negative_elbo(nll: Tensor, kl: Tensor, dataset_size: int, kl_weight: float =
 
 @dataclass(frozen=True)
 class KLRegularizer:
-    """A loss hook ``(model, progress) -> kl_warmup(progress, warmup) * model_kl(model) / N``.
+    """A loss hook ``(model, progress, dataset_size) -> kl_warmup(progress, warmup) * model_kl(model) / N``.
 
     Added to the mean NLL per data point it gives :func:`negative_elbo` with linear
     KL warm-up; ``progress`` is the fraction of training done, in [0, 1]. The
-    signature of ``Regime.regularizer`` in :mod:`rnndrop.lm.configs`.
+    signature of ``Regime.regularizer`` in :mod:`rnndrop.lm.configs`, whose training
+    loop passes the number of training tokens as ``dataset_size``.
 
     Attributes:
-        dataset_size: ``N``, data points (tokens) in the training set.
+        dataset_size: ``N``, data points (tokens) in the training set; None to take the
+            one the caller passes (the language-model training loop does).
         warmup: fraction of training over which the KL weight rises from 0 to 1.
     """
 
-    dataset_size: int
+    dataset_size: int | None = None
     warmup: float = 0.0
 
     def __post_init__(self) -> None:
-        _check_dataset_size(self.dataset_size)
+        if self.dataset_size is not None:
+            _check_dataset_size(self.dataset_size)
         kl_warmup(0.0, self.warmup)  # checks warmup
 
-    def __call__(self, model: nn.Module, progress: float) -> Tensor:
+    def __call__(self, model: nn.Module, progress: float, dataset_size: int | None = None) -> Tensor:
+        n = self.dataset_size if self.dataset_size is not None else dataset_size
+        if n is None:
+            raise ValueError(
+                "dataset_size: KLRegularizer needs the number of training data points, "
+                "at construction or at the call, got None for both"
+            )
         weight = kl_warmup(progress, self.warmup)
-        return model_kl(model) * (weight / self.dataset_size)
+        return model_kl(model) * (weight / _check_dataset_size(n))
 
 
-def kl_regularizer(dataset_size: int, warmup: float = 0.0) -> KLRegularizer:
+def kl_regularizer(dataset_size: int | None = None, warmup: float = 0.0) -> KLRegularizer:
     """``KLRegularizer(dataset_size, warmup)``: the KL loss hook with linear warm-up."""
     return KLRegularizer(dataset_size, warmup)

@@ -134,6 +134,10 @@ def test_negative_elbo_and_regularizer_scale_by_dataset_size():
     hook = kl_regularizer(1000, warmup=0.5)
     torch.testing.assert_close(hook(model, 0.25), 0.5 * kl / 1000)
     torch.testing.assert_close(hook(model, 0.9), kl / 1000)
+    from_caller = kl_regularizer(warmup=0.5)
+    torch.testing.assert_close(from_caller(model, 0.9, 500), kl / 500)
+    with pytest.raises(ValueError, match="dataset_size"):
+        from_caller(model, 0.9)
     with pytest.raises(ValueError, match="dataset_size"):
         negative_elbo(nll, kl, 0)
 
@@ -149,8 +153,8 @@ def test_language_model_regimes_train_with_the_kl_hook(tmp_path, regime):
     config = TINY.with_overrides(epochs=1)
     hook = REGIMES[regime].regularizer
     model = build_model(len(corpus.vocab), config, REGIMES[regime], config.dropout)
-    assert hook(model, 0.0).item() == 0.0  # warm-up starts at 0
-    assert hook(model, 0.5).item() == pytest.approx(model_kl(model).item() / hook.dataset_size)
+    assert hook(model, 0.0, 1234).item() == 0.0  # warm-up starts at 0
+    assert hook(model, 0.5, 1234).item() == pytest.approx(model_kl(model).item() / 1234)
     mc_samples = 2 if regime == "gaussian" else 0  # keep the test fast
     result = train_run(corpus, config, regime, tmp_path / "run", seed=1, progress=False,
                        mc_samples=mc_samples)

@@ -1,0 +1,226 @@
+"""Word-level corpora for language modelling: reading, vocabulary, batching.
+
+A corpus directory holds three split files in one of the standard layouts:
+
+- Penn Treebank (Mikolov's ``simple-examples``): ``ptb.train.txt``, ``ptb.valid.txt``,
+  ``ptb.test.txt``;
+- WikiText-2 (tokenised): ``train.txt`` / ``valid.txt`` / ``test.txt`` or
+  ``wiki.train.tokens`` / ``wiki.valid.tokens`` / ``wiki.test.tokens``.
+
+Every line is split on white space and ends with ``<eos>``. The vocabulary is
+built from the training split only; words of the validation and test splits that
+never occur in training become ``<unk>``.
+
+Batching follows Zaremba et al. (2014): a split is one long stream of word ids cut
+into ``B`` contiguous columns (``[N, B]``), and truncated BPTT walks down the rows,
+so the hidden state at the end of one segment is the right start for the next.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "EOS",
+    "SPLITS",
+    "SPLIT_LAYOUTS",
+    "UNK",
+    "Corpus",
+    "CorpusError",
+    "Vocabulary",
+    "batchify",
+    "bptt_batches",
+    "find_split_files",
+    "load_corpus",
+    "num_bptt_batches",
+    "read_words",
+]
+
+EOS = "<eos>"
+UNK = "<unk>"
+SPLITS: tuple[str, ...] = ("train", "valid", "test")
+
+#: File name patterns of the known layouts, tried in this order.
+SPLIT_LAYOUTS: tuple[str, ...] = ("ptb.{split}.txt", "{split}.txt", "wiki.{split}.tokens")
+
+
+class CorpusError(ValueError):
+    """A corpus directory or file that cannot be used (missing, incomplete, empty)."""
+
+
+def find_split_files(directory: str | Path) -> dict[str, Path]:
+    """The train / valid / test files of the first layout in ``directory`` that has any.
+
+    Raises:
+        CorpusError: the directory does not exist, holds no known layout, or lacks
+            some split of the layout it holds.
+    """
+    directory = Path(directory).expanduser()
+    if not directory.exists():
+        raise CorpusError(
+            f"data directory {str(directory)!r} does not exist; expected a folder holding "
+            "ptb.{train,valid,test}.txt (Penn Treebank) or {train,valid,test}.txt / "
+            "wiki.{train,valid,test}.tokens (WikiText-2)"
+        )
+    if not directory.is_dir():
+        raise CorpusError(f"data directory {str(directory)!r} is a file, expected a folder")
+    for layout in SPLIT_LAYOUTS:
+        paths = {split: directory / layout.format(split=split) for split in SPLITS}
+        present = [split for split, path in paths.items() if path.is_file()]
+        if not present:
+            continue
+        missing = [paths[split].name for split in SPLITS if split not in present]
+        if missing:
+            raise CorpusError(
+                f"data directory {str(directory)!r} lacks {', '.join(missing)} "
+                f"(found {', '.join(paths[s].name for s in present)}); all three splits are needed"
+            )
+        return paths
+    listing = sorted(p.name for p in directory.iterdir())[:10]
+    raise CorpusError(
+        f"data directory {str(directory)!r} holds no corpus split files: expected "
+        "ptb.{train,valid,test}.txt, {train,valid,test}.txt or wiki.{train,valid,test}.tokens, "
+        f"found {listing or 'nothing'}"
+    )
+
+
+def read_words(path: str | Path) -> list[str]:
+    """The words of a text file, with ``<eos>`` at the end of every line."""
+    words: list[str] = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            words.extend(line.split())
+            words.append(EOS)
+    return words
+
+
+class Vocabulary:
+    """A bijection between words and ids 0..V-1.
+
+    Built by :meth:`from_words`: the most frequent words get the smallest ids (ties
+    broken alphabetically, so the same text gives the same ids); ``<eos>`` and
+    ``<unk>`` are always present.
+    """
+
+    def __init__(self, words: Sequence[str]) -> None:
+        if len(set(words)) != len(words):
+            raise ValueError("words must not repeat")
+        if UNK not in words:
+            raise ValueError(f"words must contain the unknown-word token {UNK!r}")
+        self.itos: list[str] = list(words)
+        self.stoi: dict[str, int] = {w: i for i, w in enumerate(self.itos)}
+        self.unk_id = self.stoi[UNK]
+
+    @classmethod
+    def from_words(cls, words: Sequence[str]) -> Vocabulary:
+        counts = Counter(words)
+        counts.setdefault(EOS, 0)
+        counts.setdefault(UNK, 0)
+        return cls(sorted(counts, key=lambda w: (-counts[w], w)))
+
+    def __len__(self) -> int:
+        return len(self.itos)
+
+    def encode(self, words: Sequence[str]) -> Tensor:
+        """Word ids ``[len(words)]`` (int64); unknown words map to ``<unk>``."""
+        unk = self.unk_id
+        return torch.tensor([self.stoi.get(w, unk) for w in words], dtype=torch.long)
+
+    def decode(self, ids: Sequence[int] | Tensor) -> list[str]:
+        return [self.itos[int(i)] for i in ids]
+
+
+@dataclass
+class Corpus:
+    """The three splits of a corpus as word-id streams ``[N]`` (int64)."""
+
+    vocab: Vocabulary
+    train: Tensor
+    valid: Tensor
+    test: Tensor
+    source: str = ""
+    #: Words of valid / test that were not in the training vocabulary (mapped to <unk>).
+    unseen: dict[str, int] | None = None
+
+    def split(self, name: str) -> Tensor:
+        if name not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {name!r}")
+        return getattr(self, name)
+
+    def summary(self) -> dict[str, int | str]:
+        """Sizes for logs and result files."""
+        out: dict[str, int | str] = {"source": self.source, "vocab_size": len(self.vocab)}
+        for split in SPLITS:
+            out[f"{split}_tokens"] = int(self.split(split).numel())
+        for split, n in (self.unseen or {}).items():
+            out[f"{split}_unseen_words"] = n
+        return out
+
+
+def load_corpus(directory: str | Path) -> Corpus:
+    """Read the three splits of ``directory`` (see :func:`find_split_files`).
+
+    Raises:
+        CorpusError: missing directory or files, or a split with no words.
+    """
+    paths = find_split_files(directory)
+    words = {split: read_words(path) for split, path in paths.items()}
+    for split, ws in words.items():
+        if not any(w != EOS for w in ws):
+            raise CorpusError(f"{split} split file {str(paths[split])!r} holds no words")
+    vocab = Vocabulary.from_words(words["train"])
+    unseen = {
+        split: sum(w not in vocab.stoi for w in words[split]) for split in ("valid", "test")
+    }
+    return Corpus(
+        vocab=vocab,
+        train=vocab.encode(words["train"]),
+        valid=vocab.encode(words["valid"]),
+        test=vocab.encode(words["test"]),
+        source=str(Path(directory).expanduser()),
+        unseen=unseen,
+    )
+
+
+def batchify(data: Tensor, batch_size: int) -> Tensor:
+    """Cut a stream ``[N]`` into ``batch_size`` contiguous columns: ``[N // batch_size, B]``.
+
+    Column ``b`` holds words ``b * rows ... (b + 1) * rows - 1``; the last
+    ``N % batch_size`` words are dropped.
+    """
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if data.dim() != 1:
+        raise ValueError(f"data must be a 1-D stream of word ids, got shape {list(data.shape)}")
+    rows = data.numel() // batch_size
+    if rows < 2:
+        raise CorpusError(
+            f"a split of {data.numel()} words is too short for batch_size={batch_size}: "
+            "each column needs at least 2 words"
+        )
+    return data[: rows * batch_size].view(batch_size, rows).t().contiguous()
+
+
+def bptt_batches(batched: Tensor, bptt: int) -> Iterator[tuple[Tensor, Tensor]]:
+    """Truncated-BPTT segments of a batched stream ``[N, B]``, top to bottom.
+
+    Yields ``(inputs, targets)``, both ``[T, B]`` with ``T <= bptt`` (the last segment
+    may be shorter); ``targets`` are ``inputs`` shifted one word ahead.
+    """
+    if not isinstance(bptt, int) or bptt < 1:
+        raise ValueError(f"bptt must be a positive int, got {bptt!r}")
+    n = batched.shape[0]
+    for start in range(0, n - 1, bptt):
+        length = min(bptt, n - 1 - start)
+        yield batched[start : start + length], batched[start + 1 : start + 1 + length]
+
+
+def num_bptt_batches(batched: Tensor, bptt: int) -> int:
+    """How many segments :func:`bptt_batches` yields."""
+    return -(-(batched.shape[0] - 1) // bptt)

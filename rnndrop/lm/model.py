@@ -1,0 +1,157 @@
+"""A word-level LSTM language model with every dropout site of the compared regimes.
+
+``tokens [T, B] -> EmbeddingDropout (word types) -> VariationalLSTM stack (input,
+between-layer, recurrent and output dropout) -> Linear decoder -> logits [T, B, V]``
+
+The model follows the LM protocol of :mod:`rnndrop.lm`: time-major,
+``model(tokens, hidden=None) -> (logits, hidden)``, where ``hidden`` is opaque
+(``(h, c)``, each ``[num_layers, B, H]``) and is carried by the caller across
+truncated-BPTT segments (detached with :func:`detach_hidden`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from rnndrop.embedding_dropout import EmbeddingDropout
+from rnndrop.masks import check_probability
+from rnndrop.recurrent import VariationalLSTM
+
+__all__ = ["RNNLanguageModel", "detach_hidden"]
+
+
+def detach_hidden(hidden: Any) -> Any:
+    """``hidden`` (a tensor or nested tuples/lists of tensors) cut from the autograd graph."""
+    if hidden is None:
+        return None
+    if isinstance(hidden, Tensor):
+        return hidden.detach()
+    return type(hidden)(detach_hidden(h) for h in hidden)
+
+
+class RNNLanguageModel(nn.Module):
+    """LSTM language model (Zaremba et al. 2014; Gal & Ghahramani 2016).
+
+    Args:
+        vocab_size: ``V``.
+        embedding_size: ``E``.
+        hidden_size: ``H`` of every LSTM layer.
+        num_layers: LSTM layers.
+        dropout_embedding: probability of dropping a word type (whole embedding rows,
+            Gal & Ghahramani's embedding dropout), per sequence or per batch
+            (``embedding_scope``).
+        dropout_input: on the first LSTM layer's input.
+        dropout_between: on the input of every later layer.
+        dropout_hidden: on ``h_{t-1}`` of every layer (the recurrent connections).
+        dropout_output: on the last layer's output, before the decoder.
+        weight_drop: DropConnect probability on every ``weight_hh_l*`` (AWD-LSTM),
+            through :class:`rnndrop.weight_drop.WeightDrop`.
+        mask_scope, per_gate_masks, noise: passed to :class:`rnndrop.VariationalLSTM`.
+        embedding_scope: ``"sequence"`` or ``"batch"``, for the embedding dropout.
+        tie_weights: share the embedding matrix with the decoder (needs ``E == H``).
+        init_scale: every parameter uniform in ``[-init_scale, init_scale]`` (Zaremba);
+            None keeps PyTorch's default initialisation.
+        rnn: a recurrent stack to use instead of the VariationalLSTM built from the
+            arguments above; it must take ``(x [T, B, E], hidden)`` and return
+            ``(out [T, B, H], hidden)`` like ``nn.LSTM``, and it applies its own
+            dropout (the ``dropout_*`` arguments other than ``dropout_embedding`` must
+            then be 0).
+
+    Shapes:
+        tokens: ``[T, B]`` int64; returns logits ``[T, B, V]`` and the new hidden state.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        embedding_size: int,
+        hidden_size: int,
+        num_layers: int = 2,
+        *,
+        dropout_embedding: float = 0.0,
+        dropout_input: float = 0.0,
+        dropout_between: float = 0.0,
+        dropout_hidden: float = 0.0,
+        dropout_output: float = 0.0,
+        weight_drop: float = 0.0,
+        mask_scope: str = "sequence",
+        per_gate_masks: bool = False,
+        noise: str = "bernoulli",
+        embedding_scope: str = "sequence",
+        tie_weights: bool = False,
+        init_scale: float | None = 0.1,
+        rnn: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        for name, value in (("vocab_size", vocab_size), ("embedding_size", embedding_size),
+                            ("hidden_size", hidden_size), ("num_layers", num_layers)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        weight_drop = check_probability("weight_drop", weight_drop)
+        if tie_weights and embedding_size != hidden_size:
+            raise ValueError(
+                "tie_weights=True needs embedding_size == hidden_size, got "
+                f"embedding_size={embedding_size} and hidden_size={hidden_size}"
+            )
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_layers = num_layers
+        self.tie_weights = bool(tie_weights)
+        self.embedding = EmbeddingDropout(
+            nn.Embedding(vocab_size, embedding_size), dropout_embedding, scope=embedding_scope
+        )
+        custom_rnn = rnn is not None
+        if rnn is None:
+            lstm = VariationalLSTM(
+                embedding_size, hidden_size, num_layers,
+                dropout=dropout_between, dropout_input=dropout_input,
+                dropout_hidden=dropout_hidden, dropout_output=dropout_output,
+                mask_scope=mask_scope, per_gate_masks=per_gate_masks, noise=noise,
+            )
+            rnn = self._weight_dropped(lstm, weight_drop) if weight_drop > 0 else lstm
+        else:
+            given = {"dropout_input": dropout_input, "dropout_between": dropout_between,
+                     "dropout_hidden": dropout_hidden, "dropout_output": dropout_output,
+                     "weight_drop": weight_drop}
+            nonzero = [k for k, v in given.items() if v]
+            if nonzero:
+                raise ValueError(
+                    f"with a custom rnn the recurrent dropout is the rnn's own: "
+                    f"{', '.join(nonzero)} must be 0, got {[given[k] for k in nonzero]}"
+                )
+        self.rnn = rnn
+        self.decoder = nn.Linear(hidden_size, vocab_size)
+        if init_scale is not None:
+            # A custom rnn keeps the initialisation its builder gave it.
+            own = [self.embedding, self.decoder] + ([] if custom_rnn else [self.rnn])
+            self.reset_parameters(init_scale, own)
+        if self.tie_weights:
+            self.decoder.weight = self.embedding.embedding.weight
+
+    @staticmethod
+    def _weight_dropped(lstm: nn.Module, p: float) -> nn.Module:
+        from rnndrop.weight_drop import WeightDrop  # written alongside; imported when used
+
+        names = tuple(f"weight_hh_l{k}" for k in range(lstm.num_layers))
+        return WeightDrop(lstm, weights=names, p=p)
+
+    def reset_parameters(self, init_scale: float, modules: list[nn.Module] | None = None) -> None:
+        """Every parameter (of ``modules``, default all) uniform in ``[-init_scale, init_scale]``
+        (Zaremba et al.)."""
+        if not init_scale > 0:
+            raise ValueError(f"init_scale must be > 0, got {init_scale!r}")
+        with torch.no_grad():
+            for module in modules if modules is not None else [self]:
+                for p in module.parameters():
+                    p.uniform_(-init_scale, init_scale)
+
+    def forward(self, tokens: Tensor, hidden: Any = None) -> tuple[Tensor, Any]:
+        if not isinstance(tokens, Tensor) or tokens.dim() != 2:
+            got = list(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
+            raise ValueError(f"tokens must be a [T, B] tensor of word ids, got {got}")
+        x = self.embedding(tokens)  # [T, B, E]
+        out, hidden = self.rnn(x, hidden)  # [T, B, H]
+        return self.decoder(out), hidden  # [T, B, V]

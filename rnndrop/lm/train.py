@@ -1,0 +1,383 @@
+"""Training and evaluation of one language-model run, with checkpoints and resume.
+
+One run = (config, regime, dropout probabilities, seed) on a corpus, written to a
+folder of its own:
+
+- ``checkpoint.pt``: model, optimizer, RNG states, epoch, learning rate, best
+  validation perplexity and the history, after every epoch (atomically);
+- ``best.pt``: the model state of the best validation epoch;
+- ``results.json`` and ``curve.png`` when the run has finished.
+
+``train_run(..., resume=True)`` continues from ``checkpoint.pt``: the run ends in
+the very state (bit for bit) an uninterrupted run with the same seed reaches, and
+no finished epoch is lost. Training follows Zaremba et al.: contiguous batches,
+truncated BPTT with the hidden state carried (detached) across segments and reset
+at every epoch, SGD with gradient-norm clipping.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rnndrop.lm.checkpoint import get_rng_state, load_checkpoint, save_atomic, set_rng_state
+from rnndrop.lm.configs import TrainConfig, build_model, get_regime, regime_probabilities
+from rnndrop.lm.corpus import Corpus, batchify, bptt_batches, num_bptt_batches
+from rnndrop.lm.model import detach_hidden
+from rnndrop.lm.results import SCHEMA, peak_memory, plot_learning_curves, versions, write_json_atomic
+
+__all__ = [
+    "TrainingDiverged",
+    "add_mc_result",
+    "evaluate",
+    "evaluate_mc",
+    "resolve_device",
+    "train_run",
+]
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT = "checkpoint.pt"
+BEST = "best.pt"
+RESULTS = "results.json"
+CURVE = "curve.png"
+
+EpochCallback = Callable[[int, Mapping[str, Any]], None]
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient became NaN or infinite."""
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """``"auto"``: CUDA when available, else the CPU."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class _Progress:
+    """A tqdm bar when tqdm is installed, else a log line every tenth of the loop."""
+
+    def __init__(self, total: int, desc: str, enabled: bool) -> None:
+        self.total, self.desc, self.count = total, desc, 0
+        self.bar = None
+        self.enabled = enabled
+        if enabled:
+            try:
+                from tqdm.auto import tqdm
+
+                self.bar = tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
+            except ImportError:
+                pass
+        self.every = max(1, total // 10)
+
+    def update(self, **stats: float) -> None:
+        self.count += 1
+        text = {k: f"{v:,.0f}" if v >= 100 else f"{v:.2f}" for k, v in stats.items()}
+        if self.bar is not None:
+            self.bar.set_postfix(text, refresh=False)
+            self.bar.update(1)
+        elif self.enabled and (self.count % self.every == 0 or self.count == self.total):
+            log.info("%s %d/%d %s", self.desc, self.count, self.total,
+                     " ".join(f"{k}={v}" for k, v in text.items()))
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _loss(logits: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction=reduction)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batched: Tensor, bptt: int) -> float:
+    """Perplexity of ``model`` in eval mode (dropout off: the weight-scaling
+    approximation) on a batched stream ``[N, B]``, the state carried across segments."""
+    was_training = model.training
+    model.eval()
+    total, count, hidden = 0.0, 0, None
+    try:
+        for inputs, targets in bptt_batches(batched, bptt):
+            logits, hidden = model(inputs, hidden)
+            total += _loss(logits, targets, "sum").item()
+            count += targets.numel()
+    finally:
+        model.train(was_training)
+    return math.exp(total / count)
+
+
+def evaluate_mc(model: nn.Module, batched: Tensor, bptt: int, n_samples: int) -> float:
+    """Perplexity under Monte-Carlo dropout (:func:`rnndrop.mc.mc_perplexity`): the
+    predictive probability of every word averaged over ``n_samples`` dropout draws."""
+    from rnndrop.mc import mc_perplexity
+
+    return mc_perplexity(model, list(bptt_batches(batched, bptt)), n_samples)
+
+
+def _has_noise(model: nn.Module) -> bool:
+    from rnndrop.mc import sampling_modules
+
+    return bool(sampling_modules(model))
+
+
+def _epoch_lr(config: TrainConfig, epoch: int, current: float) -> float:
+    if config.schedule == "fixed":
+        return config.lr / config.lr_decay ** max(0, epoch - config.decay_after)
+    return current
+
+
+def _train_epoch(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batched: Tensor,
+    config: TrainConfig,
+    epoch: int,
+    regularizer: Callable[[nn.Module, float, int], Tensor] | None,
+    progress: bool,
+    checkpoint_path: Path,
+    last_good_epoch: int,
+) -> tuple[float, int, float]:
+    """One pass over the training stream: (train perplexity, words, seconds)."""
+    model.train()
+    n_batches = num_bptt_batches(batched, config.bptt)
+    bar = _Progress(n_batches, f"epoch {epoch}", progress)
+    total, words, hidden = 0.0, 0, None
+    start = time.perf_counter()
+    lr = optimizer.param_groups[0]["lr"]
+    try:
+        for i, (inputs, targets) in enumerate(bptt_batches(batched, config.bptt)):
+            logits, hidden = model(inputs, hidden)
+            hidden = detach_hidden(hidden)
+            loss = _loss(logits, targets)
+            objective = loss
+            if regularizer is not None:
+                progress_frac = (epoch - 1 + i / n_batches) / config.epochs
+                objective = loss + regularizer(model, progress_frac, batched.numel())
+            if not torch.isfinite(objective):
+                _diverged(f"the training loss is {objective.item()}", epoch, i, n_batches, lr,
+                          checkpoint_path, last_good_epoch)
+            optimizer.zero_grad(set_to_none=True)
+            objective.backward()
+            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), config.clip)
+            if not torch.isfinite(grad_norm):
+                _diverged(f"the gradient norm is {grad_norm.item()}", epoch, i, n_batches, lr,
+                          checkpoint_path, last_good_epoch)
+            optimizer.step()
+            total += loss.item() * targets.numel()
+            words += targets.numel()
+            elapsed = time.perf_counter() - start
+            bar.update(ppl=math.exp(total / words), wps=words / max(elapsed, 1e-9))
+    finally:
+        bar.close()
+    return math.exp(total / words), words, time.perf_counter() - start
+
+
+def _diverged(what: str, epoch: int, batch: int, n_batches: int, lr: float,
+              checkpoint_path: Path, last_good_epoch: int) -> None:
+    where = (f"the last good checkpoint {str(checkpoint_path)!r} (epoch {last_good_epoch}) is intact"
+             if last_good_epoch else "no epoch had finished, so there is no checkpoint")
+    raise TrainingDiverged(
+        f"training stopped: {what} at epoch {epoch}, batch {batch + 1}/{n_batches} (lr {lr:g}); "
+        f"{where}. Lower the learning rate or the clipping threshold and start again."
+    )
+
+
+def _run_identity(config: TrainConfig, regime: str, probabilities: Mapping[str, float],
+                  seed: int) -> dict[str, Any]:
+    """What a checkpoint must match to be resumed (the number of epochs may grow)."""
+    cfg = config.to_dict()
+    cfg.pop("epochs")
+    cfg.pop("grid")
+    cfg.pop("mc_samples")
+    return {"config": cfg, "regime": regime, "dropout": dict(probabilities), "seed": seed}
+
+
+def train_run(
+    corpus: Corpus,
+    config: TrainConfig,
+    regime: str,
+    out_dir: str | Path,
+    *,
+    dropout: Mapping[str, float] | None = None,
+    seed: int = 1,
+    resume: bool = False,
+    device: str | torch.device = "auto",
+    mc_samples: int | None = None,
+    progress: bool = True,
+    dataset: str = "",
+    on_epoch_end: EpochCallback | None = None,
+) -> dict[str, Any]:
+    """Train one run to the end (or resume it) and return its result (also in results.json).
+
+    Args:
+        corpus: the data (see :func:`rnndrop.lm.corpus.load_corpus`).
+        config: model size and optimisation.
+        regime: a key of :data:`rnndrop.lm.configs.REGIMES`.
+        out_dir: the run's folder.
+        dropout: probability per site; default ``config.dropout``. Sites the regime
+            does not use get 0.
+        seed: seeds torch's and Python's generators (initialisation and masks).
+        resume: continue from ``out_dir/checkpoint.pt`` if it exists. Without it, a
+            folder that already holds a checkpoint is an error (nothing is overwritten).
+        device: ``"auto"``, ``"cpu"``, ``"cuda"``...
+        mc_samples: samples for the Monte-Carlo test perplexity; default
+            ``config.mc_samples``; 0 skips it (so does a model without dropout).
+        progress: show a progress bar (tqdm if installed, else log lines).
+        dataset: a name for the result file.
+        on_epoch_end: called as ``on_epoch_end(epoch, record)`` after each epoch's
+            checkpoint is written.
+
+    Raises:
+        TrainingDiverged: a NaN / infinite loss or gradient (the checkpoint of the
+            last finished epoch is left as it was).
+        FileExistsError: ``out_dir`` holds a checkpoint and ``resume`` is False.
+        ValueError: the checkpoint belongs to another run.
+    """
+    wall_start = time.perf_counter()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt_path, best_path = out / CHECKPOINT, out / BEST
+    regime_obj = get_regime(regime)
+    probabilities = regime_probabilities(regime_obj, config.dropout if dropout is None else dropout)
+    identity = _run_identity(config, regime, probabilities, seed)
+    device = resolve_device(device)
+    mc_samples = config.mc_samples if mc_samples is None else mc_samples
+    if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 0:
+        raise ValueError(f"mc_samples must be an int >= 0, got {mc_samples!r}")
+
+    torch.manual_seed(seed)
+    random.seed(seed)
+    model = build_model(len(corpus.vocab), config, regime_obj, probabilities).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    train_data = batchify(corpus.train, config.batch_size).to(device)
+    valid_data = batchify(corpus.valid, config.eval_batch_size).to(device)
+    test_data = batchify(corpus.test, config.eval_batch_size).to(device)
+
+    state: dict[str, Any] = {
+        "epoch": 0, "lr": config.lr, "best_valid_ppl": math.inf, "best_epoch": 0,
+        "history": [], "train_seconds": 0.0, "train_words": 0, "wall_seconds": 0.0,
+    }
+    if ckpt_path.exists():
+        if not resume:
+            raise FileExistsError(
+                f"{str(out)!r} already holds a checkpoint; pass resume=True (--resume) to "
+                "continue that run, or choose another output folder"
+            )
+        ckpt = load_checkpoint(ckpt_path)
+        if json.dumps(ckpt["identity"], sort_keys=True) != json.dumps(identity, sort_keys=True):
+            raise ValueError(
+                f"the checkpoint in {str(out)!r} belongs to another run "
+                f"({ckpt['identity']['regime']}, seed {ckpt['identity']['seed']}, "
+                f"dropout {ckpt['identity']['dropout']}); choose another output folder"
+            )
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        state.update(ckpt["progress"])
+        set_rng_state(ckpt["rng"])
+        log.info("%s: resumed after epoch %d", out, state["epoch"])
+
+    for epoch in range(state["epoch"] + 1, config.epochs + 1):
+        lr = _epoch_lr(config, epoch, state["lr"])
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        train_ppl, words, seconds = _train_epoch(
+            model, optimizer, train_data, config, epoch, regime_obj.regularizer, progress,
+            ckpt_path, state["epoch"],
+        )
+        valid_ppl = evaluate(model, valid_data, config.bptt)
+        improved = valid_ppl < state["best_valid_ppl"]
+        if improved:
+            state["best_valid_ppl"], state["best_epoch"] = valid_ppl, epoch
+            save_atomic({"model": model.state_dict(), "epoch": epoch}, best_path)
+        next_lr = lr / config.lr_decay if config.schedule == "plateau" and not improved else lr
+        record = {
+            "epoch": epoch, "lr": lr, "train_ppl": train_ppl, "valid_ppl": valid_ppl,
+            "seconds": seconds, "words_per_second": words / seconds,
+        }
+        state["history"] = [*state["history"], record]
+        state.update(epoch=epoch, lr=next_lr, train_seconds=state["train_seconds"] + seconds,
+                     train_words=state["train_words"] + words)
+        log.info("%s epoch %d: lr %g, train ppl %.2f, valid ppl %.2f, %.0f words/s",
+                 regime, epoch, lr, train_ppl, valid_ppl, words / seconds)
+        state["wall_seconds"] += time.perf_counter() - wall_start
+        wall_start = time.perf_counter()
+        save_atomic(
+            {"identity": identity, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+             "progress": state, "rng": get_rng_state()},
+            ckpt_path,
+        )
+        if on_epoch_end is not None:
+            on_epoch_end(epoch, record)
+
+    model.load_state_dict(load_checkpoint(best_path)["model"])
+    test_ppl = evaluate(model, test_data, config.bptt)
+    test_ppl_mc = None
+    if mc_samples > 0 and _has_noise(model):
+        torch.manual_seed(seed)
+        test_ppl_mc = evaluate_mc(model, test_data, config.bptt, mc_samples)
+    state["wall_seconds"] += time.perf_counter() - wall_start
+    memory, memory_kind = peak_memory(device)
+    result = {
+        "schema": SCHEMA,
+        "dataset": dataset,
+        "corpus": corpus.summary(),
+        "config": config.to_dict(),
+        "regime": regime,
+        "regime_settings": regime_obj.settings(),
+        "dropout": probabilities,
+        "seed": seed,
+        "epochs": state["history"],
+        "best_epoch": state["best_epoch"],
+        "best_valid_ppl": state["best_valid_ppl"],
+        "test_ppl": test_ppl,
+        "test_ppl_mc": test_ppl_mc,
+        "mc_samples": mc_samples if test_ppl_mc is not None else 0,
+        "words_per_second": state["train_words"] / state["train_seconds"],
+        "train_seconds": state["train_seconds"],
+        "wall_seconds": state["wall_seconds"],
+        "peak_memory_bytes": memory,
+        "peak_memory_kind": memory_kind,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "versions": versions(),
+    }
+    write_json_atomic(result, out / RESULTS)
+    plot_learning_curves([result], out / CURVE)
+    return result
+
+
+def add_mc_result(
+    corpus: Corpus, config: TrainConfig, out_dir: str | Path, n_samples: int,
+    device: str | torch.device = "auto",
+) -> dict[str, Any]:
+    """Add the Monte-Carlo test perplexity to a finished run's results.json."""
+    out = Path(out_dir)
+    with open(out / RESULTS, encoding="utf-8") as f:
+        result = json.load(f)
+    device = resolve_device(device)
+    regime = get_regime(result["regime"])
+    model = build_model(len(corpus.vocab), config, regime, result["dropout"]).to(device)
+    model.load_state_dict(load_checkpoint(out / BEST)["model"])
+    if n_samples > 0 and _has_noise(model):
+        torch.manual_seed(result["seed"])
+        start = time.perf_counter()
+        test_data = batchify(corpus.test, config.eval_batch_size).to(device)
+        result["test_ppl_mc"] = evaluate_mc(model, test_data, config.bptt, n_samples)
+        result["mc_samples"] = n_samples
+        result["mc_seconds"] = time.perf_counter() - start
+        write_json_atomic(result, out / RESULTS)
+    return result
+

@@ -1,0 +1,174 @@
+import json
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from rnndrop.lm import benchmark
+from rnndrop.lm.checkpoint import load_checkpoint
+from rnndrop.lm.configs import CONFIGS, REGIMES, Regime
+from rnndrop.lm.corpus import load_corpus
+from rnndrop.lm.results import markdown_table, read_result, validate_result
+from rnndrop.lm.train import TrainingDiverged, train_run
+from tests.lm_helpers import TINY, write_corpus
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the suite shares 2 cores; tiny models gain nothing from more
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    return load_corpus(write_corpus(tmp_path / "data"))
+
+
+class _Killed(Exception):
+    pass
+
+
+def test_training_lowers_perplexity_and_writes_valid_results(corpus, tmp_path):
+    result = train_run(corpus, TINY, "tied", tmp_path / "run", seed=1, progress=False)
+    valid = [e["valid_ppl"] for e in result["epochs"]]
+    vocab = len(corpus.vocab)
+    assert valid[0] < vocab  # better than uniform after one epoch
+    assert result["best_valid_ppl"] < valid[0] < vocab
+    assert result["best_valid_ppl"] < 6  # the grammar is nearly deterministic
+    assert result["test_ppl"] < 8 and result["test_ppl_mc"] is not None
+    assert math.isfinite(result["test_ppl_mc"]) and result["mc_samples"] == TINY.mc_samples
+    on_disk = read_result(tmp_path / "run" / "results.json")
+    assert on_disk == json.loads(json.dumps(result))
+    assert on_disk["regime"] == "tied" and on_disk["seed"] == 1
+    assert on_disk["dropout"]["hidden"] == 0.2 and on_disk["words_per_second"] > 0
+    assert on_disk["peak_memory_bytes"] > 0 and on_disk["versions"]["torch"] == torch.__version__
+    assert (tmp_path / "run" / "curve.png").read_bytes()[:4] == b"\x89PNG"
+    table = markdown_table([on_disk])
+    assert table.count("\n") == 3 and "| tied |" in table and f"{on_disk['test_ppl']:.1f}" in table
+    with pytest.raises(ValueError, match="result lacks test_ppl"):
+        validate_result({k: v for k, v in on_disk.items() if k != "test_ppl"})
+
+
+def test_resume_after_a_kill_matches_an_uninterrupted_run_bit_for_bit(corpus, tmp_path):
+    config = replace(TINY, schedule="fixed", decay_after=1, lr_decay=2.0)
+    full = train_run(corpus, config, "tied", tmp_path / "full", seed=7, progress=False)
+
+    def kill_after_first_epoch(epoch, record):
+        if epoch == 1:
+            raise _Killed
+
+    with pytest.raises(_Killed):
+        train_run(corpus, config, "tied", tmp_path / "cut", seed=7, progress=False,
+                  on_epoch_end=kill_after_first_epoch)
+    assert load_checkpoint(tmp_path / "cut" / "checkpoint.pt")["progress"]["epoch"] == 1
+    with pytest.raises(FileExistsError, match="--resume"):
+        train_run(corpus, config, "tied", tmp_path / "cut", seed=7, progress=False)
+    resumed = train_run(corpus, config, "tied", tmp_path / "cut", seed=7, progress=False, resume=True)
+
+    a = load_checkpoint(tmp_path / "full" / "checkpoint.pt")
+    b = load_checkpoint(tmp_path / "cut" / "checkpoint.pt")
+    assert a["model"].keys() == b["model"].keys()
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), name
+    assert [e["valid_ppl"] for e in full["epochs"]] == [e["valid_ppl"] for e in resumed["epochs"]]
+    assert [e["lr"] for e in resumed["epochs"]] == [8.0, 4.0, 2.0]
+    assert full["test_ppl"] == resumed["test_ppl"] and full["test_ppl_mc"] == resumed["test_ppl_mc"]
+    # Another seed really gives other parameters (the comparison above can fail).
+    other = train_run(corpus, config, "tied", tmp_path / "other", seed=8, progress=False, mc_samples=0)
+    assert other["test_ppl"] != full["test_ppl"]
+
+
+def test_checkpoint_of_another_run_is_refused(corpus, tmp_path):
+    config = replace(TINY, epochs=1)
+    train_run(corpus, config, "naive", tmp_path / "run", seed=1, progress=False, mc_samples=0)
+    with pytest.raises(ValueError, match="belongs to another run"):
+        train_run(corpus, config, "tied", tmp_path / "run", seed=1, progress=False, resume=True)
+
+
+def _nan_after(threshold):
+    def regularizer(model, progress, train_tokens):
+        return torch.tensor(float("nan") if progress >= threshold else 0.0)
+
+    return regularizer
+
+
+def test_nan_loss_stops_with_a_clear_message_and_keeps_the_checkpoint(corpus, tmp_path):
+    config = replace(TINY, epochs=2)
+    REGIMES["nan-at-once"] = Regime("diverges at once", sites=("input",), regularizer=_nan_after(0.0))
+    REGIMES["nan-later"] = Regime("diverges in epoch 2", sites=("input",), regularizer=_nan_after(0.5))
+    try:
+        with pytest.raises(TrainingDiverged, match=r"training loss is nan at epoch 1, batch 1/.*"
+                           r"no epoch had finished"):
+            train_run(corpus, config, "nan-at-once", tmp_path / "a", progress=False)
+        with pytest.raises(TrainingDiverged, match=r"loss is nan at epoch 2, batch 1/.*the last good "
+                           r"checkpoint '.*checkpoint.pt' \(epoch 1\) is intact"):
+            train_run(corpus, config, "nan-later", tmp_path / "b", progress=False)
+    finally:
+        del REGIMES["nan-at-once"], REGIMES["nan-later"]
+    assert not (tmp_path / "a" / "checkpoint.pt").exists()
+    ckpt = load_checkpoint(tmp_path / "b" / "checkpoint.pt")
+    assert ckpt["progress"]["epoch"] == 1 and len(ckpt["progress"]["history"]) == 1
+    assert all(torch.isfinite(t).all() for t in ckpt["model"].values())
+    assert not (tmp_path / "b" / "results.json").exists()
+
+
+def test_regularizer_hook_is_added_to_the_loss(corpus, tmp_path):
+    seen = []
+
+    def l2(model, progress, train_tokens):
+        assert train_tokens > 0
+        seen.append(progress)
+        return 10.0 * sum(p.square().sum() for p in model.parameters())
+
+    REGIMES["l2-test"] = Regime("tied + strong L2", sites=("input",), regularizer=l2)
+    try:
+        config = replace(TINY, epochs=1)
+        plain = train_run(corpus, config, "naive", tmp_path / "a", dropout={"input": 0.2}, seed=1,
+                          progress=False, mc_samples=0)
+        shrunk = train_run(corpus, config, "l2-test", tmp_path / "b", dropout={"input": 0.2}, seed=1,
+                           progress=False, mc_samples=0)
+    finally:
+        del REGIMES["l2-test"]
+    assert seen[0] == 0.0 and 0 < seen[-1] < 1 and seen == sorted(seen)
+    a = load_checkpoint(tmp_path / "a" / "checkpoint.pt")["model"]["decoder.weight"]
+    b = load_checkpoint(tmp_path / "b" / "checkpoint.pt")["model"]["decoder.weight"]
+    assert b.norm() < 0.5 * a.norm()
+    assert shrunk["regime_settings"]["regularizer"].endswith("l2")
+    assert plain["test_ppl"] != shrunk["test_ppl"]
+
+
+def test_benchmark_cli_grid_selects_on_validation(tmp_path, monkeypatch):
+    data = write_corpus(tmp_path / "data")
+    monkeypatch.setitem(CONFIGS, "tiny", replace(TINY, epochs=2))
+    out = tmp_path / "out"
+    argv = ["--data", str(data), "--config", "tiny", "--regimes", "none,naive", "--grid",
+            "--seeds", "1,2", "--out", str(out), "--no-progress"]
+    text = benchmark.main(argv, dataset="ptb")
+    summary = json.loads((out / "summary.json").read_text())
+    grid = [r for r in summary["grid_runs"] if r["regime"] == "naive"]
+    assert len(grid) == 2
+    best = min(grid, key=lambda r: r["best_valid_ppl"])
+    finals = [r for r in summary["runs"] if r["regime"] == "naive"]
+    assert [r["seed"] for r in finals] == [1, 2]
+    assert all(r["dropout"] == best["dropout"] for r in finals)
+    assert all(r["test_ppl_mc"] is not None for r in finals)
+    none = [r for r in summary["runs"] if r["regime"] == "none"]
+    assert all(r["test_ppl_mc"] is None for r in none)  # nothing to sample
+    assert "| naive |" in text and "✓" in text and (out / "learning_curves.png").is_file()
+    # --resume reuses every finished run.
+    mtime = (out / "naive").stat().st_mtime_ns
+    benchmark.main([*argv, "--resume"], dataset="ptb")
+    assert (out / "naive").stat().st_mtime_ns == mtime
+
+
+def test_benchmark_cli_data_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        benchmark.main(["--data", str(tmp_path / "missing")], dataset="ptb")
+    assert exit_info.value.code == 2
+    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        benchmark.main(["--data", str(tmp_path), "--regimes", "nonsense"], dataset="ptb")
+    assert "regime must be one of" in capsys.readouterr().err
