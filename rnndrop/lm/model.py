@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from rnndrop.embedding_dropout import EmbeddingDropout
 from rnndrop.masks import check_probability
 from rnndrop.recurrent import VariationalLSTM
+from rnndrop.weight_drop import WeightDrop
 
 __all__ = ["RNNLanguageModel", "detach_hidden"]
 
@@ -133,8 +134,6 @@ class RNNLanguageModel(nn.Module):
 
     @staticmethod
     def _weight_dropped(lstm: nn.Module, p: float) -> nn.Module:
-        from rnndrop.weight_drop import WeightDrop  # written alongside; imported when used
-
         names = tuple(f"weight_hh_l{k}" for k in range(lstm.num_layers))
         return WeightDrop(lstm, weights=names, p=p)
 
