@@ -1,0 +1,243 @@
+"""Training speed and memory of rnndrop's recurrent layers against nn.LSTM / nn.GRU.
+
+    python benchmarks/speed.py                               # small and medium, LSTM and GRU
+    python benchmarks/speed.py --shapes large --models lstm --rounds 5
+    python benchmarks/speed.py --device cuda --shapes small,medium,large --json speed.json
+
+Every variant runs forward + backward of ``out.sum()`` in training mode on the
+Zaremba et al. (2014) shapes: batch 20, 35 steps, 2 layers, input size = hidden
+size (small 200, medium 650, large 1500), float32. Variants, for the LSTM and the GRU:
+
+- ``nn.LSTM`` / ``nn.GRU``: no dropout, the baseline every ratio is taken against;
+- ``<scope>/<kernel>``: ``VariationalLSTM/GRU`` with dropout_input, dropout (between
+  layers), dropout_hidden and dropout_output all ``--p``, masks drawn afresh every call,
+  ``mask_scope`` sequence (Gal & Ghahramani) or step (naive), run by each loop kernel of
+  ``rnndrop.kernels.KERNELS`` (``*`` marks the one ``kernel="auto"`` picks);
+- ``batch/fused``: ``mask_scope="batch"``: the recurrent mask is shared by the batch and
+  folded into ``W_hh``, so torch's fused kernel runs;
+- ``weight_drop``: ``WeightDrop(nn.LSTM, every weight_hh, p)`` (DropConnect), when
+  ``rnndrop.weight_drop`` is there.
+
+Timing: warm-up calls, then interleaved rounds; every round runs the variants once each
+in a fresh random order, so load from other processes hits all of them alike. A
+variant's ratio is the median over rounds of its time over the baseline's time in the
+same round; "±" is the interquartile range of its times over their median. "first" is
+the first call's time (a cold compile would show there).
+
+Memory: on CPU the bytes saved for backward (``torch.autograd.graph.saved_tensors_hooks``,
+each storage counted once, parameters excluded); on CUDA the peak of
+``torch.cuda.max_memory_allocated`` over forward + backward above what was allocated before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from rnndrop import VariationalGRU, VariationalLSTM
+from rnndrop.kernels import DEFAULT_LOOP_KERNEL, KERNELS
+
+try:
+    from rnndrop.weight_drop import WeightDrop
+except ImportError:  # written by another part of the project; optional here
+    WeightDrop = None
+
+SHAPES = {"small": 200, "medium": 650, "large": 1500}
+
+
+def build_variants(
+    model: str, hidden: int, layers: int, p: float, kernels: list[str]
+) -> dict[str, nn.Module]:
+    """The modules to time, baseline first."""
+    base_cls, ours_cls = (nn.LSTM, VariationalLSTM) if model == "lstm" else (nn.GRU, VariationalGRU)
+    probs = dict(dropout=p, dropout_input=p, dropout_hidden=p, dropout_output=p)
+    variants: dict[str, nn.Module] = {f"nn.{base_cls.__name__}": base_cls(hidden, hidden, layers)}
+    for scope in ("sequence", "step"):
+        for kernel in kernels:
+            mark = "*" if kernel == DEFAULT_LOOP_KERNEL else ""
+            variants[f"{scope}/{kernel}{mark}"] = ours_cls(
+                hidden, hidden, layers, mask_scope=scope, kernel=kernel, **probs
+            )
+    variants["batch/fused"] = ours_cls(hidden, hidden, layers, mask_scope="batch", **probs)
+    if WeightDrop is not None:
+        names = [f"weight_hh_l{k}" for k in range(layers)]
+        variants["weight_drop"] = WeightDrop(base_cls(hidden, hidden, layers), names, p=p)
+    return variants
+
+
+def train_step(module: nn.Module, x: torch.Tensor) -> None:
+    out, _ = module(x)
+    out.sum().backward()
+
+
+def timed(fn: Callable[[], None], device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def saved_bytes(module: nn.Module, x: torch.Tensor) -> int:
+    """Bytes the forward pass keeps for backward (CPU) or the peak allocation (CUDA)."""
+    module.zero_grad(set_to_none=True)
+    if x.device.type == "cuda":
+        torch.cuda.synchronize(x.device)
+        before = torch.cuda.memory_allocated(x.device)
+        torch.cuda.reset_peak_memory_stats(x.device)
+        train_step(module, x)
+        torch.cuda.synchronize(x.device)
+        return torch.cuda.max_memory_allocated(x.device) - before
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.layout == torch.strided and not t.is_mkldnn:
+            s = t.untyped_storage()
+            if s.data_ptr() not in params:
+                storages[s.data_ptr()] = s.nbytes()
+        else:  # opaque layouts: count the elements
+            storages[id(t)] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out, _ = module(x)
+    out.sum().backward()
+    return sum(storages.values())
+
+
+def bench_shape(model: str, shape: str, args: argparse.Namespace, device: torch.device) -> list[dict]:
+    hidden = SHAPES[shape]
+    torch.manual_seed(0)
+    variants = build_variants(model, hidden, args.layers, args.p, args.kernels)
+    for m in variants.values():
+        m.to(device).train()
+    x = torch.randn(args.seq_len, args.batch, hidden, device=device)
+    calls = {name: (lambda m=m: train_step(m, x)) for name, m in variants.items()}
+    names = list(variants)
+    baseline = names[0]
+
+    first = {}
+    for name in names:
+        variants[name].zero_grad(set_to_none=True)
+        first[name] = timed(calls[name], device)
+    for _ in range(args.warmup - 1):
+        for name in names:
+            variants[name].zero_grad(set_to_none=True)
+            calls[name]()
+    load_before = os.getloadavg()[0]
+    times: dict[str, list[float]] = {name: [] for name in names}
+    rng = random.Random(0)
+    for _ in range(args.rounds):
+        order = names[:]
+        rng.shuffle(order)
+        for name in order:
+            variants[name].zero_grad(set_to_none=True)
+            times[name].append(timed(calls[name], device))
+    load_after = os.getloadavg()[0]
+    memory = {name: saved_bytes(variants[name], x) for name in names} if args.memory else {}
+
+    rows = []
+    for name in names:
+        t = sorted(times[name])
+        med = statistics.median(t)
+        q1, q3 = (statistics.quantiles(t, n=4)[i] for i in (0, 2)) if len(t) > 1 else (med, med)
+        ratio = statistics.median(a / b for a, b in zip(times[name], times[baseline]))
+        row = dict(
+            model=model, shape=shape, hidden=hidden, variant=name, median_s=med,
+            spread=(q3 - q1) / med, ratio=ratio, words_per_s=args.batch * args.seq_len / med,
+            first_call_s=first[name], times_s=times[name], load=[load_before, load_after],
+        )
+        if memory:
+            row["memory_bytes"] = memory[name]
+            row["memory_ratio"] = memory[name] / memory[baseline] if memory[baseline] else None
+        rows.append(row)
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (
+        f"{'model':5} {'hidden':>6} {'variant':22} {'ms':>8} {'±':>5} {'x base':>7} "
+        f"{'words/s':>8} {'first ms':>9} {'mem MB':>7} {'x base':>6}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        mem = f"{r['memory_bytes'] / 2**20:7.1f} {r['memory_ratio']:6.2f}" if "memory_bytes" in r else ""
+        lines.append(
+            f"{r['model']:5} {r['hidden']:6d} {r['variant']:22} {r['median_s'] * 1e3:8.1f} "
+            f"{r['spread'] * 100:4.0f}% {r['ratio']:7.2f} {r['words_per_s']:8.0f} "
+            f"{r['first_call_s'] * 1e3:9.1f} {mem}"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="small,medium", help="comma-separated: small, medium, large")
+    parser.add_argument("--models", default="lstm,gru", help="comma-separated: lstm, gru")
+    parser.add_argument("--kernels", default=",".join(KERNELS), help="loop kernels to time")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--batch", type=int, default=20)
+    parser.add_argument("--seq-len", type=int, default=35)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--p", type=float, default=0.5, help="every dropout probability")
+    parser.add_argument("--warmup", type=int, default=3, help="calls per variant before timing")
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    parser.add_argument("--no-memory", dest="memory", action="store_false", help="skip memory")
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+    args = parser.parse_args(argv)
+    args.shapes = [s for s in args.shapes.split(",") if s]
+    args.models = [m for m in args.models.split(",") if m]
+    args.kernels = [k for k in args.kernels.split(",") if k]
+    for s in args.shapes:
+        if s not in SHAPES:
+            parser.error(f"--shapes: expected names from {', '.join(SHAPES)}, got {s!r}")
+    for m in args.models:
+        if m not in ("lstm", "gru"):
+            parser.error(f"--models: expected lstm or gru, got {m!r}")
+    for k in args.kernels:
+        if k not in KERNELS:
+            parser.error(f"--kernels: expected names from {', '.join(KERNELS)}, got {k!r}")
+    if args.rounds < 1 or args.warmup < 1:
+        parser.error("--rounds and --warmup must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    header = (
+        f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} threads, "
+        f"batch {args.batch}, seq {args.seq_len}, {args.layers} layers, p {args.p}, "
+        f"{args.rounds} rounds, load average {os.getloadavg()[0]:.2f}"
+    )
+    print(header, flush=True)
+    rows = []
+    for shape in args.shapes:
+        for model in args.models:
+            shape_rows = bench_shape(model, shape, args, device)
+            rows += shape_rows
+            print(format_table(shape_rows), flush=True)
+            loads = shape_rows[0]["load"]
+            print(f"load average during timing: {loads[0]:.2f} -> {loads[1]:.2f}\n", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            config = dict(vars(args), device=str(device), header=header)
+            json.dump(dict(config=config, results=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
