@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from rnndrop.lm.atomic import atomic_write
 from rnndrop.lm.configs import (
     CONFIGS,
     REGIMES,
@@ -240,10 +241,10 @@ def run_benchmark(
                          f"{r['best_valid_ppl']:.1f} | {mark} |")
         lines.append("")
     markdown = "\n".join(lines)
-    (out).mkdir(parents=True, exist_ok=True)
-    (out / "results.md").write_text(markdown, encoding="utf-8")
+    with atomic_write(out / "results.md", "w", encoding="utf-8") as f:
+        f.write(markdown)
     first_seed = [r for r in final_results if r["seed"] == seeds[0]]
-    plot_learning_curves(first_seed, out / "learning_curves.png")
+    plot = plot_learning_curves(first_seed, out / "learning_curves.png")
     summary = {
         "dataset": dataset, "config": config.name, "regimes": list(regimes), "seeds": list(seeds),
         "grid": grid, "command": command,
@@ -254,6 +255,7 @@ def run_benchmark(
         "grid_runs": [{"regime": r["regime"], "dropout": r["dropout"], "seed": r["seed"],
                        "best_valid_ppl": r["best_valid_ppl"]} for r in grid_results],
         "markdown": markdown,
+        "files": ["results.md", "summary.json"] + ([plot.name] if plot is not None else []),
     }
     write_json_atomic(summary, out / "summary.json")
     return summary
@@ -346,5 +348,5 @@ def main(argv: Sequence[str] | None = None, *, dataset: str = "ptb") -> str:
     except FileExistsError as e:
         sys.stderr.write(f"error: {e}\n")
         raise SystemExit(2) from None
-    return summary["markdown"] + f"\nWritten to {out}/ (results.md, summary.json, learning_curves.png)\n"
+    return summary["markdown"] + f"\nWritten to {out}/ ({', '.join(summary['files'])})\n"
 

@@ -8,31 +8,21 @@ never a torn one. Only state dicts and plain data are stored (loaded with
 
 from __future__ import annotations
 
-import os
 import random
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from rnndrop.lm.atomic import atomic_write
 
 __all__ = ["get_rng_state", "load_checkpoint", "save_atomic", "set_rng_state"]
 
 
 def save_atomic(obj: Any, path: str | Path) -> None:
     """``torch.save(obj, path)`` through a temporary file and ``os.replace``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_write(path) as f:
+        torch.save(obj, f)
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:

@@ -20,7 +20,6 @@ import logging
 import os
 import shutil
 import tarfile
-import tempfile
 import urllib.error
 import urllib.request
 import zipfile
@@ -28,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from rnndrop.lm.atomic import atomic_write
 from rnndrop.lm.corpus import SPLITS
 
 __all__ = ["DATASETS", "DownloadError", "RemoteCorpus", "default_cache_dir", "download_corpus"]
@@ -88,14 +88,8 @@ def default_cache_dir() -> Path:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_write(path) as f:
+        f.write(data)
 
 
 def _normalise(member: str) -> str:

@@ -9,18 +9,21 @@ library versions. It is written atomically.
 from __future__ import annotations
 
 import json
+import logging
 import math
-import os
 import platform
 import resource
 import statistics
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from rnndrop.lm.atomic import atomic_write
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "SCHEMA",
@@ -46,17 +49,9 @@ REQUIRED_KEYS: tuple[str, ...] = (
 
 def write_json_atomic(obj: Any, path: str | Path) -> None:
     """Write ``obj`` as JSON through a temporary file and ``os.replace``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, sort_keys=False, allow_nan=False)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_write(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=False, allow_nan=False)
+        f.write("\n")
 
 
 def read_result(path: str | Path) -> dict[str, Any]:
@@ -165,6 +160,8 @@ def plot_learning_curves(results: Sequence[Mapping[str, Any]], path: str | Path)
         matplotlib.use("Agg", force=False)
         import matplotlib.pyplot as plt
     except ImportError:
+        log.warning("matplotlib is not installed: no learning curves at %s "
+                    "(pip install 'rnndrop[bench]')", path)
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, r in enumerate(results):
@@ -180,13 +177,9 @@ def plot_learning_curves(results: Sequence[Mapping[str, Any]], path: str | Path)
     ax.legend(fontsize=7)
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".png")
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, path)
+        with atomic_write(path) as f:
+            fig.savefig(f, format="png", dpi=110)
     finally:
-        Path(tmp).unlink(missing_ok=True)
         plt.close(fig)
     return path
