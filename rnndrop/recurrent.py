@@ -105,9 +105,9 @@ class _Layout:
 class _VariationalRNNMixin(Stochastic):
     """What VariationalLSTM and VariationalGRU share; placed before nn.LSTM / nn.GRU.
 
-    Each layer class supplies ``_state_sizes()`` (sizes of its states),
-    ``_input_bias(weights)`` (the bias hoisted into the input projection),
-    ``_fused(x, layout, states, weights, num_layers)`` (torch's fused kernel) and
+    Each layer class supplies ``_gates``, ``_num_states``, ``_fused_kernel`` (``torch.lstm``
+    or ``torch.gru``), ``_state_sizes()`` (sizes of its states), ``_input_bias(weights)``
+    (the bias hoisted into the input projection) and
     ``_loop(kernel, gates_x, layout, states, weights, hidden_mask, reverse)``.
     """
 
@@ -400,6 +400,20 @@ class _VariationalRNNMixin(Stochastic):
             names.append("weight_hr")
         return {n: getattr(self, n + suffix) for n in names}
 
+    def _fused(
+        self, x: Tensor, layout: _Layout, states: tuple[Tensor, ...], weights: list[Tensor], num_layers: int
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """``num_layers`` layers in torch's fused kernel: rows ``[N, in]`` -> ``[N, D * out]``."""
+        hx = states if self._num_states > 1 else states[0]
+        common = (weights, self.bias, num_layers, 0.0, self.training, self.bidirectional)
+        if layout.packed:
+            out, *new_states = self._fused_kernel(x, layout.batch_sizes_tensor, hx, *common)
+        else:
+            T, B = layout.seq_len, layout.batch_size
+            out, *new_states = self._fused_kernel(x.view(T, B, -1), hx, *common, False)
+            out = out.reshape(T * B, -1)
+        return out, tuple(new_states)
+
     def forward(self, input, hx=None, masks: RecurrentMasks | None = None):
         """Run the layer; the contract of ``nn.LSTM.forward`` / ``nn.GRU.forward``.
 
@@ -536,6 +550,7 @@ class VariationalLSTM(_VariationalRNNMixin, nn.LSTM):
 
     _gates = LSTM_GATES
     _num_states = 2
+    _fused_kernel = staticmethod(torch.lstm)
 
     def __init__(
         self,
@@ -589,35 +604,6 @@ class VariationalLSTM(_VariationalRNNMixin, nn.LSTM):
     def _input_bias(self, weights: dict[str, Tensor]) -> Tensor | None:
         return weights["bias_ih"] + weights["bias_hh"] if self.bias else None
 
-    def _fused(self, x, layout, states, weights, num_layers):
-        if layout.packed:
-            out, h, c = torch.lstm(
-                x,
-                layout.batch_sizes_tensor,
-                states,
-                weights,
-                self.bias,
-                num_layers,
-                0.0,
-                self.training,
-                self.bidirectional,
-            )
-        else:
-            T, B = layout.seq_len, layout.batch_size
-            out, h, c = torch.lstm(
-                x.view(T, B, -1),
-                states,
-                weights,
-                self.bias,
-                num_layers,
-                0.0,
-                self.training,
-                self.bidirectional,
-                False,
-            )
-            out = out.reshape(T * B, -1)
-        return out, (h, c)
-
     def _loop(self, kernel, gates_x, layout, states, weights, hidden_mask, reverse):
         h0, c0 = states
         out, h, c = kernel.lstm(
@@ -656,6 +642,7 @@ class VariationalGRU(_VariationalRNNMixin, nn.GRU):
 
     _gates = GRU_GATES
     _num_states = 1
+    _fused_kernel = staticmethod(torch.gru)
 
     def __init__(
         self,
@@ -705,36 +692,6 @@ class VariationalGRU(_VariationalRNNMixin, nn.GRU):
 
     def _input_bias(self, weights: dict[str, Tensor]) -> Tensor | None:
         return weights.get("bias_ih")
-
-    def _fused(self, x, layout, states, weights, num_layers):
-        (h0,) = states
-        if layout.packed:
-            out, h = torch.gru(
-                x,
-                layout.batch_sizes_tensor,
-                h0,
-                weights,
-                self.bias,
-                num_layers,
-                0.0,
-                self.training,
-                self.bidirectional,
-            )
-        else:
-            T, B = layout.seq_len, layout.batch_size
-            out, h = torch.gru(
-                x.view(T, B, -1),
-                h0,
-                weights,
-                self.bias,
-                num_layers,
-                0.0,
-                self.training,
-                self.bidirectional,
-                False,
-            )
-            out = out.reshape(T * B, -1)
-        return out, (h,)
 
     def _loop(self, kernel, gates_x, layout, states, weights, hidden_mask, reverse):
         (h0,) = states
