@@ -19,6 +19,7 @@ Modules with a KL term inherit :class:`KLRegularized` and implement ``kl()``;
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -89,7 +90,7 @@ def kl_divergence(log_alpha: Tensor, approximation: str = "molchanov") -> Tensor
     return KL_APPROXIMATIONS[approximation](log_alpha)
 
 
-class KLRegularized:
+class KLRegularized(ABC):
     """Mixin for modules whose parameters carry a KL term (learned dropout rates, weight noise).
 
     ``kl()`` returns the KL divergence of *this module's own* variational parameters
@@ -97,9 +98,9 @@ class KLRegularized:
     ``kl()`` over ``model.modules()`` without counting anything twice.
     """
 
+    @abstractmethod
     def kl(self) -> Tensor:
         """KL divergence of this module's own variational posterior from its prior (scalar)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement kl()")
 
 
 def model_kl(model: nn.Module) -> Tensor:
