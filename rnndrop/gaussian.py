@@ -34,6 +34,7 @@ are extra. Load an ``nn.LSTM`` state dict with ``load_state_dict(sd, strict=Fals
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -80,6 +81,22 @@ def _alpha_shape(granularity: str, size: int, gates: int | None) -> tuple[int, .
 
 class _LearnedAlphaMixin(KLRegularized):
     """Learned ``log_alpha`` per mask site; placed before VariationalLSTM / VariationalGRU."""
+
+    def __init__(
+        self,
+        *args: Any,
+        granularity: str = "unit",
+        max_alpha: float | None = None,
+        kl_approximation: str = "molchanov",
+        **kwargs: Any,
+    ) -> None:
+        if "noise" in kwargs:
+            raise TypeError(
+                f"{type(self).__name__} always draws Gaussian noise: noise must not be given, "
+                f"got noise={kwargs['noise']!r}"
+            )
+        super().__init__(*args, noise="gaussian", **kwargs)
+        self._init_learned_alpha(granularity, max_alpha, kl_approximation)
 
     def _init_learned_alpha(
         self, granularity: str, max_alpha: float | None, kl_approximation: str
@@ -190,6 +207,7 @@ class _LearnedAlphaMixin(KLRegularized):
 
 
 _GAUSSIAN_ARGS_DOC = """
+    Takes the arguments of the parent class except ``noise`` (always Gaussian).
     The dropout probabilities (``dropout``, ``dropout_input``, ``dropout_hidden``,
     ``dropout_output``) choose the sites with noise and its initial variance
     ``alpha = p / (1 - p)``; ``mask_scope`` and ``kernel`` are those of the parent.
@@ -218,37 +236,6 @@ class GaussianLSTM(_LearnedAlphaMixin, VariationalLSTM):
         + _GAUSSIAN_ARGS_DOC
     )
 
-    def __init__(
-        self,
-        input_size: int,
-        hidden_size: int,
-        num_layers: int = 1,
-        bias: bool = True,
-        batch_first: bool = False,
-        dropout: float = 0.0,
-        bidirectional: bool = False,
-        proj_size: int = 0,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        *,
-        dropout_input: float = 0.0,
-        dropout_hidden: float = 0.0,
-        dropout_output: float = 0.0,
-        mask_scope: str = "sequence",
-        per_gate_masks: bool = False,
-        granularity: str = "unit",
-        max_alpha: float | None = None,
-        kl_approximation: str = "molchanov",
-        kernel: str = "auto",
-    ) -> None:
-        super().__init__(
-            input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional,
-            proj_size, device, dtype, dropout_input=dropout_input, dropout_hidden=dropout_hidden,
-            dropout_output=dropout_output, mask_scope=mask_scope, per_gate_masks=per_gate_masks,
-            noise="gaussian", kernel=kernel,
-        )
-        self._init_learned_alpha(granularity, max_alpha, kl_approximation)
-
 
 class GaussianGRU(_LearnedAlphaMixin, VariationalGRU):
     __doc__ = (
@@ -256,36 +243,6 @@ class GaussianGRU(_LearnedAlphaMixin, VariationalGRU):
 """
         + _GAUSSIAN_ARGS_DOC
     )
-
-    def __init__(
-        self,
-        input_size: int,
-        hidden_size: int,
-        num_layers: int = 1,
-        bias: bool = True,
-        batch_first: bool = False,
-        dropout: float = 0.0,
-        bidirectional: bool = False,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        *,
-        dropout_input: float = 0.0,
-        dropout_hidden: float = 0.0,
-        dropout_output: float = 0.0,
-        mask_scope: str = "sequence",
-        per_gate_masks: bool = False,
-        granularity: str = "unit",
-        max_alpha: float | None = None,
-        kl_approximation: str = "molchanov",
-        kernel: str = "auto",
-    ) -> None:
-        super().__init__(
-            input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional,
-            device, dtype, dropout_input=dropout_input, dropout_hidden=dropout_hidden,
-            dropout_output=dropout_output, mask_scope=mask_scope, per_gate_masks=per_gate_masks,
-            noise="gaussian", kernel=kernel,
-        )
-        self._init_learned_alpha(granularity, max_alpha, kl_approximation)
 
 
 class GaussianLockedDropout(KLRegularized, Stochastic, nn.Module):

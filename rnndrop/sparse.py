@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -133,6 +134,10 @@ class _SparseWeightsMixin(KLRegularized, Stochastic):
 class _SparseRNNMixin(_SparseWeightsMixin):
     """Placed before VariationalLSTM / VariationalGRU: swaps the weights the forward uses."""
 
+    def __init__(self, *args: Any, threshold: float = DEFAULT_THRESHOLD, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_sparse_rnn(threshold)
+
     def _init_sparse_rnn(self, threshold: float) -> None:
         names = tuple(n for n in self._flat_weights_names if n.startswith("weight_"))
         self._init_sparse(names, threshold)
@@ -172,7 +177,7 @@ class _SparseRNNMixin(_SparseWeightsMixin):
 
 
 _SPARSE_RNN_DOC = """
-    Extra keyword argument:
+    Takes the arguments of the parent class, plus one keyword argument:
         threshold: weights with ``log alpha >= threshold`` are zero in eval mode (default 3).
 
     Every weight matrix (``weight_ih_l*``, ``weight_hh_l*``, ``weight_hr_l*``) gets a
@@ -195,36 +200,6 @@ class SparseLSTM(_SparseRNNMixin, VariationalLSTM):
         + _SPARSE_RNN_DOC
     )
 
-    def __init__(
-        self,
-        input_size: int,
-        hidden_size: int,
-        num_layers: int = 1,
-        bias: bool = True,
-        batch_first: bool = False,
-        dropout: float = 0.0,
-        bidirectional: bool = False,
-        proj_size: int = 0,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        *,
-        threshold: float = DEFAULT_THRESHOLD,
-        dropout_input: float = 0.0,
-        dropout_hidden: float = 0.0,
-        dropout_output: float = 0.0,
-        mask_scope: str = "sequence",
-        per_gate_masks: bool = False,
-        noise: str = "bernoulli",
-        kernel: str = "auto",
-    ) -> None:
-        super().__init__(
-            input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional,
-            proj_size, device, dtype, dropout_input=dropout_input, dropout_hidden=dropout_hidden,
-            dropout_output=dropout_output, mask_scope=mask_scope, per_gate_masks=per_gate_masks,
-            noise=noise, kernel=kernel,
-        )
-        self._init_sparse_rnn(threshold)
-
 
 class SparseGRU(_SparseRNNMixin, VariationalGRU):
     __doc__ = (
@@ -232,35 +207,6 @@ class SparseGRU(_SparseRNNMixin, VariationalGRU):
 """
         + _SPARSE_RNN_DOC
     )
-
-    def __init__(
-        self,
-        input_size: int,
-        hidden_size: int,
-        num_layers: int = 1,
-        bias: bool = True,
-        batch_first: bool = False,
-        dropout: float = 0.0,
-        bidirectional: bool = False,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        *,
-        threshold: float = DEFAULT_THRESHOLD,
-        dropout_input: float = 0.0,
-        dropout_hidden: float = 0.0,
-        dropout_output: float = 0.0,
-        mask_scope: str = "sequence",
-        per_gate_masks: bool = False,
-        noise: str = "bernoulli",
-        kernel: str = "auto",
-    ) -> None:
-        super().__init__(
-            input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional,
-            device, dtype, dropout_input=dropout_input, dropout_hidden=dropout_hidden,
-            dropout_output=dropout_output, mask_scope=mask_scope, per_gate_masks=per_gate_masks,
-            noise=noise, kernel=kernel,
-        )
-        self._init_sparse_rnn(threshold)
 
 
 class SparseLinear(_SparseWeightsMixin, nn.Linear):
