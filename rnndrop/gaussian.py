@@ -42,7 +42,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from rnndrop.kl import KL_APPROXIMATIONS, KLRegularized
 from rnndrop.locked_dropout import packed_sequence_index
-from rnndrop.masks import RecurrentMasks, check_choice, check_probability, gaussian_mask
+from rnndrop.masks import check_choice, check_probability, gaussian_mask
 from rnndrop.recurrent import VariationalGRU, VariationalLSTM
 from rnndrop.stochastic import Stochastic
 
@@ -157,45 +157,23 @@ class _LearnedAlphaMixin(KLRegularized):
                  for name, (_, _, count) in self._alpha_sites.items()]
         return torch.stack(terms).sum() if terms else self.weight_ih_l0.new_zeros(())
 
-    def sample_masks(
+    def _draw_mask(
         self,
-        batch_size: int,
-        seq_len: int | None = None,
+        site: str,
+        shape: tuple[int, ...],
+        p: float,
         *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        generator: torch.Generator | None = None,
-    ) -> RecurrentMasks:
-        """Draw ``1 + sqrt(alpha) * eps`` masks, differentiable in ``log_alpha``.
-
-        Shapes and scopes are those of :meth:`VariationalLSTM.sample_masks`.
-        """
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        weight = self.weight_ih_l0
-        device = weight.device if device is None else device
-        dtype = weight.dtype if dtype is None else dtype
-        inputs, hidden, output = self._mask_plan(
-            batch_size, seq_len, self.mask_scope, self.per_gate_masks
-        )
-
-        def draw(shape: tuple[int, ...], name: str) -> Tensor | None:
-            log_alpha = self._log_alpha(name)
-            if log_alpha is None:
-                return None
-            alpha = log_alpha.exp().to(device=device, dtype=dtype)
-            return gaussian_mask(shape, alpha, device=device, dtype=dtype, generator=generator)
-
-        D = self._num_directions
-        hidden_names = [f"log_alpha_hidden_l{i // D}" + ("_reverse" if i % D else "")
-                        for i in range(len(hidden))]
-        return RecurrentMasks(
-            inputs=tuple(draw(shape, f"log_alpha_input_l{k}") for k, (shape, _) in enumerate(inputs)),
-            hidden=tuple(draw(shape, name) for shape, name in zip(hidden, hidden_names)),
-            output=draw(output, "log_alpha_output"),
-            scope=self.mask_scope,
-            per_gate=self.per_gate_masks,
-        )
+        device: torch.device | str,
+        dtype: torch.dtype,
+        generator: torch.Generator | None,
+    ) -> Tensor | None:
+        """``1 + sqrt(alpha) * eps`` with the site's learned ``alpha``, differentiable in
+        ``log_alpha``; shapes and scopes are those of :meth:`VariationalLSTM.sample_masks`."""
+        log_alpha = self._log_alpha(f"log_alpha_{site}")
+        if log_alpha is None:
+            return None
+        alpha = log_alpha.exp().to(device=device, dtype=dtype)
+        return gaussian_mask(shape, alpha, device=device, dtype=dtype, generator=generator)
 
     def extra_repr(self) -> str:
         s = super().extra_repr() + f", granularity={self.granularity!r}"

@@ -217,17 +217,35 @@ class _VariationalRNNMixin(Stochastic):
         device = weight.device if device is None else device
         dtype = weight.dtype if dtype is None else dtype
         inputs, hidden, output = self._mask_plan(batch_size, seq_len, self.mask_scope, self.per_gate_masks)
+        D = self._num_directions
 
-        def draw(shape: tuple[int, ...], p: float) -> Tensor | None:
-            return sample_mask(shape, p, self.noise, device=device, dtype=dtype, generator=generator)
+        def draw(site: str, shape: tuple[int, ...], p: float) -> Tensor | None:
+            return self._draw_mask(site, shape, p, device=device, dtype=dtype, generator=generator)
 
         return RecurrentMasks(
-            inputs=tuple(draw(shape, p) for shape, p in inputs),
-            hidden=tuple(draw(shape, self.dropout_hidden) for shape in hidden),
-            output=draw(output, self.dropout_output),
+            inputs=tuple(draw(f"input_l{k}", shape, p) for k, (shape, p) in enumerate(inputs)),
+            hidden=tuple(
+                draw(f"hidden_l{i // D}" + ("_reverse" if i % D else ""), shape, self.dropout_hidden)
+                for i, shape in enumerate(hidden)
+            ),
+            output=draw("output", output, self.dropout_output),
             scope=self.mask_scope,
             per_gate=self.per_gate_masks,
         )
+
+    def _draw_mask(
+        self,
+        site: str,
+        shape: tuple[int, ...],
+        p: float,
+        *,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        generator: torch.Generator | None,
+    ) -> Tensor | None:
+        """The mask of one site (``input_l{k}``, ``hidden_l{k}[_reverse]`` or ``output``)
+        with dropout probability ``p``; subclasses that draw other noise override this."""
+        return sample_mask(shape, p, self.noise, device=device, dtype=dtype, generator=generator)
 
     def is_stochastic(self) -> bool:
         return self._has_dropout()
