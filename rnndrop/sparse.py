@@ -86,6 +86,12 @@ class _SparseWeightsMixin(KLRegularized, Stochastic):
                 "log_sigma2_" + name, nn.Parameter(torch.full_like(weight, INIT_LOG_SIGMA2))
             )
 
+    def reset_parameters(self) -> None:
+        # The parent redraws its parameters (nn.RNNBase: every one, log_sigma2 included);
+        # log_sigma2 then starts again at its initial value.
+        super().reset_parameters()
+        self._reset_log_sigma2()
+
     def _reset_log_sigma2(self) -> None:
         with torch.no_grad():
             for name in getattr(self, "_sparse_names", ()):
@@ -141,10 +147,6 @@ class _SparseRNNMixin(_SparseWeightsMixin):
     def _init_sparse_rnn(self, threshold: float) -> None:
         names = tuple(n for n in self._flat_weights_names if n.startswith("weight_"))
         self._init_sparse(names, threshold)
-
-    def reset_parameters(self) -> None:
-        super().reset_parameters()  # nn.RNNBase redraws every parameter, log_sigma2 included
-        self._reset_log_sigma2()
 
     def _layer_weights(self, layer: int, direction: int) -> dict[str, Tensor]:
         # The forward asks for each layer's weights once per call: one sample per call.
@@ -236,10 +238,6 @@ class SparseLinear(_SparseWeightsMixin, nn.Linear):
         self.local_reparameterization = bool(local_reparameterization)
         self._init_sparse(("weight",), threshold)
 
-    def reset_parameters(self) -> None:
-        super().reset_parameters()
-        self._reset_log_sigma2()
-
     def forward(self, input: Tensor) -> Tensor:
         if not self.training:
             return F.linear(input, self.pruned_weight("weight"), self.bias)
@@ -285,10 +283,6 @@ class SparseEmbedding(_SparseWeightsMixin, nn.Embedding):
     ) -> None:
         super().__init__(num_embeddings, embedding_dim, device=device, dtype=dtype)
         self._init_sparse(("weight",), threshold)
-
-    def reset_parameters(self) -> None:
-        super().reset_parameters()
-        self._reset_log_sigma2()
 
     def forward(self, input: Tensor) -> Tensor:
         if not self.training:
