@@ -264,6 +264,16 @@ def _output_grad(d_out: Tensor | None, out: Tensor) -> Tensor:
     return d_out.clone(memory_format=torch.contiguous_format)
 
 
+def _masked_state_grad_buffer(need_mask: bool, mask: Tensor | None, hm: Tensor | None) -> Tensor | None:
+    """Where the backward loop writes ``d(h_prev * mask)``: ``hm``'s shape when the mask's
+    gradient is wanted, a ``[N, P]`` scratch buffer for a batch-shared mask, else None."""
+    if need_mask:
+        return hm.new_empty(hm.shape)
+    if mask is not None and mask.dim() == 3:
+        return hm.new_empty(hm.shape[0], hm.shape[1])  # scratch
+    return None
+
+
 def _weight_grad(d_gates: Tensor, hm: Tensor) -> Tensor:
     """``dW_hh`` ``[G * H, P]`` from all gate gradients ``[N, G * H]`` and masked states."""
     if hm.dim() == 2:
@@ -371,11 +381,7 @@ class _LSTMRecurrence(torch.autograd.Function):
         d_h0 = h0.new_zeros(h0.shape)
         d_c0 = c0.new_zeros(c0.shape)
         need_mask = needs[5]
-        d_hm = None
-        if need_mask:
-            d_hm = hm.new_empty(hm.shape)
-        elif mask is not None and mask.dim() == 3:
-            d_hm = hm.new_empty(schedule.num_rows, hm.shape[1])  # scratch
+        d_hm = _masked_state_grad_buffer(need_mask, mask, hm)
 
         split = schedule.split
         DH, DC, DG, DCH, FG = map(split, (d_h, d_c, d_gates, dc_from_h, f))
@@ -497,11 +503,7 @@ class _GRURecurrence(torch.autograd.Function):
         d_gates_h = acts.new_empty(N, 3 * H)
         d_h0 = h0.new_zeros(h0.shape)
         need_mask = needs[4]
-        d_hm = None
-        if need_mask:
-            d_hm = hm.new_empty(hm.shape)
-        elif mask is not None and mask.dim() == 3:
-            d_hm = hm.new_empty(N, H)  # scratch
+        d_hm = _masked_state_grad_buffer(need_mask, mask, hm)
 
         split = schedule.split
         DH, Z = split(d_h), split(z)
