@@ -31,8 +31,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from rnndrop.cells import GRU_GATES, LSTM_GATES, masked_linear
-from rnndrop.kernels import DEFAULT_LOOP_KERNEL, get_kernel
+from rnndrop.cells import GRU_GATES, LSTM_GATES
+from rnndrop.kernels import DEFAULT_LOOP_KERNEL, KERNELS, get_kernel, input_projection
 from rnndrop.masks import (
     MASK_SCOPES,
     NOISES,
@@ -132,9 +132,7 @@ class _VariationalRNNMixin(Stochastic):
         self.mask_scope = check_choice("mask_scope", mask_scope, MASK_SCOPES)
         self.per_gate_masks = bool(per_gate_masks)
         self.noise = check_choice("noise", noise, NOISES)
-        if kernel != "auto":
-            get_kernel(kernel)
-        self.kernel = kernel
+        self.kernel = check_choice("kernel", kernel, ("auto", *KERNELS))
 
     @classmethod
     def from_module(cls, module: nn.RNNBase, **dropout_kwargs):
@@ -458,7 +456,7 @@ class _VariationalRNNMixin(Stochastic):
             out, states = self._fused(x, layout, states, weights, self.num_layers)
             return self._finish(out, states, layout)
 
-        loop_kernel = get_kernel(DEFAULT_LOOP_KERNEL if self.kernel == "auto" else self.kernel)
+        loop_kernel = DEFAULT_LOOP_KERNEL if self.kernel == "auto" else self.kernel
         step_masks = masks is not None and masks.scope == "step"
         finals: list[list[Tensor]] = [[] for _ in states]
         for layer in range(self.num_layers):
@@ -490,7 +488,7 @@ class _VariationalRNNMixin(Stochastic):
                 outs, per_dir = [], []
                 for d in range(D):
                     w = self._layer_weights(layer, d)
-                    gates_x = masked_linear(x, rows, w["weight_ih"], self._input_bias(w))
+                    gates_x = input_projection(x, rows, w["weight_ih"], self._input_bias(w))
                     mask = hidden[d]
                     if mask is not None and masks.scope != "step":
                         mask = mask.unsqueeze(0)  # a time dimension of 1: the same mask at every step
@@ -624,7 +622,7 @@ class VariationalLSTM(_VariationalRNNMixin, nn.LSTM):
 
     def _loop(self, kernel, gates_x, layout, states, weights, hidden_mask, reverse):
         h0, c0 = states
-        out, h, c = kernel.lstm(
+        out, h, c = get_kernel(kernel, "lstm")(
             gates_x,
             layout.batch_sizes,
             h0,
@@ -713,7 +711,7 @@ class VariationalGRU(_VariationalRNNMixin, nn.GRU):
 
     def _loop(self, kernel, gates_x, layout, states, weights, hidden_mask, reverse):
         (h0,) = states
-        out, h = kernel.gru(
+        out, h = get_kernel(kernel, "gru")(
             gates_x,
             layout.batch_sizes,
             h0,

@@ -3,10 +3,12 @@
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.nn.utils.rnn import pack_sequence
 
 from rnndrop import RecurrentMasks, VariationalGRU, VariationalLSTM
-from rnndrop.kernels import DEFAULT_LOOP_KERNEL, KERNELS, get_kernel
+from rnndrop.kernels import DEFAULT_LOOP_KERNEL, KERNELS, get_kernel, input_projection
+from rnndrop.kernels.matmul import StepWeight
 from tests.helpers import assert_close
 
 pytestmark = pytest.mark.filterwarnings("ignore:LSTM with projections is not supported")
@@ -51,7 +53,7 @@ def kernel_inputs(kind, batch_sizes, mask_shape, proj, dtype=torch.float64, mask
 def run_kernel(name, kind, batch_sizes, args, reverse):
     """Outputs of a kernel and the gradients of a random functional of them."""
     args = [a.detach().requires_grad_(a.requires_grad) if a is not None else None for a in args]
-    outputs = getattr(get_kernel(name), kind)(args[0], batch_sizes, *args[1:], reverse)
+    outputs = get_kernel(name, kind)(args[0], batch_sizes, *args[1:], reverse)
     g = torch.Generator().manual_seed(1)
     loss = sum((o * torch.randn(o.shape, generator=g, dtype=o.dtype)).sum() for o in outputs)
     leaves = [a for a in args if a is not None and a.requires_grad]
@@ -78,7 +80,7 @@ def test_kernel_matches_reference_kernel(name, kind, reverse):
 @pytest.mark.parametrize("name", FAST)
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_kernel_passes_gradcheck(name, kind):
-    kernel = getattr(get_kernel(name), kind)
+    kernel = get_kernel(name, kind)
     cases = [([3, 2, 2, 1], (1, "B", "P"), True, 2), ([2, 2, 1], ("T", "B", "G", "P"), False, 0)]
     for batch_sizes, mask_shape, reverse, proj in cases:
         args = kernel_inputs(kind, batch_sizes, mask_shape, proj if kind == "lstm" else 0, H=3)
@@ -95,18 +97,10 @@ def test_kernel_passes_gradcheck(name, kind):
 @pytest.mark.parametrize("name", FAST)
 def test_double_backward_raises(name):
     args = kernel_inputs("gru", [2, 2], (1, "B", "P"), 0)
-    out, _ = get_kernel(name).gru(args[0], [2, 2], *args[1:], False)
+    out, _ = get_kernel(name, "gru")(args[0], [2, 2], *args[1:], False)
     (g,) = torch.autograd.grad(out.sum(), args[2], create_graph=True)
     with pytest.raises(RuntimeError):
         torch.autograd.grad(g.sum(), args[2])
-
-
-@pytest.mark.parametrize("name", FAST)
-def test_kernel_rejects_a_mask_of_the_wrong_shape(name):
-    args = kernel_inputs("lstm", [3, 3], None, 0)
-    args[-1] = torch.ones(1, 3, H + 1, dtype=torch.float64)
-    with pytest.raises(ValueError, match="hidden_mask"):
-        get_kernel(name).lstm(args[0], [3, 3], *args[1:], False)
 
 
 # ---------------------------------------------------------------- layers
@@ -234,8 +228,73 @@ def test_layer_passes_gradcheck_through_explicit_masks(name):
         assert torch.autograd.gradcheck(fn, (x, *hidden))
 
 
-def test_registry():
-    assert "autograd" in KERNELS
+def test_registry_is_keyed_by_kernel_and_cell():
+    assert set(KERNELS) == {"manual", "autograd"}
     assert DEFAULT_LOOP_KERNEL in KERNELS
-    with pytest.raises(ValueError, match="kernel"):
-        get_kernel("no such kernel")
+    for name in KERNELS:
+        assert {cell for cell in KERNELS[name]} == {"lstm", "gru"}
+        assert get_kernel(name, "gru") is KERNELS[name]["gru"]
+    assert get_kernel("manual", "lstm") is not get_kernel("autograd", "lstm")
+    with pytest.raises(ValueError, match="kernel must be .*got 'no such kernel'"):
+        get_kernel("no such kernel", "lstm")
+    with pytest.raises(ValueError, match="cell must be .*got 'peephole'"):
+        get_kernel("manual", "peephole")
+
+
+# ------------------------------------------------- oneDNN products and their fallback
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_float32_products_agree_with_and_without_onednn(kind):
+    """The manual kernel in float32 (oneDNN products where available) against the same
+    kernel with oneDNN disabled (torch.mm) and against the reference kernel, on packed
+    rows with shared and per-gate masks and a projection."""
+    cases = [([4, 3, 3, 1], (1, "B", "P"), 0), ([3, 3, 2], ("T", "B", "G", "P"), 0), ([4, 4, 2], None, 3)]
+    for batch_sizes, mask_shape, proj in cases:
+        if kind == "gru" and proj:
+            continue
+        args = kernel_inputs(kind, batch_sizes, mask_shape, proj, dtype=torch.float32, H=40)
+        where = f"{batch_sizes} mask {mask_shape} proj {proj}"
+        default = run_kernel("manual", kind, batch_sizes, args, reverse=False)
+        with torch.backends.mkldnn.flags(enabled=False):
+            fallback = run_kernel("manual", kind, batch_sizes, args, reverse=False)
+        reference = run_kernel("autograd", kind, batch_sizes, args, reverse=False)
+        assert_close(default, fallback, atol=1e-4, rtol=1e-5, msg=where)
+        assert_close(default, reference, atol=1e-4, rtol=1e-5, msg=where)
+
+
+def test_step_weight_chooses_onednn_by_capability():
+    w = torch.randn(8, 5)
+    assert StepWeight(w.double()).onednn is False  # oneDNN has no float64 products
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert StepWeight(w).onednn is False
+    x, add, bias = torch.randn(3, 5), torch.randn(3, 8), torch.randn(8)
+    for weight in (w, w.double()):
+        step = StepWeight(weight)
+        xs = x.to(weight.dtype)
+        assert_close(step(xs), xs @ weight.t(), atol=1e-5)
+        assert_close(step(xs, add.to(weight.dtype)), xs @ weight.t() + add, atol=1e-5)
+        assert_close(step(xs, bias=bias.to(weight.dtype)), xs @ weight.t() + bias, atol=1e-5)
+
+
+def test_onednn_is_used_for_float32_on_cpu_wherever_torch_has_it():
+    assert StepWeight(torch.randn(8, 5)).onednn is torch.backends.mkldnn.is_available()
+
+
+def test_input_projection_matches_linear_twice_differentiably():
+    """Outputs, gradients and a double backward against F.linear (float32, on the oneDNN
+    path where available; with and without bias; with a mask it is masked_linear)."""
+    for bias in (torch.randn(12, requires_grad=True), None):
+        x = torch.randn(9, 5, requires_grad=True)
+        w = torch.randn(12, 5, requires_grad=True)
+        leaves = [t for t in (x, w, bias) if t is not None]
+        y_ours, y_ref = input_projection(x, None, w, bias), F.linear(x, w, bias)
+        assert_close(y_ours, y_ref, atol=1e-5)
+        g = torch.randn(9, 12)
+        grads_ours = torch.autograd.grad(y_ours, leaves, g, create_graph=True)
+        grads_ref = torch.autograd.grad(y_ref, leaves, g, create_graph=True)
+        assert_close(list(grads_ours), list(grads_ref), atol=1e-5)
+        second_ours = torch.autograd.grad(grads_ours[0].square().sum(), w)
+        second_ref = torch.autograd.grad(grads_ref[0].square().sum(), w)
+        assert_close(list(second_ours), list(second_ref), atol=1e-4)
+    mask = torch.rand(9, 5)
+    assert_close(input_projection(x, mask, w), F.linear(x * mask, w), atol=1e-5)

@@ -1,8 +1,12 @@
-"""The reference recurrence: a Python loop over time steps, differentiated by autograd.
+"""The reference recurrence (the "autograd" kernel): a Python loop over time steps,
+differentiated by autograd.
 
-Only the recurrent matmul and the gate arithmetic run inside the loop; the input
-projection of all steps was done by the caller in one matmul. See
-:mod:`rnndrop.kernels` for the contract.
+Only the recurrent matmul and the gate arithmetic run inside the loop, with the
+very functions the cells use (:mod:`rnndrop.cells`); the input projection of all
+steps was done by the caller in one matmul. It is the oracle the hand-written
+kernels (:mod:`rnndrop.kernels.lstm`, :mod:`rnndrop.kernels.gru`) are tested
+against, and the one kernel that is twice differentiable. See :mod:`rnndrop.kernels`
+for the contract.
 """
 
 from __future__ import annotations
@@ -14,14 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rnndrop.cells import gru_pointwise, lstm_pointwise, masked_linear
-
-
-def step_offsets(batch_sizes: Sequence[int]) -> list[int]:
-    """Row offset of each time step in packed, time-major rows."""
-    offsets = [0]
-    for b in batch_sizes[:-1]:
-        offsets.append(offsets[-1] + b)
-    return offsets
+from rnndrop.kernels.schedule import step_offsets
 
 
 def mask_at(mask: Tensor | None, t: int, batch: int) -> Tensor | None:

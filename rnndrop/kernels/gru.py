@@ -1,0 +1,171 @@
+r"""The GRU recurrence with a hand-written backward pass (the "manual" kernel).
+
+Forward, for every step ``t`` on the rows of the sequences still running
+(``x̂_t`` = ``gates_x`` rows = ``W_ih x_t + b_ih``, hoisted by the layer; ``b_hh``
+cannot be hoisted since ``b_hn`` sits inside ``r * (W_hn m + b_hn)``)::
+
+    m_t = h_{t-1} * M_t                        (per gate: m^k_t = h_{t-1} * M^k_t)
+    a_t = W_hh m_t + b_hh  =  (a_r, a_z, a_n)
+    r = σ(x̂_r + a_r),   z = σ(x̂_z + a_z)
+    n = tanh(x̂_n + r * a_n)
+    h_t = (1 - z) * n + z * h_{t-1}  =  n + z * (h_{t-1} - n)
+
+Backward, running the steps in reverse; ``dh_t`` starts as the gradient of the
+output and of ``h_n`` and collects what later steps send back::
+
+    dn_pre = dh_t * (1 - z) * (1 - n²)         the gradient of n's pre-activation
+    da_r = dn_pre * a_n * r (1 - r)            da_z = dh_t * (h_{t-1} - n) * z (1 - z)
+    da_n = dn_pre * r
+    dx̂_t = (da_r, da_z, dn_pre)
+    dm_t = W_hh^T da_t
+    dh_{t-1} += dh_t * z + dm_t * M_t          (per gate: Σ_k dm^k_t * M^k_t)
+    dM_t += dm_t * h_{t-1}
+    dW_hh = Σ_t da_t m_tᵀ,   db_hh = Σ_t da_t
+
+``da_t`` is ``dh_t`` times factors that depend on the forward pass only; they are
+computed for all steps at once before the loop, which then costs four ops and one
+small matrix product per step (see :mod:`rnndrop.kernels.matmul`).
+
+The function is once differentiable: a double backward raises an error. Results
+equal the reference kernel (:mod:`rnndrop.kernels.reference`) up to rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+from rnndrop.kernels import masked_product as mp
+from rnndrop.kernels.matmul import StepWeight
+from rnndrop.kernels.schedule import Schedule, add_product, gather_previous, previous, previous_targets
+
+
+class _Inputs(NamedTuple):
+    """The inputs of :class:`_GRURecurrence` in ``apply`` order (for ``needs_input_grad``)."""
+
+    gates_x: bool
+    h0: bool
+    w_hh: bool
+    b_hh: bool
+    mask: bool
+    schedule: bool
+
+
+class _Saved(NamedTuple):
+    """What the forward pass keeps for the backward pass (``N`` rows)."""
+
+    acts: Tensor  # [N, 3H]: r, z, n (after their nonlinearities)
+    a_n: Tensor  # [N, H]: the n part of W_hh m + b_hh
+    out: Tensor  # [N, H]: h_t
+    masked: Tensor | None  # [N, H] or [N, 3, H]: m_t, when there is a mask
+    h0: Tensor
+    w_hh: Tensor
+    mask: Tensor | None
+    final: Tensor  # [B]: the row of h_n of every sequence
+
+
+class _GRURecurrence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, gates_x, h0, w_hh, b_hh, mask, schedule: Schedule):
+        N, H = gates_x.shape[0], h0.shape[1]
+        acts = gates_x.new_empty(N, 3 * H)
+        out = gates_x.new_empty(N, H)
+        masked = None if mask is None else gates_x.new_empty(N, *mask.shape[2:])
+
+        at = schedule.by_step
+        out_at = at(out)
+        x_rz_at, x_n_at = at(gates_x[:, : 2 * H]), at(gates_x[:, 2 * H :])
+        rz_at, n_at = at(acts[:, : 2 * H]), at(acts[:, 2 * H :])
+        r_at, z_at = at(acts[:, :H]), at(acts[:, H : 2 * H])
+        masked_at = at(masked) if masked is not None else None
+        mask_at = schedule.step_masks(mask)
+        a_n_at: list[Tensor] = [gates_x] * schedule.seq_len  # filled in by t
+        w_hh_step = StepWeight(w_hh)
+        for step in schedule.steps:
+            t = step.t
+            h_prev = previous(out_at, h0, step)
+            m = h_prev if mask_at[t] is None else mp.mask_state(h_prev, mask_at[t], masked_at[t])
+            a = mp.recurrent_gates(w_hh_step, w_hh, m, bias=b_hh)
+            a_n_at[t] = a_n = a[:, 2 * H :]
+            torch.add(x_rz_at[t], a[:, : 2 * H], out=rz_at[t]).sigmoid_()
+            n = torch.addcmul(x_n_at[t], r_at[t], a_n, out=n_at[t]).tanh_()
+            h = torch.sub(h_prev, n, out=out_at[t])
+            torch.addcmul(n, z_at[t], h, out=h)
+        final = schedule.final_rows(gates_x.device)
+        ctx.schedule = schedule
+        ctx.save_for_backward(*_Saved(acts, torch.cat(a_n_at), out, masked, h0, w_hh, mask, final))
+        ctx.set_materialize_grads(False)
+        return out, out.index_select(0, final)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_out, d_hn):
+        s = _Saved(*ctx.saved_tensors)
+        needs = _Inputs(*ctx.needs_input_grad)
+        schedule: Schedule = ctx.schedule
+        N, H = s.out.shape
+        h_prev = gather_previous(s.out, s.h0, schedule.previous_blocks())
+
+        # da = dh * from_dh (equations above); dn_pre = dh * dn_pre_from_dh.
+        r, z, n = s.acts.split(H, 1)
+        dn_pre_from_dh = torch.addcmul(s.acts.new_ones(()), n, n, value=-1)  # tanh' = 1 - n²
+        dn_pre_from_dh.addcmul_(z, dn_pre_from_dh, value=-1)  # times (1 - z)
+        from_dh = torch.addcmul(s.acts, s.acts, s.acts, value=-1)  # σ' = a (1 - a)
+        from_dh[:, :H] *= dn_pre_from_dh
+        from_dh[:, :H] *= s.a_n
+        from_dh[:, H : 2 * H] *= h_prev - n
+        torch.mul(dn_pre_from_dh, r, out=from_dh[:, 2 * H :])
+
+        d_h = mp.output_grad(d_out, s.out, s.final, d_hn)
+        d_a = s.acts.new_empty(N, 3 * H)
+        d_h0 = s.h0.new_zeros(s.h0.shape)
+        d_masked = mp.masked_state_grad_buffer(needs.mask, s.masked)
+
+        at = schedule.by_step
+        d_h_at, z_at, d_a_at = at(d_h), at(z), at(d_a)
+        d_a3_at, from_dh3_at = at(d_a.view(N, 3, H)), at(from_dh.view(N, 3, H))
+        d_masked_at = at(d_masked) if d_masked is not None else None
+        mask_at = schedule.step_masks(s.mask)
+        w_hh_t_step = StepWeight(s.w_hh.t())
+        for step in reversed(schedule.steps):
+            t = step.t
+            dh = d_h_at[t]
+            torch.mul(from_dh3_at[t], dh.unsqueeze(1), out=d_a3_at[t])
+            targets = previous_targets(d_h_at, d_h0, step)
+            add_product(targets, dh, z_at[t])
+            mp.add_state_grad(
+                targets, d_a_at[t], w_hh_t_step, s.w_hh, mask_at[t],
+                None if d_masked_at is None else d_masked_at[t],
+            )
+
+        d_gates_x = d_w_hh = d_b_hh = d_mask = None
+        if needs.w_hh:
+            d_w_hh = mp.weight_grad(d_a, h_prev if s.masked is None else s.masked)
+        if needs.b_hh:
+            d_b_hh = d_a.sum(0)
+        if needs.mask:
+            d_mask = mp.mask_grad(schedule, s.mask, d_masked, h_prev)
+        if needs.gates_x:  # the r and z parts are those of d_a: reuse the buffer
+            d_gates_x = d_a
+            torch.mul(d_h, dn_pre_from_dh, out=d_gates_x[:, 2 * H :])
+        return d_gates_x, d_h0, d_w_hh, d_b_hh, d_mask, None
+
+
+def gru_recurrence(
+    gates_x: Tensor,
+    batch_sizes: Sequence[int],
+    h0: Tensor,
+    w_hh: Tensor,
+    b_hh: Tensor | None,
+    hidden_mask: Tensor | None,
+    reverse: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """The GRU recurrence of one layer and direction (contract in :mod:`rnndrop.kernels`)."""
+    out, h_n = _GRURecurrence.apply(
+        gates_x.contiguous(), h0.contiguous(), w_hh, b_hh, hidden_mask, Schedule(batch_sizes, reverse)
+    )
+    return out, h_n

@@ -1,0 +1,203 @@
+r"""The LSTM recurrence with a hand-written backward pass (the "manual" kernel).
+
+Forward, for every step ``t`` on the rows of the sequences still running
+(``x̂_t`` = ``gates_x`` rows = ``W_ih x_t + b_ih + b_hh``, hoisted by the layer;
+``M`` the hidden mask, ``M^k`` the mask of gate ``k`` when there is one per gate)::
+
+    m_t  = h_{t-1} * M_t                                  (per gate: m^k_t = h_{t-1} * M^k_t)
+    z_t  = x̂_t + W_hh m_t  =  (z_i, z_f, z_g, z_o)        (per gate: z_k = x̂_k + W_hh^k m^k_t)
+    i = σ(z_i),  f = σ(z_f),  g = tanh(z_g),  o = σ(z_o)
+    c_t  = f * c_{t-1} + i * g
+    r_t  = o * tanh(c_t)
+    h_t  = r_t,   or  W_hr r_t  with a projection
+
+Backward, running the steps in reverse; ``dh_t`` and ``dc_t`` start as the gradient
+of the outputs and of ``h_n`` / ``c_n`` and collect what later steps send back::
+
+    dr_t  = dh_t,  or  W_hr^T dh_t
+    dc_t += dr_t * o * (1 - tanh²(c_t))
+    dz_i  = dc_t * g * i (1 - i)            dz_f = dc_t * c_{t-1} * f (1 - f)
+    dz_g  = dc_t * i * (1 - g²)             dz_o = dr_t * tanh(c_t) * o (1 - o)
+    dc_{t-1} += dc_t * f
+    dm_t  = W_hh^T dz_t                     (per gate: dm^k_t = W_hh^k^T dz_k)
+    dh_{t-1} += dm_t * M_t                  (per gate: Σ_k dm^k_t * M^k_t)
+    dM_t += dm_t * h_{t-1}                  (summed over the rows a mask is shared by)
+    dx̂_t = dz_t,   dW_hh = Σ_t dz_t m_tᵀ,   dW_hr = Σ_t dh_t r_tᵀ
+
+The factors that multiply ``dc_t`` and ``dr_t`` depend on the forward pass only and
+are computed for all steps at once before the loop; inside the loop each step
+costs six ops and one small matrix product (see :mod:`rnndrop.kernels.matmul`).
+``dW_hh`` and ``dW_hr`` are one large product each over all steps, as cuDNN does.
+Where rows live and where each finds its previous state: :mod:`rnndrop.kernels.schedule`.
+
+The function is once differentiable: a double backward raises an error. Results
+equal the reference kernel (:mod:`rnndrop.kernels.reference`) up to rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+from rnndrop.kernels import masked_product as mp
+from rnndrop.kernels.matmul import StepWeight, matmul
+from rnndrop.kernels.schedule import (
+    Schedule,
+    add_product,
+    gather_previous,
+    mul_previous_,
+    previous,
+    previous_targets,
+)
+
+
+class _Inputs(NamedTuple):
+    """The inputs of :class:`_LSTMRecurrence` in ``apply`` order (for ``needs_input_grad``)."""
+
+    gates_x: bool
+    h0: bool
+    c0: bool
+    w_hh: bool
+    w_hr: bool
+    mask: bool
+    schedule: bool
+
+
+class _Saved(NamedTuple):
+    """What the forward pass keeps for the backward pass (``N`` rows)."""
+
+    acts: Tensor  # [N, 4H]: i, f, g, o (after their nonlinearities)
+    cells: Tensor  # [N, H]: c_t
+    tanh_cells: Tensor  # [N, H]: tanh(c_t)
+    out: Tensor  # [N, P]: h_t
+    r: Tensor  # [N, H]: o * tanh(c_t), the state before the projection (``out`` without one)
+    masked: Tensor | None  # [N, P] or [N, 4, P]: m_t, when there is a mask
+    h0: Tensor
+    c0: Tensor
+    w_hh: Tensor
+    w_hr: Tensor | None
+    mask: Tensor | None
+    final: Tensor  # [B]: the row of h_n / c_n of every sequence
+
+
+class _LSTMRecurrence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, gates_x, h0, c0, w_hh, w_hr, mask, schedule: Schedule):
+        N, H = gates_x.shape[0], c0.shape[1]
+        acts = gates_x.new_empty(N, 4 * H)
+        cells = gates_x.new_empty(N, H)
+        tanh_cells = gates_x.new_empty(N, H)
+        out = gates_x.new_empty(N, h0.shape[1])
+        r = out if w_hr is None else gates_x.new_empty(N, H)
+        masked = None if mask is None else gates_x.new_empty(N, *mask.shape[2:])
+
+        at = schedule.by_step
+        gates_x_at, out_at, r_at, cell_at, tanh_cell_at = map(at, (gates_x, out, r, cells, tanh_cells))
+        acts_at = at(acts)
+        i_at, f_at, g_at, o_at = (at(a) for a in acts.split(H, 1))
+        masked_at = at(masked) if masked is not None else None
+        mask_at = schedule.step_masks(mask)
+        w_hh_step = StepWeight(w_hh)
+        w_hr_step = None if w_hr is None else StepWeight(w_hr)
+        for step in schedule.steps:
+            t = step.t
+            m = previous(out_at, h0, step)
+            if mask_at[t] is not None:
+                m = mp.mask_state(m, mask_at[t], masked_at[t])
+            z = mp.recurrent_gates(w_hh_step, w_hh, m, gates_x_at[t])
+            torch.sigmoid(z, out=acts_at[t])  # i, f, o (g is overwritten next)
+            torch.tanh(z[:, 2 * H : 3 * H], out=g_at[t])
+            c = torch.mul(f_at[t], previous(cell_at, c0, step), out=cell_at[t]).addcmul_(i_at[t], g_at[t])
+            torch.mul(o_at[t], torch.tanh(c, out=tanh_cell_at[t]), out=r_at[t])
+            if w_hr_step is not None:
+                out_at[t].copy_(w_hr_step(r_at[t]))
+        final = schedule.final_rows(gates_x.device)
+        ctx.schedule = schedule
+        ctx.save_for_backward(
+            *_Saved(acts, cells, tanh_cells, out, r, masked, h0, c0, w_hh, w_hr, mask, final)
+        )
+        ctx.set_materialize_grads(False)
+        return out, out.index_select(0, final), cells.index_select(0, final)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_out, d_hn, d_cn):
+        s = _Saved(*ctx.saved_tensors)
+        needs = _Inputs(*ctx.needs_input_grad)
+        schedule: Schedule = ctx.schedule
+        N, H = s.cells.shape
+        blocks = schedule.previous_blocks()
+
+        # dz = (dc * from_dc_ifg, dr * from_dr_o), dc += dr * dc_from_dr (equations above).
+        i, f, g, o = s.acts.split(H, 1)
+        factors = torch.addcmul(s.acts, s.acts, s.acts, value=-1)  # σ' = a (1 - a)
+        torch.addcmul(s.acts.new_ones(()), g, g, value=-1, out=factors[:, 2 * H : 3 * H])  # tanh' = 1 - g²
+        factors[:, :H] *= g
+        mul_previous_(factors[:, H : 2 * H], s.cells, s.c0, blocks)
+        factors[:, 2 * H : 3 * H] *= i
+        factors[:, 3 * H :] *= s.tanh_cells
+        dc_from_dr = torch.addcmul(o, o, s.tanh_cells * s.tanh_cells, value=-1)
+
+        d_h = mp.output_grad(d_out, s.out, s.final, d_hn)
+        d_c = s.cells.new_zeros(N, H)
+        if d_cn is not None:
+            d_c.index_add_(0, s.final, d_cn)
+        d_gates = s.acts.new_empty(N, 4 * H)
+        d_h0 = s.h0.new_zeros(s.h0.shape)
+        d_c0 = s.c0.new_zeros(s.c0.shape)
+        d_masked = mp.masked_state_grad_buffer(needs.mask, s.masked)
+
+        at = schedule.by_step
+        d_h_at, d_c_at, d_gates_at, dc_from_dr_at, f_at = map(at, (d_h, d_c, d_gates, dc_from_dr, f))
+        d_ifg_at = at(d_gates[:, : 3 * H].view(N, 3, H))
+        from_dc_ifg_at = at(factors[:, : 3 * H].view(N, 3, H))
+        d_o_at, from_dr_o_at = at(d_gates[:, 3 * H :]), at(factors[:, 3 * H :])
+        d_masked_at = at(d_masked) if d_masked is not None else None
+        mask_at = schedule.step_masks(s.mask)
+        w_hh_t_step = StepWeight(s.w_hh.t())
+        w_hr_t_step = None if s.w_hr is None else StepWeight(s.w_hr.t())
+        for step in reversed(schedule.steps):
+            t = step.t
+            dr = d_h_at[t] if w_hr_t_step is None else w_hr_t_step(d_h_at[t])
+            dc = d_c_at[t].addcmul_(dr, dc_from_dr_at[t])
+            torch.mul(from_dc_ifg_at[t], dc.unsqueeze(1), out=d_ifg_at[t])
+            torch.mul(from_dr_o_at[t], dr, out=d_o_at[t])
+            add_product(previous_targets(d_c_at, d_c0, step), dc, f_at[t])
+            mp.add_state_grad(
+                previous_targets(d_h_at, d_h0, step), d_gates_at[t], w_hh_t_step, s.w_hh, mask_at[t],
+                None if d_masked_at is None else d_masked_at[t],
+            )
+
+        d_w_hh = d_w_hr = d_mask = None
+        h_prev = None
+        if (needs.w_hh and s.masked is None) or needs.mask:
+            h_prev = gather_previous(s.out, s.h0, blocks)
+        if needs.w_hh:
+            d_w_hh = mp.weight_grad(d_gates, h_prev if s.masked is None else s.masked)
+        if needs.mask:
+            d_mask = mp.mask_grad(schedule, s.mask, d_masked, h_prev)
+        if s.w_hr is not None and needs.w_hr:
+            d_w_hr = matmul(d_h.t(), s.r)
+        return d_gates, d_h0, d_c0, d_w_hh, d_w_hr, d_mask, None
+
+
+def lstm_recurrence(
+    gates_x: Tensor,
+    batch_sizes: Sequence[int],
+    h0: Tensor,
+    c0: Tensor,
+    w_hh: Tensor,
+    w_hr: Tensor | None,
+    hidden_mask: Tensor | None,
+    reverse: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The LSTM recurrence of one layer and direction (contract in :mod:`rnndrop.kernels`)."""
+    out, h_n, c_n = _LSTMRecurrence.apply(
+        gates_x.contiguous(), h0.contiguous(), c0.contiguous(), w_hh, w_hr, hidden_mask,
+        Schedule(batch_sizes, reverse),
+    )
+    return out, h_n, c_n
