@@ -41,6 +41,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from rnndrop.kernels import masked_product as mp
 from rnndrop.kernels.matmul import StepWeight
+from rnndrop.kernels.pointwise import tanh
 from rnndrop.kernels.schedule import Schedule, add_product, gather_previous, previous, previous_targets
 
 
@@ -78,23 +79,27 @@ class _GRURecurrence(torch.autograd.Function):
 
         at = schedule.by_step
         out_at = at(out)
-        x_rz_at, x_n_at = at(gates_x[:, : 2 * H]), at(gates_x[:, 2 * H :])
-        rz_at, n_at = at(acts[:, : 2 * H]), at(acts[:, 2 * H :])
-        r_at, z_at = at(acts[:, :H]), at(acts[:, H : 2 * H])
-        masked_at = at(masked) if masked is not None else None
         mask_at = schedule.step_masks(mask)
-        a_n_at: list[Tensor] = [gates_x] * schedule.seq_len  # filled in by t
+        a_n_at: list[Tensor] = [gates_x] * schedule.seq_len  # W_hh m + b_hh, n part, by t
+        plan = zip(
+            schedule.steps, schedule.previous_views(out_at, h0),
+            *map(schedule.in_running_order, (
+                at(gates_x[:, : 2 * H]), at(gates_x[:, 2 * H :]), mask_at,
+                mask_at if masked is None else at(masked),
+                at(acts[:, : 2 * H]), at(acts[:, :H]), at(acts[:, H : 2 * H]), at(acts[:, 2 * H :]), out_at,
+            )),
+        )
         w_hh_step = StepWeight(w_hh)
-        for step in schedule.steps:
-            t = step.t
-            h_prev = previous(out_at, h0, step)
-            m = h_prev if mask_at[t] is None else mp.mask_state(h_prev, mask_at[t], masked_at[t])
+        for step, h_prev, x_rz, x_n, mask_t, m, rz, r, z, n, h in plan:
+            if h_prev is None:
+                h_prev = previous(out_at, h0, step)
+            m = h_prev if mask_t is None else mp.mask_state(h_prev, mask_t, m)
             a = mp.recurrent_gates(w_hh_step, w_hh, m, bias=b_hh)
-            a_n_at[t] = a_n = a[:, 2 * H :]
-            torch.add(x_rz_at[t], a[:, : 2 * H], out=rz_at[t]).sigmoid_()
-            n = torch.addcmul(x_n_at[t], r_at[t], a_n, out=n_at[t]).tanh_()
-            h = torch.sub(h_prev, n, out=out_at[t])
-            torch.addcmul(n, z_at[t], h, out=h)
+            a_n_at[step.t] = a_n = a[:, 2 * H :]
+            torch.add(x_rz, a[:, : 2 * H], out=rz).sigmoid_()
+            tanh(torch.addcmul(x_n, r, a_n, out=n), out=n)
+            torch.sub(h_prev, n, out=h)
+            torch.addcmul(n, z, h, out=h)
         final = schedule.final_rows(gates_x.device)
         ctx.schedule = schedule
         ctx.save_for_backward(*_Saved(acts, torch.cat(a_n_at), out, masked, h0, w_hh, mask, final))
@@ -126,21 +131,19 @@ class _GRURecurrence(torch.autograd.Function):
         d_masked = mp.masked_state_grad_buffer(needs.mask, s.masked)
 
         at = schedule.by_step
-        d_h_at, z_at, d_a_at = at(d_h), at(z), at(d_a)
-        d_a3_at, from_dh3_at = at(d_a.view(N, 3, H)), at(from_dh.view(N, 3, H))
-        d_masked_at = at(d_masked) if d_masked is not None else None
-        mask_at = schedule.step_masks(s.mask)
-        w_hh_t_step = StepWeight(s.w_hh.t())
-        for step in reversed(schedule.steps):
-            t = step.t
-            dh = d_h_at[t]
-            torch.mul(from_dh3_at[t], dh.unsqueeze(1), out=d_a3_at[t])
-            targets = previous_targets(d_h_at, d_h0, step)
-            add_product(targets, dh, z_at[t])
-            mp.add_state_grad(
-                targets, d_a_at[t], w_hh_t_step, s.w_hh, mask_at[t],
-                None if d_masked_at is None else d_masked_at[t],
-            )
+        d_h_at = at(d_h)
+        plan = zip(
+            [previous_targets(d_h_at, d_h0, step) for step in schedule.steps],
+            *map(schedule.in_running_order, (
+                d_h_at, at(d_h.view(N, 1, H)), at(z), at(from_dh.view(N, 3, H)), at(d_a.view(N, 3, H)),
+                at(d_a), schedule.step_masks(s.mask), [None] * schedule.seq_len if d_masked is None else at(d_masked),
+            )),
+        )
+        w_hh_t_step = StepWeight(s.w_hh.t(), pack=False)
+        for targets, dh, dh3, z_t, from_dh3, d_a3, d_a_t, mask_t, d_masked_t in reversed(list(plan)):
+            torch.mul(from_dh3, dh3, out=d_a3)
+            add_product(targets, dh, z_t)
+            mp.add_state_grad(targets, d_a_t, w_hh_t_step, s.w_hh, mask_t, d_masked_t)
 
         d_gates_x = d_w_hh = d_b_hh = d_mask = None
         if needs.w_hh:

@@ -45,6 +45,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from rnndrop.kernels import masked_product as mp
 from rnndrop.kernels.matmul import StepWeight, matmul
+from rnndrop.kernels.pointwise import sigmoid_tanh_, tanh
 from rnndrop.kernels.schedule import (
     Schedule,
     add_product,
@@ -96,25 +97,32 @@ class _LSTMRecurrence(torch.autograd.Function):
         masked = None if mask is None else gates_x.new_empty(N, *mask.shape[2:])
 
         at = schedule.by_step
-        gates_x_at, out_at, r_at, cell_at, tanh_cell_at = map(at, (gates_x, out, r, cells, tanh_cells))
-        acts_at = at(acts)
+        out_at, r_at, cell_at, acts_at = at(out), at(r), at(cells), at(acts)
         i_at, f_at, g_at, o_at = (at(a) for a in acts.split(H, 1))
-        masked_at = at(masked) if masked is not None else None
         mask_at = schedule.step_masks(mask)
+        masked_at = at(masked) if masked is not None else mask_at
+        # Everything a step reads and writes, as views of the buffers above, in running
+        # order. h_{t-1} and c_{t-1} are None where they must be assembled as the step
+        # runs (see `previous`).
+        plan = zip(
+            schedule.steps, schedule.previous_views(out_at, h0), schedule.previous_views(cell_at, c0),
+            *map(schedule.in_running_order, (
+                at(gates_x), mask_at, masked_at, acts_at, i_at, f_at, g_at, o_at,
+                cell_at, at(tanh_cells), r_at, out_at,
+            )),
+        )
         w_hh_step = StepWeight(w_hh)
         w_hr_step = None if w_hr is None else StepWeight(w_hr)
-        for step in schedule.steps:
-            t = step.t
-            m = previous(out_at, h0, step)
-            if mask_at[t] is not None:
-                m = mp.mask_state(m, mask_at[t], masked_at[t])
-            z = mp.recurrent_gates(w_hh_step, w_hh, m, gates_x_at[t])
-            torch.sigmoid(z, out=acts_at[t])  # i, f, o (g is overwritten next)
-            torch.tanh(z[:, 2 * H : 3 * H], out=g_at[t])
-            c = torch.mul(f_at[t], previous(cell_at, c0, step), out=cell_at[t]).addcmul_(i_at[t], g_at[t])
-            torch.mul(o_at[t], torch.tanh(c, out=tanh_cell_at[t]), out=r_at[t])
+        for step, h_prev, c_prev, gx, mask_t, m, a, i, f, g, o, c, tanh_c, r_t, out_t in plan:
+            if h_prev is None:
+                h_prev, c_prev = previous(out_at, h0, step), previous(cell_at, c0, step)
+            m = h_prev if mask_t is None else mp.mask_state(h_prev, mask_t, m)
+            z = mp.recurrent_gates(w_hh_step, w_hh, m, gx)
+            sigmoid_tanh_(z, a, 2 * H, 3 * H)  # i, f, g, o
+            torch.mul(f, c_prev, out=c).addcmul_(i, g)
+            torch.mul(o, tanh(c, out=tanh_c), out=r_t)
             if w_hr_step is not None:
-                out_at[t].copy_(w_hr_step(r_at[t]))
+                out_t.copy_(w_hr_step(r_t))
         final = schedule.final_rows(gates_x.device)
         ctx.schedule = schedule
         ctx.save_for_backward(
@@ -152,25 +160,30 @@ class _LSTMRecurrence(torch.autograd.Function):
         d_masked = mp.masked_state_grad_buffer(needs.mask, s.masked)
 
         at = schedule.by_step
-        d_h_at, d_c_at, d_gates_at, dc_from_dr_at, f_at = map(at, (d_h, d_c, d_gates, dc_from_dr, f))
-        d_ifg_at = at(d_gates[:, : 3 * H].view(N, 3, H))
-        from_dc_ifg_at = at(factors[:, : 3 * H].view(N, 3, H))
-        d_o_at, from_dr_o_at = at(d_gates[:, 3 * H :]), at(factors[:, 3 * H :])
-        d_masked_at = at(d_masked) if d_masked is not None else None
+        d_h_at, d_c_at = at(d_h), at(d_c)
         mask_at = schedule.step_masks(s.mask)
-        w_hh_t_step = StepWeight(s.w_hh.t())
-        w_hr_t_step = None if s.w_hr is None else StepWeight(s.w_hr.t())
-        for step in reversed(schedule.steps):
-            t = step.t
-            dr = d_h_at[t] if w_hr_t_step is None else w_hr_t_step(d_h_at[t])
-            dc = d_c_at[t].addcmul_(dr, dc_from_dr_at[t])
-            torch.mul(from_dc_ifg_at[t], dc.unsqueeze(1), out=d_ifg_at[t])
-            torch.mul(from_dr_o_at[t], dr, out=d_o_at[t])
-            add_product(previous_targets(d_c_at, d_c0, step), dc, f_at[t])
-            mp.add_state_grad(
-                previous_targets(d_h_at, d_h0, step), d_gates_at[t], w_hh_t_step, s.w_hh, mask_at[t],
-                None if d_masked_at is None else d_masked_at[t],
-            )
+        plan = zip(
+            [previous_targets(d_h_at, d_h0, step) for step in schedule.steps],
+            [previous_targets(d_c_at, d_c0, step) for step in schedule.steps],
+            *map(schedule.in_running_order, (
+                d_h_at, d_c_at, at(d_c.view(N, 1, H)), at(dc_from_dr), at(f),
+                at(factors[:, : 3 * H].view(N, 3, H)), at(d_gates[:, : 3 * H].view(N, 3, H)),
+                at(factors[:, 3 * H :]), at(d_gates[:, 3 * H :]), at(d_gates),
+                mask_at, [None] * schedule.seq_len if d_masked is None else at(d_masked),
+            )),
+        )
+        w_hh_t_step = StepWeight(s.w_hh.t(), pack=False)
+        w_hr_t_step = None if s.w_hr is None else StepWeight(s.w_hr.t(), pack=False)
+        for (
+            h_targets, c_targets, dh, dc, dc3, dc_from_dr_t, f_t,
+            from_dc_ifg, d_ifg, from_dr_o, d_o, d_z, mask_t, d_masked_t,
+        ) in reversed(list(plan)):
+            dr = dh if w_hr_t_step is None else w_hr_t_step(dh)
+            dc.addcmul_(dr, dc_from_dr_t)
+            torch.mul(from_dc_ifg, dc3, out=d_ifg)
+            torch.mul(from_dr_o, dr, out=d_o)
+            add_product(c_targets, dc, f_t)
+            mp.add_state_grad(h_targets, d_z, w_hh_t_step, s.w_hh, mask_t, d_masked_t)
 
         d_w_hh = d_w_hr = d_mask = None
         h_prev = None

@@ -71,6 +71,19 @@ class Schedule:
         """Views of the rows of every time step of ``x`` ``[N, ...]``, indexed by ``t``."""
         return torch.split(x, self.sizes)
 
+    def in_running_order(self, by_t: Sequence) -> list:
+        """The items of ``by_t`` (indexed by ``t``) in the order the steps run."""
+        return [by_t[step.t] for step in self.steps]
+
+    def previous_views(self, by_step: Sequence[Tensor], init: Tensor) -> list[Tensor | None]:
+        """For every step in running order, its previous state as a view (see :func:`previous`),
+        or None where rows of ``init`` join rows of the step before (reverse direction,
+        packed): those must be concatenated once the step before has run."""
+        return [
+            None if step.prev >= 0 and step.carried < step.size else previous(by_step, init, step)
+            for step in self.steps
+        ]
+
     def final_rows(self, device: torch.device) -> Tensor:
         """``[B]`` the row of the last step of every sequence (the rows of ``h_n``)."""
         segments = []  # (first sequence, first row, count)
