@@ -32,9 +32,12 @@ each storage counted once, parameters excluded); on CUDA the peak of
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import platform
 import random
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -44,6 +47,7 @@ from torch import nn
 
 from rnndrop import VariationalGRU, VariationalLSTM
 from rnndrop.kernels import DEFAULT_LOOP_KERNEL, KERNELS
+from rnndrop.kernels.matmul import onednn_enabled
 
 try:
     from rnndrop.weight_drop import WeightDrop
@@ -154,9 +158,17 @@ def bench_shape(model: str, shape: str, args: argparse.Namespace, device: torch.
         q1, q3 = (statistics.quantiles(t, n=4)[i] for i in (0, 2)) if len(t) > 1 else (med, med)
         ratio = statistics.median(a / b for a, b in zip(times[name], times[baseline]))
         row = dict(
-            model=model, shape=shape, hidden=hidden, variant=name, median_s=med,
-            spread=(q3 - q1) / med, ratio=ratio, words_per_s=args.batch * args.seq_len / med,
-            first_call_s=first[name], times_s=times[name], load=[load_before, load_after],
+            model=model,
+            shape=shape,
+            hidden=hidden,
+            variant=name,
+            median_s=med,
+            spread=(q3 - q1) / med,
+            ratio=ratio,
+            words_per_s=args.batch * args.seq_len / med,
+            first_call_s=first[name],
+            times_s=times[name],
+            load=[load_before, load_after],
         )
         if memory:
             row["memory_bytes"] = memory[name]
@@ -181,6 +193,126 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def machine() -> str:
+    """CPU model, cores, torch, BLAS and oneDNN of this machine, in one line."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    config = torch.__config__.show()
+    blas = re.search(r"BLAS_INFO=(\w+)", config)
+    onednn = re.search(r"oneDNN v([\d.]+)|MKL-DNN v([\d.]+)", config)
+    onednn_text = "oneDNN " + next(g for g in onednn.groups() if g) if onednn else "oneDNN ?"
+    if not torch.backends.mkldnn.is_available():
+        onednn_text = "no oneDNN"
+    used = "on" if onednn_enabled(torch.ones(1)) else "off"
+    return (
+        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"BLAS {blas.group(1) if blas else '?'}, {onednn_text} (loop kernels' products: {used}), "
+        f"CPU capability {torch.backends.cpu.get_cpu_capability()}"
+    )
+
+
+# Ops that only make views or allocate: no kernel launch on a GPU.
+_NO_LAUNCH = {
+    "aten::" + name
+    for name in [
+        "slice",
+        "as_strided",
+        "split_with_sizes",
+        "split",
+        "view",
+        "unsqueeze",
+        "t",
+        "select",
+        "narrow",
+        "reshape",
+        "empty",
+        "transpose",
+        "expand",
+        "alias",
+        "detach",
+        "empty_like",
+        "new_empty",
+        "_reshape_alias",
+        "unbind",
+        "permute",
+        "contiguous",
+        "lift_fresh",
+        "resize_",
+        "empty_strided",
+        "chunk",
+        "result_type",
+        "_unsafe_view",
+        "new_empty_strided",
+    ]
+}
+
+
+def _launching_ops(prof) -> collections.Counter:
+    """Top-level ATen / oneDNN ops of a profile (an op called by another is part of it),
+    views and allocations left out: on a GPU each is one kernel launch."""
+
+    def nested(event) -> bool:
+        parent = event.cpu_parent
+        while parent is not None:
+            if parent.name.startswith(("aten::", "mkldnn::")):
+                return True
+            parent = parent.cpu_parent
+        return False
+
+    return collections.Counter(
+        e.name
+        for e in prof.events()
+        if e.name.startswith(("aten::", "mkldnn::")) and e.name not in _NO_LAUNCH and not nested(e)
+    )
+
+
+def count_ops(
+    kernel: str, cell: str, steps: int, onednn: bool
+) -> tuple[collections.Counter, collections.Counter]:
+    """Launching ops of one layer's forward and backward over ``steps`` time steps
+    (batch 4, hidden 16, a per-sequence hidden mask)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from rnndrop.kernels import get_kernel
+
+    B, H, G = 4, 16, 4 if cell == "lstm" else 3
+    gates_x = torch.randn(steps * B, G * H, requires_grad=True)
+    h0 = torch.zeros(B, H, requires_grad=True)
+    w_hh = torch.randn(G * H, H, requires_grad=True)
+    mask = torch.rand(1, B, H)
+    if cell == "lstm":
+        rest = (h0, torch.zeros(B, H, requires_grad=True), w_hh, None, mask)
+    else:
+        rest = (h0, w_hh, torch.randn(G * H, requires_grad=True), mask)
+    with torch.backends.mkldnn.flags(enabled=onednn):
+        with profile(activities=[ProfilerActivity.CPU]) as forward:
+            out = get_kernel(kernel, cell)(gates_x, [B] * steps, *rest)[0]
+        with profile(activities=[ProfilerActivity.CPU]) as backward:
+            out.backward(torch.ones_like(out))
+    return _launching_ops(forward), _launching_ops(backward)
+
+
+def print_op_counts() -> None:
+    """Ops per time step (the difference between 20 and 10 steps, over 10) of every loop kernel."""
+    print("launching ops per time step of one layer and direction (profiler, CPU):")
+    for kernel in KERNELS:
+        for cell in ("lstm", "gru"):
+            for onednn in (True, False):
+                long, short = count_ops(kernel, cell, 20, onednn), count_ops(kernel, cell, 10, onednn)
+                per_step = [{k: (a[k] - b[k]) / 10 for k in a if a[k] != b[k]} for a, b in zip(long, short)]
+                print(
+                    f"  {kernel:8} {cell:4} {'oneDNN' if onednn else 'torch.mm':8} "
+                    f"forward {sum(per_step[0].values()):4.1f}, backward {sum(per_step[1].values()):4.1f}"
+                )
+                for name, ops in zip(("forward", "backward"), per_step):
+                    listing = ", ".join(f"{k.split('::')[1]} {v:g}" for k, v in sorted(ops.items()))
+                    print(f"      {name}: {listing}")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="small,medium", help="comma-separated: small, medium, large")
@@ -196,6 +328,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     parser.add_argument("--no-memory", dest="memory", action="store_false", help="skip memory")
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument(
+        "--count-ops", action="store_true", help="print the ops per time step of every loop kernel and exit"
+    )
     args = parser.parse_args(argv)
     args.shapes = [s for s in args.shapes.split(",") if s]
     args.models = [m for m in args.models.split(",") if m]
@@ -216,11 +351,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.count_ops:
+        print(machine())
+        print_op_counts()
+        return
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     header = (
-        f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} threads, "
+        f"{machine()}\n"
+        f"device {device}, {torch.get_num_threads()} threads, "
         f"batch {args.batch}, seq {args.seq_len}, {args.layers} layers, p {args.p}, "
         f"{args.rounds} rounds, load average {os.getloadavg()[0]:.2f}"
     )

@@ -120,9 +120,9 @@ class _GRURecurrence(torch.autograd.Function):
         dn_pre_from_dh = torch.addcmul(s.acts.new_ones(()), n, n, value=-1)  # tanh' = 1 - n²
         dn_pre_from_dh.addcmul_(z, dn_pre_from_dh, value=-1)  # times (1 - z)
         from_dh = torch.addcmul(s.acts, s.acts, s.acts, value=-1)  # σ' = a (1 - a)
-        from_dh[:, :H] *= dn_pre_from_dh
-        from_dh[:, :H] *= s.a_n
-        from_dh[:, H : 2 * H] *= h_prev - n
+        from_dh[:, :H].mul_(dn_pre_from_dh)
+        from_dh[:, :H].mul_(s.a_n)
+        from_dh[:, H : 2 * H].mul_(h_prev - n)
         torch.mul(dn_pre_from_dh, r, out=from_dh[:, 2 * H :])
 
         d_h = mp.output_grad(d_out, s.out, s.final, d_hn)

@@ -144,10 +144,10 @@ class _LSTMRecurrence(torch.autograd.Function):
         i, f, g, o = s.acts.split(H, 1)
         factors = torch.addcmul(s.acts, s.acts, s.acts, value=-1)  # σ' = a (1 - a)
         torch.addcmul(s.acts.new_ones(()), g, g, value=-1, out=factors[:, 2 * H : 3 * H])  # tanh' = 1 - g²
-        factors[:, :H] *= g
+        factors[:, :H].mul_(g)
         mul_previous_(factors[:, H : 2 * H], s.cells, s.c0, blocks)
-        factors[:, 2 * H : 3 * H] *= i
-        factors[:, 3 * H :] *= s.tanh_cells
+        factors[:, 2 * H : 3 * H].mul_(i)
+        factors[:, 3 * H :].mul_(s.tanh_cells)
         dc_from_dr = torch.addcmul(o, o, s.tanh_cells * s.tanh_cells, value=-1)
 
         d_h = mp.output_grad(d_out, s.out, s.final, d_hn)

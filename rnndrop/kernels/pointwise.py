@@ -38,7 +38,7 @@ def sigmoid_tanh_(z: Tensor, out: Tensor, lo: int, hi: int) -> Tensor:
     if z.device.type != "cpu":
         torch.sigmoid(z, out=out)
         return torch.tanh(z[:, lo:hi], out=out[:, lo:hi])
-    z[:, lo:hi] *= 2
+    z[:, lo:hi].mul_(2)
     torch.sigmoid(z, out=out)
     _twice_minus_one_(out[:, lo:hi])
     return out
