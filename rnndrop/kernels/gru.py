@@ -136,7 +136,8 @@ class _GRURecurrence(torch.autograd.Function):
             [previous_targets(d_h_at, d_h0, step) for step in schedule.steps],
             *map(schedule.in_running_order, (
                 d_h_at, at(d_h.view(N, 1, H)), at(z), at(from_dh.view(N, 3, H)), at(d_a.view(N, 3, H)),
-                at(d_a), schedule.step_masks(s.mask), [None] * schedule.seq_len if d_masked is None else at(d_masked),
+                at(d_a), schedule.step_masks(s.mask),
+                [None] * schedule.seq_len if d_masked is None else at(d_masked),
             )),
         )
         w_hh_t_step = StepWeight(s.w_hh.t(), pack=False)
