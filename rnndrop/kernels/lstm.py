@@ -26,7 +26,7 @@ of the outputs and of ``h_n`` / ``c_n`` and collect what later steps send back::
 
 The factors that multiply ``dc_t`` and ``dr_t`` depend on the forward pass only and
 are computed for all steps at once before the loop; inside the loop each step
-costs six ops and one small matrix product (see :mod:`rnndrop.kernels.matmul`).
+costs five ops and one small matrix product (see :mod:`rnndrop.kernels.matmul`).
 ``dW_hh`` and ``dW_hr`` are one large product each over all steps, as cuDNN does.
 Where rows live and where each finds its previous state: :mod:`rnndrop.kernels.schedule`.
 
