@@ -56,7 +56,7 @@ class UsageError(Exception):
 
 
 def _fail(message: str, code: int) -> SystemExit:
-    sys.stderr.write("error: " + " ".join(str(message).split("\n")).strip() + "\n")
+    sys.stderr.write("error: " + " ".join(str(message).split()) + "\n")
     return SystemExit(code)
 
 
