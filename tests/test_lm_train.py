@@ -7,7 +7,7 @@ import torch
 
 from rnndrop.lm import benchmark
 from rnndrop.lm.checkpoint import load_checkpoint
-from rnndrop.lm.configs import CONFIGS, REGIMES, Regime
+from rnndrop.lm.configs import CONFIGS, Regime, registered
 from rnndrop.lm.corpus import load_corpus
 from rnndrop.lm.results import markdown_table, read_result, validate_result
 from rnndrop.lm.train import TrainingDiverged, train_run
@@ -97,17 +97,15 @@ def _nan_after(threshold):
 
 def test_nan_loss_stops_with_a_clear_message_and_keeps_the_checkpoint(corpus, tmp_path):
     config = replace(TINY, epochs=2)
-    REGIMES["nan-at-once"] = Regime("diverges at once", sites=("input",), regularizer=_nan_after(0.0))
-    REGIMES["nan-later"] = Regime("diverges in epoch 2", sites=("input",), regularizer=_nan_after(0.5))
-    try:
+    regimes = {"nan-at-once": Regime("diverges at once", sites=("input",), regularizer="nan0"),
+               "nan-later": Regime("diverges in epoch 2", sites=("input",), regularizer="nan05")}
+    with registered(regimes, hooks={"nan0": _nan_after(0.0), "nan05": _nan_after(0.5)}):
         with pytest.raises(TrainingDiverged, match=r"training loss is nan at epoch 1, batch 1/.*"
                            r"no epoch had finished"):
             train_run(corpus, config, "nan-at-once", tmp_path / "a", progress=False)
-        with pytest.raises(TrainingDiverged, match=r"loss is nan at epoch 2, batch 1/.*the last good "
-                           r"checkpoint '.*checkpoint.pt' \(epoch 1\) is intact"):
+        with pytest.raises(TrainingDiverged, match=r"loss is nan at epoch 2, batch 1/.*the checkpoint "
+                           r"'.*checkpoint.pt' of epoch 1 was verified \(SHA-256\) and is kept"):
             train_run(corpus, config, "nan-later", tmp_path / "b", progress=False)
-    finally:
-        del REGIMES["nan-at-once"], REGIMES["nan-later"]
     assert not (tmp_path / "a" / "checkpoint.pt").exists()
     ckpt = load_checkpoint(tmp_path / "b" / "checkpoint.pt")
     assert ckpt["progress"]["epoch"] == 1 and len(ckpt["progress"]["history"]) == 1
@@ -123,20 +121,18 @@ def test_regularizer_hook_is_added_to_the_loss(corpus, tmp_path):
         seen.append(progress)
         return 10.0 * sum(p.square().sum() for p in model.parameters())
 
-    REGIMES["l2-test"] = Regime("tied + strong L2", sites=("input",), regularizer=l2)
-    try:
+    with registered({"l2-test": Regime("tied + strong L2", sites=("input",), regularizer="l2")},
+                    hooks={"l2": l2}):
         config = replace(TINY, epochs=1)
         plain = train_run(corpus, config, "naive", tmp_path / "a", dropout={"input": 0.2}, seed=1,
                           progress=False, mc_samples=0)
         shrunk = train_run(corpus, config, "l2-test", tmp_path / "b", dropout={"input": 0.2}, seed=1,
                            progress=False, mc_samples=0)
-    finally:
-        del REGIMES["l2-test"]
     assert seen[0] == 0.0 and 0 < seen[-1] < 1 and seen == sorted(seen)
     a = load_checkpoint(tmp_path / "a" / "checkpoint.pt")["model"]["decoder.weight"]
     b = load_checkpoint(tmp_path / "b" / "checkpoint.pt")["model"]["decoder.weight"]
     assert b.norm() < 0.5 * a.norm()
-    assert shrunk["regime_settings"]["regularizer"].endswith("l2")
+    assert shrunk["regime_settings"]["regularizer"] == "l2"
     assert plain["test_ppl"] != shrunk["test_ppl"]
 
 

@@ -39,7 +39,7 @@ from rnndrop.lm.results import (
     plot_learning_curves,
     write_json_atomic,
 )
-from rnndrop.lm.train import RESULTS, add_mc_result, resolve_device, train_run
+from rnndrop.lm.train import add_mc_result, finished_result, resolve_device, run_identity, train_run
 
 __all__ = ["JobInterrupted", "RunSpec", "chosen_dropout", "estimate_seconds", "main", "run_benchmark"]
 
@@ -121,19 +121,8 @@ def chosen_dropout(summary_path: str | Path) -> dict[str, dict[str, float]]:
 
 
 def _finished(spec: RunSpec) -> dict[str, Any] | None:
-    path = Path(spec.folder) / RESULTS
-    if not path.is_file():
-        return None
-    with open(path, encoding="utf-8") as f:
-        result = json.load(f)
-    mine = spec.config.to_dict()
-    same = (
-        result.get("regime") == spec.regime
-        and result.get("seed") == spec.seed
-        and result.get("dropout") == dict(spec.dropout)
-        and all(result["config"].get(k) == v for k, v in mine.items() if k not in ("grid", "mc_samples"))
-    )
-    return result if same else None
+    identity = run_identity(_corpus(spec.data_dir), spec.config, spec.regime, spec.dropout, spec.seed)
+    return finished_result(spec.folder, identity, epochs=spec.config.epochs)
 
 
 @functools.lru_cache(maxsize=2)
