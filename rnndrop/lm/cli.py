@@ -227,6 +227,7 @@ def _train(args: argparse.Namespace, dataset: str, given: list[str]) -> str:
     from rnndrop.lm.configs import get_regime
     from rnndrop.lm.corpus import CorpusError, load_corpus
     from rnndrop.lm.download import DownloadError
+    from rnndrop.lm.lock import RunLocked
     from rnndrop.lm.train import TrainingDiverged
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -286,7 +287,9 @@ def _train(args: argparse.Namespace, dataset: str, given: list[str]) -> str:
                     "to continue", EXIT_INTERRUPTED) from None
     except TrainingDiverged as e:
         raise _fail(str(e), EXIT_DIVERGED) from None
-    except (FileExistsError, CorpusError, ValueError) as e:
+    except (RunLocked, OSError, CorpusError, ValueError) as e:
+        # another process holds a run folder, a file cannot be written, a damaged or
+        # foreign checkpoint or result: the message names the file and what to do
         raise _fail(str(e), EXIT_DATA) from None
     report = summary["markdown"].rstrip() + "\n\n"
     report += f"Written to {out}/: {', '.join(summary['files'])} and one folder per run.\n"
