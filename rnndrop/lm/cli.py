@@ -156,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="Monte-Carlo dropout samples (0: weight-scaling only)")
     evaluate.add_argument("--seed", type=int, default=1, help="seed of the Monte-Carlo masks")
     evaluate.add_argument("--device", default="auto")
+    evaluate.add_argument("--threads", type=int, default=1, help="torch threads")
     generate = sub.add_parser("generate", help="sample text from a trained run",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     generate.add_argument("run", help="a run folder (holding best.pt) or a best.pt file")
@@ -165,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="softmax temperature (lower: more likely words)")
     generate.add_argument("--seed", type=int, default=1)
     generate.add_argument("--device", default="auto")
+    generate.add_argument("--threads", type=int, default=1, help="torch threads")
     return parser
 
 
@@ -331,8 +333,10 @@ def _evaluate(args: argparse.Namespace) -> str:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     try:
         _positive("--mc-samples", args.mc_samples, 0)
+        _positive("--threads", args.threads)
     except UsageError as e:
         raise _fail(str(e), EXIT_DATA) from None
+    torch.set_num_threads(args.threads)
     run = _load_run(args.run, args.device)
     result = _run_result(run.path)
     dataset = result.get("dataset") or "ptb"
@@ -375,10 +379,12 @@ def _generate(args: argparse.Namespace) -> str:
 
     try:
         _positive("--words", args.words, 0)
+        _positive("--threads", args.threads)
         if not args.temperature > 0:
             raise UsageError(f"--temperature must be > 0, got {args.temperature}")
     except UsageError as e:
         raise _fail(str(e), EXIT_DATA) from None
+    torch.set_num_threads(args.threads)
     run = _load_run(args.run, args.device)
     generator = torch.Generator().manual_seed(args.seed)
     prompt = args.prompt.split()
