@@ -48,7 +48,7 @@ __all__ = [
     "generate",
     "get_config",
     "load_corpus",
-    "sample_dir",
     "load_model",
+    "sample_dir",
     "train_run",
 ]
