@@ -38,6 +38,7 @@ __all__ = [
     "EpochLog",
     "benchmark_markdown",
     "format_dropout",
+    "learning_curve_figure",
     "markdown_table",
     "peak_memory",
     "plot_learning_curves",
@@ -183,24 +184,15 @@ def _plot_title(results: Sequence[Mapping[str, Any]]) -> str:
     return f"{what}, config {cfg.get('name', '?')}: {model}" + (f"\n{train}" if train else "")
 
 
-def plot_learning_curves(results: Sequence[Mapping[str, Any]], path: str | Path) -> Path | None:
-    """Train (dashed) and validation (solid) perplexity per epoch of every run, as a PNG
-    titled with the corpus and the config; every epoch is a marker, so one epoch shows.
+def learning_curve_figure(results: Sequence[Mapping[str, Any]]):
+    """A matplotlib figure of train (dashed, ×) and validation (solid, ●) perplexity per
+    epoch of every run, titled with the corpus and the config (matplotlib required)."""
+    import matplotlib
 
-    Returns the path, or None when matplotlib is not installed or there is nothing to plot.
-    """
-    if not results:
-        return None
-    try:
-        import matplotlib
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-        matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import MaxNLocator
-    except ImportError:
-        log.warning("matplotlib is not installed: no learning curves at %s "
-                    "(pip install 'rnndrop[bench]')", path)
-        return None
     fig, ax = plt.subplots(figsize=(7, 4.8))
     for i, r in enumerate(results):
         epochs = [e["epoch"] for e in r["epochs"]]
@@ -211,13 +203,36 @@ def plot_learning_curves(results: Sequence[Mapping[str, Any]], path: str | Path)
         ax.plot(epochs, [e["train_ppl"] for e in r["epochs"]], color=color, marker="x",
                 markersize=4, linestyle="--")
     ax.set_xlabel("epoch")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    last = max((e["epoch"] for r in results for e in r["epochs"]), default=1)
+    ax.set_xlim(0.5, last + 0.5)  # a range of at least one epoch, so every tick is an epoch
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     ax.set_ylabel("perplexity (solid ●: valid, dashed ×: train)")
     ax.set_yscale("log")
     ax.set_title(_plot_title(results), fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
+    return fig
+
+
+def plot_learning_curves(results: Sequence[Mapping[str, Any]], path: str | Path) -> Path | None:
+    """:func:`learning_curve_figure` as a PNG at ``path`` (written atomically); every epoch
+    is a marker, so a one-epoch run shows too.
+
+    Returns the path, or None when matplotlib is not installed or there is nothing to plot.
+    """
+    if not results:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: no learning curves at %s "
+                    "(pip install 'rnndrop[bench]')", path)
+        return None
+    fig = learning_curve_figure(results)
     path = Path(path)
     try:
         with atomic_write(path) as f:
