@@ -210,3 +210,20 @@ def test_evaluate_and_generate_errors_are_one_line(tmp_path, capsys):
     assert cli.main(["generate", str(tmp_path / "nothing"), "--words", "-1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 2 and "nothing" in err and "--words must be >= 0" in err
+
+
+def test_parallel_runs_print_one_whole_line_per_event(tmp_path, capfd, caplog):
+    caplog.set_level("INFO")
+    data = write_corpus(tmp_path / "data")
+    argv = ["ptb", "--data", str(data), "--regimes", "none,naive", "--epochs", "2", "--hidden-size", "8",
+            "--emb-size", "8", "--layers", "1", "--batch-size", "4", "--bptt", "6", "--mc-samples", "0",
+            "--jobs", "2", "--out", str(tmp_path / "out")]
+    assert cli.main(argv) == 0
+    err = capfd.readouterr().err
+    assert "\r" not in err and "it/s" not in err  # no progress bars
+    epoch_lines = [line for line in err.splitlines() if "] " in line and " epoch " in line]
+    assert len(epoch_lines) == 4
+    for regime, label in (("none", "run 1/2 none"), ("naive", "run 2/2 naive")):
+        mine = [line for line in epoch_lines if label in line]
+        assert [f"{regime} epoch {e}:" in line for e, line in enumerate(mine, 1)] == [True, True]
+    assert caplog.text.count("finished: best valid ppl") == 2  # the main process's lines

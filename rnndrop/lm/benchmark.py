@@ -131,7 +131,8 @@ def _corpus(data_dir: str) -> Corpus:
 
 
 def _worker_logging(label: str) -> None:
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{label}] %(message)s", force=True)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{label}] %(message)s", datefmt="%H:%M:%S",
+                        force=True)
 
 
 def _execute(spec: RunSpec, progress: JobProgress | None = None) -> dict[str, Any]:
@@ -200,14 +201,14 @@ def _run_all(
     pool = ProcessPoolExecutor(max_workers=min(jobs, len(specs)), mp_context=context,
                                initializer=_ignore_sigint)
     try:
-        futures = {pool.submit(fn, s): s for s in specs}
-        results: dict[RunSpec, dict[str, Any]] = {}
+        futures = {pool.submit(fn, s): i for i, s in enumerate(specs)}
+        results: dict[int, dict[str, Any]] = {}
         for future in as_completed(futures):
-            spec = futures[future]
-            results[spec] = future.result()
+            i = futures[future]
+            results[i] = future.result()
             if progress is not None and fn is _execute:
-                progress.run_done(spec.label, results[spec])
-        return [results[s] for s in specs]
+                progress.run_done(specs[i].label, results[i])
+        return [results[i] for i in range(len(specs))]
     except KeyboardInterrupt:
         _stop(pool)
         raise JobInterrupted(None, None) from None
