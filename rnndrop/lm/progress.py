@@ -1,14 +1,15 @@
 """Progress of a whole benchmark job: run k of n, regime, epoch e of E, and an ETA.
 
-With one run at a time and tqdm installed, :class:`JobProgress` draws one bar for the
-job above the per-epoch bar of the training loop; otherwise (``--jobs > 1``, no tqdm,
-``--no-progress``) it writes one log line per event (an epoch or a run finished), so
+With one run at a time, tqdm installed and a terminal, :class:`JobProgress` draws one bar
+for the job above the per-epoch bar of the training loop; otherwise (``--jobs > 1``, no
+tqdm, stderr to a file, ``--no-progress``) it writes one log line per event (an epoch or a run finished), so
 lines of parallel runs never interleave on one terminal line.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -49,7 +50,7 @@ class JobProgress:
         self.start = time.perf_counter()
         self.estimate = estimate_seconds
         self.bar = None
-        if bar:
+        if bar and sys.stderr.isatty():
             try:
                 from tqdm.auto import tqdm
 
