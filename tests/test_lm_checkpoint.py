@@ -307,3 +307,58 @@ def test_ctrl_c_is_reraised_with_the_epoch_and_resume_continues_bit_for_bit(corp
     resumed = train_run(corpus, config, "tied", tmp_path / "cut", seed=9, progress=False, resume=True)
     assert resumed["epochs"][0]["valid_ppl"] == full["epochs"][0]["valid_ppl"]
     assert resumed["test_ppl"] == full["test_ppl"]
+
+
+_CHILD = """
+import sys, time
+from dataclasses import replace
+import torch
+from rnndrop.lm.corpus import load_corpus
+from rnndrop.lm.train import RunInterrupted, train_run
+from tests.lm_helpers import TINY
+
+torch.set_num_threads(1)
+data, out, marker = sys.argv[1:4]
+
+def wait_for_ctrl_c(epoch, record):
+    open(marker, "w").close()
+    time.sleep(60)
+
+try:
+    train_run(load_corpus(data), replace(TINY, epochs=2, mc_samples=0), "tied", out, seed=9,
+              progress=False, on_epoch_end=wait_for_ctrl_c)
+except RunInterrupted as e:
+    print(f"interrupted epoch={e.epoch} folder={e.folder}")
+    sys.exit(130)
+"""
+
+
+def test_a_real_sigint_leaves_a_run_that_resumes_bit_for_bit(corpus, tmp_path):
+    import signal
+    import time
+
+    marker = tmp_path / "epoch-done"
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, corpus.source, str(tmp_path / "cut"), str(marker)],
+        cwd=os.getcwd(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert child.poll() is None, child.communicate()
+            assert time.monotonic() < deadline, "the child never finished its first epoch"
+            time.sleep(0.05)
+        child.send_signal(signal.SIGINT)
+        stdout, stderr = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == 130, stderr
+    assert f"interrupted epoch=1 folder={tmp_path / 'cut'}" in stdout
+    config = replace(TINY, epochs=2, mc_samples=0)
+    resumed = train_run(corpus, config, "tied", tmp_path / "cut", seed=9, progress=False, resume=True)
+    full = train_run(corpus, config, "tied", tmp_path / "full", seed=9, progress=False)
+    assert resumed["epochs"][1]["valid_ppl"] == full["epochs"][1]["valid_ppl"]
+    assert _weights_equal(load_checkpoint(tmp_path / "cut" / "checkpoint.pt")["model"],
+                          load_checkpoint(tmp_path / "full" / "checkpoint.pt")["model"])
