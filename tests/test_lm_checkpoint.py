@@ -15,17 +15,11 @@ import torch
 from rnndrop.lm.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint
 from rnndrop.lm.corpus import load_corpus
 from rnndrop.lm.train import train_run
-from tests.lm_helpers import TINY, write_corpus
+from tests.lm_helpers import TINY, one_thread, write_corpus  # noqa: F401 (autouse fixture)
 
 ONE = replace(TINY, epochs=1, mc_samples=0)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture

@@ -11,15 +11,7 @@ from rnndrop.lm.configs import CONFIGS, Regime, registered
 from rnndrop.lm.corpus import load_corpus
 from rnndrop.lm.results import markdown_table, read_result, validate_result
 from rnndrop.lm.train import TrainingDiverged, train_run
-from tests.lm_helpers import TINY, write_corpus
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the suite shares 2 cores; tiny models gain nothing from more
-    yield
-    torch.set_num_threads(threads)
+from tests.lm_helpers import TINY, one_thread, write_corpus  # noqa: F401 (autouse fixture)
 
 
 @pytest.fixture

@@ -107,6 +107,8 @@ def chosen_dropout(summary_path: str | Path) -> dict[str, dict[str, float]]:
 
 
 def _finished(spec: RunSpec) -> dict[str, Any] | None:
+    if not (Path(spec.folder) / "results.json").is_file():
+        return None  # nothing to reuse: skip reading the corpus
     identity = run_identity(load_corpus(spec.data_dir), spec.config, spec.regime, spec.dropout, spec.seed)
     return finished_result(spec.folder, identity, epochs=spec.config.epochs)
 
