@@ -356,3 +356,15 @@ def test_a_real_sigint_leaves_a_run_that_resumes_bit_for_bit(corpus, tmp_path):
     assert resumed["epochs"][1]["valid_ppl"] == full["epochs"][1]["valid_ppl"]
     assert _weights_equal(load_checkpoint(tmp_path / "cut" / "checkpoint.pt")["model"],
                           load_checkpoint(tmp_path / "full" / "checkpoint.pt")["model"])
+
+
+def test_load_model_of_a_gru_run_and_of_a_file_without_the_config(corpus, tmp_path):
+    train_run(corpus, replace(ONE, cell="gru"), "naive", tmp_path / "gru", progress=False)
+    run = load_model(tmp_path / "gru")
+    logits, hidden = run.model(run.vocab.encode(["the", "cat", "sees"])[:, None])
+    assert logits.shape == (3, 1, len(corpus.vocab)) and isinstance(hidden, torch.Tensor)
+    save_checkpoint({"model": {}}, tmp_path / "bare.pt")
+    with pytest.raises(CheckpointError, match=r"lacks config, regime, regime_settings, dropout, vocab"):
+        load_model(tmp_path / "bare.pt")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_model(tmp_path / "nowhere")
