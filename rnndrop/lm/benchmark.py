@@ -40,13 +40,14 @@ from rnndrop.lm.configs import (
 )
 from rnndrop.lm.corpus import CorpusError, load_corpus
 from rnndrop.lm.download import DATASETS, DownloadError, download_corpus
+from rnndrop.lm.identity import finished_result, run_identity
 from rnndrop.lm.results import (
     format_dropout,
     markdown_table,
     plot_learning_curves,
     write_json_atomic,
 )
-from rnndrop.lm.train import TrainingDiverged, add_mc_result, finished_result, run_identity, train_run
+from rnndrop.lm.train import TrainingDiverged, add_mc_result, train_run
 
 __all__ = ["RunSpec", "build_parser", "chosen_dropout", "main", "run_benchmark"]
 
