@@ -15,17 +15,11 @@ import torch
 from rnndrop.lm.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint
 from rnndrop.lm.corpus import load_corpus
 from rnndrop.lm.train import train_run
-from tests.lm_helpers import TINY, write_corpus
+from tests.lm_helpers import TINY, one_thread, write_corpus  # noqa: F401 (autouse fixture)
 
 ONE = replace(TINY, epochs=1, mc_samples=0)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture
@@ -307,3 +301,70 @@ def test_ctrl_c_is_reraised_with_the_epoch_and_resume_continues_bit_for_bit(corp
     resumed = train_run(corpus, config, "tied", tmp_path / "cut", seed=9, progress=False, resume=True)
     assert resumed["epochs"][0]["valid_ppl"] == full["epochs"][0]["valid_ppl"]
     assert resumed["test_ppl"] == full["test_ppl"]
+
+
+_CHILD = """
+import sys, time
+from dataclasses import replace
+import torch
+from rnndrop.lm.corpus import load_corpus
+from rnndrop.lm.train import RunInterrupted, train_run
+from tests.lm_helpers import TINY
+
+torch.set_num_threads(1)
+data, out, marker = sys.argv[1:4]
+
+def wait_for_ctrl_c(epoch, record):
+    open(marker, "w").close()
+    time.sleep(60)
+
+try:
+    train_run(load_corpus(data), replace(TINY, epochs=2, mc_samples=0), "tied", out, seed=9,
+              progress=False, on_epoch_end=wait_for_ctrl_c)
+except RunInterrupted as e:
+    print(f"interrupted epoch={e.epoch} folder={e.folder}")
+    sys.exit(130)
+"""
+
+
+def test_a_real_sigint_leaves_a_run_that_resumes_bit_for_bit(corpus, tmp_path):
+    import signal
+    import time
+
+    marker = tmp_path / "epoch-done"
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, corpus.source, str(tmp_path / "cut"), str(marker)],
+        cwd=os.getcwd(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert child.poll() is None, child.communicate()
+            assert time.monotonic() < deadline, "the child never finished its first epoch"
+            time.sleep(0.05)
+        child.send_signal(signal.SIGINT)
+        stdout, stderr = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == 130, stderr
+    assert f"interrupted epoch=1 folder={tmp_path / 'cut'}" in stdout
+    config = replace(TINY, epochs=2, mc_samples=0)
+    resumed = train_run(corpus, config, "tied", tmp_path / "cut", seed=9, progress=False, resume=True)
+    full = train_run(corpus, config, "tied", tmp_path / "full", seed=9, progress=False)
+    assert resumed["epochs"][1]["valid_ppl"] == full["epochs"][1]["valid_ppl"]
+    assert _weights_equal(load_checkpoint(tmp_path / "cut" / "checkpoint.pt")["model"],
+                          load_checkpoint(tmp_path / "full" / "checkpoint.pt")["model"])
+
+
+def test_load_model_of_a_gru_run_and_of_a_file_without_the_config(corpus, tmp_path):
+    train_run(corpus, replace(ONE, cell="gru"), "naive", tmp_path / "gru", progress=False)
+    run = load_model(tmp_path / "gru")
+    logits, hidden = run.model(run.vocab.encode(["the", "cat", "sees"])[:, None])
+    assert logits.shape == (3, 1, len(corpus.vocab)) and isinstance(hidden, torch.Tensor)
+    save_checkpoint({"model": {}}, tmp_path / "bare.pt")
+    with pytest.raises(CheckpointError, match=r"lacks config, regime, regime_settings, dropout, vocab"):
+        load_model(tmp_path / "bare.pt")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_model(tmp_path / "nowhere")

@@ -6,17 +6,11 @@ from rnndrop.lm.configs import REGIMES, Regime, build_model, regime_probabilitie
 from rnndrop.lm.model import RNNLanguageModel, detach_hidden
 from rnndrop.mc import sampling_modules
 from rnndrop.recurrent import VariationalLSTM
-from tests.lm_helpers import TINY
+from tests.lm_helpers import TINY, one_thread  # noqa: F401 (autouse fixture)
 
 V = 30
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 ALL = {"embedding": 0.2, "input": 0.3, "between": 0.3, "hidden": 0.25, "output": 0.4}
 

@@ -32,6 +32,7 @@ import torch
 from rnndrop.lm.atomic import atomic_write
 from rnndrop.lm.configs import SITES, TrainConfig, build_model, get_regime, regime_probabilities
 from rnndrop.lm.corpus import Corpus, batchify, load_corpus
+from rnndrop.lm.identity import finished_result, run_identity
 from rnndrop.lm.progress import JobProgress, format_duration
 from rnndrop.lm.results import (
     EpochLog,
@@ -39,7 +40,7 @@ from rnndrop.lm.results import (
     plot_learning_curves,
     write_json_atomic,
 )
-from rnndrop.lm.train import add_mc_result, finished_result, resolve_device, run_identity, train_run
+from rnndrop.lm.train import add_mc_result, resolve_device, train_run
 
 __all__ = ["JobInterrupted", "RunSpec", "chosen_dropout", "estimate_seconds", "main", "run_benchmark"]
 
@@ -121,6 +122,8 @@ def chosen_dropout(summary_path: str | Path) -> dict[str, dict[str, float]]:
 
 
 def _finished(spec: RunSpec) -> dict[str, Any] | None:
+    if not (Path(spec.folder) / "results.json").is_file():
+        return None  # nothing to reuse: skip reading the corpus
     identity = run_identity(_corpus(spec.data_dir), spec.config, spec.regime, spec.dropout, spec.seed)
     return finished_result(spec.folder, identity, epochs=spec.config.epochs)
 

@@ -37,6 +37,17 @@ def _alive(pid: int) -> bool:
     return True
 
 
+#: An unreadable lock younger than this may be one whose writer has not yet filled it in.
+_UNREADABLE_GRACE_SECONDS = 10.0
+
+
+def _age(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
 def _read_holder(path: Path) -> dict[str, Any] | None:
     try:
         holder = json.loads(path.read_text(encoding="utf-8"))
@@ -67,7 +78,7 @@ class RunLock:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
         except FileExistsError:
             return False
-        except PermissionError as e:
+        except OSError as e:  # read-only folder or file system, full disk...
             raise PermissionError(
                 f"output folder {str(self.folder)!r} is not writable ({e.strerror}); "
                 "choose another folder or fix its permissions"
@@ -84,7 +95,9 @@ class RunLock:
                 return
             holder = _read_holder(self.path)
             same_host = holder is not None and holder.get("host") == socket.gethostname()
-            if holder is None or (same_host and not _alive(holder["pid"])):
+            if holder is None and _age(self.path) < _UNREADABLE_GRACE_SECONDS:
+                holder = {"pid": "(starting)", "host": "?", "since": "a moment ago"}
+            elif holder is None or (same_host and not _alive(holder["pid"])):
                 log.warning("%s: removing a stale lock %s", self.folder, holder or "(unreadable)")
                 self.path.unlink(missing_ok=True)
                 continue

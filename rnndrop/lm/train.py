@@ -11,7 +11,8 @@ its own:
 - ``results.json`` (with a SHA-256 of its content) and ``curve.png`` when the run has
   finished; ``run.lock`` while a process writes into the folder.
 
-Checkpoints are verified on load (:mod:`rnndrop.lm.checkpoint`). ``train_run(...,
+Checkpoints are verified on load (:mod:`rnndrop.lm.checkpoint`); what makes two runs
+the same run is :mod:`rnndrop.lm.identity`. ``train_run(...,
 resume=True)`` continues from ``checkpoint.pt`` (or, with a logged warning, from
 ``checkpoint.prev.pt`` when the newest is corrupt): the run ends in the very state
 (bit for bit) an uninterrupted run with the same seed reaches, and no finished epoch
@@ -26,8 +27,6 @@ clipping, and the optimiser the config names (SGD or Adam).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
 import random
@@ -44,7 +43,6 @@ from torch import Tensor, nn
 from rnndrop.calibration import reliability_from_predictions
 from rnndrop.lm.atomic import remove_stale_temporaries
 from rnndrop.lm.checkpoint import (
-    FORMAT_VERSION,
     CheckpointError,
     LoadedModel,
     get_rng_state,
@@ -63,9 +61,22 @@ from rnndrop.lm.configs import (
     regime_probabilities,
 )
 from rnndrop.lm.corpus import Corpus, batchify, bptt_batches, num_bptt_batches
+from rnndrop.lm.identity import (
+    BEST,
+    RESULTS,
+    ResultsError,
+    best_file,
+    corpus_fingerprint,
+    file_sha256,
+    finished_result,
+    identity_differences,
+    read_verified_result,
+    run_identity,
+    write_signed_result,
+)
 from rnndrop.lm.lock import RunLock, RunLocked
 from rnndrop.lm.model import detach_hidden
-from rnndrop.lm.results import SCHEMA, peak_memory, plot_learning_curves, versions, write_json_atomic
+from rnndrop.lm.results import SCHEMA, peak_memory, plot_learning_curves, versions
 
 __all__ = [
     "CALIBRATION_BINS",
@@ -93,8 +104,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 CHECKPOINT = "checkpoint.pt"
-BEST = "best.pt"
-RESULTS = "results.json"
 CURVE = "curve.png"
 
 #: Confidence bins of the next-word calibration measured on the test split.
@@ -124,10 +133,6 @@ class RunInterrupted(KeyboardInterrupt):
                          f"epochs before it are saved, resume=True (--resume) continues from there")
         self.epoch = epoch
         self.folder = folder
-
-
-class ResultsError(ValueError):
-    """A results.json that cannot be read or whose checksum does not match its content."""
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -264,139 +269,6 @@ def _epoch_lr(config: TrainConfig, epoch: int, current: float) -> float:
 
 
 # ---------------------------------------------------------------------------------------
-# Run identity and finished results
-
-
-def corpus_fingerprint(corpus: Corpus) -> str:
-    """SHA-256 of the vocabulary (in id order) and the three token streams: two corpora
-    with the same fingerprint train the same model."""
-    digest = hashlib.sha256()
-    digest.update("\n".join(corpus.vocab.itos).encode("utf-8"))
-    for split in (corpus.train, corpus.valid, corpus.test):
-        digest.update(b"\0split\0")
-        digest.update(split.to(torch.int64).contiguous().numpy().tobytes())
-    return digest.hexdigest()
-
-
-def _file_sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _best_file(path: str | Path) -> Path:
-    path = Path(path)
-    return path / BEST if path.is_dir() else path
-
-
-def run_identity(
-    corpus: Corpus,
-    config: TrainConfig,
-    regime: str,
-    dropout: Mapping[str, float] | None = None,
-    seed: int = 1,
-    init_from: str | Path | None = None,
-) -> dict[str, Any]:
-    """What makes two runs the same run: a checkpoint resumes, and a finished result is
-    reused, only under an equal identity.
-
-    It holds the format version of the files, the corpus fingerprint, the full config
-    but the epoch cap, the grid and ``mc_samples``, the regime (name and settings), the
-    dropout probability of every site (``dropout`` default ``config.dropout``), the seed
-    and the SHA-256 of the ``best.pt`` the run started from (``init_from``).
-    """
-    regime_obj = get_regime(regime)
-    probabilities = regime_probabilities(regime_obj, config.dropout if dropout is None else dropout)
-    cfg = config.to_dict()
-    for key in ("epochs", "grid", "mc_samples"):
-        cfg.pop(key)
-    start = None
-    if init_from is not None:
-        best = _best_file(init_from)
-        if not best.is_file():
-            raise FileNotFoundError(f"init_from: {str(best)!r} does not exist (expected a run folder "
-                                    "holding best.pt, or a best.pt file)")
-        start = _file_sha256(best)
-    return json.loads(json.dumps({
-        "format": FORMAT_VERSION, "corpus": corpus_fingerprint(corpus), "config": cfg,
-        "regime": regime, "regime_settings": regime_obj.settings(), "dropout": probabilities,
-        "seed": seed, "init_from": start,
-    }))
-
-
-def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(data, Mapping):
-        out: dict[str, Any] = {}
-        for key, value in data.items():
-            out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
-        return out if out or not prefix else {prefix: {}}
-    return {prefix: data}
-
-
-def identity_differences(mine: Mapping[str, Any], theirs: Mapping[str, Any]) -> list[str]:
-    """The fields where two identities differ, as ``"field: mine vs theirs"`` lines
-    (empty when they are the same run)."""
-    a, b = _flatten(mine), _flatten(theirs)
-    missing = object()
-    return [f"{key}: {a.get(key, '(absent)')!r} here vs {b.get(key, '(absent)')!r} there"
-            for key in sorted(set(a) | set(b)) if a.get(key, missing) != b.get(key, missing)]
-
-
-def _result_checksum(result: Mapping[str, Any]) -> str:
-    body = {k: v for k, v in result.items() if k != "checksum"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, allow_nan=False).encode("utf-8")).hexdigest()
-
-
-def _write_result(result: dict[str, Any], path: Path) -> None:
-    result["checksum"] = _result_checksum(result)
-    write_json_atomic(result, path)
-
-
-def _read_result(path: Path) -> dict[str, Any]:
-    """results.json, verified against its checksum.
-
-    Raises:
-        ResultsError: unreadable, not JSON, no checksum, or a checksum that does not match.
-    """
-    try:
-        with open(path, encoding="utf-8") as f:
-            result = json.load(f)
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise ResultsError(f"results {str(path)!r} cannot be read ({type(e).__name__}: {e})") from None
-    if not isinstance(result, dict) or "checksum" not in result:
-        raise ResultsError(f"results {str(path)!r} carry no checksum (written by an older version "
-                           "or by hand)")
-    if result["checksum"] != _result_checksum(result):
-        raise ResultsError(f"results {str(path)!r} do not match their checksum: the file was "
-                           "changed after the run wrote it")
-    return result
-
-
-def finished_result(
-    folder: str | Path, identity: Mapping[str, Any], *, epochs: int | None = None
-) -> dict[str, Any] | None:
-    """The verified results.json of the finished run ``identity`` (see :func:`run_identity`)
-    in ``folder``, or None when there is none to reuse.
-
-    None when the folder has no results.json, when the file is damaged or does not
-    match its checksum (logged as a warning: resuming the run rewrites it from the
-    checkpoints), when it belongs to another run, or when ``epochs`` is given and the
-    run was made with another epoch cap.
-    """
-    path = Path(folder) / RESULTS
-    if not path.is_file():
-        return None
-    try:
-        result = _read_result(path)
-    except ResultsError as e:
-        log.warning("%s; not reusing it (resume rewrites it from the run's checkpoints)", e)
-        return None
-    if result.get("identity") != json.loads(json.dumps(identity)):
-        return None
-    if epochs is not None and result.get("config", {}).get("epochs") != epochs:
-        return None
-    return result
-
-
-# ---------------------------------------------------------------------------------------
 # Training
 
 
@@ -496,7 +368,7 @@ def _load_latest(ckpt_path: Path) -> dict[str, Any] | None:
 def _load_initial_weights(model: nn.Module, init_from: str | Path) -> dict[str, Any]:
     """Copy into ``model`` every tensor of another run's best.pt that it has (same name and
     shape); the others keep their initialisation. Returns what was loaded, for the results."""
-    best = _best_file(init_from)
+    best = best_file(init_from)
     source = load_checkpoint(best)["model"]
     own = model.state_dict()
     mismatched = [f"{k}: {list(v.shape)} there vs {list(own[k].shape)} here"
@@ -509,7 +381,7 @@ def _load_initial_weights(model: nn.Module, init_from: str | Path) -> dict[str, 
     model.load_state_dict({k: source[k] for k in loaded}, strict=False)
     log.info("init_from %s: loaded %d tensors (%s); kept the initialisation of %s; ignored %s",
              best, len(loaded), ", ".join(loaded), ", ".join(kept) or "none", ", ".join(ignored) or "none")
-    return {"path": str(best), "sha256": _file_sha256(best), "loaded": loaded, "kept_init": kept,
+    return {"path": str(best), "sha256": file_sha256(best), "loaded": loaded, "kept_init": kept,
             "ignored": ignored}
 
 
@@ -737,7 +609,7 @@ def _train_locked(
         "versions": versions(),
         "identity": identity,
     }
-    _write_result(result, out / RESULTS)
+    write_signed_result(result, out / RESULTS)
     plot_learning_curves([result], out / CURVE)
     return result
 
@@ -751,7 +623,7 @@ def add_mc_result(
     model is rebuilt from ``best.pt``."""
     out = Path(out_dir)
     with RunLock(out):
-        result = _read_result(out / RESULTS)
+        result = read_verified_result(out / RESULTS)
         device = resolve_device(device)
         model = load_model(out, device).model
         if n_samples > 0 and _has_noise(model):
@@ -762,5 +634,5 @@ def add_mc_result(
             result.update(test_ppl_mc=test_mc.perplexity, test_nll_mc=test_mc.nll, test_ece_mc=test_mc.ece)
             result["mc_samples"] = n_samples
             result["mc_seconds"] = time.perf_counter() - start
-            _write_result(result, out / RESULTS)
+            write_signed_result(result, out / RESULTS)
     return result
