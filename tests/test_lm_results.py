@@ -82,17 +82,27 @@ def test_tensorboard_scalars_when_installed_and_silence_when_not(tmp_path, monke
         def add_scalar(self, tag, value, step):
             written.append((self.log_dir, tag, value, step))
 
-        def close(self):
+        def flush(self):
             pass
+
+        def close(self):
+            written.append("closed")
 
     fake = types.ModuleType("torch.utils.tensorboard")
     fake.SummaryWriter = Writer
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
     record = _result(1)["epochs"][0]
-    EpochLog(tmp_path / "a")(1, record)
+    log = EpochLog(tmp_path / "a")
+    log(1, record)
+    log(2, {**record, "epoch": 2})
+    log.finish(_result(2))
+    assert written[-1] == "closed"
+    written.pop()
+    assert len(written) == 8
     assert {tag for _, tag, _, _ in written} == {"perplexity/train", "perplexity/valid", "lr",
                                                  "words_per_second"}
-    assert all(d == str(tmp_path / "a" / "tensorboard") and step == 1 for d, _, _, step in written)
+    assert all(d == str(tmp_path / "a" / "tensorboard") for d, _, _, _ in written)
+    assert [step for _, _, _, step in written] == [1] * 4 + [2] * 4
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # not installed
     EpochLog(tmp_path / "b")(1, record)
     assert (tmp_path / "b" / "metrics.csv").is_file() and not caplog.records

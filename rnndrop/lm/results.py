@@ -279,6 +279,7 @@ class EpochLog:
             except (ValueError, TypeError, OSError):
                 self.rows = []  # rebuilt from the result's history when the run ends
         self._tensorboard = tensorboard
+        self._writer: Any = None
 
     def __call__(self, epoch: int, record: Mapping[str, Any]) -> None:
         rows = [r for r in self.rows if r["epoch"] < epoch]
@@ -289,19 +290,18 @@ class EpochLog:
             self._scalars(epoch, record)
 
     def _scalars(self, epoch: int, record: Mapping[str, Any]) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:  # tensorboard is optional: no scalars, no message
-            self._tensorboard = False
-            return
-        writer = SummaryWriter(log_dir=str(self.folder / "tensorboard"))
-        try:
-            writer.add_scalar("perplexity/train", record["train_ppl"], epoch)
-            writer.add_scalar("perplexity/valid", record["valid_ppl"], epoch)
-            writer.add_scalar("lr", record["lr"], epoch)
-            writer.add_scalar("words_per_second", record["words_per_second"], epoch)
-        finally:
-            writer.close()
+        if self._writer is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard is optional: no scalars, no message
+                self._tensorboard = False
+                return
+            self._writer = SummaryWriter(log_dir=str(self.folder / "tensorboard"))
+        self._writer.add_scalar("perplexity/train", record["train_ppl"], epoch)
+        self._writer.add_scalar("perplexity/valid", record["valid_ppl"], epoch)
+        self._writer.add_scalar("lr", record["lr"], epoch)
+        self._writer.add_scalar("words_per_second", record["words_per_second"], epoch)
+        self._writer.flush()
 
     def finish(self, result: Mapping[str, Any]) -> None:
         elapsed, rows = 0.0, []
@@ -310,6 +310,9 @@ class EpochLog:
             rows.append(_metrics_row(record, elapsed))
         self.rows = rows
         _write_metrics(rows, self.path)
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
 
 
 def benchmark_markdown(
