@@ -363,6 +363,9 @@ def _evaluate(args: argparse.Namespace) -> str:
         f"perplexity      {standard.perplexity:.2f}   (NLL {standard.nll:.4f} nats/word, "
         f"ECE {standard.ece:.4f})",
     ]
+    own_corpus = Path(str(result.get("corpus", {}).get("source", ""))) == Path(data_dir)
+    if args.split == "test" and own_corpus and isinstance(result.get("test_ppl"), (int, float)):
+        lines.append(f"                (the run reported {result['test_ppl']:.2f} at the end of training)")
     if args.mc_samples:
         torch.manual_seed(args.seed)
         mc = score_mc(run.model, batched, run.config.bptt, args.mc_samples, CALIBRATION_BINS)
