@@ -180,18 +180,21 @@ def _config_from_args(args: argparse.Namespace):
 
     config = get_config(args.config)
     changes: dict[str, Any] = {}
+    flags: list[str] = []
     for flag, (field_name, _, _) in CONFIG_FLAGS.items():
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None:
             if field_name not in config.__dataclass_fields__:
                 raise UsageError(f"{flag} is not supported by this version's TrainConfig")
             changes[field_name] = value
+            flags.append(f"{flag} {value}")
     if args.tie_weights:
         changes["tie_weights"] = True
+        flags.append("--tie-weights")
     try:
         return replace(config, **changes) if changes else config
     except (TypeError, ValueError) as e:
-        raise UsageError(f"{e} (from the flags {', '.join(sorted(changes))})") from None
+        raise UsageError(f"{e} (config {config.name!r} with {', '.join(flags)})") from None
 
 
 def _resolve_data(data: str | None, dataset: str, args: argparse.Namespace) -> Path:
