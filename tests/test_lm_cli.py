@@ -230,3 +230,13 @@ def test_parallel_runs_print_one_whole_line_per_event(tmp_path, capfd, caplog):
         mine = [line for line in epoch_lines if label in line]
         assert [f"{regime} epoch {e}:" in line for e, line in enumerate(mine, 1)] == [True, True]
     assert caplog.text.count("finished: best valid ppl") == 2  # the main process's lines
+
+
+def test_a_diverging_run_exits_3_with_one_line(tmp_path, capsys):
+    data = write_corpus(tmp_path / "data")
+    argv = ["ptb", "--data", str(data), "--regimes", "none", "--epochs", "2", "--hidden-size", "8",
+            "--emb-size", "8", "--layers", "1", "--batch-size", "4", "--bptt", "6", "--mc-samples", "0",
+            "--lr", "1e30", "--clip", "1e30", "--out", str(tmp_path / "out"), "--no-progress"]
+    assert _in_process(argv) == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: training stopped: ") and "epoch 1" in err

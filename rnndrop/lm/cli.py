@@ -435,4 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.write(_generate(args))
     except SystemExit as e:
         return int(e.code or 0)
+    except KeyboardInterrupt:  # outside training (reading data, scoring, sampling)
+        sys.stderr.write("error: interrupted\n")
+        return EXIT_INTERRUPTED
     return 0
