@@ -129,3 +129,24 @@ def test_job_progress_counts_epochs_of_all_runs_and_drops_what_a_reused_run_save
     assert job.remaining_epochs() == 2 + 4
     job.epoch_done(3, _result(4)["epochs"][2])
     assert job.done_epochs == 1 and job.remaining_epochs() == 1 + 4 and job.eta_seconds() > 0
+
+
+def test_the_estimate_scales_the_timed_steps_to_the_job(tmp_path, monkeypatch):
+    from rnndrop.lm import estimate
+    from rnndrop.lm.corpus import load_corpus
+    from tests.lm_helpers import TINY, write_corpus
+
+    corpus = load_corpus(write_corpus(tmp_path))
+    timed = []
+    monkeypatch.setattr(estimate, "_seconds_per_word", lambda step, batched: timed.append(step) or 1e-3)
+    none, tied = ("none", {}), ("tied", TINY.dropout)
+    n_train, n_valid, n_test = (corpus.split(s).numel() for s in ("train", "valid", "test"))
+    one_run = TINY.epochs * (n_train + n_valid) * 1e-3 + n_test * 1e-3
+    assert estimate.estimate_seconds(corpus, TINY, [none], 10) == pytest.approx(one_run)  # nothing to sample
+    assert len(timed) == 3  # a training step, an evaluation and a dropout forward, timed once per regime
+    with_mc = one_run + 10 * n_test * 1e-3
+    assert estimate.estimate_seconds(corpus, TINY, [none, tied, tied], 10) == pytest.approx(
+        one_run + 2 * with_mc)
+    assert len(timed) == 3 + 6  # "tied" twice is timed once
+    assert estimate.estimate_seconds(corpus, TINY, [none, tied], 10, jobs=2) == pytest.approx(
+        (one_run + with_mc) / 2)
