@@ -204,7 +204,13 @@ def _run_all(
     pool = ProcessPoolExecutor(max_workers=min(jobs, len(specs)), mp_context=context,
                                initializer=_ignore_sigint)
     try:
-        futures = {pool.submit(fn, s): i for i, s in enumerate(specs)}
+        # Workers start while SIGINT is ignored, and keep ignoring it (the disposition is
+        # inherited): a Ctrl-C at the terminal reaches the main process alone, which stops them.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            futures = {pool.submit(fn, s): i for i, s in enumerate(specs)}
+        finally:
+            signal.signal(signal.SIGINT, previous)
         results: dict[int, dict[str, Any]] = {}
         for future in as_completed(futures):
             i = futures[future]
