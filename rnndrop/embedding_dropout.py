@@ -20,17 +20,17 @@ only when it is no larger than the batch itself (``V <= T``, e.g. characters).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from rnndrop.masks import bernoulli_mask, check_choice, check_probability
+from rnndrop.masks import bernoulli_mask
 from rnndrop.stochastic import Stochastic
+from rnndrop.validation import check_choice, check_probability
 
 __all__ = ["EmbeddingDropout", "word_keep_mask"]
 
-EmbeddingScope = Literal["sequence", "batch"]
 EMBEDDING_SCOPES: tuple[str, ...] = ("sequence", "batch")
 
 

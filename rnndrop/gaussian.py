@@ -41,10 +41,11 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from rnndrop.kl import KL_APPROXIMATIONS, KLRegularized
-from rnndrop.locked_dropout import packed_sequence_index
-from rnndrop.masks import check_choice, check_probability, gaussian_mask
+from rnndrop.layout import packed_sequence_index
+from rnndrop.masks import gaussian_mask
 from rnndrop.recurrent import VariationalGRU, VariationalLSTM
 from rnndrop.stochastic import Stochastic
+from rnndrop.validation import check_choice, check_positive_int, check_probability
 
 __all__ = ["GRANULARITIES", "GaussianGRU", "GaussianLSTM", "GaussianLockedDropout", "rnn_state_dict"]
 
@@ -106,7 +107,7 @@ class _LearnedAlphaMixin(KLRegularized):
         self.kl_approximation = kl_approximation
         if granularity == "weight":
             self.per_gate_masks = True
-        D, H, gates = self._num_directions, self.hidden_size, self._gates
+        D, H, gates = self._num_directions, self.hidden_size, self._cell.gates
         width = D * self._out_size
         # site name -> (initial log alpha, shape, weights counted per element in kl())
         self._alpha_sites: dict[str, tuple[float, tuple[int, ...], float]] = {}
@@ -255,8 +256,7 @@ class GaussianLockedDropout(KLRegularized, Stochastic, nn.Module):
         batch_first: bool = False,
     ) -> None:
         super().__init__()
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"size must be a positive int, got {size!r}")
+        check_positive_int("size", size)
         p = check_probability("p", p)
         if p == 0:
             raise ValueError("p must be in (0, 1) to set a positive initial alpha, got 0.0")

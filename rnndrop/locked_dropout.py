@@ -8,29 +8,15 @@ every time step.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from rnndrop.masks import NOISES, check_choice, check_probability, sample_mask
+from rnndrop.layout import packed_sequence_index
+from rnndrop.masks import NOISES, sample_mask
 from rnndrop.stochastic import Stochastic
+from rnndrop.validation import check_choice, check_probability
 
 __all__ = ["LockedDropout", "packed_sequence_index"]
-
-
-def packed_sequence_index(batch_sizes: Tensor) -> Tensor:
-    """For each row of a ``PackedSequence``'s data, the (sorted) sequence it belongs to.
-
-    Args:
-        batch_sizes: ``[T]`` rows per time step (the PackedSequence's, on the CPU).
-
-    Returns:
-        ``[sum(batch_sizes)]`` int64: row ``offset_t + i`` of step ``t`` -> ``i``.
-    """
-    batch_sizes = batch_sizes.long()
-    offsets = torch.cumsum(batch_sizes, 0) - batch_sizes
-    rows = torch.arange(int(batch_sizes.sum()))
-    return rows - torch.repeat_interleave(offsets, batch_sizes)
 
 
 class LockedDropout(Stochastic, nn.Module):

@@ -48,8 +48,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.dropout import _DropoutNd
 
-from rnndrop.masks import check_choice
 from rnndrop.stochastic import Stochastic
+from rnndrop.validation import check_choice, check_positive_int
 
 __all__ = [
     "LanguageModelLoss",
@@ -214,12 +214,6 @@ def _resolve_method(model: nn.Module, method: str) -> str:
     return method
 
 
-def _check_positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
 def _chunks(n_samples: int, chunk_size: int) -> list[int]:
     full, rest = divmod(n_samples, chunk_size)
     return [chunk_size] * full + ([rest] if rest else [])
@@ -370,11 +364,11 @@ def mc_predict(
     Returns:
         An :class:`MCPrediction`.
     """
-    n_samples = _check_positive_int("n_samples", n_samples)
+    n_samples = check_positive_int("n_samples", n_samples)
     check_choice("task", task, TASKS)
     if chunk_size is not None:
-        chunk_size = _check_positive_int("chunk_size", chunk_size)
-    memory_budget = _check_positive_int("memory_budget", memory_budget)
+        chunk_size = check_positive_int("chunk_size", chunk_size)
+    memory_budget = check_positive_int("memory_budget", memory_budget)
     out_dim = batch_dim if output_batch_dim is None else output_batch_dim
     args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     batch_size = _batch_size(args, batch_dim)
@@ -490,10 +484,10 @@ def mc_language_model_loss(
     Returns:
         A :class:`LanguageModelLoss`.
     """
-    n_samples = _check_positive_int("n_samples", n_samples)
+    n_samples = check_positive_int("n_samples", n_samples)
     if chunk_size is not None:
-        chunk_size = _check_positive_int("chunk_size", chunk_size)
-    memory_budget = _check_positive_int("memory_budget", memory_budget)
+        chunk_size = check_positive_int("chunk_size", chunk_size)
+    memory_budget = check_positive_int("memory_budget", memory_budget)
     total_nll = 0.0
     num_tokens = 0
     plan: list[int] | None = None

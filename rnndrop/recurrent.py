@@ -5,7 +5,7 @@ parameter names, initialisation, ``state_dict`` and forward contract (``hx``,
 ``batch_first``, unbatched input, ``PackedSequence``), plus dropout on
 
 - the first layer's input (``dropout_input``),
-- the input of every later layer (``dropout``, nn.LSTM's meaning),
+- the input of every later layer (``dropout``, nn.LSTM's meaning: "between layers"),
 - the recurrent state ``h_{t-1}`` of every layer and direction (``dropout_hidden``),
 - the last layer's output (``dropout_output``).
 
@@ -14,105 +14,57 @@ are shared by both directions of a layer; each direction has its own recurrent
 mask. Dropout never touches the returned final states except through the
 recurrence itself.
 
-Execution: masks outside the recurrence are applied to whole sequences, so a
-layer whose recurrent state carries no per-sequence mask runs torch's fused
-kernel (oneDNN on CPU, cuDNN on GPU). With a per-sequence or per-step recurrent
-mask it runs a loop kernel (:mod:`rnndrop.kernels`) with the input projection of
-all steps hoisted out of the loop.
+A mask's way, in order: ``sample_masks`` draws every mask through
+:meth:`RecurrentMasks.sample` (shapes from :meth:`RecurrentMasks.shapes`);
+``forward`` reorders them for a packed batch, multiplies each input mask into its
+layer's input rows (:meth:`SequenceLayout.broadcast_to_rows`) and hands each
+recurrent mask either to torch's fused op folded into ``W_hh`` or to the cell's loop
+kernel (:attr:`CellSpec.loop`), which multiplies it into ``h_{t-1}`` at every step.
+
+Execution, three paths (:meth:`_VariationalRNN.forward`):
+
+``fused``        no mask at all: torch's fused op (oneDNN on CPU, cuDNN on GPU) runs
+                 every layer in one call.
+``folded-mask``  per layer, when its recurrent mask is one for the whole batch
+                 (``mask_scope="batch"``, not per gate): the mask is folded into the
+                 columns of ``W_hh`` and the fused op runs that layer.
+``loop``         otherwise: the input projection of all steps is hoisted out of the
+                 loop and a loop kernel (:mod:`rnndrop.kernels`) runs the recurrence.
 """
 
 from __future__ import annotations
 
 import warnings
-from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from rnndrop.cells import GRU_GATES, LSTM_GATES, masked_linear
-from rnndrop.kernels import DEFAULT_LOOP_KERNEL, get_kernel
-from rnndrop.masks import (
-    MASK_SCOPES,
-    NOISES,
-    RecurrentMasks,
-    check_choice,
-    check_probability,
-    mask_shape,
-    sample_mask,
+from rnndrop.cell_specs import (
+    GRU_CELL,
+    LSTM_CELL,
+    CellSpec,
+    LayerWeights,
+    loop_kernel_names,
+    quiet_weight_compaction,
+    run_fused,
 )
+from rnndrop.cells import masked_linear
+from rnndrop.layout import SequenceLayout
+from rnndrop.masks import MASK_SCOPES, NOISES, RecurrentMasks, StackGeometry, sample_mask
 from rnndrop.stochastic import Stochastic
+from rnndrop.validation import check_bool, check_choice, check_positive_int, check_probability
 
 __all__ = ["VariationalGRU", "VariationalLSTM"]
 
 
-_COMPACTION_WARNING = "RNN module weights are not part of single contiguous chunk of memory"
-
-
-@contextmanager
-def quiet_weight_compaction(device: torch.device):
-    """Silence cuDNN's warning about weights outside the module's flat buffer.
-
-    A weight computed in forward (a masked ``W_hh``) can never live in that buffer,
-    so cuDNN copies it at every call by design; the warning would only tell the user
-    to call ``flatten_parameters()``, which cannot help. Other warnings pass.
-    """
-    if device.type != "cuda":
-        yield
-        return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_COMPACTION_WARNING)
-        yield
-
-
-@dataclass
-class _Layout:
-    """Where the rows of a time-major, packed batch come from.
-
-    Padded input is handled as packed input whose sequences all have length T.
-    """
-
-    batch_sizes: list[int]  # rows per time step, non-increasing
-    batch_sizes_tensor: Tensor | None  # the PackedSequence's, None for padded input
-    sorted_indices: Tensor | None
-    unsorted_indices: Tensor | None
-    batch_first: bool
-    unbatched: bool
-
-    @property
-    def packed(self) -> bool:
-        return self.batch_sizes_tensor is not None
-
-    @property
-    def seq_len(self) -> int:
-        return len(self.batch_sizes)
-
-    @property
-    def batch_size(self) -> int:
-        return self.batch_sizes[0]
-
-    def mask_rows(self, mask: Tensor, step: bool) -> Tensor:
-        """Expand a mask ``[B, ...]`` (``step``: ``[T, B, ...]``) to the rows ``[N, ...]``."""
-        T, B = self.seq_len, self.batch_size
-        if not step:
-            mask = mask.unsqueeze(0).expand(T, *mask.shape)
-        if not self.packed:
-            return mask.reshape(T * B, *mask.shape[2:])
-        return torch.cat([mask[t, :b] for t, b in enumerate(self.batch_sizes)])
-
-
-class _VariationalRNNMixin(Stochastic):
+class _VariationalRNN(Stochastic):
     """What VariationalLSTM and VariationalGRU share; placed before nn.LSTM / nn.GRU.
 
-    Each layer class supplies ``_gates``, ``_num_states``, ``_fused_kernel`` (``torch.lstm``
-    or ``torch.gru``), ``_state_sizes()`` (sizes of its states), ``_input_bias(weights)``
-    (the bias hoisted into the input projection) and
-    ``_loop(kernel, gates_x, layout, states, weights, hidden_mask, reverse)``.
+    A subclass sets ``_cell`` (a :class:`CellSpec`); everything cell-specific goes through it.
     """
 
-    _gates: int
-    _num_states: int  # 2 for (h, c), 1 for h
+    _cell: CellSpec
 
     def _init_dropout(
         self,
@@ -125,33 +77,32 @@ class _VariationalRNNMixin(Stochastic):
         noise: str,
         kernel: str,
     ) -> None:
-        self.dropout = dropout
+        self.dropout = check_probability("dropout", dropout)  # the input of layers 1..L-1
         self.dropout_input = check_probability("dropout_input", dropout_input)
         self.dropout_hidden = check_probability("dropout_hidden", dropout_hidden)
         self.dropout_output = check_probability("dropout_output", dropout_output)
         self.mask_scope = check_choice("mask_scope", mask_scope, MASK_SCOPES)
-        self.per_gate_masks = bool(per_gate_masks)
+        self.per_gate_masks = check_bool("per_gate_masks", per_gate_masks)
         self.noise = check_choice("noise", noise, NOISES)
-        if kernel != "auto":
-            get_kernel(kernel)
-        self.kernel = kernel
+        self.kernel = check_choice("kernel", kernel, ("auto", *loop_kernel_names()))
 
     @classmethod
     def from_module(cls, module: nn.RNNBase, **dropout_kwargs):
         """A layer of this class with ``module``'s configuration, device, dtype and weights.
 
-        ``module`` is an ``nn.LSTM`` (for VariationalLSTM) or ``nn.GRU`` (for VariationalGRU);
-        ``dropout_kwargs`` are this class's keyword arguments (``dropout_hidden=0.3``, ...).
-        ``dropout`` defaults to ``module.dropout``. Example::
+        ``module`` is an ``nn.LSTM`` (for VariationalLSTM) or ``nn.GRU`` (for VariationalGRU),
+        or a subclass with the same cell (``module.mode``); ``dropout_kwargs`` are this
+        class's keyword arguments (``dropout_hidden=0.3``, ...). ``dropout`` defaults to
+        ``module.dropout``. Example::
 
             model.rnn = VariationalLSTM.from_module(model.rnn, dropout_hidden=0.3)
         """
-        parent = nn.LSTM if cls._gates == LSTM_GATES else nn.GRU
-        if not isinstance(module, parent):
-            raise TypeError(
-                f"{cls.__name__}.from_module: module must be an {parent.__name__}, "
-                f"got {type(module).__name__}"
-            )
+        mode = cls._cell.mode
+        if not isinstance(module, nn.RNNBase) or module.mode != mode:
+            got = type(module).__name__
+            if isinstance(module, nn.RNNBase):
+                got += f" (mode {module.mode!r})"
+            raise TypeError(f"{cls.__name__}.from_module: module must be an {mode}, got {got}")
         config = dict(
             num_layers=module.num_layers,
             bias=module.bias,
@@ -160,7 +111,7 @@ class _VariationalRNNMixin(Stochastic):
             device=module.weight_ih_l0.device,
             dtype=module.weight_ih_l0.dtype,
         )
-        if parent is nn.LSTM:
+        if module.proj_size:
             config["proj_size"] = module.proj_size
         dropout_kwargs.setdefault("dropout", module.dropout)
         layer = cls(module.input_size, module.hidden_size, **config, **dropout_kwargs)
@@ -178,22 +129,11 @@ class _VariationalRNNMixin(Stochastic):
     def _out_size(self) -> int:
         return getattr(self, "proj_size", 0) or self.hidden_size
 
-    def _mask_plan(
-        self, batch_size: int, seq_len: int | None, scope: str, per_gate: bool
-    ) -> tuple[list[tuple[tuple[int, ...], float]], list[tuple[int, ...]], tuple[int, ...]]:
-        """Shapes (and probabilities) of every mask: (inputs, hidden, output)."""
-        gates = self._gates if per_gate else None
-        outer = "step" if scope == "step" else "sequence"  # "batch" is for h_{t-1} only
-        width = self._num_directions * self._out_size
-        inputs = [(mask_shape(outer, batch_size, self.input_size, seq_len, gates), self.dropout_input)] + [
-            (mask_shape(outer, batch_size, width, seq_len, gates), self.dropout)
-            for _ in range(1, self.num_layers)
-        ]
-        hidden = [
-            mask_shape(scope, batch_size, self._out_size, seq_len, gates)
-            for _ in range(self.num_layers * self._num_directions)
-        ]
-        return inputs, hidden, mask_shape(outer, batch_size, width, seq_len)
+    @property
+    def _geometry(self) -> StackGeometry:
+        return StackGeometry(
+            self.input_size, self._out_size, self.num_layers, self._num_directions, self._cell.gates
+        )
 
     def sample_masks(
         self,
@@ -211,26 +151,25 @@ class _VariationalRNNMixin(Stochastic):
         (truncated BPTT, Monte-Carlo evaluation). For unbatched input use
         ``batch_size=1``. Device and dtype default to the weights'.
         """
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        check_positive_int("batch_size", batch_size)
         weight = self.weight_ih_l0
         device = weight.device if device is None else device
         dtype = weight.dtype if dtype is None else dtype
-        inputs, hidden, output = self._mask_plan(batch_size, seq_len, self.mask_scope, self.per_gate_masks)
-        D = self._num_directions
 
         def draw(site: str, shape: tuple[int, ...], p: float) -> Tensor | None:
             return self._draw_mask(site, shape, p, device=device, dtype=dtype, generator=generator)
 
-        return RecurrentMasks(
-            inputs=tuple(draw(f"input_l{k}", shape, p) for k, (shape, p) in enumerate(inputs)),
-            hidden=tuple(
-                draw(f"hidden_l{i // D}" + ("_reverse" if i % D else ""), shape, self.dropout_hidden)
-                for i, shape in enumerate(hidden)
-            ),
-            output=draw("output", output, self.dropout_output),
-            scope=self.mask_scope,
-            per_gate=self.per_gate_masks,
+        input_p = [self.dropout_input] + [self.dropout] * (self.num_layers - 1)
+        return RecurrentMasks.sample(
+            self._geometry,
+            input_p,
+            self.dropout_hidden,
+            self.dropout_output,
+            batch_size,
+            seq_len,
+            self.mask_scope,
+            self.per_gate_masks,
+            draw,
         )
 
     def _draw_mask(
@@ -257,159 +196,27 @@ class _VariationalRNNMixin(Stochastic):
         between = self.dropout if self.num_layers > 1 else 0.0
         return any(p > 0 for p in (self.dropout_input, between, self.dropout_hidden, self.dropout_output))
 
-    def _check_masks(self, masks: RecurrentMasks, layout: _Layout, like: Tensor) -> None:
-        if not isinstance(masks, RecurrentMasks):
-            raise TypeError(f"masks must be a RecurrentMasks or None, got {type(masks).__name__}")
-        check_choice("masks.scope", masks.scope, MASK_SCOPES)
-        inputs, hidden, output = self._mask_plan(
-            layout.batch_size, layout.seq_len, masks.scope, masks.per_gate
-        )
-        expected = [
-            ("masks.inputs", masks.inputs, [shape for shape, _ in inputs]),
-            ("masks.hidden", masks.hidden, hidden),
-            ("masks.output", (masks.output,), [output]),
-        ]
-        for name, given, shapes in expected:
-            if len(given) != len(shapes):
-                raise ValueError(f"{name} must hold {len(shapes)} masks, got {len(given)}")
-            for i, (mask, shape) in enumerate(zip(given, shapes)):
-                if mask is None:
-                    continue
-                where = f"{name}[{i}]" if name != "masks.output" else name
-                if tuple(mask.shape) != shape:
-                    raise ValueError(
-                        f"{where} must have shape {list(shape)} (scope {masks.scope!r}, "
-                        f"per_gate={masks.per_gate}), got {list(mask.shape)}"
-                    )
-                if mask.dtype != like.dtype:
-                    raise TypeError(f"{where} must have the input's dtype {like.dtype}, got {mask.dtype}")
-                if mask.device != like.device:
-                    raise ValueError(
-                        f"{where} must be on the input's device {like.device}, got {mask.device}"
-                    )
-
-    def _prepare_masks(
-        self, masks: RecurrentMasks | None, layout: _Layout, x: Tensor
+    def _masks_for_call(
+        self, masks: RecurrentMasks | None, layout: SequenceLayout, x: Tensor
     ) -> RecurrentMasks | None:
+        """The masks of this call in sorted batch order: fresh ones in training, ``masks``
+        (checked) when given, None when there is no dropout."""
         if masks is None:
             if not (self.training and self._has_dropout()):
                 return None
             # Masks are i.i.d. over the batch: no need to sort them for packed input.
             masks = self.sample_masks(layout.batch_size, layout.seq_len, device=x.device, dtype=x.dtype)
         else:
-            self._check_masks(masks, layout, x)
-            if layout.sorted_indices is not None:
-                step = masks.scope == "step"
-
-                def to_sorted(m: Tensor) -> Tensor:
-                    dim = 1 if step else 0
-                    return m.index_select(dim, layout.sorted_indices) if m.shape[dim] > 1 else m
-
-                masks = masks.map(to_sorted)
+            if not isinstance(masks, RecurrentMasks):
+                raise TypeError(f"masks must be a RecurrentMasks or None, got {type(masks).__name__}")
+            masks.check(self._geometry, layout.batch_size, layout.seq_len, x)
+            masks = masks.in_sorted_order(layout.sorted_indices)
         return None if masks.is_empty() else masks
-
-    # ------------------------------------------------------------ input / hx
-
-    def _prepare_input(self, input: Tensor | PackedSequence) -> tuple[Tensor, _Layout]:
-        name = type(self).__name__
-        if isinstance(input, PackedSequence):
-            x = input.data
-            batch_sizes = input.batch_sizes
-            layout = _Layout(
-                batch_sizes.tolist(),
-                batch_sizes,
-                input.sorted_indices,
-                input.unsorted_indices,
-                self.batch_first,
-                False,
-            )
-            if x.dim() != 2:
-                raise ValueError(f"{name}: PackedSequence data must be 2-D, got {x.dim()}-D")
-        else:
-            if not isinstance(input, Tensor):
-                raise TypeError(
-                    f"{name}: input must be a Tensor or PackedSequence, got {type(input).__name__}"
-                )
-            if input.dim() not in (2, 3):
-                batched = "[batch, seq, feature]" if self.batch_first else "[seq, batch, feature]"
-                raise ValueError(
-                    f"{name}: input must be 3-D {batched} or 2-D unbatched [seq, feature], "
-                    f"got {input.dim()}-D with shape {list(input.shape)}"
-                )
-            unbatched = input.dim() == 2
-            x = input.unsqueeze(1) if unbatched else input
-            if self.batch_first and not unbatched:
-                x = x.transpose(0, 1)
-            T, B = x.shape[:2]
-            if T == 0 or B == 0:
-                raise ValueError(
-                    f"{name}: input must have at least one step and one sequence, "
-                    f"got shape {list(input.shape)}"
-                )
-            x = x.reshape(T * B, x.shape[-1])
-            layout = _Layout([B] * T, None, None, None, self.batch_first, unbatched)
-        if x.shape[-1] != self.input_size:
-            raise ValueError(
-                f"{name}: input.size(-1) must be equal to input_size={self.input_size}, got {x.shape[-1]}"
-            )
-        weight = self.weight_ih_l0
-        if x.dtype != weight.dtype:
-            raise TypeError(f"{name}: input dtype {x.dtype} does not match the weights' dtype {weight.dtype}")
-        if x.device != weight.device:
-            raise ValueError(f"{name}: input is on {x.device} but the weights are on {weight.device}")
-        return x, layout
-
-    def _prepare_hx(self, hx, layout: _Layout, x: Tensor) -> tuple[Tensor, ...]:
-        name = type(self).__name__
-        L = self.num_layers * self._num_directions
-        B = layout.batch_size
-        sizes = self._state_sizes()
-        if hx is None:
-            return tuple(x.new_zeros(L, B, size) for size in sizes)
-        states = (hx,) if self._num_states == 1 else hx
-        arg_names = ["hx"] if self._num_states == 1 else ["hx[0]", "hx[1]"]
-        if self._num_states > 1 and (not isinstance(hx, (tuple, list)) or len(hx) != 2):
-            raise TypeError(f"{name}: hx must be a tuple (h_0, c_0) or None, got {type(hx).__name__}")
-        out = []
-        for state, size, arg in zip(states, sizes, arg_names):
-            if not isinstance(state, Tensor):
-                raise TypeError(f"{name}: {arg} must be a Tensor, got {type(state).__name__}")
-            expected = (L, size) if layout.unbatched else (L, B, size)
-            if tuple(state.shape) != expected:
-                raise ValueError(
-                    f"{name}: {arg} must have shape {list(expected)}"
-                    f"{' (unbatched input)' if layout.unbatched else ''}, got {list(state.shape)}"
-                )
-            if state.dtype != x.dtype:
-                raise TypeError(f"{name}: {arg} dtype {state.dtype} does not match the input's {x.dtype}")
-            if state.device != x.device:
-                raise ValueError(f"{name}: {arg} is on {state.device} but the input is on {x.device}")
-            if layout.unbatched:
-                state = state.unsqueeze(1)
-            elif layout.sorted_indices is not None:
-                state = state.index_select(1, layout.sorted_indices)
-            out.append(state)
-        return tuple(out)
-
-    def _finish(self, out: Tensor, states: tuple[Tensor, ...], layout: _Layout):
-        if layout.packed:
-            if layout.unsorted_indices is not None:
-                states = tuple(s.index_select(1, layout.unsorted_indices) for s in states)
-            output = PackedSequence(
-                out, layout.batch_sizes_tensor, layout.sorted_indices, layout.unsorted_indices
-            )
-        else:
-            output = out.view(layout.seq_len, layout.batch_size, out.shape[-1])
-            if layout.unbatched:
-                output = output.squeeze(1)
-                states = tuple(s.squeeze(1) for s in states)
-            elif layout.batch_first:
-                output = output.transpose(0, 1)
-        return output, (states if self._num_states > 1 else states[0])
 
     # --------------------------------------------------------------- forward
 
-    def _layer_weights(self, layer: int, direction: int) -> dict[str, Tensor]:
+    def _layer_weights(self, layer: int, direction: int) -> LayerWeights:
+        """One layer's and direction's weights by their names without the ``_l{k}`` suffix."""
         suffix = f"_l{layer}" + ("_reverse" if direction else "")
         names = ["weight_ih", "weight_hh"]
         if self.bias:
@@ -419,18 +226,24 @@ class _VariationalRNNMixin(Stochastic):
         return {n: getattr(self, n + suffix) for n in names}
 
     def _fused(
-        self, x: Tensor, layout: _Layout, states: tuple[Tensor, ...], weights: list[Tensor], num_layers: int
+        self,
+        x: Tensor,
+        layout: SequenceLayout,
+        states: tuple[Tensor, ...],
+        weights: list[Tensor],
+        layers: int,
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
-        """``num_layers`` layers in torch's fused kernel: rows ``[N, in]`` -> ``[N, D * out]``."""
-        hx = states if self._num_states > 1 else states[0]
-        common = (weights, self.bias, num_layers, 0.0, self.training, self.bidirectional)
-        if layout.packed:
-            out, *new_states = self._fused_kernel(x, layout.batch_sizes_tensor, hx, *common)
-        else:
-            T, B = layout.seq_len, layout.batch_size
-            out, *new_states = self._fused_kernel(x.view(T, B, -1), hx, *common, False)
-            out = out.reshape(T * B, -1)
-        return out, tuple(new_states)
+        return run_fused(
+            self._cell,
+            x,
+            layout,
+            states,
+            weights,
+            num_layers=layers,
+            bias=self.bias,
+            bidirectional=self.bidirectional,
+            training=self.training,
+        )
 
     def forward(self, input, hx=None, masks: RecurrentMasks | None = None):
         """Run the layer; the contract of ``nn.LSTM.forward`` / ``nn.GRU.forward``.
@@ -444,68 +257,111 @@ class _VariationalRNNMixin(Stochastic):
                 used in eval mode too. Batch order is that of ``input`` (also for a
                 ``PackedSequence`` with ``enforce_sorted=False``).
         """
-        x, layout = self._prepare_input(input)
-        states = self._prepare_hx(hx, layout, x)
-        masks = self._prepare_masks(masks, layout, x)
-        D = self._num_directions
+        owner = type(self).__name__
+        x, layout = SequenceLayout.of(
+            input,
+            batch_first=self.batch_first,
+            input_size=self.input_size,
+            weight=self.weight_ih_l0,
+            owner=owner,
+        )
+        sizes = (self._out_size, self.hidden_size)[: self._cell.num_states]
+        states = layout.initial_states(hx, sizes, self.num_layers * self._num_directions, x, owner)
+        masks = self._masks_for_call(masks, layout, x)
         if masks is None and self.kernel == "auto":
-            weights = [
-                w
-                for layer in range(self.num_layers)
-                for d in range(D)
-                for w in self._layer_weights(layer, d).values()
-            ]
-            out, states = self._fused(x, layout, states, weights, self.num_layers)
-            return self._finish(out, states, layout)
+            out, states = self._forward_fused(x, layout, states)
+        else:
+            out, states = self._forward_by_layer(x, layout, states, masks)
+        output, states = layout.restore(out, states)
+        return output, (states if self._cell.num_states > 1 else states[0])
 
-        loop_kernel = get_kernel(DEFAULT_LOOP_KERNEL if self.kernel == "auto" else self.kernel)
-        step_masks = masks is not None and masks.scope == "step"
+    def _forward_fused(
+        self, x: Tensor, layout: SequenceLayout, states: tuple[Tensor, ...]
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """Path 1, no mask: every layer in one call of torch's fused op."""
+        D = self._num_directions
+        weights = [
+            w
+            for layer in range(self.num_layers)
+            for d in range(D)
+            for w in self._layer_weights(layer, d).values()
+        ]
+        return self._fused(x, layout, states, weights, self.num_layers)
+
+    def _forward_by_layer(
+        self, x: Tensor, layout: SequenceLayout, states: tuple[Tensor, ...], masks: RecurrentMasks | None
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """Layer by layer with masks: each layer takes path 2 (folded-mask) or 3 (loop)."""
+        D = self._num_directions
+        per_step = masks is not None and masks.scope == "step"
         finals: list[list[Tensor]] = [[] for _ in states]
         for layer in range(self.num_layers):
             in_mask = masks.inputs[layer] if masks is not None else None
-            per_gate_input = in_mask is not None and masks.per_gate
-            if in_mask is not None:
-                rows = layout.mask_rows(in_mask, step_masks)
-                if not per_gate_input:
-                    x, rows = x * rows, None
-            else:
-                rows = None
-            hidden = [masks.hidden[layer * D + d] if masks is not None else None for d in range(D)]
+            in_rows = layout.broadcast_to_rows(in_mask, per_step) if in_mask is not None else None
+            per_gate_input = in_rows is not None and masks.per_gate
+            if in_rows is not None and not per_gate_input:
+                x, in_rows = x * in_rows, None
+            indices = range(layer * D, (layer + 1) * D)
             layer_states = tuple(s[layer * D : (layer + 1) * D] for s in states)
-            fusable = (
+            hidden = [masks.hidden[i] if masks is not None else None for i in indices]
+            foldable = (
                 self.kernel == "auto"
                 and not per_gate_input
                 and all(m is None or (masks.scope == "batch" and not masks.per_gate) for m in hidden)
             )
-            if fusable:
-                weights = []
-                for d in range(D):
-                    w = self._layer_weights(layer, d)
-                    if hidden[d] is not None:  # one mask for the batch: fold it into W_hh's columns
-                        w["weight_hh"] = w["weight_hh"] * hidden[d]
-                    weights.extend(w.values())
-                with quiet_weight_compaction(x.device):
-                    x, new_states = self._fused(x, layout, layer_states, weights, 1)
+            if foldable:
+                x, new_states = self._layer_folded_mask(x, layout, layer, layer_states, hidden)
             else:
-                outs, per_dir = [], []
-                for d in range(D):
-                    w = self._layer_weights(layer, d)
-                    gates_x = masked_linear(x, rows, w["weight_ih"], self._input_bias(w))
-                    mask = hidden[d]
-                    if mask is not None and masks.scope != "step":
-                        mask = mask.unsqueeze(0)  # a time dimension of 1: the same mask at every step
-                    out, st = self._loop(
-                        loop_kernel, gates_x, layout, tuple(s[d] for s in layer_states), w, mask, bool(d)
-                    )
-                    outs.append(out)
-                    per_dir.append(st)
-                x = torch.cat(outs, dim=-1) if D > 1 else outs[0]
-                new_states = tuple(torch.stack(parts) for parts in zip(*per_dir))
+                loop_masks = [masks.hidden_for_kernel(i) if masks is not None else None for i in indices]
+                x, new_states = self._layer_loop(x, layout, layer, layer_states, in_rows, loop_masks)
             for acc, s in zip(finals, new_states):
                 acc.append(s)
         if masks is not None and masks.output is not None:
-            x = x * layout.mask_rows(masks.output, step_masks)
-        return self._finish(x, tuple(torch.cat(acc) for acc in finals), layout)
+            x = x * layout.broadcast_to_rows(masks.output, per_step)
+        return x, tuple(torch.cat(acc) for acc in finals)
+
+    def _layer_folded_mask(
+        self,
+        x: Tensor,
+        layout: SequenceLayout,
+        layer: int,
+        states: tuple[Tensor, ...],
+        hidden: list[Tensor | None],
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """Path 2: one recurrent mask ``[1, P]`` for the batch per direction, folded into
+        ``W_hh``'s columns (``W_hh (m * h) = (W_hh * m) h``), then the fused op."""
+        weights = []
+        for d, mask in enumerate(hidden):
+            w = self._layer_weights(layer, d)
+            if mask is not None:
+                w["weight_hh"] = w["weight_hh"] * mask
+            weights.extend(w.values())
+        with quiet_weight_compaction(x.device):
+            return self._fused(x, layout, states, weights, 1)
+
+    def _layer_loop(
+        self,
+        x: Tensor,
+        layout: SequenceLayout,
+        layer: int,
+        states: tuple[Tensor, ...],
+        in_rows: Tensor | None,
+        hidden: list[Tensor | None],
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """Path 3: the input projection of every step at once (per-gate input mask
+        ``in_rows`` ``[N, G, in]`` applied there), then the cell's loop kernel per direction
+        with recurrent masks ``[T', B', (G,) P]``."""
+        outs, finals = [], []
+        for d, mask in enumerate(hidden):
+            w = self._layer_weights(layer, d)
+            gates_x = masked_linear(x, in_rows, w["weight_ih"], self._cell.input_bias(w))
+            out, final = self._cell.loop(
+                self.kernel, gates_x, layout.batch_sizes, tuple(s[d] for s in states), w, mask, bool(d)
+            )
+            outs.append(out)
+            finals.append(final)
+        out = torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
+        return out, tuple(torch.stack(parts) for parts in zip(*finals))
 
     def extra_repr(self) -> str:
         s = super().extra_repr()
@@ -535,19 +391,30 @@ _EXTRA_ARGS_DOC = """
             into ``W_hh``, so the fused cuDNN / oneDNN kernel runs; input, between-layer
             and output masks stay per sequence).
         per_gate_masks: one mask per gate on the input and recurrent state (Gal's
-            untied variant) instead of one mask shared by the gates.
+            untied variant) instead of one mask shared by the gates (a bool).
         noise: ``"bernoulli"`` (inverted dropout, values 0 or 1/(1-p)) or ``"gaussian"``
             (multiplicative N(1, p/(1-p)) noise of the same variance).
         kernel: ``"auto"`` (the fused kernel whenever the masks allow it, else a loop
             kernel) or the name of a loop kernel in ``rnndrop.kernels.KERNELS`` to
             always use.
 
-    In eval mode no mask is drawn: the output equals the parent class with the same
-    weights. Masks passed to ``forward`` are always used.
+    ``dropout`` with ``num_layers=1`` has nothing to act on; like ``nn.LSTM`` the
+    constructor then warns. In eval mode no mask is drawn: the output equals the
+    parent class with the same weights. Masks passed to ``forward`` are always used.
 """
 
 
-class VariationalLSTM(_VariationalRNNMixin, nn.LSTM):
+def _warn_like_torch(dropout: float, num_layers: int) -> None:
+    """nn.RNNBase's warning for a ``dropout`` that a single layer never applies."""
+    if dropout > 0 and num_layers == 1:
+        warnings.warn(
+            "dropout option adds dropout after all but last recurrent layer, so non-zero dropout "
+            f"expects num_layers greater than 1, but got dropout={dropout} and num_layers={num_layers}",
+            stacklevel=3,
+        )
+
+
+class VariationalLSTM(_VariationalRNN, nn.LSTM):
     __doc__ = (
         """``nn.LSTM`` with Gal & Ghahramani's tied dropout.
 
@@ -566,9 +433,7 @@ class VariationalLSTM(_VariationalRNNMixin, nn.LSTM):
         + _EXTRA_ARGS_DOC
     )
 
-    _gates = LSTM_GATES
-    _num_states = 2
-    _fused_kernel = staticmethod(torch.lstm)
+    _cell = LSTM_CELL
 
     def __init__(
         self,
@@ -592,7 +457,8 @@ class VariationalLSTM(_VariationalRNNMixin, nn.LSTM):
         kernel: str = "auto",
     ) -> None:
         dropout = check_probability("dropout", dropout)
-        # nn.LSTM gets dropout=0: it would warn for one layer and must never apply its own.
+        _warn_like_torch(dropout, num_layers)
+        # nn.LSTM gets dropout=0: its forward is never called, but it would warn again.
         super().__init__(
             input_size,
             hidden_size,
@@ -606,35 +472,8 @@ class VariationalLSTM(_VariationalRNNMixin, nn.LSTM):
             dtype=dtype,
         )
         self._init_dropout(
-            dropout,
-            dropout_input,
-            dropout_hidden,
-            dropout_output,
-            mask_scope,
-            per_gate_masks,
-            noise,
-            kernel,
+            dropout, dropout_input, dropout_hidden, dropout_output, mask_scope, per_gate_masks, noise, kernel
         )
-
-    def _state_sizes(self) -> tuple[int, ...]:
-        return (self._out_size, self.hidden_size)
-
-    def _input_bias(self, weights: dict[str, Tensor]) -> Tensor | None:
-        return weights["bias_ih"] + weights["bias_hh"] if self.bias else None
-
-    def _loop(self, kernel, gates_x, layout, states, weights, hidden_mask, reverse):
-        h0, c0 = states
-        out, h, c = kernel.lstm(
-            gates_x,
-            layout.batch_sizes,
-            h0,
-            c0,
-            weights["weight_hh"],
-            weights.get("weight_hr"),
-            hidden_mask,
-            reverse,
-        )
-        return out, (h, c)
 
     def forward(  # type: ignore[override]
         self,
@@ -645,7 +484,7 @@ class VariationalLSTM(_VariationalRNNMixin, nn.LSTM):
         return super().forward(input, hx, masks)
 
 
-class VariationalGRU(_VariationalRNNMixin, nn.GRU):
+class VariationalGRU(_VariationalRNN, nn.GRU):
     __doc__ = (
         """``nn.GRU`` with Gal & Ghahramani's tied dropout.
 
@@ -658,9 +497,7 @@ class VariationalGRU(_VariationalRNNMixin, nn.GRU):
         + _EXTRA_ARGS_DOC
     )
 
-    _gates = GRU_GATES
-    _num_states = 1
-    _fused_kernel = staticmethod(torch.gru)
+    _cell = GRU_CELL
 
     def __init__(
         self,
@@ -683,6 +520,7 @@ class VariationalGRU(_VariationalRNNMixin, nn.GRU):
         kernel: str = "auto",
     ) -> None:
         dropout = check_probability("dropout", dropout)
+        _warn_like_torch(dropout, num_layers)
         super().__init__(
             input_size,
             hidden_size,
@@ -695,34 +533,8 @@ class VariationalGRU(_VariationalRNNMixin, nn.GRU):
             dtype=dtype,
         )
         self._init_dropout(
-            dropout,
-            dropout_input,
-            dropout_hidden,
-            dropout_output,
-            mask_scope,
-            per_gate_masks,
-            noise,
-            kernel,
+            dropout, dropout_input, dropout_hidden, dropout_output, mask_scope, per_gate_masks, noise, kernel
         )
-
-    def _state_sizes(self) -> tuple[int, ...]:
-        return (self.hidden_size,)
-
-    def _input_bias(self, weights: dict[str, Tensor]) -> Tensor | None:
-        return weights.get("bias_ih")
-
-    def _loop(self, kernel, gates_x, layout, states, weights, hidden_mask, reverse):
-        (h0,) = states
-        out, h = kernel.gru(
-            gates_x,
-            layout.batch_sizes,
-            h0,
-            weights["weight_hh"],
-            weights.get("bias_hh"),
-            hidden_mask,
-            reverse,
-        )
-        return out, (h,)
 
     def forward(  # type: ignore[override]
         self,

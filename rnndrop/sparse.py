@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from rnndrop.kl import KLRegularized, kl_molchanov
 from rnndrop.recurrent import VariationalGRU, VariationalLSTM
 from rnndrop.stochastic import Stochastic
+from rnndrop.validation import check_finite_float
 
 __all__ = [
     "DEFAULT_THRESHOLD",
@@ -66,19 +67,13 @@ _LOG_ALPHA_CLIP = 10.0  # KL and its gradient are flat beyond this; keeps exp() 
 _EPS = 1e-8
 
 
-def _check_threshold(threshold: float) -> float:
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
-        raise TypeError(f"threshold must be a float (a log alpha), got {type(threshold).__name__}")
-    return float(threshold)
-
-
 class _SparseWeightsMixin(KLRegularized, Stochastic):
     """``log_sigma2_<name>`` for each weight in ``_sparse_names``; log alpha, masks, KL."""
 
     _sparse_names: tuple[str, ...]
 
     def _init_sparse(self, names: tuple[str, ...], threshold: float) -> None:
-        self.threshold = _check_threshold(threshold)
+        self.threshold = check_finite_float("threshold", threshold, "a float (a log alpha)")
         self._sparse_names = names
         for name in names:
             weight = getattr(self, name)

@@ -24,9 +24,10 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from rnndrop.masks import bernoulli_mask, check_probability
-from rnndrop.recurrent import quiet_weight_compaction
+from rnndrop.cell_specs import quiet_weight_compaction
+from rnndrop.masks import bernoulli_mask
 from rnndrop.stochastic import Stochastic
+from rnndrop.validation import check_probability
 
 __all__ = ["WeightDrop"]
 
