@@ -72,6 +72,13 @@ def _check_max_alpha(max_alpha: float | None, kl_approximation: str) -> float | 
     return max_alpha
 
 
+def clip_log_alpha(log_alpha: Tensor, max_alpha: float | None) -> Tensor:
+    """``log_alpha`` clipped at ``log(max_alpha)`` (no gradient beyond it); unchanged for None."""
+    if max_alpha is None:
+        return log_alpha
+    return log_alpha.clamp(max=math.log(max_alpha))
+
+
 def _alpha_shape(granularity: str, size: int, gates: int | None) -> tuple[int, ...]:
     if granularity == "layer":
         return (1,)
@@ -142,10 +149,7 @@ class _LearnedAlphaMixin(KLRegularized):
         """The site's ``log_alpha``, clipped at ``log(max_alpha)``; None for a site without noise."""
         if name not in self._alpha_sites:
             return None
-        log_alpha = getattr(self, name)
-        if self.max_alpha is not None:
-            log_alpha = log_alpha.clamp(max=math.log(self.max_alpha))
-        return log_alpha
+        return clip_log_alpha(getattr(self, name), self.max_alpha)
 
     def alphas(self) -> dict[str, Tensor]:
         """``alpha`` (after clipping) of every site with noise, by parameter name, detached."""
@@ -274,9 +278,7 @@ class GaussianLockedDropout(KLRegularized, Stochastic, nn.Module):
         return True
 
     def _clipped_log_alpha(self) -> Tensor:
-        if self.max_alpha is None:
-            return self.log_alpha
-        return self.log_alpha.clamp(max=math.log(self.max_alpha))
+        return clip_log_alpha(self.log_alpha, self.max_alpha)
 
     def alpha(self) -> Tensor:
         """The present ``alpha`` (after clipping), detached: ``[1]`` or ``[size]``."""

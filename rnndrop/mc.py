@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -219,8 +219,25 @@ def _chunks(n_samples: int, chunk_size: int) -> list[int]:
     return [chunk_size] * full + ([rest] if rest else [])
 
 
-def _chunk_size_from_budget(bytes_per_sample: int, memory_budget: int, remaining: int) -> int:
-    return max(1, min(remaining, memory_budget // max(1, bytes_per_sample)))
+def _plan_chunks(
+    method: str, n_samples: int, chunk_size: int | None, memory_budget: int, probe: Callable[[], int]
+) -> tuple[list[int], int]:
+    """How many samples each forward call takes, and how many calls the probe already made.
+
+    ``method`` is resolved (``"loop"`` or ``"batched"``). Batched without ``chunk_size``:
+    ``probe()`` runs one single-sample call and returns the bytes one sample needs;
+    the remaining samples then go in chunks that fit ``memory_budget``.
+    """
+    if method == "loop":
+        return [1] * n_samples, 0
+    if chunk_size is not None:
+        return _chunks(n_samples, chunk_size), 0
+    bytes_per_sample = probe()
+    remaining = n_samples - 1
+    if not remaining:
+        return [1], 1
+    size = max(1, min(remaining, memory_budget // max(1, bytes_per_sample)))
+    return [1, *_chunks(remaining, size)], 1
 
 
 # ------------------------------------------------------------------ prediction
@@ -382,19 +399,13 @@ def mc_predict(
             raise ValueError("task='classification' needs outputs with a class dimension, got a scalar")
         accumulator.add(_split_samples(out, copies, batch_size, out_dim))
 
+    def probe() -> int:
+        run(1)
+        return accumulator.mean.numel() * accumulator.mean.element_size() * _COPIES_PER_SAMPLE[task]
+
     with mc_dropout(model, strict=strict), torch.no_grad():
-        if _resolve_method(model, method) == "loop":
-            plan = [1] * n_samples
-        elif chunk_size is not None:
-            plan = _chunks(n_samples, chunk_size)
-        else:
-            run(1)  # probe: measures one sample's output
-            per_sample = accumulator.mean.numel() * accumulator.mean.element_size()
-            per_sample *= _COPIES_PER_SAMPLE[task]
-            remaining = n_samples - 1
-            size = _chunk_size_from_budget(per_sample, memory_budget, max(1, remaining))
-            plan = _chunks(remaining, size)
-        for copies in plan:
+        plan, done = _plan_chunks(_resolve_method(model, method), n_samples, chunk_size, memory_budget, probe)
+        for copies in plan[done:]:
             run(copies)
     return accumulator.result()
 
@@ -529,17 +540,14 @@ def mc_language_model_loss(
             log_prob: Tensor | None = None
             first = 0
             if plan is None:
-                if resolved == "loop":
-                    plan = [1] * n_samples
-                elif chunk_size is not None:
-                    plan = _chunks(n_samples, chunk_size)
-                else:  # a single-sample probe measures the logits, then chunks fill the budget
+
+                def probe(tokens: Tensor = tokens, targets: Tensor = targets) -> int:
+                    nonlocal log_prob
                     log_prob, state, per_copy = run(1, tokens, targets, None)
-                    remaining = n_samples - 1
-                    size = _chunk_size_from_budget(3 * per_copy, memory_budget, max(1, remaining))
-                    plan = [1] + (_chunks(remaining, size) if remaining else [])
-                    first = 1
                     states.append(state)
+                    return 3 * per_copy  # logits, log-probabilities, gathered values
+
+                plan, first = _plan_chunks(resolved, n_samples, chunk_size, memory_budget, probe)
                 states.extend([None] * (len(plan) - len(states)))
             for i in range(first, len(plan)):
                 chunk_log_prob, states[i], _ = run(plan[i], tokens, targets, states[i])
