@@ -7,15 +7,15 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 from rnndrop.gaussian import GaussianGRU, GaussianLockedDropout, GaussianLSTM, rnn_state_dict
 from rnndrop.kl import kl_molchanov, model_kl, negative_elbo
-from tests.helpers import assert_close
+from tests.oracle import assert_close, plain_twin
 
 SITES = dict(dropout=0.3, dropout_input=0.5, dropout_hidden=0.2, dropout_output=0.4)
 
 
 def twins(cls, plain_cls, **kwargs):
     layer = cls(5, 6, num_layers=2, bidirectional=True, **SITES, **kwargs)
-    plain = plain_cls(5, 6, num_layers=2, bidirectional=True)
-    plain.load_state_dict(rnn_state_dict(layer))
+    plain = plain_twin(layer)
+    assert isinstance(plain, plain_cls)
     return layer, plain
 
 
@@ -137,6 +137,7 @@ def test_state_dicts_interchange_with_nn_lstm():
     assert torch.all(layer.log_alpha_input_l0 == 0.0)
 
 
+@pytest.mark.slow
 def test_learned_alpha_rises_on_a_useless_input_and_stays_low_on_a_useful_one():
     torch.manual_seed(0)
     lstm = GaussianLSTM(2, 8, dropout_input=0.2, granularity="unit")

@@ -81,9 +81,8 @@ def test_float64_matches_oracle(kind, kernel):
 @pytest.mark.parametrize("kind", KINDS)
 def test_masks_of_ones_match_oracle(kind, kernel, scope, per_gate):
     """All mask sites active (so the loop runs) but every mask is 1."""
-    ref, ours = make_pair(
-        kind, kernel=kernel, num_layers=2, bidirectional=True, mask_scope=scope, per_gate_masks=per_gate, **ALL_P
-    )
+    config = dict(num_layers=2, bidirectional=True, mask_scope=scope, per_gate_masks=per_gate)
+    ref, ours = make_pair(kind, kernel=kernel, **config, **ALL_P)
     masks = ours.sample_masks(B, T).map(torch.ones_like)
     x = torch.randn(T, B, I, requires_grad=True)
     check_against_oracle(ref, ours, x, random_state(ours, B), masks)
@@ -266,6 +265,7 @@ def test_masks_carry_state_across_truncated_bptt_segments():
     assert_close(state, state_whole)
 
 
+@pytest.mark.slow
 def test_a_model_with_tied_dropout_trains():
     """Remember the previous step's first feature, through tied dropout everywhere."""
     lstm = VariationalLSTM(
@@ -355,3 +355,40 @@ def test_bad_masks_name_the_mask_and_the_shapes():
     step = VariationalLSTM(I, H, dropout_hidden=0.5, mask_scope="step")
     with pytest.raises(ValueError, match="seq_len is required"):
         step.sample_masks(B)
+
+
+# ------------------------------------------------- accepted silently before (issue 15)
+
+
+def test_per_gate_masks_must_be_a_bool():
+    with pytest.raises(TypeError, match="per_gate_masks must be True or False, got str 'no'"):
+        VariationalLSTM(I, H, dropout_hidden=0.5, per_gate_masks="no")
+
+
+@pytest.mark.parametrize("cls", [VariationalLSTM, VariationalGRU])
+def test_dropout_with_one_layer_warns_like_nn_lstm(cls):
+    torch_cls = nn.LSTM if cls is VariationalLSTM else nn.GRU
+    with pytest.warns(UserWarning) as theirs:
+        torch_cls(I, H, num_layers=1, dropout=0.5)
+    with pytest.warns(UserWarning) as ours:
+        layer = cls(I, H, num_layers=1, dropout=0.5)
+    assert [str(w.message) for w in ours] == [str(w.message) for w in theirs]
+    assert layer.dropout == 0.5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cls(I, H, num_layers=2, dropout=0.5)
+
+
+@pytest.mark.parametrize(
+    ("cls", "module"),
+    [
+        pytest.param(VariationalLSTM, nn.RNN(I, H), id="lstm-from-rnn"),
+        pytest.param(VariationalLSTM, nn.GRU(I, H), id="lstm-from-gru"),
+        pytest.param(VariationalGRU, nn.LSTM(I, H), id="gru-from-lstm"),
+        pytest.param(VariationalGRU, nn.Linear(I, H), id="gru-from-linear"),
+    ],
+)
+def test_from_module_takes_only_its_own_cell(cls, module):
+    expected = "LSTM" if cls is VariationalLSTM else "GRU"
+    with pytest.raises(TypeError, match=rf"module must be an {expected}, got {type(module).__name__}"):
+        cls.from_module(module)
