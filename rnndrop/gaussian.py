@@ -45,7 +45,7 @@ from rnndrop.layout import packed_sequence_index
 from rnndrop.masks import gaussian_mask
 from rnndrop.recurrent import VariationalGRU, VariationalLSTM
 from rnndrop.stochastic import Stochastic
-from rnndrop.validation import check_choice, check_positive_int, check_probability
+from rnndrop.validation import check_choice, check_positive_float, check_positive_int, check_probability
 
 __all__ = ["GRANULARITIES", "GaussianGRU", "GaussianLSTM", "GaussianLockedDropout", "rnn_state_dict"]
 
@@ -61,9 +61,7 @@ def rnn_state_dict(layer: nn.RNNBase) -> dict[str, Tensor]:
 def _check_max_alpha(max_alpha: float | None, kl_approximation: str) -> float | None:
     check_choice("kl_approximation", kl_approximation, tuple(KL_APPROXIMATIONS))
     if max_alpha is not None:
-        if isinstance(max_alpha, bool) or not isinstance(max_alpha, (int, float)) or max_alpha <= 0:
-            raise ValueError(f"max_alpha must be a positive float or None, got {max_alpha!r}")
-        max_alpha = float(max_alpha)
+        max_alpha = check_positive_float("max_alpha", max_alpha)
     if kl_approximation == "kingma" and (max_alpha is None or max_alpha > 1):
         raise ValueError(
             "kl_approximation='kingma' is fitted for alpha <= 1 only: it needs max_alpha <= 1, "

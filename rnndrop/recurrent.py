@@ -21,8 +21,6 @@ their :class:`~rnndrop.cell_specs.CellSpec`.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
@@ -30,7 +28,6 @@ from torch.nn.utils.rnn import PackedSequence
 from rnndrop.cell_specs import GRU_CELL, LSTM_CELL
 from rnndrop.masks import RecurrentMasks
 from rnndrop.stack import VariationalRNNStack
-from rnndrop.validation import check_probability
 
 __all__ = ["VariationalGRU", "VariationalLSTM"]
 
@@ -58,16 +55,6 @@ _EXTRA_ARGS_DOC = """
     constructor then warns. In eval mode no mask is drawn: the output equals the
     parent class with the same weights. Masks passed to ``forward`` are always used.
 """
-
-
-def _warn_like_torch(dropout: float, num_layers: int) -> None:
-    """nn.RNNBase's warning for a ``dropout`` that a single layer never applies."""
-    if dropout > 0 and num_layers == 1:
-        warnings.warn(
-            "dropout option adds dropout after all but last recurrent layer, so non-zero dropout "
-            f"expects num_layers greater than 1, but got dropout={dropout} and num_layers={num_layers}",
-            stacklevel=3,
-        )
 
 
 class VariationalLSTM(VariationalRNNStack, nn.LSTM):
@@ -112,9 +99,7 @@ class VariationalLSTM(VariationalRNNStack, nn.LSTM):
         noise: str = "bernoulli",
         kernel: str = "auto",
     ) -> None:
-        dropout = check_probability("dropout", dropout)
-        _warn_like_torch(dropout, num_layers)
-        # nn.LSTM gets dropout=0: its forward is never called, but it would warn again.
+        # nn.LSTM gets dropout=0: it never applies it, and _init_dropout gives its warning.
         super().__init__(
             input_size,
             hidden_size,
@@ -175,8 +160,6 @@ class VariationalGRU(VariationalRNNStack, nn.GRU):
         noise: str = "bernoulli",
         kernel: str = "auto",
     ) -> None:
-        dropout = check_probability("dropout", dropout)
-        _warn_like_torch(dropout, num_layers)
         super().__init__(
             input_size,
             hidden_size,

@@ -30,6 +30,8 @@ last layer's output.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor, nn
 
@@ -63,6 +65,13 @@ class VariationalRNNStack(Stochastic):
         kernel: str,
     ) -> None:
         self.dropout = check_probability("dropout", dropout)  # the input of layers 1..L-1
+        if self.dropout > 0 and self.num_layers == 1:  # nn.RNNBase's warning, word for word
+            warnings.warn(
+                "dropout option adds dropout after all but last recurrent layer, so non-zero dropout "
+                f"expects num_layers greater than 1, but got dropout={dropout} and "
+                f"num_layers={self.num_layers}",
+                stacklevel=3,
+            )
         self.dropout_input = check_probability("dropout_input", dropout_input)
         self.dropout_hidden = check_probability("dropout_hidden", dropout_hidden)
         self.dropout_output = check_probability("dropout_output", dropout_output)
@@ -186,15 +195,17 @@ class VariationalRNNStack(Stochastic):
     ) -> RecurrentMasks | None:
         """The masks of this call in sorted batch order: fresh ones in training, ``masks``
         (checked) when given, None when there is no dropout."""
-        if masks is None:
+        if masks is not None and not isinstance(masks, RecurrentMasks):
+            raise TypeError(f"masks must be a RecurrentMasks or None, got {type(masks).__name__}")
+        given = masks is not None
+        if not given:
             if not (self.training and self._has_dropout()):
                 return None
-            # Masks are i.i.d. over the batch: no need to sort them for packed input.
             masks = self.sample_masks(layout.batch_size, layout.seq_len, device=x.device, dtype=x.dtype)
-        else:
-            if not isinstance(masks, RecurrentMasks):
-                raise TypeError(f"masks must be a RecurrentMasks or None, got {type(masks).__name__}")
-            masks.check(self._geometry, layout.batch_size, layout.seq_len, x)
+        # The one check of every mask, sampled ones too (_draw_mask may be overridden):
+        # the kernels rely on it.
+        masks.check(self._geometry, layout.batch_size, layout.seq_len, x)
+        if given:  # fresh masks are i.i.d. over the batch: they need no sorting
             masks = masks.in_sorted_order(layout.sorted_indices)
         return None if masks.is_empty() else masks
 

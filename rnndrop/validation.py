@@ -19,6 +19,7 @@ __all__ = [
     "check_bool",
     "check_choice",
     "check_finite_float",
+    "check_positive_float",
     "check_positive_int",
     "check_probability",
     "check_tensor_like",
@@ -50,6 +51,13 @@ def check_positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
+
+
+def check_positive_float(name: str, value: Any) -> float:
+    """``value`` as a float if it is a finite real number > 0, else a ValueError."""
+    if not _is_real(value) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive finite float, got {value!r}")
+    return float(value)
 
 
 def check_bool(name: str, value: Any) -> bool:
