@@ -48,6 +48,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.dropout import _DropoutNd
 
+from rnndrop.calibration import ReliabilityDiagram, reliability_from_predictions
 from rnndrop.stochastic import Stochastic
 from rnndrop.validation import check_choice, check_positive_int
 
@@ -421,11 +422,14 @@ class LanguageModelLoss:
         total_nll: summed over tokens, in nats.
         num_tokens: the number of predicted tokens.
         n_samples: ``S``.
+        reliability: with ``calibration_bins``, the next-word reliability diagram of the
+            averaged predictions (its ``ece`` is the expected calibration error).
     """
 
     total_nll: float
     num_tokens: int
     n_samples: int
+    reliability: ReliabilityDiagram | None = None
 
     @property
     def nll(self) -> float:
@@ -466,6 +470,7 @@ def mc_language_model_loss(
     chunk_size: int | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     strict: bool = True,
+    calibration_bins: int | None = None,
 ) -> LanguageModelLoss:
     """Monte-Carlo dropout evaluation of a language model: NLL and token count.
 
@@ -491,6 +496,9 @@ def mc_language_model_loss(
         method, chunk_size, memory_budget, strict: as for :func:`mc_predict`; the batch
             is replicated along dim 1. The chunk layout is fixed at the first segment
             and every chunk carries its own state.
+        calibration_bins: also bin the top word of every averaged next-word distribution
+            against the target (:func:`rnndrop.calibration.reliability_from_predictions`);
+            this averages whole distributions ``[T, B, V]`` rather than the targets' alone.
 
     Returns:
         A :class:`LanguageModelLoss`.
@@ -499,15 +507,20 @@ def mc_language_model_loss(
     if chunk_size is not None:
         chunk_size = check_positive_int("chunk_size", chunk_size)
     memory_budget = check_positive_int("memory_budget", memory_budget)
+    if calibration_bins is not None:
+        check_positive_int("calibration_bins", calibration_bins)
     total_nll = 0.0
     num_tokens = 0
     plan: list[int] | None = None
     states: list[Any] = []
     log_s = math.log(n_samples)
+    confidences: list[Tensor] = []
+    correct: list[Tensor] = []
 
     def run(copies: int, tokens: Tensor, targets: Tensor, hidden: Any) -> tuple[Tensor, Any, int]:
-        """``copies`` samples of one segment: the targets' log-probabilities summed in
-        probability space ``[T, B]``, the new state, and the bytes of one copy's logits."""
+        """``copies`` samples of one segment: log-probabilities summed in probability space
+        over the copies (of the targets ``[T, B]``, or with ``calibration_bins`` of every word
+        ``[T, B, V]``), the new state, and the bytes of one copy's logits."""
         output = model(_replicate(tokens, copies, 1), hidden)
         if not (isinstance(output, (tuple, list)) and len(output) == 2):
             raise TypeError(
@@ -521,8 +534,11 @@ def mc_language_model_loss(
             raise ValueError(
                 f"the language model's logits must be [T, B, V] = [{T}, {copies * B}, V], got {got}"
             )
-        logp = logits.log_softmax(-1).gather(-1, _replicate(targets, copies, 1).unsqueeze(-1))
         per_copy = logits.numel() * logits.element_size() // copies
+        logp = logits.log_softmax(-1)
+        if calibration_bins is not None:
+            return logp.view(T, copies, B, -1).logsumexp(1), hidden, per_copy
+        logp = logp.gather(-1, _replicate(targets, copies, 1).unsqueeze(-1))
         return logp.view(T, copies, B).logsumexp(1), hidden, per_copy
 
     with mc_dropout(model, strict=strict), torch.no_grad():
@@ -552,11 +568,21 @@ def mc_language_model_loss(
             for i in range(first, len(plan)):
                 chunk_log_prob, states[i], _ = run(plan[i], tokens, targets, states[i])
                 log_prob = chunk_log_prob if log_prob is None else torch.logaddexp(log_prob, chunk_log_prob)
+            if calibration_bins is not None:
+                top_log_prob, top_word = log_prob.max(-1)
+                confidences.append((top_log_prob - log_s).exp())
+                correct.append(top_word == targets)
+                log_prob = log_prob.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
             total_nll -= (log_prob.double() - log_s).sum().item()
             num_tokens += targets.numel()
     if num_tokens == 0:
         raise ValueError("batches must yield at least one (inputs, targets) pair, got none")
-    return LanguageModelLoss(total_nll, num_tokens, n_samples)
+    reliability = None
+    if calibration_bins is not None:
+        reliability = reliability_from_predictions(
+            torch.cat(confidences), torch.cat(correct), calibration_bins
+        )
+    return LanguageModelLoss(total_nll, num_tokens, n_samples, reliability)
 
 
 def mc_perplexity(

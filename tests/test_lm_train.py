@@ -172,3 +172,44 @@ def test_benchmark_cli_data_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         benchmark.main(["--data", str(tmp_path), "--regimes", "nonsense"], dataset="ptb")
     assert "regime must be one of" in capsys.readouterr().err
+
+
+def test_min_lr_stops_a_converged_run_and_resume_keeps_it_stopped(corpus, tmp_path):
+    # lr 8 divided by 4 after every non-improving epoch; below 1 means two such epochs.
+    config = replace(TINY, epochs=40, lr=8.0, min_lr=1.0, mc_samples=0)
+    result = train_run(corpus, config, "none", tmp_path / "run", seed=3, progress=False)
+    lrs = [e["lr"] for e in result["epochs"]]
+    assert result["stop_reason"] == "lr_floor" and result["converged"]
+    assert result["epochs_run"] == len(lrs) < 40
+    assert sorted(set(lrs), reverse=True) == [8.0, 2.0]  # stopped before an epoch at lr 0.5
+    assert result["best_epoch"] <= result["epochs_run"]
+    again = train_run(corpus, config, "none", tmp_path / "run", seed=3, progress=False, resume=True)
+    assert again["epochs"] == result["epochs"]  # nothing more was trained
+
+
+def test_a_run_whose_best_epoch_is_its_cap_is_not_converged(corpus, tmp_path):
+    config = replace(TINY, epochs=1, mc_samples=0)
+    result = train_run(corpus, config, "none", tmp_path / "run", seed=1, progress=False)
+    assert result["stop_reason"] == "epoch_cap" and result["best_epoch"] == 1
+    assert result["converged"] is False
+
+
+def test_results_hold_test_nll_and_calibration_standard_and_mc(corpus, tmp_path):
+    result = train_run(corpus, TINY, "tied", tmp_path / "run", seed=2, progress=False)
+    assert math.isclose(math.exp(result["test_nll"]), result["test_ppl"], rel_tol=1e-9)
+    assert math.isclose(math.exp(result["test_nll_mc"]), result["test_ppl_mc"], rel_tol=1e-9)
+    for key in ("test_ece", "test_ece_mc"):
+        assert 0.0 <= result[key] <= 1.0
+
+
+def test_dropout_from_a_grid_summary_sets_each_regimes_dropout(corpus, tmp_path):
+    data = write_corpus(tmp_path / "data2")
+    grid = benchmark.run_benchmark(data, "ptb", TINY, ["naive"], [1], tmp_path / "grid", grid=True,
+                                   mc_samples=0, progress=False)
+    chosen = benchmark.chosen_dropout(tmp_path / "grid" / "summary.json")
+    assert chosen["naive"] == grid["runs"][0]["dropout"]
+    summary = benchmark.run_benchmark(data, "ptb", TINY, ["naive"], [2], tmp_path / "final",
+                                      dropout_by_regime=chosen, mc_samples=0, progress=False)
+    assert summary["runs"][0]["dropout"] == chosen["naive"]
+    with pytest.raises(ValueError, match="--dropout-from .*not the summary of a --grid run"):
+        benchmark.chosen_dropout(tmp_path / "final" / "summary.json")

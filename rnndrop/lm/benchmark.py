@@ -48,7 +48,7 @@ from rnndrop.lm.results import (
 )
 from rnndrop.lm.train import RESULTS, TrainingDiverged, add_mc_result, train_run
 
-__all__ = ["RunSpec", "build_parser", "main", "run_benchmark"]
+__all__ = ["RunSpec", "build_parser", "chosen_dropout", "main", "run_benchmark"]
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,19 @@ def parse_dropout(text: str) -> dict[str, float]:
             )
         out[site] = float(value)
     return out
+
+
+def chosen_dropout(summary_path: str | Path) -> dict[str, dict[str, float]]:
+    """The dropout each regime's grid chose, from a grid run's ``summary.json``."""
+    path = Path(summary_path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            summary = json.load(f)
+        if not summary.get("grid"):
+            raise ValueError("it is not the summary of a --grid run")
+        return {run["regime"]: dict(run["dropout"]) for run in summary["runs"]}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--dropout-from {str(path)!r}: cannot read the grid's choices ({e})") from None
 
 
 def _finished(spec: RunSpec) -> dict[str, Any] | None:
@@ -156,6 +169,7 @@ def run_benchmark(
     *,
     grid: bool = False,
     dropout: Mapping[str, float] | None = None,
+    dropout_by_regime: Mapping[str, Mapping[str, float]] | None = None,
     mc_samples: int | None = None,
     resume: bool = False,
     jobs: int = 1,
@@ -172,6 +186,9 @@ def run_benchmark(
             the other seeds and add the Monte-Carlo test perplexity.
         dropout: without ``grid``: the probabilities of every regime (default
             ``config.dropout``).
+        dropout_by_regime: without ``grid``: the probabilities of each regime, e.g. the
+            ones a grid on another corpus chose (:func:`chosen_dropout`); overrides
+            ``dropout`` for the regimes it names.
     """
     for r in regimes:
         get_regime(r)
@@ -206,8 +223,9 @@ def run_benchmark(
         finals = [spec(r, chosen[r]["dropout"], s, mc) for r in regimes for s in seeds]
         final_results = _run_all(finals, jobs, _execute_mc)
     else:
-        finals = [spec(r, config.dropout if dropout is None else dropout, s, mc)
-                  for r in regimes for s in seeds]
+        default = config.dropout if dropout is None else dropout
+        by_regime = dict(dropout_by_regime or {})
+        finals = [spec(r, by_regime.get(r, default), s, mc) for r in regimes for s in seeds]
         final_results = _run_all(finals, jobs)
 
     table = markdown_table(final_results)
@@ -283,6 +301,9 @@ def build_parser(dataset: str) -> argparse.ArgumentParser:
     parser.add_argument("--seeds", default="1", help="comma-separated seeds")
     parser.add_argument("--dropout", default=None,
                         help="override the config's dropout, e.g. input=0.5,hidden=0.2 (not with --grid)")
+    parser.add_argument("--dropout-from", default=None, metavar="SUMMARY",
+                        help="take each regime's dropout from the summary.json of a --grid run "
+                        "(e.g. a grid on a smaller corpus)")
     parser.add_argument("--epochs", type=int, default=None, help="override the config's epochs")
     parser.add_argument("--tie-weights", action="store_true", help="tie embedding and decoder weights")
     parser.add_argument("--mc-samples", type=int, default=None,
@@ -319,6 +340,9 @@ def main(argv: Sequence[str] | None = None, *, dataset: str = "ptb") -> str:
         if args.grid and args.dropout:
             raise ValueError("--dropout cannot be combined with --grid (the grid sets the dropout)")
         dropout = parse_dropout(args.dropout) if args.dropout else None
+        if args.dropout_from and (args.grid or args.dropout):
+            raise ValueError("--dropout-from cannot be combined with --grid or --dropout")
+        by_regime = chosen_dropout(args.dropout_from) if args.dropout_from else None
         if args.jobs < 1:
             raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     except ValueError as e:
@@ -339,6 +363,7 @@ def main(argv: Sequence[str] | None = None, *, dataset: str = "ptb") -> str:
     try:
         summary = run_benchmark(
             data_dir, dataset, config, regimes, seeds, out, grid=args.grid, dropout=dropout,
+            dropout_by_regime=by_regime,
             mc_samples=args.mc_samples, resume=args.resume, jobs=args.jobs, threads=threads,
             device=args.device, progress=not args.no_progress, command=command,
         )

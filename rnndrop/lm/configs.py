@@ -197,8 +197,10 @@ class TrainConfig:
     The learning rate starts at ``lr``. Schedule ``"fixed"`` (Zaremba): epoch ``e``
     (1-based) runs at ``lr / lr_decay ** max(0, e - decay_after)``. Schedule
     ``"plateau"``: the rate is divided by ``lr_decay`` after every epoch whose
-    validation perplexity does not beat the best so far. Test perplexity is always
-    measured with the parameters of the best validation epoch.
+    validation perplexity does not beat the best so far. Training stops at ``epochs``
+    (the cap) or, once converged, as soon as the next epoch's rate would fall below
+    ``min_lr`` (0: never). Test perplexity is always measured with the parameters of
+    the best validation epoch.
     """
 
     name: str
@@ -215,6 +217,7 @@ class TrainConfig:
     init_scale: float | None
     weight_decay: float = 0.0
     schedule: str = "fixed"
+    min_lr: float = 0.0
     eval_batch_size: int = 10
     tie_weights: bool = False
     dropout: Mapping[str, float] = field(default_factory=dict)
@@ -232,6 +235,8 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not (isinstance(self.min_lr, (int, float)) and 0 <= self.min_lr < self.lr):
+            raise ValueError(f"min_lr must be a number in [0, lr = {self.lr}), got {self.min_lr!r}")
         regime_probabilities(REGIMES["tied"], self.dropout)
 
     def to_dict(self) -> dict[str, Any]:
@@ -264,15 +269,24 @@ _GAL_REF = (
     "grid-searched probabilities"
 )
 
-#: Mini grids: one small grid per regime, chosen on validation (see README).
-_MINI_GRID: dict[str, tuple[Mapping[str, float], ...]] = {
+def _tied_grid(embedding: float, hidden: tuple[float, ...], rest: tuple[float, ...]):
+    return tuple(
+        {"embedding": embedding, "hidden": h, "input": r, "between": r, "output": r}
+        for h, r in zip(hidden, rest)
+    )
+
+
+#: Small grids: three points per regime (none has nothing to search), chosen on validation.
+#: The recurrent probability and the others grow together, from light to heavy dropout.
+_SMALL_GRID: dict[str, tuple[Mapping[str, float], ...]] = {
     "none": ({},),
     "naive": tuple(_zaremba(p) for p in (0.3, 0.5, 0.65)),
-    "tied": (
-        {"embedding": 0.1, "hidden": 0.1, "input": 0.3, "between": 0.3, "output": 0.3},
-        {"embedding": 0.1, "hidden": 0.2, "input": 0.5, "between": 0.5, "output": 0.5},
-        {"embedding": 0.1, "hidden": 0.3, "input": 0.65, "between": 0.65, "output": 0.65},
-    ),
+    "tied": _tied_grid(0.1, (0.1, 0.2, 0.3), (0.3, 0.5, 0.65)),
+    "untied": _tied_grid(0.1, (0.1, 0.2, 0.3), (0.3, 0.5, 0.65)),
+    "batch": _tied_grid(0.1, (0.1, 0.2, 0.3), (0.3, 0.5, 0.65)),
+    "gaussian": _tied_grid(0.1, (0.1, 0.2, 0.3), (0.3, 0.5, 0.65)),
+    # DropConnect on W_hh drops single weights, not whole units: AWD-LSTM uses 0.5.
+    "weight_drop": _tied_grid(0.1, (0.2, 0.35, 0.5), (0.3, 0.5, 0.65)),
 }
 
 CONFIGS: dict[str, TrainConfig] = {
@@ -282,9 +296,21 @@ CONFIGS: dict[str, TrainConfig] = {
         epochs=20, lr=20.0, lr_decay=4.0, decay_after=0, clip=0.25, init_scale=0.1,
         schedule="plateau", eval_batch_size=10,
         dropout={"embedding": 0.1, "hidden": 0.2, "input": 0.5, "between": 0.5, "output": 0.5},
-        grid=_MINI_GRID, mc_samples=50, default_regime="tied",
+        grid=_SMALL_GRID, mc_samples=50, default_regime="tied",
         reference="small offline setting of this project (SGD and plateau decay as in "
         "pytorch/examples word_language_model)",
+    ),
+    # The mini model trained to convergence (for ptb-144k): the rate is divided by 4 after
+    # every epoch that does not improve validation perplexity, and the run ends when it
+    # would fall below 0.1 (after the fourth such epoch) or at the cap of 60 epochs.
+    "cpu-200": TrainConfig(
+        name="cpu-200", embedding_size=200, hidden_size=200, num_layers=2, batch_size=20, bptt=35,
+        epochs=60, lr=20.0, lr_decay=4.0, decay_after=0, clip=0.25, init_scale=0.1,
+        schedule="plateau", min_lr=0.1, eval_batch_size=10,
+        dropout={"embedding": 0.1, "hidden": 0.2, "input": 0.5, "between": 0.5, "output": 0.5},
+        grid=_SMALL_GRID, mc_samples=50, default_regime="tied",
+        reference="the mini model trained to convergence on validation perplexity (plateau "
+        "decay down to a learning-rate floor)",
     ),
     "zaremba-small": TrainConfig(
         name="zaremba-small", embedding_size=200, hidden_size=200, num_layers=2, batch_size=20,

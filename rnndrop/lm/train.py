@@ -23,6 +23,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rnndrop.calibration import reliability_from_predictions
 from rnndrop.lm.checkpoint import get_rng_state, load_checkpoint, save_atomic, set_rng_state
 from rnndrop.lm.configs import TrainConfig, build_model, get_regime, regime_probabilities
 from rnndrop.lm.corpus import Corpus, batchify, bptt_batches, num_bptt_batches
@@ -37,11 +39,15 @@ from rnndrop.lm.model import detach_hidden
 from rnndrop.lm.results import SCHEMA, peak_memory, plot_learning_curves, versions, write_json_atomic
 
 __all__ = [
+    "CALIBRATION_BINS",
+    "Score",
     "TrainingDiverged",
     "add_mc_result",
     "evaluate",
     "evaluate_mc",
     "resolve_device",
+    "score",
+    "score_mc",
     "train_run",
 ]
 
@@ -51,6 +57,9 @@ CHECKPOINT = "checkpoint.pt"
 BEST = "best.pt"
 RESULTS = "results.json"
 CURVE = "curve.png"
+
+#: Confidence bins of the next-word calibration measured on the test split.
+CALIBRATION_BINS = 15
 
 EpochCallback = Callable[[int, Mapping[str, Any]], None]
 
@@ -101,29 +110,74 @@ def _loss(logits: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction=reduction)
 
 
+@dataclass(frozen=True)
+class Score:
+    """How well a language model predicts a token stream.
+
+    Attributes:
+        nll: mean negative log-likelihood per token (nats); perplexity is ``exp(nll)``.
+        tokens: the number of predicted tokens.
+        ece: expected calibration error of the top next-word prediction
+            (:mod:`rnndrop.calibration`), or None when not measured.
+    """
+
+    nll: float
+    tokens: int
+    ece: float | None = None
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nll)
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, batched: Tensor, bptt: int) -> float:
-    """Perplexity of ``model`` in eval mode (dropout off: the weight-scaling
-    approximation) on a batched stream ``[N, B]``, the state carried across segments."""
+def score(model: nn.Module, batched: Tensor, bptt: int, calibration_bins: int | None = None) -> Score:
+    """NLL (and with ``calibration_bins`` the ECE) of ``model`` in eval mode (dropout off:
+    the weight-scaling approximation) on a batched stream ``[N, B]``, the state carried
+    across segments."""
     was_training = model.training
     model.eval()
     total, count, hidden = 0.0, 0, None
+    confidences: list[Tensor] = []
+    correct: list[Tensor] = []
     try:
         for inputs, targets in bptt_batches(batched, bptt):
             logits, hidden = model(inputs, hidden)
             total += _loss(logits, targets, "sum").item()
             count += targets.numel()
+            if calibration_bins is not None:
+                top_prob, top_word = logits.softmax(-1).max(-1)
+                confidences.append(top_prob)
+                correct.append(top_word == targets)
     finally:
         model.train(was_training)
-    return math.exp(total / count)
+    ece = None
+    if calibration_bins is not None:
+        ece = reliability_from_predictions(torch.cat(confidences), torch.cat(correct), calibration_bins).ece
+    return Score(total / count, count, ece)
+
+
+def score_mc(
+    model: nn.Module, batched: Tensor, bptt: int, n_samples: int, calibration_bins: int | None = None
+) -> Score:
+    """:func:`score` under Monte-Carlo dropout (:func:`rnndrop.mc.mc_language_model_loss`):
+    every word's predictive probability averaged over ``n_samples`` dropout draws."""
+    from rnndrop.mc import mc_language_model_loss
+
+    loss = mc_language_model_loss(
+        model, list(bptt_batches(batched, bptt)), n_samples, calibration_bins=calibration_bins
+    )
+    return Score(loss.nll, loss.num_tokens, None if loss.reliability is None else loss.reliability.ece)
+
+
+def evaluate(model: nn.Module, batched: Tensor, bptt: int) -> float:
+    """Perplexity of ``model`` in eval mode on a batched stream ``[N, B]`` (see :func:`score`)."""
+    return score(model, batched, bptt).perplexity
 
 
 def evaluate_mc(model: nn.Module, batched: Tensor, bptt: int, n_samples: int) -> float:
-    """Perplexity under Monte-Carlo dropout (:func:`rnndrop.mc.mc_perplexity`): the
-    predictive probability of every word averaged over ``n_samples`` dropout draws."""
-    from rnndrop.mc import mc_perplexity
-
-    return mc_perplexity(model, list(bptt_batches(batched, bptt)), n_samples)
+    """Perplexity under Monte-Carlo dropout with ``n_samples`` draws (see :func:`score_mc`)."""
+    return score_mc(model, batched, bptt, n_samples).perplexity
 
 
 def _has_noise(model: nn.Module) -> bool:
@@ -268,6 +322,7 @@ def train_run(
     state: dict[str, Any] = {
         "epoch": 0, "lr": config.lr, "best_valid_ppl": math.inf, "best_epoch": 0,
         "history": [], "train_seconds": 0.0, "train_words": 0, "wall_seconds": 0.0,
+        "stopped": None,
     }
     if ckpt_path.exists():
         if not resume:
@@ -289,6 +344,8 @@ def train_run(
         log.info("%s: resumed after epoch %d", out, state["epoch"])
 
     for epoch in range(state["epoch"] + 1, config.epochs + 1):
+        if state.get("stopped"):
+            break
         lr = _epoch_lr(config, epoch, state["lr"])
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -309,6 +366,10 @@ def train_run(
         state["history"] = [*state["history"], record]
         state.update(epoch=epoch, lr=next_lr, train_seconds=state["train_seconds"] + seconds,
                      train_words=state["train_words"] + words)
+        if next_lr < config.min_lr:
+            state["stopped"] = "lr_floor"
+            log.info("%s: converged after epoch %d (the next learning rate %g is below min_lr %g)",
+                     regime, epoch, next_lr, config.min_lr)
         log.info("%s epoch %d: lr %g, train ppl %.2f, valid ppl %.2f, %.0f words/s",
                  regime, epoch, lr, train_ppl, valid_ppl, words / seconds)
         state["wall_seconds"] += time.perf_counter() - wall_start
@@ -322,11 +383,13 @@ def train_run(
             on_epoch_end(epoch, record)
 
     model.load_state_dict(load_checkpoint(best_path)["model"])
-    test_ppl = evaluate(model, test_data, config.bptt)
-    test_ppl_mc = None
+    test = score(model, test_data, config.bptt, CALIBRATION_BINS)
+    test_mc = None
     if mc_samples > 0 and _has_noise(model):
         torch.manual_seed(seed)
-        test_ppl_mc = evaluate_mc(model, test_data, config.bptt, mc_samples)
+        test_mc = score_mc(model, test_data, config.bptt, mc_samples, CALIBRATION_BINS)
+    epochs_run = state["epoch"]
+    stop_reason = state.get("stopped") or "epoch_cap"
     state["wall_seconds"] += time.perf_counter() - wall_start
     memory, memory_kind = peak_memory(device)
     result = {
@@ -341,9 +404,17 @@ def train_run(
         "epochs": state["history"],
         "best_epoch": state["best_epoch"],
         "best_valid_ppl": state["best_valid_ppl"],
-        "test_ppl": test_ppl,
-        "test_ppl_mc": test_ppl_mc,
-        "mc_samples": mc_samples if test_ppl_mc is not None else 0,
+        "epochs_run": epochs_run,
+        "stop_reason": stop_reason,
+        # Not converged: validation was still improving when the epoch cap ended the run.
+        "converged": stop_reason == "lr_floor" or state["best_epoch"] < epochs_run,
+        "test_ppl": test.perplexity,
+        "test_nll": test.nll,
+        "test_ece": test.ece,
+        "test_ppl_mc": None if test_mc is None else test_mc.perplexity,
+        "test_nll_mc": None if test_mc is None else test_mc.nll,
+        "test_ece_mc": None if test_mc is None else test_mc.ece,
+        "mc_samples": mc_samples if test_mc is not None else 0,
         "words_per_second": state["train_words"] / state["train_seconds"],
         "train_seconds": state["train_seconds"],
         "wall_seconds": state["wall_seconds"],
@@ -375,7 +446,8 @@ def add_mc_result(
         torch.manual_seed(result["seed"])
         start = time.perf_counter()
         test_data = batchify(corpus.test, config.eval_batch_size).to(device)
-        result["test_ppl_mc"] = evaluate_mc(model, test_data, config.bptt, n_samples)
+        test_mc = score_mc(model, test_data, config.bptt, n_samples, CALIBRATION_BINS)
+        result.update(test_ppl_mc=test_mc.perplexity, test_nll_mc=test_mc.nll, test_ece_mc=test_mc.ece)
         result["mc_samples"] = n_samples
         result["mc_seconds"] = time.perf_counter() - start
         write_json_atomic(result, out / RESULTS)
