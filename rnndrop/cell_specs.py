@@ -73,13 +73,15 @@ def loop_kernel_names() -> tuple[str, ...]:
     return tuple(KERNELS)
 
 
-def _resolve(kernel_name: str) -> str:
-    return DEFAULT_LOOP_KERNEL if kernel_name == "auto" else kernel_name
+def _loop_kernel(kernel_name: str, cell: str) -> Callable:
+    """The recurrence function of loop kernel ``kernel_name`` (``"auto"``: the default one)
+    for ``cell`` (``"lstm"`` or ``"gru"``): the one lookup in the kernel registry."""
+    return getattr(get_kernel(DEFAULT_LOOP_KERNEL if kernel_name == "auto" else kernel_name), cell)
 
 
 def _lstm_loop(kernel_name, gates_x, batch_sizes, states, weights, hidden_mask, reverse):
     h0, c0 = states
-    kernel = get_kernel(_resolve(kernel_name)).lstm
+    kernel = _loop_kernel(kernel_name, "lstm")
     out, h, c = kernel(
         gates_x, batch_sizes, h0, c0, weights["weight_hh"], weights.get("weight_hr"), hidden_mask, reverse
     )
@@ -88,7 +90,7 @@ def _lstm_loop(kernel_name, gates_x, batch_sizes, states, weights, hidden_mask, 
 
 def _gru_loop(kernel_name, gates_x, batch_sizes, states, weights, hidden_mask, reverse):
     (h0,) = states
-    kernel = get_kernel(_resolve(kernel_name)).gru
+    kernel = _loop_kernel(kernel_name, "gru")
     out, h = kernel(
         gates_x, batch_sizes, h0, weights["weight_hh"], weights.get("bias_hh"), hidden_mask, reverse
     )
