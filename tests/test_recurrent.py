@@ -186,29 +186,26 @@ def test_fresh_masks_are_drawn_by_sample_masks_in_training(kind):
     assert not torch.allclose(auto, again), "a new forward call must draw new masks"
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
-def test_packed_sequences_use_masks_in_input_batch_order(kind):
+@pytest.mark.parametrize("scope", ["sequence", "step"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_packed_sequences_use_masks_in_input_batch_order(kind, scope):
     """Each sequence of an unsorted PackedSequence gets the mask of its batch row."""
-    for scope in ["sequence", "step"]:
-        _, layer = make_pair(kind, num_layers=2, bidirectional=True, mask_scope=scope, **ALL_P)
-        lengths = [3, T, 1, 5]
-        seqs = [torch.randn(n, I) for n in lengths]
-        masks = layer.sample_masks(len(lengths), T)
-        out, state = layer(pack_sequence(seqs, enforce_sorted=False), masks=masks)
-        padded, _ = torch.nn.utils.rnn.pad_packed_sequence(out)
-        step = scope == "step"
-        for b, (seq, n) in enumerate(zip(seqs, lengths)):
+    _, layer = make_pair(kind, num_layers=2, bidirectional=True, mask_scope=scope, **ALL_P)
+    lengths = [3, T, 1, 5]
+    seqs = [torch.randn(n, I) for n in lengths]
+    masks = layer.sample_masks(len(lengths), T)
+    out, state = layer(pack_sequence(seqs, enforce_sorted=False), masks=masks)
+    padded, _ = torch.nn.utils.rnn.pad_packed_sequence(out)
+    step = scope == "step"
+    for b, (seq, n) in enumerate(zip(seqs, lengths)):
 
-            def row(m, b=b, n=n, step=step):
-                return m[:n, b : b + 1] if step else m[b : b + 1]
+        def row(m, b=b, n=n):
+            return m[:n, b : b + 1] if step else m[b : b + 1]
 
-            single = masks.map(row)
-            out_b, state_b = layer(seq.unsqueeze(1), masks=single)
-            assert_close(padded[:n, b], out_b[:, 0])
-            for s, s_b in zip(
-                state if kind == "lstm" else (state,), state_b if kind == "lstm" else (state_b,)
-            ):
-                assert_close(s[:, b], s_b[:, 0])
+        out_b, state_b = layer(seq.unsqueeze(1), masks=masks.map(row))
+        assert_close(padded[:n, b], out_b[:, 0], msg=f"sequence {b}")
+        for s, s_b in zip(state if kind == "lstm" else (state,), state_b if kind == "lstm" else (state_b,)):
+            assert_close(s[:, b], s_b[:, 0], msg=f"sequence {b}")
 
 
 def test_sampled_masks_are_tied_over_time_and_differ_between_sequences():
