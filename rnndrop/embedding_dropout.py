@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from rnndrop.masks import bernoulli_mask
 from rnndrop.stochastic import Stochastic
-from rnndrop.validation import check_choice, check_probability
+from rnndrop.validation import check_bool, check_choice, check_probability
 
 __all__ = ["EmbeddingDropout", "word_keep_mask"]
 
@@ -129,7 +129,7 @@ class EmbeddingDropout(Stochastic, nn.Module):
         self.embedding = embedding
         self.p = check_probability("p", p)
         self.scope = check_choice("scope", scope, EMBEDDING_SCOPES)
-        self.batch_first = bool(batch_first)
+        self.batch_first = check_bool("batch_first", batch_first)
 
     @classmethod
     def from_sizes(

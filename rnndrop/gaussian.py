@@ -45,7 +45,13 @@ from rnndrop.layout import packed_sequence_index
 from rnndrop.masks import gaussian_mask
 from rnndrop.recurrent import VariationalGRU, VariationalLSTM
 from rnndrop.stochastic import Stochastic
-from rnndrop.validation import check_choice, check_positive_float, check_positive_int, check_probability
+from rnndrop.validation import (
+    check_bool,
+    check_choice,
+    check_positive_float,
+    check_positive_int,
+    check_probability,
+)
 
 __all__ = ["GRANULARITIES", "GaussianGRU", "GaussianLSTM", "GaussianLockedDropout", "rnn_state_dict"]
 
@@ -268,7 +274,7 @@ class GaussianLockedDropout(KLRegularized, Stochastic, nn.Module):
         self.granularity = granularity
         self.max_alpha = _check_max_alpha(max_alpha, kl_approximation)
         self.kl_approximation = kl_approximation
-        self.batch_first = bool(batch_first)
+        self.batch_first = check_bool("batch_first", batch_first)
         shape = (1,) if granularity == "layer" else (size,)
         self.log_alpha = nn.Parameter(torch.full(shape, math.log(p / (1.0 - p))))
 

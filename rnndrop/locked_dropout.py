@@ -14,7 +14,7 @@ from torch.nn.utils.rnn import PackedSequence
 from rnndrop.layout import packed_sequence_index
 from rnndrop.masks import NOISES, sample_mask
 from rnndrop.stochastic import Stochastic
-from rnndrop.validation import check_choice, check_probability
+from rnndrop.validation import check_bool, check_choice, check_probability
 
 __all__ = ["LockedDropout", "packed_sequence_index"]
 
@@ -39,7 +39,7 @@ class LockedDropout(Stochastic, nn.Module):
     def __init__(self, p: float, *, batch_first: bool = False, noise: str = "bernoulli") -> None:
         super().__init__()
         self.p = check_probability("p", p)
-        self.batch_first = bool(batch_first)
+        self.batch_first = check_bool("batch_first", batch_first)
         self.noise = check_choice("noise", noise, NOISES)
 
     def is_stochastic(self) -> bool:

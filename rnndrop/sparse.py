@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from rnndrop.kl import KLRegularized, kl_molchanov
 from rnndrop.recurrent import VariationalGRU, VariationalLSTM
 from rnndrop.stochastic import Stochastic
-from rnndrop.validation import check_finite_float
+from rnndrop.validation import check_bool, check_finite_float
 
 __all__ = [
     "DEFAULT_THRESHOLD",
@@ -230,7 +230,7 @@ class SparseLinear(_SparseWeightsMixin, nn.Linear):
         local_reparameterization: bool = True,
     ) -> None:
         super().__init__(in_features, out_features, bias, device, dtype)
-        self.local_reparameterization = bool(local_reparameterization)
+        self.local_reparameterization = check_bool("local_reparameterization", local_reparameterization)
         self._init_sparse(("weight",), threshold)
 
     def forward(self, input: Tensor) -> Tensor:

@@ -27,7 +27,7 @@ from torch.func import functional_call
 from rnndrop.cell_specs import quiet_weight_compaction
 from rnndrop.masks import bernoulli_mask
 from rnndrop.stochastic import Stochastic
-from rnndrop.validation import check_probability, check_tensor_like
+from rnndrop.validation import check_bool, check_probability, check_tensor_like
 
 __all__ = ["WeightDrop"]
 
@@ -74,7 +74,7 @@ class WeightDrop(Stochastic, nn.Module):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
         self.module = module
         self.p = check_probability("p", p)
-        self.variational = bool(variational)
+        self.variational = check_bool("variational", variational)
         names = (weights,) if isinstance(weights, str) else tuple(weights)
         if not names:
             raise ValueError("weights must name at least one parameter of the module, got none")

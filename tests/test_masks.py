@@ -69,3 +69,19 @@ def test_argument_checks_name_the_argument_what_was_expected_and_what_came():
     with pytest.raises(ValueError, match="t must be a finite number"):
         check_finite_float("t", float("inf"))
     assert check_finite_float("t", 3) == 3.0 and check_bool("flag", False) is False
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: LockedDropout(0.5, batch_first="no"),
+        lambda: EmbeddingDropout.from_sizes(5, 2, p=0.5, batch_first="no"),
+        lambda: WeightDrop(nn.LSTM(4, 6), "weight_hh_l0", p=0.5, variational="no"),
+        lambda: VariationalLSTM(4, 6, per_gate_masks="no"),
+    ],
+    ids=["LockedDropout.batch_first", "EmbeddingDropout.batch_first", "WeightDrop.variational",
+         "VariationalLSTM.per_gate_masks"],
+)
+def test_flags_must_be_bools(build):
+    with pytest.raises(TypeError, match="must be True or False, got str 'no'"):
+        build()
