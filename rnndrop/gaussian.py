@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from rnndrop.kl import KL_APPROXIMATIONS, KLRegularized
-from rnndrop.layout import packed_sequence_index
+from rnndrop.layout import mask_packed_sequence
 from rnndrop.masks import gaussian_mask
 from rnndrop.recurrent import VariationalGRU, VariationalLSTM
 from rnndrop.stochastic import Stochastic
@@ -302,9 +302,7 @@ class GaussianLockedDropout(KLRegularized, Stochastic, nn.Module):
         alpha = self._clipped_log_alpha().exp().to(data.dtype)
         if isinstance(x, PackedSequence):
             noise = gaussian_mask((int(x.batch_sizes[0]), self.size), alpha, device=data.device)
-            rows = packed_sequence_index(x.batch_sizes).to(data.device)
-            return PackedSequence(data * noise[rows], x.batch_sizes, x.sorted_indices,
-                                  x.unsorted_indices)
+            return mask_packed_sequence(x, noise)
         if data.dim() != 3:
             raise ValueError(f"x must be 3-D [T, B, {self.size}], got shape {list(data.shape)}")
         shape = (data.shape[0], 1, self.size) if self.batch_first else (1, data.shape[1], self.size)

@@ -21,7 +21,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from rnndrop.validation import check_tensor_like
 
-__all__ = ["SequenceLayout", "packed_sequence_index"]
+__all__ = ["SequenceLayout", "mask_packed_sequence", "packed_sequence_index"]
 
 
 def packed_sequence_index(batch_sizes: Tensor) -> Tensor:
@@ -37,6 +37,18 @@ def packed_sequence_index(batch_sizes: Tensor) -> Tensor:
     offsets = torch.cumsum(batch_sizes, 0) - batch_sizes
     rows = torch.arange(int(batch_sizes.sum()))
     return rows - torch.repeat_interleave(offsets, batch_sizes)
+
+
+def mask_packed_sequence(x: PackedSequence, mask: Tensor) -> PackedSequence:
+    """``x`` with every row multiplied by its sequence's mask.
+
+    Args:
+        x: a ``PackedSequence`` of data ``[N, *features]``.
+        mask: ``[B, *features]`` in the *sorted* batch order of ``x`` (for masks drawn
+            i.i.d. per sequence any order is as good, and no sorting is needed).
+    """
+    rows = packed_sequence_index(x.batch_sizes).to(x.data.device)
+    return PackedSequence(x.data * mask[rows], x.batch_sizes, x.sorted_indices, x.unsorted_indices)
 
 
 @dataclass
@@ -64,7 +76,7 @@ class SequenceLayout:
         return self.batch_sizes[0]
 
     @classmethod
-    def of(
+    def from_input(
         cls, input: Tensor | PackedSequence, *, batch_first: bool, input_size: int, weight: Tensor, owner: str
     ) -> tuple[Tensor, SequenceLayout]:
         """The rows ``[N, input_size]`` of ``input`` and their layout; checks ``input``.

@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from rnndrop.layout import packed_sequence_index
+from rnndrop.layout import mask_packed_sequence, packed_sequence_index
 from rnndrop.masks import NOISES, sample_mask
 from rnndrop.stochastic import Stochastic
 from rnndrop.validation import check_bool, check_choice, check_probability
@@ -55,10 +55,7 @@ class LockedDropout(Stochastic, nn.Module):
             mask = sample_mask(
                 (batch, *data.shape[1:]), self.p, self.noise, device=data.device, dtype=data.dtype
             )
-            rows = packed_sequence_index(x.batch_sizes).to(data.device)
-            return PackedSequence(
-                data * mask[rows], x.batch_sizes, x.sorted_indices, x.unsorted_indices
-            )
+            return mask_packed_sequence(x, mask)
         if not isinstance(x, Tensor):
             raise TypeError(f"x must be a Tensor or PackedSequence, got {type(x).__name__}")
         if x.dim() < 2:

@@ -254,7 +254,7 @@ class VariationalRNNStack(Stochastic):
                 ``PackedSequence`` with ``enforce_sorted=False``).
         """
         owner = type(self).__name__
-        x, layout = SequenceLayout.of(
+        x, layout = SequenceLayout.from_input(
             input,
             batch_first=self.batch_first,
             input_size=self.input_size,
