@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from rnndrop.masks import bernoulli_mask
 from rnndrop.stochastic import Stochastic
-from rnndrop.validation import check_bool, check_choice, check_probability
+from rnndrop.validation import check_bool, check_choice, check_instance, check_probability
 
 __all__ = ["EmbeddingDropout", "word_keep_mask"]
 
@@ -124,8 +124,7 @@ class EmbeddingDropout(Stochastic, nn.Module):
         batch_first: bool = False,
     ) -> None:
         super().__init__()
-        if not isinstance(embedding, nn.Embedding):
-            raise TypeError(f"embedding must be an nn.Embedding, got {type(embedding).__name__}")
+        check_instance("embedding", embedding, nn.Embedding, "an nn.Embedding")
         self.embedding = embedding
         self.p = check_probability("p", p)
         self.scope = check_choice("scope", scope, EMBEDDING_SCOPES)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rnndrop.validation import check_choice, check_positive_int
+from rnndrop.validation import check_choice, check_instance, check_positive_int
 
 __all__ = [
     "KINGMA_COEFFICIENTS",
@@ -108,8 +108,7 @@ def model_kl(model: nn.Module) -> Tensor:
 
     Returns a scalar tensor (zero, on the model's device, when there is none).
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    check_instance("model", model, nn.Module, "an nn.Module")
     terms = [m.kl() for m in model.modules() if isinstance(m, KLRegularized)]
     if terms:
         return torch.stack(terms).sum()

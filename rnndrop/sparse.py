@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from rnndrop.kl import KLRegularized, kl_molchanov
 from rnndrop.recurrent import VariationalGRU, VariationalLSTM
 from rnndrop.stochastic import Stochastic
-from rnndrop.validation import check_bool, check_finite_float
+from rnndrop.validation import check_bool, check_finite_float, check_instance
 
 __all__ = [
     "DEFAULT_THRESHOLD",
@@ -360,8 +360,7 @@ class SparsityReport:
 
 def sparsity_report(model: nn.Module) -> SparsityReport:
     """Count the weights that eval mode zeroes in every sparse layer of ``model``."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    check_instance("model", model, nn.Module, "an nn.Module")
     layers = []
     sparse_params: set[int] = set()
     for prefix, module in model.named_modules():
@@ -385,8 +384,7 @@ def prune(model: nn.Module) -> nn.Module:
     threshold set to zero and no ``log_sigma2``. In eval mode the copy computes what
     ``model`` computes in eval mode. ``model`` itself is not changed.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    check_instance("model", model, nn.Module, "an nn.Module")
     if isinstance(model, _SparseWeightsMixin):
         return model.to_dense()
     pruned = copy.deepcopy(model)

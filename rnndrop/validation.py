@@ -19,6 +19,7 @@ __all__ = [
     "check_bool",
     "check_choice",
     "check_finite_float",
+    "check_instance",
     "check_positive_float",
     "check_positive_int",
     "check_probability",
@@ -77,6 +78,13 @@ def check_finite_float(name: str, value: Any, meaning: str = "a float") -> float
     if not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number ({meaning}), got {value!r}")
     return float(value)
+
+
+def check_instance(name: str, value: Any, cls: type, expected: str) -> Any:
+    """``value`` if it is an instance of ``cls``, else a TypeError: ``"{name} must be {expected}"``."""
+    if not isinstance(value, cls):
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__}")
+    return value
 
 
 def check_tensor_like(

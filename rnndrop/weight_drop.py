@@ -27,7 +27,7 @@ from torch.func import functional_call
 from rnndrop.cell_specs import quiet_weight_compaction
 from rnndrop.masks import bernoulli_mask
 from rnndrop.stochastic import Stochastic
-from rnndrop.validation import check_bool, check_probability, check_tensor_like
+from rnndrop.validation import check_bool, check_instance, check_probability, check_tensor_like
 
 __all__ = ["WeightDrop"]
 
@@ -70,8 +70,7 @@ class WeightDrop(Stochastic, nn.Module):
         variational: bool = False,
     ) -> None:
         super().__init__()
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+        check_instance("module", module, nn.Module, "an nn.Module")
         self.module = module
         self.p = check_probability("p", p)
         self.variational = check_bool("variational", variational)

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.nn.modules.dropout import _DropoutNd
 
 from rnndrop.stochastic import Stochastic
-from rnndrop.validation import check_choice
+from rnndrop.validation import check_choice, check_instance
 
 __all__ = ["DEFAULT_MEMORY_BUDGET", "METHODS", "mc_dropout", "sampling_modules"]
 
@@ -40,8 +40,7 @@ def _is_sampling(module: nn.Module) -> bool:
 
 def sampling_modules(model: nn.Module) -> list[nn.Module]:
     """The modules of ``model`` (itself included) that :func:`mc_dropout` switches on."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    check_instance("model", model, nn.Module, "an nn.Module")
     return [m for m in model.modules() if _is_sampling(m)]
 
 
