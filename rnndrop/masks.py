@@ -236,6 +236,7 @@ class RecurrentMasks:
     def sample(
         cls,
         geometry: StackGeometry,
+        *,
         input_p: Sequence[float],
         hidden_p: float,
         output_p: float,

@@ -156,14 +156,14 @@ class VariationalRNNStack(Stochastic):
         input_p = [self.dropout_input] + [self.dropout] * (self.num_layers - 1)
         return RecurrentMasks.sample(
             self._geometry,
-            input_p,
-            self.dropout_hidden,
-            self.dropout_output,
-            batch_size,
-            seq_len,
-            self.mask_scope,
-            self.per_gate_masks,
-            draw,
+            input_p=input_p,
+            hidden_p=self.dropout_hidden,
+            output_p=self.dropout_output,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            scope=self.mask_scope,
+            per_gate=self.per_gate_masks,
+            draw=draw,
         )
 
     def _draw_mask(
