@@ -1,7 +1,7 @@
 """What a recurrent layer needs to know about its cell: gates, states, fused op, loop kernel.
 
 A :class:`CellSpec` is the Cell of PyTorch's Cell -> Layer -> Stack design
-(``benchmarks/fastrnns/custom_lstms.py``): the layers in :mod:`rnndrop.recurrent`
+(``benchmarks/fastrnns/custom_lstms.py``): the layers of :mod:`rnndrop.stack`
 are written once against it, and a new cell type is one more spec plus its
 kernels. The pointwise math itself lives in :mod:`rnndrop.cells` and in the
 kernels; a spec only says how to call them.
