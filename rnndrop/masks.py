@@ -21,7 +21,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rnndrop.validation import check_bool, check_choice, check_probability, check_tensor_like
+from rnndrop.validation import (
+    check_bool,
+    check_choice,
+    check_positive_int,
+    check_probability,
+    check_tensor_like,
+)
 
 MASK_SCOPES: tuple[str, ...] = ("sequence", "step", "batch")
 NOISES: tuple[str, ...] = ("bernoulli", "gaussian")
@@ -43,6 +49,7 @@ def mask_shape(
     if scope == "step":
         if seq_len is None:
             raise ValueError("seq_len is required for masks with scope 'step', got None")
+        check_positive_int("seq_len", seq_len)
         lead: tuple[int, ...] = (seq_len, batch_size)
     elif scope == "sequence":
         lead = (batch_size,)

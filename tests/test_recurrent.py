@@ -352,6 +352,8 @@ def test_bad_masks_name_the_mask_and_the_shapes():
     step = VariationalLSTM(I, H, dropout_hidden=0.5, mask_scope="step")
     with pytest.raises(ValueError, match="seq_len is required"):
         step.sample_masks(B)
+    with pytest.raises(ValueError, match="seq_len must be a positive int, got 0"):
+        step.sample_masks(B, 0)
 
 
 # ------------------------------------------------- accepted silently before (issue 15)
