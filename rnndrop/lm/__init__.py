@@ -5,6 +5,7 @@ time-major; ``hidden`` is opaque (None = zeros) and carried by the caller across
 truncated-BPTT segments.
 """
 
+from rnndrop.lm.checkpoint import LoadedModel, load_model
 from rnndrop.lm.configs import CONFIGS, REGIMES, Regime, TrainConfig, build_model, get_config
 from rnndrop.lm.corpus import Corpus, CorpusError, Vocabulary, batchify, bptt_batches, load_corpus
 from rnndrop.lm.download import DownloadError, download_corpus
@@ -17,6 +18,7 @@ __all__ = [
     "Corpus",
     "CorpusError",
     "DownloadError",
+    "LoadedModel",
     "RNNLanguageModel",
     "Regime",
     "TrainConfig",
@@ -31,5 +33,6 @@ __all__ = [
     "evaluate_mc",
     "get_config",
     "load_corpus",
+    "load_model",
     "train_run",
 ]

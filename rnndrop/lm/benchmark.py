@@ -22,7 +22,7 @@ import shlex
 import sys
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,13 +40,14 @@ from rnndrop.lm.configs import (
 )
 from rnndrop.lm.corpus import CorpusError, load_corpus
 from rnndrop.lm.download import DATASETS, DownloadError, download_corpus
+from rnndrop.lm.identity import finished_result, run_identity
 from rnndrop.lm.results import (
     format_dropout,
     markdown_table,
     plot_learning_curves,
     write_json_atomic,
 )
-from rnndrop.lm.train import RESULTS, TrainingDiverged, add_mc_result, train_run
+from rnndrop.lm.train import TrainingDiverged, add_mc_result, train_run
 
 __all__ = ["RunSpec", "build_parser", "chosen_dropout", "main", "run_benchmark"]
 
@@ -107,19 +108,10 @@ def chosen_dropout(summary_path: str | Path) -> dict[str, dict[str, float]]:
 
 
 def _finished(spec: RunSpec) -> dict[str, Any] | None:
-    path = Path(spec.folder) / RESULTS
-    if not path.is_file():
-        return None
-    with open(path, encoding="utf-8") as f:
-        result = json.load(f)
-    mine = spec.config.to_dict()
-    same = (
-        result.get("regime") == spec.regime
-        and result.get("seed") == spec.seed
-        and result.get("dropout") == dict(spec.dropout)
-        and all(result["config"].get(k) == v for k, v in mine.items() if k not in ("grid", "mc_samples"))
-    )
-    return result if same else None
+    if not (Path(spec.folder) / "results.json").is_file():
+        return None  # nothing to reuse: skip reading the corpus
+    identity = run_identity(load_corpus(spec.data_dir), spec.config, spec.regime, spec.dropout, spec.seed)
+    return finished_result(spec.folder, identity, epochs=spec.config.epochs)
 
 
 def _execute(spec: RunSpec) -> dict[str, Any]:
@@ -332,7 +324,7 @@ def main(argv: Sequence[str] | None = None, *, dataset: str = "ptb") -> str:
             changes["epochs"] = args.epochs
         if args.tie_weights:
             changes["tie_weights"] = True
-        config = config.with_overrides(**changes) if changes else config
+        config = replace(config, **changes) if changes else config
         regimes = [r.strip() for r in args.regimes.split(",") if r.strip()]
         for r in regimes:
             get_regime(r)
