@@ -46,6 +46,7 @@ def _help(argv, capsys) -> str:
     return capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_console_script_and_module_entry_point_offer_data_and_resume(tmp_path, capsys):
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert '[project.scripts]\nrnndrop-lm = "rnndrop.lm.cli:main"' in pyproject and callable(cli.main)
@@ -61,6 +62,7 @@ def test_console_script_and_module_entry_point_offer_data_and_resume(tmp_path, c
     assert bench.returncode == 0 and bench.stdout == top  # the same command, not a silent exit
 
 
+@pytest.mark.slow
 def test_sample_run_offline_with_an_empty_home_then_evaluate_and_generate(tmp_path, capsys):
     out = tmp_path / "out"
     done = _rnndrop_lm(["ptb", "--data", "sample", "--epochs", "1", "--regimes", "none", "--mc-samples", "0",
@@ -121,6 +123,7 @@ def _in_process(argv: list[str]) -> int:
         torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_ctrl_c_exits_130_with_one_line_and_resume_reproduces_the_uninterrupted_run(tmp_path):
     data = write_corpus(tmp_path / "data", sizes=(3000, 100, 100))
     assert _in_process(_job_args(data, tmp_path / "whole")) == 0
@@ -215,6 +218,7 @@ def test_evaluate_and_generate_errors_are_one_line(tmp_path, capsys):
     assert err.count("\n") == 2 and "nothing" in err and "--words must be >= 0" in err
 
 
+@pytest.mark.slow
 def test_parallel_runs_print_one_whole_line_per_event(tmp_path, capfd, caplog):
     caplog.set_level("INFO")
     data = write_corpus(tmp_path / "data")
