@@ -12,7 +12,9 @@ from rnndrop.lm.results import (
     METRICS_COLUMNS,
     EpochLog,
     benchmark_markdown,
+    comparison_table,
     learning_curve_figure,
+    paired_differences,
     plot_learning_curves,
 )
 
@@ -150,3 +152,25 @@ def test_the_estimate_scales_the_timed_steps_to_the_job(tmp_path, monkeypatch):
     assert len(timed) == 3 + 6  # "tied" twice is timed once
     assert estimate.estimate_seconds(corpus, TINY, [none, tied], 10, jobs=2) == pytest.approx(
         (one_run + with_mc) / 2)
+
+
+def _run(regime: str, seed: int, test_ppl: float, mc: float | None = None, **extra):
+    return {"regime": regime, "seed": seed, "test_ppl": test_ppl, "test_ppl_mc": mc,
+            "test_nll": 5.0, "test_nll_mc": None, "test_ece": 0.02, "test_ece_mc": None,
+            "best_epoch": 10, "epochs_run": 12, "converged": True, "epochs": [], **extra}
+
+
+def test_paired_differences_pair_runs_of_the_same_seed():
+    runs = [_run("naive", 1, 100.0), _run("naive", 2, 110.0), _run("tied", 2, 104.0),
+            _run("tied", 1, 99.0), _run("tied", 3, 50.0)]  # seed 3 has no naive partner
+    assert paired_differences(runs, "naive") == {"tied": [-6.0, -1.0]}  # in the order given
+
+
+def test_comparison_table_shows_signed_paired_deltas_and_flags_unconverged_runs():
+    runs = [_run("naive", 1, 100.0, 98.0), _run("naive", 2, 110.0, 108.0),
+            _run("tied", 1, 99.0, 99.5), _run("tied", 2, 104.0, 103.0, best_epoch=12, converged=False)]
+    table = comparison_table(runs, "naive")
+    tied = next(line for line in table.splitlines() if line.startswith("| tied"))
+    assert "-3.5 ± 3.5" in tied  # paired: -1 and -6
+    assert "-1.8 ± 4.6" in tied  # MC: +1.5 and -5.0
+    assert "10/12, 12/12 cap" in tied and "| 0 |" in table  # the baseline's own delta

@@ -37,9 +37,11 @@ __all__ = [
     "SCHEMA",
     "EpochLog",
     "benchmark_markdown",
+    "comparison_table",
     "format_dropout",
     "learning_curve_figure",
     "markdown_table",
+    "paired_differences",
     "peak_memory",
     "plot_learning_curves",
     "read_result",
@@ -127,10 +129,11 @@ def format_dropout(probabilities: Mapping[str, float]) -> str:
     return " · ".join(parts) if parts else "—"
 
 
-def _mean_sd(values: Sequence[float]) -> str:
+def _mean_sd(values: Sequence[float], digits: int = 1, *, signed: bool = False) -> str:
+    sign = "+" if signed else ""
     if len(values) == 1:
-        return f"{values[0]:.1f}"
-    return f"{statistics.mean(values):.1f} ± {statistics.stdev(values):.1f}"
+        return f"{values[0]:{sign}.{digits}f}"
+    return f"{statistics.mean(values):{sign}.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
 def markdown_table(results: Sequence[Mapping[str, Any]], *, group: bool = True) -> str:
@@ -164,6 +167,62 @@ def markdown_table(results: Sequence[Mapping[str, Any]], *, group: bool = True) 
                 wps=f"{statistics.mean(r['words_per_second'] for r in runs):,.0f}",
                 wall=f"{statistics.mean(r['wall_seconds'] for r in runs) / 60:.1f}",
             )
+        )
+    return "\n".join(lines) + "\n"
+
+
+def paired_differences(
+    results: Sequence[Mapping[str, Any]], baseline: str, key: str = "test_ppl"
+) -> dict[str, list[float]]:
+    """Per regime, ``run[key] - baseline_run[key]`` over the seeds both ran.
+
+    Runs of one seed share the initialisation seed and the order of the data, so the
+    paired difference removes what the seed does to both and shows what the regime does.
+    """
+    base = {r["seed"]: r[key] for r in results if r["regime"] == baseline and r.get(key) is not None}
+    out: dict[str, list[float]] = {}
+    for r in results:
+        if r["regime"] != baseline and r["seed"] in base and r.get(key) is not None:
+            out.setdefault(r["regime"], []).append(r[key] - base[r["seed"]])
+    return out
+
+
+def comparison_table(results: Sequence[Mapping[str, Any]], baseline: str = "naive") -> str:
+    """One row per regime: test perplexity and its paired difference to ``baseline``
+    (standard and Monte-Carlo), next-word calibration (ECE, NLL per token), and each
+    seed's best epoch out of the epochs it ran ("cap" marks a run stopped by the epoch
+    cap while validation was still improving: not converged). Values are mean ± sd."""
+    by_regime: dict[str, list[Mapping[str, Any]]] = {}
+    for r in results:
+        by_regime.setdefault(r["regime"], []).append(r)
+    diff = paired_differences(results, baseline)
+    diff_mc = paired_differences(results, baseline, "test_ppl_mc")
+    lines = [
+        f"| regime | best epoch / run | test ppl | Δ vs {baseline} | test ppl, MC | Δ MC vs {baseline} "
+        "| ECE % | ECE %, MC | NLL | NLL, MC |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for regime, runs in by_regime.items():
+        runs = sorted(runs, key=lambda r: r["seed"])
+
+        def column(key: str, scale: float = 1.0, digits: int = 1, runs=runs) -> str:
+            values = [r[key] * scale for r in runs if r.get(key) is not None]
+            return _mean_sd(values, digits) if values and len(values) == len(runs) else "—"
+
+        def delta(diffs: dict[str, list[float]], regime: str = regime) -> str:
+            if regime == baseline:
+                return "0"
+            return _mean_sd(diffs[regime], signed=True) if regime in diffs else "—"
+
+        epochs = ", ".join(
+            f"{r['best_epoch']}/{r.get('epochs_run', len(r['epochs']))}"
+            + ("" if r.get("converged", True) else " cap")
+            for r in runs
+        )
+        lines.append(
+            f"| {regime} | {epochs} | {column('test_ppl')} | {delta(diff)} | {column('test_ppl_mc')} | "
+            f"{delta(diff_mc)} | {column('test_ece', 100, 2)} | {column('test_ece_mc', 100, 2)} | "
+            f"{column('test_nll', 1, 3)} | {column('test_nll_mc', 1, 3)} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -340,6 +399,17 @@ def benchmark_markdown(
         "",
         markdown_table(final_results),
     ]
+    regimes = {r["regime"] for r in final_results}
+    if len(regimes) > 1:
+        baseline = "naive" if "naive" in regimes else final_results[0]["regime"]
+        lines += [
+            f"Paired against `{baseline}` (same seed: same initialisation seed and data order), "
+            "next-word calibration on the test split (ECE with 15 bins, NLL in nats per token), "
+            "and convergence (best epoch / epochs run; `cap`: stopped by the epoch cap while "
+            "validation was still improving):",
+            "",
+            comparison_table(final_results, baseline),
+        ]
     if grid_results:
         lines += [
             f"Grid (seed {grid_seed}); the dropout of each regime was chosen by validation "
