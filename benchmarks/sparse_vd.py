@@ -6,11 +6,13 @@ Two parts, both on one CPU thread by default:
    35 steps, for nn.LSTM, Bernoulli tied dropout (VariationalLSTM, per-sequence masks),
    learned-alpha Gaussian dropout (GaussianLSTM) and sparse VD (SparseLSTM); shuffled,
    interleaved rounds; the median time and its ratio to Bernoulli tied dropout.
-2. ``lm``: word-level language models on a small corpus: the Bernoulli tied model of the
-   ``mini`` config (SGD, lr 20, plateau decay, as in benchmarks/ptb.py) against a sparse-VD
-   model whose embedding, LSTM and decoder are all sparse (Adam, KL with linear warm-up,
-   Lobacheva et al. 2017). Reports test perplexity (eval mode, and of the pruned model),
-   sparsity per weight and the compression ratio.
+2. ``lm``: word-level language models trained by the one LM loop
+   (:func:`rnndrop.lm.train.train_run`): regime ``tied`` under the ``mini`` config (SGD,
+   lr 20, plateau decay), regime ``sparse_vd`` under ``sparse-vd-mini`` (Adam, KL with
+   linear warm-up, Lobacheva et al. 2017) from scratch, and ``sparse_vd`` fine-tuned from
+   the tied run's best weights (``init_from``: train dense, then sparsify). Reports test
+   perplexity (eval mode, and of the pruned model), sparsity per weight and compression.
+   Each run lives in a folder under ``--runs`` and resumes with ``--resume``.
 
     python benchmarks/sparse_vd.py --data ../shared/data/ptb-mini --out /tmp/sparse_vd.json
 """
@@ -19,26 +21,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from rnndrop.gaussian import GaussianLSTM
-from rnndrop.kl import kl_warmup, model_kl, negative_elbo
-from rnndrop.lm.corpus import batchify, bptt_batches, load_corpus
-from rnndrop.lm.model import RNNLanguageModel, detach_hidden
-from rnndrop.lm.train import evaluate
+from rnndrop.kl import model_kl
+from rnndrop.lm.checkpoint import load_model
+from rnndrop.lm.configs import get_config
+from rnndrop.lm.corpus import batchify, load_corpus
+from rnndrop.lm.train import evaluate, train_run
 from rnndrop.recurrent import VariationalLSTM
-from rnndrop.sparse import SparseEmbedding, SparseLinear, SparseLSTM, prune, sparsity_report
-
-BERNOULLI = {"embedding": 0.1, "hidden": 0.2, "input": 0.5, "between": 0.5, "output": 0.5}
+from rnndrop.sparse import SparseLSTM, prune, sparsity_report
 
 
 def time_layers(hidden: int, rounds: int) -> dict[str, dict[str, float]]:
@@ -76,79 +76,46 @@ def time_layers(hidden: int, rounds: int) -> dict[str, dict[str, float]]:
             for name, t in times.items()}
 
 
-def bernoulli_model(vocab: int, size: int) -> nn.Module:
-    return RNNLanguageModel(
-        vocab, size, size, 2, dropout_embedding=BERNOULLI["embedding"],
-        dropout_input=BERNOULLI["input"], dropout_between=BERNOULLI["between"],
-        dropout_hidden=BERNOULLI["hidden"], dropout_output=BERNOULLI["output"], init_scale=0.1,
-    )
+def sparsity_of_run(folder: Path, corpus) -> dict:
+    """Sparsity and the pruned model's test perplexity of a finished sparse-VD run."""
+    run = load_model(folder)
+    test = batchify(corpus.test, run.config.eval_batch_size)
+    report = sparsity_report(run.model)
+    return {
+        "test_ppl_pruned": evaluate(prune(run.model), test, run.config.bptt),
+        "sparsity": {layer.name: layer.sparsity for layer in report.layers},
+        "total_sparsity": report.sparsity, "compression": report.compression,
+        "model_compression": report.model_compression, "report": str(report),
+    }
 
 
-def sparse_model(vocab: int, size: int) -> nn.Module:
-    model = RNNLanguageModel(vocab, size, size, 2, rnn=SparseLSTM(size, size, 2), init_scale=0.1)
-    model.embedding.embedding = SparseEmbedding(vocab, size)
-    model.decoder = SparseLinear(size, vocab)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "log_sigma2" not in name:
-                param.uniform_(-0.1, 0.1)
-    return model
-
-
-def train_lm(model: nn.Module, corpus, epochs: int, variational: bool, log,
-             kl_dataset_size: int | None = None) -> dict:
-    """Train with the regime's optimiser; keep the parameters of the best validation epoch."""
-    train = batchify(corpus.train, 20)
-    valid, test = batchify(corpus.valid, 10), batchify(corpus.test, 10)
-    n_train = kl_dataset_size or int(corpus.train.numel())
-    n_batches = -(-(train.shape[0] - 1) // 35)
-    if variational:
-        optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
-    else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=20.0)
-    best, best_state, history, train_seconds = math.inf, None, [], 0.0
-    for epoch in range(1, epochs + 1):
-        model.train()
-        hidden, start = None, time.perf_counter()
-        for i, (inputs, targets) in enumerate(bptt_batches(train, 35)):
-            logits, hidden = model(inputs, hidden)
-            hidden = detach_hidden(hidden)
-            nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-            if variational:
-                progress = (epoch - 1 + i / n_batches) / epochs
-                loss = negative_elbo(nll, model_kl(model), n_train, kl_warmup(progress, 0.3))
-            else:
-                loss = nll
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            nn.utils.clip_grad_norm_(model.parameters(), 0.25 if not variational else 5.0)
-            optimizer.step()
-        train_seconds += time.perf_counter() - start
-        valid_ppl = evaluate(model, valid, 35)
-        record = {"epoch": epoch, "valid_ppl": valid_ppl, "lr": optimizer.param_groups[0]["lr"]}
-        if variational:
-            record["sparsity"] = sparsity_report(model).sparsity
-        history.append(record)
-        log(f"  epoch {epoch}: {record}")
-        if valid_ppl < best:
-            best = valid_ppl
-            best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        elif not variational:
-            for group in optimizer.param_groups:
-                group["lr"] /= 4.0  # the mini config's plateau decay
-    model.load_state_dict(best_state)
-    result = {"best_valid_ppl": best, "test_ppl": evaluate(model, test, 35),
-              "train_seconds": train_seconds, "history": history}
-    if variational:
-        report = sparsity_report(model)
-        pruned = prune(model)
-        result.update(
-            test_ppl_pruned=evaluate(pruned, test, 35),
-            sparsity={layer.name: layer.sparsity for layer in report.layers},
-            total_sparsity=report.sparsity, compression=report.compression,
-            model_compression=report.model_compression, report=str(report),
-        )
-    return result
+def lm_runs(args, log) -> dict:
+    corpus = load_corpus(args.data)
+    runs = Path(args.runs)
+    dense = replace(get_config("mini"), epochs=args.epochs, mc_samples=0)
+    sparse = replace(get_config("sparse-vd-mini"), epochs=args.epochs)
+    plan = {
+        "bernoulli_tied": (dense, "tied", None),
+        "sparse_vd": (sparse, "sparse_vd", None),
+        "sparse_vd_finetuned": (sparse, "sparse_vd", runs / "bernoulli_tied"),
+    }
+    results = {}
+    for name in args.models.split(","):
+        if name not in plan:
+            raise SystemExit(f"--models: expected among {', '.join(plan)}, got {name!r}")
+        config, regime, init_from = plan[name]
+        log(f"{name}:")
+        result = train_run(corpus, config, regime, runs / name, seed=args.seed, resume=args.resume,
+                           device="cpu", progress=False, dataset=Path(args.data).name,
+                           init_from=init_from)
+        summary = {k: result[k] for k in ("best_valid_ppl", "test_ppl", "train_seconds", "init_from")}
+        summary["history"] = result["epochs"]
+        if regime == "sparse_vd":
+            summary.update(sparsity_of_run(runs / name, corpus))
+            log(summary["report"])
+        results[name] = summary
+        log(f"{name}: test ppl {result['test_ppl']:.2f}")
+    return results
 
 
 def main() -> None:
@@ -156,14 +123,15 @@ def main() -> None:
     parser.add_argument("--data", default="../shared/data/ptb-mini")
     parser.add_argument("--parts", default="timing,lm")
     parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--size", type=int, default=200, help="embedding and hidden size")
+    parser.add_argument("--size", type=int, default=200, help="embedding and hidden size of the timing part")
     parser.add_argument("--rounds", type=int, default=15, help="timing rounds")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", default="")
-    parser.add_argument("--models", default="bernoulli_tied,sparse_vd")
-    parser.add_argument("--kl-dataset-size", type=int, default=0,
-                        help="N dividing the KL (default: the training tokens)")
+    parser.add_argument("--models", default="bernoulli_tied,sparse_vd,sparse_vd_finetuned",
+                        help="among bernoulli_tied, sparse_vd, sparse_vd_finetuned (needs bernoulli_tied)")
+    parser.add_argument("--runs", default="runs/sparse_vd", help="folder of the runs")
+    parser.add_argument("--resume", action="store_true", help="continue or reuse earlier runs")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -179,20 +147,7 @@ def main() -> None:
         for name, t in results["timing"].items():
             log(f"{name:40s} {t['ms']:8.1f} ms  x{t['ratio']:.2f}")
     if "lm" in parts:
-        corpus = load_corpus(args.data)
-        vocab = len(corpus.vocab)
-        for name, build, variational in (("bernoulli_tied", bernoulli_model, False),
-                                         ("sparse_vd", sparse_model, True)):
-            if name not in args.models.split(","):
-                continue
-            log(f"{name}:")
-            torch.manual_seed(args.seed)
-            random.seed(args.seed)
-            results[name] = train_lm(build(vocab, args.size), corpus, args.epochs, variational, log,
-                                     args.kl_dataset_size or None)
-            log(f"{name}: test ppl {results[name]['test_ppl']:.2f}")
-        if "sparse_vd" in results:
-            log(results["sparse_vd"]["report"])
+        results.update(lm_runs(args, log))
     text = json.dumps(results, indent=2)
     if args.out:
         Path(args.out).write_text(text)

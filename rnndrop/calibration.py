@@ -23,7 +23,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["ReliabilityDiagram", "expected_calibration_error", "reliability_diagram"]
+from rnndrop.validation import check_positive_int
+
+__all__ = [
+    "ReliabilityDiagram",
+    "expected_calibration_error",
+    "reliability_diagram",
+    "reliability_from_predictions",
+]
 
 
 @dataclass(frozen=True)
@@ -74,8 +81,7 @@ def _check_inputs(probs: Tensor, labels: Tensor, n_bins: int) -> tuple[Tensor, T
             f"labels must have probs' shape without the class dimension, {list(probs.shape[:-1])}, "
             f"got {list(labels.shape)}"
         )
-    if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 1:
-        raise ValueError(f"n_bins must be a positive int, got {n_bins!r}")
+    check_positive_int("n_bins", n_bins)
     if labels.numel() == 0:
         raise ValueError("probs and labels must hold at least one prediction, got none")
     probs = probs.detach().reshape(-1, probs.shape[-1])
@@ -102,8 +108,31 @@ def reliability_diagram(probs: Tensor, labels: Tensor, n_bins: int = 15) -> Reli
     """
     probs, labels = _check_inputs(probs, labels, n_bins)
     confidence, predicted = probs.max(-1)
-    confidence = confidence.double().cpu()
-    correct = (predicted == labels).double().cpu()
+    return reliability_from_predictions(confidence, predicted == labels, n_bins)
+
+
+def reliability_from_predictions(confidence: Tensor, correct: Tensor, n_bins: int = 15) -> ReliabilityDiagram:
+    """Bin top-class predictions given as their confidences and whether they were right.
+
+    For predictions too many to hold as probabilities (a language model's next-word
+    distributions over a corpus): keep each token's largest probability and whether
+    its class was the target, then bin them all at once.
+
+    Args:
+        confidence: the largest class probability of every prediction ``[N]`` (any shape).
+        correct: whether that class was the label ``[N]`` (bool or 0/1, same shape).
+        n_bins: the number of equal-width confidence bins.
+    """
+    check_positive_int("n_bins", n_bins)
+    if confidence.shape != correct.shape:
+        raise ValueError(
+            f"confidence and correct must have the same shape, got {list(confidence.shape)} "
+            f"and {list(correct.shape)}"
+        )
+    if confidence.numel() == 0:
+        raise ValueError("confidence must hold at least one prediction, got none")
+    confidence = confidence.reshape(-1).double().cpu()
+    correct = correct.reshape(-1).double().cpu()
     edges = torch.linspace(0, 1, n_bins + 1, dtype=torch.float64)
     # Bin i holds (edges[i], edges[i + 1]]; confidence 0 goes to bin 0.
     index = torch.bucketize(confidence, edges[1:-1], right=False)

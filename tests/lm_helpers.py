@@ -5,6 +5,9 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import pytest
+import torch
+
 from rnndrop.lm.configs import TrainConfig
 
 SUBJECTS = ["the cat", "a dog", "the bird", "my friend", "the teacher"]
@@ -36,3 +39,13 @@ TINY = TrainConfig(
     grid={"naive": ({"input": 0.1, "between": 0.1, "output": 0.1},
                     {"input": 0.3, "between": 0.3, "output": 0.3})},
 )
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Language-model tests run on one thread: the suite shares 2 cores and tiny models
+    gain nothing from more. Import it into a test module to apply it there."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

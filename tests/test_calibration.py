@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from rnndrop import VariationalLSTM
-from rnndrop.calibration import expected_calibration_error, reliability_diagram
+from rnndrop.calibration import expected_calibration_error, reliability_diagram, reliability_from_predictions
 from rnndrop.mc import mc_predict
 
 
@@ -79,3 +79,15 @@ def test_bad_inputs_are_named():
         reliability_diagram(torch.ones(3, 2, dtype=torch.long), torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="n_bins"):
         reliability_diagram(probs, torch.zeros(3, dtype=torch.long), n_bins=0)
+
+
+def test_reliability_from_predictions_bins_what_reliability_diagram_bins():
+    torch.manual_seed(0)
+    probs = torch.randn(300, 7).softmax(-1)
+    labels = torch.randint(7, (300,))
+    confidence, predicted = probs.max(-1)
+    a = reliability_diagram(probs, labels, n_bins=10)
+    b = reliability_from_predictions(confidence, predicted == labels, n_bins=10)
+    assert torch.equal(a.count, b.count) and a.ece == b.ece
+    with pytest.raises(ValueError, match="same shape"):
+        reliability_from_predictions(confidence, (predicted == labels)[:5])

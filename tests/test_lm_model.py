@@ -2,21 +2,15 @@ import pytest
 import torch
 from torch import nn
 
-from rnndrop.lm.configs import REGIMES, Regime, build_model, regime_probabilities
+from rnndrop.lm.configs import REGIMES, Regime, build_model, regime_probabilities, registered
 from rnndrop.lm.model import RNNLanguageModel, detach_hidden
 from rnndrop.mc import sampling_modules
 from rnndrop.recurrent import VariationalLSTM
-from tests.lm_helpers import TINY
+from tests.lm_helpers import TINY, one_thread  # noqa: F401 (autouse fixture)
 
 V = 30
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 ALL = {"embedding": 0.2, "input": 0.3, "between": 0.3, "hidden": 0.25, "output": 0.4}
 
@@ -112,15 +106,18 @@ def test_weight_tying_and_init_scale():
 def test_custom_rnn_factory_keeps_its_own_initialisation():
     marker = {}
 
-    def factory(input_size, hidden_size, num_layers, probabilities):
-        marker["p"] = probabilities
+    def factory(input_size, hidden_size, num_layers, probabilities, cell):
+        marker["p"], marker["cell"] = probabilities, cell
         lstm = nn.LSTM(input_size, hidden_size, num_layers)
         nn.init.constant_(lstm.weight_hh_l0, 0.5)
         return lstm
 
-    regime = Regime("custom", sites=("embedding", "hidden"), rnn_factory=factory)
-    model = build_model(V, TINY, regime, ALL)
-    assert marker["p"]["hidden"] == 0.25 and marker["p"]["input"] == 0
+    regime = Regime("custom", sites=("embedding", "hidden"), rnn_factory="constant-lstm")
+    with registered(hooks={"constant-lstm": factory}):
+        model = build_model(V, TINY, regime, ALL)
+    with pytest.raises(ValueError, match="hook must be one of .*got 'constant-lstm'"):
+        build_model(V, TINY, regime, ALL)  # the registration ended with the block
+    assert marker["p"]["hidden"] == 0.25 and marker["p"]["input"] == 0 and marker["cell"] == "lstm"
     assert torch.all(model.rnn.weight_hh_l0 == 0.5)
     assert model(torch.randint(V, (4, 2)))[0].shape == (4, 2, V)
     with pytest.raises(ValueError, match="custom rnn.*dropout_hidden must be 0"):

@@ -7,19 +7,11 @@ import torch
 
 from rnndrop.lm import benchmark
 from rnndrop.lm.checkpoint import load_checkpoint
-from rnndrop.lm.configs import CONFIGS, REGIMES, Regime
+from rnndrop.lm.configs import CONFIGS, Regime, registered
 from rnndrop.lm.corpus import load_corpus
 from rnndrop.lm.results import markdown_table, read_result, validate_result
 from rnndrop.lm.train import TrainingDiverged, train_run
-from tests.lm_helpers import TINY, write_corpus
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the suite shares 2 cores; tiny models gain nothing from more
-    yield
-    torch.set_num_threads(threads)
+from tests.lm_helpers import TINY, one_thread, write_corpus  # noqa: F401 (autouse fixture)
 
 
 @pytest.fixture
@@ -97,17 +89,15 @@ def _nan_after(threshold):
 
 def test_nan_loss_stops_with_a_clear_message_and_keeps_the_checkpoint(corpus, tmp_path):
     config = replace(TINY, epochs=2)
-    REGIMES["nan-at-once"] = Regime("diverges at once", sites=("input",), regularizer=_nan_after(0.0))
-    REGIMES["nan-later"] = Regime("diverges in epoch 2", sites=("input",), regularizer=_nan_after(0.5))
-    try:
+    regimes = {"nan-at-once": Regime("diverges at once", sites=("input",), regularizer="nan0"),
+               "nan-later": Regime("diverges in epoch 2", sites=("input",), regularizer="nan05")}
+    with registered(regimes, hooks={"nan0": _nan_after(0.0), "nan05": _nan_after(0.5)}):
         with pytest.raises(TrainingDiverged, match=r"training loss is nan at epoch 1, batch 1/.*"
                            r"no epoch had finished"):
             train_run(corpus, config, "nan-at-once", tmp_path / "a", progress=False)
-        with pytest.raises(TrainingDiverged, match=r"loss is nan at epoch 2, batch 1/.*the last good "
-                           r"checkpoint '.*checkpoint.pt' \(epoch 1\) is intact"):
+        with pytest.raises(TrainingDiverged, match=r"loss is nan at epoch 2, batch 1/.*the checkpoint "
+                           r"'.*checkpoint.pt' of epoch 1 was verified \(SHA-256\) and is kept"):
             train_run(corpus, config, "nan-later", tmp_path / "b", progress=False)
-    finally:
-        del REGIMES["nan-at-once"], REGIMES["nan-later"]
     assert not (tmp_path / "a" / "checkpoint.pt").exists()
     ckpt = load_checkpoint(tmp_path / "b" / "checkpoint.pt")
     assert ckpt["progress"]["epoch"] == 1 and len(ckpt["progress"]["history"]) == 1
@@ -123,20 +113,18 @@ def test_regularizer_hook_is_added_to_the_loss(corpus, tmp_path):
         seen.append(progress)
         return 10.0 * sum(p.square().sum() for p in model.parameters())
 
-    REGIMES["l2-test"] = Regime("tied + strong L2", sites=("input",), regularizer=l2)
-    try:
+    with registered({"l2-test": Regime("tied + strong L2", sites=("input",), regularizer="l2")},
+                    hooks={"l2": l2}):
         config = replace(TINY, epochs=1)
         plain = train_run(corpus, config, "naive", tmp_path / "a", dropout={"input": 0.2}, seed=1,
                           progress=False, mc_samples=0)
         shrunk = train_run(corpus, config, "l2-test", tmp_path / "b", dropout={"input": 0.2}, seed=1,
                            progress=False, mc_samples=0)
-    finally:
-        del REGIMES["l2-test"]
     assert seen[0] == 0.0 and 0 < seen[-1] < 1 and seen == sorted(seen)
     a = load_checkpoint(tmp_path / "a" / "checkpoint.pt")["model"]["decoder.weight"]
     b = load_checkpoint(tmp_path / "b" / "checkpoint.pt")["model"]["decoder.weight"]
     assert b.norm() < 0.5 * a.norm()
-    assert shrunk["regime_settings"]["regularizer"].endswith("l2")
+    assert shrunk["regime_settings"]["regularizer"] == "l2"
     assert plain["test_ppl"] != shrunk["test_ppl"]
 
 
@@ -159,9 +147,11 @@ def test_benchmark_cli_grid_selects_on_validation(tmp_path, monkeypatch):
     assert all(r["test_ppl_mc"] is None for r in none)  # nothing to sample
     assert "| naive |" in text and "✓" in text and (out / "learning_curves.png").is_file()
     # --resume reuses every finished run.
-    mtime = (out / "naive").stat().st_mtime_ns
+    results = sorted(out.rglob("results.json"))
+    assert len(results) == 5  # naive: 2 grid points (seed 1, the best reused) + seed 2; none: 2 seeds
+    before = {p: p.stat().st_mtime_ns for p in results}
     benchmark.main([*argv, "--resume"], dataset="ptb")
-    assert (out / "naive").stat().st_mtime_ns == mtime
+    assert {p: p.stat().st_mtime_ns for p in results} == before
 
 
 def test_benchmark_cli_data_errors(tmp_path, capsys):
@@ -172,3 +162,115 @@ def test_benchmark_cli_data_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         benchmark.main(["--data", str(tmp_path), "--regimes", "nonsense"], dataset="ptb")
     assert "regime must be one of" in capsys.readouterr().err
+
+
+def test_min_lr_stops_a_converged_run_and_resume_keeps_it_stopped(corpus, tmp_path):
+    # lr 8 divided by 4 after every non-improving epoch; below 1 means two such epochs.
+    config = replace(TINY, epochs=40, lr=8.0, min_lr=1.0, mc_samples=0)
+    result = train_run(corpus, config, "none", tmp_path / "run", seed=3, progress=False)
+    lrs = [e["lr"] for e in result["epochs"]]
+    assert result["stop_reason"] == "lr_floor" and result["converged"]
+    assert result["epochs_run"] == len(lrs) < 40
+    assert sorted(set(lrs), reverse=True) == [8.0, 2.0]  # stopped before an epoch at lr 0.5
+    assert result["best_epoch"] <= result["epochs_run"]
+    again = train_run(corpus, config, "none", tmp_path / "run", seed=3, progress=False, resume=True)
+    assert again["epochs"] == result["epochs"]  # nothing more was trained
+
+
+def test_a_run_whose_best_epoch_is_its_cap_is_not_converged(corpus, tmp_path):
+    config = replace(TINY, epochs=1, mc_samples=0)
+    result = train_run(corpus, config, "none", tmp_path / "run", seed=1, progress=False)
+    assert result["stop_reason"] == "epoch_cap" and result["best_epoch"] == 1
+    assert result["converged"] is False
+
+
+def test_results_hold_test_nll_and_calibration_standard_and_mc(corpus, tmp_path):
+    result = train_run(corpus, TINY, "tied", tmp_path / "run", seed=2, progress=False)
+    assert math.isclose(math.exp(result["test_nll"]), result["test_ppl"], rel_tol=1e-9)
+    assert math.isclose(math.exp(result["test_nll_mc"]), result["test_ppl_mc"], rel_tol=1e-9)
+    for key in ("test_ece", "test_ece_mc"):
+        assert 0.0 <= result[key] <= 1.0
+
+
+def test_dropout_from_a_grid_summary_sets_each_regimes_dropout(corpus, tmp_path):
+    data = write_corpus(tmp_path / "data2")
+    grid = benchmark.run_benchmark(data, "ptb", TINY, ["naive"], [1], tmp_path / "grid", grid=True,
+                                   mc_samples=0, progress=False)
+    chosen = benchmark.chosen_dropout(tmp_path / "grid" / "summary.json")
+    assert chosen["naive"] == grid["runs"][0]["dropout"]
+    summary = benchmark.run_benchmark(data, "ptb", TINY, ["naive"], [2], tmp_path / "final",
+                                      dropout_by_regime=chosen, mc_samples=0, progress=False)
+    assert summary["runs"][0]["dropout"] == chosen["naive"]
+    with pytest.raises(ValueError, match="--dropout-from .*not the summary of a --grid run"):
+        benchmark.chosen_dropout(tmp_path / "final" / "summary.json")
+
+
+def test_adam_and_gru_train_through_the_one_loop_and_resume_bit_for_bit(corpus, tmp_path):
+    config = replace(TINY, optimizer="adam", lr=0.01, adam_betas=(0.8, 0.99), cell="gru",
+                     epochs=2, mc_samples=0)
+    full = train_run(corpus, config, "tied", tmp_path / "full", seed=2, progress=False)
+    assert full["config"]["optimizer"] == "adam" and full["config"]["cell"] == "gru"
+    ckpt = load_checkpoint(tmp_path / "full" / "checkpoint.pt")
+    assert "rnn.weight_hh_l0" in ckpt["model"] and ckpt["model"]["rnn.weight_hh_l0"].shape[0] == 3 * 16
+    assert ckpt["optimizer"]["param_groups"][0]["betas"] == (0.8, 0.99)
+    assert all("exp_avg" in s for s in ckpt["optimizer"]["state"].values())  # really Adam
+    assert full["best_valid_ppl"] < len(corpus.vocab) / 2
+
+    def stop(epoch, record):
+        if epoch == 1:
+            raise _Killed
+
+    with pytest.raises(_Killed):
+        train_run(corpus, config, "tied", tmp_path / "cut", seed=2, progress=False, on_epoch_end=stop)
+    resumed = train_run(corpus, config, "tied", tmp_path / "cut", seed=2, progress=False, resume=True)
+    assert resumed["test_ppl"] == full["test_ppl"]
+    with pytest.raises(ValueError, match="optimizer must be one of sgd, adam, got 'rmsprop'"):
+        replace(TINY, optimizer="rmsprop")
+    with pytest.raises(ValueError, match="cell must be one of lstm, gru, got 'rnn'"):
+        replace(TINY, cell="rnn")
+    with pytest.raises(ValueError, match=r"adam_betas must be two numbers in \[0, 1\), got \(0.9, 1.5\)"):
+        replace(TINY, adam_betas=(0.9, 1.5))
+
+
+def test_init_from_starts_sparse_vd_from_a_dense_run_and_records_what_it_loaded(corpus, tmp_path):
+    from rnndrop.lm.configs import REGIMES, build_model
+    from rnndrop.lm.train import _load_initial_weights
+
+    config = replace(TINY, epochs=1, mc_samples=0)
+    train_run(corpus, config, "tied", tmp_path / "dense", seed=1, progress=False)
+    dense = load_checkpoint(tmp_path / "dense" / "best.pt")["model"]
+    sparse = build_model(len(corpus.vocab), config, REGIMES["sparse_vd"], {})
+    before = {k: v.clone() for k, v in sparse.state_dict().items()}
+    info = _load_initial_weights(sparse, tmp_path / "dense")
+    after = sparse.state_dict()
+    assert info["loaded"] == sorted(dense) and all(torch.equal(after[k], dense[k]) for k in dense)
+    assert info["kept_init"] == sorted(k for k in after if "log_sigma2" in k)
+    assert all(torch.equal(after[k], before[k]) for k in info["kept_init"])
+
+    adam = replace(config, optimizer="adam", lr=0.01)
+    result = train_run(corpus, adam, "sparse_vd", tmp_path / "sparse", seed=1, progress=False,
+                       init_from=tmp_path / "dense")
+    assert result["init_from"]["path"].endswith("best.pt") and result["init_from"]["loaded"] == info["loaded"]
+    scratch = train_run(corpus, adam, "sparse_vd", tmp_path / "scratch", seed=1, progress=False)
+    assert scratch["init_from"] is None and scratch["test_ppl"] != result["test_ppl"]
+    # Resuming needs the same starting weights (they are part of the run's identity).
+    with pytest.raises(ValueError, match="init_from"):
+        train_run(corpus, replace(adam, epochs=2), "sparse_vd", tmp_path / "sparse", seed=1,
+                  progress=False, resume=True)
+
+
+def test_regimes_are_read_only_and_registrations_do_not_leak():
+    from rnndrop.lm.configs import REGIMES, get_regime, register_regime
+
+    with pytest.raises(TypeError):
+        REGIMES["mine"] = Regime("mine")  # type: ignore[index]
+    with pytest.raises(TypeError, match="Regime.regularizer must be the name of a registered hook"):
+        Regime("callable hook", regularizer=lambda m, p, n: 0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="hook must be one of .*got 'unknown'"):
+        register_regime("mine", Regime("mine", regularizer="unknown"))
+    with registered({"mine": Regime("mine", sites=("input",))}):
+        assert get_regime("mine").sites == ("input",)
+        with pytest.raises(ValueError, match="regime 'tied' is already registered"):
+            register_regime("tied", Regime("other"))
+    assert "mine" not in REGIMES
+    assert Regime.from_settings(REGIMES["gaussian"].settings()) == REGIMES["gaussian"]

@@ -1,7 +1,11 @@
 """Files that are either wholly old or wholly new: write beside, then ``os.replace``.
 
 A run killed at any moment leaves the previous version of a checkpoint, result or
-download in place, never a torn file.
+download in place, never a torn file. The temporary file is flushed to disk before
+the rename and the folder after it (so the rename itself survives a power cut), and
+the new file gets the permissions ``open()`` would give it (``0o666`` less the umask),
+not the ``0o600`` of a temporary file. Temporaries left by a killed writer
+(``.NAME.*.tmp``) are removed by :func:`remove_stale_temporaries`.
 """
 
 from __future__ import annotations
@@ -13,7 +17,28 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
-__all__ = ["atomic_write"]
+__all__ = ["atomic_write", "fsync_folder", "remove_stale_temporaries"]
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def fsync_folder(folder: str | Path) -> None:
+    """Flush a folder's entries (renames, new files) to disk; a no-op where folders
+    cannot be opened (Windows)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 @contextmanager
@@ -30,6 +55,7 @@ def atomic_write(path: str | Path, mode: str = "wb", encoding: str | None = None
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.chmod(tmp, 0o666 & ~_umask())
         with os.fdopen(fd, mode, encoding=encoding) as f:
             yield f
             f.flush()
@@ -38,3 +64,16 @@ def atomic_write(path: str | Path, mode: str = "wb", encoding: str | None = None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_folder(path.parent)
+
+
+def remove_stale_temporaries(folder: str | Path) -> list[Path]:
+    """Delete the ``.NAME.*.tmp`` files :func:`atomic_write` leaves when its process is
+    killed mid-write; call it only while holding the folder (no writer is running).
+    Returns the files removed."""
+    removed = []
+    for tmp in Path(folder).glob(".*.tmp"):
+        if tmp.is_file():
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed

@@ -1,36 +1,155 @@
-"""Atomic checkpoints of a training run: state dicts, optimizer, RNG states, progress.
+"""The checkpoint file format of a training run, verified on load.
 
-Files are written to a temporary file in the same folder and moved into place with
-``os.replace``, so a run killed at any moment leaves either the old or the new file,
-never a torn one. Only state dicts and plain data are stored (loaded with
-``weights_only=True``), never pickled modules.
+``checkpoint.pt`` (everything needed to resume) and ``best.pt`` (the weights of the
+best validation epoch, with the config, regime, dropout and vocabulary that rebuild
+the model) share one format: a short text header, then the payload written by
+``torch.save``::
+
+    RNNDROP-CHECKPOINT
+    format 2
+    sha256 <hex digest of the payload>
+    size <bytes of the payload>
+    <payload>
+
+:func:`load_checkpoint` checks the header, the size and the SHA-256 before it
+unpickles anything, then loads with ``weights_only=True`` (state dicts and plain
+data only, never pickled code). A zero-byte, truncated, corrupted or foreign file is
+a :class:`CheckpointError` that names the file. :func:`save_checkpoint` writes through
+a temporary file, reads it back and verifies it, and only then moves the previous
+version aside (``checkpoint.prev.pt``) and the new one into place, so a verified
+checkpoint exists at every moment.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
+import logging
+import os
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
-from rnndrop.lm.atomic import atomic_write
+from rnndrop.lm.atomic import atomic_write, fsync_folder
 
-__all__ = ["get_rng_state", "load_checkpoint", "save_atomic", "set_rng_state"]
+__all__ = [
+    "FORMAT_VERSION",
+    "CheckpointError",
+    "LoadedModel",
+    "get_rng_state",
+    "load_checkpoint",
+    "load_model",
+    "previous_path",
+    "save_checkpoint",
+    "set_rng_state",
+]
+
+log = logging.getLogger(__name__)
+
+#: Bumped whenever the header or the payload's keys change; part of a run's identity.
+FORMAT_VERSION = 2
+_MAGIC = b"RNNDROP-CHECKPOINT\n"
+_RESTART_HINT = (
+    "the run can restart from its previous good state: resume=True (--resume) falls back "
+    "to checkpoint.prev.pt when that one is intact; otherwise start the run again in an "
+    "empty folder"
+)
 
 
-def save_atomic(obj: Any, path: str | Path) -> None:
-    """``torch.save(obj, path)`` through a temporary file and ``os.replace``."""
-    with atomic_write(path) as f:
-        torch.save(obj, f)
+class CheckpointError(ValueError):
+    """A checkpoint file that is missing, empty, truncated, corrupted or not ours."""
+
+
+def previous_path(path: str | Path) -> Path:
+    """Where :func:`save_checkpoint` keeps the previous version: ``checkpoint.prev.pt``."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.prev{path.suffix}")
+
+
+def _encode(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    payload = buffer.getvalue()
+    header = (f"format {FORMAT_VERSION}\nsha256 {hashlib.sha256(payload).hexdigest()}\n"
+              f"size {len(payload)}\n").encode("ascii")
+    return _MAGIC + header + payload
+
+
+def _bad(path: Path, what: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint {str(path)!r} {what}; {_RESTART_HINT}")
+
+
+def _verified_payload(path: Path, data: bytes) -> bytes:
+    if not data:
+        raise _bad(path, "is empty (0 bytes)")
+    if not data.startswith(_MAGIC):
+        raise _bad(path, f"is not an rnndrop checkpoint of format {FORMAT_VERSION} (no "
+                         "RNNDROP-CHECKPOINT header; written by another program or an older version)")
+    lines = data[len(_MAGIC):].split(b"\n", 3)
+    try:
+        version = int(lines[0].removeprefix(b"format "))
+        digest = lines[1].removeprefix(b"sha256 ").decode("ascii")
+        size = int(lines[2].removeprefix(b"size "))
+        payload = lines[3]
+    except (IndexError, ValueError, UnicodeDecodeError):
+        raise _bad(path, "has a damaged header") from None
+    if version != FORMAT_VERSION:
+        raise _bad(path, f"has format {version}, this version of rnndrop reads format {FORMAT_VERSION}")
+    if len(payload) != size:
+        raise _bad(path, f"is truncated or padded: the payload has {len(payload)} bytes, "
+                         f"the header promises {size}")
+    if hashlib.sha256(payload).hexdigest() != digest:
+        raise _bad(path, "is corrupted: the SHA-256 of its payload does not match the one "
+                         "written with it")
+    return payload
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """A checkpoint written by :func:`save_atomic` (tensors on the CPU)."""
+    """A checkpoint written by :func:`save_checkpoint`, verified, tensors on the CPU.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        CheckpointError: the file is empty, truncated, corrupted or not a checkpoint.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    payload = _verified_payload(path, path.read_bytes())
+    try:
+        obj = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except Exception as e:  # the checksum matched: written so by someone else
+        raise _bad(path, f"holds data that cannot be loaded as plain tensors and data "
+                         f"({type(e).__name__})") from None
+    if not isinstance(obj, dict):
+        raise _bad(path, f"holds a {type(obj).__name__}, expected a dict")
+    return obj
+
+
+def save_checkpoint(obj: dict[str, Any], path: str | Path, *, keep_previous: bool = False) -> None:
+    """Write ``obj`` to ``path`` in the checkpoint format, atomically, and verify it.
+
+    The file is written beside ``path``, read back and checked; only then is it moved
+    into place. With ``keep_previous`` the file it replaces is first moved to
+    :func:`previous_path` (``checkpoint.prev.pt``), so a verified older state survives
+    until the new one is known good.
+    """
+    path = Path(path)
+    staged = path.with_name(f".{path.name}.new.tmp")
+    with atomic_write(staged) as f:
+        f.write(_encode(obj))
+    try:
+        _verified_payload(staged, staged.read_bytes())
+    except CheckpointError:
+        staged.unlink(missing_ok=True)
+        raise
+    if keep_previous and path.exists():
+        os.replace(path, previous_path(path))
+    os.replace(staged, path)
+    fsync_folder(path.parent)
 
 
 def get_rng_state() -> dict[str, Any]:
@@ -49,3 +168,68 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((python[0], tuple(python[1]), python[2]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A trained language model as :func:`load_model` returns it.
+
+    Attributes:
+        model: the :class:`rnndrop.lm.RNNLanguageModel` in eval mode, weights of the best
+            validation epoch.
+        vocab: the vocabulary (``vocab.itos[i]`` is word ``i``; ``vocab.encode(words)``).
+        config: the :class:`rnndrop.lm.TrainConfig` it was trained with.
+        regime: the regime's name; ``regime_settings`` its settings as plain data.
+        dropout: the probability per site.
+        epoch: the epoch whose weights these are.
+        path: the ``best.pt`` read.
+    """
+
+    model: nn.Module
+    vocab: Any
+    config: Any
+    regime: str
+    regime_settings: dict[str, Any]
+    dropout: dict[str, float]
+    epoch: int
+    path: Path
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu") -> LoadedModel:
+    """The best model of a finished (or running) training run, ready for prediction.
+
+    Args:
+        path: a run folder (its ``best.pt`` is read) or a ``best.pt`` file.
+        device: where to put the model.
+
+    Example::
+
+        run = rnndrop.lm.load_model("runs/ptb/tied")
+        ids = run.vocab.encode("the cat sees".split())[:, None]   # [T, 1]
+        logits, _ = run.model(ids)                                 # [T, 1, V]
+
+    Raises:
+        FileNotFoundError: no ``best.pt`` there.
+        CheckpointError: the file is corrupt, or is a ``best.pt`` without the config
+            and vocabulary (written by an older version).
+    """
+    from rnndrop.lm.configs import Regime, TrainConfig, build_model
+    from rnndrop.lm.corpus import Vocabulary
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / "best.pt"
+    ckpt = load_checkpoint(path)
+    missing = [k for k in ("model", "config", "regime", "regime_settings", "dropout", "vocab")
+               if k not in ckpt]
+    if missing:
+        raise CheckpointError(f"checkpoint {str(path)!r} lacks {', '.join(missing)}: it is not "
+                              "the best.pt of a language-model run")
+    config = TrainConfig.from_dict(ckpt["config"])
+    regime = Regime.from_settings(ckpt["regime_settings"])
+    vocab = Vocabulary(list(ckpt["vocab"]))
+    model = build_model(len(vocab), config, regime, ckpt["dropout"])
+    model.load_state_dict(ckpt["model"])
+    model.to(device).eval()
+    return LoadedModel(model, vocab, config, ckpt["regime"], dict(ckpt["regime_settings"]),
+                       dict(ckpt["dropout"]), int(ckpt.get("epoch", 0)), path)

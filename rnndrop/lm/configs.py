@@ -11,25 +11,37 @@ Sites: ``embedding`` (word types), ``input`` (first layer's input), ``between``
 for weight-dropped regimes), ``output`` (before the decoder). A regime uses only the
 sites it lists; the others get probability 0.
 
-Adding a regime (e.g. learned Gaussian dropout)::
+Regimes are frozen and :data:`REGIMES` is a read-only mapping; a regime names its
+code hooks (an extra loss term, a recurrent stack of its own), which live in a
+registry of hooks. Adding a regime (e.g. learned Gaussian dropout with another
+warm-up)::
 
-    from rnndrop.lm.configs import REGIMES, Regime
-    REGIMES["gaussian"] = Regime(
-        "tied Gaussian noise", sites=("input", "hidden", "between", "output"),
-        noise="gaussian", regularizer=my_term)   # my_term(model, progress, n_train) -> Tensor
+    from rnndrop.lm.configs import Regime, register_hook, register_regime
+    register_hook("kl_warmup_half", KLRegularizer(warmup=0.5))
+    register_regime("gaussian_slow", Regime(
+        "tied Gaussian noise, slow KL warm-up", sites=("input", "hidden", "between", "output"),
+        regularizer="kl_warmup_half", rnn_factory="gaussian_rnn"))
+
+or, for the duration of a block only (tests), ``with registered(regimes={...}, hooks={...}):``.
+Registrations live in the process that makes them (worker processes started with
+``spawn`` do not see them).
 
 ``regularizer(model, progress, train_tokens)`` returns a scalar added to the training
 loss (the mean cross-entropy per word); ``progress`` runs from 0 to 1 over training (for
 annealing) and ``train_tokens`` is the size of the training stream (the N of an ELBO).
-``rnn_factory(input_size, hidden_size, num_layers, probabilities)``
-builds a recurrent stack of one's own (``nn.LSTM``'s call contract) in place of the
-VariationalLSTM; it then applies every dropout site but ``embedding`` itself.
+``rnn_factory(input_size, hidden_size, num_layers, probabilities, cell=...)`` builds a
+recurrent stack of one's own (``nn.LSTM``'s / ``nn.GRU``'s call contract, ``cell`` is
+``"lstm"`` or ``"gru"``) in place of the VariationalLSTM / VariationalGRU; it then
+applies every dropout site but ``embedding`` itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, replace
+import math
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, fields
+from types import MappingProxyType
 from typing import Any
 
 from torch import Tensor, nn
@@ -38,21 +50,32 @@ from rnndrop.kl import KLRegularizer
 from rnndrop.masks import check_probability
 
 __all__ = [
+    "CELLS",
     "CONFIGS",
+    "OPTIMIZERS",
     "REGIMES",
     "SITES",
     "Regime",
     "TrainConfig",
     "build_model",
+    "build_optimizer",
     "get_config",
+    "get_hook",
     "get_regime",
     "regime_probabilities",
+    "register_hook",
+    "register_regime",
+    "registered",
 ]
 
 SITES: tuple[str, ...] = ("embedding", "input", "between", "hidden", "output")
+CELLS: tuple[str, ...] = ("lstm", "gru")
+OPTIMIZERS: tuple[str, ...] = ("sgd", "adam")
 
-Regularizer = Callable[[nn.Module, float], Tensor]
-RNNFactory = Callable[[int, int, int, Mapping[str, float]], nn.Module]
+#: ``regularizer(model, progress, train_tokens) -> scalar Tensor`` added to the loss.
+Regularizer = Callable[[nn.Module, float, int], Tensor]
+#: ``rnn_factory(input_size, hidden_size, num_layers, probabilities, cell=...) -> nn.Module``.
+RNNFactory = Callable[..., nn.Module]
 
 
 @dataclass(frozen=True)
@@ -69,9 +92,9 @@ class Regime:
         weight_drop: the ``hidden`` probability drops ``W_hh`` entries (WeightDrop,
             AWD-LSTM) instead of masking ``h_{t-1}``.
         embedding_scope: ``"sequence"`` or ``"batch"`` for the word-type dropout.
-        regularizer: optional extra loss term
-            ``regularizer(model, progress, train_tokens) -> Tensor``.
-        rnn_factory: optional builder of the recurrent stack.
+        regularizer: name of a registered hook
+            ``regularizer(model, progress, train_tokens) -> Tensor``, or None.
+        rnn_factory: name of a registered builder of the recurrent stack, or None.
     """
 
     description: str
@@ -81,28 +104,62 @@ class Regime:
     noise: str = "bernoulli"
     weight_drop: bool = False
     embedding_scope: str = "sequence"
-    regularizer: Regularizer | None = None
-    rnn_factory: RNNFactory | None = None
+    regularizer: str | None = None
+    rnn_factory: str | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "sites", tuple(self.sites))
         unknown = [s for s in self.sites if s not in SITES]
         if unknown:
             raise ValueError(f"sites must be among {SITES}, got {unknown}")
+        for hook in ("regularizer", "rnn_factory"):
+            value = getattr(self, hook)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"Regime.{hook} must be the name of a registered hook (str) or "
+                                f"None, got {type(value).__name__}; register the callable with "
+                                "register_hook(name, fn)")
 
     def settings(self) -> dict[str, Any]:
         """The regime as JSON-friendly data (hooks by name)."""
-        out = {k: v for k, v in asdict(self).items() if k not in ("regularizer", "rnn_factory")}
+        out = asdict(self)
         out["sites"] = list(self.sites)
-        for hook in ("regularizer", "rnn_factory"):
-            fn = getattr(self, hook)
-            out[hook] = None if fn is None else getattr(fn, "__qualname__", repr(fn))
         return out
 
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any]) -> Regime:
+        """The inverse of :meth:`settings`."""
+        return cls(**{k: v for k, v in settings.items() if k in {f.name for f in fields(cls)}})
 
-_ALL_SITES = ("embedding", "input", "between", "hidden", "output")
 
-#: The regimes the benchmark knows; add entries to extend it.
-REGIMES: dict[str, Regime] = {
+def _gaussian_rnn(
+    input_size: int, hidden_size: int, num_layers: int, p: Mapping[str, float], cell: str = "lstm"
+) -> nn.Module:
+    """GaussianLSTM / GaussianGRU: learned per-unit alpha on every site, initialised at p / (1 - p)."""
+    from rnndrop.gaussian import GaussianGRU, GaussianLSTM
+
+    return (GaussianGRU if cell == "gru" else GaussianLSTM)(
+        input_size, hidden_size, num_layers, dropout=p["between"], dropout_input=p["input"],
+        dropout_hidden=p["hidden"], dropout_output=p["output"], granularity="unit",
+    )
+
+
+def _sparse_rnn(
+    input_size: int, hidden_size: int, num_layers: int, p: Mapping[str, float], cell: str = "lstm"
+) -> nn.Module:
+    """SparseLSTM / SparseGRU: sparse variational dropout on every recurrent weight matrix."""
+    from rnndrop.sparse import SparseGRU, SparseLSTM
+
+    return (SparseGRU if cell == "gru" else SparseLSTM)(input_size, hidden_size, num_layers)
+
+
+_HOOKS: dict[str, Callable[..., Any]] = {
+    # The KL term is divided by the training tokens the loop passes in.
+    "kl_warmup_0.2": KLRegularizer(warmup=0.2),
+    "gaussian_rnn": _gaussian_rnn,
+    "sparse_rnn": _sparse_rnn,
+}
+
+_REGIMES: dict[str, Regime] = {
     "none": Regime("no dropout"),
     "naive": Regime(
         "naive dropout (Zaremba): fresh masks every step, non-recurrent connections only",
@@ -112,70 +169,102 @@ REGIMES: dict[str, Regime] = {
     "tied": Regime(
         "variational dropout (Gal), tied: one mask per sequence shared by the gates, "
         "recurrent state and word-type embedding dropout",
-        sites=_ALL_SITES,
+        sites=SITES,
     ),
     "untied": Regime(
         "variational dropout (Gal), untied: one mask per sequence and gate",
-        sites=_ALL_SITES,
+        sites=SITES,
         per_gate_masks=True,
     ),
     "batch": Regime(
         "fast path: recurrent mask shared by the batch and folded into W_hh (fused kernel)",
-        sites=_ALL_SITES,
+        sites=SITES,
         mask_scope="batch",
         embedding_scope="batch",
     ),
     "weight_drop": Regime(
         "AWD-LSTM style: DropConnect on W_hh (WeightDrop) plus tied masks elsewhere",
-        sites=_ALL_SITES,
+        sites=SITES,
         weight_drop=True,
         embedding_scope="batch",
     ),
+    "gaussian": Regime(
+        "Gaussian dropout N(1, alpha), tied, learned per-unit alpha (Kingma et al.), KL warm-up; "
+        "Bernoulli word-type embedding dropout",
+        sites=SITES,
+        noise="gaussian",
+        regularizer="kl_warmup_0.2",
+        rnn_factory="gaussian_rnn",
+    ),
+    "sparse_vd": Regime(
+        "sparse variational dropout on the recurrent weights (Molchanov et al.; Lobacheva et al.)",
+        regularizer="kl_warmup_0.2",
+        rnn_factory="sparse_rnn",
+    ),
 }
 
-
-def _gaussian_lstm(
-    input_size: int, hidden_size: int, num_layers: int, p: Mapping[str, float]
-) -> nn.Module:
-    """GaussianLSTM: learned per-unit alpha on every site, initialised at p / (1 - p)."""
-    from rnndrop.gaussian import GaussianLSTM
-
-    return GaussianLSTM(
-        input_size, hidden_size, num_layers, dropout=p["between"], dropout_input=p["input"],
-        dropout_hidden=p["hidden"], dropout_output=p["output"], granularity="unit",
-    )
+#: The regimes the benchmark knows (read-only; extend with :func:`register_regime`).
+REGIMES: Mapping[str, Regime] = MappingProxyType(_REGIMES)
 
 
-def _sparse_lstm(
-    input_size: int, hidden_size: int, num_layers: int, p: Mapping[str, float]
-) -> nn.Module:
-    """SparseLSTM: sparse variational dropout on every LSTM weight matrix."""
-    from rnndrop.sparse import SparseLSTM
+def register_hook(name: str, fn: Callable[..., Any], *, replace: bool = False) -> None:
+    """Make ``fn`` available to regimes as ``regularizer=name`` or ``rnn_factory=name``."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"hook name must be a non-empty str, got {name!r}")
+    if not callable(fn):
+        raise TypeError(f"hook {name!r} must be callable, got {type(fn).__name__}")
+    if name in _HOOKS and not replace and _HOOKS[name] is not fn:
+        raise ValueError(f"hook {name!r} is already registered; pass replace=True to replace it")
+    _HOOKS[name] = fn
 
-    return SparseLSTM(input_size, hidden_size, num_layers)
+
+def register_regime(name: str, regime: Regime, *, replace: bool = False) -> None:
+    """Add ``regime`` to :data:`REGIMES` under ``name`` (its hooks must be registered)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"regime name must be a non-empty str, got {name!r}")
+    if not isinstance(regime, Regime):
+        raise TypeError(f"regime must be a Regime, got {type(regime).__name__}")
+    for hook in (regime.regularizer, regime.rnn_factory):
+        if hook is not None:
+            get_hook(hook)
+    if name in _REGIMES and not replace and _REGIMES[name] != regime:
+        raise ValueError(f"regime {name!r} is already registered; pass replace=True to replace it")
+    _REGIMES[name] = regime
 
 
-# The KL term of these regimes is divided by the training tokens the loop passes in.
-REGIMES["gaussian"] = Regime(
-    "Gaussian dropout N(1, alpha), tied, learned per-unit alpha (Kingma et al.), KL warm-up; "
-    "Bernoulli word-type embedding dropout",
-    sites=("embedding", "input", "between", "hidden", "output"),
-    noise="gaussian",
-    regularizer=KLRegularizer(warmup=0.2),
-    rnn_factory=_gaussian_lstm,
-)
-REGIMES["sparse_vd"] = Regime(
-    "sparse variational dropout on the LSTM weights (Molchanov et al.; Lobacheva et al.)",
-    regularizer=KLRegularizer(warmup=0.2),
-    rnn_factory=_sparse_lstm,
-)
+@contextmanager
+def registered(
+    regimes: Mapping[str, Regime] | None = None, hooks: Mapping[str, Callable[..., Any]] | None = None
+) -> Iterator[None]:
+    """Register ``hooks`` and ``regimes`` for the duration of a ``with`` block, then
+    restore the registries exactly as they were."""
+    saved_hooks, saved_regimes = dict(_HOOKS), dict(_REGIMES)
+    try:
+        for name, fn in (hooks or {}).items():
+            register_hook(name, fn, replace=True)
+        for name, regime in (regimes or {}).items():
+            register_regime(name, regime, replace=True)
+        yield
+    finally:
+        _HOOKS.clear()
+        _HOOKS.update(saved_hooks)
+        _REGIMES.clear()
+        _REGIMES.update(saved_regimes)
+
+
+def get_hook(name: str) -> Callable[..., Any]:
+    try:
+        return _HOOKS[name]
+    except KeyError:
+        raise ValueError(f"hook must be one of {', '.join(_HOOKS)}, got {name!r} "
+                         "(register it with register_hook)") from None
 
 
 def get_regime(name: str) -> Regime:
     try:
-        return REGIMES[name]
+        return _REGIMES[name]
     except KeyError:
-        raise ValueError(f"regime must be one of {', '.join(REGIMES)}, got {name!r}") from None
+        raise ValueError(f"regime must be one of {', '.join(_REGIMES)}, got {name!r}") from None
 
 
 def regime_probabilities(regime: Regime, probabilities: Mapping[str, float]) -> dict[str, float]:
@@ -197,8 +286,14 @@ class TrainConfig:
     The learning rate starts at ``lr``. Schedule ``"fixed"`` (Zaremba): epoch ``e``
     (1-based) runs at ``lr / lr_decay ** max(0, e - decay_after)``. Schedule
     ``"plateau"``: the rate is divided by ``lr_decay`` after every epoch whose
-    validation perplexity does not beat the best so far. Test perplexity is always
-    measured with the parameters of the best validation epoch.
+    validation perplexity does not beat the best so far. Training stops at ``epochs``
+    (the cap) or, once converged, as soon as the next epoch's rate would fall below
+    ``min_lr`` (0: never). Test perplexity is always measured with the parameters of
+    the best validation epoch.
+
+    ``optimizer`` is ``"sgd"`` (with ``weight_decay``) or ``"adam"`` (with
+    ``adam_betas``, ``adam_eps`` and ``weight_decay``); ``clip`` is the threshold of
+    the gradient-norm clipping. ``cell`` is ``"lstm"`` or ``"gru"``.
     """
 
     name: str
@@ -215,33 +310,84 @@ class TrainConfig:
     init_scale: float | None
     weight_decay: float = 0.0
     schedule: str = "fixed"
+    min_lr: float = 0.0
+    optimizer: str = "sgd"
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    cell: str = "lstm"
     eval_batch_size: int = 10
     tie_weights: bool = False
     dropout: Mapping[str, float] = field(default_factory=dict)
     #: Dropout probabilities searched per regime on the validation split.
     grid: Mapping[str, tuple[Mapping[str, float], ...]] = field(default_factory=dict)
     mc_samples: int = 100
-    default_regime: str = "tied"
     reference: str = ""
 
     def __post_init__(self) -> None:
+        def positive_number(name: str, value: Any) -> None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
         if self.schedule not in ("fixed", "plateau"):
             raise ValueError(f"schedule must be 'fixed' or 'plateau', got {self.schedule!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.cell not in CELLS:
+            raise ValueError(f"cell must be one of {', '.join(CELLS)}, got {self.cell!r}")
         for name in ("embedding_size", "hidden_size", "num_layers", "batch_size", "bptt", "epochs",
                      "eval_batch_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        positive_number("lr", self.lr)
+        positive_number("clip", self.clip)
+        positive_number("lr_decay", self.lr_decay)
+        positive_number("adam_eps", self.adam_eps)
+        if self.init_scale is not None:
+            positive_number("init_scale", self.init_scale)
+        if isinstance(self.weight_decay, bool) or not isinstance(self.weight_decay, (int, float)) \
+                or not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
+        betas = tuple(self.adam_betas) if isinstance(self.adam_betas, (tuple, list)) else None
+        if betas is None or len(betas) != 2 or not all(
+                isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas):
+            raise ValueError(f"adam_betas must be two numbers in [0, 1), got {self.adam_betas!r}")
+        object.__setattr__(self, "adam_betas", (float(betas[0]), float(betas[1])))
+        if not (isinstance(self.min_lr, (int, float)) and 0 <= self.min_lr < self.lr):
+            raise ValueError(f"min_lr must be a number in [0, lr = {self.lr}), got {self.min_lr!r}")
         regime_probabilities(REGIMES["tied"], self.dropout)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["dropout"] = dict(self.dropout)
+        out["adam_betas"] = list(self.adam_betas)
         out["grid"] = {k: [dict(p) for p in v] for k, v in self.grid.items()}
         return out
 
-    def with_overrides(self, **changes: Any) -> TrainConfig:
-        return replace(self, **changes)
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TrainConfig:
+        """The inverse of :meth:`to_dict` (unknown keys, e.g. of older versions, are an error)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"config has unknown fields {unknown}; expected among {sorted(known)}")
+        values = dict(data)
+        if "adam_betas" in values:
+            values["adam_betas"] = tuple(values["adam_betas"])
+        if "grid" in values:
+            values["grid"] = {k: tuple(dict(p) for p in v) for k, v in values["grid"].items()}
+        return cls(**values)
+
+
+def build_optimizer(parameters: Any, config: TrainConfig) -> Any:
+    """The optimiser ``config.optimizer`` names, with the config's hyper-parameters."""
+    import torch
+
+    if config.optimizer == "adam":
+        return torch.optim.Adam(parameters, lr=config.lr, betas=config.adam_betas,
+                                eps=config.adam_eps, weight_decay=config.weight_decay)
+    return torch.optim.SGD(parameters, lr=config.lr, weight_decay=config.weight_decay)
 
 
 def _zaremba(p: float) -> dict[str, float]:
@@ -264,15 +410,24 @@ _GAL_REF = (
     "grid-searched probabilities"
 )
 
-#: Mini grids: one small grid per regime, chosen on validation (see README).
-_MINI_GRID: dict[str, tuple[Mapping[str, float], ...]] = {
+def _tied_grid(embedding: float, hidden: tuple[float, ...], rest: tuple[float, ...]):
+    return tuple(
+        {"embedding": embedding, "hidden": h, "input": r, "between": r, "output": r}
+        for h, r in zip(hidden, rest)
+    )
+
+
+#: Small grids: three points per regime (none has nothing to search), chosen on validation.
+#: The recurrent probability and the others grow together, from light to heavy dropout.
+_SMALL_GRID: dict[str, tuple[Mapping[str, float], ...]] = {
     "none": ({},),
     "naive": tuple(_zaremba(p) for p in (0.3, 0.5, 0.65)),
-    "tied": (
-        {"embedding": 0.1, "hidden": 0.1, "input": 0.3, "between": 0.3, "output": 0.3},
-        {"embedding": 0.1, "hidden": 0.2, "input": 0.5, "between": 0.5, "output": 0.5},
-        {"embedding": 0.1, "hidden": 0.3, "input": 0.65, "between": 0.65, "output": 0.65},
-    ),
+    "tied": _tied_grid(0.1, (0.1, 0.2, 0.3), (0.3, 0.5, 0.65)),
+    "untied": _tied_grid(0.1, (0.1, 0.2, 0.3), (0.3, 0.5, 0.65)),
+    "batch": _tied_grid(0.1, (0.1, 0.2, 0.3), (0.3, 0.5, 0.65)),
+    "gaussian": _tied_grid(0.1, (0.1, 0.2, 0.3), (0.3, 0.5, 0.65)),
+    # DropConnect on W_hh drops single weights, not whole units: AWD-LSTM uses 0.5.
+    "weight_drop": _tied_grid(0.1, (0.2, 0.35, 0.5), (0.3, 0.5, 0.65)),
 }
 
 CONFIGS: dict[str, TrainConfig] = {
@@ -282,37 +437,59 @@ CONFIGS: dict[str, TrainConfig] = {
         epochs=20, lr=20.0, lr_decay=4.0, decay_after=0, clip=0.25, init_scale=0.1,
         schedule="plateau", eval_batch_size=10,
         dropout={"embedding": 0.1, "hidden": 0.2, "input": 0.5, "between": 0.5, "output": 0.5},
-        grid=_MINI_GRID, mc_samples=50, default_regime="tied",
+        grid=_SMALL_GRID, mc_samples=50,
         reference="small offline setting of this project (SGD and plateau decay as in "
         "pytorch/examples word_language_model)",
+    ),
+    # The mini model trained to convergence (for ptb-144k): the rate is divided by 4 after
+    # every epoch that does not improve validation perplexity, and the run ends when it
+    # would fall below 0.1 (after the fourth such epoch) or at the cap of 60 epochs.
+    "cpu-200": TrainConfig(
+        name="cpu-200", embedding_size=200, hidden_size=200, num_layers=2, batch_size=20, bptt=35,
+        epochs=60, lr=20.0, lr_decay=4.0, decay_after=0, clip=0.25, init_scale=0.1,
+        schedule="plateau", min_lr=0.1, eval_batch_size=10,
+        dropout={"embedding": 0.1, "hidden": 0.2, "input": 0.5, "between": 0.5, "output": 0.5},
+        grid=_SMALL_GRID, mc_samples=50,
+        reference="the mini model trained to convergence on validation perplexity (plateau "
+        "decay down to a learning-rate floor)",
+    ),
+    # Sparse variational dropout on the mini model (Lobacheva et al. 2017): Adam at a
+    # constant rate, looser clipping, KL warm-up from the regime. Train it with regime
+    # sparse_vd, from scratch or fine-tuning a dense run (train_run(init_from=...)).
+    "sparse-vd-mini": TrainConfig(
+        name="sparse-vd-mini", embedding_size=200, hidden_size=200, num_layers=2, batch_size=20,
+        bptt=35, epochs=8, lr=2e-3, lr_decay=1.0, decay_after=0, clip=5.0, init_scale=0.1,
+        optimizer="adam", eval_batch_size=10, mc_samples=0,
+        reference="Lobacheva, Chirkova & Vetrov 2017, Bayesian sparsification of recurrent "
+        "neural networks (Adam, KL warm-up), sized as the mini config",
     ),
     "zaremba-small": TrainConfig(
         name="zaremba-small", embedding_size=200, hidden_size=200, num_layers=2, batch_size=20,
         bptt=20, epochs=13, lr=1.0, lr_decay=2.0, decay_after=4, clip=5.0, init_scale=0.1,
-        dropout={}, default_regime="none", reference=_ZAREMBA_REF + " (small, no dropout)",
+        dropout={}, reference=_ZAREMBA_REF + " (small, no dropout)",
     ),
     "zaremba-medium": TrainConfig(
         name="zaremba-medium", embedding_size=650, hidden_size=650, num_layers=2, batch_size=20,
         bptt=35, epochs=39, lr=1.0, lr_decay=1.2, decay_after=6, clip=5.0, init_scale=0.05,
-        dropout=_zaremba(0.5), default_regime="naive",
+        dropout=_zaremba(0.5),
         reference=_ZAREMBA_REF + " (medium)",
     ),
     "zaremba-large": TrainConfig(
         name="zaremba-large", embedding_size=1500, hidden_size=1500, num_layers=2, batch_size=20,
         bptt=35, epochs=55, lr=1.0, lr_decay=1.15, decay_after=14, clip=10.0, init_scale=0.04,
-        dropout=_zaremba(0.65), default_regime="naive",
+        dropout=_zaremba(0.65),
         reference=_ZAREMBA_REF + " (large)",
     ),
     "gal-medium": TrainConfig(
         name="gal-medium", embedding_size=650, hidden_size=650, num_layers=2, batch_size=20,
         bptt=35, epochs=39, lr=1.0, lr_decay=1.2, decay_after=6, clip=5.0, init_scale=0.05,
-        weight_decay=1e-7, dropout=_gal(0.2, 0.35), default_regime="untied",
+        weight_decay=1e-7, dropout=_gal(0.2, 0.35),
         reference=_GAL_REF + " (medium: 0.2 embedding/recurrent, 0.35 input/output)",
     ),
     "gal-large": TrainConfig(
         name="gal-large", embedding_size=1500, hidden_size=1500, num_layers=2, batch_size=20,
         bptt=35, epochs=55, lr=1.0, lr_decay=1.15, decay_after=10, clip=10.0, init_scale=0.04,
-        weight_decay=1e-7, dropout=_gal(0.3, 0.5), default_regime="untied",
+        weight_decay=1e-7, dropout=_gal(0.3, 0.5),
         reference=_GAL_REF + " (large: 0.3 embedding/recurrent, 0.5 input/output; decay "
         "after epoch 10 as in main_new_dropout_SOTA_v3.lua)",
     ),
@@ -329,7 +506,8 @@ def get_config(name: str) -> TrainConfig:
 def build_model(
     vocab_size: int, config: TrainConfig, regime: Regime, probabilities: Mapping[str, float]
 ) -> nn.Module:
-    """The language model of ``config`` with ``regime``'s dropout at ``probabilities``."""
+    """The language model of ``config`` (its ``cell``) with ``regime``'s dropout at
+    ``probabilities``."""
     from rnndrop.lm.model import RNNLanguageModel
 
     p = regime_probabilities(regime, probabilities)
@@ -338,14 +516,15 @@ def build_model(
         "embedding_scope": regime.embedding_scope,
         "tie_weights": config.tie_weights,
         "init_scale": config.init_scale,
+        "cell": config.cell,
     }
     if regime.rnn_factory is not None:
-        rnn = regime.rnn_factory(config.embedding_size, config.hidden_size, config.num_layers, p)
-        model = RNNLanguageModel(
+        factory = get_hook(regime.rnn_factory)
+        rnn = factory(config.embedding_size, config.hidden_size, config.num_layers, p, cell=config.cell)
+        return RNNLanguageModel(
             vocab_size, config.embedding_size, config.hidden_size, config.num_layers,
             rnn=rnn, **common,
         )
-        return model
     return RNNLanguageModel(
         vocab_size, config.embedding_size, config.hidden_size, config.num_layers,
         dropout_input=p["input"],

@@ -1,11 +1,11 @@
-"""A word-level LSTM language model with every dropout site of the compared regimes.
+"""A word-level LSTM or GRU language model with every dropout site of the compared regimes.
 
-``tokens [T, B] -> EmbeddingDropout (word types) -> VariationalLSTM stack (input,
+``tokens [T, B] -> EmbeddingDropout (word types) -> VariationalLSTM / VariationalGRU stack (input,
 between-layer, recurrent and output dropout) -> Linear decoder -> logits [T, B, V]``
 
 The model follows the LM protocol of :mod:`rnndrop.lm`: time-major,
 ``model(tokens, hidden=None) -> (logits, hidden)``, where ``hidden`` is opaque
-(``(h, c)``, each ``[num_layers, B, H]``) and is carried by the caller across
+(``(h, c)`` for an LSTM, ``h`` for a GRU, each ``[num_layers, B, H]``) and is carried by the caller across
 truncated-BPTT segments (detached with :func:`detach_hidden`).
 """
 
@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from rnndrop.embedding_dropout import EmbeddingDropout
 from rnndrop.masks import check_probability
-from rnndrop.recurrent import VariationalLSTM
+from rnndrop.recurrent import VariationalGRU, VariationalLSTM
 from rnndrop.weight_drop import WeightDrop
 
 __all__ = ["RNNLanguageModel", "detach_hidden"]
@@ -34,13 +34,13 @@ def detach_hidden(hidden: Any) -> Any:
 
 
 class RNNLanguageModel(nn.Module):
-    """LSTM language model (Zaremba et al. 2014; Gal & Ghahramani 2016).
+    """LSTM or GRU language model (Zaremba et al. 2014; Gal & Ghahramani 2016).
 
     Args:
         vocab_size: ``V``.
         embedding_size: ``E``.
-        hidden_size: ``H`` of every LSTM layer.
-        num_layers: LSTM layers.
+        hidden_size: ``H`` of every recurrent layer.
+        num_layers: recurrent layers.
         dropout_embedding: probability of dropping a word type (whole embedding rows,
             Gal & Ghahramani's embedding dropout), per sequence or per batch
             (``embedding_scope``).
@@ -50,7 +50,9 @@ class RNNLanguageModel(nn.Module):
         dropout_output: on the last layer's output, before the decoder.
         weight_drop: DropConnect probability on every ``weight_hh_l*`` (AWD-LSTM),
             through :class:`rnndrop.weight_drop.WeightDrop`.
-        mask_scope, per_gate_masks, noise: passed to :class:`rnndrop.VariationalLSTM`.
+        mask_scope, per_gate_masks, noise: passed to :class:`rnndrop.VariationalLSTM`
+            (or :class:`rnndrop.VariationalGRU`).
+        cell: ``"lstm"`` or ``"gru"``: the recurrent stack built from the arguments above.
         embedding_scope: ``"sequence"`` or ``"batch"``, for the embedding dropout.
         tie_weights: share the embedding matrix with the decoder (needs ``E == H``).
         init_scale: every parameter uniform in ``[-init_scale, init_scale]`` (Zaremba);
@@ -85,6 +87,7 @@ class RNNLanguageModel(nn.Module):
         tie_weights: bool = False,
         init_scale: float | None = 0.1,
         rnn: nn.Module | None = None,
+        cell: str = "lstm",
     ) -> None:
         super().__init__()
         for name, value in (("vocab_size", vocab_size), ("embedding_size", embedding_size),
@@ -92,6 +95,8 @@ class RNNLanguageModel(nn.Module):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         weight_drop = check_probability("weight_drop", weight_drop)
+        if cell not in ("lstm", "gru"):
+            raise ValueError(f"cell must be 'lstm' or 'gru', got {cell!r}")
         if tie_weights and embedding_size != hidden_size:
             raise ValueError(
                 "tie_weights=True needs embedding_size == hidden_size, got "
@@ -101,18 +106,20 @@ class RNNLanguageModel(nn.Module):
         self.hidden_size = hidden_size
         self.num_layers = num_layers
         self.tie_weights = bool(tie_weights)
+        self.cell = cell
         self.embedding = EmbeddingDropout(
             nn.Embedding(vocab_size, embedding_size), dropout_embedding, scope=embedding_scope
         )
         custom_rnn = rnn is not None
         if rnn is None:
-            lstm = VariationalLSTM(
+            stack = VariationalGRU if cell == "gru" else VariationalLSTM
+            recurrent = stack(
                 embedding_size, hidden_size, num_layers,
                 dropout=dropout_between, dropout_input=dropout_input,
                 dropout_hidden=dropout_hidden, dropout_output=dropout_output,
                 mask_scope=mask_scope, per_gate_masks=per_gate_masks, noise=noise,
             )
-            rnn = self._weight_dropped(lstm, weight_drop) if weight_drop > 0 else lstm
+            rnn = self._weight_dropped(recurrent, weight_drop) if weight_drop > 0 else recurrent
         else:
             given = {"dropout_input": dropout_input, "dropout_between": dropout_between,
                      "dropout_hidden": dropout_hidden, "dropout_output": dropout_output,
@@ -133,9 +140,9 @@ class RNNLanguageModel(nn.Module):
             self.decoder.weight = self.embedding.embedding.weight
 
     @staticmethod
-    def _weight_dropped(lstm: nn.Module, p: float) -> nn.Module:
-        names = tuple(f"weight_hh_l{k}" for k in range(lstm.num_layers))
-        return WeightDrop(lstm, weights=names, p=p)
+    def _weight_dropped(recurrent: nn.Module, p: float) -> nn.Module:
+        names = tuple(f"weight_hh_l{k}" for k in range(recurrent.num_layers))
+        return WeightDrop(recurrent, weights=names, p=p)
 
     def reset_parameters(self, init_scale: float, modules: list[nn.Module] | None = None) -> None:
         """Every parameter (of ``modules``, default all) uniform in ``[-init_scale, init_scale]``
