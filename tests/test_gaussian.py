@@ -39,7 +39,7 @@ def test_eval_mode_is_the_plain_layer(cls, plain_cls):
 
 
 def test_training_output_is_noisy_and_differentiable_in_log_alpha():
-    layer = GaussianLSTM(5, 6, **SITES)
+    layer = GaussianLSTM(5, 6, num_layers=2, **SITES)
     x = torch.randn(7, 3, 5)
     out1, _ = layer(x)
     out2, _ = layer(x)
@@ -92,7 +92,7 @@ def test_batch_scope_shares_the_recurrent_noise():
 
 
 def test_packed_input_runs():
-    layer = GaussianGRU(5, 6, **SITES)
+    layer = GaussianGRU(5, 6, num_layers=2, **SITES)
     x = torch.randn(7, 3, 5)
     packed = pack_padded_sequence(x, [7, 4, 2], enforce_sorted=False)
     out, h = layer(packed)
