@@ -96,7 +96,7 @@ def test_packed_input_runs():
     x = torch.randn(7, 3, 5)
     packed = pack_padded_sequence(x, [7, 4, 2], enforce_sorted=False)
     out, h = layer(packed)
-    assert out.data.shape == (13, 6) and h.shape == (1, 3, 6)
+    assert out.data.shape == (13, 6) and h.shape == (2, 3, 6)
 
 
 @pytest.mark.parametrize("granularity", ["layer", "unit", "weight"])
