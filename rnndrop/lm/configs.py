@@ -419,16 +419,17 @@ def _tied_grid(embedding: float, hidden: tuple[float, ...], rest: tuple[float, .
 
 #: Small grids: three points per regime (none has nothing to search), chosen on validation.
 #: The recurrent probability and the others grow together, from light to heavy dropout.
-#: A grid whose best point was its last got one more point beyond it (naive: 0.75).
+#: A grid whose best point was at one of its ends got one more point beyond that end
+#: (naive: 0.75; untied, batch, gaussian, weight_drop: a lighter point).
 _SMALL_GRID: dict[str, tuple[Mapping[str, float], ...]] = {
     "none": ({},),
     "naive": tuple(_zaremba(p) for p in (0.3, 0.5, 0.65, 0.75)),
     "tied": _tied_grid(0.1, (0.1, 0.2, 0.3), (0.3, 0.5, 0.65)),
-    "untied": _tied_grid(0.1, (0.1, 0.2, 0.3), (0.3, 0.5, 0.65)),
-    "batch": _tied_grid(0.1, (0.1, 0.2, 0.3), (0.3, 0.5, 0.65)),
-    "gaussian": _tied_grid(0.1, (0.1, 0.2, 0.3), (0.3, 0.5, 0.65)),
+    "untied": _tied_grid(0.1, (0.05, 0.1, 0.2, 0.3), (0.2, 0.3, 0.5, 0.65)),
+    "batch": _tied_grid(0.1, (0.05, 0.1, 0.2, 0.3), (0.2, 0.3, 0.5, 0.65)),
+    "gaussian": _tied_grid(0.1, (0.05, 0.1, 0.2, 0.3), (0.2, 0.3, 0.5, 0.65)),
     # DropConnect on W_hh drops single weights, not whole units: AWD-LSTM uses 0.5.
-    "weight_drop": _tied_grid(0.1, (0.2, 0.35, 0.5), (0.3, 0.5, 0.65)),
+    "weight_drop": _tied_grid(0.1, (0.1, 0.2, 0.35, 0.5), (0.2, 0.3, 0.5, 0.65)),
 }
 
 CONFIGS: dict[str, TrainConfig] = {
