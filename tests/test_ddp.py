@@ -283,5 +283,84 @@ def test_a_run_killed_mid_epoch_resumes_under_torchrun_and_matches_the_uninterru
     assert len(states) == WORLD and not torch.equal(states[0]["torch"], states[1]["torch"])
 
 
+def test_a_ddp_checkpoint_resumes_only_with_as_many_processes(runs, tmp_path):
+    import shutil
+
+    corpus = load_corpus(runs["folder"] / "data")
+    shutil.copytree(runs["folder"] / "full", tmp_path / "full")
+    (tmp_path / "full" / "results.json").unlink()
+    with registered(regimes={"tied_killable": KILLABLE}, hooks={"zero_or_kill": _zero_or_kill}), \
+            pytest.raises(ValueError, match=r"written by 2 process\(es\); resume it with as many"):
+        train_run(corpus, FULL, "tied_killable", tmp_path / "full", seed=7, progress=False, resume=True)
+
+
+# ---------------------------------------------------------------------------------------
+# One process: the helpers
+
+
+def test_rank_seeds_differ_from_the_seed_and_between_ranks():
+    from rnndrop.distributed import rank_seed, seed_noise_per_rank
+
+    seeds = {rank_seed(1, r) for r in range(64)} | {rank_seed(2, r) for r in range(64)}
+    assert len(seeds) == 128 and 1 not in seeds and all(0 <= s < 2**63 for s in seeds)
+    assert seed_noise_per_rank(1, rank=3) == rank_seed(1, 3)
+    first = torch.rand(4)
+    seed_noise_per_rank(1)  # no process group: rank 0
+    assert not torch.equal(first, torch.rand(4))
+    torch.manual_seed(rank_seed(1, 3))
+    assert torch.equal(first, torch.rand(4))
+    with pytest.raises(ValueError, match="rank must be >= 0, got -1"):
+        rank_seed(1, -1)
+    with pytest.raises(TypeError, match="seed must be an int, got float"):
+        rank_seed(1.0, 0)
+
+
+def test_helpers_are_no_ops_for_one_process():
+    from rnndrop.distributed import check_noise_independent, check_parameters_agree
+    from rnndrop.lm.distributed import ONE_PROCESS, all_reduce_sums, current, init_from_env
+
+    check_noise_independent()
+    check_parameters_agree(torch.nn.Linear(2, 3))
+    with pytest.raises(TypeError, match="module must be an nn.Module, got str"):
+        check_parameters_agree("model")
+    assert current() == ONE_PROCESS and all_reduce_sums([1.5, 2.0], ONE_PROCESS) == [1.5, 2.0]
+    assert "WORLD_SIZE" not in os.environ and init_from_env("cpu") == (ONE_PROCESS, torch.device("cpu"))
+
+
+def test_shards_of_the_streams_are_contiguous_and_cover_the_batch():
+    from rnndrop.lm.distributed import shard_columns
+
+    batched = torch.arange(30).view(3, 10)
+    shards = [shard_columns(batched, r, 4) for r in range(4)]
+    assert [s.shape[1] for s in shards] == [3, 3, 2, 2]
+    assert torch.equal(torch.cat(shards, dim=1), batched)
+    with pytest.raises(ValueError, match="a batch of 10 streams cannot be shared by 11 processes"):
+        shard_columns(batched, 0, 11)
+
+
+def test_batch_sizes_that_do_not_divide_among_processes_are_refused():
+    from rnndrop.lm.distributed import Distributed
+    from rnndrop.lm.train import _check_distributed_config
+
+    three = Distributed(rank=0, world_size=3, backend="gloo")
+    with pytest.raises(ValueError, match=r"batch_size must be a multiple of the number of processes \(3\)"):
+        _check_distributed_config(TINY, three)
+    with pytest.raises(ValueError, match=r"eval_batch_size must be >= the number of processes \(3\)"):
+        _check_distributed_config(replace(TINY, batch_size=6), three)
+    _check_distributed_config(replace(TINY, batch_size=6, eval_batch_size=3), three)
+
+
+def test_torchrun_variables_are_checked(monkeypatch):
+    from rnndrop.lm.distributed import init_from_env
+
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match="WORLD_SIZE must be an integer .* got 'two'"):
+        init_from_env("cpu")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(ValueError, match=r"RANK must be in \[0, 2\) under torchrun, got 2"):
+        init_from_env("cpu")
+
+
 if __name__ == "__main__":
     _worker(sys.argv[1], Path(sys.argv[2]))

@@ -565,6 +565,8 @@ def _train_locked(
                            ctx, "making the run's identity")
     regularizer = None if regime_obj.regularizer is None else get_hook(regime_obj.regularizer)
     device = resolve_device(device)
+    if ctx.enabled and device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # LOCAL_RANK's (init_from_env)
     mc_samples = config.mc_samples if mc_samples is None else mc_samples
     if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 0:
         raise ValueError(f"mc_samples must be an int >= 0, got {mc_samples!r}")
