@@ -30,7 +30,8 @@ if str(ROOT) not in sys.path:  # run as a script by torchrun
 from rnndrop.lm.checkpoint import load_checkpoint  # noqa: E402
 from rnndrop.lm.configs import REGIMES, build_model, get_hook, get_regime, registered  # noqa: E402
 from rnndrop.lm.corpus import load_corpus  # noqa: E402
-from rnndrop.lm.train import train_run  # noqa: E402
+from rnndrop.lm.identity import read_verified_result  # noqa: E402
+from rnndrop.lm.train import add_mc_result, train_run  # noqa: E402
 from tests.lm_helpers import TINY, one_thread, write_corpus  # noqa: E402, F401 (autouse fixture)
 
 WORLD = 2
@@ -171,6 +172,7 @@ def _worker(scenario: str, folder: Path) -> None:
                     report["without_resume"] = f"{type(e).__name__}: {e}"
                 report["resumed"] = train_run(corpus, FULL, "tied_killable", folder / "cut", seed=7,
                                               progress=False, resume=True)
+                report["mc_added"] = add_mc_result(corpus, FULL, folder / "full", 2, "cpu")
         save()
     finally:
         dist.destroy_process_group()
@@ -181,7 +183,7 @@ def _worker(scenario: str, folder: Path) -> None:
 
 
 def _launch(scenario: str, folder: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
                "--max-restarts=0", __file__, scenario, str(folder)]
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -278,6 +280,11 @@ def test_a_run_killed_mid_epoch_resumes_under_torchrun_and_matches_the_uninterru
     assert [e["valid_ppl"] for e in full["epochs"]] == [e["valid_ppl"] for e in resumed["epochs"]]
     assert full["test_ppl"] == resumed["test_ppl"] and full["test_ppl_mc"] == resumed["test_ppl_mc"]
     assert resumed["world_size"] == WORLD and resumed["backend"] == "gloo"
+    # The Monte-Carlo perplexity added afterwards: every rank scores its share.
+    added = [r["mc_added"] for r in runs["resume"]]
+    assert added[0] == added[1] and added[0]["mc_samples"] == 2
+    assert math.isfinite(added[0]["test_ppl_mc"]) and added[0]["test_ppl_mc"] != full["test_ppl_mc"]
+    assert read_verified_result(folder / "full" / "results.json") == added[0]
     # Each rank's generator state is saved, and they differ (independent noise).
     states = b["distributed"]["rng"]
     assert len(states) == WORLD and not torch.equal(states[0]["torch"], states[1]["torch"])

@@ -57,6 +57,7 @@ from rnndrop.lm.checkpoint import (
     set_rng_state,
 )
 from rnndrop.lm.configs import (
+    Regime,
     TrainConfig,
     build_model,
     build_optimizer,
@@ -759,19 +760,43 @@ def add_mc_result(
 ) -> dict[str, Any]:
     """Add the Monte-Carlo test perplexity to a finished run's results.json (verified
     before, re-signed after). ``config`` gives the evaluation batch size and BPTT; the
-    model is rebuilt from ``best.pt``."""
+    model is rebuilt from ``best.pt``. Under DDP (call it on every rank) rank 0 reads and
+    writes the files and every rank scores its share of the test streams."""
     out = Path(out_dir)
-    with RunLock(out):
-        result = read_verified_result(out / RESULTS)
+    ctx = current()
+    with ExitStack() as stack:
+
+        def read() -> tuple[dict[str, Any], dict[str, Tensor] | None]:
+            stack.enter_context(RunLock(out))
+            result = read_verified_result(out / RESULTS)
+            return result, load_checkpoint(best_file(out))["model"] if ctx.enabled else None
+
+        result, best_state = run_on_main(read, ctx, f"reading the results in {str(out)!r}")
         device = resolve_device(device)
-        model = load_model(out, device).model
+        if ctx.enabled:
+            if device.type == "cuda" and device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            model = build_model(len(corpus.vocab), TrainConfig.from_dict(result["config"]),
+                                Regime.from_settings(result["regime_settings"]), result["dropout"])
+            model.load_state_dict(best_state)
+            model.to(device).eval()
+        else:
+            model = load_model(out, device).model
         if n_samples > 0 and _has_noise(model):
-            torch.manual_seed(result["seed"])
+            if ctx.enabled:
+                seed_noise_per_rank(result["seed"], ctx.rank)
+            else:
+                torch.manual_seed(result["seed"])
             start = time.perf_counter()
             test_data = batchify(corpus.test, config.eval_batch_size).to(device)
-            test_mc = score_mc(model, test_data, config.bptt, n_samples, CALIBRATION_BINS)
+            test_mc = _score_split(model, test_data, config.bptt, CALIBRATION_BINS, ctx, n_samples)
             result.update(test_ppl_mc=test_mc.perplexity, test_nll_mc=test_mc.nll, test_ece_mc=test_mc.ece)
             result["mc_samples"] = n_samples
             result["mc_seconds"] = time.perf_counter() - start
-            write_signed_result(result, out / RESULTS)
+
+            def write() -> dict[str, Any]:
+                write_signed_result(result, out / RESULTS)
+                return result
+
+            result = run_on_main(write, ctx, "writing results.json")
     return result
