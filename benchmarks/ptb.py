@@ -1,23 +1,23 @@
 """Penn Treebank word-level language modelling: no dropout vs naive vs tied variational.
 
-Quick start on the small offline corpus:
+The same command as ``rnndrop-lm ptb`` (see ``rnndrop-lm ptb --help`` and
+rnndrop/lm/cli.py), kept for scripts that call this file. Quick start on the PTB
+sample shipped with the package (no internet needed):
 
-    python benchmarks/ptb.py --data ../shared/data/ptb-mini --config mini
+    python benchmarks/ptb.py --data sample
 
 Fair comparison (each regime's dropout chosen on validation, three seeds):
 
-    python benchmarks/ptb.py --data ../shared/data/ptb-mini --config mini --grid --seeds 1,2,3
+    python benchmarks/ptb.py --data sample --grid --seeds 1,2,3
 
 Full PTB (downloaded once when --data is left out), e.g. Gal & Ghahramani's medium model:
 
     python benchmarks/ptb.py --config gal-medium --regimes naive,tied,untied --device cuda
-
-See ``python benchmarks/ptb.py --help`` and rnndrop/lm/benchmark.py.
 """
 
 import sys
 
-from rnndrop.lm.benchmark import main
+from rnndrop.lm.cli import main
 
 if __name__ == "__main__":
-    sys.stdout.write(main(dataset="ptb"))
+    raise SystemExit(main(["ptb", *sys.argv[1:]]))

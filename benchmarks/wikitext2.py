@@ -1,14 +1,15 @@
 """WikiText-2 word-level language modelling: no dropout vs naive vs tied variational.
 
-    python benchmarks/wikitext2.py --data ../shared/data/wikitext-2-mini --config mini
+The same command as ``rnndrop-lm wikitext2`` (``--help`` lists the options):
+
+    python benchmarks/wikitext2.py --data sample
 
 Without --data the official wikitext-2-v1.zip is downloaded once into the cache.
-Same options as benchmarks/ptb.py (``--help``).
 """
 
 import sys
 
-from rnndrop.lm.benchmark import main
+from rnndrop.lm.cli import main
 
 if __name__ == "__main__":
-    sys.stdout.write(main(dataset="wikitext-2"))
+    raise SystemExit(main(["wikitext2", *sys.argv[1:]]))

@@ -28,15 +28,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-import numpy as np
-import statsmodels.api as sm
 import torch
 from torch import nn
 
@@ -81,6 +76,16 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="a model this small runs best on one")
     args = parser.parse_args()
+    try:  # the example's extras, imported only to run it (--help works without them)
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import numpy as np
+        import statsmodels.api as sm
+    except ImportError as e:
+        sys.stderr.write(f"error: this example needs {e.name}: pip install -e \".[examples]\"\n")
+        raise SystemExit(2) from None
     args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

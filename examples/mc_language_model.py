@@ -12,30 +12,35 @@ the test split
 - draws reliability diagrams of the standard and the MC next-word predictions into
   ``--out/mc_language_model_reliability.png``, with their expected calibration errors.
 
-Run (from the repository root)::
+Run (``--data`` defaults to the PTB sample shipped with rnndrop; any folder with
+``ptb.{train,valid,test}.txt`` works)::
 
-    python examples/mc_language_model.py --data ../shared/data/ptb-mini --out /tmp/mc_lm
+    python examples/mc_language_model.py --out /tmp/mc_lm
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import torch
 from torch import nn
 
 from rnndrop.calibration import ReliabilityDiagram, reliability_diagram
-from rnndrop.lm import RNNLanguageModel, batchify, bptt_batches, detach_hidden, evaluate, load_corpus
+from rnndrop.lm import (
+    CorpusError,
+    RNNLanguageModel,
+    batchify,
+    bptt_batches,
+    detach_hidden,
+    evaluate,
+    load_corpus,
+)
+from rnndrop.lm.corpus import sample_dir
 from rnndrop.mc import mc_perplexity, mc_predict
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def train(model: nn.Module, stream: torch.Tensor, args: argparse.Namespace) -> None:
@@ -84,9 +89,16 @@ def plot_diagram(top, bottom, diagram: ReliabilityDiagram, title: str) -> None:
     bottom.set_xlabel("confidence (top-1 probability)")
 
 
+def fail(message: str) -> None:
+    """One line on stderr and exit status 2 (a data or usage problem)."""
+    sys.stderr.write(f"error: {message}\n")
+    raise SystemExit(2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--data", type=Path, default=REPO.parent / "shared" / "data" / "ptb-mini")
+    parser.add_argument("--data", type=Path, default=sample_dir("ptb"),
+                        help="corpus folder (default: the PTB sample shipped with rnndrop)")
     parser.add_argument("--out", type=Path, default=Path("mc_language_model_out"))
     parser.add_argument("--train-seconds", type=float, default=60.0)
     parser.add_argument("--size", type=int, default=200, help="embedding and hidden size")
@@ -101,11 +113,21 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
+    try:  # imported only to run the example (--help works without it)
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        fail("the reliability diagrams need matplotlib: pip install -e \".[examples]\"")
     args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
-    corpus = load_corpus(args.data)
+    try:
+        corpus = load_corpus(args.data)
+    except CorpusError as e:
+        fail(str(e))
     vocab = corpus.vocab
     print(f"{args.data}: {corpus.train.numel()} training words, vocabulary {len(vocab)}")
     model = RNNLanguageModel(

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rnndrop.validation import check_positive_int
+
 __all__ = [
     "ReliabilityDiagram",
     "expected_calibration_error",
@@ -79,8 +81,7 @@ def _check_inputs(probs: Tensor, labels: Tensor, n_bins: int) -> tuple[Tensor, T
             f"labels must have probs' shape without the class dimension, {list(probs.shape[:-1])}, "
             f"got {list(labels.shape)}"
         )
-    if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 1:
-        raise ValueError(f"n_bins must be a positive int, got {n_bins!r}")
+    check_positive_int("n_bins", n_bins)
     if labels.numel() == 0:
         raise ValueError("probs and labels must hold at least one prediction, got none")
     probs = probs.detach().reshape(-1, probs.shape[-1])
@@ -122,8 +123,7 @@ def reliability_from_predictions(confidence: Tensor, correct: Tensor, n_bins: in
         correct: whether that class was the label ``[N]`` (bool or 0/1, same shape).
         n_bins: the number of equal-width confidence bins.
     """
-    if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 1:
-        raise ValueError(f"n_bins must be a positive int, got {n_bins!r}")
+    check_positive_int("n_bins", n_bins)
     if confidence.shape != correct.shape:
         raise ValueError(
             f"confidence and correct must have the same shape, got {list(confidence.shape)} "

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rnndrop.validation import check_tensor_like
+
 LSTM_GATES = 4  # (i, f, g, o), the order of nn.LSTM
 GRU_GATES = 3  # (r, z, n), the order of nn.GRU
 
@@ -83,10 +85,7 @@ def check_cell_mask(name: str, mask: Tensor | None, x: Tensor, size: int, gates:
     if tuple(mask.shape) not in ok_shapes:
         expected = " or ".join(str(list(s)) for s in ok_shapes)
         raise ValueError(f"{name} must have shape {expected}, got {list(mask.shape)}")
-    if mask.dtype != x.dtype:
-        raise TypeError(f"{name} must have the input's dtype {x.dtype}, got {mask.dtype}")
-    if mask.device != x.device:
-        raise ValueError(f"{name} must be on the input's device {x.device}, got {mask.device}")
+    check_tensor_like(name, mask, None, x)
 
 
 def _check_cell_input(cell: nn.Module, input: Tensor) -> None:
@@ -108,11 +107,7 @@ def _check_cell_input(cell: nn.Module, input: Tensor) -> None:
 
 
 def _check_cell_state(cell: nn.Module, name: str, state: Tensor, input: Tensor) -> None:
-    expected = (*input.shape[:-1], cell.hidden_size)
-    if tuple(state.shape) != expected:
-        raise ValueError(
-            f"{type(cell).__name__}: {name} must have shape {list(expected)}, got {list(state.shape)}"
-        )
+    check_tensor_like(f"{type(cell).__name__}: {name}", state, (*input.shape[:-1], cell.hidden_size), input)
 
 
 class VariationalLSTMCell(nn.LSTMCell):

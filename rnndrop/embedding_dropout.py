@@ -20,18 +20,31 @@ only when it is no larger than the batch itself (``V <= T``, e.g. characters).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from rnndrop.masks import bernoulli_mask, check_choice, check_probability
+from rnndrop.masks import bernoulli_mask
 from rnndrop.stochastic import Stochastic
+from rnndrop.validation import check_bool, check_choice, check_instance, check_probability
 
 __all__ = ["EmbeddingDropout", "word_keep_mask"]
 
-EmbeddingScope = Literal["sequence", "batch"]
 EMBEDDING_SCOPES: tuple[str, ...] = ("sequence", "batch")
+
+
+def check_word_ids(name: str, tokens: Tensor, num_embeddings: int) -> None:
+    """Raise a ValueError naming the first id of ``tokens`` outside ``[0, num_embeddings)``."""
+    if tokens.numel() == 0:
+        return
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= num_embeddings:
+        bad = low if low < 0 else high
+        raise ValueError(
+            f"{name} must be word ids in [0, {num_embeddings}) (the vocabulary size V = {num_embeddings}), "
+            f"got id {bad}"
+        )
 
 
 def word_keep_mask(
@@ -47,7 +60,7 @@ def word_keep_mask(
     """The word-dropout mask for ``tokens``, one value per token.
 
     Args:
-        tokens: ``[B, T]`` integer word ids, one sequence per row.
+        tokens: ``[B, T]`` integer word ids in ``[0, V)``, one sequence per row.
         num_embeddings: vocabulary size ``V``.
         p: probability of dropping a word type.
         scope: ``"sequence"`` (one draw per sequence and word type) or ``"batch"``
@@ -61,6 +74,7 @@ def word_keep_mask(
         ``scope="batch"``) get equal values.
     """
     check_choice("scope", scope, EMBEDDING_SCOPES)
+    check_word_ids("tokens", tokens, num_embeddings)
     B = tokens.shape[0]
     draw = {"device": tokens.device, "dtype": dtype, "generator": generator}
     if scope == "batch":
@@ -110,12 +124,11 @@ class EmbeddingDropout(Stochastic, nn.Module):
         batch_first: bool = False,
     ) -> None:
         super().__init__()
-        if not isinstance(embedding, nn.Embedding):
-            raise TypeError(f"embedding must be an nn.Embedding, got {type(embedding).__name__}")
+        check_instance("embedding", embedding, nn.Embedding, "an nn.Embedding")
         self.embedding = embedding
         self.p = check_probability("p", p)
         self.scope = check_choice("scope", scope, EMBEDDING_SCOPES)
-        self.batch_first = bool(batch_first)
+        self.batch_first = check_bool("batch_first", batch_first)
 
     @classmethod
     def from_sizes(
@@ -148,6 +161,7 @@ class EmbeddingDropout(Stochastic, nn.Module):
                 f"tokens must be 2-D {layout} or 1-D [T], got {tokens.dim()}-D "
                 f"with shape {list(tokens.shape)}"
             )
+        check_word_ids("tokens", tokens, self.embedding.num_embeddings)
         out = self.embedding(tokens)
         if not (self.training and self.p > 0):
             return out

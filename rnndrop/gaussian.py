@@ -41,10 +41,17 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from rnndrop.kl import KL_APPROXIMATIONS, KLRegularized
-from rnndrop.locked_dropout import packed_sequence_index
-from rnndrop.masks import check_choice, check_probability, gaussian_mask
+from rnndrop.layout import mask_packed_sequence
+from rnndrop.masks import gaussian_mask
 from rnndrop.recurrent import VariationalGRU, VariationalLSTM
 from rnndrop.stochastic import Stochastic
+from rnndrop.validation import (
+    check_bool,
+    check_choice,
+    check_positive_float,
+    check_positive_int,
+    check_probability,
+)
 
 __all__ = ["GRANULARITIES", "GaussianGRU", "GaussianLSTM", "GaussianLockedDropout", "rnn_state_dict"]
 
@@ -60,15 +67,20 @@ def rnn_state_dict(layer: nn.RNNBase) -> dict[str, Tensor]:
 def _check_max_alpha(max_alpha: float | None, kl_approximation: str) -> float | None:
     check_choice("kl_approximation", kl_approximation, tuple(KL_APPROXIMATIONS))
     if max_alpha is not None:
-        if isinstance(max_alpha, bool) or not isinstance(max_alpha, (int, float)) or max_alpha <= 0:
-            raise ValueError(f"max_alpha must be a positive float or None, got {max_alpha!r}")
-        max_alpha = float(max_alpha)
+        max_alpha = check_positive_float("max_alpha", max_alpha)
     if kl_approximation == "kingma" and (max_alpha is None or max_alpha > 1):
         raise ValueError(
             "kl_approximation='kingma' is fitted for alpha <= 1 only: it needs max_alpha <= 1, "
             f"got max_alpha={max_alpha!r}"
         )
     return max_alpha
+
+
+def clip_log_alpha(log_alpha: Tensor, max_alpha: float | None) -> Tensor:
+    """``log_alpha`` clipped at ``log(max_alpha)`` (no gradient beyond it); unchanged for None."""
+    if max_alpha is None:
+        return log_alpha
+    return log_alpha.clamp(max=math.log(max_alpha))
 
 
 def _alpha_shape(granularity: str, size: int, gates: int | None) -> tuple[int, ...]:
@@ -106,7 +118,7 @@ class _LearnedAlphaMixin(KLRegularized):
         self.kl_approximation = kl_approximation
         if granularity == "weight":
             self.per_gate_masks = True
-        D, H, gates = self._num_directions, self.hidden_size, self._gates
+        D, H, gates = self._num_directions, self.hidden_size, self._cell.gates
         width = D * self._out_size
         # site name -> (initial log alpha, shape, weights counted per element in kl())
         self._alpha_sites: dict[str, tuple[float, tuple[int, ...], float]] = {}
@@ -141,10 +153,7 @@ class _LearnedAlphaMixin(KLRegularized):
         """The site's ``log_alpha``, clipped at ``log(max_alpha)``; None for a site without noise."""
         if name not in self._alpha_sites:
             return None
-        log_alpha = getattr(self, name)
-        if self.max_alpha is not None:
-            log_alpha = log_alpha.clamp(max=math.log(self.max_alpha))
-        return log_alpha
+        return clip_log_alpha(getattr(self, name), self.max_alpha)
 
     def alphas(self) -> dict[str, Tensor]:
         """``alpha`` (after clipping) of every site with noise, by parameter name, detached."""
@@ -255,8 +264,7 @@ class GaussianLockedDropout(KLRegularized, Stochastic, nn.Module):
         batch_first: bool = False,
     ) -> None:
         super().__init__()
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"size must be a positive int, got {size!r}")
+        check_positive_int("size", size)
         p = check_probability("p", p)
         if p == 0:
             raise ValueError("p must be in (0, 1) to set a positive initial alpha, got 0.0")
@@ -266,7 +274,7 @@ class GaussianLockedDropout(KLRegularized, Stochastic, nn.Module):
         self.granularity = granularity
         self.max_alpha = _check_max_alpha(max_alpha, kl_approximation)
         self.kl_approximation = kl_approximation
-        self.batch_first = bool(batch_first)
+        self.batch_first = check_bool("batch_first", batch_first)
         shape = (1,) if granularity == "layer" else (size,)
         self.log_alpha = nn.Parameter(torch.full(shape, math.log(p / (1.0 - p))))
 
@@ -274,9 +282,7 @@ class GaussianLockedDropout(KLRegularized, Stochastic, nn.Module):
         return True
 
     def _clipped_log_alpha(self) -> Tensor:
-        if self.max_alpha is None:
-            return self.log_alpha
-        return self.log_alpha.clamp(max=math.log(self.max_alpha))
+        return clip_log_alpha(self.log_alpha, self.max_alpha)
 
     def alpha(self) -> Tensor:
         """The present ``alpha`` (after clipping), detached: ``[1]`` or ``[size]``."""
@@ -296,9 +302,7 @@ class GaussianLockedDropout(KLRegularized, Stochastic, nn.Module):
         alpha = self._clipped_log_alpha().exp().to(data.dtype)
         if isinstance(x, PackedSequence):
             noise = gaussian_mask((int(x.batch_sizes[0]), self.size), alpha, device=data.device)
-            rows = packed_sequence_index(x.batch_sizes).to(data.device)
-            return PackedSequence(data * noise[rows], x.batch_sizes, x.sorted_indices,
-                                  x.unsorted_indices)
+            return mask_packed_sequence(x, noise)
         if data.dim() != 3:
             raise ValueError(f"x must be 3-D [T, B, {self.size}], got shape {list(data.shape)}")
         shape = (data.shape[0], 1, self.size) if self.batch_first else (1, data.shape[1], self.size)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rnndrop.masks import check_choice
+from rnndrop.validation import check_choice, check_instance, check_positive_int
 
 __all__ = [
     "KINGMA_COEFFICIENTS",
@@ -108,8 +108,7 @@ def model_kl(model: nn.Module) -> Tensor:
 
     Returns a scalar tensor (zero, on the model's device, when there is none).
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    check_instance("model", model, nn.Module, "an nn.Module")
     terms = [m.kl() for m in model.modules() if isinstance(m, KLRegularized)]
     if terms:
         return torch.stack(terms).sum()
@@ -130,12 +129,6 @@ def kl_warmup(progress: float, warmup: float) -> float:
     return float(min(1.0, max(0.0, progress) / warmup))
 
 
-def _check_dataset_size(dataset_size: int) -> int:
-    if isinstance(dataset_size, bool) or not isinstance(dataset_size, int) or dataset_size < 1:
-        raise ValueError(f"dataset_size must be a positive int, got {dataset_size!r}")
-    return dataset_size
-
-
 def negative_elbo(nll: Tensor, kl: Tensor, dataset_size: int, kl_weight: float = 1.0) -> Tensor:
     """The negative ELBO per data point: ``nll + kl_weight * kl / dataset_size``.
 
@@ -151,7 +144,7 @@ def negative_elbo(nll: Tensor, kl: Tensor, dataset_size: int, kl_weight: float =
         dataset_size: number of data points in the training set.
         kl_weight: factor on the KL term, e.g. :func:`kl_warmup`.
     """
-    return nll + kl_weight * kl / _check_dataset_size(dataset_size)
+    return nll + kl_weight * kl / check_positive_int("dataset_size", dataset_size)
 
 
 @dataclass(frozen=True)
@@ -174,7 +167,7 @@ class KLRegularizer:
 
     def __post_init__(self) -> None:
         if self.dataset_size is not None:
-            _check_dataset_size(self.dataset_size)
+            check_positive_int("dataset_size", self.dataset_size)
         kl_warmup(0.0, self.warmup)  # checks warmup
 
     def __call__(self, model: nn.Module, progress: float, dataset_size: int | None = None) -> Tensor:
@@ -185,7 +178,7 @@ class KLRegularizer:
                 "at construction or at the call, got None for both"
             )
         weight = kl_warmup(progress, self.warmup)
-        return model_kl(model) * (weight / _check_dataset_size(n))
+        return model_kl(model) * (weight / check_positive_int("dataset_size", n))
 
 
 def kl_regularizer(dataset_size: int | None = None, warmup: float = 0.0) -> KLRegularizer:

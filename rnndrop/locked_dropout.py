@@ -8,29 +8,15 @@ every time step.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from rnndrop.masks import NOISES, check_choice, check_probability, sample_mask
+from rnndrop.layout import mask_packed_sequence, packed_sequence_index
+from rnndrop.masks import NOISES, sample_mask
 from rnndrop.stochastic import Stochastic
+from rnndrop.validation import check_bool, check_choice, check_probability
 
 __all__ = ["LockedDropout", "packed_sequence_index"]
-
-
-def packed_sequence_index(batch_sizes: Tensor) -> Tensor:
-    """For each row of a ``PackedSequence``'s data, the (sorted) sequence it belongs to.
-
-    Args:
-        batch_sizes: ``[T]`` rows per time step (the PackedSequence's, on the CPU).
-
-    Returns:
-        ``[sum(batch_sizes)]`` int64: row ``offset_t + i`` of step ``t`` -> ``i``.
-    """
-    batch_sizes = batch_sizes.long()
-    offsets = torch.cumsum(batch_sizes, 0) - batch_sizes
-    rows = torch.arange(int(batch_sizes.sum()))
-    return rows - torch.repeat_interleave(offsets, batch_sizes)
 
 
 class LockedDropout(Stochastic, nn.Module):
@@ -53,7 +39,7 @@ class LockedDropout(Stochastic, nn.Module):
     def __init__(self, p: float, *, batch_first: bool = False, noise: str = "bernoulli") -> None:
         super().__init__()
         self.p = check_probability("p", p)
-        self.batch_first = bool(batch_first)
+        self.batch_first = check_bool("batch_first", batch_first)
         self.noise = check_choice("noise", noise, NOISES)
 
     def is_stochastic(self) -> bool:
@@ -69,10 +55,7 @@ class LockedDropout(Stochastic, nn.Module):
             mask = sample_mask(
                 (batch, *data.shape[1:]), self.p, self.noise, device=data.device, dtype=data.dtype
             )
-            rows = packed_sequence_index(x.batch_sizes).to(data.device)
-            return PackedSequence(
-                data * mask[rows], x.batch_sizes, x.sorted_indices, x.unsorted_indices
-            )
+            return mask_packed_sequence(x, mask)
         if not isinstance(x, Tensor):
             raise TypeError(f"x must be a Tensor or PackedSequence, got {type(x).__name__}")
         if x.dim() < 2:

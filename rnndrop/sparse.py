@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from rnndrop.kl import KLRegularized, kl_molchanov
 from rnndrop.recurrent import VariationalGRU, VariationalLSTM
 from rnndrop.stochastic import Stochastic
+from rnndrop.validation import check_bool, check_finite_float, check_instance
 
 __all__ = [
     "DEFAULT_THRESHOLD",
@@ -66,19 +67,13 @@ _LOG_ALPHA_CLIP = 10.0  # KL and its gradient are flat beyond this; keeps exp() 
 _EPS = 1e-8
 
 
-def _check_threshold(threshold: float) -> float:
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
-        raise TypeError(f"threshold must be a float (a log alpha), got {type(threshold).__name__}")
-    return float(threshold)
-
-
 class _SparseWeightsMixin(KLRegularized, Stochastic):
     """``log_sigma2_<name>`` for each weight in ``_sparse_names``; log alpha, masks, KL."""
 
     _sparse_names: tuple[str, ...]
 
     def _init_sparse(self, names: tuple[str, ...], threshold: float) -> None:
-        self.threshold = _check_threshold(threshold)
+        self.threshold = check_finite_float("threshold", threshold, "a float (a log alpha)")
         self._sparse_names = names
         for name in names:
             weight = getattr(self, name)
@@ -235,7 +230,7 @@ class SparseLinear(_SparseWeightsMixin, nn.Linear):
         local_reparameterization: bool = True,
     ) -> None:
         super().__init__(in_features, out_features, bias, device, dtype)
-        self.local_reparameterization = bool(local_reparameterization)
+        self.local_reparameterization = check_bool("local_reparameterization", local_reparameterization)
         self._init_sparse(("weight",), threshold)
 
     def forward(self, input: Tensor) -> Tensor:
@@ -365,8 +360,7 @@ class SparsityReport:
 
 def sparsity_report(model: nn.Module) -> SparsityReport:
     """Count the weights that eval mode zeroes in every sparse layer of ``model``."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    check_instance("model", model, nn.Module, "an nn.Module")
     layers = []
     sparse_params: set[int] = set()
     for prefix, module in model.named_modules():
@@ -390,8 +384,7 @@ def prune(model: nn.Module) -> nn.Module:
     threshold set to zero and no ``log_sigma2``. In eval mode the copy computes what
     ``model`` computes in eval mode. ``model`` itself is not changed.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    check_instance("model", model, nn.Module, "an nn.Module")
     if isinstance(model, _SparseWeightsMixin):
         return model.to_dense()
     pruned = copy.deepcopy(model)

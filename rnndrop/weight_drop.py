@@ -24,9 +24,10 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from rnndrop.masks import bernoulli_mask, check_probability
-from rnndrop.recurrent import quiet_weight_compaction
+from rnndrop.cell_specs import quiet_weight_compaction
+from rnndrop.masks import bernoulli_mask
 from rnndrop.stochastic import Stochastic
+from rnndrop.validation import check_bool, check_instance, check_probability, check_tensor_like
 
 __all__ = ["WeightDrop"]
 
@@ -69,11 +70,10 @@ class WeightDrop(Stochastic, nn.Module):
         variational: bool = False,
     ) -> None:
         super().__init__()
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+        check_instance("module", module, nn.Module, "an nn.Module")
         self.module = module
         self.p = check_probability("p", p)
-        self.variational = bool(variational)
+        self.variational = check_bool("variational", variational)
         names = (weights,) if isinstance(weights, str) else tuple(weights)
         if not names:
             raise ValueError("weights must name at least one parameter of the module, got none")
@@ -87,11 +87,18 @@ class WeightDrop(Stochastic, nn.Module):
             if self.variational and module.get_parameter(name).dim() != 2:
                 shape = list(module.get_parameter(name).shape)
                 raise ValueError(
-                    f"weights: variational=True drops columns of 2-D weights, "
-                    f"but {name!r} has shape {shape}"
+                    f"weights: variational=True drops columns of 2-D weights, but {name!r} has shape {shape}"
                 )
         if len(set(names)) != len(names):
             raise ValueError(f"weights must not repeat a name, got {list(names)}")
+        for name in names:
+            owner = _dropping_wrapper(module, name)
+            if owner is not None:
+                raise ValueError(
+                    f"weights: {name!r} is already dropped by the WeightDrop at "
+                    f"{owner or 'the wrapped module'!r}; a weight can be dropped by one WeightDrop "
+                    "only (set the p you want on that one)"
+                )
         self.weights = names
 
     def is_stochastic(self) -> bool:
@@ -100,15 +107,20 @@ class WeightDrop(Stochastic, nn.Module):
     def shares_noise_across_batch(self) -> bool:
         return True  # one weight mask per call
 
+    def mask_shape(self, name: str) -> tuple[int, ...]:
+        """The shape of the mask of weight ``name``: the weight's, or ``[1, in_features]``
+        with ``variational``."""
+        weight = self.module.get_parameter(name)
+        return (1, weight.shape[1]) if self.variational else tuple(weight.shape)
+
     def sample_masks(self, generator: torch.Generator | None = None) -> dict[str, Tensor]:
-        """One mask per dropped weight: the weight's shape, or ``[1, in_features]``
-        with ``variational``; values 0 or ``1 / (1 - p)``, the weight's device and dtype."""
+        """One mask per dropped weight (:meth:`mask_shape`); values 0 or ``1 / (1 - p)``,
+        the weight's device and dtype."""
         masks = {}
         for name in self.weights:
             weight = self.module.get_parameter(name)
-            shape = (1, weight.shape[1]) if self.variational else weight.shape
             masks[name] = bernoulli_mask(
-                shape, self.p, device=weight.device, dtype=weight.dtype, generator=generator
+                self.mask_shape(name), self.p, device=weight.device, dtype=weight.dtype, generator=generator
             )
         return masks
 
@@ -116,13 +128,18 @@ class WeightDrop(Stochastic, nn.Module):
         """The wrapped module's forward with ``weight * masks[name]`` for each named weight.
 
         Use it to apply the same masks over several calls (truncated BPTT,
-        Monte-Carlo evaluation); it applies them in eval mode too.
+        Monte-Carlo evaluation); it applies them in eval mode too. Each mask must have
+        exactly the shape :meth:`mask_shape` gives (no broadcasting) and its weight's
+        dtype and device.
         """
         unknown = set(masks) - set(self.weights)
         if unknown:
             raise ValueError(
                 f"masks: {sorted(unknown)} are not among the dropped weights {list(self.weights)}"
             )
+        for name, mask in masks.items():
+            weight = self.module.get_parameter(name)
+            check_tensor_like(f"masks[{name!r}]", mask, self.mask_shape(name), weight, f"the weight {name!r}")
         dropped = {name: self.module.get_parameter(name) * m for name, m in masks.items()}
         if not dropped:
             return self.module(*args, **kwargs)
@@ -148,3 +165,18 @@ class WeightDrop(Stochastic, nn.Module):
         if self.variational:
             s += ", variational=True"
         return s
+
+
+def _dropping_wrapper(module: nn.Module, name: str) -> str | None:
+    """The path of a WeightDrop inside (or equal to) ``module`` that already drops the
+    parameter ``name``, else None. ``""`` is ``module`` itself."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1):
+        wrapper = module.get_submodule(".".join(parts[:i]))
+        if (
+            isinstance(wrapper, WeightDrop)
+            and parts[i] == "module"
+            and ".".join(parts[i + 1 :]) in wrapper.weights
+        ):
+            return ".".join(parts[:i])
+    return None

@@ -2,6 +2,15 @@ import pytest
 import torch
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread():
+    """The tests' tensors are tiny: one thread is faster, and the suite shares 2 cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -9,7 +9,7 @@ from torch.nn.utils.rnn import pack_sequence
 from torch.overrides import TorchFunctionMode
 
 from rnndrop import VariationalGRU, VariationalLSTM
-from tests.helpers import assert_close
+from tests.oracle import assert_close, plain_twin
 
 I, H, T, B = 5, 6, 7, 4
 ALL_P = dict(dropout=0.3, dropout_input=0.2, dropout_hidden=0.5, dropout_output=0.4)
@@ -29,12 +29,8 @@ class FusedCalls(TorchFunctionMode):
 
 
 def _pair(kind, **kw):
-    ref_cls, our_cls = (nn.LSTM, VariationalLSTM) if kind == "lstm" else (nn.GRU, VariationalGRU)
-    ours = our_cls(I, H, mask_scope="batch", **kw)
-    plain_kw = {k: v for k, v in kw.items() if k not in ALL_P}
-    ref = ref_cls(I, H, **plain_kw)
-    ref.load_state_dict(ours.state_dict())
-    return ref, ours
+    ours = (VariationalLSTM if kind == "lstm" else VariationalGRU)(I, H, mask_scope="batch", **kw)
+    return plain_twin(ours), ours
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
@@ -88,37 +84,44 @@ def test_training_equals_nn_module_with_masked_w_hh_columns(kind):
     assert_close(state, expected_state, atol=1e-6, rtol=1e-6)
 
 
-CONFIGS = [
-    dict(num_layers=2, bidirectional=True),
-    dict(num_layers=2, batch_first=True),
-    dict(num_layers=2, proj_size=3),
-    dict(num_layers=1, bias=False),
+CONFIGS = {
+    "2-layers-bidirectional": dict(num_layers=2, bidirectional=True),
+    "2-layers-batch-first": dict(num_layers=2, batch_first=True),
+    "2-layers-proj": dict(num_layers=2, proj_size=3),
+    "1-layer-no-bias": dict(num_layers=1, bias=False),
+}
+KIND_CONFIGS = [
+    pytest.param(kind, config, id=f"{kind}-{name}")
+    for kind in ("lstm", "gru")
+    for name, config in CONFIGS.items()
+    if kind == "lstm" or "proj_size" not in config
 ]
 
 
+@pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("noise", ["bernoulli", "gaussian"])
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
-def test_fused_path_equals_the_loop_kernel_with_the_same_masks(kind, noise):
+@pytest.mark.parametrize(("kind", "config"), KIND_CONFIGS)
+def test_fused_path_equals_the_loop_kernel_with_the_same_masks(kind, config, noise, layout):
     """Folding the mask into W_hh computes what the reference loop computes, gradients too."""
-    for config in CONFIGS:
-        if kind == "gru" and "proj_size" in config:
-            continue
-        cls = VariationalLSTM if kind == "lstm" else VariationalGRU
-        fast = cls(I, H, mask_scope="batch", noise=noise, **ALL_P, **config)
-        loop = copy.deepcopy(fast)
-        loop.kernel = "autograd"
-        masks = fast.sample_masks(B)
-        shape = (B, T, I) if config.get("batch_first") else (T, B, I)
-        for x in (torch.randn(*shape), pack_sequence([torch.randn(n, I) for n in (3, 7, 1, 5)], False)):
-            out_fast, state_fast = fast(x, masks=masks)
-            out_loop, state_loop = loop(x, masks=masks)
-            assert_close(out_fast, out_loop, msg=str(config))
-            assert_close(state_fast, state_loop, msg=str(config))
-            data_fast = out_fast.data if hasattr(out_fast, "batch_sizes") else out_fast
-            data_loop = out_loop.data if hasattr(out_loop, "batch_sizes") else out_loop
-            g_fast = torch.autograd.grad(data_fast.square().sum(), list(fast.parameters()))
-            g_loop = torch.autograd.grad(data_loop.square().sum(), list(loop.parameters()))
-            assert_close(g_fast, g_loop, atol=1e-4, rtol=1e-4, msg=str(config))
+    cls = VariationalLSTM if kind == "lstm" else VariationalGRU
+    p = ALL_P if config["num_layers"] > 1 else {k: v for k, v in ALL_P.items() if k != "dropout"}
+    fast = cls(I, H, mask_scope="batch", noise=noise, **p, **config)
+    loop = copy.deepcopy(fast)
+    loop.kernel = "autograd"
+    masks = fast.sample_masks(B)
+    if layout == "packed":
+        x = pack_sequence([torch.randn(n, I) for n in (3, 7, 1, 5)], False)
+    else:
+        x = torch.randn(*((B, T, I) if config.get("batch_first") else (T, B, I)))
+    out_fast, state_fast = fast(x, masks=masks)
+    out_loop, state_loop = loop(x, masks=masks)
+    assert_close(out_fast, out_loop)
+    assert_close(state_fast, state_loop)
+    data_fast = out_fast.data if hasattr(out_fast, "batch_sizes") else out_fast
+    data_loop = out_loop.data if hasattr(out_loop, "batch_sizes") else out_loop
+    g_fast = torch.autograd.grad(data_fast.square().sum(), list(fast.parameters()))
+    g_loop = torch.autograd.grad(data_loop.square().sum(), list(loop.parameters()))
+    assert_close(g_fast, g_loop, atol=1e-4, rtol=1e-4)
 
 
 def test_sequences_of_a_batch_share_the_recurrent_mask():

@@ -165,3 +165,20 @@ def test_bad_arguments():
         embed(torch.zeros(3, 2))
     with pytest.raises(ValueError, match=r"tokens must be 2-D \[T, B\]"):
         embed(torch.zeros(3, 2, 1, dtype=torch.long))
+
+
+@pytest.mark.parametrize("bad_id", [10, 11, -1])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_ids_outside_the_vocabulary_are_named_with_the_vocabulary_size(bad_id, mode):
+    embed = EmbeddingDropout.from_sizes(10, 3, p=0.5)
+    embed.train(mode == "train")
+    tokens = torch.tensor([[1, 2], [bad_id, 4]])
+    with pytest.raises(ValueError, match=rf"word ids in \[0, 10\) .*V = 10.*got id {bad_id}"):
+        embed(tokens)
+
+
+@pytest.mark.parametrize("scope", ["sequence", "batch"])
+def test_word_keep_mask_rejects_ids_that_would_alias(scope):
+    """Id V in sequence 0 would share the key of id 0 in sequence 1."""
+    with pytest.raises(ValueError, match="got id 5"):
+        word_keep_mask(torch.tensor([[5, 1], [0, 2]]), 5, 0.5, scope)

@@ -142,6 +142,7 @@ def test_negative_elbo_and_regularizer_scale_by_dataset_size():
         negative_elbo(nll, kl, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("regime", ["gaussian", "sparse_vd"])
 def test_language_model_regimes_train_with_the_kl_hook(tmp_path, regime):
     from dataclasses import replace

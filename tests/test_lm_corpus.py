@@ -3,14 +3,17 @@ import torch
 
 from rnndrop.lm.corpus import (
     EOS,
+    SPLITS,
     UNK,
     CorpusError,
     Vocabulary,
     batchify,
     bptt_batches,
+    encode_split,
     find_split_files,
     load_corpus,
     num_bptt_batches,
+    sample_dir,
 )
 from tests.lm_helpers import write_corpus
 
@@ -95,3 +98,52 @@ def test_bptt_batches_shift_targets_and_cover_the_stream():
     for x, y in segments:
         assert torch.equal(y, x + 1)  # arange: the next word is id + 1
     assert torch.equal(torch.cat([x for x, _ in segments]), b[:-1])
+
+
+def test_a_byte_order_mark_is_not_a_word(tmp_path):
+    write_corpus(tmp_path)
+    text = (tmp_path / "ptb.train.txt").read_text()
+    (tmp_path / "ptb.train.txt").write_bytes("\ufeff".encode() + text.encode())
+    with_bom = load_corpus(tmp_path)
+    assert not any("\ufeff" in w for w in with_bom.vocab.itos)
+    (tmp_path / "ptb.train.txt").write_text(text)
+    assert load_corpus(tmp_path).vocab.itos == with_bom.vocab.itos
+
+
+def test_a_file_that_is_not_utf8_is_named_with_the_line(tmp_path):
+    write_corpus(tmp_path)
+    (tmp_path / "ptb.test.txt").write_bytes(b"the cat\nthe dog\nla caf\xe9\n")
+    with pytest.raises(CorpusError, match=r"ptb\.test\.txt' is not UTF-8 text: byte 0xe9 on line 3"):
+        load_corpus(tmp_path)
+
+
+def test_a_validation_split_that_is_mostly_unknown_words_warns(tmp_path, caplog):
+    write_corpus(tmp_path)
+    load_corpus(tmp_path)
+    assert not caplog.records
+    (tmp_path / "ptb.valid.txt").write_text("zebra yak gnu the\nokapi tapir\n")  # 5 of 6 words unseen
+    load_corpus(tmp_path)
+    [record] = caplog.records
+    assert "ptb.valid.txt" in record.getMessage() and "83% of its words are <unk>" in record.getMessage()
+
+
+def test_encode_split_uses_the_given_vocabulary(tmp_path):
+    write_corpus(tmp_path)
+    vocab = Vocabulary(["the", "cat", EOS, UNK])
+    ids = encode_split(tmp_path, "test", vocab)
+    words = vocab.decode(ids)
+    assert words[:2] in (["the", "cat"], ["the", UNK]) and set(words) <= {"the", "cat", EOS, UNK}
+    with pytest.raises(ValueError, match="split must be one of"):
+        encode_split(tmp_path, "dev", vocab)
+
+
+@pytest.mark.parametrize(("name", "layout"), [("ptb", "ptb.{split}.txt"), ("wikitext-2", "{split}.txt")])
+def test_the_bundled_samples_are_real_corpora_with_a_notice(name, layout):
+    folder = sample_dir(name)
+    assert [p.name for p in find_split_files(folder).values()] == [layout.format(split=s) for s in SPLITS]
+    corpus = load_corpus(folder)
+    assert corpus.train.numel() > 50_000 and len(corpus.vocab) > 5_000
+    notice = (folder.parent / "NOTICE.md").read_text()
+    assert "CC BY-SA 3.0" in notice and "simple-examples" in notice and "wikitext-2-v1.zip" in notice
+    with pytest.raises(ValueError, match="name must be one of"):
+        sample_dir("ptb-full")

@@ -3,7 +3,7 @@ import torch
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from rnndrop import LockedDropout
-from rnndrop.locked_dropout import packed_sequence_index
+from rnndrop.layout import packed_sequence_index
 
 
 def test_mask_is_the_same_at_every_step_and_differs_across_the_batch():

@@ -181,7 +181,12 @@ class LastStep(nn.Module):
         return self.lstm(x)[0][:, -1]
 
 
-def test_batched_and_looped_sampling_agree_exactly_when_draw_order_is_the_same():
+@pytest.mark.parametrize(
+    "plan",
+    [{"chunk_size": 10}, {"chunk_size": 3}, {"memory_budget": 200}, {}],
+    ids=["one-chunk", "chunks-of-3", "probe-then-chunks-of-2", "default-budget"],
+)
+def test_batched_and_looped_sampling_agree_exactly_when_draw_order_is_the_same(plan):
     # One mask per forward call: the rows of one batched draw come from the generator
     # in the order of the looped draws (as long as every draw is a whole number of
     # 64-bit words: masks.py cuts each into four 16-bit values, so B * H % 4 == 0).
@@ -194,11 +199,10 @@ def test_batched_and_looped_sampling_agree_exactly_when_draw_order_is_the_same()
 
     looped = predict(method="loop")
     assert not torch.allclose(looped.samples[0], looped.samples[1])
-    for kwargs in ({"chunk_size": 10}, {"chunk_size": 3}, {"memory_budget": 200}, {}):
-        other = predict(**kwargs)  # batched: one chunk, chunks of 3, probe + chunks of 2
-        torch.testing.assert_close(other.samples, looped.samples)
-        torch.testing.assert_close(other.mean, looped.mean)
-        torch.testing.assert_close(other.std, looped.std)
+    other = predict(**plan)
+    torch.testing.assert_close(other.samples, looped.samples)
+    torch.testing.assert_close(other.mean, looped.mean)
+    torch.testing.assert_close(other.std, looped.std)
     torch.testing.assert_close(looped.mean, looped.samples.mean(0))
     torch.testing.assert_close(looped.std, looped.samples.std(0, correction=0))
 

@@ -1,6 +1,7 @@
 """VariationalLSTM / VariationalGRU against the oracle nn.LSTM / nn.GRU, and their masks."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -9,125 +10,91 @@ from torch.nn.utils.rnn import pack_sequence
 
 from rnndrop import RecurrentMasks, VariationalGRU, VariationalGRUCell, VariationalLSTM, VariationalLSTMCell
 from rnndrop.kernels import KERNELS
-from tests.helpers import assert_close
+from tests.oracle import assert_close, check_against_oracle, plain_twin, random_state
 
 I, H, T, B = 5, 6, 7, 4
 KERNEL_NAMES = ["auto", *KERNELS]
+KINDS = ["lstm", "gru"]
 ALL_P = dict(dropout=0.4, dropout_input=0.3, dropout_hidden=0.5, dropout_output=0.2)
 
-CONFIGS = [
-    dict(num_layers=1),
-    dict(num_layers=2),
-    dict(num_layers=3, bias=False),
-    dict(num_layers=2, bidirectional=True),
-    dict(num_layers=2, batch_first=True),
-    dict(num_layers=2, proj_size=3),
-    dict(num_layers=2, proj_size=3, bidirectional=True, batch_first=True),
+CONFIGS = {
+    "1-layer": dict(num_layers=1),
+    "2-layers": dict(num_layers=2),
+    "3-layers-no-bias": dict(num_layers=3, bias=False),
+    "2-layers-bidirectional": dict(num_layers=2, bidirectional=True),
+    "2-layers-batch-first": dict(num_layers=2, batch_first=True),
+    "2-layers-proj": dict(num_layers=2, proj_size=3),
+    "2-layers-proj-bidirectional-batch-first": dict(
+        num_layers=2, proj_size=3, bidirectional=True, batch_first=True
+    ),
+}
+KIND_CONFIGS = [
+    pytest.param(kind, config, id=f"{kind}-{name}")
+    for kind in KINDS
+    for name, config in CONFIGS.items()
+    if kind == "lstm" or "proj_size" not in config
 ]
 
 
 def make_pair(kind, dtype=torch.float32, **kw):
-    """An nn.LSTM/GRU and our layer with the same weights."""
-    ref_cls, our_cls = (nn.LSTM, VariationalLSTM) if kind == "lstm" else (nn.GRU, VariationalGRU)
-    ours_kw = {k: kw.pop(k) for k in list(kw) if k in ("kernel", *ALL_P, "mask_scope", "per_gate_masks")}
-    ref = ref_cls(I, H, dtype=dtype, **kw)
-    ours = our_cls(I, H, dtype=dtype, **kw, **ours_kw)
-    ours.load_state_dict(ref.state_dict())
-    return ref, ours
-
-
-def random_state(kind, layer, batch, dtype=torch.float32):
-    D = 2 if layer.bidirectional else 1
-    L = layer.num_layers * D
-    out_size = getattr(layer, "proj_size", 0) or layer.hidden_size
-    shape = (L, batch) if batch else (L,)
-    h = torch.randn(*shape, out_size, dtype=dtype, requires_grad=True)
-    if kind == "gru":
-        return h
-    return h, torch.randn(*shape, layer.hidden_size, dtype=dtype, requires_grad=True)
-
-
-def grads(out, state, inputs, module):
-    """Gradients of a fixed random functional of the outputs w.r.t. inputs and weights."""
-    data = out.data if hasattr(out, "batch_sizes") else out
-    g = torch.Generator().manual_seed(1)
-    loss = (data * torch.randn(data.shape, generator=g, dtype=data.dtype)).sum()
-    for s in state if isinstance(state, tuple) else (state,):
-        loss = loss + (s * torch.randn(s.shape, generator=g, dtype=s.dtype)).sum()
-    targets = [t for t in inputs if t.requires_grad] + list(module.parameters())
-    return torch.autograd.grad(loss, targets)
-
-
-def _configs(kind):
-    return [c for c in CONFIGS if kind == "lstm" or "proj_size" not in c]
-
-
-def _check_against_oracle(kind, ref, ours, x, hx, masks=None):
-    out_ref, state_ref = ref(x, hx)
-    out, state = ours(x, hx, masks=masks) if masks is not None else ours(x, hx)
-    assert_close(out, out_ref)
-    assert_close(state, state_ref)
-    leaves = [x] if isinstance(x, torch.Tensor) else []
-    leaves += list(hx) if isinstance(hx, tuple) else ([hx] if hx is not None else [])
-    assert_close(grads(out, state, leaves, ours), grads(out_ref, state_ref, leaves, ref))
+    """Our layer and the oracle nn.LSTM/GRU with the same weights: (oracle, ours)."""
+    cls = VariationalLSTM if kind == "lstm" else VariationalGRU
+    with warnings.catch_warnings():  # dropout with one layer: nn.LSTM's warning, tested below
+        warnings.simplefilter("ignore", UserWarning)
+        ours = cls(I, H, dtype=dtype, **kw)
+    return plain_twin(ours), ours
 
 
 @pytest.mark.parametrize("kernel", KERNEL_NAMES)
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
-def test_zero_dropout_matches_oracle_in_every_configuration(kind, kernel):
-    for config in _configs(kind):
-        ref, ours = make_pair(kind, kernel=kernel, **config)
-        shape = (B, T, I) if config.get("batch_first") else (T, B, I)
-        x = torch.randn(*shape, requires_grad=True)
-        _check_against_oracle(kind, ref, ours, x, None)
-        _check_against_oracle(kind, ref, ours, x, random_state(kind, ours, B))
+@pytest.mark.parametrize(("kind", "config"), KIND_CONFIGS)
+def test_zero_dropout_matches_oracle_in_every_configuration(kind, config, kernel):
+    ref, ours = make_pair(kind, kernel=kernel, **config)
+    shape = (B, T, I) if config.get("batch_first") else (T, B, I)
+    x = torch.randn(*shape, requires_grad=True)
+    check_against_oracle(ref, ours, x, None)
+    check_against_oracle(ref, ours, x, random_state(ours, B))
 
 
 @pytest.mark.parametrize("kernel", KERNEL_NAMES)
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
-def test_unbatched_packed_and_float64_match_oracle(kind, kernel):
-    for config in _configs(kind):
-        ref, ours = make_pair(kind, kernel=kernel, **config)
-        x = torch.randn(T, I, requires_grad=True)  # unbatched
-        _check_against_oracle(kind, ref, ours, x, None)
-        _check_against_oracle(kind, ref, ours, x, random_state(kind, ours, None))
+@pytest.mark.parametrize(("kind", "config"), KIND_CONFIGS)
+def test_unbatched_and_packed_input_match_oracle(kind, config, kernel):
+    ref, ours = make_pair(kind, kernel=kernel, **config)
+    x = torch.randn(T, I, requires_grad=True)  # unbatched
+    check_against_oracle(ref, ours, x, None)
+    check_against_oracle(ref, ours, x, random_state(ours, None))
+    lengths = [3, T, 1, 5]  # unsorted
+    packed = pack_sequence([torch.randn(n, I) for n in lengths], enforce_sorted=False)
+    check_against_oracle(ref, ours, packed, random_state(ours, len(lengths)))
 
-        lengths = [3, T, 1, 5]  # unsorted
-        packed = pack_sequence([torch.randn(n, I) for n in lengths], enforce_sorted=False)
-        _check_against_oracle(kind, ref, ours, packed, random_state(kind, ours, len(lengths)))
 
+@pytest.mark.parametrize("kernel", KERNEL_NAMES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_float64_matches_oracle(kind, kernel):
     ref, ours = make_pair(kind, dtype=torch.float64, kernel=kernel, num_layers=2, bidirectional=True)
     x = torch.randn(T, B, I, dtype=torch.float64, requires_grad=True)
-    _check_against_oracle(kind, ref, ours, x, random_state(kind, ours, B, torch.float64))
+    check_against_oracle(ref, ours, x, random_state(ours, B, torch.float64))
 
 
+@pytest.mark.parametrize("per_gate", [False, True], ids=["shared-mask", "per-gate"])
+@pytest.mark.parametrize("scope", ["sequence", "step", "batch"])
 @pytest.mark.parametrize("kernel", KERNEL_NAMES)
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
-def test_masks_of_ones_match_oracle(kind, kernel):
+@pytest.mark.parametrize("kind", KINDS)
+def test_masks_of_ones_match_oracle(kind, kernel, scope, per_gate):
     """All mask sites active (so the loop runs) but every mask is 1."""
-    for scope in ["sequence", "step", "batch"]:
-        for per_gate in [False, True]:
-            ref, ours = make_pair(
-                kind,
-                kernel=kernel,
-                num_layers=2,
-                bidirectional=True,
-                mask_scope=scope,
-                per_gate_masks=per_gate,
-                **ALL_P,
-            )
-            masks = ours.sample_masks(B, T).map(torch.ones_like)
-            x = torch.randn(T, B, I, requires_grad=True)
-            _check_against_oracle(kind, ref, ours, x, random_state(kind, ours, B), masks)
+    config = dict(num_layers=2, bidirectional=True, mask_scope=scope, per_gate_masks=per_gate)
+    ref, ours = make_pair(kind, kernel=kernel, **config, **ALL_P)
+    masks = ours.sample_masks(B, T).map(torch.ones_like)
+    x = torch.randn(T, B, I, requires_grad=True)
+    check_against_oracle(ref, ours, x, random_state(ours, B), masks)
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
-def test_eval_mode_is_deterministic_and_matches_oracle(kind):
-    for config in _configs(kind):
-        ref, ours = make_pair(kind, **config, **ALL_P)
-        ours.eval()
-        x = torch.randn(*((B, T, I) if config.get("batch_first") else (T, B, I)), requires_grad=True)
-        _check_against_oracle(kind, ref, ours, x, None)
+@pytest.mark.parametrize(("kind", "config"), KIND_CONFIGS)
+def test_eval_mode_is_deterministic_and_matches_oracle(kind, config):
+    ref, ours = make_pair(kind, **config, **ALL_P)
+    ours.eval()
+    ref.eval()
+    x = torch.randn(*((B, T, I) if config.get("batch_first") else (T, B, I)), requires_grad=True)
+    check_against_oracle(ref, ours, x, None)
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
@@ -219,29 +186,26 @@ def test_fresh_masks_are_drawn_by_sample_masks_in_training(kind):
     assert not torch.allclose(auto, again), "a new forward call must draw new masks"
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
-def test_packed_sequences_use_masks_in_input_batch_order(kind):
+@pytest.mark.parametrize("scope", ["sequence", "step"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_packed_sequences_use_masks_in_input_batch_order(kind, scope):
     """Each sequence of an unsorted PackedSequence gets the mask of its batch row."""
-    for scope in ["sequence", "step"]:
-        _, layer = make_pair(kind, num_layers=2, bidirectional=True, mask_scope=scope, **ALL_P)
-        lengths = [3, T, 1, 5]
-        seqs = [torch.randn(n, I) for n in lengths]
-        masks = layer.sample_masks(len(lengths), T)
-        out, state = layer(pack_sequence(seqs, enforce_sorted=False), masks=masks)
-        padded, _ = torch.nn.utils.rnn.pad_packed_sequence(out)
-        step = scope == "step"
-        for b, (seq, n) in enumerate(zip(seqs, lengths)):
+    _, layer = make_pair(kind, num_layers=2, bidirectional=True, mask_scope=scope, **ALL_P)
+    lengths = [3, T, 1, 5]
+    seqs = [torch.randn(n, I) for n in lengths]
+    masks = layer.sample_masks(len(lengths), T)
+    out, state = layer(pack_sequence(seqs, enforce_sorted=False), masks=masks)
+    padded, _ = torch.nn.utils.rnn.pad_packed_sequence(out)
+    step = scope == "step"
+    for b, (seq, n) in enumerate(zip(seqs, lengths)):
 
-            def row(m, b=b, n=n, step=step):
-                return m[:n, b : b + 1] if step else m[b : b + 1]
+        def row(m, b=b, n=n):
+            return m[:n, b : b + 1] if step else m[b : b + 1]
 
-            single = masks.map(row)
-            out_b, state_b = layer(seq.unsqueeze(1), masks=single)
-            assert_close(padded[:n, b], out_b[:, 0])
-            for s, s_b in zip(
-                state if kind == "lstm" else (state,), state_b if kind == "lstm" else (state_b,)
-            ):
-                assert_close(s[:, b], s_b[:, 0])
+        out_b, state_b = layer(seq.unsqueeze(1), masks=masks.map(row))
+        assert_close(padded[:n, b], out_b[:, 0], msg=f"sequence {b}")
+        for s, s_b in zip(state if kind == "lstm" else (state,), state_b if kind == "lstm" else (state_b,)):
+            assert_close(s[:, b], s_b[:, 0], msg=f"sequence {b}")
 
 
 def test_sampled_masks_are_tied_over_time_and_differ_between_sequences():
@@ -298,6 +262,7 @@ def test_masks_carry_state_across_truncated_bptt_segments():
     assert_close(state, state_whole)
 
 
+@pytest.mark.slow
 def test_a_model_with_tied_dropout_trains():
     """Remember the previous step's first feature, through tied dropout everywhere."""
     lstm = VariationalLSTM(
@@ -387,3 +352,42 @@ def test_bad_masks_name_the_mask_and_the_shapes():
     step = VariationalLSTM(I, H, dropout_hidden=0.5, mask_scope="step")
     with pytest.raises(ValueError, match="seq_len is required"):
         step.sample_masks(B)
+    with pytest.raises(ValueError, match="seq_len must be a positive int, got 0"):
+        step.sample_masks(B, 0)
+
+
+# ------------------------------------------------- accepted silently before (issue 15)
+
+
+def test_per_gate_masks_must_be_a_bool():
+    with pytest.raises(TypeError, match="per_gate_masks must be True or False, got str 'no'"):
+        VariationalLSTM(I, H, dropout_hidden=0.5, per_gate_masks="no")
+
+
+@pytest.mark.parametrize("cls", [VariationalLSTM, VariationalGRU])
+def test_dropout_with_one_layer_warns_like_nn_lstm(cls):
+    torch_cls = nn.LSTM if cls is VariationalLSTM else nn.GRU
+    with pytest.warns(UserWarning) as theirs:
+        torch_cls(I, H, num_layers=1, dropout=0.5)
+    with pytest.warns(UserWarning) as ours:
+        layer = cls(I, H, num_layers=1, dropout=0.5)
+    assert [str(w.message) for w in ours] == [str(w.message) for w in theirs]
+    assert layer.dropout == 0.5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cls(I, H, num_layers=2, dropout=0.5)
+
+
+@pytest.mark.parametrize(
+    ("cls", "module"),
+    [
+        pytest.param(VariationalLSTM, nn.RNN(I, H), id="lstm-from-rnn"),
+        pytest.param(VariationalLSTM, nn.GRU(I, H), id="lstm-from-gru"),
+        pytest.param(VariationalGRU, nn.LSTM(I, H), id="gru-from-lstm"),
+        pytest.param(VariationalGRU, nn.Linear(I, H), id="gru-from-linear"),
+    ],
+)
+def test_from_module_takes_only_its_own_cell(cls, module):
+    expected = "LSTM" if cls is VariationalLSTM else "GRU"
+    with pytest.raises(TypeError, match=rf"module must be an {expected}, got {type(module).__name__}"):
+        cls.from_module(module)

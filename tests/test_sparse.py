@@ -15,18 +15,7 @@ from rnndrop.sparse import (
     prune,
     sparsity_report,
 )
-from tests.helpers import assert_close
-
-
-def plain_twin(layer, weights=None):
-    """nn.LSTM / nn.GRU with ``layer``'s parameters (or with ``weights`` replacing some)."""
-    plain_cls = nn.LSTM if isinstance(layer, nn.LSTM) else nn.GRU
-    plain = plain_cls(layer.input_size, layer.hidden_size, layer.num_layers,
-                      bidirectional=layer.bidirectional)
-    state = {n: getattr(layer, n).detach() for n in layer._flat_weights_names}
-    state.update(weights or {})
-    plain.load_state_dict(state)
-    return plain
+from tests.oracle import assert_close, plain_twin
 
 
 def randomize_log_sigma2(model, low=-8.0, high=2.0):
@@ -95,6 +84,7 @@ def test_weights_over_the_threshold_are_exactly_zero_in_eval_and_after_pruning()
     assert_close(dense(x), layer(x), atol=0, rtol=0)
 
 
+@pytest.mark.slow
 def test_pruned_model_has_the_eval_models_perplexity_and_accuracy():
     torch.manual_seed(0)
     model = TinyLM()
@@ -167,6 +157,7 @@ def test_kl_and_log_alpha():
     assert torch.all(layer.log_sigma2_weight.grad <= 0)  # the KL wants more noise
 
 
+@pytest.mark.slow
 def test_training_prunes_weights_of_useless_inputs_only():
     torch.manual_seed(0)
     layer = SparseLinear(6, 1)
@@ -205,3 +196,9 @@ def test_bad_arguments():
         SparseLSTM(5, 6, threshold="3")
     with pytest.raises(TypeError, match="model must be"):
         sparsity_report("model")
+
+
+@pytest.mark.parametrize("threshold", [float("nan"), float("inf"), -float("inf")])
+def test_threshold_must_be_finite(threshold):
+    with pytest.raises(ValueError, match=r"threshold must be a finite number .*got"):
+        SparseLSTM(4, 6, threshold=threshold)

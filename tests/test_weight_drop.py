@@ -170,6 +170,7 @@ def test_state_dict_round_trips_and_loads_plain_lstm_checkpoints():
         WeightDrop(_lstm(num_layers=2)).load_state_dict(_lstm().state_dict())
 
 
+@pytest.mark.slow
 def test_works_under_torch_compile():
     torch._dynamo.reset()
     wd = WeightDrop(nn.LSTM(2, 3), "weight_hh_l0", p=0.9)
@@ -206,3 +207,30 @@ def test_clear_errors():
     wd = WeightDrop(_lstm(), "weight_hh_l0")
     with pytest.raises(ValueError, match=r"\['weight_ih_l0'\] are not among the dropped weights"):
         wd.forward_with_masks({"weight_ih_l0": torch.ones(4 * H, I)}, torch.randn(T, B, I))
+
+
+@pytest.mark.parametrize(
+    ("variational", "shape"),
+    [(False, (24, 1)), (False, (1, 6)), (True, (24, 6)), (True, (6,))],
+    ids=["column-for-weight", "row-for-weight", "weight-for-columns", "1-d"],
+)
+def test_masks_must_have_the_exact_shape(variational, shape):
+    wd = WeightDrop(_lstm(), "weight_hh_l0", p=0.5, variational=variational)
+    expected = r"\[1, 6\]" if variational else r"\[24, 6\]"
+    with pytest.raises(ValueError, match=rf"masks\['weight_hh_l0'\] must have shape {expected}"):
+        wd.forward_with_masks({"weight_hh_l0": torch.ones(shape)}, torch.randn(T, B, I))
+
+
+def test_masks_must_have_the_weights_dtype():
+    wd = WeightDrop(_lstm(), "weight_hh_l0", p=0.5)
+    with pytest.raises(TypeError, match="must have the weight 'weight_hh_l0''s dtype"):
+        wd.forward_with_masks({"weight_hh_l0": torch.ones(24, 6, dtype=torch.float64)}, torch.randn(T, B, I))
+
+
+def test_a_weight_dropped_twice_is_refused_at_construction():
+    inner = WeightDrop(_lstm(), "weight_hh_l0", p=0.5)
+    with pytest.raises(ValueError, match=r"'module.weight_hh_l0' is already dropped by the WeightDrop"):
+        WeightDrop(inner, "module.weight_hh_l0", p=0.5)
+    outer = WeightDrop(inner, "module.weight_ih_l0", p=0.5)  # another weight: fine
+    out, _ = outer(torch.randn(T, B, I))
+    assert out.shape == (T, B, H)

@@ -1,5 +1,8 @@
 """Word-level language modelling with recurrent dropout: corpora, model, training, benchmark.
 
+The command line is ``rnndrop-lm`` (``python -m rnndrop.lm``, :mod:`rnndrop.lm.cli`);
+:func:`load_model` reads a trained run back, :func:`generate` samples text from it.
+
 LM protocol: ``model(tokens [T, B] LongTensor, hidden=None) -> (logits [T, B, V], hidden)``,
 time-major; ``hidden`` is opaque (None = zeros) and carried by the caller across
 truncated-BPTT segments.
@@ -7,8 +10,18 @@ truncated-BPTT segments.
 
 from rnndrop.lm.checkpoint import LoadedModel, load_model
 from rnndrop.lm.configs import CONFIGS, REGIMES, Regime, TrainConfig, build_model, get_config
-from rnndrop.lm.corpus import Corpus, CorpusError, Vocabulary, batchify, bptt_batches, load_corpus
+from rnndrop.lm.corpus import (
+    Corpus,
+    CorpusError,
+    Vocabulary,
+    batchify,
+    bptt_batches,
+    encode_split,
+    load_corpus,
+    sample_dir,
+)
 from rnndrop.lm.download import DownloadError, download_corpus
+from rnndrop.lm.generate import generate
 from rnndrop.lm.model import RNNLanguageModel, detach_hidden
 from rnndrop.lm.train import TrainingDiverged, evaluate, evaluate_mc, train_run
 
@@ -29,10 +42,13 @@ __all__ = [
     "build_model",
     "detach_hidden",
     "download_corpus",
+    "encode_split",
     "evaluate",
     "evaluate_mc",
+    "generate",
     "get_config",
     "load_corpus",
     "load_model",
+    "sample_dir",
     "train_run",
 ]

@@ -1,55 +1,48 @@
 """The language-model benchmark: train regimes, choose dropout on validation, report.
 
-``python benchmarks/ptb.py --data DIR --config mini`` trains each regime once with
+``rnndrop-lm ptb --data sample`` (:mod:`rnndrop.lm.cli`) trains each regime once with
 the config's dropout probabilities; ``--grid`` first searches each regime's small
 grid (``TrainConfig.grid``) with the first seed, keeps the candidate with the best
 *validation* perplexity, trains it again with the other ``--seeds``, and adds the
 Monte-Carlo test perplexity of the chosen runs. The test split plays no part in any
 choice.
 
-Outputs in ``--out`` (default ``runs/<dataset>-<config>``): one folder per run
-(checkpoint, best model, results.json, curve.png), ``results.md`` (tables),
-``summary.json`` and ``learning_curves.png``.
+Outputs in ``--out``: one folder per run (checkpoint, best model, results.json,
+metrics.csv, curve.png), ``results.md`` (tables, :func:`rnndrop.lm.results.benchmark_markdown`),
+``summary.json`` and ``learning_curves.png``. This module runs the jobs; the command
+line is :mod:`rnndrop.lm.cli` (``python -m rnndrop.lm.benchmark`` runs it too).
 """
 
 from __future__ import annotations
 
-import argparse
+import functools
 import json
 import logging
 import multiprocessing
-import shlex
-import sys
-from collections.abc import Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field, replace
+import signal
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from rnndrop.lm.atomic import atomic_write
-from rnndrop.lm.configs import (
-    CONFIGS,
-    REGIMES,
-    SITES,
-    TrainConfig,
-    get_config,
-    get_regime,
-    regime_probabilities,
-)
-from rnndrop.lm.corpus import CorpusError, load_corpus
-from rnndrop.lm.download import DATASETS, DownloadError, download_corpus
+from rnndrop.lm.configs import SITES, TrainConfig, get_regime, regime_probabilities
+from rnndrop.lm.corpus import Corpus, load_corpus
+from rnndrop.lm.estimate import estimate_seconds
 from rnndrop.lm.identity import finished_result, run_identity
+from rnndrop.lm.progress import JobProgress, format_duration
 from rnndrop.lm.results import (
-    format_dropout,
-    markdown_table,
+    EpochLog,
+    benchmark_markdown,
     plot_learning_curves,
     write_json_atomic,
 )
-from rnndrop.lm.train import TrainingDiverged, add_mc_result, train_run
+from rnndrop.lm.train import add_mc_result, train_run
 
-__all__ = ["RunSpec", "build_parser", "chosen_dropout", "main", "run_benchmark"]
+__all__ = ["JobInterrupted", "RunSpec", "chosen_dropout", "main", "run_benchmark"]
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +65,34 @@ class RunSpec:
     device: str
     threads: int | None
     progress: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
+    #: how logs and progress name the run, e.g. ``"run 2/3 tied seed 1"``
+    label: str = ""
+
+
+class JobInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped the job; every finished epoch is in its run's checkpoint.
+
+    Attributes:
+        epoch: the epoch that was running (None when several runs were).
+        folder: that run's folder (None when several runs were).
+        label: that run's name in the job (``"run 2/3 tied ... seed 1"``).
+    """
+
+    def __init__(self, epoch: int | None, folder: str | None, label: str = "") -> None:
+        super().__init__(epoch, folder, label)
+        self.epoch, self.folder, self.label = epoch, folder, label
 
 
 def run_tag(probabilities: Mapping[str, float]) -> str:
     """A folder name for dropout probabilities, e.g. ``in0.5-mid0.5-out0.5``."""
     parts = [f"{_SHORT[s]}{probabilities[s]:g}" for s in SITES if probabilities.get(s)]
     return "-".join(parts) or "p0"
+
+
+def format_tag(probabilities: Mapping[str, float]) -> str:
+    """``"in 0.5, rec 0.2"`` for logs, or ``"no dropout"``."""
+    parts = [f"{_SHORT[s]} {probabilities[s]:g}" for s in SITES if probabilities.get(s)]
+    return ", ".join(parts) or "no dropout"
 
 
 def parse_dropout(text: str) -> dict[str, float]:
@@ -110,45 +124,116 @@ def chosen_dropout(summary_path: str | Path) -> dict[str, dict[str, float]]:
 def _finished(spec: RunSpec) -> dict[str, Any] | None:
     if not (Path(spec.folder) / "results.json").is_file():
         return None  # nothing to reuse: skip reading the corpus
-    identity = run_identity(load_corpus(spec.data_dir), spec.config, spec.regime, spec.dropout, spec.seed)
+    identity = run_identity(_corpus(spec.data_dir), spec.config, spec.regime, spec.dropout, spec.seed)
     return finished_result(spec.folder, identity, epochs=spec.config.epochs)
 
 
-def _execute(spec: RunSpec) -> dict[str, Any]:
+@functools.lru_cache(maxsize=2)
+def _corpus(data_dir: str) -> Corpus:
+    return load_corpus(data_dir)
+
+
+def _worker_logging(label: str) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{label}] %(message)s", datefmt="%H:%M:%S",
+                        force=True)
+
+
+def _execute(spec: RunSpec, progress: JobProgress | None = None) -> dict[str, Any]:
     """Run (or reuse, or resume) one spec; top-level so worker processes can call it."""
     if spec.threads:
         torch.set_num_threads(spec.threads)
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if progress is None:
+        _worker_logging(spec.label)
     if spec.resume:
         done = _finished(spec)
         if done is not None:
             log.info("%s: finished earlier, reusing its results", spec.folder)
+            if progress is not None:
+                progress.run_done(spec.label, done, reused=True)
             return done
-    corpus = load_corpus(spec.data_dir)
-    return train_run(
-        corpus, spec.config, spec.regime, spec.folder, dropout=spec.dropout, seed=spec.seed,
-        resume=spec.resume, device=spec.device, mc_samples=spec.mc_samples,
-        progress=spec.progress, dataset=spec.dataset,
-    )
+    epoch_log = EpochLog(spec.folder)
+
+    def on_epoch_end(epoch: int, record: Mapping[str, Any]) -> None:
+        epoch_log(epoch, record)
+        if progress is not None:
+            progress.epoch_done(epoch, record)
+
+    first = 1 + max((r["epoch"] for r in epoch_log.rows), default=0) if spec.resume else 1
+    if progress is not None:
+        progress.start_run(spec.label, first)
+    try:
+        result = train_run(
+            _corpus(spec.data_dir), spec.config, spec.regime, spec.folder, dropout=spec.dropout,
+            seed=spec.seed, resume=spec.resume, device=spec.device, mc_samples=spec.mc_samples,
+            progress=spec.progress, dataset=spec.dataset, on_epoch_end=on_epoch_end,
+        )
+    except KeyboardInterrupt as e:
+        epoch = getattr(e, "epoch", None)
+        if epoch is None:
+            epoch = progress.next_epoch if progress is not None and progress.next_epoch else first
+        raise JobInterrupted(epoch, spec.folder, spec.label) from None
+    epoch_log.finish(result)
+    if progress is not None:
+        progress.run_done(spec.label, result)
+    return result
 
 
-def _execute_mc(spec: RunSpec) -> dict[str, Any]:
+def _execute_mc(spec: RunSpec, progress: JobProgress | None = None) -> dict[str, Any]:
+    """Add the Monte-Carlo test perplexity to a finished run (the grid's chosen ones)."""
     if spec.threads:
         torch.set_num_threads(spec.threads)
     done = _finished(spec)
     if done is not None and (done.get("test_ppl_mc") is not None or spec.mc_samples == 0):
         return done
-    corpus = load_corpus(spec.data_dir)
-    return add_mc_result(corpus, spec.config, spec.folder, spec.mc_samples, spec.device)
+    log.info("%s: Monte-Carlo test perplexity (%d samples)", spec.label or spec.folder, spec.mc_samples)
+    return add_mc_result(_corpus(spec.data_dir), spec.config, spec.folder, spec.mc_samples, spec.device)
 
 
-def _run_all(specs: Sequence[RunSpec], jobs: int, fn=_execute) -> list[dict[str, Any]]:
+def _ignore_sigint() -> None:
+    # Workers leave Ctrl-C to the main process, which stops them (their checkpoints are atomic).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _run_all(
+    specs: Sequence[RunSpec], jobs: int, progress: JobProgress | None,
+    fn: Callable[[RunSpec, JobProgress | None], dict[str, Any]] = _execute,
+) -> list[dict[str, Any]]:
     if jobs <= 1 or len(specs) <= 1:
-        return [fn(s) for s in specs]
+        return [fn(s, progress) for s in specs]
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(jobs, len(specs)), mp_context=context) as pool:
-        return list(pool.map(fn, specs))
+    pool = ProcessPoolExecutor(max_workers=min(jobs, len(specs)), mp_context=context,
+                               initializer=_ignore_sigint)
+    try:
+        # Workers start while SIGINT is ignored, and keep ignoring it (the disposition is
+        # inherited): a Ctrl-C at the terminal reaches the main process alone, which stops them.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            futures = {pool.submit(fn, s): i for i, s in enumerate(specs)}
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        results: dict[int, dict[str, Any]] = {}
+        for future in as_completed(futures):
+            i = futures[future]
+            results[i] = future.result()
+            if progress is not None and fn is _execute:
+                progress.run_done(specs[i].label, results[i])
+        return [results[i] for i in range(len(specs))]
+    except KeyboardInterrupt:
+        _stop(pool)
+        raise JobInterrupted(None, None) from None
+    except BaseException:
+        _stop(pool)
+        raise
+    finally:
+        pool.shutdown(wait=True)
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """Cancel what has not started and end the running workers (checkpoints are atomic)."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        process.terminate()
 
 
 def run_benchmark(
@@ -168,6 +253,7 @@ def run_benchmark(
     threads: int | None = None,
     device: str = "auto",
     progress: bool = True,
+    estimate: bool = False,
     command: str = "",
 ) -> dict[str, Any]:
     """Run the benchmark and write its summary files; returns the summary.
@@ -181,7 +267,12 @@ def run_benchmark(
         dropout_by_regime: without ``grid``: the probabilities of each regime, e.g. the
             ones a grid on another corpus chose (:func:`chosen_dropout`); overrides
             ``dropout`` for the regimes it names.
+        progress: progress bars (one for the job, one per epoch) when one run trains at a
+            time; log lines in any case.
+        estimate: log up front how long the job should take (:func:`estimate_seconds`).
     """
+    if not regimes:
+        raise ValueError("regimes must name at least one regime, got none")
     for r in regimes:
         get_regime(r)
     if not seeds:
@@ -193,64 +284,58 @@ def run_benchmark(
         p = regime_probabilities(get_regime(regime), probabilities)
         folder = out / regime / f"{run_tag(p)}-seed{seed}"
         return RunSpec(str(corpus_dir), dataset, config, regime, p, seed, str(folder), mc_n,
-                       resume, device, threads, progress)
+                       resume, device, threads, progress and jobs <= 1)
 
-    grid_results: list[dict[str, Any]] = []
+    def numbered(specs: list[RunSpec], first: int, total: int) -> list[RunSpec]:
+        return [replace(s, label=f"run {first + i}/{total} {s.regime} ({format_tag(s.dropout)}) "
+                        f"seed {s.seed}") for i, s in enumerate(specs)]
+
     if grid:
-        candidates = [
-            spec(r, p, seeds[0], 0)
-            for r in regimes
-            for p in config.grid.get(r, (config.dropout,))
-        ]
+        candidates = [spec(r, p, seeds[0], 0) for r in regimes for p in config.grid.get(r, (config.dropout,))]
         # One candidate per distinct effective setting (e.g. "none" ignores probabilities).
         candidates = list({c.folder: c for c in candidates}.values())
-        grid_results = _run_all(candidates, jobs)
-        chosen: dict[str, dict[str, Any]] = {}
-        for r in grid_results:
-            best = chosen.get(r["regime"])
-            if best is None or r["best_valid_ppl"] < best["best_valid_ppl"]:
-                chosen[r["regime"]] = r
-        more = [spec(r, chosen[r]["dropout"], s, 0) for r in regimes for s in seeds[1:]]
-        _run_all(more, jobs)
-        finals = [spec(r, chosen[r]["dropout"], s, mc) for r in regimes for s in seeds]
-        final_results = _run_all(finals, jobs, _execute_mc)
+        total = len(candidates) + len(regimes) * (len(seeds) - 1)
+        planned = [(c.regime, c.dropout) for c in candidates]
+        planned += [(c.regime, c.dropout) for c in candidates[: len(regimes)]] * (len(seeds) - 1)
+        mc_per_run = mc * len(regimes) * len(seeds) / max(1, total)
     else:
         default = config.dropout if dropout is None else dropout
         by_regime = dict(dropout_by_regime or {})
         finals = [spec(r, by_regime.get(r, default), s, mc) for r in regimes for s in seeds]
-        final_results = _run_all(finals, jobs)
+        total = len(finals)
+        planned = [(f.regime, f.dropout) for f in finals]
+        mc_per_run = mc
 
-    table = markdown_table(final_results)
-    lines = [f"# {dataset} language-model benchmark, config `{config.name}`", ""]
-    if command:
-        lines += ["Command:", "", "```bash", command, "```", ""]
-    corpus_info = final_results[0].get("corpus", {})
-    lines += [
-        f"Corpus: `{corpus_info.get('source', corpus_dir)}` "
-        f"({corpus_info.get('train_tokens', '?')} / {corpus_info.get('valid_tokens', '?')} / "
-        f"{corpus_info.get('test_tokens', '?')} train / valid / test tokens with `<eos>`, "
-        f"vocabulary {corpus_info.get('vocab_size', '?')}).",
-        "",
-        "Perplexities are mean ± sd over seeds; test perplexity uses the parameters of the "
-        "best validation epoch; MC = Monte-Carlo dropout with S samples.",
-        "",
-        table,
-    ]
-    if grid_results:
-        lines += [
-            f"Grid (seed {seeds[0]}); the dropout of each regime was chosen by validation "
-            "perplexity only:",
-            "",
-            "| regime | dropout | best epoch | valid ppl | chosen |",
-            "|---|---|---|---|---|",
-        ]
-        chosen_dropout = {f["regime"]: f["dropout"] for f in final_results}
-        for r in sorted(grid_results, key=lambda r: (r["regime"], r["best_valid_ppl"])):
-            mark = "✓" if r["dropout"] == chosen_dropout[r["regime"]] else ""
-            lines.append(f"| {r['regime']} | {format_dropout(r['dropout'])} | {r['best_epoch']} | "
-                         f"{r['best_valid_ppl']:.1f} | {mark} |")
-        lines.append("")
-    markdown = "\n".join(lines)
+    eta = None
+    if estimate:
+        eta = estimate_seconds(_corpus(str(corpus_dir)), config, planned, round(mc_per_run), jobs=jobs,
+                               threads=threads, device=device)
+        log.info("this job trains %d run%s of up to %d epochs on %s training words; at the speed "
+                 "measured on this machine just now it should take about %s%s. Ctrl-C stops it "
+                 "(finished epochs are kept; rerun with --resume)", total, "s" * (total != 1),
+                 config.epochs, f"{_corpus(str(corpus_dir)).train.numel():,}", format_duration(eta),
+                 f" ({jobs} runs at a time)" if jobs > 1 else "")
+    job = JobProgress(total, config.epochs, bar=progress and jobs <= 1, estimate_seconds=eta)
+    grid_results: list[dict[str, Any]] = []
+    try:
+        if grid:
+            grid_results = _run_all(numbered(candidates, 1, total), jobs, job)
+            chosen: dict[str, dict[str, Any]] = {}
+            for r in grid_results:
+                best = chosen.get(r["regime"])
+                if best is None or r["best_valid_ppl"] < best["best_valid_ppl"]:
+                    chosen[r["regime"]] = r
+            more = [spec(r, chosen[r]["dropout"], s, 0) for r in regimes for s in seeds[1:]]
+            _run_all(numbered(more, len(candidates) + 1, total), jobs, job)
+            finals = [spec(r, chosen[r]["dropout"], s, mc) for r in regimes for s in seeds]
+            final_results = _run_all(finals, jobs, job, _execute_mc)
+        else:
+            final_results = _run_all(numbered(finals, 1, total), jobs, job)
+    finally:
+        job.close()
+
+    markdown = benchmark_markdown(dataset, config.name, final_results, grid_results, command=command,
+                                  grid_seed=seeds[0])
     with atomic_write(out / "results.md", "w", encoding="utf-8") as f:
         f.write(markdown)
     first_seed = [r for r in final_results if r["seed"] == seeds[0]]
@@ -271,99 +356,17 @@ def run_benchmark(
     return summary
 
 
-def build_parser(dataset: str) -> argparse.ArgumentParser:
-    remote = DATASETS[dataset]
-    parser = argparse.ArgumentParser(
-        description=f"Train and compare LSTM language models on {dataset} with different "
-        "dropout regimes (none, naive, tied variational, ...).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument("--data", help=f"folder with the corpus ({', '.join(remote.files().values())}); "
-                        "default: download once into the cache")
-    parser.add_argument("--cache-dir", help="download cache (default $RNNDROP_CACHE or ~/.cache/rnndrop)")
-    parser.add_argument("--mirror", help="URL of a folder serving the official archive "
-                        f"{remote.archive} (default $RNNDROP_DATA_MIRROR or {remote.base_url})")
-    parser.add_argument("--source", choices=("auto", "url", "hub"), default="auto",
-                        help="where to download from: the official archive, the Hugging Face hub, or both")
-    parser.add_argument("--config", default="mini", choices=sorted(CONFIGS))
-    parser.add_argument("--regimes", default="none,naive,tied",
-                        help=f"comma-separated, among {', '.join(REGIMES)}")
-    parser.add_argument("--grid", action="store_true",
-                        help="search each regime's dropout grid on validation with the first seed")
-    parser.add_argument("--seeds", default="1", help="comma-separated seeds")
-    parser.add_argument("--dropout", default=None,
-                        help="override the config's dropout, e.g. input=0.5,hidden=0.2 (not with --grid)")
-    parser.add_argument("--dropout-from", default=None, metavar="SUMMARY",
-                        help="take each regime's dropout from the summary.json of a --grid run "
-                        "(e.g. a grid on a smaller corpus)")
-    parser.add_argument("--epochs", type=int, default=None, help="override the config's epochs")
-    parser.add_argument("--tie-weights", action="store_true", help="tie embedding and decoder weights")
-    parser.add_argument("--mc-samples", type=int, default=None,
-                        help="Monte-Carlo dropout samples for the test perplexity (0: skip)")
-    parser.add_argument("--out", default=None, help="output folder (default runs/<dataset>-<config>)")
-    parser.add_argument("--resume", action="store_true",
-                        help="reuse finished runs and continue interrupted ones in --out")
-    parser.add_argument("--jobs", type=int, default=1, help="runs trained at once (processes)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads per run (default: 1 with --jobs > 1, else torch's)")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return parser
-
-
 def main(argv: Sequence[str] | None = None, *, dataset: str = "ptb") -> str:
-    """Command-line entry point; returns the Markdown summary. Exits with status 2 on
-    a data problem and 3 when training diverged, with the reason on stderr."""
-    parser = build_parser(dataset)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    try:
-        config = get_config(args.config)
-        changes: dict[str, Any] = {}
-        if args.epochs is not None:
-            changes["epochs"] = args.epochs
-        if args.tie_weights:
-            changes["tie_weights"] = True
-        config = replace(config, **changes) if changes else config
-        regimes = [r.strip() for r in args.regimes.split(",") if r.strip()]
-        for r in regimes:
-            get_regime(r)
-        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-        if args.grid and args.dropout:
-            raise ValueError("--dropout cannot be combined with --grid (the grid sets the dropout)")
-        dropout = parse_dropout(args.dropout) if args.dropout else None
-        if args.dropout_from and (args.grid or args.dropout):
-            raise ValueError("--dropout-from cannot be combined with --grid or --dropout")
-        by_regime = chosen_dropout(args.dropout_from) if args.dropout_from else None
-        if args.jobs < 1:
-            raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
-    except ValueError as e:
-        parser.error(str(e))
-    threads = args.threads if args.threads is not None else (1 if args.jobs > 1 else None)
-    try:
-        if args.data:
-            data_dir = Path(args.data)
-        else:
-            data_dir = download_corpus(dataset, args.cache_dir, base_url=args.mirror, source=args.source)
-        load_corpus(data_dir)  # fail early, with the corpus' own message
-    except (CorpusError, DownloadError) as e:
-        sys.stderr.write(f"error: {e}\n")
-        raise SystemExit(2) from None
-    out = Path(args.out) if args.out else Path("runs") / f"{dataset}-{config.name}"
-    given = list(argv) if argv is not None else sys.argv[1:]
-    command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *given])
-    try:
-        summary = run_benchmark(
-            data_dir, dataset, config, regimes, seeds, out, grid=args.grid, dropout=dropout,
-            dropout_by_regime=by_regime,
-            mc_samples=args.mc_samples, resume=args.resume, jobs=args.jobs, threads=threads,
-            device=args.device, progress=not args.no_progress, command=command,
-        )
-    except TrainingDiverged as e:
-        sys.stderr.write(f"error: {e}\n")
-        raise SystemExit(3) from None
-    except FileExistsError as e:
-        sys.stderr.write(f"error: {e}\n")
-        raise SystemExit(2) from None
-    return summary["markdown"] + f"\nWritten to {out}/ ({', '.join(summary['files'])})\n"
+    """The benchmark for one corpus from command-line arguments (those of ``rnndrop-lm
+    ptb``, see :mod:`rnndrop.lm.cli`); returns the report. Exits with status 2 on a data
+    or usage problem, 3 when training diverged and 130 when interrupted, with one line
+    on stderr."""
+    from rnndrop.lm.cli import train_main
 
+    return train_main(argv, dataset)
+
+
+if __name__ == "__main__":
+    from rnndrop.lm.cli import main as _cli_main
+
+    raise SystemExit(_cli_main())

@@ -18,6 +18,8 @@ so the hidden state at the end of one segment is the right start for the next.
 
 from __future__ import annotations
 
+import io
+import logging
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -36,11 +38,22 @@ __all__ = [
     "Vocabulary",
     "batchify",
     "bptt_batches",
+    "encode_split",
     "find_split_files",
     "load_corpus",
     "num_bptt_batches",
     "read_words",
+    "sample_dir",
 ]
+
+#: The bundled samples (package data, see ``rnndrop/lm/data/NOTICE.md``) by corpus name.
+SAMPLES: dict[str, str] = {"ptb": "ptb-sample", "wikitext-2": "wikitext-2-sample"}
+
+#: A validation or test split with more than this share of ``<unk>`` gets a warning:
+#: its vocabulary hardly overlaps the training split's (a wrong file, or another corpus).
+UNK_WARNING_SHARE = 0.5
+
+log = logging.getLogger(__name__)
 
 EOS = "<eos>"
 UNK = "<unk>"
@@ -91,12 +104,27 @@ def find_split_files(directory: str | Path) -> dict[str, Path]:
 
 
 def read_words(path: str | Path) -> list[str]:
-    """The words of a text file, with ``<eos>`` at the end of every line."""
+    """The words of a UTF-8 text file, with ``<eos>`` at the end of every line.
+
+    A byte-order mark at the start of the file is dropped (it is not a word).
+
+    Raises:
+        CorpusError: the file is not valid UTF-8 (the message names the file and the
+            position of the first bad byte).
+    """
+    data = Path(path).read_bytes()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise CorpusError(
+            f"corpus file {str(path)!r} is not UTF-8 text: byte 0x{data[e.start]:02x} on line {line}; "
+            "convert it to UTF-8 (e.g. `iconv -f latin1 -t utf-8`)"
+        ) from None
     words: list[str] = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            words.extend(line.split())
-            words.append(EOS)
+    for line in io.StringIO(text, newline=None):  # universal newlines, as open() reads
+        words.extend(line.split())
+        words.append(EOS)
     return words
 
 
@@ -178,6 +206,8 @@ def load_corpus(directory: str | Path) -> Corpus:
     unseen = {
         split: sum(w not in vocab.stoi for w in words[split]) for split in ("valid", "test")
     }
+    for split, n in unseen.items():
+        _warn_if_mostly_unknown(paths[split], words[split], vocab, n)
     return Corpus(
         vocab=vocab,
         train=vocab.encode(words["train"]),
@@ -186,6 +216,37 @@ def load_corpus(directory: str | Path) -> Corpus:
         source=str(Path(directory).expanduser()),
         unseen=unseen,
     )
+
+
+def _warn_if_mostly_unknown(path: Path, words: Sequence[str], vocab: Vocabulary, unseen: int) -> None:
+    unknown = unseen + sum(w == UNK for w in words)
+    share = unknown / max(1, sum(w != EOS for w in words))
+    if share > UNK_WARNING_SHARE:
+        log.warning(
+            "%s: %.0f%% of its words are <unk> for a vocabulary of %d words from the training "
+            "split; is it a split of the same corpus?", path, 100 * share, len(vocab),
+        )
+
+
+def encode_split(directory: str | Path, split: str, vocab: Vocabulary) -> Tensor:
+    """The ``split`` of the corpus in ``directory`` as word ids of ``vocab`` (a trained
+    model's vocabulary; words it lacks become ``<unk>``, with a warning when most do)."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    path = find_split_files(directory)[split]
+    words = read_words(path)
+    if not any(w != EOS for w in words):
+        raise CorpusError(f"{split} split file {str(path)!r} holds no words")
+    _warn_if_mostly_unknown(path, words, vocab, sum(w not in vocab.stoi for w in words))
+    return vocab.encode(words)
+
+
+def sample_dir(name: str) -> Path:
+    """The folder of the small real sample of ``name`` (``"ptb"`` or ``"wikitext-2"``)
+    shipped with the package (see ``NOTICE.md`` beside it for its source and licence)."""
+    if name not in SAMPLES:
+        raise ValueError(f"name must be one of {', '.join(map(repr, SAMPLES))}, got {name!r}")
+    return Path(__file__).resolve().parent / "data" / SAMPLES[name]
 
 
 def batchify(data: Tensor, batch_size: int) -> Tensor:

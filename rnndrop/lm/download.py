@@ -216,7 +216,9 @@ def download_corpus(
     raise DownloadError(
         f"could not get the {name} corpus.\n  "
         + "\n  ".join(errors)
-        + f"\nIf this machine is offline: fetch {remote.base_url}{remote.archive} on a machine "
+        + "\nTo run offline on the small real sample shipped with rnndrop, pass --data sample. "
+        + f"For the full corpus on an offline machine: fetch {remote.base_url}{remote.archive} "
+        "on a machine "
         f"with internet, unpack it and pass its folder holding {', '.join(files.values())} "
         f"as --data DIR (or copy those files into {target}); or serve the archive from a "
         f"mirror and set {MIRROR_ENV}=<url of its folder>; or install 'datasets' "

@@ -1,13 +1,19 @@
-"""Result files of language-model runs: JSON per run, a Markdown table, learning curves.
+"""Result files of language-model runs: JSON per run, per-epoch metrics, Markdown, plots.
 
 A run's JSON (``results.json``, schema :data:`SCHEMA`) holds the configuration,
 regime, dropout probabilities, seed, per-epoch train / validation perplexity, test
 perplexity (standard and Monte-Carlo), words per second, wall time, peak memory and
-library versions. It is written atomically.
+library versions. It is written atomically. Beside it, :class:`EpochLog` keeps
+``metrics.csv`` (one row per epoch) and, when the optional ``tensorboard`` package is
+installed, TensorBoard scalars in ``tensorboard/``. A benchmark's tables
+(:func:`benchmark_markdown`) and learning curves (:func:`plot_learning_curves`) are
+made from the runs' results.
 """
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import logging
 import math
@@ -26,8 +32,13 @@ from rnndrop.lm.atomic import atomic_write
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "METRICS",
+    "METRICS_COLUMNS",
     "SCHEMA",
+    "EpochLog",
+    "benchmark_markdown",
     "format_dropout",
+    "learning_curve_figure",
     "markdown_table",
     "peak_memory",
     "plot_learning_curves",
@@ -38,6 +49,14 @@ __all__ = [
 ]
 
 SCHEMA = "rnndrop.lm.result/1"
+
+#: File name of a run's per-epoch metrics.
+METRICS = "metrics.csv"
+#: Its columns; ``elapsed_seconds`` is the training time so far (the sum of the epochs'
+#: ``seconds``, evaluation excluded), so it survives an interrupted and resumed run.
+METRICS_COLUMNS: tuple[str, ...] = (
+    "epoch", "lr", "train_ppl", "valid_ppl", "words_per_second", "seconds", "elapsed_seconds",
+)
 
 #: Keys every results.json has.
 REQUIRED_KEYS: tuple[str, ...] = (
@@ -149,11 +168,61 @@ def markdown_table(results: Sequence[Mapping[str, Any]], *, group: bool = True) 
     return "\n".join(lines) + "\n"
 
 
-def plot_learning_curves(results: Sequence[Mapping[str, Any]], path: str | Path) -> Path | None:
-    """Train (dashed) and validation (solid) perplexity per epoch of every run, as a PNG.
+def _plot_title(results: Sequence[Mapping[str, Any]]) -> str:
+    first = results[0]
+    cfg = first.get("config", {})
+    corpus = first.get("corpus", {})
+    source = Path(str(corpus.get("source", ""))).name
+    what = first.get("dataset") or "corpus"
+    if source:
+        what += f" ({source})"
+    cell = str(cfg.get("cell", "lstm")).upper()
+    model = (f"{cfg.get('num_layers', '?')}×{cfg.get('hidden_size', '?')} {cell}, "
+             f"emb {cfg.get('embedding_size', '?')}")
+    train = (f"{cfg.get('optimizer', 'sgd')} lr {cfg.get('lr', '?'):g}, batch {cfg.get('batch_size', '?')}, "
+             f"bptt {cfg.get('bptt', '?')}") if isinstance(cfg.get("lr"), (int, float)) else ""
+    return f"{what}, config {cfg.get('name', '?')}: {model}" + (f"\n{train}" if train else "")
 
-    Returns the path, or None when matplotlib is not installed.
+
+def learning_curve_figure(results: Sequence[Mapping[str, Any]]):
+    """A matplotlib figure of train (dashed, ×) and validation (solid, ●) perplexity per
+    epoch of every run, titled with the corpus and the config (matplotlib required)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(7, 4.8))
+    for i, r in enumerate(results):
+        epochs = [e["epoch"] for e in r["epochs"]]
+        label = f"{r['regime']} ({format_dropout(r['dropout'])}, seed {r['seed']})"
+        color = f"C{i % 10}"
+        ax.plot(epochs, [e["valid_ppl"] for e in r["epochs"]], color=color, marker="o",
+                markersize=4, label=label)
+        ax.plot(epochs, [e["train_ppl"] for e in r["epochs"]], color=color, marker="x",
+                markersize=4, linestyle="--")
+    ax.set_xlabel("epoch")
+    last = max((e["epoch"] for r in results for e in r["epochs"]), default=1)
+    ax.set_xlim(0.5, last + 0.5)  # a range of at least one epoch, so every tick is an epoch
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+    ax.set_ylabel("perplexity (solid ●: valid, dashed ×: train)")
+    ax.set_yscale("log")
+    ax.set_title(_plot_title(results), fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def plot_learning_curves(results: Sequence[Mapping[str, Any]], path: str | Path) -> Path | None:
+    """:func:`learning_curve_figure` as a PNG at ``path`` (written atomically); every epoch
+    is a marker, so a one-epoch run shows too.
+
+    Returns the path, or None when matplotlib is not installed or there is nothing to plot.
     """
+    if not results:
+        return None
     try:
         import matplotlib
 
@@ -163,19 +232,7 @@ def plot_learning_curves(results: Sequence[Mapping[str, Any]], path: str | Path)
         log.warning("matplotlib is not installed: no learning curves at %s "
                     "(pip install 'rnndrop[bench]')", path)
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, r in enumerate(results):
-        epochs = [e["epoch"] for e in r["epochs"]]
-        label = f"{r['regime']} ({format_dropout(r['dropout'])}, seed {r['seed']})"
-        color = f"C{i % 10}"
-        ax.plot(epochs, [e["valid_ppl"] for e in r["epochs"]], color=color, label=label)
-        ax.plot(epochs, [e["train_ppl"] for e in r["epochs"]], color=color, linestyle="--")
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("perplexity (solid: valid, dashed: train)")
-    ax.set_yscale("log")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
+    fig = learning_curve_figure(results)
     path = Path(path)
     try:
         with atomic_write(path) as f:
@@ -183,3 +240,118 @@ def plot_learning_curves(results: Sequence[Mapping[str, Any]], path: str | Path)
     finally:
         plt.close(fig)
     return path
+
+
+def _metrics_row(record: Mapping[str, Any], elapsed: float) -> dict[str, Any]:
+    return {
+        "epoch": record["epoch"], "lr": record["lr"], "train_ppl": record["train_ppl"],
+        "valid_ppl": record["valid_ppl"], "words_per_second": record["words_per_second"],
+        "seconds": record["seconds"], "elapsed_seconds": elapsed,
+    }
+
+
+def _write_metrics(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=METRICS_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    with atomic_write(path, "w", encoding="utf-8") as f:
+        f.write(buffer.getvalue())
+
+
+class EpochLog:
+    """Per-epoch metrics of one run: ``metrics.csv`` (rewritten atomically after every
+    epoch) and TensorBoard scalars (``tensorboard/``) when ``tensorboard`` is installed.
+
+    Use it as ``train_run(..., on_epoch_end=log)``; after the run, :meth:`finish` with
+    the result rewrites the CSV from the result's history (the authority after a resume).
+    """
+
+    def __init__(self, folder: str | Path, *, tensorboard: bool = True) -> None:
+        self.folder = Path(folder)
+        self.path = self.folder / METRICS
+        self.rows: list[dict[str, Any]] = []
+        if self.path.is_file():
+            try:
+                with open(self.path, encoding="utf-8", newline="") as f:
+                    self.rows = [{k: float(v) if k != "epoch" else int(v) for k, v in row.items()}
+                                 for row in csv.DictReader(f)]
+            except (ValueError, TypeError, OSError):
+                self.rows = []  # rebuilt from the result's history when the run ends
+        self._tensorboard = tensorboard
+        self._writer: Any = None
+
+    def __call__(self, epoch: int, record: Mapping[str, Any]) -> None:
+        rows = [r for r in self.rows if r["epoch"] < epoch]
+        elapsed = sum(r["seconds"] for r in rows) + record["seconds"]
+        self.rows = [*rows, _metrics_row(record, elapsed)]
+        _write_metrics(self.rows, self.path)
+        if self._tensorboard:
+            self._scalars(epoch, record)
+
+    def _scalars(self, epoch: int, record: Mapping[str, Any]) -> None:
+        if self._writer is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard is optional: no scalars, no message
+                self._tensorboard = False
+                return
+            self._writer = SummaryWriter(log_dir=str(self.folder / "tensorboard"))
+        self._writer.add_scalar("perplexity/train", record["train_ppl"], epoch)
+        self._writer.add_scalar("perplexity/valid", record["valid_ppl"], epoch)
+        self._writer.add_scalar("lr", record["lr"], epoch)
+        self._writer.add_scalar("words_per_second", record["words_per_second"], epoch)
+        self._writer.flush()
+
+    def finish(self, result: Mapping[str, Any]) -> None:
+        elapsed, rows = 0.0, []
+        for record in result["epochs"]:
+            elapsed += record["seconds"]
+            rows.append(_metrics_row(record, elapsed))
+        self.rows = rows
+        _write_metrics(rows, self.path)
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def benchmark_markdown(
+    dataset: str,
+    config_name: str,
+    final_results: Sequence[Mapping[str, Any]],
+    grid_results: Sequence[Mapping[str, Any]] = (),
+    *,
+    command: str = "",
+    grid_seed: int | None = None,
+) -> str:
+    """The benchmark's report: command, corpus, the comparison table and the grid."""
+    lines = [f"# {dataset} language-model benchmark, config `{config_name}`", ""]
+    if command:
+        lines += ["Command:", "", "```bash", command, "```", ""]
+    corpus_info = final_results[0].get("corpus", {}) if final_results else {}
+    lines += [
+        f"Corpus: `{corpus_info.get('source', '?')}` "
+        f"({corpus_info.get('train_tokens', '?')} / {corpus_info.get('valid_tokens', '?')} / "
+        f"{corpus_info.get('test_tokens', '?')} train / valid / test tokens with `<eos>`, "
+        f"vocabulary {corpus_info.get('vocab_size', '?')}).",
+        "",
+        "Perplexities are mean ± sd over seeds; test perplexity uses the parameters of the "
+        "best validation epoch; MC = Monte-Carlo dropout with S samples.",
+        "",
+        markdown_table(final_results),
+    ]
+    if grid_results:
+        lines += [
+            f"Grid (seed {grid_seed}); the dropout of each regime was chosen by validation "
+            "perplexity only:",
+            "",
+            "| regime | dropout | best epoch | valid ppl | chosen |",
+            "|---|---|---|---|---|",
+        ]
+        chosen = {f["regime"]: f["dropout"] for f in final_results}
+        for r in sorted(grid_results, key=lambda r: (r["regime"], r["best_valid_ppl"])):
+            mark = "✓" if r["dropout"] == chosen.get(r["regime"]) else ""
+            lines.append(f"| {r['regime']} | {format_dropout(r['dropout'])} | {r['best_epoch']} | "
+                         f"{r['best_valid_ppl']:.1f} | {mark} |")
+        lines.append("")
+    return "\n".join(lines)

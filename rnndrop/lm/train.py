@@ -161,13 +161,17 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 class _Progress:
-    """A tqdm bar when tqdm is installed, else a log line every tenth of the loop."""
+    """A tqdm bar on a terminal when tqdm is installed (below the job's bar of
+    :class:`rnndrop.lm.progress.JobProgress`, if one is drawn), else a log line every
+    tenth of the loop (e.g. when stderr goes to a file)."""
 
     def __init__(self, total: int, desc: str, enabled: bool) -> None:
         self.total, self.desc, self.count = total, desc, 0
         self.bar = None
         self.enabled = enabled
-        if enabled:
+        import sys
+
+        if enabled and sys.stderr.isatty():
             try:
                 from tqdm.auto import tqdm
 

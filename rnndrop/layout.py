@@ -1,0 +1,206 @@
+"""The layout of a recurrent layer's input: batch_first, unbatched, padded or packed.
+
+A recurrent layer works on *rows*: ``[N, features]`` in packed, time-major order,
+``batch_sizes[t]`` rows for step ``t`` (non-increasing). Padded input ``[T, B, F]``
+is the special case ``batch_sizes = [B] * T``. :class:`SequenceLayout` turns what
+the user passed into rows, and turns rows back into what ``nn.LSTM`` returns.
+
+Row ``r`` of step ``t`` belongs to sequence ``r - offset_t`` of the *sorted* batch
+(:func:`packed_sequence_index`); a per-sequence mask ``[B, ...]`` reaches the rows by
+indexing with it, which is also how :class:`rnndrop.LockedDropout` masks a
+``PackedSequence``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from torch.nn.utils.rnn import PackedSequence
+
+from rnndrop.validation import check_tensor_like
+
+__all__ = ["SequenceLayout", "mask_packed_sequence", "packed_sequence_index"]
+
+
+def packed_sequence_index(batch_sizes: Tensor) -> Tensor:
+    """For each row of a ``PackedSequence``'s data, the (sorted) sequence it belongs to.
+
+    Args:
+        batch_sizes: ``[T]`` rows per time step (the PackedSequence's, on the CPU).
+
+    Returns:
+        ``[sum(batch_sizes)]`` int64: row ``offset_t + i`` of step ``t`` -> ``i``.
+    """
+    batch_sizes = batch_sizes.long()
+    offsets = torch.cumsum(batch_sizes, 0) - batch_sizes
+    rows = torch.arange(int(batch_sizes.sum()))
+    return rows - torch.repeat_interleave(offsets, batch_sizes)
+
+
+def mask_packed_sequence(x: PackedSequence, mask: Tensor) -> PackedSequence:
+    """``x`` with every row multiplied by its sequence's mask.
+
+    Args:
+        x: a ``PackedSequence`` of data ``[N, *features]``.
+        mask: ``[B, *features]`` in the *sorted* batch order of ``x`` (for masks drawn
+            i.i.d. per sequence any order is as good, and no sorting is needed).
+    """
+    rows = packed_sequence_index(x.batch_sizes).to(x.data.device)
+    return PackedSequence(x.data * mask[rows], x.batch_sizes, x.sorted_indices, x.unsorted_indices)
+
+
+@dataclass
+class SequenceLayout:
+    """Where the rows ``[N, F]`` of a time-major batch come from, and how to give them back."""
+
+    batch_sizes: list[int]  # rows per time step, non-increasing
+    packed_batch_sizes: Tensor | None  # the PackedSequence's, None for padded input
+    sorted_indices: Tensor | None
+    unsorted_indices: Tensor | None
+    batch_first: bool
+    unbatched: bool
+    _row_index: dict[bool, Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def packed(self) -> bool:
+        return self.packed_batch_sizes is not None
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.batch_sizes)
+
+    @property
+    def batch_size(self) -> int:
+        return self.batch_sizes[0]
+
+    @classmethod
+    def from_input(
+        cls, input: Tensor | PackedSequence, *, batch_first: bool, input_size: int, weight: Tensor, owner: str
+    ) -> tuple[Tensor, SequenceLayout]:
+        """The rows ``[N, input_size]`` of ``input`` and their layout; checks ``input``.
+
+        ``weight`` gives the dtype and device the input must have; ``owner`` (the
+        layer's class name) starts every error message.
+        """
+        if isinstance(input, PackedSequence):
+            x = input.data
+            if x.dim() != 2:
+                raise ValueError(f"{owner}: PackedSequence data must be 2-D, got {x.dim()}-D")
+            layout = cls(
+                input.batch_sizes.tolist(),
+                input.batch_sizes,
+                input.sorted_indices,
+                input.unsorted_indices,
+                batch_first,
+                False,
+            )
+        else:
+            if not isinstance(input, Tensor):
+                raise TypeError(
+                    f"{owner}: input must be a Tensor or PackedSequence, got {type(input).__name__}"
+                )
+            if input.dim() not in (2, 3):
+                batched = "[batch, seq, feature]" if batch_first else "[seq, batch, feature]"
+                raise ValueError(
+                    f"{owner}: input must be 3-D {batched} or 2-D unbatched [seq, feature], "
+                    f"got {input.dim()}-D with shape {list(input.shape)}"
+                )
+            unbatched = input.dim() == 2
+            x = input.unsqueeze(1) if unbatched else input
+            if batch_first and not unbatched:
+                x = x.transpose(0, 1)
+            T, B = x.shape[:2]
+            if T == 0 or B == 0:
+                raise ValueError(
+                    f"{owner}: input must have at least one step and one sequence, "
+                    f"got shape {list(input.shape)}"
+                )
+            x = x.reshape(T * B, x.shape[-1])
+            layout = cls([B] * T, None, None, None, batch_first, unbatched)
+        if x.shape[-1] != input_size:
+            raise ValueError(
+                f"{owner}: input.size(-1) must be equal to input_size={input_size}, got {x.shape[-1]}"
+            )
+        if x.dtype != weight.dtype:
+            raise TypeError(
+                f"{owner}: input dtype {x.dtype} does not match the weights' dtype {weight.dtype}"
+            )
+        if x.device != weight.device:
+            raise ValueError(f"{owner}: input is on {x.device} but the weights are on {weight.device}")
+        return x, layout
+
+    def initial_states(
+        self,
+        hx: Tensor | tuple[Tensor, ...] | None,
+        sizes: tuple[int, ...],
+        num_rows: int,
+        x: Tensor,
+        owner: str,
+    ) -> tuple[Tensor, ...]:
+        """``hx`` (one tensor, or a tuple for several states) checked and in sorted batch order.
+
+        Args:
+            hx: as given to ``forward``: None (zeros), ``h_0`` for one state, ``(h_0, c_0)`` for two.
+            sizes: the feature size of each state.
+            num_rows: ``num_layers * num_directions``.
+            x: the input rows (for dtype and device).
+
+        Returns:
+            One ``[num_rows, B, size]`` tensor per state.
+        """
+        B = self.batch_size
+        if hx is None:
+            return tuple(x.new_zeros(num_rows, B, size) for size in sizes)
+        if len(sizes) == 1:
+            states, names = (hx,), ["hx"]
+        else:
+            if not isinstance(hx, (tuple, list)) or len(hx) != len(sizes):
+                raise TypeError(f"{owner}: hx must be a tuple (h_0, c_0) or None, got {type(hx).__name__}")
+            states, names = tuple(hx), [f"hx[{i}]" for i in range(len(sizes))]
+        out = []
+        for state, size, name in zip(states, sizes, names):
+            expected = (num_rows, size) if self.unbatched else (num_rows, B, size)
+            note = " (unbatched input)" if self.unbatched else ""
+            check_tensor_like(f"{owner}: {name}", state, expected, x, shape_note=note)
+            if self.unbatched:
+                state = state.unsqueeze(1)
+            elif self.sorted_indices is not None:
+                state = state.index_select(1, self.sorted_indices)
+            out.append(state)
+        return tuple(out)
+
+    def broadcast_to_rows(self, mask: Tensor, per_step: bool) -> Tensor:
+        """A mask ``[B, ...]`` (``per_step``: ``[T, B, ...]``), sorted batch order -> rows ``[N, ...]``."""
+        T, B = self.seq_len, self.batch_size
+        if not self.packed:
+            if not per_step:
+                mask = mask.unsqueeze(0).expand(T, *mask.shape)
+            return mask.reshape(T * B, *mask.shape[2:])
+        index = self._row_index.get(per_step)
+        if index is None:
+            index = packed_sequence_index(self.packed_batch_sizes)
+            if per_step:  # row of step t, sequence i -> t * B + i
+                steps = torch.repeat_interleave(torch.arange(T), self.packed_batch_sizes.long())
+                index = steps * B + index
+            index = self._row_index[per_step] = index.to(mask.device)
+        flat = mask.reshape(T * B, *mask.shape[2:]) if per_step else mask
+        return flat[index]
+
+    def restore(
+        self, out: Tensor, states: tuple[Tensor, ...]
+    ) -> tuple[Tensor | PackedSequence, tuple[Tensor, ...]]:
+        """Output rows ``[N, F]`` and final states ``[L, B, size]`` in the layout of the input."""
+        if self.packed:
+            if self.unsorted_indices is not None:
+                states = tuple(s.index_select(1, self.unsorted_indices) for s in states)
+            return PackedSequence(
+                out, self.packed_batch_sizes, self.sorted_indices, self.unsorted_indices
+            ), states
+        output = out.view(self.seq_len, self.batch_size, out.shape[-1])
+        if self.unbatched:
+            return output.squeeze(1), tuple(s.squeeze(1) for s in states)
+        if self.batch_first:
+            output = output.transpose(0, 1)
+        return output, states

@@ -1,0 +1,202 @@
+"""Monte-Carlo evaluation of a language model: NLL, perplexity, next-word calibration."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from rnndrop.calibration import ReliabilityDiagram, reliability_from_predictions
+from rnndrop.mc.sampling import DEFAULT_MEMORY_BUDGET, _plan_chunks, _replicate, _resolve_method, mc_dropout
+from rnndrop.validation import check_positive_int
+
+__all__ = ["LanguageModelLoss", "mc_language_model_loss", "mc_perplexity"]
+
+
+@dataclass(frozen=True)
+class LanguageModelLoss:
+    """Negative log-likelihood of a corpus under Monte-Carlo averaged predictions.
+
+    Attributes:
+        total_nll: summed over tokens, in nats.
+        num_tokens: the number of predicted tokens.
+        n_samples: ``S``.
+        reliability: with ``calibration_bins``, the next-word reliability diagram of the
+            averaged predictions (its ``ece`` is the expected calibration error).
+    """
+
+    total_nll: float
+    num_tokens: int
+    n_samples: int
+    reliability: ReliabilityDiagram | None = None
+
+    @property
+    def nll(self) -> float:
+        """Mean negative log-likelihood per token (nats)."""
+        return self.total_nll / self.num_tokens
+
+    @property
+    def perplexity(self) -> float:
+        """``exp(nll)``."""
+        return math.exp(self.nll)
+
+
+def _check_lm_batch(batch: Any, index: int) -> tuple[Tensor, Tensor]:
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise TypeError(
+            f"batches must yield (inputs [T, B], targets [T, B]) pairs, got {type(batch).__name__} "
+            f"at batch {index}"
+        )
+    tokens, targets = batch
+    for name, t in (("inputs", tokens), ("targets", targets)):
+        if not isinstance(t, Tensor) or t.dim() != 2 or t.dtype != torch.long:
+            got = f"{t.dtype} of shape {list(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+            raise TypeError(f"batch {index}: {name} must be a 2-D LongTensor [T, B], got {got}")
+    if tokens.shape != targets.shape:
+        raise ValueError(
+            f"batch {index}: inputs and targets must have the same shape [T, B], got "
+            f"{list(tokens.shape)} and {list(targets.shape)}"
+        )
+    return tokens, targets
+
+
+def mc_language_model_loss(
+    model: nn.Module,
+    batches: Iterable[tuple[Tensor, Tensor]],
+    n_samples: int = 100,
+    *,
+    method: str = "auto",
+    chunk_size: int | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    strict: bool = True,
+    calibration_bins: int | None = None,
+) -> LanguageModelLoss:
+    """Monte-Carlo dropout evaluation of a language model: NLL and token count.
+
+    Per token the probability of the target is averaged over the ``S`` samples
+    (Gal & Ghahramani 2016), not its log-probability:
+    ``log p(y) = logsumexp_s log p_s(y) - log S``.
+
+    Recurrent state and masks: each sample keeps a recurrent state of its own, carried
+    from one segment to the next exactly as in deterministic evaluation, while every
+    segment call draws fresh masks per sample (the model is called as in training, which
+    also draws fresh masks at every truncated-BPTT segment). So sample ``s`` is one
+    stochastic network per segment, its state a continuation of its own past; holding
+    one mask for the whole corpus would need the model's masks to be passed in from
+    outside, which the LM protocol does not offer, and would not match how the model
+    was trained.
+
+    Args:
+        model: a language model under the LM protocol: ``model(tokens [T, B], hidden)
+            -> (logits [T, B, V], hidden)``, time-major, ``hidden=None`` for zeros.
+        batches: yields ``(inputs [T, B], targets [T, B])`` LongTensors in corpus order,
+            on the model's device; iterated once.
+        n_samples: ``S``.
+        method, chunk_size, memory_budget, strict: as for :func:`mc_predict`; the batch
+            is replicated along dim 1. The chunk layout is fixed at the first segment
+            and every chunk carries its own state.
+        calibration_bins: also bin the top word of every averaged next-word distribution
+            against the target (:func:`rnndrop.calibration.reliability_from_predictions`);
+            this averages whole distributions ``[T, B, V]`` rather than the targets' alone.
+
+    Returns:
+        A :class:`LanguageModelLoss`.
+    """
+    n_samples = check_positive_int("n_samples", n_samples)
+    if chunk_size is not None:
+        chunk_size = check_positive_int("chunk_size", chunk_size)
+    memory_budget = check_positive_int("memory_budget", memory_budget)
+    if calibration_bins is not None:
+        check_positive_int("calibration_bins", calibration_bins)
+    total_nll = 0.0
+    num_tokens = 0
+    plan: list[int] | None = None
+    states: list[Any] = []
+    log_s = math.log(n_samples)
+    confidences: list[Tensor] = []
+    correct: list[Tensor] = []
+
+    def run(copies: int, tokens: Tensor, targets: Tensor, hidden: Any) -> tuple[Tensor, Any, int]:
+        """``copies`` samples of one segment: log-probabilities summed in probability space
+        over the copies (of the targets ``[T, B]``, or with ``calibration_bins`` of every word
+        ``[T, B, V]``), the new state, and the bytes of one copy's logits."""
+        output = model(_replicate(tokens, copies, 1), hidden)
+        if not (isinstance(output, (tuple, list)) and len(output) == 2):
+            raise TypeError(
+                "the language model must return (logits [T, B, V], hidden), got "
+                f"{type(output).__name__}"
+            )
+        logits, hidden = output
+        T, B = tokens.shape
+        if not (isinstance(logits, Tensor) and logits.dim() == 3 and logits.shape[:2] == (T, copies * B)):
+            got = list(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
+            raise ValueError(
+                f"the language model's logits must be [T, B, V] = [{T}, {copies * B}, V], got {got}"
+            )
+        per_copy = logits.numel() * logits.element_size() // copies
+        logp = logits.log_softmax(-1)
+        if calibration_bins is not None:
+            return logp.view(T, copies, B, -1).logsumexp(1), hidden, per_copy
+        logp = logp.gather(-1, _replicate(targets, copies, 1).unsqueeze(-1))
+        return logp.view(T, copies, B).logsumexp(1), hidden, per_copy
+
+    with mc_dropout(model, strict=strict), torch.no_grad():
+        resolved = _resolve_method(model, method)
+        batch_size: int | None = None
+        for index, batch in enumerate(batches):
+            tokens, targets = _check_lm_batch(batch, index)
+            if batch_size is None:
+                batch_size = tokens.shape[1]
+            elif tokens.shape[1] != batch_size:
+                raise ValueError(
+                    f"batch {index}: every batch must have the first one's B = {batch_size} "
+                    f"sequences (the state is carried across batches), got {tokens.shape[1]}"
+                )
+            log_prob: Tensor | None = None
+            first = 0
+            if plan is None:
+
+                def probe(tokens: Tensor = tokens, targets: Tensor = targets) -> int:
+                    nonlocal log_prob
+                    log_prob, state, per_copy = run(1, tokens, targets, None)
+                    states.append(state)
+                    return 3 * per_copy  # logits, log-probabilities, gathered values
+
+                plan, first = _plan_chunks(resolved, n_samples, chunk_size, memory_budget, probe)
+                states.extend([None] * (len(plan) - len(states)))
+            for i in range(first, len(plan)):
+                chunk_log_prob, states[i], _ = run(plan[i], tokens, targets, states[i])
+                log_prob = chunk_log_prob if log_prob is None else torch.logaddexp(log_prob, chunk_log_prob)
+            if calibration_bins is not None:
+                top_log_prob, top_word = log_prob.max(-1)
+                confidences.append((top_log_prob - log_s).exp())
+                correct.append(top_word == targets)
+                log_prob = log_prob.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            total_nll -= (log_prob.double() - log_s).sum().item()
+            num_tokens += targets.numel()
+    if num_tokens == 0:
+        raise ValueError("batches must yield at least one (inputs, targets) pair, got none")
+    reliability = None
+    if calibration_bins is not None:
+        reliability = reliability_from_predictions(
+            torch.cat(confidences), torch.cat(correct), calibration_bins
+        )
+    return LanguageModelLoss(total_nll, num_tokens, n_samples, reliability)
+
+
+def mc_perplexity(
+    model: nn.Module,
+    batches: Iterable[tuple[Tensor, Tensor]],
+    n_samples: int = 100,
+    **kwargs: Any,
+) -> float:
+    """Perplexity of a language model under Monte-Carlo dropout: ``exp(mean NLL)``.
+
+    See :func:`mc_language_model_loss` for the arguments and how masks and states
+    behave across truncated-BPTT segments.
+    """
+    return mc_language_model_loss(model, batches, n_samples, **kwargs).perplexity

@@ -1,0 +1,194 @@
+"""Which modules sample under Monte-Carlo dropout, and how samples are batched.
+
+:func:`mc_dropout` switches the sampling modules to training mode; the helpers
+replicate a batch ``k`` times along its batch dimension, split the outputs back
+into samples, and plan how many samples each forward call takes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.dropout import _DropoutNd
+
+from rnndrop.stochastic import Stochastic
+from rnndrop.validation import check_choice, check_instance
+
+__all__ = ["DEFAULT_MEMORY_BUDGET", "METHODS", "mc_dropout", "sampling_modules"]
+
+logger = logging.getLogger(__name__)
+
+METHODS: tuple[str, ...] = ("auto", "batched", "loop")
+
+#: Default bound on the memory of one batched chunk's outputs and their derived tensors.
+DEFAULT_MEMORY_BUDGET = 1 << 28
+
+
+# ------------------------------------------------------------------ modules
+
+
+def _is_sampling(module: nn.Module) -> bool:
+    if isinstance(module, Stochastic):
+        return bool(module.is_stochastic())
+    return isinstance(module, _DropoutNd) and module.p > 0
+
+
+def sampling_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` (itself included) that :func:`mc_dropout` switches on."""
+    check_instance("model", model, nn.Module, "an nn.Module")
+    return [m for m in model.modules() if _is_sampling(m)]
+
+
+def _shares_noise_across_batch(module: nn.Module) -> bool:
+    return isinstance(module, Stochastic) and module.shares_noise_across_batch()
+
+
+@contextmanager
+def mc_dropout(model: nn.Module, *, strict: bool = True) -> Iterator[nn.Module]:
+    """Context under which only the sampling modules of ``model`` are in training mode.
+
+    On entry every module goes to eval mode and each sampling module (see the module
+    docstring) to training mode, that module alone: its children keep eval mode
+    unless they sample too. On exit, also after an exception, every module gets back
+    the mode it had. Gradients are not touched: wrap the call in ``torch.no_grad()``
+    for inference.
+
+    Args:
+        model: any ``nn.Module``.
+        strict: raise a ValueError when ``model`` holds no module that would sample
+            (every dropout probability 0): Monte-Carlo prediction would then repeat
+            the deterministic prediction. ``strict=False`` allows it (a p = 0 baseline
+            through the same code path).
+
+    Yields:
+        ``model``.
+    """
+    samplers = sampling_modules(model)
+    if strict and not samplers:
+        raise ValueError(
+            f"mc_dropout: model ({type(model).__name__}) has no stochastic module with p > 0 "
+            "(an rnndrop Stochastic module whose is_stochastic() is True, or an nn.Dropout "
+            "with p > 0); Monte-Carlo samples would all equal the eval prediction. "
+            "Pass strict=False to allow it."
+        )
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        model.eval()
+        for m in samplers:
+            m.training = True
+        yield model
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+# ------------------------------------------------------------------ batching
+
+
+def _normalize_dim(dim: int, ndim: int, name: str) -> int:
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"{name}={dim} is out of range for a tensor with {ndim} dimensions")
+    return dim % ndim
+
+
+def _replicate(obj: Any, copies: int, batch_dim: int) -> Any:
+    """Tile every tensor in ``obj`` (nested tuples/lists) ``copies`` times along ``batch_dim``.
+
+    Row ``s * B + b`` of the result is row ``b`` of copy ``s``.
+    """
+    if isinstance(obj, Tensor):
+        if copies == 1:
+            return obj
+        d = _normalize_dim(batch_dim, obj.dim(), "batch_dim")
+        reps = [1] * obj.dim()
+        reps[d] = copies
+        return obj.repeat(*reps)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a NamedTuple
+        return type(obj)(*(_replicate(x, copies, batch_dim) for x in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_replicate(x, copies, batch_dim) for x in obj)
+    if isinstance(obj, torch.nn.utils.rnn.PackedSequence):
+        raise TypeError("inputs must not hold a PackedSequence: pad it, or use method='loop'")
+    return obj
+
+
+def _first_tensor(output: Any) -> Tensor:
+    """The prediction in a model's output: the output itself or its first element."""
+    while isinstance(output, (tuple, list)) and len(output) > 0:
+        output = output[0]
+    if not isinstance(output, Tensor):
+        raise TypeError(
+            "the model must return a Tensor or a tuple whose first element is one, "
+            f"got {type(output).__name__}"
+        )
+    return output
+
+
+def _batch_size(obj: Any, batch_dim: int) -> int | None:
+    """Size along ``batch_dim`` of the first tensor in ``obj`` (nested tuples/lists)."""
+    if isinstance(obj, Tensor):
+        return obj.shape[_normalize_dim(batch_dim, obj.dim(), "batch_dim")]
+    if isinstance(obj, (tuple, list)):
+        for x in obj:
+            size = _batch_size(x, batch_dim)
+            if size is not None:
+                return size
+    return None
+
+
+def _split_samples(out: Tensor, copies: int, batch_size: int, batch_dim: int) -> Tensor:
+    """``[..., copies * B, ...]`` (copies along ``batch_dim``) -> ``[copies, ..., B, ...]``."""
+    d = _normalize_dim(batch_dim, out.dim(), "output_batch_dim")
+    if out.shape[d] != copies * batch_size:
+        raise ValueError(
+            f"the model's output has size {out.shape[d]} along output_batch_dim={batch_dim} "
+            f"for {copies} copies of a batch of {batch_size}, expected {copies * batch_size}; "
+            "set batch_dim / output_batch_dim to the batch dimension of inputs / outputs"
+        )
+    return out.unflatten(d, (copies, batch_size)).movedim(d, 0)
+
+
+def _resolve_method(model: nn.Module, method: str) -> str:
+    check_choice("method", method, METHODS)
+    shared = [type(m).__name__ for m in sampling_modules(model) if _shares_noise_across_batch(m)]
+    if method == "batched" and shared:
+        raise ValueError(
+            f"method='batched' cannot draw independent samples: {', '.join(sorted(set(shared)))} "
+            "share(s) one noise draw across the batch; use method='loop' or 'auto'"
+        )
+    if method == "auto":
+        if shared:
+            logger.debug("mc: looping over samples because %s share noise across the batch", shared)
+        return "loop" if shared else "batched"
+    return method
+
+
+def _chunks(n_samples: int, chunk_size: int) -> list[int]:
+    full, rest = divmod(n_samples, chunk_size)
+    return [chunk_size] * full + ([rest] if rest else [])
+
+
+def _plan_chunks(
+    method: str, n_samples: int, chunk_size: int | None, memory_budget: int, probe: Callable[[], int]
+) -> tuple[list[int], int]:
+    """How many samples each forward call takes, and how many calls the probe already made.
+
+    ``method`` is resolved (``"loop"`` or ``"batched"``). Batched without ``chunk_size``:
+    ``probe()`` runs one single-sample call and returns the bytes one sample needs;
+    the remaining samples then go in chunks that fit ``memory_budget``.
+    """
+    if method == "loop":
+        return [1] * n_samples, 0
+    if chunk_size is not None:
+        return _chunks(n_samples, chunk_size), 0
+    bytes_per_sample = probe()
+    remaining = n_samples - 1
+    if not remaining:
+        return [1], 1
+    size = max(1, min(remaining, memory_budget // max(1, bytes_per_sample)))
+    return [1, *_chunks(remaining, size)], 1

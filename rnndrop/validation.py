@@ -1,0 +1,114 @@
+"""Argument checks shared by every module: one message style for bad input.
+
+Each check returns the value (normalised: ``float``, ``int``, ``bool``) or raises an
+error whose message names the argument, says what was expected and shows what came,
+in the manner of ``torch.nn.modules.rnn``. Wrong *types* raise ``TypeError``, values
+of the right type that are out of range raise ``ValueError`` (except the positive-int
+checks, which have always raised ``ValueError`` for both).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from torch import Tensor
+
+__all__ = [
+    "check_bool",
+    "check_choice",
+    "check_finite_float",
+    "check_instance",
+    "check_positive_float",
+    "check_positive_int",
+    "check_probability",
+    "check_tensor_like",
+]
+
+
+def _is_real(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float))
+
+
+def check_probability(name: str, p: Any) -> float:
+    """``p`` as a float if it is a dropout probability in [0, 1), else raise."""
+    if not _is_real(p):
+        raise TypeError(f"{name} must be a float in [0, 1), got {type(p).__name__} {p!r}")
+    if not 0.0 <= p < 1.0:  # also rejects NaN
+        raise ValueError(f"{name} must be a probability in [0, 1), got {p!r}")
+    return float(p)
+
+
+def check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
+    """``value`` if it is one of ``choices``, else a ValueError naming them."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
+
+
+def check_positive_int(name: str, value: Any) -> int:
+    """``value`` if it is an int >= 1 (not a bool), else a ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def check_positive_float(name: str, value: Any) -> float:
+    """``value`` as a float if it is a finite real number > 0, else a ValueError."""
+    if not _is_real(value) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive finite float, got {value!r}")
+    return float(value)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` if it is a bool, else a TypeError (``'no'`` is not False)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_finite_float(name: str, value: Any, meaning: str = "a float") -> float:
+    """``value`` as a float if it is a finite real number, else raise.
+
+    ``meaning`` completes the message: ``"threshold must be a finite float (a log alpha)"``.
+    """
+    if not _is_real(value):
+        raise TypeError(f"{name} must be {meaning}, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number ({meaning}), got {value!r}")
+    return float(value)
+
+
+def check_instance(name: str, value: Any, cls: type, expected: str) -> Any:
+    """``value`` if it is an instance of ``cls``, else a TypeError: ``"{name} must be {expected}"``."""
+    if not isinstance(value, cls):
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__}")
+    return value
+
+
+def check_tensor_like(
+    name: str,
+    tensor: Any,
+    shape: Sequence[int] | None,
+    like: Tensor,
+    like_name: str = "the input",
+    shape_note: str = "",
+) -> None:
+    """Check that ``tensor`` is a Tensor of exactly ``shape`` with ``like``'s dtype and device.
+
+    Args:
+        name: the argument as the user wrote it (``"masks.hidden[1]"``, ``"hx[0]"``).
+        shape: the exact shape required (no broadcasting), or None to skip the check.
+        like: the tensor whose dtype and device ``tensor`` must share.
+        like_name: how to call ``like`` in the message.
+        shape_note: appended to the shape message, e.g. ``" (scope 'step')"``.
+    """
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"{name} must be a Tensor, got {type(tensor).__name__}")
+    if shape is not None and tuple(tensor.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {list(shape)}{shape_note}, got {list(tensor.shape)}")
+    if tensor.dtype != like.dtype:
+        raise TypeError(f"{name} must have {like_name}'s dtype {like.dtype}, got {tensor.dtype}")
+    if tensor.device != like.device:
+        raise ValueError(f"{name} must be on {like_name}'s device {like.device}, got {tensor.device}")

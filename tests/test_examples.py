@@ -1,0 +1,45 @@
+"""The examples: --help works without their extras, a data error is one line (exit 2)."""
+
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _run(script: str, argv: list[str], monkeypatch) -> int:
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(EXAMPLES / script), run_name="__main__")
+    return exit_info.value.code
+
+
+@pytest.mark.parametrize("script", ["mc_forecast.py", "mc_language_model.py"])
+def test_help_works_without_the_extras(script, monkeypatch, capsys):
+    for extra in ("statsmodels", "statsmodels.api", "pandas", "matplotlib", "matplotlib.pyplot"):
+        monkeypatch.setitem(sys.modules, extra, None)  # as if not installed
+    assert _run(script, ["--help"], monkeypatch) == 0
+    assert "--out" in capsys.readouterr().out
+
+
+def test_forecast_without_statsmodels_says_what_to_install(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "statsmodels", None)
+    monkeypatch.setitem(sys.modules, "statsmodels.api", None)
+    assert _run("mc_forecast.py", ["--out", str(tmp_path)], monkeypatch) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "statsmodels" in err and ".[examples]" in err
+
+
+def test_language_model_example_data_error_is_one_line(monkeypatch, capsys, tmp_path):
+    assert _run("mc_language_model.py", ["--data", str(tmp_path / "missing"), "--out", str(tmp_path)],
+                monkeypatch) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: data directory") and "does not exist" in err
+
+
+def test_language_model_example_defaults_to_the_bundled_sample(monkeypatch, capsys):
+    _run("mc_language_model.py", ["--help"], monkeypatch)
+    assert "../shared" not in capsys.readouterr().out
+    assert "shared" not in (EXAMPLES / "mc_language_model.py").read_text()

@@ -1,0 +1,246 @@
+"""The ``rnndrop-lm`` command: entry points, the offline sample, flags, errors, Ctrl-C."""
+
+import csv
+import json
+import math
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rnndrop.lm import cli
+from rnndrop.lm.checkpoint import load_model
+from rnndrop.lm.corpus import batchify, load_corpus, sample_dir
+from rnndrop.lm.train import score
+from tests.lm_helpers import write_corpus
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    """An empty HOME, no cache, and every network route pointing nowhere."""
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RNNDROP_")}
+    env.update(HOME=str(home), PYTHONPATH=str(ROOT), RNNDROP_DATA_MIRROR="http://127.0.0.1:9/",
+               http_proxy="http://127.0.0.1:9", https_proxy="http://127.0.0.1:9",
+               HTTP_PROXY="http://127.0.0.1:9", HTTPS_PROXY="http://127.0.0.1:9", OMP_NUM_THREADS="1")
+    return env
+
+
+def _rnndrop_lm(args, tmp_path, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rnndrop.lm", *args], env=_env(tmp_path), cwd=tmp_path,
+                          capture_output=True, text=True, preexec_fn=lambda: os.umask(0o022), **kwargs)
+
+
+def _help(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_console_script_and_module_entry_point_offer_data_and_resume(tmp_path, capsys):
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert '[project.scripts]\nrnndrop-lm = "rnndrop.lm.cli:main"' in pyproject and callable(cli.main)
+    top = _help(["--help"], capsys)
+    assert "ptb" in top and "wikitext2" in top and "--data sample" in top and "--resume" in top
+    for corpus in ("ptb", "wikitext2"):
+        sub = _help([corpus, "--help"], capsys)
+        assert "--data" in sub and "--resume" in sub
+    module = _rnndrop_lm(["ptb", "--help"], tmp_path)
+    assert module.returncode == 0 and module.stdout == _help(["ptb", "--help"], capsys)
+    bench = subprocess.run([sys.executable, "-m", "rnndrop.lm.benchmark", "--help"], env=_env(tmp_path),
+                           capture_output=True, text=True)
+    assert bench.returncode == 0 and bench.stdout == top  # the same command, not a silent exit
+
+
+@pytest.mark.slow
+def test_sample_run_offline_with_an_empty_home_then_evaluate_and_generate(tmp_path, capsys):
+    out = tmp_path / "out"
+    done = _rnndrop_lm(["ptb", "--data", "sample", "--epochs", "1", "--regimes", "none", "--mc-samples", "0",
+                        "--out", str(out), "--no-progress"], tmp_path, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "should take about" in done.stderr  # the estimate comes first
+    assert "| none | — | 1 | 1 |" in done.stdout
+    assert done.stdout.rstrip().endswith(f"Learning curves: {out / 'learning_curves.png'}")
+    assert not (tmp_path / "home" / ".cache" / "rnndrop").exists()  # nothing was downloaded or cached
+    run = next((out / "none").iterdir())
+    for path in [*out.iterdir(), *run.iterdir()]:
+        if path.is_file():
+            assert stat.S_IMODE(path.stat().st_mode) == 0o644, path  # the umask, not 0600
+    rows = list(csv.DictReader((run / "metrics.csv").open()))
+    assert [r["epoch"] for r in rows] == ["1"] and float(rows[0]["words_per_second"]) > 0
+    reported = json.loads((run / "results.json").read_text())
+
+    # The saved run loads with load_model and scores the test perplexity it reported.
+    loaded = load_model(run)
+    corpus = load_corpus(sample_dir("ptb"))
+    assert loaded.vocab.itos == corpus.vocab.itos
+    torch.set_num_threads(1)
+    test = batchify(corpus.test, loaded.config.eval_batch_size)
+    assert math.isclose(score(loaded.model, test, loaded.config.bptt).perplexity, reported["test_ppl"],
+                        rel_tol=1e-6)
+    assert cli.main(["evaluate", str(run)]) == 0
+    assert f"perplexity      {reported['test_ppl']:.2f}" in capsys.readouterr().out
+    assert cli.main(["generate", str(run), "--words", "12", "--prompt", "the company"]) == 0
+    words = capsys.readouterr().out.split()
+    assert words[:2] == ["the", "company"] and 2 < len(words) <= 14
+    assert set(words) <= set(corpus.vocab.itos)
+
+    # The same command again: a refusal naming --resume; with --resume the finished run is reused.
+    again = ["ptb", "--data", "sample", "--epochs", "1", "--regimes", "none", "--mc-samples", "0",
+             "--out", str(out), "--no-progress"]
+    assert cli.main(again) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "add --resume" in err
+
+
+def _job_args(data: Path, out: Path) -> list[str]:
+    return ["ptb", "--data", str(data), "--regimes", "tied", "--epochs", "4", "--mc-samples", "0",
+            "--hidden-size", "16", "--emb-size", "16", "--layers", "1", "--batch-size", "8", "--bptt", "10",
+            "--lr", "1", "--out", str(out), "--no-progress"]
+
+
+def _result(out: Path) -> dict:
+    run = next((out / "tied").iterdir())
+    return json.loads((run / "results.json").read_text())
+
+
+def _in_process(argv: list[str]) -> int:
+    threads = torch.get_num_threads()
+    try:
+        return cli.main(argv)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+def test_ctrl_c_exits_130_with_one_line_and_resume_reproduces_the_uninterrupted_run(tmp_path):
+    data = write_corpus(tmp_path / "data", sizes=(3000, 100, 100))
+    assert _in_process(_job_args(data, tmp_path / "whole")) == 0
+
+    out = tmp_path / "cut"
+    process = subprocess.Popen([sys.executable, "-m", "rnndrop.lm", *_job_args(data, out)],
+                               env=_env(tmp_path), cwd=tmp_path, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None:
+        metrics = list(out.glob("tied/*/metrics.csv"))
+        if metrics and len(metrics[0].read_text().splitlines()) >= 2:  # header + epoch 1
+            break
+        time.sleep(0.005)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("error: interrupted in epoch ") and "--resume" in last
+    assert not list(out.glob("tied/*/results.json"))  # it was stopped before the end
+
+    assert _in_process([*_job_args(data, out), "--resume"]) == 0
+    a, b = _result(tmp_path / "whole"), _result(out)
+
+    def timeless(epochs):
+        return [{k: v for k, v in e.items() if "second" not in k} for e in epochs]
+
+    assert timeless(a["epochs"]) == timeless(b["epochs"]) and len(a["epochs"]) == 4
+    assert a["test_ppl"] == b["test_ppl"] and a["best_valid_ppl"] == b["best_valid_ppl"]
+    rows = list(csv.DictReader(next(out.glob("tied/*/metrics.csv")).open()))
+    assert [int(r["epoch"]) for r in rows] == [1, 2, 3, 4]
+
+
+def test_flags_override_the_config_and_are_recorded(tmp_path, capsys):
+    data = write_corpus(tmp_path / "data")
+    out = tmp_path / "out"
+    code = _in_process(["ptb", "--data", str(data), "--regimes", "none", "--mc-samples", "0",
+                         "--epochs", "2", "--lr", "0.01", "--hidden-size", "12", "--emb-size", "10",
+                         "--layers", "1", "--batch-size", "4", "--bptt", "6", "--clip", "0.5",
+                         "--optimizer", "adam",
+                         "--model", "gru", "--out", str(out), "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    config = json.loads(next(out.glob("none/*/results.json")).read_text())["config"]
+    assert {k: config[k] for k in ("lr", "hidden_size", "embedding_size", "num_layers", "batch_size", "bptt",
+                                   "clip", "optimizer", "cell", "epochs")} == {
+        "lr": 0.01, "hidden_size": 12, "embedding_size": 10, "num_layers": 1, "batch_size": 4, "bptt": 6,
+        "clip": 0.5, "optimizer": "adam", "cell": "gru", "epochs": 2}
+    model = load_model(next(out.glob("none/*"))).model
+    assert isinstance(model.rnn, torch.nn.GRU)
+
+
+def _write_non_utf8(folder: Path) -> Path:
+    write_corpus(folder)
+    (folder / "ptb.valid.txt").write_bytes(b"the cat\nthe caf\xe9 sees\n")
+    return folder
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--regimes", ""], "--regimes must name at least one regime"),
+    (["--regimes", "none,nonsense"], "regime must be one of"),
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--jobs", "0"], "--jobs must be >= 1, got 0"),
+    (["--seeds", "one"], "--seeds takes comma-separated integers"),
+    (["--mc-samples", "-1"], "--mc-samples must be >= 0"),
+    (["--hidden-size", "0"], "hidden_size must be a positive int, got 0"),
+    (["--dropout", "hidden=2"], "dropout"),
+    (["--data", "{missing}"], "does not exist"),
+    (["--data", "{latin1}"], "ptb.valid.txt' is not UTF-8 text: byte 0xe9 on line 2"),
+])
+def test_usage_and_data_errors_are_one_line_with_exit_2(tmp_path, capsys, args, message):
+    data = write_corpus(tmp_path / "data")
+    args = [a.format(missing=tmp_path / "missing", latin1=_write_non_utf8(tmp_path / "latin1")) for a in args]
+    argv = ["ptb", "--data", str(data), "--out", str(tmp_path / "out"), "--no-progress", *args]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+
+
+def test_a_failed_download_names_the_sample_and_a_folder(tmp_path, capsys):
+    argv = ["ptb", "--cache-dir", str(tmp_path / "cache"), "--mirror", "http://127.0.0.1:9/",
+            "--source", "url", "--out", str(tmp_path / "out")]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--data sample" in err and "--data DIR" in err
+
+
+def test_evaluate_and_generate_errors_are_one_line(tmp_path, capsys):
+    assert cli.main(["evaluate", str(tmp_path / "nothing")]) == 2
+    assert cli.main(["generate", str(tmp_path / "nothing"), "--words", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 2 and "nothing" in err and "--words must be >= 0" in err
+
+
+@pytest.mark.slow
+def test_parallel_runs_print_one_whole_line_per_event(tmp_path, capfd, caplog):
+    caplog.set_level("INFO")
+    data = write_corpus(tmp_path / "data")
+    argv = ["ptb", "--data", str(data), "--regimes", "none,naive", "--epochs", "2", "--hidden-size", "8",
+            "--emb-size", "8", "--layers", "1", "--batch-size", "4", "--bptt", "6", "--mc-samples", "0",
+            "--jobs", "2", "--out", str(tmp_path / "out")]
+    assert cli.main(argv) == 0
+    err = capfd.readouterr().err
+    assert "\r" not in err and "it/s" not in err  # no progress bars
+    epoch_lines = [line for line in err.splitlines() if "] " in line and " epoch " in line]
+    assert len(epoch_lines) == 4
+    for regime, label in (("none", "run 1/2 none"), ("naive", "run 2/2 naive")):
+        mine = [line for line in epoch_lines if label in line]
+        assert [f"{regime} epoch {e}:" in line for e, line in enumerate(mine, 1)] == [True, True]
+    assert caplog.text.count("finished: best valid ppl") == 2  # the main process's lines
+
+
+def test_a_diverging_run_exits_3_with_one_line(tmp_path, capsys):
+    data = write_corpus(tmp_path / "data")
+    argv = ["ptb", "--data", str(data), "--regimes", "none", "--epochs", "2", "--hidden-size", "8",
+            "--emb-size", "8", "--layers", "1", "--batch-size", "4", "--bptt", "6", "--mc-samples", "0",
+            "--lr", "1e30", "--clip", "1e30", "--out", str(tmp_path / "out"), "--no-progress"]
+    assert _in_process(argv) == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: training stopped: ") and "epoch 1" in err

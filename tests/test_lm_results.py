@@ -1,0 +1,152 @@
+"""Result files of language-model runs: plots, metrics.csv, TensorBoard, the job's progress."""
+
+import csv
+import sys
+import types
+
+import matplotlib.pyplot as plt
+import pytest
+
+from rnndrop.lm.progress import JobProgress, format_duration
+from rnndrop.lm.results import (
+    METRICS_COLUMNS,
+    EpochLog,
+    benchmark_markdown,
+    learning_curve_figure,
+    plot_learning_curves,
+)
+
+
+def _result(epochs: int, regime: str = "tied", seed: int = 1) -> dict:
+    return {
+        "regime": regime, "dropout": {"input": 0.5}, "seed": seed, "dataset": "ptb",
+        "corpus": {"source": "/data/ptb-sample", "train_tokens": 100, "valid_tokens": 10,
+                   "test_tokens": 10, "vocab_size": 20},
+        "config": {"name": "mini", "num_layers": 2, "hidden_size": 200, "embedding_size": 200,
+                   "cell": "gru", "optimizer": "adam", "lr": 0.002, "batch_size": 20, "bptt": 35},
+        "epochs": [{"epoch": e, "lr": 1.0, "train_ppl": 100.0 / e, "valid_ppl": 120.0 / e, "seconds": 2.0,
+                    "words_per_second": 50.0} for e in range(1, epochs + 1)],
+        "best_epoch": epochs, "best_valid_ppl": 120.0 / epochs, "test_ppl": 130.0, "test_ppl_mc": None,
+        "mc_samples": 0, "words_per_second": 50.0, "wall_seconds": 60.0,
+    }
+
+
+def test_a_one_epoch_plot_shows_markers_and_integer_epochs_under_a_title():
+    fig = learning_curve_figure([_result(1)])
+    try:
+        ax = fig.axes[0]
+        assert len(ax.lines) == 2
+        assert all(line.get_marker() not in (None, "None", "") for line in ax.lines)
+        assert [list(line.get_xdata()) for line in ax.lines] == [[1], [1]]
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks)
+        title = ax.get_title()
+        assert "ptb (ptb-sample)" in title and "mini" in title and "GRU" in title and "adam" in title
+    finally:
+        plt.close(fig)
+
+
+def test_plot_file_is_written(tmp_path):
+    path = plot_learning_curves([_result(3), _result(3, "none")], tmp_path / "curves.png")
+    assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot_learning_curves([], tmp_path / "nothing.png") is None
+
+
+def test_metrics_csv_per_epoch_and_rebuilt_from_the_result_after_a_resume(tmp_path):
+    result = _result(3)
+    log = EpochLog(tmp_path, tensorboard=False)
+    for record in result["epochs"][:2]:
+        log(record["epoch"], record)
+    # A resumed run opens the log again and redoes epoch 2 (it was not checkpointed).
+    again = EpochLog(tmp_path, tensorboard=False)
+    assert [r["epoch"] for r in again.rows] == [1, 2]
+    for record in result["epochs"][1:]:
+        again(record["epoch"], record)
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert tuple(rows[0]) == METRICS_COLUMNS
+    assert [int(r["epoch"]) for r in rows] == [1, 2, 3]
+    assert [float(r["elapsed_seconds"]) for r in rows] == [2.0, 4.0, 6.0]
+    (tmp_path / "metrics.csv").write_text("garbage\n1,2\n")
+    broken = EpochLog(tmp_path, tensorboard=False)
+    broken.finish(result)
+    assert [int(r["epoch"]) for r in csv.DictReader((tmp_path / "metrics.csv").open())] == [1, 2, 3]
+
+
+def test_tensorboard_scalars_when_installed_and_silence_when_not(tmp_path, monkeypatch, caplog):
+    written = []
+
+    class Writer:
+        def __init__(self, log_dir):
+            self.log_dir = log_dir
+
+        def add_scalar(self, tag, value, step):
+            written.append((self.log_dir, tag, value, step))
+
+        def flush(self):
+            pass
+
+        def close(self):
+            written.append("closed")
+
+    fake = types.ModuleType("torch.utils.tensorboard")
+    fake.SummaryWriter = Writer
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
+    record = _result(1)["epochs"][0]
+    log = EpochLog(tmp_path / "a")
+    log(1, record)
+    log(2, {**record, "epoch": 2})
+    log.finish(_result(2))
+    assert written[-1] == "closed"
+    written.pop()
+    assert len(written) == 8
+    assert {tag for _, tag, _, _ in written} == {"perplexity/train", "perplexity/valid", "lr",
+                                                 "words_per_second"}
+    assert all(d == str(tmp_path / "a" / "tensorboard") for d, _, _, _ in written)
+    assert [step for _, _, _, step in written] == [1] * 4 + [2] * 4
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # not installed
+    EpochLog(tmp_path / "b")(1, record)
+    assert (tmp_path / "b" / "metrics.csv").is_file() and not caplog.records
+
+
+def test_benchmark_markdown_has_the_table_and_the_grid():
+    finals = [_result(2, "tied")]
+    grid = [_result(2, "tied"), {**_result(2, "tied"), "dropout": {"input": 0.3}, "best_valid_ppl": 80.0}]
+    text = benchmark_markdown("ptb", "mini", finals, grid, command="rnndrop-lm ptb", grid_seed=1)
+    assert "rnndrop-lm ptb" in text and "| tied | in 0.5 | 1 | 2 | 60.0 | 130.0 | — |" in text
+    assert "Grid (seed 1)" in text and text.count("✓") == 1
+
+
+def test_format_duration():
+    assert [format_duration(s) for s in (4.4, 89, 600, 3900)] == ["4 s", "89 s", "10 min", "1 h 05 min"]
+
+
+def test_job_progress_counts_epochs_of_all_runs_and_drops_what_a_reused_run_saves():
+    job = JobProgress(3, 4, bar=False, estimate_seconds=120.0)
+    assert job.total_epochs() == 12 and job.eta_seconds() == pytest.approx(120.0)
+    job.run_done("run 1/3", _result(4), reused=True)  # finished in an earlier job: nothing to train
+    assert job.remaining_epochs() == 8 and job.eta_seconds() == pytest.approx(80.0)
+    job.start_run("run 2/3", first_epoch=3)  # resumed after its second epoch
+    assert job.remaining_epochs() == 2 + 4
+    job.epoch_done(3, _result(4)["epochs"][2])
+    assert job.done_epochs == 1 and job.remaining_epochs() == 1 + 4 and job.eta_seconds() > 0
+
+
+def test_the_estimate_scales_the_timed_steps_to_the_job(tmp_path, monkeypatch):
+    from rnndrop.lm import estimate
+    from rnndrop.lm.corpus import load_corpus
+    from tests.lm_helpers import TINY, write_corpus
+
+    corpus = load_corpus(write_corpus(tmp_path))
+    timed = []
+    monkeypatch.setattr(estimate, "_seconds_per_word", lambda step, batched: timed.append(step) or 1e-3)
+    none, tied = ("none", {}), ("tied", TINY.dropout)
+    n_train, n_valid, n_test = (corpus.split(s).numel() for s in ("train", "valid", "test"))
+    one_run = TINY.epochs * (n_train + n_valid) * 1e-3 + n_test * 1e-3
+    assert estimate.estimate_seconds(corpus, TINY, [none], 10) == pytest.approx(one_run)  # nothing to sample
+    assert len(timed) == 3  # a training step, an evaluation and a dropout forward, timed once per regime
+    with_mc = one_run + 10 * n_test * 1e-3
+    assert estimate.estimate_seconds(corpus, TINY, [none, tied, tied], 10) == pytest.approx(
+        one_run + 2 * with_mc)
+    assert len(timed) == 3 + 6  # "tied" twice is timed once
+    assert estimate.estimate_seconds(corpus, TINY, [none, tied], 10, jobs=2) == pytest.approx(
+        (one_run + with_mc) / 2)

@@ -1,0 +1,87 @@
+"""The one mask sampler (every Bernoulli site draws through it) and the argument checks."""
+
+import pytest
+import torch
+from torch import nn
+
+from rnndrop import EmbeddingDropout, LockedDropout, VariationalLSTM, WeightDrop, bernoulli_mask
+from rnndrop.validation import check_bool, check_finite_float, check_positive_int, check_probability
+
+NEAR_ONE = [0.999999, 1 - 2**-17, 1 - 2**-20, 1 - 2**-40]
+
+
+@pytest.mark.parametrize("p", NEAR_ONE, ids=lambda p: f"p=1-{1 - p:.1e}")
+def test_p_just_below_one_drops_nearly_everything(p):
+    """Issue 15.1: 16-bit thresholds wrapped for p >= 1 - 2**-17 and kept every entry."""
+    mask = bernoulli_mask((1_000_000,), p)
+    kept = int((mask > 0).sum())
+    assert kept <= 20, f"{kept} of 1e6 kept for p={p}"  # expected <= 1
+    assert torch.all((mask == 0) | (mask == 1 / (1 - p)))
+
+
+def test_locked_dropout_with_p_just_below_one_is_all_zero():
+    assert LockedDropout(0.999999)(torch.ones(3, 4, 5)).unique().tolist() == [0.0]
+
+
+@pytest.mark.parametrize("site", ["layer", "locked", "embedding", "weight"])
+def test_every_bernoulli_site_drops_with_p_just_below_one(site):
+    p = 0.999999
+    if site == "layer":
+        layer = VariationalLSTM(4, 6, 2, dropout=p, dropout_input=p, dropout_hidden=p, dropout_output=p)
+        masks = layer.sample_masks(8)
+        values = torch.cat([m.flatten() for m in (*masks.inputs, *masks.hidden, masks.output)])
+    elif site == "locked":
+        values = LockedDropout(p)(torch.ones(5, 8, 6))
+    elif site == "embedding":
+        values = EmbeddingDropout.from_sizes(50, 3, p=p)(torch.randint(0, 50, (5, 8)))
+    else:
+        values = WeightDrop(nn.LSTM(4, 6), "weight_hh_l0", p=p).sample_masks()["weight_hh_l0"]
+    assert values.abs().sum() == 0
+
+
+@pytest.mark.parametrize("p", [1e-6, 1e-3, 2**-8, 0.1, 0.5, 0.9, 1 - 2**-8, 0.999])
+def test_kept_fraction_is_one_minus_p_everywhere_in_range(p):
+    n = 4_000_000
+    mask = bernoulli_mask((n,), p, dtype=torch.float64)
+    dropped = int((mask == 0).sum())
+    sd = (n * p * (1 - p)) ** 0.5
+    assert abs(dropped - n * p) <= 5 * sd + 2, (dropped, n * p)
+    assert torch.all((mask == 0) | (mask == 1 / (1 - p)))
+
+
+def test_ordinary_p_keeps_the_16_bit_draw_stream():
+    """For usual rates the draw is unchanged: 16-bit words compared with round(p * 65536)."""
+    g = torch.Generator().manual_seed(5)
+    mask = bernoulli_mask((3, 7), 0.3, generator=g)
+    same = torch.Generator().manual_seed(5)
+    words = torch.empty(6, dtype=torch.int64).random_(-(2**63), None, generator=same)
+    bits = words.view(torch.int16)[:21].view(3, 7)
+    assert torch.equal(mask, (bits >= round(0.3 * 65536) - 32768).float() / 0.7)
+
+
+def test_argument_checks_name_the_argument_what_was_expected_and_what_came():
+    with pytest.raises(ValueError, match=r"rate must be a probability in \[0, 1\), got nan"):
+        check_probability("rate", float("nan"))
+    with pytest.raises(TypeError, match="flag must be True or False, got str 'no'"):
+        check_bool("flag", "no")
+    with pytest.raises(ValueError, match="n must be a positive int, got True"):
+        check_positive_int("n", True)
+    with pytest.raises(ValueError, match="t must be a finite number"):
+        check_finite_float("t", float("inf"))
+    assert check_finite_float("t", 3) == 3.0 and check_bool("flag", False) is False
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: LockedDropout(0.5, batch_first="no"),
+        lambda: EmbeddingDropout.from_sizes(5, 2, p=0.5, batch_first="no"),
+        lambda: WeightDrop(nn.LSTM(4, 6), "weight_hh_l0", p=0.5, variational="no"),
+        lambda: VariationalLSTM(4, 6, per_gate_masks="no"),
+    ],
+    ids=["LockedDropout.batch_first", "EmbeddingDropout.batch_first", "WeightDrop.variational",
+         "VariationalLSTM.per_gate_masks"],
+)
+def test_flags_must_be_bools(build):
+    with pytest.raises(TypeError, match="must be True or False, got str 'no'"):
+        build()
