@@ -182,19 +182,27 @@ def _worker(scenario: str, folder: Path) -> None:
 # The tests
 
 
-def _launch(scenario: str, folder: Path) -> subprocess.CompletedProcess:
+def _torchrun(*args: str) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node=2 ARGS`` (a free port of its own), killed with
+    its workers after LAUNCH_TIMEOUT seconds; stdout and stderr apart."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
-               "--max-restarts=0", __file__, scenario, str(folder)]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+               "--max-restarts=0", *args]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, start_new_session=True)
     try:
-        output, _ = process.communicate(timeout=LAUNCH_TIMEOUT)
+        out, err = process.communicate(timeout=LAUNCH_TIMEOUT)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"torchrun {scenario} did not finish in {LAUNCH_TIMEOUT} s:\n{output[-3000:]}")
-    return subprocess.CompletedProcess(command, process.returncode, output)
+        out, err = process.communicate()
+        pytest.fail(f"torchrun {args} did not finish in {LAUNCH_TIMEOUT} s:\n{err[-3000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
+def _launch(scenario: str, folder: Path) -> subprocess.CompletedProcess:
+    launched = _torchrun(__file__, scenario, str(folder))
+    launched.stdout += launched.stderr
+    return launched
 
 
 def _reports(folder: Path, scenario: str, launched: subprocess.CompletedProcess) -> list[dict]:
@@ -218,6 +226,7 @@ def runs(tmp_path_factory):
     return reports
 
 
+@pytest.mark.slow
 def test_every_regime_at_p0_one_ddp_step_equals_one_process_with_the_whole_batch(runs):
     for report in runs["first"]:
         assert report["world_size"] == WORLD and report["backend"] == "gloo"
@@ -229,6 +238,7 @@ def test_every_regime_at_p0_one_ddp_step_equals_one_process_with_the_whole_batch
             assert entry["max_diff_p0"] < 1e-6, (key, entry["max_diff_p0"])
 
 
+@pytest.mark.slow
 def test_every_regime_draws_its_own_noise_per_rank_and_keeps_parameters_equal(runs):
     rank0, rank1 = (r["steps"] for r in runs["first"])
     assert set(rank0) == {*REGIME_NAMES, "tied+tie_weights", "control_same_seed_logits"}
@@ -245,6 +255,7 @@ def test_every_regime_draws_its_own_noise_per_rank_and_keeps_parameters_equal(ru
     assert rank0["control_same_seed_logits"] == rank1["control_same_seed_logits"]
 
 
+@pytest.mark.slow
 def test_one_ddp_step_of_train_run_matches_one_process(runs, tmp_path):
     corpus = load_corpus(runs["folder"] / "data")
     single = train_run(corpus, ONE_STEP, "tied", tmp_path / "single", dropout=NO_DROPOUT, seed=4,
@@ -264,6 +275,7 @@ def test_one_ddp_step_of_train_run_matches_one_process(runs, tmp_path):
     assert single["epochs"][0]["train_ppl"] == pytest.approx(ddp["epochs"][0]["train_ppl"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_run_killed_mid_epoch_resumes_under_torchrun_and_matches_the_uninterrupted_run(runs):
     folder = runs["folder"]
     for report in runs["first"]:
@@ -290,6 +302,7 @@ def test_a_run_killed_mid_epoch_resumes_under_torchrun_and_matches_the_uninterru
     assert len(states) == WORLD and not torch.equal(states[0]["torch"], states[1]["torch"])
 
 
+@pytest.mark.slow
 def test_a_ddp_checkpoint_resumes_only_with_as_many_processes(runs, tmp_path):
     import shutil
 
@@ -299,6 +312,34 @@ def test_a_ddp_checkpoint_resumes_only_with_as_many_processes(runs, tmp_path):
     with registered(regimes={"tied_killable": KILLABLE}, hooks={"zero_or_kill": _zero_or_kill}), \
             pytest.raises(ValueError, match=r"written by 2 process\(es\); resume it with as many"):
         train_run(corpus, FULL, "tied_killable", tmp_path / "full", seed=7, progress=False, resume=True)
+
+
+@pytest.mark.slow
+def test_the_command_trains_under_torchrun_and_rank_0_alone_reports(tmp_path):
+    data = write_corpus(tmp_path / "data")
+    flags = ["-m", "rnndrop.lm", "ptb", "--data", str(data), "--regimes", "tied", "--epochs", "1",
+             "--emb-size", "16", "--hidden-size", "16", "--batch-size", "4", "--bptt", "8",
+             "--mc-samples", "2", "--no-progress", "--out", str(tmp_path / "job")]
+    done = _torchrun(*flags)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("| tied |") == 1 and done.stdout.count("Written to") == 1  # rank 0 only
+    (result,) = (tmp_path / "job" / "tied").glob("*/results.json")
+    result = read_verified_result(result)
+    assert result["world_size"] == WORLD and result["backend"] == "gloo" and result["test_ppl_mc"]
+    again = _torchrun(*flags)  # without --resume: rank 0 says why, rank 1 stays silent
+    errors = [line for line in again.stderr.splitlines() if line.startswith("error:")]
+    assert again.returncode != 0 and len(errors) == 1 and "add --resume" in errors[0], again.stderr[-2000:]
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_jobs_above_1_under_torchrun_is_a_one_line_usage_error_from_rank_0(rank, monkeypatch, capsys):
+    from rnndrop.lm.cli import EXIT_DATA, main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", rank)
+    assert main(["ptb", "--data", "sample", "--jobs", "2"]) == EXIT_DATA
+    expected = "error: --jobs must be 1 under torchrun (its processes train each run together), got 2\n"
+    assert capsys.readouterr().err == (expected if rank == "0" else "")
 
 
 # ---------------------------------------------------------------------------------------
