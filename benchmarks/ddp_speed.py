@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rnndrop.lm.configs import get_config
 from rnndrop.lm.corpus import load_corpus
-from rnndrop.lm.distributed import init_from_env
+from rnndrop.lm.distributed import end_worker, init_from_env
 from rnndrop.lm.train import train_run
 
 
@@ -46,7 +46,7 @@ def main() -> None:
         print(f"{ctx.world_size} process(es) x {args.threads} thread(s): "
               f"{result['words_per_second']:,.0f} words/s, valid ppl {result['best_valid_ppl']:.1f}")
     if ctx.enabled:
-        torch.distributed.destroy_process_group()
+        end_worker(0)
 
 
 if __name__ == "__main__":

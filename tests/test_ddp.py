@@ -141,7 +141,7 @@ def _step_checks(vocab: int, ctx) -> dict:
 def _worker(scenario: str, folder: Path) -> None:
     import torch.distributed as dist
 
-    from rnndrop.lm.distributed import RankFailed, init_from_env
+    from rnndrop.lm.distributed import RankFailed, end_worker, init_from_env
 
     ctx, _ = init_from_env("cpu", timeout=timedelta(seconds=60))
     torch.set_num_threads(1)
@@ -174,8 +174,10 @@ def _worker(scenario: str, folder: Path) -> None:
                                               progress=False, resume=True)
                 report["mc_added"] = add_mc_result(corpus, FULL, folder / "full", 2, "cpu")
         save()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    end_worker(0)
 
 
 # ---------------------------------------------------------------------------------------

@@ -449,7 +449,20 @@ class _logging_beside_bars:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``rnndrop-lm`` and ``python -m rnndrop.lm``; returns the exit status."""
+    """Entry point of ``rnndrop-lm`` and ``python -m rnndrop.lm``; returns the exit status
+    (under torchrun, a worker that joined the process group exits with it instead)."""
+    code = _main(argv)
+    if "torch" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            from rnndrop.lm.distributed import end_worker
+
+            end_worker(code)
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -465,16 +478,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # outside training (reading data, scoring, sampling)
         sys.stderr.write("error: interrupted\n")
         return EXIT_INTERRUPTED
-    finally:
-        _leave_process_group()
     return 0
-
-
-def _leave_process_group() -> None:
-    """Under torchrun, leave the process group ``_train`` joined (before the interpreter exits)."""
-    if "torch" not in sys.modules:
-        return
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()

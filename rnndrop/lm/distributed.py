@@ -14,11 +14,13 @@ run's files; the others receive what it read, or the error it met).
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -36,6 +38,7 @@ __all__ = [
     "all_reduce_sums",
     "broadcast_from_main",
     "current",
+    "end_worker",
     "init_from_env",
     "run_on_main",
     "shard_columns",
@@ -239,3 +242,19 @@ def run_on_main(fn: Callable[[], T], ctx: Distributed, what: str) -> T:
     if status[0] == "error":
         raise RankFailed(f"rank 0 failed while {what}: {status[1]}")
     return status[1]
+
+
+def end_worker(code: int) -> NoReturn:
+    """End a torchrun worker: leave the process group, flush the output, exit with ``code``.
+
+    The interpreter's own teardown is skipped (``os._exit``): with torch 2.13 and gloo a
+    worker that has trained under DDP sometimes aborts there ("terminate called without
+    an active exception", SIGABRT) after ``destroy_process_group``, which would turn a
+    finished run, its files all written and closed, into a failed worker.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -23,6 +23,14 @@ epoch cap may grow but not shrink below the epochs already run (an error).
 Training follows Zaremba et al.: contiguous batches, truncated BPTT with the hidden
 state carried (detached) across segments and reset at every epoch, gradient-norm
 clipping, and the optimiser the config names (SGD or Adam).
+
+Under ``torchrun`` (a default process group of N > 1 ranks, see
+:mod:`rnndrop.lm.distributed`) the same call on every rank trains one model with
+DistributedDataParallel: each rank takes ``batch_size / N`` contiguous streams, DDP
+averages the gradients before they are clipped, validation and test sums are added over
+the ranks, each rank draws its own dropout noise (:mod:`rnndrop.distributed`), and rank 0
+alone reads and writes the run's files. The checkpoint holds every rank's RNG state; it
+resumes with the same N only.
 """
 
 from __future__ import annotations
@@ -508,6 +516,12 @@ def train_run(
             sparse VD, keep their initialisation). With regime ``sparse_vd`` this is the
             recipe "train dense, then fine-tune with sparse VD". Recorded in the results.
 
+    Under torchrun (an initialised default process group of N > 1 ranks, e.g. from
+    :func:`rnndrop.lm.distributed.init_from_env`) call it on every rank with the same
+    arguments: see the module docstring. ``batch_size`` must be a multiple of N and
+    ``eval_batch_size`` at least N; ``on_epoch_end`` is called on every rank; every rank
+    returns rank 0's result, which records ``world_size`` and ``backend``.
+
     Raises:
         TrainingDiverged: a NaN / infinite loss or gradient, or a perplexity that
             overflows (the checkpoint of the last finished epoch is left as it was).
@@ -517,7 +531,9 @@ def train_run(
         FileExistsError: ``out_dir`` holds a checkpoint and ``resume`` is False.
         CheckpointError: a checkpoint that fails verification (and no intact previous one).
         ValueError: the checkpoint belongs to another run (the message names the fields
-            that differ), or ``config.epochs`` is below the epochs it has already run.
+            that differ), or ``config.epochs`` is below the epochs it has already run, or it
+            was written by another number of processes.
+        RankFailed: (ranks other than 0) rank 0 met one of the errors above.
     """
     out = Path(out_dir)
     ctx = current()
@@ -697,6 +713,11 @@ def _train_locked(
         if isinstance(e, RunInterrupted):
             raise
         raise RunInterrupted(epoch, out) from e
+    finally:
+        # Free the DDP wrapper (its reducer holds gradient buckets and the process group)
+        # now, not whenever a reference cycle through this frame is collected: torch aborts
+        # at exit when gloo work outlives destroy_process_group.
+        del net
 
     model.load_state_dict(run_on_main(lambda: load_checkpoint(best_path)["model"], ctx, "reading best.pt"))
     test = _score_split(model, test_data, config.bptt, CALIBRATION_BINS, ctx)
