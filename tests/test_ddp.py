@@ -328,9 +328,6 @@ def test_the_command_trains_under_torchrun_and_rank_0_alone_reports(tmp_path):
     (result,) = (tmp_path / "job" / "tied").glob("*/results.json")
     result = read_verified_result(result)
     assert result["world_size"] == WORLD and result["backend"] == "gloo" and result["test_ppl_mc"]
-    again = _torchrun(*flags)  # without --resume: rank 0 says why, rank 1 stays silent
-    errors = [line for line in again.stderr.splitlines() if line.startswith("error:")]
-    assert again.returncode != 0 and len(errors) == 1 and "add --resume" in errors[0], again.stderr[-2000:]
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])

@@ -264,7 +264,9 @@ def _train(args: argparse.Namespace, dataset: str, given: list[str]) -> str:
                 data_dir, dataset, config, regimes, seeds, out, grid=args.grid, dropout=dropout,
                 dropout_by_regime=by_regime, mc_samples=args.mc_samples, resume=args.resume,
                 jobs=args.jobs, threads=threads, device=str(device) if ctx.enabled else args.device,
-                progress=not args.no_progress and ctx.is_main, estimate=ctx.is_main, command=command,
+                progress=not args.no_progress and ctx.is_main, command=command,
+                # the estimate times one process: no guide to N of them
+                estimate=not ctx.enabled,
             )
     except JobInterrupted as e:
         where = f"in epoch {e.epoch} of {e.label or e.folder}" if e.epoch is not None else "during training"
