@@ -90,12 +90,13 @@ def _step_checks(vocab: int, ctx) -> dict:
         optimizer.step()
         return missing
 
-    cases = [(name, False) for name in REGIME_NAMES] + [("tied", True)]
-    for name, tie in cases:
+    cases = [(name, "lstm", False) for name in REGIME_NAMES] + [("tied", "lstm", True)]
+    cases += [(name, "gru", False) for name in ("tied", "weight_drop", "gaussian", "sparse_vd")]
+    for name, cell, tie in cases:
         regime = get_regime(name)
         regularizer = None if regime.regularizer is None else get_hook(regime.regularizer)
-        config = replace(TINY, tie_weights=tie)
-        key = name + ("+tie_weights" if tie else "")
+        config = replace(TINY, tie_weights=tie, cell=cell)
+        key = name + ("+tie_weights" if tie else "") + ("+gru" if cell == "gru" else "")
         entry: dict = {}
         x, y = shard_columns(inputs, ctx.rank, WORLD), shard_columns(targets, ctx.rank, WORLD)
         if name in DETERMINISTIC_AT_ZERO:
@@ -120,7 +121,7 @@ def _step_checks(vocab: int, ctx) -> dict:
         model.train()
         with torch.no_grad():
             entry["logits"] = _digest([model(inputs)[0]])
-        if name == "tied":
+        if key == "tied":
             masks = model.rnn.sample_masks(4)
             entry["hidden_masks"] = _digest([m for m in masks.hidden])
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -243,7 +244,8 @@ def test_every_regime_at_p0_one_ddp_step_equals_one_process_with_the_whole_batch
 @pytest.mark.slow
 def test_every_regime_draws_its_own_noise_per_rank_and_keeps_parameters_equal(runs):
     rank0, rank1 = (r["steps"] for r in runs["first"])
-    assert set(rank0) == {*REGIME_NAMES, "tied+tie_weights", "control_same_seed_logits"}
+    gru = {f"{name}+gru" for name in ("tied", "weight_drop", "gaussian", "sparse_vd")}
+    assert set(rank0) == {*REGIME_NAMES, "tied+tie_weights", *gru, "control_same_seed_logits"}
     for key in rank0:
         if key == "control_same_seed_logits":
             continue
