@@ -557,6 +557,15 @@ def train_run(
                              on_epoch_end=on_epoch_end, init_from=init_from, ctx=ctx)
 
 
+def _rank_device(device: str | torch.device, ctx: Distributed) -> torch.device:
+    """:func:`resolve_device`; under DDP a bare ``cuda`` is this rank's GPU (the current
+    device, which :func:`rnndrop.lm.distributed.init_from_env` set to ``LOCAL_RANK``)."""
+    device = resolve_device(device)
+    if ctx.enabled and device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _checkpoint_world_size(ckpt: Mapping[str, Any]) -> int:
     return int(ckpt.get("distributed", {}).get("world_size", 1))
 
@@ -585,9 +594,7 @@ def _train_locked(
     identity = run_on_main(partial(run_identity, corpus, config, regime, probabilities, seed, init_from),
                            ctx, "making the run's identity")
     regularizer = None if regime_obj.regularizer is None else get_hook(regime_obj.regularizer)
-    device = resolve_device(device)
-    if ctx.enabled and device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())  # LOCAL_RANK's (init_from_env)
+    device = _rank_device(device, ctx)
     mc_samples = config.mc_samples if mc_samples is None else mc_samples
     if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 0:
         raise ValueError(f"mc_samples must be an int >= 0, got {mc_samples!r}")
@@ -797,10 +804,8 @@ def add_mc_result(
             return result, load_checkpoint(best_file(out))["model"] if ctx.enabled else None
 
         result, best_state = run_on_main(read, ctx, f"reading the results in {str(out)!r}")
-        device = resolve_device(device)
+        device = _rank_device(device, ctx)
         if ctx.enabled:
-            if device.type == "cuda" and device.index is None:
-                device = torch.device("cuda", torch.cuda.current_device())
             model = build_model(len(corpus.vocab), TrainConfig.from_dict(result["config"]),
                                 Regime.from_settings(result["regime_settings"]), result["dropout"])
             model.load_state_dict(best_state)
