@@ -31,7 +31,7 @@ from rnndrop.lm.checkpoint import load_checkpoint  # noqa: E402
 from rnndrop.lm.configs import REGIMES, build_model, get_hook, get_regime, registered  # noqa: E402
 from rnndrop.lm.corpus import load_corpus  # noqa: E402
 from rnndrop.lm.identity import read_verified_result  # noqa: E402
-from rnndrop.lm.train import add_mc_result, train_run  # noqa: E402
+from rnndrop.lm.train import TrainingDiverged, add_mc_result, train_run  # noqa: E402
 from tests.lm_helpers import TINY, one_thread, write_corpus  # noqa: E402, F401 (autouse fixture)
 
 WORLD = 2
@@ -44,7 +44,14 @@ ONE_STEP = replace(TINY, bptt=1000, epochs=1, mc_samples=0)  # one segment: one 
 FULL = replace(TINY, schedule="fixed", decay_after=1, lr_decay=2.0, epochs=3)
 #: The "tied" regime plus a loss hook that adds 0 and can kill the process mid-epoch.
 KILLABLE = replace(REGIMES["tied"], regularizer="zero_or_kill")
+#: The "tied" regime plus a loss hook that makes rank 1's loss NaN in the middle of epoch 1.
+NAN_ON_RANK_1 = replace(REGIMES["tied"], regularizer="nan_on_rank_1")
 _kill_at: list[float | None] = [None]
+
+
+def _nan_on_rank_1(model, progress: float, train_tokens: int) -> torch.Tensor:
+    rank = torch.distributed.get_rank()
+    return torch.tensor(math.nan if rank == 1 and progress >= 0.5 / FULL.epochs else 0.0)
 
 
 def _zero_or_kill(model, progress: float, train_tokens: int) -> torch.Tensor:
@@ -154,10 +161,15 @@ def _worker(scenario: str, folder: Path) -> None:
         out.write_text(json.dumps(report))
 
     try:
-        with registered(regimes={"tied_killable": KILLABLE}, hooks={"zero_or_kill": _zero_or_kill}):
+        with registered(regimes={"tied_killable": KILLABLE, "tied_nan": NAN_ON_RANK_1},
+                        hooks={"zero_or_kill": _zero_or_kill, "nan_on_rank_1": _nan_on_rank_1}):
             if scenario == "first":
                 report["steps"] = _step_checks(len(corpus.vocab), ctx)
                 save()
+                try:
+                    train_run(corpus, FULL, "tied_nan", folder / "nan", seed=7, progress=False)
+                except TrainingDiverged as e:
+                    report["diverged"] = str(e)
                 train_run(corpus, ONE_STEP, "tied", folder / "one_step", dropout=NO_DROPOUT, seed=4,
                           progress=False)
                 full = train_run(corpus, FULL, "tied_killable", folder / "full", seed=7, progress=False)
@@ -341,6 +353,14 @@ def test_jobs_above_1_under_torchrun_is_a_one_line_usage_error_from_rank_0(rank,
     assert main(["ptb", "--data", "sample", "--jobs", "2"]) == EXIT_DATA
     expected = "error: --jobs must be 1 under torchrun (its processes train each run together), got 2\n"
     assert capsys.readouterr().err == (expected if rank == "0" else "")
+
+
+@pytest.mark.slow
+def test_a_nan_on_one_rank_stops_every_rank_with_the_same_message(runs):
+    messages = [r["diverged"] for r in runs["first"]]
+    assert messages[0] == messages[1]
+    assert messages[0].startswith("training stopped: the training loss is nan on rank 1 at epoch 1, batch")
+    assert "no epoch had finished" in messages[0]
 
 
 # ---------------------------------------------------------------------------------------
