@@ -31,6 +31,7 @@ import torch
 from rnndrop.lm.atomic import atomic_write
 from rnndrop.lm.configs import SITES, TrainConfig, get_regime, regime_probabilities
 from rnndrop.lm.corpus import Corpus, load_corpus
+from rnndrop.lm.distributed import current, run_on_main
 from rnndrop.lm.estimate import estimate_seconds
 from rnndrop.lm.identity import finished_result, run_identity
 from rnndrop.lm.progress import JobProgress, format_duration
@@ -144,21 +145,25 @@ def _execute(spec: RunSpec, progress: JobProgress | None = None) -> dict[str, An
         torch.set_num_threads(spec.threads)
     if progress is None:
         _worker_logging(spec.label)
+    ctx = current()
     if spec.resume:
-        done = _finished(spec)
+        # Under torchrun rank 0 reads the folder and tells the others (who never touch it).
+        done = run_on_main(functools.partial(_finished, spec), ctx, f"reading {spec.folder!r}")
         if done is not None:
             log.info("%s: finished earlier, reusing its results", spec.folder)
             if progress is not None:
                 progress.run_done(spec.label, done, reused=True)
             return done
-    epoch_log = EpochLog(spec.folder)
+    epoch_log = EpochLog(spec.folder) if ctx.is_main else None
 
     def on_epoch_end(epoch: int, record: Mapping[str, Any]) -> None:
-        epoch_log(epoch, record)
+        if epoch_log is not None:
+            epoch_log(epoch, record)
         if progress is not None:
             progress.epoch_done(epoch, record)
 
-    first = 1 + max((r["epoch"] for r in epoch_log.rows), default=0) if spec.resume else 1
+    rows = epoch_log.rows if epoch_log is not None else []
+    first = 1 + max((r["epoch"] for r in rows), default=0) if spec.resume else 1
     if progress is not None:
         progress.start_run(spec.label, first)
     try:
@@ -172,7 +177,8 @@ def _execute(spec: RunSpec, progress: JobProgress | None = None) -> dict[str, An
         if epoch is None:
             epoch = progress.next_epoch if progress is not None and progress.next_epoch else first
         raise JobInterrupted(epoch, spec.folder, spec.label) from None
-    epoch_log.finish(result)
+    if epoch_log is not None:
+        epoch_log.finish(result)
     if progress is not None:
         progress.run_done(spec.label, result)
     return result
@@ -182,7 +188,7 @@ def _execute_mc(spec: RunSpec, progress: JobProgress | None = None) -> dict[str,
     """Add the Monte-Carlo test perplexity to a finished run (the grid's chosen ones)."""
     if spec.threads:
         torch.set_num_threads(spec.threads)
-    done = _finished(spec)
+    done = run_on_main(functools.partial(_finished, spec), current(), f"reading {spec.folder!r}")
     if done is not None and (done.get("test_ppl_mc") is not None or spec.mc_samples == 0):
         return done
     log.info("%s: Monte-Carlo test perplexity (%d samples)", spec.label or spec.folder, spec.mc_samples)
@@ -336,10 +342,12 @@ def run_benchmark(
 
     markdown = benchmark_markdown(dataset, config.name, final_results, grid_results, command=command,
                                   grid_seed=seeds[0])
-    with atomic_write(out / "results.md", "w", encoding="utf-8") as f:
-        f.write(markdown)
     first_seed = [r for r in final_results if r["seed"] == seeds[0]]
-    plot = plot_learning_curves(first_seed, out / "learning_curves.png")
+    main = current().is_main  # under torchrun rank 0 alone writes the job's files
+    if main:
+        with atomic_write(out / "results.md", "w", encoding="utf-8") as f:
+            f.write(markdown)
+    plot = plot_learning_curves(first_seed, out / "learning_curves.png") if main else None
     summary = {
         "dataset": dataset, "config": config.name, "regimes": list(regimes), "seeds": list(seeds),
         "grid": grid, "command": command,
@@ -352,7 +360,8 @@ def run_benchmark(
         "markdown": markdown,
         "files": ["results.md", "summary.json"] + ([plot.name] if plot is not None else []),
     }
-    write_json_atomic(summary, out / "summary.json")
+    if main:
+        write_json_atomic(summary, out / "summary.json")
     return summary
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shlex
 import sys
 import tempfile
@@ -56,7 +57,8 @@ class UsageError(Exception):
 
 
 def _fail(message: str, code: int) -> SystemExit:
-    sys.stderr.write("error: " + " ".join(str(message).split()) + "\n")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 alone reports
+        sys.stderr.write("error: " + " ".join(str(message).split()) + "\n")
     return SystemExit(code)
 
 
@@ -229,60 +231,42 @@ def train_main(argv: Sequence[str] | None, dataset: str) -> str:
 
 
 def _train(args: argparse.Namespace, dataset: str, given: list[str]) -> str:
-    from rnndrop.lm.benchmark import JobInterrupted, chosen_dropout, parse_dropout, run_benchmark
-    from rnndrop.lm.configs import get_regime
-    from rnndrop.lm.corpus import CorpusError, load_corpus
+    from rnndrop.lm.benchmark import JobInterrupted, run_benchmark
+    from rnndrop.lm.corpus import CorpusError
+    from rnndrop.lm.distributed import RankFailed, init_from_env, run_on_main, torchrun_world_size
     from rnndrop.lm.download import DownloadError
     from rnndrop.lm.lock import RunLocked
     from rnndrop.lm.train import TrainingDiverged
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    try:  # under torchrun: join the process group (each rank checks the same arguments)
+        if torchrun_world_size() > 1 and args.jobs != 1:
+            raise UsageError(f"--jobs must be 1 under torchrun (its processes train each run "
+                             f"together), got {args.jobs}")
+        ctx, device = init_from_env(args.device)
+    except (UsageError, ValueError, RuntimeError) as e:
+        raise _fail(str(e), EXIT_DATA) from None
+    logging.basicConfig(level=logging.INFO if ctx.is_main else logging.WARNING,
+                        format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     try:
-        config = _config_from_args(args)
-        regimes = [r.strip() for r in args.regimes.split(",") if r.strip()]
-        if not regimes:
-            raise UsageError(f"--regimes must name at least one regime, got {args.regimes!r}")
-        for r in regimes:
-            get_regime(r)
-        try:
-            seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-        except ValueError:
-            raise UsageError(f"--seeds takes comma-separated integers, got {args.seeds!r}") from None
-        if not seeds:
-            raise UsageError(f"--seeds must name at least one seed, got {args.seeds!r}")
-        if args.grid and args.dropout:
-            raise UsageError("--dropout cannot be combined with --grid (the grid sets the dropout)")
-        dropout = parse_dropout(args.dropout) if args.dropout else None
-        if args.dropout_from and (args.grid or args.dropout):
-            raise UsageError("--dropout-from cannot be combined with --grid or --dropout")
-        by_regime = chosen_dropout(args.dropout_from) if args.dropout_from else None
-        _positive("--jobs", args.jobs)
-        _positive("--threads", args.threads)
-        _positive("--mc-samples", args.mc_samples, 0)
-        data_dir = _resolve_data(args.data, dataset, args)
-        load_corpus(data_dir)  # fail early, with the corpus' own message
-        sample = "-sample" if args.data == "sample" else ""
-        out = Path(args.out) if args.out else Path("runs") / f"{dataset}{sample}-{config.name}"
-        _check_writable(out)
-        if not args.resume:
-            held = sorted(out.glob("*/*/checkpoint.pt"))
-            if held:
-                raise UsageError(
-                    f"{str(out)!r} already holds runs of a job (e.g. {str(held[0].parent)!r}); add --resume "
-                    "to continue them (finished runs are reused), or pass another --out"
-                )
+        # Rank 0 checks the data and the output folder (and downloads); the others get its answer.
+        config, regimes, seeds, dropout, by_regime, data_dir, out = run_on_main(
+            lambda: _checked_job(args, dataset), ctx, "checking the command line and the data")
+    except RankFailed:
+        raise _fail("", EXIT_DATA) from None
     except (UsageError, ValueError, CorpusError, DownloadError) as e:
         raise _fail(str(e), EXIT_DATA) from None
     threads = args.threads
     command = "rnndrop-lm " + " ".join(shlex.quote(a) for a in [dataset.replace("-", ""), *given])
-    bars = not args.no_progress and args.jobs <= 1
+    bars = not args.no_progress and args.jobs <= 1 and ctx.is_main
     try:
         with _logging_beside_bars(bars):
             summary = run_benchmark(
                 data_dir, dataset, config, regimes, seeds, out, grid=args.grid, dropout=dropout,
                 dropout_by_regime=by_regime, mc_samples=args.mc_samples, resume=args.resume,
-                jobs=args.jobs, threads=threads, device=args.device, progress=not args.no_progress,
-                estimate=True, command=command,
+                jobs=args.jobs, threads=threads, device=str(device) if ctx.enabled else args.device,
+                progress=not args.no_progress and ctx.is_main, command=command,
+                # the estimate times one process: no guide to N of them
+                estimate=not ctx.enabled,
             )
     except JobInterrupted as e:
         where = f"in epoch {e.epoch} of {e.label or e.folder}" if e.epoch is not None else "during training"
@@ -293,15 +277,60 @@ def _train(args: argparse.Namespace, dataset: str, given: list[str]) -> str:
                     "to continue", EXIT_INTERRUPTED) from None
     except TrainingDiverged as e:
         raise _fail(str(e), EXIT_DIVERGED) from None
-    except (RunLocked, OSError, CorpusError, ValueError) as e:
+    except (RunLocked, OSError, CorpusError, ValueError, RankFailed) as e:
         # another process holds a run folder, a file cannot be written, a damaged or
         # foreign checkpoint or result: the message names the file and what to do
         raise _fail(str(e), EXIT_DATA) from None
+    if not ctx.is_main:
+        return ""
     report = summary["markdown"].rstrip() + "\n\n"
     report += f"Written to {out}/: {', '.join(summary['files'])} and one folder per run.\n"
     if "learning_curves.png" in summary["files"]:
         report += f"Learning curves: {out / 'learning_curves.png'}\n"
     return report
+
+
+def _checked_job(args: argparse.Namespace, dataset: str) -> tuple[Any, ...]:
+    """The job the arguments describe, checked: (config, regimes, seeds, dropout,
+    dropout by regime, data folder, output folder). Raises UsageError and the data's errors."""
+    from rnndrop.lm.benchmark import chosen_dropout, parse_dropout
+    from rnndrop.lm.configs import get_regime
+    from rnndrop.lm.corpus import load_corpus
+
+    config = _config_from_args(args)
+    regimes = [r.strip() for r in args.regimes.split(",") if r.strip()]
+    if not regimes:
+        raise UsageError(f"--regimes must name at least one regime, got {args.regimes!r}")
+    for r in regimes:
+        get_regime(r)
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        raise UsageError(f"--seeds takes comma-separated integers, got {args.seeds!r}") from None
+    if not seeds:
+        raise UsageError(f"--seeds must name at least one seed, got {args.seeds!r}")
+    if args.grid and args.dropout:
+        raise UsageError("--dropout cannot be combined with --grid (the grid sets the dropout)")
+    dropout = parse_dropout(args.dropout) if args.dropout else None
+    if args.dropout_from and (args.grid or args.dropout):
+        raise UsageError("--dropout-from cannot be combined with --grid or --dropout")
+    by_regime = chosen_dropout(args.dropout_from) if args.dropout_from else None
+    _positive("--jobs", args.jobs)
+    _positive("--threads", args.threads)
+    _positive("--mc-samples", args.mc_samples, 0)
+    data_dir = _resolve_data(args.data, dataset, args)
+    load_corpus(data_dir)  # fail early, with the corpus' own message
+    sample = "-sample" if args.data == "sample" else ""
+    out = Path(args.out) if args.out else Path("runs") / f"{dataset}{sample}-{config.name}"
+    _check_writable(out)
+    if not args.resume:
+        held = sorted(out.glob("*/*/checkpoint.pt"))
+        if held:
+            raise UsageError(
+                f"{str(out)!r} already holds runs of a job (e.g. {str(held[0].parent)!r}); add --resume "
+                "to continue them (finished runs are reused), or pass another --out"
+            )
+    return config, regimes, seeds, dropout, by_regime, data_dir, out
 
 
 def _load_run(path: str, device: str):
@@ -422,7 +451,20 @@ class _logging_beside_bars:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``rnndrop-lm`` and ``python -m rnndrop.lm``; returns the exit status."""
+    """Entry point of ``rnndrop-lm`` and ``python -m rnndrop.lm``; returns the exit status
+    (under torchrun, a worker that joined the process group exits with it instead)."""
+    code = _main(argv)
+    if "torch" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            from rnndrop.lm.distributed import end_worker
+
+            end_worker(code)
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -23,6 +23,14 @@ epoch cap may grow but not shrink below the epochs already run (an error).
 Training follows Zaremba et al.: contiguous batches, truncated BPTT with the hidden
 state carried (detached) across segments and reset at every epoch, gradient-norm
 clipping, and the optimiser the config names (SGD or Adam).
+
+Under ``torchrun`` (a default process group of N > 1 ranks, see
+:mod:`rnndrop.lm.distributed`) the same call on every rank trains one model with
+DistributedDataParallel: each rank takes ``batch_size / N`` contiguous streams, DDP
+averages the gradients before they are clipped, validation and test sums are added over
+the ranks, each rank draws its own dropout noise (:mod:`rnndrop.distributed`), and rank 0
+alone reads and writes the run's files. The checkpoint holds every rank's RNG state; it
+resumes with the same N only.
 """
 
 from __future__ import annotations
@@ -32,15 +40,19 @@ import math
 import random
 import time
 from collections.abc import Callable, Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
-from rnndrop.calibration import reliability_from_predictions
+from rnndrop.calibration import ReliabilityDiagram, reliability_from_predictions
+from rnndrop.distributed import check_parameters_agree, seed_noise_per_rank
 from rnndrop.lm.atomic import remove_stale_temporaries
 from rnndrop.lm.checkpoint import (
     CheckpointError,
@@ -53,6 +65,7 @@ from rnndrop.lm.checkpoint import (
     set_rng_state,
 )
 from rnndrop.lm.configs import (
+    Regime,
     TrainConfig,
     build_model,
     build_optimizer,
@@ -61,6 +74,18 @@ from rnndrop.lm.configs import (
     regime_probabilities,
 )
 from rnndrop.lm.corpus import Corpus, batchify, bptt_batches, num_bptt_batches
+from rnndrop.lm.distributed import (
+    ONE_PROCESS,
+    Distributed,
+    RankFailed,
+    all_gather_floats,
+    all_gather_objects,
+    all_reduce_reliability,
+    all_reduce_sums,
+    current,
+    run_on_main,
+    shard_columns,
+)
 from rnndrop.lm.identity import (
     BEST,
     RESULTS,
@@ -82,6 +107,7 @@ __all__ = [
     "CALIBRATION_BINS",
     "CheckpointError",
     "LoadedModel",
+    "RankFailed",
     "ResultsError",
     "RunInterrupted",
     "RunLocked",
@@ -206,11 +232,19 @@ class Score:
         return _perplexity(self.nll)
 
 
-@torch.no_grad()
 def score(model: nn.Module, batched: Tensor, bptt: int, calibration_bins: int | None = None) -> Score:
     """NLL (and with ``calibration_bins`` the ECE) of ``model`` in eval mode (dropout off:
     the weight-scaling approximation) on a batched stream ``[N, B]``, the state carried
     across segments."""
+    total, count, diagram = _score_sums(model, batched, bptt, calibration_bins)
+    return Score(total / count, count, None if diagram is None else diagram.ece)
+
+
+@torch.no_grad()
+def _score_sums(
+    model: nn.Module, batched: Tensor, bptt: int, calibration_bins: int | None
+) -> tuple[float, int, ReliabilityDiagram | None]:
+    """:func:`score` as sums: (summed NLL, tokens, reliability diagram or None)."""
     was_training = model.training
     model.eval()
     total, count, hidden = 0.0, 0, None
@@ -227,10 +261,34 @@ def score(model: nn.Module, batched: Tensor, bptt: int, calibration_bins: int | 
                 correct.append(top_word == targets)
     finally:
         model.train(was_training)
-    ece = None
+    diagram = None
     if calibration_bins is not None:
-        ece = reliability_from_predictions(torch.cat(confidences), torch.cat(correct), calibration_bins).ece
-    return Score(total / count, count, ece)
+        diagram = reliability_from_predictions(torch.cat(confidences), torch.cat(correct), calibration_bins)
+    return total, count, diagram
+
+
+def _score_split(
+    model: nn.Module, batched: Tensor, bptt: int, calibration_bins: int | None, ctx: Distributed,
+    mc_samples: int = 0,
+) -> Score:
+    """:func:`score` (or with ``mc_samples`` :func:`score_mc`) of a whole split: each rank
+    scores its share of the streams and the sums are added over the ranks."""
+    if not ctx.enabled:
+        if mc_samples:
+            return score_mc(model, batched, bptt, mc_samples, calibration_bins)
+        return score(model, batched, bptt, calibration_bins)
+    shard = shard_columns(batched, ctx.rank, ctx.world_size)
+    if mc_samples:
+        from rnndrop.mc import mc_language_model_loss
+
+        loss = mc_language_model_loss(model, list(bptt_batches(shard, bptt)), mc_samples,
+                                      calibration_bins=calibration_bins)
+        total, count, diagram = loss.total_nll, loss.num_tokens, loss.reliability
+    else:
+        total, count, diagram = _score_sums(model, shard, bptt, calibration_bins)
+    total, count = all_reduce_sums([total, count], ctx)
+    ece = None if diagram is None else all_reduce_reliability(diagram, ctx).ece
+    return Score(total / count, round(count), ece)
 
 
 def score_mc(
@@ -282,32 +340,46 @@ def _train_epoch(
     progress: bool,
     checkpoint_path: Path,
     last_good_epoch: int,
+    ctx: Distributed = ONE_PROCESS,
+    net: nn.Module | None = None,
+    train_tokens: int | None = None,
 ) -> tuple[float, int, float]:
-    """One pass over the training stream: (train perplexity, words, seconds)."""
-    model.train()
+    """One pass over the training stream: (train perplexity, words, seconds).
+
+    Under DDP ``batched`` is this rank's shard, ``net`` the DDP wrapper of ``model``
+    (what is called; its backward all-reduces the gradients before they are clipped) and
+    ``train_tokens`` the size of the whole training stream; perplexity and words are
+    those of every rank together.
+    """
+    net = model if net is None else net
+    train_tokens = batched.numel() if train_tokens is None else train_tokens
+    net.train()
     n_batches = num_bptt_batches(batched, config.bptt)
-    bar = _Progress(n_batches, f"epoch {epoch}", progress)
+    bar = _Progress(n_batches, f"epoch {epoch}", progress and ctx.is_main)
     total, words, hidden = 0.0, 0, None
     start = time.perf_counter()
     lr = optimizer.param_groups[0]["lr"]
 
     def diverged(what: str, batch: int) -> None:
-        _diverged(what, epoch, batch, n_batches, lr, checkpoint_path, last_good_epoch)
+        _diverged(what, epoch, batch, n_batches, lr, checkpoint_path, last_good_epoch, ctx)
 
     try:
         for i, (inputs, targets) in enumerate(bptt_batches(batched, config.bptt)):
-            logits, hidden = model(inputs, hidden)
+            logits, hidden = net(inputs, hidden)
             hidden = detach_hidden(hidden)
             loss = _loss(logits, targets)
             objective = loss
             if regularizer is not None:
                 progress_frac = (epoch - 1 + i / n_batches) / config.epochs
-                objective = loss + regularizer(model, progress_frac, batched.numel())
-            if not torch.isfinite(objective):
-                diverged(f"the training loss is {objective.item()}", i)
-            if loss.item() > MAX_NLL:
-                diverged(f"the training loss is {loss.item():.4g} nats per word (the perplexity "
-                         "overflows)", i)
+                objective = loss + regularizer(model, progress_frac, train_tokens)
+            if ctx.enabled:
+                _check_losses_on_every_rank(objective, loss, ctx, diverged, i)
+            else:
+                if not torch.isfinite(objective):
+                    diverged(f"the training loss is {objective.item()}", i)
+                if loss.item() > MAX_NLL:
+                    diverged(f"the training loss is {loss.item():.4g} nats per word (the perplexity "
+                             "overflows)", i)
             optimizer.zero_grad(set_to_none=True)
             objective.backward()
             grad_norm = nn.utils.clip_grad_norm_(model.parameters(), config.clip)
@@ -317,16 +389,35 @@ def _train_epoch(
             total += loss.item() * targets.numel()
             words += targets.numel()
             elapsed = time.perf_counter() - start
-            bar.update(ppl=_perplexity(total / words), wps=words / max(elapsed, 1e-9))
+            bar.update(ppl=_perplexity(total / words), wps=words * ctx.world_size / max(elapsed, 1e-9))
     finally:
         bar.close()
+    if ctx.enabled:
+        total, all_words = all_reduce_sums([total, words], ctx)
+        words = round(all_words)
     return _perplexity(total / words), words, time.perf_counter() - start
 
 
+def _check_losses_on_every_rank(
+    objective: Tensor, loss: Tensor, ctx: Distributed, diverged: Callable[[str, int], None], batch: int
+) -> None:
+    """The divergence checks of one step, decided together: every rank learns every rank's
+    loss before any of them enters the backward pass (and its all-reduce)."""
+    values = all_gather_floats([objective.item(), loss.item()], ctx)
+    for rank, (rank_objective, rank_loss) in enumerate(values):
+        if not math.isfinite(rank_objective):
+            diverged(f"the training loss is {rank_objective} on rank {rank}", batch)
+        if rank_loss > MAX_NLL:
+            diverged(f"the training loss is {rank_loss:.4g} nats per word on rank {rank} (the "
+                     "perplexity overflows)", batch)
+
+
 def _diverged(what: str, epoch: int, batch: int, n_batches: int, lr: float,
-              checkpoint_path: Path, last_good_epoch: int) -> None:
+              checkpoint_path: Path, last_good_epoch: int, ctx: Distributed = ONE_PROCESS) -> None:
     if not last_good_epoch:
         where = "no epoch had finished, so there is no checkpoint"
+    elif not ctx.is_main:
+        where = f"rank 0 keeps the checkpoint of epoch {last_good_epoch}"
     else:
         try:
             load_checkpoint(checkpoint_path)
@@ -425,6 +516,12 @@ def train_run(
             sparse VD, keep their initialisation). With regime ``sparse_vd`` this is the
             recipe "train dense, then fine-tune with sparse VD". Recorded in the results.
 
+    Under torchrun (an initialised default process group of N > 1 ranks, e.g. from
+    :func:`rnndrop.lm.distributed.init_from_env`) call it on every rank with the same
+    arguments: see the module docstring. ``batch_size`` must be a multiple of N and
+    ``eval_batch_size`` at least N; ``on_epoch_end`` is called on every rank; every rank
+    returns rank 0's result, which records ``world_size`` and ``backend``.
+
     Raises:
         TrainingDiverged: a NaN / infinite loss or gradient, or a perplexity that
             overflows (the checkpoint of the last finished epoch is left as it was).
@@ -434,38 +531,74 @@ def train_run(
         FileExistsError: ``out_dir`` holds a checkpoint and ``resume`` is False.
         CheckpointError: a checkpoint that fails verification (and no intact previous one).
         ValueError: the checkpoint belongs to another run (the message names the fields
-            that differ), or ``config.epochs`` is below the epochs it has already run.
+            that differ), or ``config.epochs`` is below the epochs it has already run, or it
+            was written by another number of processes.
+        RankFailed: (ranks other than 0) rank 0 met one of the errors above.
     """
     out = Path(out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except PermissionError as e:
-        raise PermissionError(f"output folder {str(out)!r} cannot be created ({e.strerror})") from None
-    with RunLock(out):
-        removed = remove_stale_temporaries(out)
-        if removed:
-            log.warning("%s: removed %d temporary files left by a killed write: %s", out, len(removed),
-                        ", ".join(p.name for p in removed))
+    ctx = current()
+    with ExitStack() as stack:
+
+        def claim_folder() -> None:
+            try:
+                out.mkdir(parents=True, exist_ok=True)
+            except PermissionError as e:
+                raise PermissionError(
+                    f"output folder {str(out)!r} cannot be created ({e.strerror})") from None
+            stack.enter_context(RunLock(out))
+            removed = remove_stale_temporaries(out)
+            if removed:
+                log.warning("%s: removed %d temporary files left by a killed write: %s", out, len(removed),
+                            ", ".join(p.name for p in removed))
+
+        run_on_main(claim_folder, ctx, f"taking the run folder {str(out)!r}")
         return _train_locked(corpus, config, regime, out, dropout=dropout, seed=seed, resume=resume,
                              device=device, mc_samples=mc_samples, progress=progress, dataset=dataset,
-                             on_epoch_end=on_epoch_end, init_from=init_from)
+                             on_epoch_end=on_epoch_end, init_from=init_from, ctx=ctx)
+
+
+def _rank_device(device: str | torch.device, ctx: Distributed) -> torch.device:
+    """:func:`resolve_device`; under DDP a bare ``cuda`` is this rank's GPU (the current
+    device, which :func:`rnndrop.lm.distributed.init_from_env` set to ``LOCAL_RANK``)."""
+    device = resolve_device(device)
+    if ctx.enabled and device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _checkpoint_world_size(ckpt: Mapping[str, Any]) -> int:
+    return int(ckpt.get("distributed", {}).get("world_size", 1))
+
+
+def _check_distributed_config(config: TrainConfig, ctx: Distributed) -> None:
+    if not ctx.enabled:
+        return
+    if config.batch_size % ctx.world_size:
+        raise ValueError(f"batch_size must be a multiple of the number of processes ({ctx.world_size}) "
+                         f"so that each trains on as many streams, got {config.batch_size}")
+    if config.eval_batch_size < ctx.world_size:
+        raise ValueError(f"eval_batch_size must be >= the number of processes ({ctx.world_size}) so that "
+                         f"each scores at least one stream, got {config.eval_batch_size}")
 
 
 def _train_locked(
     corpus: Corpus, config: TrainConfig, regime: str, out: Path, *, dropout: Mapping[str, float] | None,
     seed: int, resume: bool, device: str | torch.device, mc_samples: int | None, progress: bool,
     dataset: str, on_epoch_end: EpochCallback | None, init_from: str | Path | None,
+    ctx: Distributed = ONE_PROCESS,
 ) -> dict[str, Any]:
     wall_start = time.perf_counter()
     ckpt_path, best_path = out / CHECKPOINT, out / BEST
     regime_obj = get_regime(regime)
     probabilities = regime_probabilities(regime_obj, config.dropout if dropout is None else dropout)
-    identity = run_identity(corpus, config, regime, probabilities, seed, init_from)
+    identity = run_on_main(partial(run_identity, corpus, config, regime, probabilities, seed, init_from),
+                           ctx, "making the run's identity")
     regularizer = None if regime_obj.regularizer is None else get_hook(regime_obj.regularizer)
-    device = resolve_device(device)
+    device = _rank_device(device, ctx)
     mc_samples = config.mc_samples if mc_samples is None else mc_samples
     if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 0:
         raise ValueError(f"mc_samples must be an int >= 0, got {mc_samples!r}")
+    _check_distributed_config(config, ctx)
 
     torch.manual_seed(seed)
     random.seed(seed)
@@ -479,14 +612,18 @@ def _train_locked(
         "history": [], "train_seconds": 0.0, "train_words": 0, "wall_seconds": 0.0,
         "stopped": None, "init_from": None,
     }
-    has_checkpoint = ckpt_path.exists() or previous_path(ckpt_path).exists()
-    if has_checkpoint and not resume:
-        raise FileExistsError(
-            f"{str(out)!r} already holds a checkpoint; pass resume=True (--resume) to "
-            "continue that run, or choose another output folder"
-        )
-    ckpt = _load_latest(ckpt_path) if has_checkpoint else None
-    if ckpt is not None:
+
+    def read_checkpoint() -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """(the checkpoint to resume from or None, what init_from loaded or None), checked."""
+        has_checkpoint = ckpt_path.exists() or previous_path(ckpt_path).exists()
+        if has_checkpoint and not resume:
+            raise FileExistsError(
+                f"{str(out)!r} already holds a checkpoint; pass resume=True (--resume) to "
+                "continue that run, or choose another output folder"
+            )
+        ckpt = _load_latest(ckpt_path) if has_checkpoint else None
+        if ckpt is None:
+            return None, None if init_from is None else _load_initial_weights(model, init_from)
         differences = identity_differences(identity, ckpt.get("identity", {}))
         if differences:
             raise ValueError(
@@ -498,18 +635,34 @@ def _train_locked(
                 f"epochs must be >= {ckpt['progress']['epoch']}, the epochs the run in {str(out)!r} "
                 f"has already trained, got {config.epochs} (the epoch cap of a run may grow, not shrink)"
             )
+        if _checkpoint_world_size(ckpt) != ctx.world_size:
+            raise ValueError(
+                f"the checkpoint in {str(out)!r} was written by {_checkpoint_world_size(ckpt)} "
+                f"process(es); resume it with as many (torchrun --nproc_per_node), got {ctx.world_size}"
+            )
         if ckpt["progress"]["best_epoch"]:
             load_checkpoint(best_path)  # verify it now rather than after training
-    else:
-        if init_from is not None:
-            state["init_from"] = _load_initial_weights(model, init_from)
+        return ckpt, None
+
+    # Rank 0 reads; every rank gets the checkpoint (init_from weights reach the other ranks
+    # through DDP's broadcast of rank 0's parameters).
+    ckpt, loaded_init = run_on_main(read_checkpoint, ctx, f"reading the checkpoint in {str(out)!r}")
+    if loaded_init is not None:
+        state["init_from"] = loaded_init
     optimizer = build_optimizer(model.parameters(), config)
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         state.update(ckpt["progress"])
-        set_rng_state(ckpt["rng"])
+        set_rng_state(ckpt["distributed"]["rng"][ctx.rank] if ctx.enabled else ckpt["rng"])
         log.info("%s: resumed after epoch %d", out, state["epoch"])
+    elif ctx.enabled:
+        seed_noise_per_rank(seed, ctx.rank)  # the weights came from `seed`; each rank its own masks
+    net: nn.Module = model
+    train_stream = train_data
+    if ctx.enabled:
+        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        train_stream = shard_columns(train_data, ctx.rank, ctx.world_size)
 
     best_extras = {
         "config": config.to_dict(), "regime": regime, "regime_settings": regime_obj.settings(),
@@ -524,18 +677,19 @@ def _train_locked(
             for group in optimizer.param_groups:
                 group["lr"] = lr
             train_ppl, words, seconds = _train_epoch(
-                model, optimizer, train_data, config, epoch, regularizer, progress,
-                ckpt_path, state["epoch"],
+                model, optimizer, train_stream, config, epoch, regularizer, progress,
+                ckpt_path, state["epoch"], ctx, net, train_data.numel(),
             )
-            valid_ppl = evaluate(model, valid_data, config.bptt)
+            valid_ppl = _score_split(model, valid_data, config.bptt, None, ctx).perplexity
             if not math.isfinite(valid_ppl):
                 _diverged(f"the validation perplexity is {valid_ppl}", epoch,
                           num_bptt_batches(train_data, config.bptt) - 1,
-                          num_bptt_batches(train_data, config.bptt), lr, ckpt_path, state["epoch"])
+                          num_bptt_batches(train_data, config.bptt), lr, ckpt_path, state["epoch"], ctx)
             improved = valid_ppl < state["best_valid_ppl"]
             if improved:
                 state["best_valid_ppl"], state["best_epoch"] = valid_ppl, epoch
-                save_checkpoint({"model": model.state_dict(), "epoch": epoch, **best_extras}, best_path)
+                run_on_main(partial(save_checkpoint, {"model": model.state_dict(), "epoch": epoch,
+                                                      **best_extras}, best_path), ctx, "writing best.pt")
             next_lr = lr / config.lr_decay if config.schedule == "plateau" and not improved else lr
             record = {
                 "epoch": epoch, "lr": lr, "train_ppl": train_ppl, "valid_ppl": valid_ppl,
@@ -552,24 +706,35 @@ def _train_locked(
                      regime, epoch, lr, train_ppl, valid_ppl, words / seconds)
             state["wall_seconds"] += time.perf_counter() - wall_start
             wall_start = time.perf_counter()
-            save_checkpoint(
-                {"identity": identity, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                 "progress": state, "rng": get_rng_state()},
-                ckpt_path, keep_previous=True,
-            )
+            checkpoint = {"identity": identity, "model": model.state_dict(),
+                          "optimizer": optimizer.state_dict(), "progress": state, "rng": get_rng_state()}
+            if ctx.enabled:
+                check_parameters_agree(model)
+                checkpoint["distributed"] = {"world_size": ctx.world_size, "backend": ctx.backend,
+                                             "rng": all_gather_objects(get_rng_state(), ctx)}
+            run_on_main(partial(save_checkpoint, checkpoint, ckpt_path, keep_previous=True), ctx,
+                        "writing checkpoint.pt")
             if on_epoch_end is not None:
                 on_epoch_end(epoch, record)
     except KeyboardInterrupt as e:
         if isinstance(e, RunInterrupted):
             raise
         raise RunInterrupted(epoch, out) from e
+    finally:
+        # Free the DDP wrapper (its reducer holds gradient buckets and the process group)
+        # now, not whenever a reference cycle through this frame is collected: torch aborts
+        # at exit when gloo work outlives destroy_process_group.
+        del net
 
-    model.load_state_dict(load_checkpoint(best_path)["model"])
-    test = score(model, test_data, config.bptt, CALIBRATION_BINS)
+    model.load_state_dict(run_on_main(lambda: load_checkpoint(best_path)["model"], ctx, "reading best.pt"))
+    test = _score_split(model, test_data, config.bptt, CALIBRATION_BINS, ctx)
     test_mc = None
     if mc_samples > 0 and _has_noise(model):
-        torch.manual_seed(seed)
-        test_mc = score_mc(model, test_data, config.bptt, mc_samples, CALIBRATION_BINS)
+        if ctx.enabled:
+            seed_noise_per_rank(seed, ctx.rank)
+        else:
+            torch.manual_seed(seed)
+        test_mc = _score_split(model, test_data, config.bptt, CALIBRATION_BINS, ctx, mc_samples)
     epochs_run = state["epoch"]
     stop_reason = state.get("stopped") or "epoch_cap"
     state["wall_seconds"] += time.perf_counter() - wall_start
@@ -606,12 +771,19 @@ def _train_locked(
         "parameters": sum(p.numel() for p in model.parameters()),
         "device": str(device),
         "threads": torch.get_num_threads(),
+        # Processes that trained the model together (DDP) and their backend (None: one process).
+        "world_size": ctx.world_size,
+        "backend": ctx.backend,
         "versions": versions(),
         "identity": identity,
     }
-    write_signed_result(result, out / RESULTS)
-    plot_learning_curves([result], out / CURVE)
-    return result
+
+    def write_result() -> dict[str, Any]:
+        write_signed_result(result, out / RESULTS)
+        plot_learning_curves([result], out / CURVE)
+        return result
+
+    return run_on_main(write_result, ctx, "writing results.json")
 
 
 def add_mc_result(
@@ -620,19 +792,41 @@ def add_mc_result(
 ) -> dict[str, Any]:
     """Add the Monte-Carlo test perplexity to a finished run's results.json (verified
     before, re-signed after). ``config`` gives the evaluation batch size and BPTT; the
-    model is rebuilt from ``best.pt``."""
+    model is rebuilt from ``best.pt``. Under DDP (call it on every rank) rank 0 reads and
+    writes the files and every rank scores its share of the test streams."""
     out = Path(out_dir)
-    with RunLock(out):
-        result = read_verified_result(out / RESULTS)
-        device = resolve_device(device)
-        model = load_model(out, device).model
+    ctx = current()
+    with ExitStack() as stack:
+
+        def read() -> tuple[dict[str, Any], dict[str, Tensor] | None]:
+            stack.enter_context(RunLock(out))
+            result = read_verified_result(out / RESULTS)
+            return result, load_checkpoint(best_file(out))["model"] if ctx.enabled else None
+
+        result, best_state = run_on_main(read, ctx, f"reading the results in {str(out)!r}")
+        device = _rank_device(device, ctx)
+        if ctx.enabled:
+            model = build_model(len(corpus.vocab), TrainConfig.from_dict(result["config"]),
+                                Regime.from_settings(result["regime_settings"]), result["dropout"])
+            model.load_state_dict(best_state)
+            model.to(device).eval()
+        else:
+            model = load_model(out, device).model
         if n_samples > 0 and _has_noise(model):
-            torch.manual_seed(result["seed"])
+            if ctx.enabled:
+                seed_noise_per_rank(result["seed"], ctx.rank)
+            else:
+                torch.manual_seed(result["seed"])
             start = time.perf_counter()
             test_data = batchify(corpus.test, config.eval_batch_size).to(device)
-            test_mc = score_mc(model, test_data, config.bptt, n_samples, CALIBRATION_BINS)
+            test_mc = _score_split(model, test_data, config.bptt, CALIBRATION_BINS, ctx, n_samples)
             result.update(test_ppl_mc=test_mc.perplexity, test_nll_mc=test_mc.nll, test_ece_mc=test_mc.ece)
             result["mc_samples"] = n_samples
             result["mc_seconds"] = time.perf_counter() - start
-            write_signed_result(result, out / RESULTS)
+
+            def write() -> dict[str, Any]:
+                write_signed_result(result, out / RESULTS)
+                return result
+
+            result = run_on_main(write, ctx, "writing results.json")
     return result

@@ -1,0 +1,53 @@
+"""Training words/s of one process against DDP processes (the README's "Distributed training").
+
+One process with T threads::
+
+    python benchmarks/ddp_speed.py DATA_DIR OUT --threads 2
+
+N processes with one thread each (DDP, gloo on the CPU), the same total batch::
+
+    torchrun --standalone --nproc_per_node=2 benchmarks/ddp_speed.py DATA_DIR OUT --threads 1
+
+Trains the ``mini`` config (regime ``tied``) for ``--epochs`` epochs into a fresh folder
+under OUT and prints one line: processes, threads, words/s of training (rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from rnndrop.lm.configs import get_config
+from rnndrop.lm.corpus import load_corpus
+from rnndrop.lm.distributed import end_worker, init_from_env
+from rnndrop.lm.train import train_run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("data")
+    parser.add_argument("out")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--regime", default="tied")
+    args = parser.parse_args()
+    ctx, device = init_from_env("cpu")
+    torch.set_num_threads(args.threads)
+    config = replace(get_config("mini"), epochs=args.epochs, mc_samples=0)
+    folder = Path(args.out) / f"{ctx.world_size}x{args.threads}-{args.regime}"
+    result = train_run(load_corpus(args.data), config, args.regime, folder, device=device, progress=False)
+    if ctx.is_main:
+        print(f"{ctx.world_size} process(es) x {args.threads} thread(s): "
+              f"{result['words_per_second']:,.0f} words/s, valid ppl {result['best_valid_ppl']:.1f}")
+    if ctx.enabled:
+        end_worker(0)
+
+
+if __name__ == "__main__":
+    main()
