@@ -21,9 +21,10 @@ from rnndrop.lm.corpus import (
     sample_dir,
 )
 from rnndrop.lm.download import DownloadError, download_corpus
+from rnndrop.lm.evaluate import evaluate, evaluate_mc
 from rnndrop.lm.generate import generate
 from rnndrop.lm.model import RNNLanguageModel, detach_hidden
-from rnndrop.lm.train import TrainingDiverged, evaluate, evaluate_mc, train_run
+from rnndrop.lm.train import TrainingDiverged, train_run
 
 __all__ = [
     "CONFIGS",

@@ -360,7 +360,7 @@ def _evaluate(args: argparse.Namespace) -> str:
     import torch
 
     from rnndrop.lm.corpus import CorpusError, batchify, encode_split, sample_dir
-    from rnndrop.lm.train import CALIBRATION_BINS, score, score_mc
+    from rnndrop.lm.evaluate import CALIBRATION_BINS, score, score_mc
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     try:

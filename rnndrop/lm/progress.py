@@ -14,7 +14,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["JobProgress", "format_duration"]
+__all__ = ["EpochProgress", "JobProgress", "format_duration"]
 
 log = logging.getLogger(__name__)
 
@@ -131,3 +131,36 @@ class JobProgress:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+class EpochProgress:
+    """A tqdm bar on a terminal when tqdm is installed (below the job's bar of
+    :class:`rnndrop.lm.progress.JobProgress`, if one is drawn), else a log line every
+    tenth of the loop (e.g. when stderr goes to a file)."""
+
+    def __init__(self, total: int, desc: str, enabled: bool) -> None:
+        self.total, self.desc, self.count = total, desc, 0
+        self.bar = None
+        self.enabled = enabled
+        if enabled and sys.stderr.isatty():
+            try:
+                from tqdm.auto import tqdm
+
+                self.bar = tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
+            except ImportError:
+                pass
+        self.every = max(1, total // 10)
+
+    def update(self, **stats: float) -> None:
+        self.count += 1
+        text = {k: f"{v:,.0f}" if v >= 100 else f"{v:.2f}" for k, v in stats.items()}
+        if self.bar is not None:
+            self.bar.set_postfix(text, refresh=False)
+            self.bar.update(1)
+        elif self.enabled and (self.count % self.every == 0 or self.count == self.total):
+            log.info("%s %d/%d %s", self.desc, self.count, self.total,
+                     " ".join(f"{k}={v}" for k, v in text.items()))
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -41,17 +41,14 @@ import random
 import time
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from rnndrop.calibration import ReliabilityDiagram, reliability_from_predictions
 from rnndrop.distributed import check_parameters_agree, seed_noise_per_rank
 from rnndrop.lm.atomic import remove_stale_temporaries
 from rnndrop.lm.checkpoint import (
@@ -80,11 +77,23 @@ from rnndrop.lm.distributed import (
     RankFailed,
     all_gather_floats,
     all_gather_objects,
-    all_reduce_reliability,
     all_reduce_sums,
     current,
     run_on_main,
     shard_columns,
+)
+from rnndrop.lm.evaluate import (
+    CALIBRATION_BINS,
+    MAX_NLL,
+    Score,
+    evaluate,
+    evaluate_mc,
+    has_noise,
+    perplexity,
+    score,
+    score_mc,
+    score_split,
+    token_loss,
 )
 from rnndrop.lm.identity import (
     BEST,
@@ -101,6 +110,7 @@ from rnndrop.lm.identity import (
 )
 from rnndrop.lm.lock import RunLock, RunLocked
 from rnndrop.lm.model import detach_hidden
+from rnndrop.lm.progress import EpochProgress
 from rnndrop.lm.results import SCHEMA, peak_memory, plot_learning_curves, versions
 
 __all__ = [
@@ -132,11 +142,6 @@ log = logging.getLogger(__name__)
 CHECKPOINT = "checkpoint.pt"
 CURVE = "curve.png"
 
-#: Confidence bins of the next-word calibration measured on the test split.
-CALIBRATION_BINS = 15
-
-#: Beyond this mean NLL (nats per word) the perplexity overflows a float: a divergence.
-MAX_NLL = math.log(torch.finfo(torch.float64).max)
 
 EpochCallback = Callable[[int, Mapping[str, Any]], None]
 
@@ -166,158 +171,6 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
-
-
-class _Progress:
-    """A tqdm bar on a terminal when tqdm is installed (below the job's bar of
-    :class:`rnndrop.lm.progress.JobProgress`, if one is drawn), else a log line every
-    tenth of the loop (e.g. when stderr goes to a file)."""
-
-    def __init__(self, total: int, desc: str, enabled: bool) -> None:
-        self.total, self.desc, self.count = total, desc, 0
-        self.bar = None
-        self.enabled = enabled
-        import sys
-
-        if enabled and sys.stderr.isatty():
-            try:
-                from tqdm.auto import tqdm
-
-                self.bar = tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
-            except ImportError:
-                pass
-        self.every = max(1, total // 10)
-
-    def update(self, **stats: float) -> None:
-        self.count += 1
-        text = {k: f"{v:,.0f}" if v >= 100 else f"{v:.2f}" for k, v in stats.items()}
-        if self.bar is not None:
-            self.bar.set_postfix(text, refresh=False)
-            self.bar.update(1)
-        elif self.enabled and (self.count % self.every == 0 or self.count == self.total):
-            log.info("%s %d/%d %s", self.desc, self.count, self.total,
-                     " ".join(f"{k}={v}" for k, v in text.items()))
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def _perplexity(nll: float) -> float:
-    """``exp(nll)``, infinite where it would overflow."""
-    return math.exp(nll) if nll < MAX_NLL else math.inf
-
-
-def _loss(logits: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction=reduction)
-
-
-@dataclass(frozen=True)
-class Score:
-    """How well a language model predicts a token stream.
-
-    Attributes:
-        nll: mean negative log-likelihood per token (nats); perplexity is ``exp(nll)``.
-        tokens: the number of predicted tokens.
-        ece: expected calibration error of the top next-word prediction
-            (:mod:`rnndrop.calibration`), or None when not measured.
-    """
-
-    nll: float
-    tokens: int
-    ece: float | None = None
-
-    @property
-    def perplexity(self) -> float:
-        return _perplexity(self.nll)
-
-
-def score(model: nn.Module, batched: Tensor, bptt: int, calibration_bins: int | None = None) -> Score:
-    """NLL (and with ``calibration_bins`` the ECE) of ``model`` in eval mode (dropout off:
-    the weight-scaling approximation) on a batched stream ``[N, B]``, the state carried
-    across segments."""
-    total, count, diagram = _score_sums(model, batched, bptt, calibration_bins)
-    return Score(total / count, count, None if diagram is None else diagram.ece)
-
-
-@torch.no_grad()
-def _score_sums(
-    model: nn.Module, batched: Tensor, bptt: int, calibration_bins: int | None
-) -> tuple[float, int, ReliabilityDiagram | None]:
-    """:func:`score` as sums: (summed NLL, tokens, reliability diagram or None)."""
-    was_training = model.training
-    model.eval()
-    total, count, hidden = 0.0, 0, None
-    confidences: list[Tensor] = []
-    correct: list[Tensor] = []
-    try:
-        for inputs, targets in bptt_batches(batched, bptt):
-            logits, hidden = model(inputs, hidden)
-            total += _loss(logits, targets, "sum").item()
-            count += targets.numel()
-            if calibration_bins is not None:
-                top_prob, top_word = logits.softmax(-1).max(-1)
-                confidences.append(top_prob)
-                correct.append(top_word == targets)
-    finally:
-        model.train(was_training)
-    diagram = None
-    if calibration_bins is not None:
-        diagram = reliability_from_predictions(torch.cat(confidences), torch.cat(correct), calibration_bins)
-    return total, count, diagram
-
-
-def _score_split(
-    model: nn.Module, batched: Tensor, bptt: int, calibration_bins: int | None, ctx: Distributed,
-    mc_samples: int = 0,
-) -> Score:
-    """:func:`score` (or with ``mc_samples`` :func:`score_mc`) of a whole split: each rank
-    scores its share of the streams and the sums are added over the ranks."""
-    if not ctx.enabled:
-        if mc_samples:
-            return score_mc(model, batched, bptt, mc_samples, calibration_bins)
-        return score(model, batched, bptt, calibration_bins)
-    shard = shard_columns(batched, ctx.rank, ctx.world_size)
-    if mc_samples:
-        from rnndrop.mc import mc_language_model_loss
-
-        loss = mc_language_model_loss(model, list(bptt_batches(shard, bptt)), mc_samples,
-                                      calibration_bins=calibration_bins)
-        total, count, diagram = loss.total_nll, loss.num_tokens, loss.reliability
-    else:
-        total, count, diagram = _score_sums(model, shard, bptt, calibration_bins)
-    total, count = all_reduce_sums([total, count], ctx)
-    ece = None if diagram is None else all_reduce_reliability(diagram, ctx).ece
-    return Score(total / count, round(count), ece)
-
-
-def score_mc(
-    model: nn.Module, batched: Tensor, bptt: int, n_samples: int, calibration_bins: int | None = None
-) -> Score:
-    """:func:`score` under Monte-Carlo dropout (:func:`rnndrop.mc.mc_language_model_loss`):
-    every word's predictive probability averaged over ``n_samples`` dropout draws."""
-    from rnndrop.mc import mc_language_model_loss
-
-    loss = mc_language_model_loss(
-        model, list(bptt_batches(batched, bptt)), n_samples, calibration_bins=calibration_bins
-    )
-    return Score(loss.nll, loss.num_tokens, None if loss.reliability is None else loss.reliability.ece)
-
-
-def evaluate(model: nn.Module, batched: Tensor, bptt: int) -> float:
-    """Perplexity of ``model`` in eval mode on a batched stream ``[N, B]`` (see :func:`score`)."""
-    return score(model, batched, bptt).perplexity
-
-
-def evaluate_mc(model: nn.Module, batched: Tensor, bptt: int, n_samples: int) -> float:
-    """Perplexity under Monte-Carlo dropout with ``n_samples`` draws (see :func:`score_mc`)."""
-    return score_mc(model, batched, bptt, n_samples).perplexity
-
-
-def _has_noise(model: nn.Module) -> bool:
-    from rnndrop.mc import sampling_modules
-
-    return bool(sampling_modules(model))
 
 
 def _epoch_lr(config: TrainConfig, epoch: int, current: float) -> float:
@@ -355,7 +208,7 @@ def _train_epoch(
     train_tokens = batched.numel() if train_tokens is None else train_tokens
     net.train()
     n_batches = num_bptt_batches(batched, config.bptt)
-    bar = _Progress(n_batches, f"epoch {epoch}", progress and ctx.is_main)
+    bar = EpochProgress(n_batches, f"epoch {epoch}", progress and ctx.is_main)
     total, words, hidden = 0.0, 0, None
     start = time.perf_counter()
     lr = optimizer.param_groups[0]["lr"]
@@ -367,7 +220,7 @@ def _train_epoch(
         for i, (inputs, targets) in enumerate(bptt_batches(batched, config.bptt)):
             logits, hidden = net(inputs, hidden)
             hidden = detach_hidden(hidden)
-            loss = _loss(logits, targets)
+            loss = token_loss(logits, targets)
             objective = loss
             if regularizer is not None:
                 progress_frac = (epoch - 1 + i / n_batches) / config.epochs
@@ -389,13 +242,13 @@ def _train_epoch(
             total += loss.item() * targets.numel()
             words += targets.numel()
             elapsed = time.perf_counter() - start
-            bar.update(ppl=_perplexity(total / words), wps=words * ctx.world_size / max(elapsed, 1e-9))
+            bar.update(ppl=perplexity(total / words), wps=words * ctx.world_size / max(elapsed, 1e-9))
     finally:
         bar.close()
     if ctx.enabled:
         total, all_words = all_reduce_sums([total, words], ctx)
         words = round(all_words)
-    return _perplexity(total / words), words, time.perf_counter() - start
+    return perplexity(total / words), words, time.perf_counter() - start
 
 
 def _check_losses_on_every_rank(
@@ -680,7 +533,7 @@ def _train_locked(
                 model, optimizer, train_stream, config, epoch, regularizer, progress,
                 ckpt_path, state["epoch"], ctx, net, train_data.numel(),
             )
-            valid_ppl = _score_split(model, valid_data, config.bptt, None, ctx).perplexity
+            valid_ppl = score_split(model, valid_data, config.bptt, None, ctx).perplexity
             if not math.isfinite(valid_ppl):
                 _diverged(f"the validation perplexity is {valid_ppl}", epoch,
                           num_bptt_batches(train_data, config.bptt) - 1,
@@ -727,14 +580,14 @@ def _train_locked(
         del net
 
     model.load_state_dict(run_on_main(lambda: load_checkpoint(best_path)["model"], ctx, "reading best.pt"))
-    test = _score_split(model, test_data, config.bptt, CALIBRATION_BINS, ctx)
+    test = score_split(model, test_data, config.bptt, CALIBRATION_BINS, ctx)
     test_mc = None
-    if mc_samples > 0 and _has_noise(model):
+    if mc_samples > 0 and has_noise(model):
         if ctx.enabled:
             seed_noise_per_rank(seed, ctx.rank)
         else:
             torch.manual_seed(seed)
-        test_mc = _score_split(model, test_data, config.bptt, CALIBRATION_BINS, ctx, mc_samples)
+        test_mc = score_split(model, test_data, config.bptt, CALIBRATION_BINS, ctx, mc_samples)
     epochs_run = state["epoch"]
     stop_reason = state.get("stopped") or "epoch_cap"
     state["wall_seconds"] += time.perf_counter() - wall_start
@@ -812,14 +665,14 @@ def add_mc_result(
             model.to(device).eval()
         else:
             model = load_model(out, device).model
-        if n_samples > 0 and _has_noise(model):
+        if n_samples > 0 and has_noise(model):
             if ctx.enabled:
                 seed_noise_per_rank(result["seed"], ctx.rank)
             else:
                 torch.manual_seed(result["seed"])
             start = time.perf_counter()
             test_data = batchify(corpus.test, config.eval_batch_size).to(device)
-            test_mc = _score_split(model, test_data, config.bptt, CALIBRATION_BINS, ctx, n_samples)
+            test_mc = score_split(model, test_data, config.bptt, CALIBRATION_BINS, ctx, n_samples)
             result.update(test_ppl_mc=test_mc.perplexity, test_nll_mc=test_mc.nll, test_ece_mc=test_mc.ece)
             result["mc_samples"] = n_samples
             result["mc_seconds"] = time.perf_counter() - start

@@ -1,0 +1,162 @@
+"""Scoring a language model: NLL, perplexity and next-word calibration, standard or Monte-Carlo.
+
+``score`` runs the model in eval mode (dropout off: the weight-scaling approximation);
+``score_mc`` keeps dropout on and averages every word's probability over ``S`` draws
+(:func:`rnndrop.mc.mc_language_model_loss`). Both carry the recurrent state across the
+truncated-BPTT segments of a batched stream ``[N, B]`` and return a :class:`Score`.
+``score_split`` scores a whole split under DistributedDataParallel: each rank scores its
+share of the streams and the sums are added over the ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rnndrop.calibration import ReliabilityDiagram, reliability_from_predictions
+from rnndrop.lm.corpus import bptt_batches
+from rnndrop.lm.distributed import Distributed, all_reduce_reliability, all_reduce_sums, shard_columns
+
+__all__ = [
+    "CALIBRATION_BINS",
+    "MAX_NLL",
+    "Score",
+    "evaluate",
+    "evaluate_mc",
+    "has_noise",
+    "perplexity",
+    "score",
+    "score_mc",
+    "score_split",
+    "score_sums",
+    "token_loss",
+]
+
+#: Confidence bins of the next-word calibration measured on the test split.
+CALIBRATION_BINS = 15
+
+#: Beyond this mean NLL (nats per word) the perplexity overflows a float: a divergence.
+MAX_NLL = math.log(torch.finfo(torch.float64).max)
+
+
+def perplexity(nll: float) -> float:
+    """``exp(nll)``, infinite where it would overflow."""
+    return math.exp(nll) if nll < MAX_NLL else math.inf
+
+
+def token_loss(logits: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
+    """Cross-entropy of ``logits [T, B, V]`` against ``targets [T, B]`` (mean or sum over tokens)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction=reduction)
+
+
+@dataclass(frozen=True)
+class Score:
+    """How well a language model predicts a token stream.
+
+    Attributes:
+        nll: mean negative log-likelihood per token (nats); perplexity is ``exp(nll)``.
+        tokens: the number of predicted tokens.
+        ece: expected calibration error of the top next-word prediction
+            (:mod:`rnndrop.calibration`), or None when not measured.
+    """
+
+    nll: float
+    tokens: int
+    ece: float | None = None
+
+    @property
+    def perplexity(self) -> float:
+        return perplexity(self.nll)
+
+
+def score(model: nn.Module, batched: Tensor, bptt: int, calibration_bins: int | None = None) -> Score:
+    """NLL (and with ``calibration_bins`` the ECE) of ``model`` in eval mode (dropout off:
+    the weight-scaling approximation) on a batched stream ``[N, B]``, the state carried
+    across segments."""
+    total, count, diagram = score_sums(model, batched, bptt, calibration_bins)
+    return Score(total / count, count, None if diagram is None else diagram.ece)
+
+
+@torch.no_grad()
+def score_sums(
+    model: nn.Module, batched: Tensor, bptt: int, calibration_bins: int | None
+) -> tuple[float, int, ReliabilityDiagram | None]:
+    """:func:`score` as sums: (summed NLL, tokens, reliability diagram or None)."""
+    was_training = model.training
+    model.eval()
+    total, count, hidden = 0.0, 0, None
+    confidences: list[Tensor] = []
+    correct: list[Tensor] = []
+    try:
+        for inputs, targets in bptt_batches(batched, bptt):
+            logits, hidden = model(inputs, hidden)
+            total += token_loss(logits, targets, "sum").item()
+            count += targets.numel()
+            if calibration_bins is not None:
+                top_prob, top_word = logits.softmax(-1).max(-1)
+                confidences.append(top_prob)
+                correct.append(top_word == targets)
+    finally:
+        model.train(was_training)
+    diagram = None
+    if calibration_bins is not None:
+        diagram = reliability_from_predictions(torch.cat(confidences), torch.cat(correct), calibration_bins)
+    return total, count, diagram
+
+
+def score_split(
+    model: nn.Module, batched: Tensor, bptt: int, calibration_bins: int | None, ctx: Distributed,
+    mc_samples: int = 0,
+) -> Score:
+    """:func:`score` (or with ``mc_samples`` :func:`score_mc`) of a whole split: each rank
+    scores its share of the streams and the sums are added over the ranks."""
+    if not ctx.enabled:
+        if mc_samples:
+            return score_mc(model, batched, bptt, mc_samples, calibration_bins)
+        return score(model, batched, bptt, calibration_bins)
+    shard = shard_columns(batched, ctx.rank, ctx.world_size)
+    if mc_samples:
+        from rnndrop.mc import mc_language_model_loss
+
+        loss = mc_language_model_loss(model, list(bptt_batches(shard, bptt)), mc_samples,
+                                      calibration_bins=calibration_bins)
+        total, count, diagram = loss.total_nll, loss.num_tokens, loss.reliability
+    else:
+        total, count, diagram = score_sums(model, shard, bptt, calibration_bins)
+    total, count = all_reduce_sums([total, count], ctx)
+    ece = None if diagram is None else all_reduce_reliability(diagram, ctx).ece
+    return Score(total / count, round(count), ece)
+
+
+def score_mc(
+    model: nn.Module, batched: Tensor, bptt: int, n_samples: int, calibration_bins: int | None = None
+) -> Score:
+    """:func:`score` under Monte-Carlo dropout (:func:`rnndrop.mc.mc_language_model_loss`):
+    every word's predictive probability averaged over ``n_samples`` dropout draws."""
+    from rnndrop.mc import mc_language_model_loss
+
+    loss = mc_language_model_loss(
+        model, list(bptt_batches(batched, bptt)), n_samples, calibration_bins=calibration_bins
+    )
+    return Score(loss.nll, loss.num_tokens, None if loss.reliability is None else loss.reliability.ece)
+
+
+def evaluate(model: nn.Module, batched: Tensor, bptt: int) -> float:
+    """Perplexity of ``model`` in eval mode on a batched stream ``[N, B]`` (see :func:`score`)."""
+    return score(model, batched, bptt).perplexity
+
+
+def evaluate_mc(model: nn.Module, batched: Tensor, bptt: int, n_samples: int) -> float:
+    """Perplexity under Monte-Carlo dropout with ``n_samples`` draws (see :func:`score_mc`)."""
+    return score_mc(model, batched, bptt, n_samples).perplexity
+
+
+def has_noise(model: nn.Module) -> bool:
+    """Whether any module of ``model`` samples noise (a Monte-Carlo evaluation is possible)."""
+    from rnndrop.mc import sampling_modules
+
+    return bool(sampling_modules(model))
