@@ -36,7 +36,8 @@ from rnndrop.kl import model_kl
 from rnndrop.lm.checkpoint import load_model
 from rnndrop.lm.configs import get_config
 from rnndrop.lm.corpus import batchify, load_corpus
-from rnndrop.lm.train import evaluate, train_run
+from rnndrop.lm.evaluate import evaluate
+from rnndrop.lm.train import train_run
 from rnndrop.recurrent import VariationalLSTM
 from rnndrop.sparse import SparseLSTM, prune, sparsity_report
 
