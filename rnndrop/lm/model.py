@@ -115,7 +115,8 @@ class RNNLanguageModel(nn.Module):
             stack = VariationalGRU if cell == "gru" else VariationalLSTM
             recurrent = stack(
                 embedding_size, hidden_size, num_layers,
-                dropout=dropout_between, dropout_input=dropout_input,
+                # A single layer has no between-layer site (nn.LSTM would warn).
+                dropout=dropout_between if num_layers > 1 else 0.0, dropout_input=dropout_input,
                 dropout_hidden=dropout_hidden, dropout_output=dropout_output,
                 mask_scope=mask_scope, per_gate_masks=per_gate_masks, noise=noise,
             )
