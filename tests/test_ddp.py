@@ -408,15 +408,14 @@ def test_shards_of_the_streams_are_contiguous_and_cover_the_batch():
 
 
 def test_batch_sizes_that_do_not_divide_among_processes_are_refused():
-    from rnndrop.lm.distributed import Distributed
-    from rnndrop.lm.train import _check_distributed_config
+    from rnndrop.lm.distributed import Distributed, check_batch_split
 
     three = Distributed(rank=0, world_size=3, backend="gloo")
     with pytest.raises(ValueError, match=r"batch_size must be a multiple of the number of processes \(3\)"):
-        _check_distributed_config(TINY, three)
+        check_batch_split(TINY.batch_size, TINY.eval_batch_size, three)
     with pytest.raises(ValueError, match=r"eval_batch_size must be >= the number of processes \(3\)"):
-        _check_distributed_config(replace(TINY, batch_size=6), three)
-    _check_distributed_config(replace(TINY, batch_size=6, eval_batch_size=3), three)
+        check_batch_split(6, TINY.eval_batch_size, three)
+    check_batch_split(6, 3, three)
 
 
 def test_torchrun_variables_are_checked(monkeypatch):

@@ -37,7 +37,7 @@ def test_load_model_rebuilds_the_best_model_with_its_vocabulary(corpus, tmp_path
         run.epoch = 3  # frozen
     # The rebuilt model scores the test split exactly as the run did.
     from rnndrop.lm.corpus import batchify
-    from rnndrop.lm.train import score
+    from rnndrop.lm.evaluate import score
 
     test = score(run.model, batchify(corpus.test, ONE.eval_batch_size), ONE.bptt)
     assert test.nll == pytest.approx(result["test_nll"], rel=1e-6)
@@ -160,7 +160,8 @@ class _Loud(torch.nn.Module):
 
 def test_a_large_finite_loss_stops_as_divergence_not_overflow(corpus, tmp_path):
     from rnndrop.lm.configs import Regime, registered
-    from rnndrop.lm.train import Score, TrainingDiverged
+    from rnndrop.lm.evaluate import Score
+    from rnndrop.lm.train import TrainingDiverged
 
     assert Score(1000.0, 1).perplexity == math.inf
     with (registered({"loud": Regime("huge logits", rnn_factory="loud")}, hooks={"loud": _Loud}),
@@ -220,7 +221,7 @@ def test_resume_refuses_another_corpus_and_names_only_the_differing_fields(corpu
 
 
 def test_tampered_or_truncated_results_are_not_reused_and_resume_rewrites_them(corpus, tmp_path, caplog):
-    from rnndrop.lm.train import finished_result, run_identity
+    from rnndrop.lm.identity import finished_result, run_identity
 
     result = train_run(corpus, ONE, "tied", tmp_path / "run", seed=3, progress=False)
     identity = run_identity(corpus, ONE, "tied", None, 3)

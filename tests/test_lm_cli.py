@@ -17,7 +17,7 @@ import torch
 from rnndrop.lm import cli
 from rnndrop.lm.checkpoint import load_model
 from rnndrop.lm.corpus import batchify, load_corpus, sample_dir
-from rnndrop.lm.train import score
+from rnndrop.lm.evaluate import score
 from tests.lm_helpers import write_corpus
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -42,6 +42,7 @@ __all__ = [
     "LoadedModel",
     "get_rng_state",
     "load_checkpoint",
+    "load_latest",
     "load_model",
     "previous_path",
     "save_checkpoint",
@@ -233,3 +234,28 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> LoadedMo
     model.to(device).eval()
     return LoadedModel(model, vocab, config, ckpt["regime"], dict(ckpt["regime_settings"]),
                        dict(ckpt["dropout"]), int(ckpt.get("epoch", 0)), path)
+
+
+def load_latest(ckpt_path: Path) -> dict[str, Any] | None:
+    """The newest verified checkpoint of a run, or None when it has none.
+
+    A corrupt ``checkpoint.pt`` is set aside (``checkpoint.corrupt.pt``) and the run
+    continues from ``checkpoint.prev.pt`` with a logged warning; with no intact
+    previous one the :class:`CheckpointError` is raised.
+    """
+    prev = previous_path(ckpt_path)
+    if ckpt_path.exists():
+        try:
+            return load_checkpoint(ckpt_path)
+        except CheckpointError as e:
+            if not prev.exists():
+                raise
+            corrupt = ckpt_path.with_name(f"{ckpt_path.stem}.corrupt{ckpt_path.suffix}")
+            ckpt_path.replace(corrupt)
+            log.warning("%s; moved it to %s and resuming from the previous checkpoint %s",
+                        e, corrupt.name, prev)
+    elif prev.exists():
+        log.warning("%s is missing; resuming from the previous checkpoint %s", ckpt_path, prev)
+    else:
+        return None
+    return load_checkpoint(prev)

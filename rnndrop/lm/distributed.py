@@ -37,6 +37,7 @@ __all__ = [
     "all_reduce_reliability",
     "all_reduce_sums",
     "broadcast_from_main",
+    "check_batch_split",
     "current",
     "end_worker",
     "init_from_env",
@@ -258,3 +259,16 @@ def end_worker(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def check_batch_split(batch_size: int, eval_batch_size: int, ctx: Distributed) -> None:
+    """Every rank must get as many training streams as the others, and at least one
+    evaluation stream."""
+    if not ctx.enabled:
+        return
+    if batch_size % ctx.world_size:
+        raise ValueError(f"batch_size must be a multiple of the number of processes ({ctx.world_size}) "
+                         f"so that each trains on as many streams, got {batch_size}")
+    if eval_batch_size < ctx.world_size:
+        raise ValueError(f"eval_batch_size must be >= the number of processes ({ctx.world_size}) so that "
+                         f"each scores at least one stream, got {eval_batch_size}")

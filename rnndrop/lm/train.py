@@ -53,9 +53,9 @@ from rnndrop.distributed import check_parameters_agree, seed_noise_per_rank
 from rnndrop.lm.atomic import remove_stale_temporaries
 from rnndrop.lm.checkpoint import (
     CheckpointError,
-    LoadedModel,
     get_rng_state,
     load_checkpoint,
+    load_latest,
     load_model,
     previous_path,
     save_checkpoint,
@@ -74,10 +74,10 @@ from rnndrop.lm.corpus import Corpus, batchify, bptt_batches, num_bptt_batches
 from rnndrop.lm.distributed import (
     ONE_PROCESS,
     Distributed,
-    RankFailed,
     all_gather_floats,
     all_gather_objects,
     all_reduce_sums,
+    check_batch_split,
     current,
     run_on_main,
     shard_columns,
@@ -85,55 +85,32 @@ from rnndrop.lm.distributed import (
 from rnndrop.lm.evaluate import (
     CALIBRATION_BINS,
     MAX_NLL,
-    Score,
-    evaluate,
-    evaluate_mc,
     has_noise,
     perplexity,
-    score,
-    score_mc,
     score_split,
     token_loss,
 )
 from rnndrop.lm.identity import (
     BEST,
     RESULTS,
-    ResultsError,
     best_file,
-    corpus_fingerprint,
     file_sha256,
-    finished_result,
     identity_differences,
     read_verified_result,
     run_identity,
     write_signed_result,
 )
-from rnndrop.lm.lock import RunLock, RunLocked
+from rnndrop.lm.lock import RunLock
 from rnndrop.lm.model import detach_hidden
 from rnndrop.lm.progress import EpochProgress
 from rnndrop.lm.results import SCHEMA, peak_memory, plot_learning_curves, versions
 
 __all__ = [
-    "CALIBRATION_BINS",
-    "CheckpointError",
-    "LoadedModel",
-    "RankFailed",
-    "ResultsError",
+    "EpochCallback",
     "RunInterrupted",
-    "RunLocked",
-    "Score",
     "TrainingDiverged",
     "add_mc_result",
-    "corpus_fingerprint",
-    "evaluate",
-    "evaluate_mc",
-    "finished_result",
-    "identity_differences",
-    "load_model",
     "resolve_device",
-    "run_identity",
-    "score",
-    "score_mc",
     "train_run",
 ]
 
@@ -284,31 +261,6 @@ def _diverged(what: str, epoch: int, batch: int, n_batches: int, lr: float,
     )
 
 
-def _load_latest(ckpt_path: Path) -> dict[str, Any] | None:
-    """The newest verified checkpoint of a run, or None when it has none.
-
-    A corrupt ``checkpoint.pt`` is set aside (``checkpoint.corrupt.pt``) and the run
-    continues from ``checkpoint.prev.pt`` with a logged warning; with no intact
-    previous one the :class:`CheckpointError` is raised.
-    """
-    prev = previous_path(ckpt_path)
-    if ckpt_path.exists():
-        try:
-            return load_checkpoint(ckpt_path)
-        except CheckpointError as e:
-            if not prev.exists():
-                raise
-            corrupt = ckpt_path.with_name(f"{ckpt_path.stem}.corrupt{ckpt_path.suffix}")
-            ckpt_path.replace(corrupt)
-            log.warning("%s; moved it to %s and resuming from the previous checkpoint %s",
-                        e, corrupt.name, prev)
-    elif prev.exists():
-        log.warning("%s is missing; resuming from the previous checkpoint %s", ckpt_path, prev)
-    else:
-        return None
-    return load_checkpoint(prev)
-
-
 def _load_initial_weights(model: nn.Module, init_from: str | Path) -> dict[str, Any]:
     """Copy into ``model`` every tensor of another run's best.pt that it has (same name and
     shape); the others keep their initialisation. Returns what was loaded, for the results."""
@@ -423,17 +375,6 @@ def _checkpoint_world_size(ckpt: Mapping[str, Any]) -> int:
     return int(ckpt.get("distributed", {}).get("world_size", 1))
 
 
-def _check_distributed_config(config: TrainConfig, ctx: Distributed) -> None:
-    if not ctx.enabled:
-        return
-    if config.batch_size % ctx.world_size:
-        raise ValueError(f"batch_size must be a multiple of the number of processes ({ctx.world_size}) "
-                         f"so that each trains on as many streams, got {config.batch_size}")
-    if config.eval_batch_size < ctx.world_size:
-        raise ValueError(f"eval_batch_size must be >= the number of processes ({ctx.world_size}) so that "
-                         f"each scores at least one stream, got {config.eval_batch_size}")
-
-
 def _train_locked(
     corpus: Corpus, config: TrainConfig, regime: str, out: Path, *, dropout: Mapping[str, float] | None,
     seed: int, resume: bool, device: str | torch.device, mc_samples: int | None, progress: bool,
@@ -451,7 +392,7 @@ def _train_locked(
     mc_samples = config.mc_samples if mc_samples is None else mc_samples
     if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 0:
         raise ValueError(f"mc_samples must be an int >= 0, got {mc_samples!r}")
-    _check_distributed_config(config, ctx)
+    check_batch_split(config.batch_size, config.eval_batch_size, ctx)
 
     torch.manual_seed(seed)
     random.seed(seed)
@@ -474,7 +415,7 @@ def _train_locked(
                 f"{str(out)!r} already holds a checkpoint; pass resume=True (--resume) to "
                 "continue that run, or choose another output folder"
             )
-        ckpt = _load_latest(ckpt_path) if has_checkpoint else None
+        ckpt = load_latest(ckpt_path) if has_checkpoint else None
         if ckpt is None:
             return None, None if init_from is None else _load_initial_weights(model, init_from)
         differences = identity_differences(identity, ckpt.get("identity", {}))
