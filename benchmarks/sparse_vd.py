@@ -1,27 +1,29 @@
-"""Sparse variational dropout against Bernoulli tied dropout: perplexity, sparsity, speed.
+"""Sparse variational dropout on a word-level LM: the recipe, its trade-off, the pruned model.
 
-Two parts, both on one CPU thread by default:
+The recipe (docs/sparse-vd-results.md): take a converged dense run of regime ``tied``
+(config cpu-200) and fine-tune it with regime ``sparse_vd`` under config
+``sparse-vd-cpu-200`` (Adam, KL warm-up, tied dropout kept on the other sites), once
+per KL weight. Each fine-tune is one ``rnndrop.lm`` run (``train_run(init_from=...)``)
+in a folder under ``--runs``, resumable with ``--resume``. Then, for every run and
+every threshold on log alpha: validation and test perplexity of the pruned model and
+the compression of the LSTM weights; the embedding and decoder are counted apart.
+The headline is the most compressed run at the default threshold whose *validation*
+perplexity is within ``--budget`` of the dense model's; its test numbers are reported.
+For the headline it also measures the pruned model: parameters, the size of its saved
+state (dense, and with the LSTM weights in CSR), and LSTM inference time with dense
+matmuls over zeros against CSR matmuls. ``--gaussian RUN`` plots the per-unit alpha
+that a finished run of regime ``gaussian`` learned.
 
-1. ``timing``: one training step (forward + backward) of a 2-layer LSTM layer, batch 20,
-   35 steps, for nn.LSTM, Bernoulli tied dropout (VariationalLSTM, per-sequence masks),
-   learned-alpha Gaussian dropout (GaussianLSTM) and sparse VD (SparseLSTM); shuffled,
-   interleaved rounds; the median time and its ratio to Bernoulli tied dropout.
-2. ``lm``: word-level language models trained by the one LM loop
-   (:func:`rnndrop.lm.train.train_run`): regime ``tied`` under the ``mini`` config (SGD,
-   lr 20, plateau decay), regime ``sparse_vd`` under ``sparse-vd-mini`` (Adam, KL with
-   linear warm-up, Lobacheva et al. 2017) from scratch, and ``sparse_vd`` fine-tuned from
-   the tied run's best weights (``init_from``: train dense, then sparsify). Reports test
-   perplexity (eval mode, and of the pruned model), sparsity per weight and compression.
-   Each run lives in a folder under ``--runs`` and resumes with ``--resume``.
-
-    python benchmarks/sparse_vd.py --data ../shared/data/ptb-mini --out /tmp/sparse_vd.json
+    python benchmarks/sparse_vd.py --data ../shared/data/ptb-144k \\
+        --dense runs/ptb144k/tied/emb0.1-in0.5-mid0.5-rec0.2-out0.5-seed1 \\
+        --kl-weights 1,0.3,0.1 --runs runs/sparse-vd --resume --out docs/sparse-vd
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
-import random
 import statistics
 import sys
 import time
@@ -29,130 +31,238 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from rnndrop.gaussian import GaussianLSTM
-from rnndrop.kl import model_kl
 from rnndrop.lm.checkpoint import load_model
 from rnndrop.lm.configs import get_config
 from rnndrop.lm.corpus import batchify, load_corpus
-from rnndrop.lm.evaluate import evaluate
+from rnndrop.lm.evaluate import score
+from rnndrop.lm.identity import read_verified_result
+from rnndrop.lm.results import write_json_atomic
 from rnndrop.lm.train import train_run
-from rnndrop.recurrent import VariationalLSTM
-from rnndrop.sparse import SparseLSTM, prune, sparsity_report
+from rnndrop.sparse import DEFAULT_THRESHOLD, prune, sparsity_report
 
 
-def time_layers(hidden: int, rounds: int) -> dict[str, dict[str, float]]:
-    """Median seconds of one forward + backward per layer variant, and ratio to Bernoulli tied."""
-    p = {"dropout": 0.5, "dropout_input": 0.5, "dropout_hidden": 0.2, "dropout_output": 0.5}
-    layers = {
-        "nn.LSTM": nn.LSTM(hidden, hidden, 2),
-        "bernoulli tied (VariationalLSTM)": VariationalLSTM(hidden, hidden, 2, **p),
-        "bernoulli, batch-scope recurrent mask": VariationalLSTM(
-            hidden, hidden, 2, **p, mask_scope="batch"),
-        "gaussian learned alpha (GaussianLSTM)": GaussianLSTM(hidden, hidden, 2, **p),
-        "gaussian learned alpha, batch scope": GaussianLSTM(
-            hidden, hidden, 2, **p, mask_scope="batch"),
-        "sparse VD (SparseLSTM)": SparseLSTM(hidden, hidden, 2),
-    }
-    x = torch.randn(35, 20, hidden)
-    times: dict[str, list[float]] = {name: [] for name in layers}
-    order = list(layers)
-    for r in range(rounds + 2):
-        random.shuffle(order)
-        for name in order:
-            layer = layers[name].train()
-            start = time.perf_counter()
-            out, _ = layer(x)
-            loss = out.pow(2).mean()
-            if isinstance(layer, (GaussianLSTM, SparseLSTM)):
-                loss = loss + model_kl(layer) * 1e-6
-            loss.backward()
-            elapsed = time.perf_counter() - start
-            layer.zero_grad(set_to_none=True)
-            if r >= 2:  # two warm-up rounds
-                times[name].append(elapsed)
-    base = statistics.median(times["bernoulli tied (VariationalLSTM)"])
-    return {name: {"ms": 1000 * statistics.median(t), "ratio": statistics.median(t) / base}
-            for name, t in times.items()}
+def set_threshold(model: nn.Module, threshold: float) -> None:
+    for module in model.modules():
+        if hasattr(module, "sparse_weight_names"):
+            module.threshold = threshold
 
 
-def sparsity_of_run(folder: Path, corpus) -> dict:
-    """Sparsity and the pruned model's test perplexity of a finished sparse-VD run."""
-    run = load_model(folder)
-    test = batchify(corpus.test, run.config.eval_batch_size)
-    report = sparsity_report(run.model)
+def nonzero_parameters(module: nn.Module) -> tuple[int, int]:
+    """(all parameters, nonzero parameters) of a plain module."""
+    total = sum(p.numel() for p in module.parameters())
+    return total, sum(int(p.count_nonzero()) for p in module.parameters())
+
+
+def tradeoff(folder: Path, corpus, config, thresholds: list[float], dense_valid: float) -> list[dict]:
+    """One row per threshold: LSTM compression and the pruned model's perplexities."""
+    model = load_model(folder).model.eval()
+    valid = batchify(corpus.valid, config.eval_batch_size)
+    test = batchify(corpus.test, config.eval_batch_size)
+    rows = []
+    for threshold in thresholds:
+        set_threshold(model, threshold)
+        report = sparsity_report(model)
+        pruned = prune(model).eval()
+        valid_ppl = score(pruned, valid, config.bptt).perplexity
+        rows.append({
+            "threshold": threshold, "lstm_weights": report.total, "lstm_nonzero": report.total - report.zeros,
+            "lstm_compression": report.compression, "valid_ppl": valid_ppl,
+            "valid_vs_dense": valid_ppl / dense_valid - 1,
+            "test_ppl": score(pruned, test, config.bptt).perplexity,
+            "per_weight": {layer.name: layer.sparsity for layer in report.layers},
+        })
+    set_threshold(model, DEFAULT_THRESHOLD)
+    return rows
+
+
+def saved_size(state: dict[str, Tensor]) -> int:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getbuffer().nbytes
+
+
+def csr_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The LSTM weight matrices in CSR with int32 indices; everything else as it is."""
+    out = {}
+    for name, tensor in state.items():
+        if name.startswith("rnn.weight_"):
+            csr = tensor.to_sparse_csr()
+            out[name] = torch.sparse_csr_tensor(csr.crow_indices().int(), csr.col_indices().int(),
+                                                csr.values(), csr.shape)
+        else:
+            out[name] = tensor
+    return out
+
+
+def csr_lstm(lstm: nn.LSTM, inputs: Tensor) -> Tensor:
+    """``nn.LSTM``'s forward (zero initial state, unidirectional) with CSR matmuls.
+
+    inputs ``[T, B, in]`` -> outputs ``[T, B, hidden]``; gates ``i, f, g, o`` as in nn.LSTM.
+    """
+    out = inputs
+    for layer in range(lstm.num_layers):
+        w_ih = getattr(lstm, f"weight_ih_l{layer}").detach().to_sparse_csr()
+        w_hh = getattr(lstm, f"weight_hh_l{layer}").detach().to_sparse_csr()
+        bias = (getattr(lstm, f"bias_ih_l{layer}") + getattr(lstm, f"bias_hh_l{layer}")).detach()
+        steps, batch, _ = out.shape
+        x_gates = (w_ih @ out.reshape(steps * batch, -1).t()).t().reshape(steps, batch, -1) + bias
+        h = out.new_zeros(batch, lstm.hidden_size)
+        c = out.new_zeros(batch, lstm.hidden_size)
+        hs = []
+        for t in range(steps):
+            i, f, g, o = (x_gates[t] + (w_hh @ h.t()).t()).chunk(4, 1)
+            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+            h = torch.sigmoid(o) * torch.tanh(c)
+            hs.append(h)
+        out = torch.stack(hs)
+    return out
+
+
+def inference_timing(lstm: nn.LSTM, size: int, rounds: int) -> dict[str, float]:
+    """Median ms of one LSTM forward over [35, 10, size] inputs: dense over zeros vs CSR."""
+    x = torch.randn(35, 10, size)
+    with torch.no_grad():
+        dense_out, _ = lstm(x)
+        torch.testing.assert_close(csr_lstm(lstm, x), dense_out, atol=1e-5, rtol=1e-4)
+        times: dict[str, list[float]] = {"dense": [], "csr": []}
+        for r in range(rounds + 2):
+            for name, fn in (("dense", lambda: lstm(x)), ("csr", lambda: csr_lstm(lstm, x))):
+                start = time.perf_counter()
+                fn()
+                if r >= 2:
+                    times[name].append(time.perf_counter() - start)
+    return {f"{name}_ms": 1000 * statistics.median(t) for name, t in times.items()}
+
+
+def pruned_model_facts(folder: Path, rounds: int) -> dict:
+    model = load_model(folder).model.eval()
+    pruned = prune(model).eval()
+    parts = {"embedding": pruned.embedding, "lstm": pruned.rnn, "decoder": pruned.decoder}
+    state = pruned.state_dict()
+    dense_model = load_model(folder).model
     return {
-        "test_ppl_pruned": evaluate(prune(run.model), test, run.config.bptt),
-        "sparsity": {layer.name: layer.sparsity for layer in report.layers},
-        "total_sparsity": report.sparsity, "compression": report.compression,
-        "model_compression": report.model_compression, "report": str(report),
+        "parameters": {name: dict(zip(("total", "nonzero"), nonzero_parameters(m)))
+                       for name, m in parts.items()},
+        "variational_parameters_dropped": sum(p.numel() for n, p in dense_model.named_parameters()
+                                              if "log_sigma2" in n),
+        "file_bytes_dense": saved_size(state),
+        "file_bytes_lstm_csr": saved_size(csr_state(state)),
+        "lstm_inference": inference_timing(pruned.rnn, pruned.rnn.input_size, rounds),
     }
 
 
-def lm_runs(args, log) -> dict:
-    corpus = load_corpus(args.data)
-    runs = Path(args.runs)
-    dense = replace(get_config("mini"), epochs=args.epochs, mc_samples=0)
-    sparse = replace(get_config("sparse-vd-mini"), epochs=args.epochs)
-    plan = {
-        "bernoulli_tied": (dense, "tied", None),
-        "sparse_vd": (sparse, "sparse_vd", None),
-        "sparse_vd_finetuned": (sparse, "sparse_vd", runs / "bernoulli_tied"),
-    }
-    results = {}
-    for name in args.models.split(","):
-        if name not in plan:
-            raise SystemExit(f"--models: expected among {', '.join(plan)}, got {name!r}")
-        config, regime, init_from = plan[name]
-        log(f"{name}:")
-        result = train_run(corpus, config, regime, runs / name, seed=args.seed, resume=args.resume,
-                           device="cpu", progress=False, dataset=Path(args.data).name,
-                           init_from=init_from)
-        summary = {k: result[k] for k in ("best_valid_ppl", "test_ppl", "train_seconds", "init_from")}
-        summary["history"] = result["epochs"]
-        if regime == "sparse_vd":
-            summary.update(sparsity_of_run(runs / name, corpus))
-            log(summary["report"])
-        results[name] = summary
-        log(f"{name}: test ppl {result['test_ppl']:.2f}")
-    return results
+def gaussian_alphas(folder: Path, png: Path) -> dict:
+    """Plot the per-unit alpha of every site of a finished gaussian run; summary numbers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rnn = load_model(folder).model.rnn
+    alphas = {site: a.flatten() for site, a in rnn.alphas().items()}
+    fig, axes = plt.subplots(1, len(alphas), figsize=(3.2 * len(alphas), 3), sharey=True)
+    for ax, (site, alpha) in zip(axes, alphas.items()):
+        values = alpha.sort(descending=True).values
+        ax.plot(values.numpy())
+        ax.set_yscale("log")
+        ax.set_title(site.replace("log_alpha_", ""), fontsize=9)
+        ax.set_xlabel("unit (sorted)")
+    axes[0].set_ylabel("learned alpha (noise variance)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+    def p_of(alpha: Tensor) -> Tensor:  # the Bernoulli rate of the same variance
+        return alpha / (1 + alpha)
+
+    return {site.replace("log_alpha_", ""): {
+        "units": a.numel(), "median_alpha": float(a.median()), "min_alpha": float(a.min()),
+        "max_alpha": float(a.max()), "median_equivalent_p": float(p_of(a).median()),
+        "units_alpha_over_1": int((a > 1).sum()),
+    } for site, a in alphas.items()}
+
+
+def markdown(rows: list[dict], dense: dict) -> str:
+    lines = ["| KL weight | threshold (log α) | LSTM nonzero / all | LSTM compression | valid ppl | "
+             "Δ valid vs dense | test ppl | Δ test vs dense |", "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        test_vs_dense = 100 * (row["test_ppl"] / dense["test_ppl"] - 1)
+        lines.append(
+            f"| {row['kl_weight']:g} | {row['threshold']:g} "
+            f"| {row['lstm_nonzero']:,} / {row['lstm_weights']:,} | {row['lstm_compression']:.1f}× "
+            f"| {row['valid_ppl']:.1f} | {100 * row['valid_vs_dense']:+.1f}% "
+            f"| {row['test_ppl']:.1f} | {test_vs_dense:+.1f}% |")
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--data", default="../shared/data/ptb-mini")
-    parser.add_argument("--parts", default="timing,lm")
-    parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--size", type=int, default=200, help="embedding and hidden size of the timing part")
-    parser.add_argument("--rounds", type=int, default=15, help="timing rounds")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--data", required=True, help="corpus folder (ptb.train.txt, ...)")
+    parser.add_argument("--dense", required=True, help="finished dense run folder (regime tied)")
+    parser.add_argument("--config", default="sparse-vd-cpu-200")
+    parser.add_argument("--kl-weights", default="1,0.3,0.1")
+    parser.add_argument("--thresholds", default="1,2,3,4")
+    parser.add_argument("--budget", type=float, default=0.05, help="allowed perplexity rise (validation)")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--out", default="")
-    parser.add_argument("--models", default="bernoulli_tied,sparse_vd,sparse_vd_finetuned",
-                        help="among bernoulli_tied, sparse_vd, sparse_vd_finetuned (needs bernoulli_tied)")
-    parser.add_argument("--runs", default="runs/sparse_vd", help="folder of the runs")
+    parser.add_argument("--runs", default="runs/sparse-vd", help="folder of the fine-tuning runs")
     parser.add_argument("--resume", action="store_true", help="continue or reuse earlier runs")
+    parser.add_argument("--only-train", action="store_true", help="train the runs, skip the report")
+    parser.add_argument("--gaussian", default="", help="finished run of regime gaussian: plot its alphas")
+    parser.add_argument("--rounds", type=int, default=20, help="timing rounds")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default="runs/sparse-vd/report", help="folder of the report files")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-
-    def log(line: str) -> None:
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-
-    results: dict = {"args": vars(args), "torch": torch.__version__}
-    parts = args.parts.split(",")
-    if "timing" in parts:
-        torch.manual_seed(args.seed)
-        results["timing"] = time_layers(args.size, args.rounds)
-        for name, t in results["timing"].items():
-            log(f"{name:40s} {t['ms']:8.1f} ms  x{t['ratio']:.2f}")
-    if "lm" in parts:
-        results.update(lm_runs(args, log))
-    text = json.dumps(results, indent=2)
-    if args.out:
-        Path(args.out).write_text(text)
-    sys.stdout.write(text + "\n")
+    try:
+        kl_weights = [float(w) for w in args.kl_weights.split(",")]
+        thresholds = [float(t) for t in args.thresholds.split(",")]
+        dense = read_verified_result(Path(args.dense) / "results.json")
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"sparse_vd.py: {e}") from None
+    corpus = load_corpus(args.data)
+    base = get_config(args.config)
+    runs = {}
+    for weight in kl_weights:
+        folder = Path(args.runs) / f"kl{weight:g}"
+        runs[weight] = train_run(corpus, replace(base, kl_weight=weight), "sparse_vd", folder, seed=args.seed,
+                                 resume=args.resume, progress=False, dataset=Path(args.data).name,
+                                 init_from=args.dense)
+        sys.stderr.write(f"kl weight {weight:g}: test ppl {runs[weight]['test_ppl']:.2f}\n")
+    if args.only_train:
+        return
+    rows = []
+    for weight in kl_weights:
+        folder = Path(args.runs) / f"kl{weight:g}"
+        for row in tradeoff(folder, corpus, base, thresholds, dense["best_valid_ppl"]):
+            rows.append({"kl_weight": weight, "best_epoch": runs[weight]["best_epoch"], **row})
+    at_default = [r for r in rows if r["threshold"] == DEFAULT_THRESHOLD]
+    within = [r for r in at_default if r["valid_vs_dense"] <= args.budget]
+    head = max(within, key=lambda r: r["lstm_compression"]) if within else min(
+        at_default, key=lambda r: r["valid_ppl"])
+    head_folder = Path(args.runs) / f"kl{head['kl_weight']:g}"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "dense_run": str(args.dense), "dense_test_ppl": dense["test_ppl"],
+        "dense_valid_ppl": dense["best_valid_ppl"], "sparse_run": str(head_folder),
+        "kl_weight": head["kl_weight"], "threshold": head["threshold"],
+        "sparse_test_ppl": head["test_ppl"], "sparse_valid_ppl": head["valid_ppl"],
+        "lstm_compression": head["lstm_compression"], "goal_met_on_validation": bool(within),
+        "test_vs_dense": head["test_ppl"] / dense["test_ppl"] - 1,
+        "pruned_model": pruned_model_facts(head_folder, args.rounds),
+        "tradeoff": rows, "runs": {f"{w:g}": {k: r[k] for k in ("best_epoch", "epochs_run", "train_seconds",
+                                                                  "words_per_second", "init_from")}
+                                   for w, r in runs.items()},
+        "threads": torch.get_num_threads(), "torch": torch.__version__,
+    }
+    if args.gaussian:
+        report["gaussian_alphas"] = gaussian_alphas(Path(args.gaussian), out / "gaussian-alphas.png")
+    write_json_atomic(report, out / "sparse-vd-results.json")
+    (out / "tradeoff.md").write_text(markdown(rows, dense) + "\n")
+    sys.stdout.write(markdown(rows, dense) + "\n\n" + json.dumps(
+        {k: v for k, v in report.items() if k not in ("tradeoff",)}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

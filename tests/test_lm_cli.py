@@ -192,6 +192,8 @@ def _write_non_utf8(folder: Path) -> Path:
     (["--hidden-size", "0"], "hidden_size must be a positive int, got 0"),
     (["--dropout", "hidden=2"], "dropout"),
     (["--data", "{missing}"], "does not exist"),
+    (["--init-from", "{missing}"], "--init-from: expected a finished run's folder (holding best.pt)"),
+    (["--kl-weight", "-1"], "kl_weight must be a finite number >= 0, got -1.0"),
     (["--data", "{latin1}"], "ptb.valid.txt' is not UTF-8 text: byte 0xe9 on line 2"),
 ])
 def test_usage_and_data_errors_are_one_line_with_exit_2(tmp_path, capsys, args, message):

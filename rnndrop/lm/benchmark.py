@@ -68,6 +68,8 @@ class RunSpec:
     progress: bool = True
     #: how logs and progress name the run, e.g. ``"run 2/3 tied seed 1"``
     label: str = ""
+    #: a finished run (folder or best.pt) whose weights the run starts from
+    init_from: str | None = None
 
 
 class JobInterrupted(KeyboardInterrupt):
@@ -171,6 +173,7 @@ def _execute(spec: RunSpec, progress: JobProgress | None = None) -> dict[str, An
             _corpus(spec.data_dir), spec.config, spec.regime, spec.folder, dropout=spec.dropout,
             seed=spec.seed, resume=spec.resume, device=spec.device, mc_samples=spec.mc_samples,
             progress=spec.progress, dataset=spec.dataset, on_epoch_end=on_epoch_end,
+            init_from=spec.init_from,
         )
     except KeyboardInterrupt as e:
         epoch = getattr(e, "epoch", None)
@@ -261,6 +264,7 @@ def run_benchmark(
     progress: bool = True,
     estimate: bool = False,
     command: str = "",
+    init_from: str | Path | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark and write its summary files; returns the summary.
 
@@ -276,6 +280,8 @@ def run_benchmark(
         progress: progress bars (one for the job, one per epoch) when one run trains at a
             time; log lines in any case.
         estimate: log up front how long the job should take (:func:`estimate_seconds`).
+        init_from: a finished run (its folder or ``best.pt``) every run starts from, e.g.
+            a dense ``tied`` run that regime ``sparse_vd`` fine-tunes.
     """
     if not regimes:
         raise ValueError("regimes must name at least one regime, got none")
@@ -290,7 +296,8 @@ def run_benchmark(
         p = regime_probabilities(get_regime(regime), probabilities)
         folder = out / regime / f"{run_tag(p)}-seed{seed}"
         return RunSpec(str(corpus_dir), dataset, config, regime, p, seed, str(folder), mc_n,
-                       resume, device, threads, progress and jobs <= 1)
+                       resume, device, threads, progress and jobs <= 1,
+                       init_from=None if init_from is None else str(init_from))
 
     def numbered(specs: list[RunSpec], first: int, total: int) -> list[RunSpec]:
         return [replace(s, label=f"run {first + i}/{total} {s.regime} ({format_tag(s.dropout)}) "

@@ -49,6 +49,7 @@ CONFIG_FLAGS: dict[str, tuple[str, type, str]] = {
     "--batch-size": ("batch_size", int, "training batch size"),
     "--bptt": ("bptt", int, "truncated-BPTT length"),
     "--clip": ("clip", float, "gradient-norm clipping threshold"),
+    "--kl-weight": ("kl_weight", float, "factor on the KL term of variational regimes (1: the ELBO)"),
 }
 
 
@@ -87,6 +88,9 @@ def _add_train_arguments(parser: argparse.ArgumentParser, dataset: str) -> None:
     job.add_argument("--seeds", default="1", help="comma-separated seeds")
     job.add_argument("--dropout", default=None,
                      help="override the config's dropout, e.g. input=0.5,hidden=0.2 (not with --grid)")
+    job.add_argument("--init-from", default=None, metavar="RUN",
+                     help="start every run from the weights of a finished run (its folder or best.pt), "
+                     "e.g. --regimes sparse_vd --config sparse-vd-cpu-200 fine-tuning a dense tied run")
     job.add_argument("--dropout-from", default=None, metavar="SUMMARY",
                      help="take each regime's dropout from the summary.json of a --grid run")
     job.add_argument("--mc-samples", type=int, default=None,
@@ -266,7 +270,7 @@ def _train(args: argparse.Namespace, dataset: str, given: list[str]) -> str:
                 jobs=args.jobs, threads=threads, device=str(device) if ctx.enabled else args.device,
                 progress=not args.no_progress and ctx.is_main, command=command,
                 # the estimate times one process: no guide to N of them
-                estimate=not ctx.enabled,
+                estimate=not ctx.enabled, init_from=args.init_from,
             )
     except JobInterrupted as e:
         where = f"in epoch {e.epoch} of {e.label or e.folder}" if e.epoch is not None else "during training"
@@ -296,6 +300,7 @@ def _checked_job(args: argparse.Namespace, dataset: str) -> tuple[Any, ...]:
     from rnndrop.lm.benchmark import chosen_dropout, parse_dropout
     from rnndrop.lm.configs import get_regime
     from rnndrop.lm.corpus import load_corpus
+    from rnndrop.lm.identity import best_file
 
     config = _config_from_args(args)
     regimes = [r.strip() for r in args.regimes.split(",") if r.strip()]
@@ -315,6 +320,9 @@ def _checked_job(args: argparse.Namespace, dataset: str) -> tuple[Any, ...]:
     if args.dropout_from and (args.grid or args.dropout):
         raise UsageError("--dropout-from cannot be combined with --grid or --dropout")
     by_regime = chosen_dropout(args.dropout_from) if args.dropout_from else None
+    if args.init_from is not None and not best_file(args.init_from).is_file():
+        raise UsageError(f"--init-from: expected a finished run's folder (holding best.pt) or a best.pt "
+                         f"file, got {args.init_from!r}, where there is none")
     _positive("--jobs", args.jobs)
     _positive("--threads", args.threads)
     _positive("--mc-samples", args.mc_samples, 0)

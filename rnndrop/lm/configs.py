@@ -54,6 +54,7 @@ __all__ = [
     "CONFIGS",
     "OPTIMIZERS",
     "REGIMES",
+    "SELECTIONS",
     "SITES",
     "Regime",
     "TrainConfig",
@@ -71,6 +72,9 @@ __all__ = [
 SITES: tuple[str, ...] = ("embedding", "input", "between", "hidden", "output")
 CELLS: tuple[str, ...] = ("lstm", "gru")
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adam")
+#: What picks a run's best epoch: its validation perplexity, or its validation objective
+#: (the validation NLL per word plus ``kl_weight`` times the regime's regularizer).
+SELECTIONS: tuple[str, ...] = ("perplexity", "objective")
 
 #: ``regularizer(model, progress, train_tokens) -> scalar Tensor`` added to the loss.
 Regularizer = Callable[[nn.Module, float, int], Tensor]
@@ -131,6 +135,11 @@ class Regime:
         return cls(**{k: v for k, v in settings.items() if k in {f.name for f in fields(cls)}})
 
 
+def _between(p: Mapping[str, float], num_layers: int) -> float:
+    """The between-layer probability; 0 for one layer (nn.LSTM warns about a dropout it ignores)."""
+    return p["between"] if num_layers > 1 else 0.0
+
+
 def _gaussian_rnn(
     input_size: int, hidden_size: int, num_layers: int, p: Mapping[str, float], cell: str = "lstm"
 ) -> nn.Module:
@@ -138,7 +147,7 @@ def _gaussian_rnn(
     from rnndrop.gaussian import GaussianGRU, GaussianLSTM
 
     return (GaussianGRU if cell == "gru" else GaussianLSTM)(
-        input_size, hidden_size, num_layers, dropout=p["between"], dropout_input=p["input"],
+        input_size, hidden_size, num_layers, dropout=_between(p, num_layers), dropout_input=p["input"],
         dropout_hidden=p["hidden"], dropout_output=p["output"], granularity="unit",
     )
 
@@ -146,10 +155,15 @@ def _gaussian_rnn(
 def _sparse_rnn(
     input_size: int, hidden_size: int, num_layers: int, p: Mapping[str, float], cell: str = "lstm"
 ) -> nn.Module:
-    """SparseLSTM / SparseGRU: sparse variational dropout on every recurrent weight matrix."""
+    """SparseLSTM / SparseGRU: sparse variational dropout on every recurrent weight matrix,
+    plus tied Bernoulli dropout on the input, between-layer and output sites (the weight
+    noise on ``W_hh`` replaces the recurrent mask)."""
     from rnndrop.sparse import SparseGRU, SparseLSTM
 
-    return (SparseGRU if cell == "gru" else SparseLSTM)(input_size, hidden_size, num_layers)
+    return (SparseGRU if cell == "gru" else SparseLSTM)(
+        input_size, hidden_size, num_layers, dropout=_between(p, num_layers), dropout_input=p["input"],
+        dropout_output=p["output"],
+    )
 
 
 _HOOKS: dict[str, Callable[..., Any]] = {
@@ -197,7 +211,9 @@ _REGIMES: dict[str, Regime] = {
         rnn_factory="gaussian_rnn",
     ),
     "sparse_vd": Regime(
-        "sparse variational dropout on the recurrent weights (Molchanov et al.; Lobacheva et al.)",
+        "sparse variational dropout on the recurrent weights (Molchanov et al.; Lobacheva et al.), "
+        "tied Bernoulli dropout on the other sites",
+        sites=("embedding", "input", "between", "output"),
         regularizer="kl_warmup_0.2",
         rnn_factory="sparse_rnn",
     ),
@@ -289,7 +305,15 @@ class TrainConfig:
     validation perplexity does not beat the best so far. Training stops at ``epochs``
     (the cap) or, once converged, as soon as the next epoch's rate would fall below
     ``min_lr`` (0: never). Test perplexity is always measured with the parameters of
-    the best validation epoch.
+    the best validation epoch: the epoch of the lowest validation perplexity
+    (``select="perplexity"``), or of the lowest validation objective
+    (``select="objective"``: validation NLL per word plus ``kl_weight`` times the regime's
+    regularizer at full weight). Sparse VD selects on its objective: perplexity alone
+    would pick the epoch before the KL pruned anything.
+
+    ``kl_weight`` multiplies the regime's regularizer (the KL term of variational regimes,
+    already divided by the training words): 1 is the ELBO, below 1 a tempered posterior
+    that prunes less. Regimes without a regularizer ignore it.
 
     ``optimizer`` is ``"sgd"`` (with ``weight_decay``) or ``"adam"`` (with
     ``adam_betas``, ``adam_eps`` and ``weight_decay``); ``clip`` is the threshold of
@@ -322,6 +346,8 @@ class TrainConfig:
     grid: Mapping[str, tuple[Mapping[str, float], ...]] = field(default_factory=dict)
     mc_samples: int = 100
     reference: str = ""
+    kl_weight: float = 1.0
+    select: str = "perplexity"
 
     def __post_init__(self) -> None:
         def positive_number(name: str, value: Any) -> None:
@@ -333,6 +359,8 @@ class TrainConfig:
             raise ValueError(f"schedule must be 'fixed' or 'plateau', got {self.schedule!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.select not in SELECTIONS:
+            raise ValueError(f"select must be one of {', '.join(SELECTIONS)}, got {self.select!r}")
         if self.cell not in CELLS:
             raise ValueError(f"cell must be one of {', '.join(CELLS)}, got {self.cell!r}")
         for name in ("embedding_size", "hidden_size", "num_layers", "batch_size", "bptt", "epochs",
@@ -346,6 +374,9 @@ class TrainConfig:
         positive_number("adam_eps", self.adam_eps)
         if self.init_scale is not None:
             positive_number("init_scale", self.init_scale)
+        if isinstance(self.kl_weight, bool) or not isinstance(self.kl_weight, (int, float)) \
+                or not (math.isfinite(self.kl_weight) and self.kl_weight >= 0):
+            raise ValueError(f"kl_weight must be a finite number >= 0, got {self.kl_weight!r}")
         if isinstance(self.weight_decay, bool) or not isinstance(self.weight_decay, (int, float)) \
                 or not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
@@ -461,9 +492,21 @@ CONFIGS: dict[str, TrainConfig] = {
     "sparse-vd-mini": TrainConfig(
         name="sparse-vd-mini", embedding_size=200, hidden_size=200, num_layers=2, batch_size=20,
         bptt=35, epochs=8, lr=2e-3, lr_decay=1.0, decay_after=0, clip=5.0, init_scale=0.1,
-        optimizer="adam", eval_batch_size=10, mc_samples=0,
+        optimizer="adam", eval_batch_size=10, mc_samples=0, select="objective",
         reference="Lobacheva, Chirkova & Vetrov 2017, Bayesian sparsification of recurrent "
         "neural networks (Adam, KL warm-up), sized as the mini config",
+    ),
+    # The sparse-VD recipe for ptb-144k (docs/sparse-vd-results.md): fine-tune a converged
+    # cpu-200 tied run (--init-from) with Adam at a constant rate, the KL warmed up over the
+    # first 3 epochs, tied dropout kept on the other sites, the epoch of the lowest
+    # validation objective kept. --kl-weight trades compression for perplexity.
+    "sparse-vd-cpu-200": TrainConfig(
+        name="sparse-vd-cpu-200", embedding_size=200, hidden_size=200, num_layers=2,
+        batch_size=20, bptt=35, epochs=15, lr=1e-3, lr_decay=1.0, decay_after=0, clip=5.0,
+        init_scale=0.1, optimizer="adam", eval_batch_size=10, mc_samples=0, select="objective",
+        dropout={"embedding": 0.1, "input": 0.5, "between": 0.5, "output": 0.5},
+        reference="fine-tuning a dense tied model with sparse variational dropout (Lobacheva, "
+        "Chirkova & Vetrov 2017: Adam, KL warm-up), sized as cpu-200",
     ),
     "zaremba-small": TrainConfig(
         name="zaremba-small", embedding_size=200, hidden_size=200, num_layers=2, batch_size=20,

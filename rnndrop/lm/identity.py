@@ -89,6 +89,9 @@ def run_identity(
     cfg = config.to_dict()
     for key in ("epochs", "grid", "mc_samples"):
         cfg.pop(key)
+    for key, default in _LATER_FIELDS.items():
+        if cfg.get(key) == default:  # runs made before the field existed keep their identity
+            cfg.pop(key)
     start = None
     if init_from is not None:
         best = best_file(init_from)
@@ -101,6 +104,10 @@ def run_identity(
         "regime": regime, "regime_settings": regime_obj.settings(), "dropout": probabilities,
         "seed": seed, "init_from": start,
     }))
+
+
+#: TrainConfig fields added after FORMAT_VERSION, with the value they had in effect before.
+_LATER_FIELDS: dict[str, Any] = {"kl_weight": 1.0, "select": "perplexity"}
 
 
 def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:

@@ -85,6 +85,7 @@ from rnndrop.lm.distributed import (
 from rnndrop.lm.evaluate import (
     CALIBRATION_BINS,
     MAX_NLL,
+    Score,
     has_noise,
     perplexity,
     score_split,
@@ -201,7 +202,7 @@ def _train_epoch(
             objective = loss
             if regularizer is not None:
                 progress_frac = (epoch - 1 + i / n_batches) / config.epochs
-                objective = loss + regularizer(model, progress_frac, train_tokens)
+                objective = loss + config.kl_weight * regularizer(model, progress_frac, train_tokens)
             if ctx.enabled:
                 _check_losses_on_every_rank(objective, loss, ctx, diverged, i)
             else:
@@ -226,6 +227,21 @@ def _train_epoch(
         total, all_words = all_reduce_sums([total, words], ctx)
         words = round(all_words)
     return perplexity(total / words), words, time.perf_counter() - start
+
+
+def _selection_criterion(
+    model: nn.Module, config: TrainConfig, valid: Score,
+    regularizer: Callable[[nn.Module, float, int], Tensor] | None, train_tokens: int,
+) -> float:
+    """What the best epoch minimises: the validation perplexity, or (``select="objective"``)
+    the validation NLL per word plus ``kl_weight`` times the regularizer at full weight."""
+    if config.select == "perplexity":
+        return valid.perplexity
+    extra = 0.0
+    if regularizer is not None and config.kl_weight:
+        with torch.no_grad():
+            extra = config.kl_weight * float(regularizer(model, 1.0, train_tokens))
+    return valid.nll + extra
 
 
 def _check_losses_on_every_rank(
@@ -474,14 +490,17 @@ def _train_locked(
                 model, optimizer, train_stream, config, epoch, regularizer, progress,
                 ckpt_path, state["epoch"], ctx, net, train_data.numel(),
             )
-            valid_ppl = score_split(model, valid_data, config.bptt, None, ctx).perplexity
+            valid = score_split(model, valid_data, config.bptt, None, ctx)
+            valid_ppl = valid.perplexity
             if not math.isfinite(valid_ppl):
                 _diverged(f"the validation perplexity is {valid_ppl}", epoch,
                           num_bptt_batches(train_data, config.bptt) - 1,
                           num_bptt_batches(train_data, config.bptt), lr, ckpt_path, state["epoch"], ctx)
-            improved = valid_ppl < state["best_valid_ppl"]
+            criterion = _selection_criterion(model, config, valid, regularizer, train_data.numel())
+            improved = criterion < state.get("best_criterion", state["best_valid_ppl"])
             if improved:
                 state["best_valid_ppl"], state["best_epoch"] = valid_ppl, epoch
+                state["best_criterion"] = criterion
                 run_on_main(partial(save_checkpoint, {"model": model.state_dict(), "epoch": epoch,
                                                       **best_extras}, best_path), ctx, "writing best.pt")
             next_lr = lr / config.lr_decay if config.schedule == "plateau" and not improved else lr
@@ -489,6 +508,8 @@ def _train_locked(
                 "epoch": epoch, "lr": lr, "train_ppl": train_ppl, "valid_ppl": valid_ppl,
                 "seconds": seconds, "words_per_second": words / seconds,
             }
+            if config.select == "objective":
+                record["valid_objective"] = criterion
             state["history"] = [*state["history"], record]
             state.update(epoch=epoch, lr=next_lr, train_seconds=state["train_seconds"] + seconds,
                          train_words=state["train_words"] + words)
