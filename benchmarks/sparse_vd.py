@@ -27,6 +27,7 @@ import json
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -215,6 +216,7 @@ def main() -> None:
     parser.add_argument("--out", default="runs/sparse-vd/report", help="folder of the report files")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore", message="Sparse (CSR tensor support|invariant checks)")
     try:
         kl_weights = [float(w) for w in args.kl_weights.split(",")]
         thresholds = [float(t) for t in args.thresholds.split(",")]

@@ -49,3 +49,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+class Killed(Exception):
+    """Raised from an ``on_epoch_end`` callback: a run stopped between epochs."""
+
+
+def kill_after_first_epoch(epoch: int, record) -> None:
+    if epoch == 1:
+        raise Killed

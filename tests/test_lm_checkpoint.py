@@ -22,11 +22,6 @@ ONE = replace(TINY, epochs=1, mc_samples=0)
 
 
 
-@pytest.fixture
-def corpus(tmp_path):
-    return load_corpus(write_corpus(tmp_path / "data"))
-
-
 def test_load_model_rebuilds_the_best_model_with_its_vocabulary(corpus, tmp_path):
     result = train_run(corpus, ONE, "tied", tmp_path / "run", seed=4, progress=False)
     run = load_model(tmp_path / "run")

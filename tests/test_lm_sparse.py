@@ -10,29 +10,21 @@ from rnndrop.kl import MOLCHANOV_COEFFICIENTS
 from rnndrop.lm.checkpoint import load_checkpoint, load_model
 from rnndrop.lm.cli import UsageError, _config_from_args, _corpus_parser
 from rnndrop.lm.configs import REGIMES, build_model, get_config, get_hook
-from rnndrop.lm.corpus import batchify, load_corpus
+from rnndrop.lm.corpus import batchify
 from rnndrop.lm.evaluate import score
 from rnndrop.lm.identity import read_verified_result
 from rnndrop.lm.train import train_run
 from rnndrop.sparse import SparseLSTM, prune, sparsity_report
-from tests.lm_helpers import TINY, one_thread, write_corpus  # noqa: F401 (autouse fixture)
+from tests.lm_helpers import (  # noqa: F401 (fixtures)
+    TINY,
+    Killed,
+    kill_after_first_epoch,
+    one_thread,
+    write_corpus,
+)
 
 SPARSE = replace(TINY, optimizer="adam", lr=0.01, clip=5.0, epochs=2, mc_samples=0,
                  schedule="fixed", lr_decay=1.0, select="objective", kl_weight=0.5)
-
-
-@pytest.fixture
-def corpus(tmp_path):
-    return load_corpus(write_corpus(tmp_path / "data"))
-
-
-class _Killed(Exception):
-    pass
-
-
-def _kill_after_first_epoch(epoch, record):
-    if epoch == 1:
-        raise _Killed
 
 
 def _molchanov_by_hand(log_alpha: float) -> float:
@@ -127,11 +119,11 @@ def test_both_stages_of_the_recipe_resume_bit_for_bit(corpus, tmp_path):
     dense_config = replace(TINY, epochs=2, mc_samples=0, schedule="fixed", decay_after=1, lr_decay=2.0)
 
     def both_stages(root, interrupt):
-        callback = _kill_after_first_epoch if interrupt else None
+        callback = kill_after_first_epoch if interrupt else None
         for stage, config, regime, init in (("dense", dense_config, "tied", None),
                                             ("sparse", SPARSE, "sparse_vd", root / "dense")):
             if interrupt:
-                with pytest.raises(_Killed):
+                with pytest.raises(Killed):
                     train_run(corpus, config, regime, root / stage, seed=5, progress=False,
                               on_epoch_end=callback, init_from=init)
             result = train_run(corpus, config, regime, root / stage, seed=5, progress=False,

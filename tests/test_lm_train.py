@@ -8,19 +8,9 @@ import torch
 from rnndrop.lm import benchmark
 from rnndrop.lm.checkpoint import load_checkpoint
 from rnndrop.lm.configs import CONFIGS, Regime, registered
-from rnndrop.lm.corpus import load_corpus
 from rnndrop.lm.results import markdown_table, read_result, validate_result
 from rnndrop.lm.train import TrainingDiverged, train_run
-from tests.lm_helpers import TINY, one_thread, write_corpus  # noqa: F401 (autouse fixture)
-
-
-@pytest.fixture
-def corpus(tmp_path):
-    return load_corpus(write_corpus(tmp_path / "data"))
-
-
-class _Killed(Exception):
-    pass
+from tests.lm_helpers import TINY, Killed, one_thread, write_corpus  # noqa: F401 (fixtures)
 
 
 def test_training_lowers_perplexity_and_writes_valid_results(corpus, tmp_path):
@@ -50,9 +40,9 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run_bit_for_bit(corpus, tm
 
     def kill_after_first_epoch(epoch, record):
         if epoch == 1:
-            raise _Killed
+            raise Killed
 
-    with pytest.raises(_Killed):
+    with pytest.raises(Killed):
         train_run(corpus, config, "tied", tmp_path / "cut", seed=7, progress=False,
                   on_epoch_end=kill_after_first_epoch)
     assert load_checkpoint(tmp_path / "cut" / "checkpoint.pt")["progress"]["epoch"] == 1
@@ -218,9 +208,9 @@ def test_adam_and_gru_train_through_the_one_loop_and_resume_bit_for_bit(corpus, 
 
     def stop(epoch, record):
         if epoch == 1:
-            raise _Killed
+            raise Killed
 
-    with pytest.raises(_Killed):
+    with pytest.raises(Killed):
         train_run(corpus, config, "tied", tmp_path / "cut", seed=2, progress=False, on_epoch_end=stop)
     resumed = train_run(corpus, config, "tied", tmp_path / "cut", seed=2, progress=False, resume=True)
     assert resumed["test_ppl"] == full["test_ppl"]
