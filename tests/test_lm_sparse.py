@@ -179,3 +179,24 @@ def test_the_recipe_runs_from_the_command_line(tmp_path, capsys):
     assert isinstance(result.model.rnn, SparseLSTM) and result.model.rnn.dropout_output == 0.5
     recorded = read_verified_result(run / "results.json")["init_from"]
     assert recorded["path"] == str(dense / "best.pt") and "rnn.weight_hh_l0" in recorded["loaded"]
+
+
+def test_frozen_parameters_keep_the_weights_they_started_from(corpus, tmp_path):
+    dense = replace(TINY, epochs=1, mc_samples=0)
+    train_run(corpus, dense, "tied", tmp_path / "dense", seed=1, progress=False)
+    start = load_checkpoint(tmp_path / "dense" / "best.pt")["model"]
+    frozen = replace(SPARSE, freeze=("embedding.", "decoder."))
+    train_run(corpus, frozen, "sparse_vd", tmp_path / "sparse", seed=1, progress=False,
+              init_from=tmp_path / "dense")
+    end = load_checkpoint(tmp_path / "sparse" / "best.pt")["model"]
+    for name in ("embedding.embedding.weight", "decoder.weight", "decoder.bias"):
+        assert torch.equal(end[name], start[name]), name
+    assert not torch.equal(end["rnn.weight_hh_l0"], start["rnn.weight_hh_l0"])  # the LSTM trained
+    with pytest.raises(ValueError, match=r"freeze: the prefixes \['encoder.'\] name no parameter"):
+        train_run(corpus, replace(SPARSE, freeze=("encoder.",)), "sparse_vd", tmp_path / "bad", seed=1,
+                  progress=False)
+    with pytest.raises(ValueError, match="freeze must be a tuple of parameter-name prefixes, got 'decoder.'"):
+        replace(SPARSE, freeze="decoder.")
+    from rnndrop.lm.configs import TrainConfig
+
+    assert TrainConfig.from_dict(frozen.to_dict()) == frozen

@@ -37,6 +37,10 @@ EXIT_INTERRUPTED = 130
 #: Corpus names on the command line -> names in :mod:`rnndrop.lm.download`.
 CORPORA = {"ptb": "ptb", "wikitext2": "wikitext-2", "wikitext-2": "wikitext-2"}
 
+def _prefixes(text: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in text.split(",") if p.strip())
+
+
 #: Flags that override a field of the config: flag -> (TrainConfig field, type, help).
 CONFIG_FLAGS: dict[str, tuple[str, type, str]] = {
     "--epochs": ("epochs", int, "number of epochs (the cap when the config stops at min_lr)"),
@@ -50,6 +54,8 @@ CONFIG_FLAGS: dict[str, tuple[str, type, str]] = {
     "--bptt": ("bptt", int, "truncated-BPTT length"),
     "--clip": ("clip", float, "gradient-norm clipping threshold"),
     "--kl-weight": ("kl_weight", float, "factor on the KL term of variational regimes (1: the ELBO)"),
+    "--freeze": ("freeze", _prefixes, "comma-separated parameter-name prefixes kept fixed, e.g. "
+                 "embedding.,decoder."),
 }
 
 

@@ -67,6 +67,7 @@ __all__ = [
     "register_hook",
     "register_regime",
     "registered",
+    "trainable_parameters",
 ]
 
 SITES: tuple[str, ...] = ("embedding", "input", "between", "hidden", "output")
@@ -315,6 +316,10 @@ class TrainConfig:
     already divided by the training words): 1 is the ELBO, below 1 a tempered posterior
     that prunes less. Regimes without a regularizer ignore it.
 
+    ``freeze`` names parameters by prefix that keep their initial (or ``init_from``)
+    values: the optimiser never sees them. The sparse-VD fine-tune freezes the embedding
+    and the decoder, which Adam would otherwise overfit while the KL prunes the LSTM.
+
     ``optimizer`` is ``"sgd"`` (with ``weight_decay``) or ``"adam"`` (with
     ``adam_betas``, ``adam_eps`` and ``weight_decay``); ``clip`` is the threshold of
     the gradient-norm clipping. ``cell`` is ``"lstm"`` or ``"gru"``.
@@ -348,6 +353,8 @@ class TrainConfig:
     reference: str = ""
     kl_weight: float = 1.0
     select: str = "perplexity"
+    #: Parameter-name prefixes that are not trained (e.g. ``("embedding.", "decoder.")``).
+    freeze: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         def positive_number(name: str, value: Any) -> None:
@@ -385,6 +392,9 @@ class TrainConfig:
                 isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas):
             raise ValueError(f"adam_betas must be two numbers in [0, 1), got {self.adam_betas!r}")
         object.__setattr__(self, "adam_betas", (float(betas[0]), float(betas[1])))
+        if isinstance(self.freeze, str) or not all(isinstance(p, str) and p for p in self.freeze):
+            raise ValueError(f"freeze must be a tuple of parameter-name prefixes, got {self.freeze!r}")
+        object.__setattr__(self, "freeze", tuple(self.freeze))
         if not (isinstance(self.min_lr, (int, float)) and 0 <= self.min_lr < self.lr):
             raise ValueError(f"min_lr must be a number in [0, lr = {self.lr}), got {self.min_lr!r}")
         regime_probabilities(REGIMES["tied"], self.dropout)
@@ -393,6 +403,7 @@ class TrainConfig:
         out = asdict(self)
         out["dropout"] = dict(self.dropout)
         out["adam_betas"] = list(self.adam_betas)
+        out["freeze"] = list(self.freeze)
         out["grid"] = {k: [dict(p) for p in v] for k, v in self.grid.items()}
         return out
 
@@ -409,6 +420,23 @@ class TrainConfig:
         if "grid" in values:
             values["grid"] = {k: tuple(dict(p) for p in v) for k, v in values["grid"].items()}
         return cls(**values)
+
+
+def trainable_parameters(model: nn.Module, config: TrainConfig) -> list[nn.Parameter]:
+    """The parameters of ``model`` that ``config.freeze`` does not name; the named ones get
+    ``requires_grad=False``. Raises ValueError for a prefix that names no parameter."""
+    names = [name for name, _ in model.named_parameters()]
+    unmatched = [p for p in config.freeze if not any(n.startswith(p) for n in names)]
+    if unmatched:
+        raise ValueError(f"freeze: the prefixes {unmatched} name no parameter of the model; its "
+                         f"parameters are {', '.join(names)}")
+    trainable = []
+    for name, param in model.named_parameters():
+        if name.startswith(tuple(config.freeze)):
+            param.requires_grad_(False)
+        else:
+            trainable.append(param)
+    return trainable
 
 
 def build_optimizer(parameters: Any, config: TrainConfig) -> Any:

@@ -107,7 +107,7 @@ def run_identity(
 
 
 #: TrainConfig fields added after FORMAT_VERSION, with the value they had in effect before.
-_LATER_FIELDS: dict[str, Any] = {"kl_weight": 1.0, "select": "perplexity"}
+_LATER_FIELDS: dict[str, Any] = {"kl_weight": 1.0, "select": "perplexity", "freeze": []}
 
 
 def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:

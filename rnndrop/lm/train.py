@@ -69,6 +69,7 @@ from rnndrop.lm.configs import (
     get_hook,
     get_regime,
     regime_probabilities,
+    trainable_parameters,
 )
 from rnndrop.lm.corpus import Corpus, batchify, bptt_batches, num_bptt_batches
 from rnndrop.lm.distributed import (
@@ -459,7 +460,7 @@ def _train_locked(
     ckpt, loaded_init = run_on_main(read_checkpoint, ctx, f"reading the checkpoint in {str(out)!r}")
     if loaded_init is not None:
         state["init_from"] = loaded_init
-    optimizer = build_optimizer(model.parameters(), config)
+    optimizer = build_optimizer(trainable_parameters(model, config), config)
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
