@@ -9,7 +9,7 @@ truncated-BPTT segments.
 """
 
 from rnndrop.lm.checkpoint import LoadedModel, load_model
-from rnndrop.lm.configs import CONFIGS, REGIMES, Regime, TrainConfig, build_model, get_config
+from rnndrop.lm.configs import CONFIGS, TrainConfig, build_model, get_config
 from rnndrop.lm.corpus import (
     Corpus,
     CorpusError,
@@ -24,6 +24,7 @@ from rnndrop.lm.download import DownloadError, download_corpus
 from rnndrop.lm.evaluate import evaluate, evaluate_mc
 from rnndrop.lm.generate import generate
 from rnndrop.lm.model import RNNLanguageModel, detach_hidden
+from rnndrop.lm.regimes import REGIMES, Regime
 from rnndrop.lm.train import TrainingDiverged, train_run
 
 __all__ = [

@@ -29,12 +29,13 @@ from typing import Any
 import torch
 
 from rnndrop.lm.atomic import atomic_write
-from rnndrop.lm.configs import SITES, TrainConfig, get_regime, regime_probabilities
+from rnndrop.lm.configs import TrainConfig
 from rnndrop.lm.corpus import Corpus, load_corpus
 from rnndrop.lm.distributed import current, run_on_main
 from rnndrop.lm.estimate import estimate_seconds
 from rnndrop.lm.identity import finished_result, run_identity
 from rnndrop.lm.progress import JobProgress, format_duration
+from rnndrop.lm.regimes import SITES, get_regime, regime_probabilities
 from rnndrop.lm.results import (
     EpochLog,
     benchmark_markdown,

@@ -214,8 +214,9 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> LoadedMo
         CheckpointError: the file is corrupt, or is a ``best.pt`` without the config
             and vocabulary (written by an older version).
     """
-    from rnndrop.lm.configs import Regime, TrainConfig, build_model
+    from rnndrop.lm.configs import TrainConfig, build_model
     from rnndrop.lm.corpus import Vocabulary
+    from rnndrop.lm.regimes import Regime
 
     path = Path(path)
     if path.is_dir():

@@ -70,8 +70,9 @@ def _fail(message: str, code: int) -> SystemExit:
 
 
 def _add_train_arguments(parser: argparse.ArgumentParser, dataset: str) -> None:
-    from rnndrop.lm.configs import CONFIGS, REGIMES
+    from rnndrop.lm.configs import CONFIGS
     from rnndrop.lm.download import DATASETS
+    from rnndrop.lm.regimes import REGIMES
 
     remote = DATASETS[dataset]
     data = parser.add_argument_group("data")
@@ -304,9 +305,9 @@ def _checked_job(args: argparse.Namespace, dataset: str) -> tuple[Any, ...]:
     """The job the arguments describe, checked: (config, regimes, seeds, dropout,
     dropout by regime, data folder, output folder). Raises UsageError and the data's errors."""
     from rnndrop.lm.benchmark import chosen_dropout, parse_dropout
-    from rnndrop.lm.configs import get_regime
     from rnndrop.lm.corpus import load_corpus
     from rnndrop.lm.identity import best_file
+    from rnndrop.lm.regimes import get_regime
 
     config = _config_from_args(args)
     regimes = [r.strip() for r in args.regimes.split(",") if r.strip()]

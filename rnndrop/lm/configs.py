@@ -1,53 +1,33 @@
-"""Training configurations and dropout regimes, as plain data.
+"""Training configurations, as plain data.
 
 A *config* fixes the model size and the optimisation (the published settings of
-Zaremba et al. 2014 and Gal & Ghahramani 2016, plus ``mini`` for the small offline
-corpora). A *regime* says where dropout goes and how its masks live; the dropout
-probabilities come from the config (``TrainConfig.dropout``, one per *site*), or
-from a grid searched on the validation split (``TrainConfig.grid``).
-
-Sites: ``embedding`` (word types), ``input`` (first layer's input), ``between``
-(input of later layers), ``hidden`` (the recurrent state ``h_{t-1}``, or ``W_hh``
-for weight-dropped regimes), ``output`` (before the decoder). A regime uses only the
-sites it lists; the others get probability 0.
-
-Regimes are frozen and :data:`REGIMES` is a read-only mapping; a regime names its
-code hooks (an extra loss term, a recurrent stack of its own), which live in a
-registry of hooks. Adding a regime (e.g. learned Gaussian dropout with another
-warm-up)::
-
-    from rnndrop.lm.configs import Regime, register_hook, register_regime
-    register_hook("kl_warmup_half", KLRegularizer(warmup=0.5))
-    register_regime("gaussian_slow", Regime(
-        "tied Gaussian noise, slow KL warm-up", sites=("input", "hidden", "between", "output"),
-        regularizer="kl_warmup_half", rnn_factory="gaussian_rnn"))
-
-or, for the duration of a block only (tests), ``with registered(regimes={...}, hooks={...}):``.
-Registrations live in the process that makes them (worker processes started with
-``spawn`` do not see them).
-
-``regularizer(model, progress, train_tokens)`` returns a scalar added to the training
-loss (the mean cross-entropy per word); ``progress`` runs from 0 to 1 over training (for
-annealing) and ``train_tokens`` is the size of the training stream (the N of an ELBO).
-``rnn_factory(input_size, hidden_size, num_layers, probabilities, cell=...)`` builds a
-recurrent stack of one's own (``nn.LSTM``'s / ``nn.GRU``'s call contract, ``cell`` is
-``"lstm"`` or ``"gru"``) in place of the VariationalLSTM / VariationalGRU; it then
-applies every dropout site but ``embedding`` itself.
+Zaremba et al. 2014 and Gal & Ghahramani 2016, plus ``mini`` / ``cpu-200`` for the
+small offline corpora and ``sparse-vd-*`` for sparse variational dropout), the dropout
+probability of every site (``TrainConfig.dropout``) and the grid searched on the
+validation split (``TrainConfig.grid``). Where dropout goes is the *regime*'s
+business (:mod:`rnndrop.lm.regimes`, whose names this module re-exports).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
-from types import MappingProxyType
 from typing import Any
 
-from torch import Tensor, nn
+from torch import nn
 
-from rnndrop.kl import KLRegularizer
-from rnndrop.masks import check_probability
+from rnndrop.lm.regimes import (
+    REGIMES,
+    SITES,
+    Regime,
+    get_hook,
+    get_regime,
+    regime_probabilities,
+    register_hook,
+    register_regime,
+    registered,
+)
 
 __all__ = [
     "CELLS",
@@ -70,230 +50,11 @@ __all__ = [
     "trainable_parameters",
 ]
 
-SITES: tuple[str, ...] = ("embedding", "input", "between", "hidden", "output")
 CELLS: tuple[str, ...] = ("lstm", "gru")
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adam")
 #: What picks a run's best epoch: its validation perplexity, or its validation objective
 #: (the validation NLL per word plus ``kl_weight`` times the regime's regularizer).
 SELECTIONS: tuple[str, ...] = ("perplexity", "objective")
-
-#: ``regularizer(model, progress, train_tokens) -> scalar Tensor`` added to the loss.
-Regularizer = Callable[[nn.Module, float, int], Tensor]
-#: ``rnn_factory(input_size, hidden_size, num_layers, probabilities, cell=...) -> nn.Module``.
-RNNFactory = Callable[..., nn.Module]
-
-
-@dataclass(frozen=True)
-class Regime:
-    """Where dropout goes and how its masks live (see the module docstring).
-
-    Attributes:
-        description: one line for tables and logs.
-        sites: the dropout sites this regime uses (a subset of :data:`SITES`).
-        mask_scope: ``"sequence"`` (tied, Gal), ``"step"`` (naive, Zaremba) or
-            ``"batch"`` (recurrent mask shared by the batch, folded into ``W_hh``).
-        per_gate_masks: one mask per gate (Gal's untied variant).
-        noise: ``"bernoulli"`` or ``"gaussian"``.
-        weight_drop: the ``hidden`` probability drops ``W_hh`` entries (WeightDrop,
-            AWD-LSTM) instead of masking ``h_{t-1}``.
-        embedding_scope: ``"sequence"`` or ``"batch"`` for the word-type dropout.
-        regularizer: name of a registered hook
-            ``regularizer(model, progress, train_tokens) -> Tensor``, or None.
-        rnn_factory: name of a registered builder of the recurrent stack, or None.
-    """
-
-    description: str
-    sites: tuple[str, ...] = ()
-    mask_scope: str = "sequence"
-    per_gate_masks: bool = False
-    noise: str = "bernoulli"
-    weight_drop: bool = False
-    embedding_scope: str = "sequence"
-    regularizer: str | None = None
-    rnn_factory: str | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "sites", tuple(self.sites))
-        unknown = [s for s in self.sites if s not in SITES]
-        if unknown:
-            raise ValueError(f"sites must be among {SITES}, got {unknown}")
-        for hook in ("regularizer", "rnn_factory"):
-            value = getattr(self, hook)
-            if value is not None and not isinstance(value, str):
-                raise TypeError(f"Regime.{hook} must be the name of a registered hook (str) or "
-                                f"None, got {type(value).__name__}; register the callable with "
-                                "register_hook(name, fn)")
-
-    def settings(self) -> dict[str, Any]:
-        """The regime as JSON-friendly data (hooks by name)."""
-        out = asdict(self)
-        out["sites"] = list(self.sites)
-        return out
-
-    @classmethod
-    def from_settings(cls, settings: Mapping[str, Any]) -> Regime:
-        """The inverse of :meth:`settings`."""
-        return cls(**{k: v for k, v in settings.items() if k in {f.name for f in fields(cls)}})
-
-
-def _between(p: Mapping[str, float], num_layers: int) -> float:
-    """The between-layer probability; 0 for one layer (nn.LSTM warns about a dropout it ignores)."""
-    return p["between"] if num_layers > 1 else 0.0
-
-
-def _gaussian_rnn(
-    input_size: int, hidden_size: int, num_layers: int, p: Mapping[str, float], cell: str = "lstm"
-) -> nn.Module:
-    """GaussianLSTM / GaussianGRU: learned per-unit alpha on every site, initialised at p / (1 - p)."""
-    from rnndrop.gaussian import GaussianGRU, GaussianLSTM
-
-    return (GaussianGRU if cell == "gru" else GaussianLSTM)(
-        input_size, hidden_size, num_layers, dropout=_between(p, num_layers), dropout_input=p["input"],
-        dropout_hidden=p["hidden"], dropout_output=p["output"], granularity="unit",
-    )
-
-
-def _sparse_rnn(
-    input_size: int, hidden_size: int, num_layers: int, p: Mapping[str, float], cell: str = "lstm"
-) -> nn.Module:
-    """SparseLSTM / SparseGRU: sparse variational dropout on every recurrent weight matrix,
-    plus tied Bernoulli dropout on the input, between-layer and output sites (the weight
-    noise on ``W_hh`` replaces the recurrent mask)."""
-    from rnndrop.sparse import SparseGRU, SparseLSTM
-
-    return (SparseGRU if cell == "gru" else SparseLSTM)(
-        input_size, hidden_size, num_layers, dropout=_between(p, num_layers), dropout_input=p["input"],
-        dropout_output=p["output"],
-    )
-
-
-_HOOKS: dict[str, Callable[..., Any]] = {
-    # The KL term is divided by the training tokens the loop passes in.
-    "kl_warmup_0.2": KLRegularizer(warmup=0.2),
-    "gaussian_rnn": _gaussian_rnn,
-    "sparse_rnn": _sparse_rnn,
-}
-
-_REGIMES: dict[str, Regime] = {
-    "none": Regime("no dropout"),
-    "naive": Regime(
-        "naive dropout (Zaremba): fresh masks every step, non-recurrent connections only",
-        sites=("input", "between", "output"),
-        mask_scope="step",
-    ),
-    "tied": Regime(
-        "variational dropout (Gal), tied: one mask per sequence shared by the gates, "
-        "recurrent state and word-type embedding dropout",
-        sites=SITES,
-    ),
-    "untied": Regime(
-        "variational dropout (Gal), untied: one mask per sequence and gate",
-        sites=SITES,
-        per_gate_masks=True,
-    ),
-    "batch": Regime(
-        "fast path: recurrent mask shared by the batch and folded into W_hh (fused kernel)",
-        sites=SITES,
-        mask_scope="batch",
-        embedding_scope="batch",
-    ),
-    "weight_drop": Regime(
-        "AWD-LSTM style: DropConnect on W_hh (WeightDrop) plus tied masks elsewhere",
-        sites=SITES,
-        weight_drop=True,
-        embedding_scope="batch",
-    ),
-    "gaussian": Regime(
-        "Gaussian dropout N(1, alpha), tied, learned per-unit alpha (Kingma et al.), KL warm-up; "
-        "Bernoulli word-type embedding dropout",
-        sites=SITES,
-        noise="gaussian",
-        regularizer="kl_warmup_0.2",
-        rnn_factory="gaussian_rnn",
-    ),
-    "sparse_vd": Regime(
-        "sparse variational dropout on the recurrent weights (Molchanov et al.; Lobacheva et al.), "
-        "tied Bernoulli dropout on the other sites",
-        sites=("embedding", "input", "between", "output"),
-        regularizer="kl_warmup_0.2",
-        rnn_factory="sparse_rnn",
-    ),
-}
-
-#: The regimes the benchmark knows (read-only; extend with :func:`register_regime`).
-REGIMES: Mapping[str, Regime] = MappingProxyType(_REGIMES)
-
-
-def register_hook(name: str, fn: Callable[..., Any], *, replace: bool = False) -> None:
-    """Make ``fn`` available to regimes as ``regularizer=name`` or ``rnn_factory=name``."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"hook name must be a non-empty str, got {name!r}")
-    if not callable(fn):
-        raise TypeError(f"hook {name!r} must be callable, got {type(fn).__name__}")
-    if name in _HOOKS and not replace and _HOOKS[name] is not fn:
-        raise ValueError(f"hook {name!r} is already registered; pass replace=True to replace it")
-    _HOOKS[name] = fn
-
-
-def register_regime(name: str, regime: Regime, *, replace: bool = False) -> None:
-    """Add ``regime`` to :data:`REGIMES` under ``name`` (its hooks must be registered)."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"regime name must be a non-empty str, got {name!r}")
-    if not isinstance(regime, Regime):
-        raise TypeError(f"regime must be a Regime, got {type(regime).__name__}")
-    for hook in (regime.regularizer, regime.rnn_factory):
-        if hook is not None:
-            get_hook(hook)
-    if name in _REGIMES and not replace and _REGIMES[name] != regime:
-        raise ValueError(f"regime {name!r} is already registered; pass replace=True to replace it")
-    _REGIMES[name] = regime
-
-
-@contextmanager
-def registered(
-    regimes: Mapping[str, Regime] | None = None, hooks: Mapping[str, Callable[..., Any]] | None = None
-) -> Iterator[None]:
-    """Register ``hooks`` and ``regimes`` for the duration of a ``with`` block, then
-    restore the registries exactly as they were."""
-    saved_hooks, saved_regimes = dict(_HOOKS), dict(_REGIMES)
-    try:
-        for name, fn in (hooks or {}).items():
-            register_hook(name, fn, replace=True)
-        for name, regime in (regimes or {}).items():
-            register_regime(name, regime, replace=True)
-        yield
-    finally:
-        _HOOKS.clear()
-        _HOOKS.update(saved_hooks)
-        _REGIMES.clear()
-        _REGIMES.update(saved_regimes)
-
-
-def get_hook(name: str) -> Callable[..., Any]:
-    try:
-        return _HOOKS[name]
-    except KeyError:
-        raise ValueError(f"hook must be one of {', '.join(_HOOKS)}, got {name!r} "
-                         "(register it with register_hook)") from None
-
-
-def get_regime(name: str) -> Regime:
-    try:
-        return _REGIMES[name]
-    except KeyError:
-        raise ValueError(f"regime must be one of {', '.join(_REGIMES)}, got {name!r}") from None
-
-
-def regime_probabilities(regime: Regime, probabilities: Mapping[str, float]) -> dict[str, float]:
-    """The probability of every site under ``regime``: given ones on its sites, 0 elsewhere."""
-    unknown = [s for s in probabilities if s not in SITES]
-    if unknown:
-        raise ValueError(f"dropout sites must be among {SITES}, got {unknown}")
-    return {
-        site: check_probability(f"dropout[{site!r}]", float(probabilities.get(site, 0.0)))
-        if site in regime.sites else 0.0
-        for site in SITES
-    }
 
 
 @dataclass(frozen=True)

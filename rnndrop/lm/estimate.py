@@ -14,8 +14,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from rnndrop.lm.configs import TrainConfig, build_model, get_regime, regime_probabilities
+from rnndrop.lm.configs import TrainConfig, build_model
 from rnndrop.lm.corpus import Corpus, batchify
+from rnndrop.lm.regimes import get_regime, regime_probabilities
 from rnndrop.lm.train import resolve_device
 
 __all__ = ["estimate_seconds"]

@@ -20,8 +20,9 @@ from typing import Any
 import torch
 
 from rnndrop.lm.checkpoint import FORMAT_VERSION
-from rnndrop.lm.configs import TrainConfig, get_regime, regime_probabilities
+from rnndrop.lm.configs import TrainConfig
 from rnndrop.lm.corpus import Corpus
+from rnndrop.lm.regimes import get_regime, regime_probabilities
 from rnndrop.lm.results import write_json_atomic
 
 __all__ = [

@@ -61,16 +61,7 @@ from rnndrop.lm.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from rnndrop.lm.configs import (
-    Regime,
-    TrainConfig,
-    build_model,
-    build_optimizer,
-    get_hook,
-    get_regime,
-    regime_probabilities,
-    trainable_parameters,
-)
+from rnndrop.lm.configs import TrainConfig, build_model, build_optimizer, trainable_parameters
 from rnndrop.lm.corpus import Corpus, batchify, bptt_batches, num_bptt_batches
 from rnndrop.lm.distributed import (
     ONE_PROCESS,
@@ -105,6 +96,7 @@ from rnndrop.lm.identity import (
 from rnndrop.lm.lock import RunLock
 from rnndrop.lm.model import detach_hidden
 from rnndrop.lm.progress import EpochProgress
+from rnndrop.lm.regimes import Regime, get_hook, get_regime, regime_probabilities
 from rnndrop.lm.results import SCHEMA, peak_memory, plot_learning_curves, versions
 
 __all__ = [
