@@ -160,23 +160,21 @@ def _train_epoch(
     batched: Tensor,
     config: TrainConfig,
     epoch: int,
-    regularizer: Callable[[nn.Module, float, int], Tensor] | None,
+    extra_loss: Callable[[float], Tensor] | None,
     progress: bool,
     checkpoint_path: Path,
     last_good_epoch: int,
     ctx: Distributed = ONE_PROCESS,
     net: nn.Module | None = None,
-    train_tokens: int | None = None,
 ) -> tuple[float, int, float]:
     """One pass over the training stream: (train perplexity, words, seconds).
 
-    Under DDP ``batched`` is this rank's shard, ``net`` the DDP wrapper of ``model``
-    (what is called; its backward all-reduces the gradients before they are clipped) and
-    ``train_tokens`` the size of the whole training stream; perplexity and words are
-    those of every rank together.
+    ``extra_loss(progress)`` is added to the mean NLL (``progress`` runs from 0 to 1 over
+    training). Under DDP ``batched`` is this rank's shard and ``net`` the DDP wrapper of
+    ``model`` (what is called; its backward all-reduces the gradients before they are
+    clipped); perplexity and words are those of every rank together.
     """
     net = model if net is None else net
-    train_tokens = batched.numel() if train_tokens is None else train_tokens
     net.train()
     n_batches = num_bptt_batches(batched, config.bptt)
     bar = EpochProgress(n_batches, f"epoch {epoch}", progress and ctx.is_main)
@@ -193,9 +191,8 @@ def _train_epoch(
             hidden = detach_hidden(hidden)
             loss = token_loss(logits, targets)
             objective = loss
-            if regularizer is not None:
-                progress_frac = (epoch - 1 + i / n_batches) / config.epochs
-                objective = loss + config.kl_weight * regularizer(model, progress_frac, train_tokens)
+            if extra_loss is not None:
+                objective = loss + extra_loss((epoch - 1 + i / n_batches) / config.epochs)
             if ctx.enabled:
                 _check_losses_on_every_rank(objective, loss, ctx, diverged, i)
             else:
@@ -223,18 +220,37 @@ def _train_epoch(
 
 
 def _selection_criterion(
-    model: nn.Module, config: TrainConfig, valid: Score,
-    regularizer: Callable[[nn.Module, float, int], Tensor] | None, train_tokens: int,
+    config: TrainConfig, valid: Score, extra_loss: Callable[[float], Tensor] | None
 ) -> float:
     """What the best epoch minimises: the validation perplexity, or (``select="objective"``)
-    the validation NLL per word plus ``kl_weight`` times the regularizer at full weight."""
+    the validation NLL per word plus the extra loss at the end of training (full weight)."""
     if config.select == "perplexity":
         return valid.perplexity
-    extra = 0.0
-    if regularizer is not None and config.kl_weight:
-        with torch.no_grad():
-            extra = config.kl_weight * float(regularizer(model, 1.0, train_tokens))
-    return valid.nll + extra
+    if extra_loss is None:
+        return valid.nll
+    with torch.no_grad():
+        return valid.nll + float(extra_loss(1.0))
+
+
+def _extra_loss(
+    model: nn.Module, config: TrainConfig, regime: Regime, train_tokens: int
+) -> Callable[[float], Tensor] | None:
+    """``progress -> kl_weight * regularizer(model, progress, train_tokens)``, the term the
+    regime adds to the loss; None without a regularizer or with ``kl_weight`` 0 (then the
+    KL is not computed at all)."""
+    if regime.regularizer is None or not config.kl_weight:
+        return None
+    hook = get_hook(regime.regularizer)
+    return lambda progress: config.kl_weight * hook(model, progress, train_tokens)
+
+
+def _seed_noise(seed: int, ctx: Distributed) -> None:
+    """Seed the dropout noise of an evaluation: ``seed`` itself in one process, each rank
+    its own stream under DDP."""
+    if ctx.enabled:
+        seed_noise_per_rank(seed, ctx.rank)
+    else:
+        torch.manual_seed(seed)
 
 
 def _check_losses_on_every_rank(
@@ -396,7 +412,6 @@ def _train_locked(
     probabilities = regime_probabilities(regime_obj, config.dropout if dropout is None else dropout)
     identity = run_on_main(partial(run_identity, corpus, config, regime, probabilities, seed, init_from),
                            ctx, "making the run's identity")
-    regularizer = None if regime_obj.regularizer is None else get_hook(regime_obj.regularizer)
     device = _rank_device(device, ctx)
     mc_samples = config.mc_samples if mc_samples is None else mc_samples
     if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 0:
@@ -407,6 +422,8 @@ def _train_locked(
     random.seed(seed)
     model = build_model(len(corpus.vocab), config, regime_obj, probabilities).to(device)
     train_data = batchify(corpus.train, config.batch_size).to(device)
+    # The KL of an ELBO is divided by the whole training stream, not by one rank's shard.
+    extra_loss = _extra_loss(model, config, regime_obj, train_data.numel())
     valid_data = batchify(corpus.valid, config.eval_batch_size).to(device)
     test_data = batchify(corpus.test, config.eval_batch_size).to(device)
 
@@ -480,8 +497,8 @@ def _train_locked(
             for group in optimizer.param_groups:
                 group["lr"] = lr
             train_ppl, words, seconds = _train_epoch(
-                model, optimizer, train_stream, config, epoch, regularizer, progress,
-                ckpt_path, state["epoch"], ctx, net, train_data.numel(),
+                model, optimizer, train_stream, config, epoch, extra_loss, progress,
+                ckpt_path, state["epoch"], ctx, net,
             )
             valid = score_split(model, valid_data, config.bptt, None, ctx)
             valid_ppl = valid.perplexity
@@ -489,7 +506,7 @@ def _train_locked(
                 _diverged(f"the validation perplexity is {valid_ppl}", epoch,
                           num_bptt_batches(train_data, config.bptt) - 1,
                           num_bptt_batches(train_data, config.bptt), lr, ckpt_path, state["epoch"], ctx)
-            criterion = _selection_criterion(model, config, valid, regularizer, train_data.numel())
+            criterion = _selection_criterion(config, valid, extra_loss)
             improved = criterion < state.get("best_criterion", state["best_valid_ppl"])
             if improved:
                 state["best_valid_ppl"], state["best_epoch"] = valid_ppl, epoch
@@ -538,10 +555,7 @@ def _train_locked(
     test = score_split(model, test_data, config.bptt, CALIBRATION_BINS, ctx)
     test_mc = None
     if mc_samples > 0 and has_noise(model):
-        if ctx.enabled:
-            seed_noise_per_rank(seed, ctx.rank)
-        else:
-            torch.manual_seed(seed)
+        _seed_noise(seed, ctx)
         test_mc = score_split(model, test_data, config.bptt, CALIBRATION_BINS, ctx, mc_samples)
     epochs_run = state["epoch"]
     stop_reason = state.get("stopped") or "epoch_cap"
@@ -621,10 +635,7 @@ def add_mc_result(
         else:
             model = load_model(out, device).model
         if n_samples > 0 and has_noise(model):
-            if ctx.enabled:
-                seed_noise_per_rank(result["seed"], ctx.rank)
-            else:
-                torch.manual_seed(result["seed"])
+            _seed_noise(result["seed"], ctx)
             start = time.perf_counter()
             test_data = batchify(corpus.test, config.eval_batch_size).to(device)
             test_mc = score_split(model, test_data, config.bptt, CALIBRATION_BINS, ctx, n_samples)
