@@ -28,9 +28,10 @@ if str(ROOT) not in sys.path:  # run as a script by torchrun
     sys.path.insert(0, str(ROOT))
 
 from rnndrop.lm.checkpoint import load_checkpoint  # noqa: E402
-from rnndrop.lm.configs import REGIMES, build_model, get_hook, get_regime, registered  # noqa: E402
+from rnndrop.lm.configs import build_model  # noqa: E402
 from rnndrop.lm.corpus import load_corpus  # noqa: E402
 from rnndrop.lm.identity import read_verified_result  # noqa: E402
+from rnndrop.lm.regimes import REGIMES, get_hook, get_regime, registered  # noqa: E402
 from rnndrop.lm.train import TrainingDiverged, add_mc_result, train_run  # noqa: E402
 from tests.lm_helpers import TINY, one_thread, write_corpus  # noqa: E402, F401 (autouse fixture)
 

@@ -122,7 +122,7 @@ def test_resume_falls_back_to_the_previous_checkpoint_and_stays_bit_identical(co
 
 
 def test_divergence_message_does_not_vouch_for_a_corrupt_checkpoint(corpus, tmp_path):
-    from rnndrop.lm.configs import Regime, registered
+    from rnndrop.lm.regimes import Regime, registered
     from rnndrop.lm.train import TrainingDiverged
 
     def nan_in_epoch_2(model, progress, train_tokens):
@@ -154,8 +154,8 @@ class _Loud(torch.nn.Module):
 
 
 def test_a_large_finite_loss_stops_as_divergence_not_overflow(corpus, tmp_path):
-    from rnndrop.lm.configs import Regime, registered
     from rnndrop.lm.evaluate import Score
+    from rnndrop.lm.regimes import Regime, registered
     from rnndrop.lm.train import TrainingDiverged
 
     assert Score(1000.0, 1).perplexity == math.inf

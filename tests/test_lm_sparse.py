@@ -9,10 +9,11 @@ import torch
 from rnndrop.kl import MOLCHANOV_COEFFICIENTS
 from rnndrop.lm.checkpoint import load_checkpoint, load_model
 from rnndrop.lm.cli import UsageError, _config_from_args, _corpus_parser
-from rnndrop.lm.configs import REGIMES, build_model, get_config, get_hook
+from rnndrop.lm.configs import build_model, get_config
 from rnndrop.lm.corpus import batchify
 from rnndrop.lm.evaluate import score
 from rnndrop.lm.identity import read_verified_result
+from rnndrop.lm.regimes import REGIMES, get_hook
 from rnndrop.lm.train import train_run
 from rnndrop.sparse import SparseLSTM, prune, sparsity_report
 from tests.lm_helpers import (  # noqa: F401 (fixtures)

@@ -7,7 +7,8 @@ import torch
 
 from rnndrop.lm import benchmark
 from rnndrop.lm.checkpoint import load_checkpoint
-from rnndrop.lm.configs import CONFIGS, Regime, registered
+from rnndrop.lm.configs import CONFIGS
+from rnndrop.lm.regimes import Regime, registered
 from rnndrop.lm.results import markdown_table, read_result, validate_result
 from rnndrop.lm.train import TrainingDiverged, train_run
 from tests.lm_helpers import TINY, Killed, one_thread, write_corpus  # noqa: F401 (fixtures)
@@ -223,7 +224,8 @@ def test_adam_and_gru_train_through_the_one_loop_and_resume_bit_for_bit(corpus, 
 
 
 def test_init_from_starts_sparse_vd_from_a_dense_run_and_records_what_it_loaded(corpus, tmp_path):
-    from rnndrop.lm.configs import REGIMES, build_model
+    from rnndrop.lm.configs import build_model
+    from rnndrop.lm.regimes import REGIMES
     from rnndrop.lm.train import _load_initial_weights
 
     config = replace(TINY, epochs=1, mc_samples=0)
@@ -250,7 +252,7 @@ def test_init_from_starts_sparse_vd_from_a_dense_run_and_records_what_it_loaded(
 
 
 def test_regimes_are_read_only_and_registrations_do_not_leak():
-    from rnndrop.lm.configs import REGIMES, get_regime, register_regime
+    from rnndrop.lm.regimes import REGIMES, get_regime, register_regime
 
     with pytest.raises(TypeError):
         REGIMES["mine"] = Regime("mine")  # type: ignore[index]

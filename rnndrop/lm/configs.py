@@ -5,7 +5,7 @@ Zaremba et al. 2014 and Gal & Ghahramani 2016, plus ``mini`` / ``cpu-200`` for t
 small offline corpora and ``sparse-vd-*`` for sparse variational dropout), the dropout
 probability of every site (``TrainConfig.dropout``) and the grid searched on the
 validation split (``TrainConfig.grid``). Where dropout goes is the *regime*'s
-business (:mod:`rnndrop.lm.regimes`, whose names this module re-exports).
+business (:mod:`rnndrop.lm.regimes`).
 """
 
 from __future__ import annotations
@@ -17,36 +17,17 @@ from typing import Any
 
 from torch import nn
 
-from rnndrop.lm.regimes import (
-    REGIMES,
-    SITES,
-    Regime,
-    get_hook,
-    get_regime,
-    regime_probabilities,
-    register_hook,
-    register_regime,
-    registered,
-)
+from rnndrop.lm.regimes import REGIMES, Regime, get_hook, regime_probabilities
 
 __all__ = [
     "CELLS",
     "CONFIGS",
     "OPTIMIZERS",
-    "REGIMES",
     "SELECTIONS",
-    "SITES",
-    "Regime",
     "TrainConfig",
     "build_model",
     "build_optimizer",
     "get_config",
-    "get_hook",
-    "get_regime",
-    "regime_probabilities",
-    "register_hook",
-    "register_regime",
-    "registered",
     "trainable_parameters",
 ]
 

@@ -327,7 +327,7 @@ def train_run(
     Args:
         corpus: the data (see :func:`rnndrop.lm.corpus.load_corpus`).
         config: model size and optimisation.
-        regime: a key of :data:`rnndrop.lm.configs.REGIMES`.
+        regime: a key of :data:`rnndrop.lm.regimes.REGIMES`.
         out_dir: the run's folder (locked while the run writes into it).
         dropout: probability per site; default ``config.dropout``. Sites the regime
             does not use get 0.
