@@ -97,20 +97,26 @@ def csr_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def csr_lstm(lstm: nn.LSTM, inputs: Tensor) -> Tensor:
+def csr_layers(lstm: nn.LSTM) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """(W_ih in CSR, W_hh in CSR, b_ih + b_hh) per layer: converted once, before any forward."""
+    return [(getattr(lstm, f"weight_ih_l{k}").detach().to_sparse_csr(),
+             getattr(lstm, f"weight_hh_l{k}").detach().to_sparse_csr(),
+             (getattr(lstm, f"bias_ih_l{k}") + getattr(lstm, f"bias_hh_l{k}")).detach())
+            for k in range(lstm.num_layers)]
+
+
+def csr_lstm(layers: list[tuple[Tensor, Tensor, Tensor]], inputs: Tensor) -> Tensor:
     """``nn.LSTM``'s forward (zero initial state, unidirectional) with CSR matmuls.
 
-    inputs ``[T, B, in]`` -> outputs ``[T, B, hidden]``; gates ``i, f, g, o`` as in nn.LSTM.
+    ``layers`` from :func:`csr_layers`; inputs ``[T, B, in]`` -> outputs ``[T, B, hidden]``;
+    gates ``i, f, g, o`` as in nn.LSTM. The input projection of all steps is one product.
     """
     out = inputs
-    for layer in range(lstm.num_layers):
-        w_ih = getattr(lstm, f"weight_ih_l{layer}").detach().to_sparse_csr()
-        w_hh = getattr(lstm, f"weight_hh_l{layer}").detach().to_sparse_csr()
-        bias = (getattr(lstm, f"bias_ih_l{layer}") + getattr(lstm, f"bias_hh_l{layer}")).detach()
+    for w_ih, w_hh, bias in layers:
         steps, batch, _ = out.shape
         x_gates = (w_ih @ out.reshape(steps * batch, -1).t()).t().reshape(steps, batch, -1) + bias
-        h = out.new_zeros(batch, lstm.hidden_size)
-        c = out.new_zeros(batch, lstm.hidden_size)
+        h = out.new_zeros(batch, w_hh.shape[1])
+        c = out.new_zeros(batch, w_hh.shape[1])
         hs = []
         for t in range(steps):
             i, f, g, o = (x_gates[t] + (w_hh @ h.t()).t()).chunk(4, 1)
@@ -126,10 +132,11 @@ def inference_timing(lstm: nn.LSTM, size: int, rounds: int) -> dict[str, float]:
     x = torch.randn(35, 10, size)
     with torch.no_grad():
         dense_out, _ = lstm(x)
-        torch.testing.assert_close(csr_lstm(lstm, x), dense_out, atol=1e-5, rtol=1e-4)
+        layers = csr_layers(lstm)
+        torch.testing.assert_close(csr_lstm(layers, x), dense_out, atol=1e-5, rtol=1e-4)
         times: dict[str, list[float]] = {"dense": [], "csr": []}
         for r in range(rounds + 2):
-            for name, fn in (("dense", lambda: lstm(x)), ("csr", lambda: csr_lstm(lstm, x))):
+            for name, fn in (("dense", lambda: lstm(x)), ("csr", lambda: csr_lstm(layers, x))):
                 start = time.perf_counter()
                 fn()
                 if r >= 2:
@@ -144,11 +151,10 @@ def pruned_model_facts(folder: Path, threshold: float, rounds: int) -> dict:
     parts = {"embedding": pruned.embedding, "lstm": pruned.rnn, "decoder": pruned.decoder}
     state = pruned.state_dict()
     lstm_state = {name: t for name, t in state.items() if name.startswith("rnn.")}
-    dense_model = load_model(folder).model
     return {
         "parameters": {name: dict(zip(("total", "nonzero"), nonzero_parameters(m)))
                        for name, m in parts.items()},
-        "variational_parameters_dropped": sum(p.numel() for n, p in dense_model.named_parameters()
+        "variational_parameters_dropped": sum(p.numel() for n, p in model.named_parameters()
                                               if "log_sigma2" in n),
         "file_bytes_dense": saved_size(state),
         "file_bytes_lstm_csr": saved_size(csr_state(state)),
