@@ -8,7 +8,7 @@ from torch.nn.utils.rnn import pack_sequence
 
 from rnndrop import RecurrentMasks, VariationalGRU, VariationalLSTM
 from rnndrop.kernels import DEFAULT_LOOP_KERNEL, KERNELS, get_kernel, input_projection
-from rnndrop.kernels.matmul import StepWeight
+from rnndrop.kernels.matmul import StepWeight, matmul
 from tests.helpers import assert_close
 
 pytestmark = pytest.mark.filterwarnings("ignore:LSTM with projections is not supported")
@@ -274,6 +274,23 @@ def test_step_weight_chooses_onednn_by_capability():
         assert_close(step(xs), xs @ weight.t(), atol=1e-5)
         assert_close(step(xs, add.to(weight.dtype)), xs @ weight.t() + add, atol=1e-5)
         assert_close(step(xs, bias=bias.to(weight.dtype)), xs @ weight.t() + bias, atol=1e-5)
+
+
+def test_matmul_of_whole_sequences_matches_mm_for_every_operand_layout():
+    """``matmul(a, b)`` = ``a @ b`` whether ``a`` is contiguous, a transposed view larger
+    than ``b`` (a weight gradient ``dzᵀ m``: computed as ``(bᵀ aᵀ)ᵀ``) or a transposed view
+    smaller than ``b``; on the oneDNN path and with oneDNN disabled."""
+    m = torch.randn(30, 6)
+    cases = {
+        "contiguous a": (torch.randn(8, 30), m),
+        "transposed a, larger": (torch.randn(30, 16).t(), m),
+        "transposed a, smaller": (torch.randn(30, 2).t(), m),
+    }
+    for name, (a, b) in cases.items():
+        expected = a.double() @ b.double()
+        assert_close(matmul(a, b).double(), expected, atol=1e-5, msg=name)
+        with torch.backends.mkldnn.flags(enabled=False):
+            assert_close(matmul(a, b).double(), expected, atol=1e-5, msg=f"{name}, without oneDNN")
 
 
 def test_onednn_is_used_for_float32_on_cpu_wherever_torch_has_it():

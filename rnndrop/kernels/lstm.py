@@ -141,20 +141,21 @@ class _LSTMRecurrence(torch.autograd.Function):
         blocks = schedule.previous_blocks()
 
         # dz = (dc * from_dc_ifg, dr * from_dr_o), dc += dr * dc_from_dr (equations above).
+        # The factors are written into the buffer of dz, which the loop then multiplies in
+        # place: its memory is touched here in bulk, not step by step.
         i, f, g, o = s.acts.split(H, 1)
-        factors = torch.addcmul(s.acts, s.acts, s.acts, value=-1)  # σ' = a (1 - a)
-        torch.addcmul(s.acts.new_ones(()), g, g, value=-1, out=factors[:, 2 * H : 3 * H])  # tanh' = 1 - g²
-        factors[:, :H].mul_(g)
-        mul_previous_(factors[:, H : 2 * H], s.cells, s.c0, blocks)
-        factors[:, 2 * H : 3 * H].mul_(i)
-        factors[:, 3 * H :].mul_(s.tanh_cells)
+        d_gates = torch.addcmul(s.acts, s.acts, s.acts, value=-1)  # σ' = a (1 - a)
+        torch.addcmul(s.acts.new_ones(()), g, g, value=-1, out=d_gates[:, 2 * H : 3 * H])  # tanh' = 1 - g²
+        d_gates[:, :H].mul_(g)
+        mul_previous_(d_gates[:, H : 2 * H], s.cells, s.c0, blocks)
+        d_gates[:, 2 * H : 3 * H].mul_(i)
+        d_gates[:, 3 * H :].mul_(s.tanh_cells)
         dc_from_dr = torch.addcmul(o, o, s.tanh_cells * s.tanh_cells, value=-1)
 
         d_h = mp.output_grad(d_out, s.out, s.final, d_hn)
         d_c = s.cells.new_zeros(N, H)
         if d_cn is not None:
             d_c.index_add_(0, s.final, d_cn)
-        d_gates = s.acts.new_empty(N, 4 * H)
         d_h0 = s.h0.new_zeros(s.h0.shape)
         d_c0 = s.c0.new_zeros(s.c0.shape)
         d_masked = mp.masked_state_grad_buffer(needs.mask, s.masked)
@@ -167,21 +168,19 @@ class _LSTMRecurrence(torch.autograd.Function):
             [previous_targets(d_c_at, d_c0, step) for step in schedule.steps],
             *map(schedule.in_running_order, (
                 d_h_at, d_c_at, at(d_c.view(N, 1, H)), at(dc_from_dr), at(f),
-                at(factors[:, : 3 * H].view(N, 3, H)), at(d_gates[:, : 3 * H].view(N, 3, H)),
-                at(factors[:, 3 * H :]), at(d_gates[:, 3 * H :]), at(d_gates),
+                at(d_gates[:, : 3 * H].view(N, 3, H)), at(d_gates[:, 3 * H :]), at(d_gates),
                 mask_at, [None] * schedule.seq_len if d_masked is None else at(d_masked),
             )),
         )
         w_hh_t_step = StepWeight(s.w_hh.t(), pack=False)
         w_hr_t_step = None if s.w_hr is None else StepWeight(s.w_hr.t(), pack=False)
         for (
-            h_targets, c_targets, dh, dc, dc3, dc_from_dr_t, f_t,
-            from_dc_ifg, d_ifg, from_dr_o, d_o, d_z, mask_t, d_masked_t,
+            h_targets, c_targets, dh, dc, dc3, dc_from_dr_t, f_t, d_ifg, d_o, d_z, mask_t, d_masked_t,
         ) in reversed(list(plan)):
             dr = dh if w_hr_t_step is None else w_hr_t_step(dh)
             dc.addcmul_(dr, dc_from_dr_t)
-            torch.mul(from_dc_ifg, dc3, out=d_ifg)
-            torch.mul(from_dr_o, dr, out=d_o)
+            d_ifg.mul_(dc3)
+            d_o.mul_(dr)
             add_product(c_targets, dc, f_t)
             mp.add_state_grad(h_targets, d_z, w_hh_t_step, s.w_hh, mask_t, d_masked_t)
 

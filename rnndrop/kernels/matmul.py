@@ -90,10 +90,18 @@ class StepWeight:
 
 def matmul(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b`` for 2-D operands of a whole sequence (``a`` ``[m, k]``, ``b`` ``[k, n]``),
-    through oneDNN where :class:`StepWeight` uses it."""
-    if onednn_enabled(a) and b.dtype == a.dtype:
+    through oneDNN where :class:`StepWeight` uses it.
+
+    oneDNN reads its weight operand with any strides but wants the rows operand
+    contiguous, so a transposed ``a`` (a weight gradient ``dzᵀ m``) is computed as
+    ``(bᵀ aᵀ)ᵀ``, copying whichever operand is smaller (the result is then a transposed
+    view).
+    """
+    if not (onednn_enabled(a) and b.dtype == a.dtype):
+        return a.mm(b)
+    if a.is_contiguous() or a.numel() <= b.numel():
         return torch.ops.mkldnn._linear_pointwise(a.contiguous(), b.t(), None, "none", [], "")
-    return a.mm(b)
+    return torch.ops.mkldnn._linear_pointwise(b.t().contiguous(), a, None, "none", [], "").t()
 
 
 class _Linear(torch.autograd.Function):
