@@ -115,18 +115,19 @@ class _GRURecurrence(torch.autograd.Function):
         N, H = s.out.shape
         h_prev = gather_previous(s.out, s.h0, schedule.previous_blocks())
 
-        # da = dh * from_dh (equations above); dn_pre = dh * dn_pre_from_dh.
+        # da = dh * from_dh (equations above); dn_pre = dh * dn_pre_from_dh. The factors are
+        # written into the buffer of da, which the loop then multiplies in place: its memory
+        # is touched here in bulk, not step by step.
         r, z, n = s.acts.split(H, 1)
         dn_pre_from_dh = torch.addcmul(s.acts.new_ones(()), n, n, value=-1)  # tanh' = 1 - n²
         dn_pre_from_dh.addcmul_(z, dn_pre_from_dh, value=-1)  # times (1 - z)
-        from_dh = torch.addcmul(s.acts, s.acts, s.acts, value=-1)  # σ' = a (1 - a)
-        from_dh[:, :H].mul_(dn_pre_from_dh)
-        from_dh[:, :H].mul_(s.a_n)
-        from_dh[:, H : 2 * H].mul_(h_prev - n)
-        torch.mul(dn_pre_from_dh, r, out=from_dh[:, 2 * H :])
+        d_a = torch.addcmul(s.acts, s.acts, s.acts, value=-1)  # σ' = a (1 - a)
+        d_a[:, :H].mul_(dn_pre_from_dh)
+        d_a[:, :H].mul_(s.a_n)
+        d_a[:, H : 2 * H].mul_(h_prev - n)
+        torch.mul(dn_pre_from_dh, r, out=d_a[:, 2 * H :])
 
         d_h = mp.output_grad(d_out, s.out, s.final, d_hn)
-        d_a = s.acts.new_empty(N, 3 * H)
         d_h0 = s.h0.new_zeros(s.h0.shape)
         d_masked = mp.masked_state_grad_buffer(needs.mask, s.masked)
 
@@ -135,14 +136,14 @@ class _GRURecurrence(torch.autograd.Function):
         plan = zip(
             [previous_targets(d_h_at, d_h0, step) for step in schedule.steps],
             *map(schedule.in_running_order, (
-                d_h_at, at(d_h.view(N, 1, H)), at(z), at(from_dh.view(N, 3, H)), at(d_a.view(N, 3, H)),
+                d_h_at, at(d_h.view(N, 1, H)), at(z), at(d_a.view(N, 3, H)),
                 at(d_a), schedule.step_masks(s.mask),
                 [None] * schedule.seq_len if d_masked is None else at(d_masked),
             )),
         )
         w_hh_t_step = StepWeight(s.w_hh.t(), pack=False)
-        for targets, dh, dh3, z_t, from_dh3, d_a3, d_a_t, mask_t, d_masked_t in reversed(list(plan)):
-            torch.mul(from_dh3, dh3, out=d_a3)
+        for targets, dh, dh3, z_t, d_a3, d_a_t, mask_t, d_masked_t in reversed(list(plan)):
+            d_a3.mul_(dh3)
             add_product(targets, dh, z_t)
             mp.add_state_grad(targets, d_a_t, w_hh_t_step, s.w_hh, mask_t, d_masked_t)
 
