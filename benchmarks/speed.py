@@ -211,8 +211,27 @@ def machine() -> str:
     return (
         f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, "
         f"BLAS {blas.group(1) if blas else '?'}, {onednn_text} (loop kernels' products: {used}), "
-        f"CPU capability {torch.backends.cpu.get_cpu_capability()}"
+        f"CPU capability {torch.backends.cpu.get_cpu_capability()}\n{memory_setup()}"
     )
+
+
+def memory_setup() -> str:
+    """How fresh memory reaches the process, in one line: the kernel's transparent-hugepage
+    mode and any allocator settings in the environment. Page faults on fresh buffers cost
+    nn.LSTM as much as the loop kernels (see the README's speed section), so two machines
+    compare only under the same setup."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            mode = re.search(r"\[(\w+)\]", f.read())
+        thp = mode.group(1) if mode else "?"
+    except OSError:
+        thp = "?"
+    settings = [
+        f"{key}={value}" for key, value in sorted(os.environ.items())
+        if key.startswith("MALLOC_") or key in ("GLIBC_TUNABLES", "LD_PRELOAD")
+    ]
+    allocator = " ".join(settings) or "none (defaults)"
+    return f"memory: transparent hugepages {thp}, allocator settings {allocator}"
 
 
 # Ops that only make views or allocate: no kernel launch on a GPU.
