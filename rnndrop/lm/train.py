@@ -400,6 +400,45 @@ def _checkpoint_world_size(ckpt: Mapping[str, Any]) -> int:
     return int(ckpt.get("distributed", {}).get("world_size", 1))
 
 
+def _read_checkpoint(
+    out: Path, identity: dict[str, Any], config: TrainConfig, model: nn.Module, *, resume: bool,
+    init_from: str | Path | None, ctx: Distributed,
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(the checkpoint in ``out`` to resume from, or None; what ``init_from`` loaded into
+    ``model``, or None), every check done: a checkpoint there needs ``resume``, belongs to
+    this run, has not trained past the epoch cap, was written by as many processes, and
+    its ``best.pt`` verifies."""
+    ckpt_path, best_path = out / CHECKPOINT, out / BEST
+    has_checkpoint = ckpt_path.exists() or previous_path(ckpt_path).exists()
+    if has_checkpoint and not resume:
+        raise FileExistsError(
+            f"{str(out)!r} already holds a checkpoint; pass resume=True (--resume) to "
+            "continue that run, or choose another output folder"
+        )
+    ckpt = load_latest(ckpt_path) if has_checkpoint else None
+    if ckpt is None:
+        return None, None if init_from is None else _load_initial_weights(model, init_from)
+    differences = identity_differences(identity, ckpt.get("identity", {}))
+    if differences:
+        raise ValueError(
+            f"the checkpoint in {str(out)!r} belongs to another run; what differs (this "
+            f"call vs the checkpoint): {'; '.join(differences)}. Choose another output folder"
+        )
+    if ckpt["progress"]["epoch"] > config.epochs:
+        raise ValueError(
+            f"epochs must be >= {ckpt['progress']['epoch']}, the epochs the run in {str(out)!r} "
+            f"has already trained, got {config.epochs} (the epoch cap of a run may grow, not shrink)"
+        )
+    if _checkpoint_world_size(ckpt) != ctx.world_size:
+        raise ValueError(
+            f"the checkpoint in {str(out)!r} was written by {_checkpoint_world_size(ckpt)} "
+            f"process(es); resume it with as many (torchrun --nproc_per_node), got {ctx.world_size}"
+        )
+    if ckpt["progress"]["best_epoch"]:
+        load_checkpoint(best_path)  # verify it now rather than after training
+    return ckpt, None
+
+
 def _train_locked(
     corpus: Corpus, config: TrainConfig, regime: str, out: Path, *, dropout: Mapping[str, float] | None,
     seed: int, resume: bool, device: str | torch.device, mc_samples: int | None, progress: bool,
@@ -433,40 +472,12 @@ def _train_locked(
         "stopped": None, "init_from": None,
     }
 
-    def read_checkpoint() -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-        """(the checkpoint to resume from or None, what init_from loaded or None), checked."""
-        has_checkpoint = ckpt_path.exists() or previous_path(ckpt_path).exists()
-        if has_checkpoint and not resume:
-            raise FileExistsError(
-                f"{str(out)!r} already holds a checkpoint; pass resume=True (--resume) to "
-                "continue that run, or choose another output folder"
-            )
-        ckpt = load_latest(ckpt_path) if has_checkpoint else None
-        if ckpt is None:
-            return None, None if init_from is None else _load_initial_weights(model, init_from)
-        differences = identity_differences(identity, ckpt.get("identity", {}))
-        if differences:
-            raise ValueError(
-                f"the checkpoint in {str(out)!r} belongs to another run; what differs (this "
-                f"call vs the checkpoint): {'; '.join(differences)}. Choose another output folder"
-            )
-        if ckpt["progress"]["epoch"] > config.epochs:
-            raise ValueError(
-                f"epochs must be >= {ckpt['progress']['epoch']}, the epochs the run in {str(out)!r} "
-                f"has already trained, got {config.epochs} (the epoch cap of a run may grow, not shrink)"
-            )
-        if _checkpoint_world_size(ckpt) != ctx.world_size:
-            raise ValueError(
-                f"the checkpoint in {str(out)!r} was written by {_checkpoint_world_size(ckpt)} "
-                f"process(es); resume it with as many (torchrun --nproc_per_node), got {ctx.world_size}"
-            )
-        if ckpt["progress"]["best_epoch"]:
-            load_checkpoint(best_path)  # verify it now rather than after training
-        return ckpt, None
-
     # Rank 0 reads; every rank gets the checkpoint (init_from weights reach the other ranks
     # through DDP's broadcast of rank 0's parameters).
-    ckpt, loaded_init = run_on_main(read_checkpoint, ctx, f"reading the checkpoint in {str(out)!r}")
+    ckpt, loaded_init = run_on_main(
+        partial(_read_checkpoint, out, identity, config, model, resume=resume, init_from=init_from, ctx=ctx),
+        ctx, f"reading the checkpoint in {str(out)!r}",
+    )
     if loaded_init is not None:
         state["init_from"] = loaded_init
     optimizer = build_optimizer(trainable_parameters(model, config), config)
