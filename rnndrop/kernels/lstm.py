@@ -140,9 +140,9 @@ class _LSTMRecurrence(torch.autograd.Function):
         N, H = s.cells.shape
         blocks = schedule.previous_blocks()
 
-        # dz = (dc * from_dc_ifg, dr * from_dr_o), dc += dr * dc_from_dr (equations above).
-        # The factors are written into the buffer of dz, which the loop then multiplies in
-        # place: its memory is touched here in bulk, not step by step.
+        # dz = (dc * the factors of i, f, g; dr * the factor of o), dc += dr * dc_from_dr
+        # (equations above). The factors are written into the buffer of dz, which the loop
+        # then multiplies in place: its memory is touched here in bulk, not step by step.
         i, f, g, o = s.acts.split(H, 1)
         d_gates = torch.addcmul(s.acts, s.acts, s.acts, value=-1)  # σ' = a (1 - a)
         torch.addcmul(s.acts.new_ones(()), g, g, value=-1, out=d_gates[:, 2 * H : 3 * H])  # tanh' = 1 - g²
