@@ -194,7 +194,8 @@ def format_table(rows: list[dict]) -> str:
 
 
 def machine() -> str:
-    """CPU model, cores, torch, BLAS and oneDNN of this machine, in one line."""
+    """CPU model, cores, torch, BLAS and oneDNN of this machine on one line, its memory setup
+    (:func:`memory_setup`) on a second."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
