@@ -115,7 +115,7 @@ class _GRURecurrence(torch.autograd.Function):
         N, H = s.out.shape
         h_prev = gather_previous(s.out, s.h0, schedule.previous_blocks())
 
-        # da = dh * from_dh (equations above); dn_pre = dh * dn_pre_from_dh. The factors are
+        # da = dh * the factors of r, z, n (equations above); dn_pre = dh * dn_pre_from_dh. The factors are
         # written into the buffer of da, which the loop then multiplies in place: its memory
         # is touched here in bulk, not step by step.
         r, z, n = s.acts.split(H, 1)
