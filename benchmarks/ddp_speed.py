@@ -23,10 +23,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rnndrop.lm.configs import get_config
-from rnndrop.lm.corpus import load_corpus
-from rnndrop.lm.distributed import end_worker, init_from_env
-from rnndrop.lm.train import train_run
+from rnndrop.lm.data.corpus import load_corpus
+from rnndrop.lm.model.configs import get_config
+from rnndrop.lm.run.process_group import end_worker, init_from_env
+from rnndrop.lm.run.train import train_run
 
 
 def main() -> None:

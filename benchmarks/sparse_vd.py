@@ -34,13 +34,13 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from rnndrop.lm.checkpoint import load_model
-from rnndrop.lm.configs import get_config
-from rnndrop.lm.corpus import batchify, load_corpus
-from rnndrop.lm.evaluate import score
-from rnndrop.lm.identity import read_verified_result
-from rnndrop.lm.results import write_json_atomic
-from rnndrop.lm.train import train_run
+from rnndrop.lm.data.corpus import batchify, load_corpus
+from rnndrop.lm.model.configs import get_config
+from rnndrop.lm.run.checkpoint import load_model
+from rnndrop.lm.run.evaluate import score
+from rnndrop.lm.run.identity import read_verified_result
+from rnndrop.lm.run.results import write_json_atomic
+from rnndrop.lm.run.train import train_run
 from rnndrop.sparse import DEFAULT_THRESHOLD, prune, sparsity_report
 
 

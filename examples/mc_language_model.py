@@ -39,7 +39,7 @@ from rnndrop.lm import (
     evaluate,
     load_corpus,
 )
-from rnndrop.lm.corpus import sample_dir
+from rnndrop.lm.data.corpus import sample_dir
 from rnndrop.mc import mc_perplexity, mc_predict
 
 

@@ -20,7 +20,7 @@ def _seed():
 @pytest.fixture
 def corpus(tmp_path):
     """The tiny corpus of ``tests.lm_helpers``, written into ``tmp_path / "data"`` and loaded."""
-    from rnndrop.lm.corpus import load_corpus
+    from rnndrop.lm.data.corpus import load_corpus
     from tests.lm_helpers import write_corpus
 
     return load_corpus(write_corpus(tmp_path / "data"))

@@ -27,12 +27,12 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script by torchrun
     sys.path.insert(0, str(ROOT))
 
-from rnndrop.lm.checkpoint import load_checkpoint  # noqa: E402
-from rnndrop.lm.configs import build_model  # noqa: E402
-from rnndrop.lm.corpus import load_corpus  # noqa: E402
-from rnndrop.lm.identity import read_verified_result  # noqa: E402
-from rnndrop.lm.regimes import REGIMES, get_hook, get_regime, registered  # noqa: E402
-from rnndrop.lm.train import TrainingDiverged, add_mc_result, train_run  # noqa: E402
+from rnndrop.lm.data.corpus import load_corpus  # noqa: E402
+from rnndrop.lm.model.configs import build_model  # noqa: E402
+from rnndrop.lm.model.regimes import REGIMES, get_hook, get_regime, registered  # noqa: E402
+from rnndrop.lm.run.checkpoint import load_checkpoint  # noqa: E402
+from rnndrop.lm.run.identity import read_verified_result  # noqa: E402
+from rnndrop.lm.run.train import TrainingDiverged, add_mc_result, train_run  # noqa: E402
 from tests.lm_helpers import TINY, one_thread, write_corpus  # noqa: E402, F401 (autouse fixture)
 
 WORLD = 2
@@ -80,7 +80,7 @@ def _step_checks(vocab: int, ctx) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
     from rnndrop.distributed import check_noise_independent, seed_noise_per_rank
-    from rnndrop.lm.distributed import shard_columns
+    from rnndrop.lm.run.process_group import shard_columns
 
     tokens = torch.randint(vocab, (13, 4), generator=torch.Generator().manual_seed(5))
     inputs, targets = tokens[:-1], tokens[1:]
@@ -150,7 +150,7 @@ def _step_checks(vocab: int, ctx) -> dict:
 def _worker(scenario: str, folder: Path) -> None:
     import torch.distributed as dist
 
-    from rnndrop.lm.distributed import RankFailed, end_worker, init_from_env
+    from rnndrop.lm.run.process_group import RankFailed, end_worker, init_from_env
 
     ctx, _ = init_from_env("cpu", timeout=timedelta(seconds=60))
     torch.set_num_threads(1)
@@ -387,7 +387,7 @@ def test_rank_seeds_differ_from_the_seed_and_between_ranks():
 
 def test_helpers_are_no_ops_for_one_process():
     from rnndrop.distributed import check_noise_independent, check_parameters_agree
-    from rnndrop.lm.distributed import ONE_PROCESS, all_reduce_sums, current, init_from_env
+    from rnndrop.lm.run.process_group import ONE_PROCESS, all_reduce_sums, current, init_from_env
 
     check_noise_independent()
     check_parameters_agree(torch.nn.Linear(2, 3))
@@ -398,7 +398,7 @@ def test_helpers_are_no_ops_for_one_process():
 
 
 def test_shards_of_the_streams_are_contiguous_and_cover_the_batch():
-    from rnndrop.lm.distributed import shard_columns
+    from rnndrop.lm.run.process_group import shard_columns
 
     batched = torch.arange(30).view(3, 10)
     shards = [shard_columns(batched, r, 4) for r in range(4)]
@@ -409,7 +409,7 @@ def test_shards_of_the_streams_are_contiguous_and_cover_the_batch():
 
 
 def test_batch_sizes_that_do_not_divide_among_processes_are_refused():
-    from rnndrop.lm.distributed import Distributed, check_batch_split
+    from rnndrop.lm.run.process_group import Distributed, check_batch_split
 
     three = Distributed(rank=0, world_size=3, backend="gloo")
     with pytest.raises(ValueError, match=r"batch_size must be a multiple of the number of processes \(3\)"):
@@ -420,7 +420,7 @@ def test_batch_sizes_that_do_not_divide_among_processes_are_refused():
 
 
 def test_torchrun_variables_are_checked(monkeypatch):
-    from rnndrop.lm.distributed import init_from_env
+    from rnndrop.lm.run.process_group import init_from_env
 
     monkeypatch.setenv("WORLD_SIZE", "two")
     with pytest.raises(ValueError, match="WORLD_SIZE must be an integer .* got 'two'"):

@@ -147,10 +147,10 @@ def test_negative_elbo_and_regularizer_scale_by_dataset_size():
 def test_language_model_regimes_train_with_the_kl_hook(tmp_path, regime):
     from dataclasses import replace
 
-    from rnndrop.lm.configs import build_model
-    from rnndrop.lm.corpus import load_corpus
-    from rnndrop.lm.regimes import REGIMES, get_hook
-    from rnndrop.lm.train import train_run
+    from rnndrop.lm.data.corpus import load_corpus
+    from rnndrop.lm.model.configs import build_model
+    from rnndrop.lm.model.regimes import REGIMES, get_hook
+    from rnndrop.lm.run.train import train_run
     from tests.lm_helpers import TINY, write_corpus
 
     corpus = load_corpus(write_corpus(tmp_path / "data"))

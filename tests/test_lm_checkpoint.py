@@ -12,9 +12,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from rnndrop.lm.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint
-from rnndrop.lm.corpus import load_corpus
-from rnndrop.lm.train import train_run
+from rnndrop.lm.data.corpus import load_corpus
+from rnndrop.lm.run.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint
+from rnndrop.lm.run.train import train_run
 from tests.lm_helpers import TINY, one_thread, write_corpus  # noqa: F401 (autouse fixture)
 
 ONE = replace(TINY, epochs=1, mc_samples=0)
@@ -31,8 +31,8 @@ def test_load_model_rebuilds_the_best_model_with_its_vocabulary(corpus, tmp_path
     with pytest.raises(AttributeError):
         run.epoch = 3  # frozen
     # The rebuilt model scores the test split exactly as the run did.
-    from rnndrop.lm.corpus import batchify
-    from rnndrop.lm.evaluate import score
+    from rnndrop.lm.data.corpus import batchify
+    from rnndrop.lm.run.evaluate import score
 
     test = score(run.model, batchify(corpus.test, ONE.eval_batch_size), ONE.bptt)
     assert test.nll == pytest.approx(result["test_nll"], rel=1e-6)
@@ -122,8 +122,8 @@ def test_resume_falls_back_to_the_previous_checkpoint_and_stays_bit_identical(co
 
 
 def test_divergence_message_does_not_vouch_for_a_corrupt_checkpoint(corpus, tmp_path):
-    from rnndrop.lm.regimes import Regime, registered
-    from rnndrop.lm.train import TrainingDiverged
+    from rnndrop.lm.model.regimes import Regime, registered
+    from rnndrop.lm.run.train import TrainingDiverged
 
     def nan_in_epoch_2(model, progress, train_tokens):
         return torch.tensor(float("nan") if progress >= 0.5 else 0.0)
@@ -154,9 +154,9 @@ class _Loud(torch.nn.Module):
 
 
 def test_a_large_finite_loss_stops_as_divergence_not_overflow(corpus, tmp_path):
-    from rnndrop.lm.evaluate import Score
-    from rnndrop.lm.regimes import Regime, registered
-    from rnndrop.lm.train import TrainingDiverged
+    from rnndrop.lm.model.regimes import Regime, registered
+    from rnndrop.lm.run.evaluate import Score
+    from rnndrop.lm.run.train import TrainingDiverged
 
     assert Score(1000.0, 1).perplexity == math.inf
     with (registered({"loud": Regime("huge logits", rnn_factory="loud")}, hooks={"loud": _Loud}),
@@ -173,7 +173,7 @@ def test_config_rejects_non_positive_clip_and_lr(field, value):
 # -- finding 4: one writer per run folder -----------------------------------------------------
 
 def test_a_second_writer_is_refused_naming_the_holder(corpus, tmp_path):
-    from rnndrop.lm.lock import RunLocked
+    from rnndrop.lm.run.lock import RunLocked
 
     refused = []
 
@@ -216,7 +216,7 @@ def test_resume_refuses_another_corpus_and_names_only_the_differing_fields(corpu
 
 
 def test_tampered_or_truncated_results_are_not_reused_and_resume_rewrites_them(corpus, tmp_path, caplog):
-    from rnndrop.lm.identity import finished_result, run_identity
+    from rnndrop.lm.run.identity import finished_result, run_identity
 
     result = train_run(corpus, ONE, "tied", tmp_path / "run", seed=3, progress=False)
     identity = run_identity(corpus, ONE, "tied", None, 3)
@@ -265,7 +265,7 @@ def test_stale_temporaries_are_removed_and_files_honour_the_umask(corpus, tmp_pa
 
 def test_an_unwritable_output_folder_fails_before_training(corpus, tmp_path, monkeypatch):
     # Permission bits do not stop root, so the refusal of the first write is simulated.
-    from rnndrop.lm import lock
+    from rnndrop.lm.run import lock
 
     def refuse(path, flags, mode=0o777):
         raise PermissionError(13, "Permission denied", str(path))
@@ -281,7 +281,7 @@ def test_an_unwritable_output_folder_fails_before_training(corpus, tmp_path, mon
 # -- interrupts -------------------------------------------------------------------------------
 
 def test_ctrl_c_is_reraised_with_the_epoch_and_resume_continues_bit_for_bit(corpus, tmp_path):
-    from rnndrop.lm.train import RunInterrupted
+    from rnndrop.lm.run.train import RunInterrupted
 
     config = replace(TINY, epochs=2, mc_samples=0)
     full = train_run(corpus, config, "tied", tmp_path / "full", seed=9, progress=False)
@@ -303,8 +303,8 @@ _CHILD = """
 import sys, time
 from dataclasses import replace
 import torch
-from rnndrop.lm.corpus import load_corpus
-from rnndrop.lm.train import RunInterrupted, train_run
+from rnndrop.lm.data.corpus import load_corpus
+from rnndrop.lm.run.train import RunInterrupted, train_run
 from tests.lm_helpers import TINY
 
 torch.set_num_threads(1)

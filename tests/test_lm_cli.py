@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from rnndrop.lm import cli
-from rnndrop.lm.checkpoint import load_model
-from rnndrop.lm.corpus import batchify, load_corpus, sample_dir
-from rnndrop.lm.evaluate import score
+from rnndrop.lm.data.corpus import batchify, load_corpus, sample_dir
+from rnndrop.lm.run.checkpoint import load_model
+from rnndrop.lm.run.evaluate import score
 from tests.lm_helpers import write_corpus
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,7 +57,7 @@ def test_console_script_and_module_entry_point_offer_data_and_resume(tmp_path, c
         assert "--data" in sub and "--resume" in sub
     module = _rnndrop_lm(["ptb", "--help"], tmp_path)
     assert module.returncode == 0 and module.stdout == _help(["ptb", "--help"], capsys)
-    bench = subprocess.run([sys.executable, "-m", "rnndrop.lm.benchmark", "--help"], env=_env(tmp_path),
+    bench = subprocess.run([sys.executable, "-m", "rnndrop.lm.run.benchmark", "--help"], env=_env(tmp_path),
                            capture_output=True, text=True)
     assert bench.returncode == 0 and bench.stdout == top  # the same command, not a silent exit
 

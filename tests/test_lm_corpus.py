@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from rnndrop.lm.corpus import (
+from rnndrop.lm.data.corpus import (
     EOS,
     SPLITS,
     UNK,

@@ -8,8 +8,8 @@ from functools import partial
 
 import pytest
 
-from rnndrop.lm.corpus import load_corpus
-from rnndrop.lm.download import MIRROR_ENV, DownloadError, download_corpus
+from rnndrop.lm.data.corpus import load_corpus
+from rnndrop.lm.data.download import MIRROR_ENV, DownloadError, download_corpus
 
 TEXT = {"train": "a b c\nb c a\n", "valid": "a b\n", "test": "c a\n"}
 

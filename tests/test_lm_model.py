@@ -2,9 +2,9 @@ import pytest
 import torch
 from torch import nn
 
-from rnndrop.lm.configs import build_model
-from rnndrop.lm.model import RNNLanguageModel, detach_hidden
-from rnndrop.lm.regimes import REGIMES, Regime, regime_probabilities, registered
+from rnndrop.lm.model.configs import build_model
+from rnndrop.lm.model.language_model import RNNLanguageModel, detach_hidden
+from rnndrop.lm.model.regimes import REGIMES, Regime, regime_probabilities, registered
 from rnndrop.mc import sampling_modules
 from rnndrop.recurrent import VariationalLSTM
 from tests.lm_helpers import TINY, one_thread  # noqa: F401 (autouse fixture)

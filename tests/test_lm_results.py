@@ -7,8 +7,8 @@ import types
 import matplotlib.pyplot as plt
 import pytest
 
-from rnndrop.lm.progress import JobProgress, format_duration
-from rnndrop.lm.results import (
+from rnndrop.lm.run.progress import JobProgress, format_duration
+from rnndrop.lm.run.results import (
     METRICS_COLUMNS,
     EpochLog,
     benchmark_markdown,
@@ -134,8 +134,8 @@ def test_job_progress_counts_epochs_of_all_runs_and_drops_what_a_reused_run_save
 
 
 def test_the_estimate_scales_the_timed_steps_to_the_job(tmp_path, monkeypatch):
-    from rnndrop.lm import estimate
-    from rnndrop.lm.corpus import load_corpus
+    from rnndrop.lm.data.corpus import load_corpus
+    from rnndrop.lm.run import estimate
     from tests.lm_helpers import TINY, write_corpus
 
     corpus = load_corpus(write_corpus(tmp_path))

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from rnndrop.kl import MOLCHANOV_COEFFICIENTS
-from rnndrop.lm.checkpoint import load_checkpoint, load_model
 from rnndrop.lm.cli import UsageError, _config_from_args, _corpus_parser
-from rnndrop.lm.configs import build_model, get_config
-from rnndrop.lm.corpus import batchify
-from rnndrop.lm.evaluate import score
-from rnndrop.lm.identity import read_verified_result
-from rnndrop.lm.regimes import REGIMES, get_hook
-from rnndrop.lm.train import train_run
+from rnndrop.lm.data.corpus import batchify
+from rnndrop.lm.model.configs import build_model, get_config
+from rnndrop.lm.model.regimes import REGIMES, get_hook
+from rnndrop.lm.run.checkpoint import load_checkpoint, load_model
+from rnndrop.lm.run.evaluate import score
+from rnndrop.lm.run.identity import read_verified_result
+from rnndrop.lm.run.train import train_run
 from rnndrop.sparse import SparseLSTM, prune, sparsity_report
 from tests.lm_helpers import (  # noqa: F401 (fixtures)
     TINY,
@@ -198,6 +198,6 @@ def test_frozen_parameters_keep_the_weights_they_started_from(corpus, tmp_path):
                   progress=False)
     with pytest.raises(ValueError, match="freeze must be a tuple of parameter-name prefixes, got 'decoder.'"):
         replace(SPARSE, freeze="decoder.")
-    from rnndrop.lm.configs import TrainConfig
+    from rnndrop.lm.model.configs import TrainConfig
 
     assert TrainConfig.from_dict(frozen.to_dict()) == frozen

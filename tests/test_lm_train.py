@@ -5,12 +5,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from rnndrop.lm import benchmark
-from rnndrop.lm.checkpoint import load_checkpoint
-from rnndrop.lm.configs import CONFIGS
-from rnndrop.lm.regimes import Regime, registered
-from rnndrop.lm.results import markdown_table, read_result, validate_result
-from rnndrop.lm.train import TrainingDiverged, train_run
+from rnndrop.lm.model.configs import CONFIGS
+from rnndrop.lm.model.regimes import Regime, registered
+from rnndrop.lm.run import benchmark
+from rnndrop.lm.run.checkpoint import load_checkpoint
+from rnndrop.lm.run.results import markdown_table, read_result, validate_result
+from rnndrop.lm.run.train import TrainingDiverged, train_run
 from tests.lm_helpers import TINY, Killed, one_thread, write_corpus  # noqa: F401 (fixtures)
 
 
@@ -224,9 +224,9 @@ def test_adam_and_gru_train_through_the_one_loop_and_resume_bit_for_bit(corpus, 
 
 
 def test_init_from_starts_sparse_vd_from_a_dense_run_and_records_what_it_loaded(corpus, tmp_path):
-    from rnndrop.lm.configs import build_model
-    from rnndrop.lm.regimes import REGIMES
-    from rnndrop.lm.train import _load_initial_weights
+    from rnndrop.lm.model.configs import build_model
+    from rnndrop.lm.model.regimes import REGIMES
+    from rnndrop.lm.run.train import _load_initial_weights
 
     config = replace(TINY, epochs=1, mc_samples=0)
     train_run(corpus, config, "tied", tmp_path / "dense", seed=1, progress=False)
@@ -252,7 +252,7 @@ def test_init_from_starts_sparse_vd_from_a_dense_run_and_records_what_it_loaded(
 
 
 def test_regimes_are_read_only_and_registrations_do_not_leak():
-    from rnndrop.lm.regimes import REGIMES, get_regime, register_regime
+    from rnndrop.lm.model.regimes import REGIMES, get_regime, register_regime
 
     with pytest.raises(TypeError):
         REGIMES["mine"] = Regime("mine")  # type: ignore[index]

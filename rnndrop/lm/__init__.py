@@ -8,9 +8,7 @@ time-major; ``hidden`` is opaque (None = zeros) and carried by the caller across
 truncated-BPTT segments.
 """
 
-from rnndrop.lm.checkpoint import LoadedModel, load_model
-from rnndrop.lm.configs import CONFIGS, TrainConfig, build_model, get_config
-from rnndrop.lm.corpus import (
+from rnndrop.lm.data.corpus import (
     Corpus,
     CorpusError,
     Vocabulary,
@@ -20,12 +18,14 @@ from rnndrop.lm.corpus import (
     load_corpus,
     sample_dir,
 )
-from rnndrop.lm.download import DownloadError, download_corpus
-from rnndrop.lm.evaluate import evaluate, evaluate_mc
-from rnndrop.lm.generate import generate
-from rnndrop.lm.model import RNNLanguageModel, detach_hidden
-from rnndrop.lm.regimes import REGIMES, Regime
-from rnndrop.lm.train import TrainingDiverged, train_run
+from rnndrop.lm.data.download import DownloadError, download_corpus
+from rnndrop.lm.model.configs import CONFIGS, TrainConfig, build_model, get_config
+from rnndrop.lm.model.language_model import RNNLanguageModel, detach_hidden
+from rnndrop.lm.model.regimes import REGIMES, Regime
+from rnndrop.lm.run.checkpoint import LoadedModel, load_model
+from rnndrop.lm.run.evaluate import evaluate, evaluate_mc
+from rnndrop.lm.run.generate import generate
+from rnndrop.lm.run.train import TrainingDiverged, train_run
 
 __all__ = [
     "CONFIGS",

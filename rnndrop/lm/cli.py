@@ -34,7 +34,7 @@ EXIT_DATA = 2
 EXIT_DIVERGED = 3
 EXIT_INTERRUPTED = 130
 
-#: Corpus names on the command line -> names in :mod:`rnndrop.lm.download`.
+#: Corpus names on the command line -> names in :mod:`rnndrop.lm.data.download`.
 CORPORA = {"ptb": "ptb", "wikitext2": "wikitext-2", "wikitext-2": "wikitext-2"}
 
 def _prefixes(text: str) -> tuple[str, ...]:
@@ -70,9 +70,9 @@ def _fail(message: str, code: int) -> SystemExit:
 
 
 def _add_train_arguments(parser: argparse.ArgumentParser, dataset: str) -> None:
-    from rnndrop.lm.configs import CONFIGS
-    from rnndrop.lm.download import DATASETS
-    from rnndrop.lm.regimes import REGIMES
+    from rnndrop.lm.data.download import DATASETS
+    from rnndrop.lm.model.configs import CONFIGS
+    from rnndrop.lm.model.regimes import REGIMES
 
     remote = DATASETS[dataset]
     data = parser.add_argument_group("data")
@@ -189,7 +189,7 @@ def _positive(name: str, value: int | None, minimum: int = 1) -> None:
 
 
 def _config_from_args(args: argparse.Namespace):
-    from rnndrop.lm.configs import get_config
+    from rnndrop.lm.model.configs import get_config
 
     config = get_config(args.config)
     changes: dict[str, Any] = {}
@@ -211,8 +211,8 @@ def _config_from_args(args: argparse.Namespace):
 
 
 def _resolve_data(data: str | None, dataset: str, args: argparse.Namespace) -> Path:
-    from rnndrop.lm.corpus import sample_dir
-    from rnndrop.lm.download import download_corpus
+    from rnndrop.lm.data.corpus import sample_dir
+    from rnndrop.lm.data.download import download_corpus
 
     if data == "sample":
         return sample_dir(dataset)
@@ -242,12 +242,12 @@ def train_main(argv: Sequence[str] | None, dataset: str) -> str:
 
 
 def _train(args: argparse.Namespace, dataset: str, given: list[str]) -> str:
-    from rnndrop.lm.benchmark import JobInterrupted, run_benchmark
-    from rnndrop.lm.corpus import CorpusError
-    from rnndrop.lm.distributed import RankFailed, init_from_env, run_on_main, torchrun_world_size
-    from rnndrop.lm.download import DownloadError
-    from rnndrop.lm.lock import RunLocked
-    from rnndrop.lm.train import TrainingDiverged
+    from rnndrop.lm.data.corpus import CorpusError
+    from rnndrop.lm.data.download import DownloadError
+    from rnndrop.lm.run.benchmark import JobInterrupted, run_benchmark
+    from rnndrop.lm.run.lock import RunLocked
+    from rnndrop.lm.run.process_group import RankFailed, init_from_env, run_on_main, torchrun_world_size
+    from rnndrop.lm.run.train import TrainingDiverged
 
     try:  # under torchrun: join the process group (each rank checks the same arguments)
         if torchrun_world_size() > 1 and args.jobs != 1:
@@ -304,10 +304,10 @@ def _train(args: argparse.Namespace, dataset: str, given: list[str]) -> str:
 def _checked_job(args: argparse.Namespace, dataset: str) -> tuple[Any, ...]:
     """The job the arguments describe, checked: (config, regimes, seeds, dropout,
     dropout by regime, data folder, output folder). Raises UsageError and the data's errors."""
-    from rnndrop.lm.benchmark import chosen_dropout, parse_dropout
-    from rnndrop.lm.corpus import load_corpus
-    from rnndrop.lm.identity import best_file
-    from rnndrop.lm.regimes import get_regime
+    from rnndrop.lm.data.corpus import load_corpus
+    from rnndrop.lm.model.regimes import get_regime
+    from rnndrop.lm.run.benchmark import chosen_dropout, parse_dropout
+    from rnndrop.lm.run.identity import best_file
 
     config = _config_from_args(args)
     regimes = [r.strip() for r in args.regimes.split(",") if r.strip()]
@@ -349,8 +349,8 @@ def _checked_job(args: argparse.Namespace, dataset: str) -> tuple[Any, ...]:
 
 
 def _load_run(path: str, device: str):
-    from rnndrop.lm.checkpoint import CheckpointError, load_model
-    from rnndrop.lm.train import resolve_device
+    from rnndrop.lm.run.checkpoint import CheckpointError, load_model
+    from rnndrop.lm.run.train import resolve_device
 
     try:
         return load_model(path, resolve_device(device))
@@ -374,8 +374,8 @@ def _evaluate(args: argparse.Namespace) -> str:
     """``rnndrop-lm evaluate RUN``: perplexity, MC perplexity and ECE on a split."""
     import torch
 
-    from rnndrop.lm.corpus import CorpusError, batchify, encode_split, sample_dir
-    from rnndrop.lm.evaluate import CALIBRATION_BINS, score, score_mc
+    from rnndrop.lm.data.corpus import CorpusError, batchify, encode_split, sample_dir
+    from rnndrop.lm.run.evaluate import CALIBRATION_BINS, score, score_mc
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     try:
@@ -425,7 +425,7 @@ def _generate(args: argparse.Namespace) -> str:
     """``rnndrop-lm generate RUN``: sample words from the trained model."""
     import torch
 
-    from rnndrop.lm.generate import generate, words_to_text
+    from rnndrop.lm.run.generate import generate, words_to_text
 
     try:
         _positive("--words", args.words, 0)
@@ -473,7 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            from rnndrop.lm.distributed import end_worker
+            from rnndrop.lm.run.process_group import end_worker
 
             end_worker(code)
     return code

@@ -8,9 +8,9 @@ Monte-Carlo test perplexity of the chosen runs. The test split plays no part in 
 choice.
 
 Outputs in ``--out``: one folder per run (checkpoint, best model, results.json,
-metrics.csv, curve.png), ``results.md`` (tables, :func:`rnndrop.lm.results.benchmark_markdown`),
+metrics.csv, curve.png), ``results.md`` (tables, :func:`rnndrop.lm.run.results.benchmark_markdown`),
 ``summary.json`` and ``learning_curves.png``. This module runs the jobs; the command
-line is :mod:`rnndrop.lm.cli` (``python -m rnndrop.lm.benchmark`` runs it too).
+line is :mod:`rnndrop.lm.cli` (``python -m rnndrop.lm.run.benchmark`` runs it too).
 """
 
 from __future__ import annotations
@@ -28,21 +28,21 @@ from typing import Any
 
 import torch
 
-from rnndrop.lm.atomic import atomic_write
-from rnndrop.lm.configs import TrainConfig
-from rnndrop.lm.corpus import Corpus, load_corpus
-from rnndrop.lm.distributed import current, run_on_main
-from rnndrop.lm.estimate import estimate_seconds
-from rnndrop.lm.identity import finished_result, run_identity
-from rnndrop.lm.progress import JobProgress, format_duration
-from rnndrop.lm.regimes import SITES, get_regime, regime_probabilities
-from rnndrop.lm.results import (
+from rnndrop.lm.data.corpus import Corpus, load_corpus
+from rnndrop.lm.model.configs import TrainConfig
+from rnndrop.lm.model.regimes import SITES, get_regime, regime_probabilities
+from rnndrop.lm.run.atomic import atomic_write
+from rnndrop.lm.run.estimate import estimate_seconds
+from rnndrop.lm.run.identity import finished_result, run_identity
+from rnndrop.lm.run.process_group import current, run_on_main
+from rnndrop.lm.run.progress import JobProgress, format_duration
+from rnndrop.lm.run.results import (
     EpochLog,
     benchmark_markdown,
     plot_learning_curves,
     write_json_atomic,
 )
-from rnndrop.lm.train import add_mc_result, train_run
+from rnndrop.lm.run.train import add_mc_result, train_run
 
 __all__ = ["JobInterrupted", "RunSpec", "chosen_dropout", "main", "run_benchmark"]
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rnndrop.lm.atomic import atomic_write, fsync_folder
+from rnndrop.lm.run.atomic import atomic_write, fsync_folder
 
 __all__ = [
     "FORMAT_VERSION",
@@ -214,9 +214,9 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> LoadedMo
         CheckpointError: the file is corrupt, or is a ``best.pt`` without the config
             and vocabulary (written by an older version).
     """
-    from rnndrop.lm.configs import TrainConfig, build_model
-    from rnndrop.lm.corpus import Vocabulary
-    from rnndrop.lm.regimes import Regime
+    from rnndrop.lm.data.corpus import Vocabulary
+    from rnndrop.lm.model.configs import TrainConfig, build_model
+    from rnndrop.lm.model.regimes import Regime
 
     path = Path(path)
     if path.is_dir():

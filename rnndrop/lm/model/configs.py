@@ -5,7 +5,7 @@ Zaremba et al. 2014 and Gal & Ghahramani 2016, plus ``mini`` / ``cpu-200`` for t
 small offline corpora and ``sparse-vd-*`` for sparse variational dropout), the dropout
 probability of every site (``TrainConfig.dropout``) and the grid searched on the
 validation split (``TrainConfig.grid``). Where dropout goes is the *regime*'s
-business (:mod:`rnndrop.lm.regimes`).
+business (:mod:`rnndrop.lm.model.regimes`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from rnndrop.lm.regimes import REGIMES, Regime, get_hook, regime_probabilities
+from rnndrop.lm.model.regimes import REGIMES, Regime, get_hook, regime_probabilities
 
 __all__ = [
     "CELLS",
@@ -325,7 +325,7 @@ def build_model(
 ) -> nn.Module:
     """The language model of ``config`` (its ``cell``) with ``regime``'s dropout at
     ``probabilities``."""
-    from rnndrop.lm.model import RNNLanguageModel
+    from rnndrop.lm.model.language_model import RNNLanguageModel
 
     p = regime_probabilities(regime, probabilities)
     common = {

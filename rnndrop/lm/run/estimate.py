@@ -14,10 +14,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from rnndrop.lm.configs import TrainConfig, build_model
-from rnndrop.lm.corpus import Corpus, batchify
-from rnndrop.lm.regimes import get_regime, regime_probabilities
-from rnndrop.lm.train import resolve_device
+from rnndrop.lm.data.corpus import Corpus, batchify
+from rnndrop.lm.model.configs import TrainConfig, build_model
+from rnndrop.lm.model.regimes import get_regime, regime_probabilities
+from rnndrop.lm.run.train import resolve_device
 
 __all__ = ["estimate_seconds"]
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from rnndrop.lm.atomic import atomic_write
+from rnndrop.lm.run.atomic import atomic_write
 
 log = logging.getLogger(__name__)
 

@@ -246,7 +246,7 @@ def sample_dir(name: str) -> Path:
     shipped with the package (see ``NOTICE.md`` beside it for its source and licence)."""
     if name not in SAMPLES:
         raise ValueError(f"name must be one of {', '.join(map(repr, SAMPLES))}, got {name!r}")
-    return Path(__file__).resolve().parent / "data" / SAMPLES[name]
+    return Path(__file__).resolve().parent / SAMPLES[name]
 
 
 def batchify(data: Tensor, batch_size: int) -> Tensor:

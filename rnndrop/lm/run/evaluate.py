@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rnndrop.calibration import ReliabilityDiagram, reliability_from_predictions
-from rnndrop.lm.corpus import bptt_batches
-from rnndrop.lm.distributed import Distributed, all_reduce_reliability, all_reduce_sums, shard_columns
+from rnndrop.lm.data.corpus import bptt_batches
+from rnndrop.lm.run.process_group import Distributed, all_reduce_reliability, all_reduce_sums, shard_columns
 
 __all__ = [
     "CALIBRATION_BINS",

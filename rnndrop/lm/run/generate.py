@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from rnndrop.lm.corpus import EOS, Vocabulary
+from rnndrop.lm.data.corpus import EOS, Vocabulary
 
 __all__ = ["generate", "words_to_text"]
 

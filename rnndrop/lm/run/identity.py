@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from rnndrop.lm.checkpoint import FORMAT_VERSION
-from rnndrop.lm.configs import TrainConfig
-from rnndrop.lm.corpus import Corpus
-from rnndrop.lm.regimes import get_regime, regime_probabilities
-from rnndrop.lm.results import write_json_atomic
+from rnndrop.lm.data.corpus import Corpus
+from rnndrop.lm.model.configs import TrainConfig
+from rnndrop.lm.model.regimes import get_regime, regime_probabilities
+from rnndrop.lm.run.checkpoint import FORMAT_VERSION
+from rnndrop.lm.run.results import write_json_atomic
 
 __all__ = [
     "BEST",

@@ -4,14 +4,14 @@ Sites: ``embedding`` (word types), ``input`` (first layer's input), ``between``
 (input of later layers), ``hidden`` (the recurrent state ``h_{t-1}``, or ``W_hh``
 for weight-dropped regimes), ``output`` (before the decoder). A regime uses only the
 sites it lists; the others get probability 0. The probabilities come from the config
-(:class:`rnndrop.lm.configs.TrainConfig`) or from a grid searched on validation.
+(:class:`rnndrop.lm.model.configs.TrainConfig`) or from a grid searched on validation.
 
 Regimes are frozen and :data:`REGIMES` is a read-only mapping; a regime names its
 code hooks (an extra loss term, a recurrent stack of its own), which live in a
 registry of hooks. Adding a regime (e.g. learned Gaussian dropout with another
 warm-up)::
 
-    from rnndrop.lm.regimes import Regime, register_hook, register_regime
+    from rnndrop.lm.model.regimes import Regime, register_hook, register_regime
     register_hook("kl_warmup_half", KLRegularizer(warmup=0.5))
     register_regime("gaussian_slow", Regime(
         "tied Gaussian noise, slow KL warm-up", sites=("input", "hidden", "between", "output"),

@@ -135,7 +135,7 @@ class JobProgress:
 
 class EpochProgress:
     """A tqdm bar on a terminal when tqdm is installed (below the job's bar of
-    :class:`rnndrop.lm.progress.JobProgress`, if one is drawn), else a log line every
+    :class:`rnndrop.lm.run.progress.JobProgress`, if one is drawn), else a log line every
     tenth of the loop (e.g. when stderr goes to a file)."""
 
     def __init__(self, total: int, desc: str, enabled: bool) -> None:

@@ -11,8 +11,8 @@ its own:
 - ``results.json`` (with a SHA-256 of its content) and ``curve.png`` when the run has
   finished; ``run.lock`` while a process writes into the folder.
 
-Checkpoints are verified on load (:mod:`rnndrop.lm.checkpoint`); what makes two runs
-the same run is :mod:`rnndrop.lm.identity`. ``train_run(...,
+Checkpoints are verified on load (:mod:`rnndrop.lm.run.checkpoint`); what makes two runs
+the same run is :mod:`rnndrop.lm.run.identity`. ``train_run(...,
 resume=True)`` continues from ``checkpoint.pt`` (or, with a logged warning, from
 ``checkpoint.prev.pt`` when the newest is corrupt): the run ends in the very state
 (bit for bit) an uninterrupted run with the same seed reaches, and no finished epoch
@@ -25,7 +25,7 @@ state carried (detached) across segments and reset at every epoch, gradient-norm
 clipping, and the optimiser the config names (SGD or Adam).
 
 Under ``torchrun`` (a default process group of N > 1 ranks, see
-:mod:`rnndrop.lm.distributed`) the same call on every rank trains one model with
+:mod:`rnndrop.lm.run.process_group`) the same call on every rank trains one model with
 DistributedDataParallel: each rank takes ``batch_size / N`` contiguous streams, DDP
 averages the gradients before they are clipped, validation and test sums are added over
 the ranks, each rank draws its own dropout noise (:mod:`rnndrop.distributed`), and rank 0
@@ -50,8 +50,17 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from rnndrop.distributed import check_parameters_agree, seed_noise_per_rank
-from rnndrop.lm.atomic import remove_stale_temporaries
-from rnndrop.lm.checkpoint import (
+from rnndrop.lm.data.corpus import Corpus, batchify, bptt_batches, num_bptt_batches
+from rnndrop.lm.model.configs import (
+    TrainConfig,
+    build_model,
+    build_optimizer,
+    trainable_parameters,
+)
+from rnndrop.lm.model.language_model import detach_hidden
+from rnndrop.lm.model.regimes import Regime, get_hook, get_regime, regime_probabilities
+from rnndrop.lm.run.atomic import remove_stale_temporaries
+from rnndrop.lm.run.checkpoint import (
     CheckpointError,
     get_rng_state,
     load_checkpoint,
@@ -61,9 +70,27 @@ from rnndrop.lm.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from rnndrop.lm.configs import TrainConfig, build_model, build_optimizer, trainable_parameters
-from rnndrop.lm.corpus import Corpus, batchify, bptt_batches, num_bptt_batches
-from rnndrop.lm.distributed import (
+from rnndrop.lm.run.evaluate import (
+    CALIBRATION_BINS,
+    MAX_NLL,
+    Score,
+    has_noise,
+    perplexity,
+    score_split,
+    token_loss,
+)
+from rnndrop.lm.run.identity import (
+    BEST,
+    RESULTS,
+    best_file,
+    file_sha256,
+    identity_differences,
+    read_verified_result,
+    run_identity,
+    write_signed_result,
+)
+from rnndrop.lm.run.lock import RunLock
+from rnndrop.lm.run.process_group import (
     ONE_PROCESS,
     Distributed,
     all_gather_floats,
@@ -74,30 +101,8 @@ from rnndrop.lm.distributed import (
     run_on_main,
     shard_columns,
 )
-from rnndrop.lm.evaluate import (
-    CALIBRATION_BINS,
-    MAX_NLL,
-    Score,
-    has_noise,
-    perplexity,
-    score_split,
-    token_loss,
-)
-from rnndrop.lm.identity import (
-    BEST,
-    RESULTS,
-    best_file,
-    file_sha256,
-    identity_differences,
-    read_verified_result,
-    run_identity,
-    write_signed_result,
-)
-from rnndrop.lm.lock import RunLock
-from rnndrop.lm.model import detach_hidden
-from rnndrop.lm.progress import EpochProgress
-from rnndrop.lm.regimes import Regime, get_hook, get_regime, regime_probabilities
-from rnndrop.lm.results import SCHEMA, peak_memory, plot_learning_curves, versions
+from rnndrop.lm.run.progress import EpochProgress
+from rnndrop.lm.run.results import SCHEMA, peak_memory, plot_learning_curves, versions
 
 __all__ = [
     "EpochCallback",
@@ -325,9 +330,9 @@ def train_run(
     """Train one run to the end (or resume it) and return its result (also in results.json).
 
     Args:
-        corpus: the data (see :func:`rnndrop.lm.corpus.load_corpus`).
+        corpus: the data (see :func:`rnndrop.lm.data.corpus.load_corpus`).
         config: model size and optimisation.
-        regime: a key of :data:`rnndrop.lm.regimes.REGIMES`.
+        regime: a key of :data:`rnndrop.lm.model.regimes.REGIMES`.
         out_dir: the run's folder (locked while the run writes into it).
         dropout: probability per site; default ``config.dropout``. Sites the regime
             does not use get 0.
@@ -347,7 +352,7 @@ def train_run(
             recipe "train dense, then fine-tune with sparse VD". Recorded in the results.
 
     Under torchrun (an initialised default process group of N > 1 ranks, e.g. from
-    :func:`rnndrop.lm.distributed.init_from_env`) call it on every rank with the same
+    :func:`rnndrop.lm.run.process_group.init_from_env`) call it on every rank with the same
     arguments: see the module docstring. ``batch_size`` must be a multiple of N and
     ``eval_batch_size`` at least N; ``on_epoch_end`` is called on every rank; every rank
     returns rank 0's result, which records ``world_size`` and ``backend``.
@@ -389,7 +394,7 @@ def train_run(
 
 def _rank_device(device: str | torch.device, ctx: Distributed) -> torch.device:
     """:func:`resolve_device`; under DDP a bare ``cuda`` is this rank's GPU (the current
-    device, which :func:`rnndrop.lm.distributed.init_from_env` set to ``LOCAL_RANK``)."""
+    device, which :func:`rnndrop.lm.run.process_group.init_from_env` set to ``LOCAL_RANK``)."""
     device = resolve_device(device)
     if ctx.enabled and device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
