@@ -26,6 +26,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from rnndrop.lm.run.folder import LEARNING_CURVES, RESULTS
+
 __all__ = ["EXIT_DATA", "EXIT_DIVERGED", "EXIT_INTERRUPTED", "build_parser", "main", "train_main"]
 
 log = logging.getLogger(__name__)
@@ -296,7 +298,7 @@ def _train(args: argparse.Namespace, dataset: str, given: list[str]) -> str:
         return ""
     report = summary["markdown"].rstrip() + "\n\n"
     report += f"Written to {out}/: {', '.join(summary['files'])} and one folder per run.\n"
-    if "learning_curves.png" in summary["files"]:
+    if LEARNING_CURVES in summary["files"]:
         report += f"Learning curves: {out / 'learning_curves.png'}\n"
     return report
 
@@ -363,7 +365,7 @@ def _run_result(best: Path) -> dict[str, Any]:
     import json
 
     try:
-        with open(best.parent / "results.json", encoding="utf-8") as f:
+        with open(best.parent / RESULTS, encoding="utf-8") as f:
             result = json.load(f)
         return result if isinstance(result, dict) else {}
     except (OSError, ValueError):

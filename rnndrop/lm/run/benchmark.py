@@ -33,6 +33,7 @@ from rnndrop.lm.model.configs import TrainConfig
 from rnndrop.lm.model.regimes import SITES, get_regime, regime_probabilities
 from rnndrop.lm.run.atomic import atomic_write
 from rnndrop.lm.run.estimate import estimate_seconds
+from rnndrop.lm.run.folder import LEARNING_CURVES, RESULTS, RESULTS_TABLE, SUMMARY
 from rnndrop.lm.run.identity import finished_result, run_identity
 from rnndrop.lm.run.process_group import current, run_on_main
 from rnndrop.lm.run.progress import JobProgress, format_duration
@@ -126,7 +127,7 @@ def chosen_dropout(summary_path: str | Path) -> dict[str, dict[str, float]]:
 
 
 def _finished(spec: RunSpec) -> dict[str, Any] | None:
-    if not (Path(spec.folder) / "results.json").is_file():
+    if not (Path(spec.folder) / RESULTS).is_file():
         return None  # nothing to reuse: skip reading the corpus
     identity = run_identity(_corpus(spec.data_dir), spec.config, spec.regime, spec.dropout, spec.seed)
     return finished_result(spec.folder, identity, epochs=spec.config.epochs)
@@ -353,9 +354,9 @@ def run_benchmark(
     first_seed = [r for r in final_results if r["seed"] == seeds[0]]
     main = current().is_main  # under torchrun rank 0 alone writes the job's files
     if main:
-        with atomic_write(out / "results.md", "w", encoding="utf-8") as f:
+        with atomic_write(out / RESULTS_TABLE, "w", encoding="utf-8") as f:
             f.write(markdown)
-    plot = plot_learning_curves(first_seed, out / "learning_curves.png") if main else None
+    plot = plot_learning_curves(first_seed, out / LEARNING_CURVES) if main else None
     summary = {
         "dataset": dataset, "config": config.name, "regimes": list(regimes), "seeds": list(seeds),
         "grid": grid, "command": command,
@@ -366,10 +367,10 @@ def run_benchmark(
         "grid_runs": [{"regime": r["regime"], "dropout": r["dropout"], "seed": r["seed"],
                        "best_valid_ppl": r["best_valid_ppl"]} for r in grid_results],
         "markdown": markdown,
-        "files": ["results.md", "summary.json"] + ([plot.name] if plot is not None else []),
+        "files": [RESULTS_TABLE, SUMMARY] + ([plot.name] if plot is not None else []),
     }
     if main:
-        write_json_atomic(summary, out / "summary.json")
+        write_json_atomic(summary, out / SUMMARY)
     return summary
 
 

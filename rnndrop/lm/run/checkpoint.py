@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from rnndrop.lm.run.atomic import atomic_write, fsync_folder
+from rnndrop.lm.run.folder import BEST, previous_path
 
 __all__ = [
     "FORMAT_VERSION",
@@ -44,7 +45,6 @@ __all__ = [
     "load_checkpoint",
     "load_latest",
     "load_model",
-    "previous_path",
     "save_checkpoint",
     "set_rng_state",
 ]
@@ -65,10 +65,6 @@ class CheckpointError(ValueError):
     """A checkpoint file that is missing, empty, truncated, corrupted or not ours."""
 
 
-def previous_path(path: str | Path) -> Path:
-    """Where :func:`save_checkpoint` keeps the previous version: ``checkpoint.prev.pt``."""
-    path = Path(path)
-    return path.with_name(f"{path.stem}.prev{path.suffix}")
 
 
 def _encode(obj: Any) -> bytes:
@@ -220,7 +216,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> LoadedMo
 
     path = Path(path)
     if path.is_dir():
-        path = path / "best.pt"
+        path = path / BEST
     ckpt = load_checkpoint(path)
     missing = [k for k in ("model", "config", "regime", "regime_settings", "dropout", "vocab")
                if k not in ckpt]

@@ -23,11 +23,10 @@ from rnndrop.lm.data.corpus import Corpus
 from rnndrop.lm.model.configs import TrainConfig
 from rnndrop.lm.model.regimes import get_regime, regime_probabilities
 from rnndrop.lm.run.checkpoint import FORMAT_VERSION
+from rnndrop.lm.run.folder import BEST, RESULTS
 from rnndrop.lm.run.results import write_json_atomic
 
 __all__ = [
-    "BEST",
-    "RESULTS",
     "ResultsError",
     "best_file",
     "corpus_fingerprint",
@@ -41,8 +40,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-BEST = "best.pt"
-RESULTS = "results.json"
 
 
 class ResultsError(ValueError):

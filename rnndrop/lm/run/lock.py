@@ -16,11 +16,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LOCK", "RunLock", "RunLocked"]
+from rnndrop.lm.run.folder import LOCK
+
+__all__ = ["RunLock", "RunLocked"]
 
 log = logging.getLogger(__name__)
 
-LOCK = "run.lock"
 
 
 class RunLocked(RuntimeError):

@@ -28,11 +28,11 @@ from typing import Any
 import torch
 
 from rnndrop.lm.run.atomic import atomic_write
+from rnndrop.lm.run.folder import METRICS
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "METRICS",
     "METRICS_COLUMNS",
     "SCHEMA",
     "EpochLog",
@@ -53,7 +53,6 @@ __all__ = [
 SCHEMA = "rnndrop.lm.result/1"
 
 #: File name of a run's per-epoch metrics.
-METRICS = "metrics.csv"
 #: Its columns; ``elapsed_seconds`` is the training time so far (the sum of the epochs'
 #: ``seconds``, evaluation excluded), so it survives an interrupted and resumed run.
 METRICS_COLUMNS: tuple[str, ...] = (

@@ -66,7 +66,6 @@ from rnndrop.lm.run.checkpoint import (
     load_checkpoint,
     load_latest,
     load_model,
-    previous_path,
     save_checkpoint,
     set_rng_state,
 )
@@ -79,9 +78,8 @@ from rnndrop.lm.run.evaluate import (
     score_split,
     token_loss,
 )
+from rnndrop.lm.run.folder import BEST, CHECKPOINT, CURVE, RESULTS, previous_path
 from rnndrop.lm.run.identity import (
-    BEST,
-    RESULTS,
     best_file,
     file_sha256,
     identity_differences,
@@ -115,8 +113,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT = "checkpoint.pt"
-CURVE = "curve.png"
 
 
 EpochCallback = Callable[[int, Mapping[str, Any]], None]

@@ -1,0 +1,36 @@
+"""The names of the files in a run folder and a job folder, defined once.
+
+A run folder (one regime, one seed) holds::
+
+    checkpoint.pt        the newest training state (model, optimizer, RNG, history)
+    checkpoint.prev.pt   the state before it, kept while the newest is written
+    best.pt              the model with the best validation perplexity so far
+    results.json         the finished run's numbers, signed (see :mod:`rnndrop.lm.run.identity`)
+    metrics.csv          one row per epoch
+    curve.png            the run's learning curve
+    run.lock             held while a process trains in the folder
+
+A job folder (``rnndrop-lm ptb``: several regimes and seeds) holds the run folders
+and ``summary.json``, ``results.md`` and ``learning_curves.png``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CHECKPOINT = "checkpoint.pt"
+BEST = "best.pt"
+RESULTS = "results.json"
+METRICS = "metrics.csv"
+CURVE = "curve.png"
+LOCK = "run.lock"
+
+SUMMARY = "summary.json"
+RESULTS_TABLE = "results.md"
+LEARNING_CURVES = "learning_curves.png"
+
+
+def previous_path(path: str | Path) -> Path:
+    """Where a checkpoint's previous version is kept: ``checkpoint.pt`` -> ``checkpoint.prev.pt``."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.prev{path.suffix}")
