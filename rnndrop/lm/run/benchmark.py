@@ -8,7 +8,7 @@ Monte-Carlo test perplexity of the chosen runs. The test split plays no part in 
 choice.
 
 Outputs in ``--out``: one folder per run (checkpoint, best model, results.json,
-metrics.csv, curve.png), ``results.md`` (tables, :func:`rnndrop.lm.run.results.benchmark_markdown`),
+metrics.csv, curve.png), ``results.md`` (tables, :func:`rnndrop.lm.run.tables.benchmark_markdown`),
 ``summary.json`` and ``learning_curves.png``. This module plans a job and writes its
 summary; :mod:`rnndrop.lm.run.spec` runs one run, :mod:`rnndrop.lm.run.pool` runs
 several at once. The command line is :mod:`rnndrop.lm.cli`.
