@@ -1,7 +1,7 @@
 """Penn Treebank word-level language modelling: no dropout vs naive vs tied variational.
 
 The same command as ``rnndrop-lm ptb`` (see ``rnndrop-lm ptb --help`` and
-rnndrop/lm/cli.py), kept for scripts that call this file. Quick start on the PTB
+rnndrop/lm/cli/), kept for scripts that call this file. Quick start on the PTB
 sample shipped with the package (no internet needed):
 
     python benchmarks/ptb.py --data sample

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from rnndrop.kl import MOLCHANOV_COEFFICIENTS
-from rnndrop.lm.cli import UsageError, _config_from_args, _corpus_parser
+from rnndrop.lm.cli.errors import UsageError
+from rnndrop.lm.cli.job import config_from_args
+from rnndrop.lm.cli.parser import corpus_parser
 from rnndrop.lm.data.corpus import batchify
 from rnndrop.lm.model.configs import build_model, get_config
 from rnndrop.lm.model.regimes import REGIMES, get_hook
@@ -148,12 +150,12 @@ def test_kl_weight_and_select_are_checked_and_reach_the_config_from_the_command_
         replace(TINY, kl_weight=-1)
     with pytest.raises(ValueError, match="select must be one of perplexity, objective, got 'last'"):
         replace(TINY, select="last")
-    parser = _corpus_parser("ptb", prog="rnndrop-lm ptb")
+    parser = corpus_parser("ptb", prog="rnndrop-lm ptb")
     args = parser.parse_args(["--config", "sparse-vd-cpu-200", "--kl-weight", "0.3"])
-    config = _config_from_args(args)
+    config = config_from_args(args)
     assert config.kl_weight == 0.3 and config.select == "objective" and config.optimizer == "adam"
     with pytest.raises(UsageError, match="kl_weight must be a finite number >= 0, got -2.0"):
-        _config_from_args(parser.parse_args(["--kl-weight", "-2"]))
+        config_from_args(parser.parse_args(["--kl-weight", "-2"]))
     assert get_config("cpu-200").kl_weight == 1.0 and get_config("cpu-200").select == "perplexity"
 
 

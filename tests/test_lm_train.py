@@ -5,6 +5,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from rnndrop.lm.cli import train_main
 from rnndrop.lm.model.configs import CONFIGS
 from rnndrop.lm.model.regimes import Regime, registered
 from rnndrop.lm.run import benchmark
@@ -125,7 +126,7 @@ def test_benchmark_cli_grid_selects_on_validation(tmp_path, monkeypatch):
     out = tmp_path / "out"
     argv = ["--data", str(data), "--config", "tiny", "--regimes", "none,naive", "--grid",
             "--seeds", "1,2", "--out", str(out), "--no-progress"]
-    text = benchmark.main(argv, dataset="ptb")
+    text = train_main(argv, "ptb")
     summary = json.loads((out / "summary.json").read_text())
     grid = [r for r in summary["grid_runs"] if r["regime"] == "naive"]
     assert len(grid) == 2
@@ -141,17 +142,17 @@ def test_benchmark_cli_grid_selects_on_validation(tmp_path, monkeypatch):
     results = sorted(out.rglob("results.json"))
     assert len(results) == 5  # naive: 2 grid points (seed 1, the best reused) + seed 2; none: 2 seeds
     before = {p: p.stat().st_mtime_ns for p in results}
-    benchmark.main([*argv, "--resume"], dataset="ptb")
+    train_main([*argv, "--resume"], "ptb")
     assert {p: p.stat().st_mtime_ns for p in results} == before
 
 
 def test_benchmark_cli_data_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        benchmark.main(["--data", str(tmp_path / "missing")], dataset="ptb")
+        train_main(["--data", str(tmp_path / "missing")], "ptb")
     assert exit_info.value.code == 2
     assert "does not exist" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        benchmark.main(["--data", str(tmp_path), "--regimes", "nonsense"], dataset="ptb")
+        train_main(["--data", str(tmp_path), "--regimes", "nonsense"], "ptb")
     assert "regime must be one of" in capsys.readouterr().err
 
 

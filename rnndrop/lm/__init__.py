@@ -19,9 +19,11 @@ from rnndrop.lm.data.corpus import (
     sample_dir,
 )
 from rnndrop.lm.data.download import DownloadError, download_corpus
-from rnndrop.lm.model.configs import CONFIGS, TrainConfig, build_model, get_config
+from rnndrop.lm.model.configs import build_model
 from rnndrop.lm.model.language_model import RNNLanguageModel, detach_hidden
+from rnndrop.lm.model.presets import CONFIGS, get_config
 from rnndrop.lm.model.regimes import REGIMES, Regime
+from rnndrop.lm.model.train_config import TrainConfig
 from rnndrop.lm.run.checkpoint import LoadedModel, load_model
 from rnndrop.lm.run.evaluate import evaluate, evaluate_mc
 from rnndrop.lm.run.generate import generate

@@ -15,6 +15,7 @@ or ``RNNDROP_CACHE``), written atomically, and are reused by later calls.
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import logging
 import os
@@ -227,8 +228,6 @@ def download_corpus(
 
 
 def _datasets_installed() -> bool:
-    import importlib.util
-
     return importlib.util.find_spec("datasets") is not None
 
 

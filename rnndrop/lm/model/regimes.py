@@ -41,8 +41,10 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from rnndrop.gaussian import GaussianGRU, GaussianLSTM
 from rnndrop.kl import KLRegularizer
 from rnndrop.masks import check_probability
+from rnndrop.sparse import SparseGRU, SparseLSTM
 
 __all__ = [
     "REGIMES",
@@ -126,8 +128,6 @@ def _gaussian_rnn(
     input_size: int, hidden_size: int, num_layers: int, p: Mapping[str, float], cell: str = "lstm"
 ) -> nn.Module:
     """GaussianLSTM / GaussianGRU: learned per-unit alpha on every site, initialised at p / (1 - p)."""
-    from rnndrop.gaussian import GaussianGRU, GaussianLSTM
-
     return (GaussianGRU if cell == "gru" else GaussianLSTM)(
         input_size, hidden_size, num_layers, dropout=_between(p, num_layers), dropout_input=p["input"],
         dropout_hidden=p["hidden"], dropout_output=p["output"], granularity="unit",
@@ -140,8 +140,6 @@ def _sparse_rnn(
     """SparseLSTM / SparseGRU: sparse variational dropout on every recurrent weight matrix,
     plus tied Bernoulli dropout on the input, between-layer and output sites (the weight
     noise on ``W_hh`` replaces the recurrent mask)."""
-    from rnndrop.sparse import SparseGRU, SparseLSTM
-
     return (SparseGRU if cell == "gru" else SparseLSTM)(
         input_size, hidden_size, num_layers, dropout=_between(p, num_layers), dropout_input=p["input"],
         dropout_output=p["output"],

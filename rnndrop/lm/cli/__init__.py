@@ -1,0 +1,68 @@
+"""``rnndrop-lm``: train, compare, evaluate and sample word-level language models.
+
+::
+
+    rnndrop-lm ptb --data sample                 # the bundled PTB sample, no internet needed
+    rnndrop-lm ptb --config gal-medium --regimes tied --device cuda   # full PTB, downloaded once
+    rnndrop-lm wikitext2 --data sample --regimes none,tied
+    rnndrop-lm evaluate runs/ptb-sample-mini/tied/<run>      # perplexity, MC perplexity, ECE
+    rnndrop-lm generate runs/ptb-sample-mini/tied/<run> --words 50
+
+``python -m rnndrop.lm`` is the same command. Exit status: 0 done, 2 a data or usage
+problem, 3 training diverged, 130 interrupted (Ctrl-C); the reason is one line on
+stderr, never a traceback.
+
+The parsers are in :mod:`~rnndrop.lm.cli.parser`, the checks of a training job in
+:mod:`~rnndrop.lm.cli.job`, one function per sub-command in
+:mod:`~rnndrop.lm.cli.commands`, and the exit statuses in :mod:`~rnndrop.lm.cli.errors`.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import torch.distributed as dist
+
+from rnndrop.lm.cli.commands import evaluate, generate, train, train_main
+from rnndrop.lm.cli.errors import EXIT_DATA, EXIT_DIVERGED, EXIT_INTERRUPTED, UsageError
+from rnndrop.lm.cli.parser import CORPORA, build_parser
+from rnndrop.lm.run.process_group import end_worker
+
+__all__ = [
+    "EXIT_DATA",
+    "EXIT_DIVERGED",
+    "EXIT_INTERRUPTED",
+    "UsageError",
+    "build_parser",
+    "main",
+    "train_main",
+]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``rnndrop-lm`` and ``python -m rnndrop.lm``; returns the exit status
+    (under torchrun, a worker that joined the process group exits with it instead)."""
+    code = _main(argv)
+    if dist.is_available() and dist.is_initialized():
+        end_worker(code)
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command in ("ptb", "wikitext2"):
+            sys.stdout.write(train(args, CORPORA[args.command], argv[1:]))
+        elif args.command == "evaluate":
+            sys.stdout.write(evaluate(args))
+        else:
+            sys.stdout.write(generate(args))
+    except SystemExit as e:
+        return int(e.code or 0)
+    except KeyboardInterrupt:  # outside training (reading data, scoring, sampling)
+        sys.stderr.write("error: interrupted\n")
+        return EXIT_INTERRUPTED
+    return 0

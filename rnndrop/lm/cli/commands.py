@@ -1,0 +1,207 @@
+"""The sub-commands of ``rnndrop-lm``, one function each: :func:`train` (``ptb``,
+``wikitext2``), :func:`evaluate` and :func:`generate`. Each returns what goes to stdout
+and raises SystemExit after one line on stderr (:func:`rnndrop.lm.cli.errors.fail`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rnndrop.lm.cli.errors import EXIT_DATA, EXIT_DIVERGED, EXIT_INTERRUPTED, UsageError, fail, positive
+from rnndrop.lm.cli.job import checked_job
+from rnndrop.lm.cli.parser import CORPORA, corpus_parser
+from rnndrop.lm.data.corpus import CorpusError, batchify, encode_split, sample_dir
+from rnndrop.lm.data.download import DownloadError
+from rnndrop.lm.run.benchmark import JobInterrupted, run_benchmark
+from rnndrop.lm.run.checkpoint import CheckpointError, LoadedModel, load_model
+from rnndrop.lm.run.evaluate import CALIBRATION_BINS, score, score_mc
+from rnndrop.lm.run.folder import LEARNING_CURVES, RESULTS
+from rnndrop.lm.run.generate import generate as generate_words
+from rnndrop.lm.run.generate import words_to_text
+from rnndrop.lm.run.lock import RunLocked
+from rnndrop.lm.run.process_group import RankFailed, init_from_env, run_on_main, torchrun_world_size
+from rnndrop.lm.run.train import TrainingDiverged, resolve_device
+
+__all__ = ["evaluate", "generate", "train", "train_main"]
+
+
+def train_main(argv: Sequence[str] | None, dataset: str) -> str:
+    """``rnndrop-lm <corpus> ARGS``; returns the report (the table and where the files are).
+
+    Raises SystemExit with status 2 (data or usage), 3 (diverged) or 130 (interrupted)
+    after one line on stderr.
+    """
+    parser = corpus_parser(dataset, prog=f"rnndrop-lm {dataset.replace('-', '')}")
+    args = parser.parse_args(argv)
+    return train(args, dataset, list(sys.argv[1:] if argv is None else argv))
+
+
+def train(args: argparse.Namespace, dataset: str, given: list[str]) -> str:
+    """``rnndrop-lm <corpus>`` from parsed arguments; returns the report (``given``: the
+    arguments after the corpus, for the command line the report quotes)."""
+    try:  # under torchrun: join the process group (each rank checks the same arguments)
+        if torchrun_world_size() > 1 and args.jobs != 1:
+            raise UsageError(f"--jobs must be 1 under torchrun (its processes train each run "
+                             f"together), got {args.jobs}")
+        ctx, device = init_from_env(args.device)
+    except (UsageError, ValueError, RuntimeError) as e:
+        raise fail(str(e), EXIT_DATA) from None
+    logging.basicConfig(level=logging.INFO if ctx.is_main else logging.WARNING,
+                        format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    try:
+        # Rank 0 checks the data and the output folder (and downloads); the others get its answer.
+        config, regimes, seeds, dropout, by_regime, data_dir, out = run_on_main(
+            lambda: checked_job(args, dataset), ctx, "checking the command line and the data")
+    except RankFailed:
+        raise fail("", EXIT_DATA) from None
+    except (UsageError, ValueError, CorpusError, DownloadError) as e:
+        raise fail(str(e), EXIT_DATA) from None
+    threads = args.threads
+    command = "rnndrop-lm " + " ".join(shlex.quote(a) for a in [dataset.replace("-", ""), *given])
+    bars = not args.no_progress and args.jobs <= 1 and ctx.is_main
+    try:
+        with _logging_beside_bars(bars):
+            summary = run_benchmark(
+                data_dir, dataset, config, regimes, seeds, out, grid=args.grid, dropout=dropout,
+                dropout_by_regime=by_regime, mc_samples=args.mc_samples, resume=args.resume,
+                jobs=args.jobs, threads=threads, device=str(device) if ctx.enabled else args.device,
+                progress=not args.no_progress and ctx.is_main, command=command,
+                # the estimate times one process: no guide to N of them
+                estimate=not ctx.enabled, init_from=args.init_from,
+            )
+    except JobInterrupted as e:
+        where = f"in epoch {e.epoch} of {e.label or e.folder}" if e.epoch is not None else "during training"
+        raise fail(f"interrupted {where}; every finished epoch is saved: run the same command "
+                   "with --resume to continue", EXIT_INTERRUPTED) from None
+    except KeyboardInterrupt:
+        raise fail("interrupted; every finished epoch is saved: run the same command with --resume "
+                   "to continue", EXIT_INTERRUPTED) from None
+    except TrainingDiverged as e:
+        raise fail(str(e), EXIT_DIVERGED) from None
+    except (RunLocked, OSError, CorpusError, ValueError, RankFailed) as e:
+        # another process holds a run folder, a file cannot be written, a damaged or
+        # foreign checkpoint or result: the message names the file and what to do
+        raise fail(str(e), EXIT_DATA) from None
+    if not ctx.is_main:
+        return ""
+    report = summary["markdown"].rstrip() + "\n\n"
+    report += f"Written to {out}/: {', '.join(summary['files'])} and one folder per run.\n"
+    if LEARNING_CURVES in summary["files"]:
+        report += f"Learning curves: {out / LEARNING_CURVES}\n"
+    return report
+
+
+class _logging_beside_bars:
+    """Route log lines above tqdm's bars while they are drawn."""
+
+    def __init__(self, bars: bool) -> None:
+        self.context = None
+        if bars:
+            try:
+                from tqdm.contrib.logging import logging_redirect_tqdm
+
+                self.context = logging_redirect_tqdm()
+            except ImportError:
+                pass
+
+    def __enter__(self) -> None:
+        if self.context is not None:
+            self.context.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.context is not None:
+            self.context.__exit__(*exc)
+
+
+def _load_run(path: str, device: str) -> LoadedModel:
+    try:
+        return load_model(path, resolve_device(device))
+    except (FileNotFoundError, CheckpointError, ValueError) as e:
+        raise fail(f"cannot load the model of {path!r}: {e}", EXIT_DATA) from None
+
+
+def _run_result(best: Path) -> dict[str, Any]:
+    """The run's results.json beside best.pt (for its corpus), or {} if absent or unreadable."""
+    try:
+        with open(best.parent / RESULTS, encoding="utf-8") as f:
+            result = json.load(f)
+        return result if isinstance(result, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _evaluation_data(data: str | None, run: LoadedModel, result: dict[str, Any]) -> Path:
+    """The corpus folder to score: ``--data`` (``sample``: the run's corpus' sample), or the
+    folder the run was trained on (UsageError when its results do not say)."""
+    if data == "sample":
+        dataset = result.get("dataset") or "ptb"
+        return sample_dir(dataset if dataset in CORPORA.values() else "ptb")
+    if data:
+        return Path(data)
+    source = result.get("corpus", {}).get("source")
+    if not source:
+        raise UsageError(f"{str(run.path.parent)!r} does not say which corpus it was trained "
+                         "on: pass --data sample or --data DIR")
+    return Path(source)
+
+
+def evaluate(args: argparse.Namespace) -> str:
+    """``rnndrop-lm evaluate RUN``: perplexity, MC perplexity and ECE on a split."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    try:
+        positive("--mc-samples", args.mc_samples, 0)
+        positive("--threads", args.threads)
+    except UsageError as e:
+        raise fail(str(e), EXIT_DATA) from None
+    torch.set_num_threads(args.threads)
+    run = _load_run(args.run, args.device)
+    result = _run_result(run.path)
+    try:
+        data_dir = _evaluation_data(args.data, run, result)
+        ids = encode_split(data_dir, args.split, run.vocab)
+        device = next(run.model.parameters()).device
+        batched = batchify(ids, run.config.eval_batch_size).to(device)
+    except (UsageError, CorpusError, ValueError) as e:
+        raise fail(str(e), EXIT_DATA) from None
+    standard = score(run.model, batched, run.config.bptt, CALIBRATION_BINS)
+    lines = [
+        f"{run.path}: {run.regime}, epoch {run.epoch}; {args.split} split of {data_dir} "
+        f"({standard.tokens:,} predicted words)",
+        f"perplexity      {standard.perplexity:.2f}   (NLL {standard.nll:.4f} nats/word, "
+        f"ECE {standard.ece:.4f})",
+    ]
+    own_corpus = Path(str(result.get("corpus", {}).get("source", ""))) == Path(data_dir)
+    if args.split == "test" and own_corpus and isinstance(result.get("test_ppl"), (int, float)):
+        lines.append(f"                (the run reported {result['test_ppl']:.2f} at the end of training)")
+    if args.mc_samples:
+        torch.manual_seed(args.seed)
+        mc = score_mc(run.model, batched, run.config.bptt, args.mc_samples, CALIBRATION_BINS)
+        lines.append(f"perplexity, MC  {mc.perplexity:.2f}   (NLL {mc.nll:.4f} nats/word, "
+                     f"ECE {mc.ece:.4f}; {args.mc_samples} dropout samples)")
+    return "\n".join(lines) + "\n"
+
+
+def generate(args: argparse.Namespace) -> str:
+    """``rnndrop-lm generate RUN``: sample words from the trained model."""
+    try:
+        positive("--words", args.words, 0)
+        positive("--threads", args.threads)
+        if not args.temperature > 0:
+            raise UsageError(f"--temperature must be > 0, got {args.temperature}")
+    except UsageError as e:
+        raise fail(str(e), EXIT_DATA) from None
+    torch.set_num_threads(args.threads)
+    run = _load_run(args.run, args.device)
+    generator = torch.Generator().manual_seed(args.seed)
+    prompt = args.prompt.split()
+    words = generate_words(run.model, run.vocab, prompt, args.words, temperature=args.temperature,
+                           generator=generator)
+    return words_to_text([*prompt, *words]) + "\n"

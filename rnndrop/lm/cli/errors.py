@@ -1,0 +1,29 @@
+"""How the command line fails: exit statuses, the usage error, the one line on stderr."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+__all__ = ["EXIT_DATA", "EXIT_DIVERGED", "EXIT_INTERRUPTED", "UsageError", "fail", "positive"]
+
+EXIT_DATA = 2
+EXIT_DIVERGED = 3
+EXIT_INTERRUPTED = 130
+
+
+class UsageError(Exception):
+    """A problem with the command line or the data, reported in one line (exit 2)."""
+
+
+def fail(message: str, code: int) -> SystemExit:
+    """Write ``error: <message>`` (on one line) to stderr; returns the SystemExit to raise."""
+    if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 alone reports
+        sys.stderr.write("error: " + " ".join(str(message).split()) + "\n")
+    return SystemExit(code)
+
+
+def positive(name: str, value: int | None, minimum: int = 1) -> None:
+    """Raise UsageError unless ``value`` is None or at least ``minimum``."""
+    if value is not None and value < minimum:
+        raise UsageError(f"{name} must be >= {minimum}, got {value}")

@@ -1,0 +1,104 @@
+"""The training job the command line describes, checked before anything trains:
+config, regimes, seeds, dropout, the corpus (read once) and the output folder."""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from rnndrop.lm.cli.errors import UsageError, positive
+from rnndrop.lm.cli.parser import CONFIG_FLAGS
+from rnndrop.lm.data.corpus import sample_dir
+from rnndrop.lm.data.download import download_corpus
+from rnndrop.lm.model.configs import TrainConfig, get_config
+from rnndrop.lm.model.regimes import get_regime
+from rnndrop.lm.run.dropout_choice import chosen_dropout, parse_dropout
+from rnndrop.lm.run.identity import best_file
+from rnndrop.lm.run.spec import cached_corpus
+
+__all__ = ["check_writable", "checked_job", "config_from_args", "resolve_data"]
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The ``--config`` preset with the fields its flags override (UsageError if invalid)."""
+    config = get_config(args.config)
+    changes: dict[str, Any] = {}
+    flags: list[str] = []
+    for flag, (field_name, _, _) in CONFIG_FLAGS.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            if field_name not in config.__dataclass_fields__:
+                raise UsageError(f"{flag} is not supported by this version's TrainConfig")
+            changes[field_name] = value
+            flags.append(f"{flag} {value}")
+    if args.tie_weights:
+        changes["tie_weights"] = True
+        flags.append("--tie-weights")
+    try:
+        return replace(config, **changes) if changes else config
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"{e} (config {config.name!r} with {', '.join(flags)})") from None
+
+
+def resolve_data(data: str | None, dataset: str, args: argparse.Namespace) -> Path:
+    """The corpus folder ``--data`` names: the bundled sample, a folder, or the download cache."""
+    if data == "sample":
+        return sample_dir(dataset)
+    if data:
+        return Path(data)
+    return download_corpus(dataset, args.cache_dir, base_url=args.mirror, source=args.source)
+
+
+def check_writable(out: Path) -> None:
+    """Create ``out`` if needed; UsageError unless a file can be written in it."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise UsageError(f"--out {str(out)!r} is not a writable folder: {e.strerror or e}") from None
+
+
+def checked_job(args: argparse.Namespace, dataset: str) -> tuple[Any, ...]:
+    """The job the arguments describe, checked: (config, regimes, seeds, dropout,
+    dropout by regime, data folder, output folder). Raises UsageError and the data's errors."""
+    config = config_from_args(args)
+    regimes = [r.strip() for r in args.regimes.split(",") if r.strip()]
+    if not regimes:
+        raise UsageError(f"--regimes must name at least one regime, got {args.regimes!r}")
+    for r in regimes:
+        get_regime(r)
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        raise UsageError(f"--seeds takes comma-separated integers, got {args.seeds!r}") from None
+    if not seeds:
+        raise UsageError(f"--seeds must name at least one seed, got {args.seeds!r}")
+    if args.grid and args.dropout:
+        raise UsageError("--dropout cannot be combined with --grid (the grid sets the dropout)")
+    dropout = parse_dropout(args.dropout) if args.dropout else None
+    if args.dropout_from and (args.grid or args.dropout):
+        raise UsageError("--dropout-from cannot be combined with --grid or --dropout")
+    by_regime = chosen_dropout(args.dropout_from) if args.dropout_from else None
+    if args.init_from is not None and not best_file(args.init_from).is_file():
+        raise UsageError(f"--init-from: expected a finished run's folder (holding best.pt) or a best.pt "
+                         f"file, got {args.init_from!r}, where there is none")
+    positive("--jobs", args.jobs)
+    positive("--threads", args.threads)
+    positive("--mc-samples", args.mc_samples, 0)
+    data_dir = resolve_data(args.data, dataset, args)
+    cached_corpus(str(data_dir))  # fail early, with the corpus' own message (read once)
+    sample = "-sample" if args.data == "sample" else ""
+    out = Path(args.out) if args.out else Path("runs") / f"{dataset}{sample}-{config.name}"
+    check_writable(out)
+    if not args.resume:
+        held = sorted(out.glob("*/*/checkpoint.pt"))
+        if held:
+            raise UsageError(
+                f"{str(out)!r} already holds runs of a job (e.g. {str(held[0].parent)!r}); add --resume "
+                "to continue them (finished runs are reused), or pass another --out"
+            )
+    return config, regimes, seeds, dropout, by_regime, data_dir, out

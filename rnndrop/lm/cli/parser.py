@@ -1,0 +1,158 @@
+"""The argument parsers of ``rnndrop-lm``: one sub-command per corpus (train and compare
+regimes), ``evaluate`` and ``generate``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from rnndrop.lm.data.download import DATASETS
+from rnndrop.lm.model.configs import CONFIGS
+from rnndrop.lm.model.regimes import REGIMES
+
+__all__ = ["CONFIG_FLAGS", "CORPORA", "add_train_arguments", "build_parser", "corpus_parser"]
+
+#: Corpus names on the command line -> names in :mod:`rnndrop.lm.data.download`.
+CORPORA = {"ptb": "ptb", "wikitext2": "wikitext-2", "wikitext-2": "wikitext-2"}
+
+
+def _prefixes(text: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in text.split(",") if p.strip())
+
+
+#: Flags that override a field of the config: flag -> (TrainConfig field, type, help).
+CONFIG_FLAGS: dict[str, tuple[str, type, str]] = {
+    "--epochs": ("epochs", int, "number of epochs (the cap when the config stops at min_lr)"),
+    "--lr": ("lr", float, "initial learning rate"),
+    "--optimizer": ("optimizer", str, "sgd or adam"),
+    "--model": ("cell", str, "recurrent cell: lstm or gru"),
+    "--emb-size": ("embedding_size", int, "word embedding size"),
+    "--hidden-size": ("hidden_size", int, "units per recurrent layer"),
+    "--layers": ("num_layers", int, "recurrent layers"),
+    "--batch-size": ("batch_size", int, "training batch size"),
+    "--bptt": ("bptt", int, "truncated-BPTT length"),
+    "--clip": ("clip", float, "gradient-norm clipping threshold"),
+    "--kl-weight": ("kl_weight", float, "factor on the KL term of variational regimes (1: the ELBO)"),
+    "--freeze": ("freeze", _prefixes, "comma-separated parameter-name prefixes kept fixed, e.g. "
+                 "embedding.,decoder."),
+}
+
+
+def add_train_arguments(parser: argparse.ArgumentParser, dataset: str) -> None:
+    """The options of ``rnndrop-lm <corpus>``: data, job, model and optimisation, machine."""
+    remote = DATASETS[dataset]
+    data = parser.add_argument_group("data")
+    data.add_argument("--data", metavar="sample|DIR",
+                      help="'sample': the small real sample shipped with rnndrop (no internet needed); "
+                      f"DIR: a folder with the corpus ({', '.join(remote.files().values())}); default: "
+                      "the cache, downloading the full corpus once")
+    data.add_argument("--cache-dir", help="download cache (default $RNNDROP_CACHE or ~/.cache/rnndrop)")
+    data.add_argument("--mirror", help="URL of a folder serving the official archive "
+                      f"{remote.archive} (default $RNNDROP_DATA_MIRROR or {remote.base_url})")
+    data.add_argument("--source", choices=("auto", "url", "hub"), default="auto",
+                      help="where to download from: the official archive, the Hugging Face hub, or both")
+    job = parser.add_argument_group("job")
+    job.add_argument("--config", default="mini", choices=sorted(CONFIGS),
+                     help="model size and optimisation preset; the flags below override single fields")
+    job.add_argument("--regimes", default="none,naive,tied",
+                     help=f"comma-separated, among {', '.join(REGIMES)}")
+    job.add_argument("--grid", action="store_true",
+                     help="search each regime's dropout grid on validation with the first seed")
+    job.add_argument("--seeds", default="1", help="comma-separated seeds")
+    job.add_argument("--dropout", default=None,
+                     help="override the config's dropout, e.g. input=0.5,hidden=0.2 (not with --grid)")
+    job.add_argument("--init-from", default=None, metavar="RUN",
+                     help="start every run from the weights of a finished run (its folder or best.pt), "
+                     "e.g. --regimes sparse_vd --config sparse-vd-cpu-200 fine-tuning a dense tied run")
+    job.add_argument("--dropout-from", default=None, metavar="SUMMARY",
+                     help="take each regime's dropout from the summary.json of a --grid run")
+    job.add_argument("--mc-samples", type=int, default=None,
+                     help="Monte-Carlo dropout samples for the test perplexity (0: skip; default: "
+                     "the config's)")
+    job.add_argument("--out", default=None,
+                     help="output folder (default runs/<corpus>-<config>, runs/<corpus>-sample-<config> "
+                     "with --data sample)")
+    job.add_argument("--resume", action="store_true",
+                     help="continue the interrupted runs in --out and reuse its finished ones (rerun the "
+                     "same command with --resume after Ctrl-C)")
+    model = parser.add_argument_group("model and optimisation (default: the config's)")
+    for flag, (_, kind, text) in CONFIG_FLAGS.items():
+        if flag == "--optimizer":
+            model.add_argument(flag, choices=("sgd", "adam"), default=None, help=text)
+        elif flag == "--model":
+            model.add_argument(flag, choices=("lstm", "gru"), default=None, help=text)
+        else:
+            model.add_argument(flag, type=kind, default=None, help=text)
+    model.add_argument("--tie-weights", action="store_true", help="tie embedding and decoder weights")
+    machine = parser.add_argument_group("machine")
+    machine.add_argument("--jobs", type=int, default=1, help="runs trained at once (processes)")
+    machine.add_argument("--threads", type=int, default=1,
+                         help="torch threads per run: 1 is fastest for the small configs on a shared "
+                         "CPU; give more to big models on a machine of their own")
+    machine.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    machine.add_argument("--no-progress", action="store_true",
+                         help="no progress bars (log lines only)")
+
+
+def corpus_parser(dataset: str, prog: str | None = None, **kwargs: Any) -> argparse.ArgumentParser:
+    """The parser of one corpus alone (:func:`rnndrop.lm.cli.commands.train_main`)."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=f"Train and compare word-level language models on {dataset} with different "
+        "dropout regimes (none, naive, tied variational, ...), then print the comparison table.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kwargs,
+    )
+    add_train_arguments(parser, dataset)
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``rnndrop-lm`` (corpus or command first)."""
+    parser = argparse.ArgumentParser(
+        prog="rnndrop-lm",
+        description="Word-level language models with recurrent dropout: train and compare "
+        "regimes on a corpus, then evaluate or sample a trained run.",
+        epilog="Start with: rnndrop-lm ptb --data sample   (the bundled sample, about 10 minutes on "
+        "2 CPU cores; after Ctrl-C run the same command with --resume). "
+        "Exit status: 0 done, 2 data or usage problem, 3 training diverged, 130 interrupted.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{ptb,wikitext2,evaluate,generate}", required=True)
+    for name in ("ptb", "wikitext2"):
+        p = sub.add_parser(name, help=f"train and compare regimes on {CORPORA[name]} "
+                           "(--data sample|DIR, --resume, ...)",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                           description=f"Train and compare word-level language models on "
+                           f"{CORPORA[name]} with different dropout regimes, then print the "
+                           "comparison table and the path of the learning curves.")
+        add_train_arguments(p, CORPORA[name])
+    _add_evaluate(sub)
+    _add_generate(sub)
+    return parser
+
+
+def _add_evaluate(sub: Any) -> None:
+    evaluate = sub.add_parser("evaluate", help="score a trained run on a corpus split: perplexity, "
+                              "Monte-Carlo perplexity, calibration (ECE)",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    evaluate.add_argument("run", help="a run folder (holding best.pt) or a best.pt file")
+    evaluate.add_argument("--data", metavar="sample|DIR", default=None,
+                          help="corpus to score (default: the one the run was trained on)")
+    evaluate.add_argument("--split", choices=("train", "valid", "test"), default="test")
+    evaluate.add_argument("--mc-samples", type=int, default=0,
+                          help="Monte-Carlo dropout samples (0: weight-scaling only)")
+    evaluate.add_argument("--seed", type=int, default=1, help="seed of the Monte-Carlo masks")
+    evaluate.add_argument("--device", default="auto")
+    evaluate.add_argument("--threads", type=int, default=1, help="torch threads")
+
+
+def _add_generate(sub: Any) -> None:
+    generate = sub.add_parser("generate", help="sample text from a trained run",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    generate.add_argument("run", help="a run folder (holding best.pt) or a best.pt file")
+    generate.add_argument("--words", type=int, default=50, help="words to generate")
+    generate.add_argument("--prompt", default="", help="words to start from (unknown ones become <unk>)")
+    generate.add_argument("--temperature", type=float, default=1.0,
+                          help="softmax temperature (lower: more likely words)")
+    generate.add_argument("--seed", type=int, default=1)
+    generate.add_argument("--device", default="auto")
+    generate.add_argument("--threads", type=int, default=1, help="torch threads")

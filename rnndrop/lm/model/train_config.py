@@ -1,0 +1,149 @@
+"""The training configuration of one run: model size, optimisation, dropout, grid.
+
+:class:`TrainConfig` is plain, frozen data checked on construction; the published
+settings are in :mod:`rnndrop.lm.model.presets` and building a model or an optimiser
+from a config in :mod:`rnndrop.lm.model.configs`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from rnndrop.lm.model.regimes import REGIMES, regime_probabilities
+
+__all__ = ["CELLS", "OPTIMIZERS", "SELECTIONS", "TrainConfig"]
+
+CELLS: tuple[str, ...] = ("lstm", "gru")
+OPTIMIZERS: tuple[str, ...] = ("sgd", "adam")
+#: What picks a run's best epoch: its validation perplexity, or its validation objective
+#: (the validation NLL per word plus ``kl_weight`` times the regime's regularizer).
+SELECTIONS: tuple[str, ...] = ("perplexity", "objective")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Model size and optimisation of one benchmark setting.
+
+    The learning rate starts at ``lr``. Schedule ``"fixed"`` (Zaremba): epoch ``e``
+    (1-based) runs at ``lr / lr_decay ** max(0, e - decay_after)``. Schedule
+    ``"plateau"``: the rate is divided by ``lr_decay`` after every epoch whose
+    validation perplexity does not beat the best so far. Training stops at ``epochs``
+    (the cap) or, once converged, as soon as the next epoch's rate would fall below
+    ``min_lr`` (0: never). Test perplexity is always measured with the parameters of
+    the best validation epoch: the epoch of the lowest validation perplexity
+    (``select="perplexity"``), or of the lowest validation objective
+    (``select="objective"``: validation NLL per word plus ``kl_weight`` times the regime's
+    regularizer at full weight). Sparse VD selects on its objective: perplexity alone
+    would pick the epoch before the KL pruned anything.
+
+    ``kl_weight`` multiplies the regime's regularizer (the KL term of variational regimes,
+    already divided by the training words): 1 is the ELBO, below 1 a tempered posterior
+    that prunes less. Regimes without a regularizer ignore it.
+
+    ``freeze`` names parameters by prefix that keep their initial (or ``init_from``)
+    values: the optimiser never sees them. The sparse-VD fine-tune freezes the embedding
+    and the decoder, which Adam would otherwise overfit while the KL prunes the LSTM.
+
+    ``optimizer`` is ``"sgd"`` (with ``weight_decay``) or ``"adam"`` (with
+    ``adam_betas``, ``adam_eps`` and ``weight_decay``); ``clip`` is the threshold of
+    the gradient-norm clipping. ``cell`` is ``"lstm"`` or ``"gru"``.
+    """
+
+    name: str
+    embedding_size: int
+    hidden_size: int
+    num_layers: int
+    batch_size: int
+    bptt: int
+    epochs: int
+    lr: float
+    lr_decay: float
+    decay_after: int
+    clip: float
+    init_scale: float | None
+    weight_decay: float = 0.0
+    schedule: str = "fixed"
+    min_lr: float = 0.0
+    optimizer: str = "sgd"
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    cell: str = "lstm"
+    eval_batch_size: int = 10
+    tie_weights: bool = False
+    dropout: Mapping[str, float] = field(default_factory=dict)
+    #: Dropout probabilities searched per regime on the validation split.
+    grid: Mapping[str, tuple[Mapping[str, float], ...]] = field(default_factory=dict)
+    mc_samples: int = 100
+    reference: str = ""
+    kl_weight: float = 1.0
+    select: str = "perplexity"
+    #: Parameter-name prefixes that are not trained (e.g. ``("embedding.", "decoder.")``).
+    freeze: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        def positive_number(name: str, value: Any) -> None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+        if self.schedule not in ("fixed", "plateau"):
+            raise ValueError(f"schedule must be 'fixed' or 'plateau', got {self.schedule!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.select not in SELECTIONS:
+            raise ValueError(f"select must be one of {', '.join(SELECTIONS)}, got {self.select!r}")
+        if self.cell not in CELLS:
+            raise ValueError(f"cell must be one of {', '.join(CELLS)}, got {self.cell!r}")
+        for name in ("embedding_size", "hidden_size", "num_layers", "batch_size", "bptt", "epochs",
+                     "eval_batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        positive_number("lr", self.lr)
+        positive_number("clip", self.clip)
+        positive_number("lr_decay", self.lr_decay)
+        positive_number("adam_eps", self.adam_eps)
+        if self.init_scale is not None:
+            positive_number("init_scale", self.init_scale)
+        if isinstance(self.kl_weight, bool) or not isinstance(self.kl_weight, (int, float)) \
+                or not (math.isfinite(self.kl_weight) and self.kl_weight >= 0):
+            raise ValueError(f"kl_weight must be a finite number >= 0, got {self.kl_weight!r}")
+        if isinstance(self.weight_decay, bool) or not isinstance(self.weight_decay, (int, float)) \
+                or not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
+        betas = tuple(self.adam_betas) if isinstance(self.adam_betas, (tuple, list)) else None
+        if betas is None or len(betas) != 2 or not all(
+                isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas):
+            raise ValueError(f"adam_betas must be two numbers in [0, 1), got {self.adam_betas!r}")
+        object.__setattr__(self, "adam_betas", (float(betas[0]), float(betas[1])))
+        if isinstance(self.freeze, str) or not all(isinstance(p, str) and p for p in self.freeze):
+            raise ValueError(f"freeze must be a tuple of parameter-name prefixes, got {self.freeze!r}")
+        object.__setattr__(self, "freeze", tuple(self.freeze))
+        if not (isinstance(self.min_lr, (int, float)) and 0 <= self.min_lr < self.lr):
+            raise ValueError(f"min_lr must be a number in [0, lr = {self.lr}), got {self.min_lr!r}")
+        regime_probabilities(REGIMES["tied"], self.dropout)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["dropout"] = dict(self.dropout)
+        out["adam_betas"] = list(self.adam_betas)
+        out["freeze"] = list(self.freeze)
+        out["grid"] = {k: [dict(p) for p in v] for k, v in self.grid.items()}
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TrainConfig:
+        """The inverse of :meth:`to_dict` (unknown keys, e.g. of older versions, are an error)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"config has unknown fields {unknown}; expected among {sorted(known)}")
+        values = dict(data)
+        if "adam_betas" in values:
+            values["adam_betas"] = tuple(values["adam_betas"])
+        if "grid" in values:
+            values["grid"] = {k: tuple(dict(p) for p in v) for k, v in values["grid"].items()}
+        return cls(**values)

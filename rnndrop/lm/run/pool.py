@@ -1,0 +1,64 @@
+"""Running a job's runs: one at a time in this process, or in worker processes
+(``--jobs N``), where Ctrl-C reaches the main process alone, which stops the workers."""
+
+from __future__ import annotations
+
+import multiprocessing
+import signal
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from typing import Any
+
+from rnndrop.lm.run.progress import JobProgress
+from rnndrop.lm.run.spec import JobInterrupted, RunSpec, execute
+
+__all__ = ["run_all"]
+
+
+def _ignore_sigint() -> None:
+    # Workers leave Ctrl-C to the main process, which stops them (their checkpoints are atomic).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def run_all(
+    specs: Sequence[RunSpec], jobs: int, progress: JobProgress | None,
+    fn: Callable[[RunSpec, JobProgress | None], dict[str, Any]] = execute,
+) -> list[dict[str, Any]]:
+    """``fn`` on every spec, ``jobs`` at a time; the results in the order of ``specs``.
+    Ctrl-C stops every worker and raises :class:`JobInterrupted`."""
+    if jobs <= 1 or len(specs) <= 1:
+        return [fn(s, progress) for s in specs]
+    context = multiprocessing.get_context("spawn")
+    pool = ProcessPoolExecutor(max_workers=min(jobs, len(specs)), mp_context=context,
+                               initializer=_ignore_sigint)
+    try:
+        # Workers start while SIGINT is ignored, and keep ignoring it (the disposition is
+        # inherited): a Ctrl-C at the terminal reaches the main process alone, which stops them.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            futures = {pool.submit(fn, s): i for i, s in enumerate(specs)}
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        results: dict[int, dict[str, Any]] = {}
+        for future in as_completed(futures):
+            i = futures[future]
+            results[i] = future.result()
+            if progress is not None and fn is execute:
+                progress.run_done(specs[i].label, results[i])
+        return [results[i] for i in range(len(specs))]
+    except KeyboardInterrupt:
+        _stop(pool)
+        raise JobInterrupted(None, None) from None
+    except BaseException:
+        _stop(pool)
+        raise
+    finally:
+        pool.shutdown(wait=True)
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """Cancel what has not started and end the running workers (checkpoints are atomic)."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        process.terminate()
