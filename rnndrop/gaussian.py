@@ -42,7 +42,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from rnndrop.kl import KL_APPROXIMATIONS, KLRegularized
 from rnndrop.layout import mask_packed_sequence
-from rnndrop.masks import gaussian_mask
+from rnndrop.noise import MaskSite, gaussian_mask
 from rnndrop.recurrent import VariationalGRU, VariationalLSTM
 from rnndrop.stochastic import Stochastic
 from rnndrop.validation import (
@@ -168,21 +168,21 @@ class _LearnedAlphaMixin(KLRegularized):
 
     def _draw_mask(
         self,
-        site: str,
-        shape: tuple[int, ...],
-        p: float,
+        site: MaskSite,
+        noise: str,
         *,
         device: torch.device | str,
         dtype: torch.dtype,
         generator: torch.Generator | None,
     ) -> Tensor | None:
         """``1 + sqrt(alpha) * eps`` with the site's learned ``alpha``, differentiable in
-        ``log_alpha``; shapes and scopes are those of :meth:`VariationalLSTM.sample_masks`."""
-        log_alpha = self._log_alpha(f"log_alpha_{site}")
+        ``log_alpha`` (``noise`` is always ``"gaussian"``); shapes and scopes are those of
+        :meth:`VariationalLSTM.sample_masks`."""
+        log_alpha = self._log_alpha(f"log_alpha_{site.name}")
         if log_alpha is None:
             return None
         alpha = log_alpha.exp().to(device=device, dtype=dtype)
-        return gaussian_mask(shape, alpha, device=device, dtype=dtype, generator=generator)
+        return gaussian_mask(site.shape, alpha, device=device, dtype=dtype, generator=generator)
 
     def extra_repr(self) -> str:
         s = super().extra_repr() + f", granularity={self.granularity!r}"

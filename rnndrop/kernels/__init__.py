@@ -19,7 +19,7 @@ Shapes (``N = sum(batch_sizes)`` rows in packed, time-major order, ``B = batch_s
 
 The layer checks every argument (shapes, dtypes, devices, masks); kernels trust it.
 The two signatures are the protocols :class:`LSTMRecurrence` and :class:`GRURecurrence`;
-a layer gets its kernel from :func:`lstm_kernel` / :func:`gru_kernel` and calls it.
+a layer takes its kernel from :data:`KERNELS` (typed with them) and calls it.
 
 Kernels, by name:
 
@@ -98,18 +98,6 @@ KERNELS: Mapping[str, CellKernels] = {
 DEFAULT_LOOP_KERNEL = "manual"
 
 
-def lstm_kernel(name: str) -> LSTMRecurrence:
-    """The LSTM recurrence of kernel ``name`` (``"auto"``: :data:`DEFAULT_LOOP_KERNEL`); the
-    name is trusted (a layer checks it in its constructor)."""
-    return KERNELS[DEFAULT_LOOP_KERNEL if name == "auto" else name]["lstm"]
-
-
-def gru_kernel(name: str) -> GRURecurrence:
-    """The GRU recurrence of kernel ``name`` (``"auto"``: :data:`DEFAULT_LOOP_KERNEL`); the
-    name is trusted (a layer checks it in its constructor)."""
-    return KERNELS[DEFAULT_LOOP_KERNEL if name == "auto" else name]["gru"]
-
-
 def get_kernel(name: str, cell: str) -> LSTMRecurrence | GRURecurrence:
     """The recurrence function of kernel ``name`` for ``cell`` (``"lstm"`` or ``"gru"``), checked."""
     if name not in KERNELS:
@@ -127,7 +115,5 @@ __all__ = [
     "GRURecurrence",
     "LSTMRecurrence",
     "get_kernel",
-    "gru_kernel",
     "input_projection",
-    "lstm_kernel",
 ]
