@@ -5,23 +5,24 @@ the LSTM and the GRU is a :class:`~rnndrop.cell_specs.CellSpec` (``_cell``: gate
 states, torch's fused op) and the loop path of one layer, ``_layer_loop``, which
 :mod:`rnndrop.recurrent` writes per cell with its typed kernel.
 
-The walk of a ``dropout_hidden`` mask, hop by hop (training, no masks passed in, loop path):
+The walk of a ``dropout_hidden`` mask, hop by hop (training, no masks passed in, loop path;
+10 functions in 5 files, helpers that return at once in brackets):
 
 1. ``recurrent.py`` ``VariationalLSTM.__init__`` hands ``dropout_hidden`` to
-2. ``stack_settings.py`` ``_init_dropout``: checked once (``check_probability``), kept as
-   ``self.dropout_hidden``.
-3. ``stack.py`` ``forward``: no masks given, training: ``_draw_masks``.
-4. ``stack.py`` ``_draw_masks``: loops over the sites of :func:`rnndrop.masks.mask_sites`
-   (site ``hidden_l{k}``: shape ``[B, P]``, probability ``dropout_hidden``) and draws each
-   with ``self._draw_mask``, which is :func:`rnndrop.noise.draw_mask` unless a subclass
-   (GaussianLSTM) overrides it.
-5. ``noise.py`` ``draw_mask`` -> 6. ``noise.py`` ``_bernoulli``: the mask is drawn.
-7. ``stack.py`` ``_forward_by_layer``: per layer, the recurrent masks of its directions, in the
+2. ``stack_settings.py`` ``StackSettings._init_dropout``: checked once
+   [``validation.check_probability``], kept as ``self.dropout_hidden``.
+3. ``stack.py`` ``VariationalRNNStack.forward``: no masks given, training: ``_draw_masks``.
+4. ``stack.py`` ``VariationalRNNStack._draw_masks``: loops over the sites
+   [``masks.mask_sites``: site ``hidden_l{k}``, shape ``[B, P]``, probability
+   ``dropout_hidden``] and draws each with ``self._draw_mask``, which is
+   :func:`rnndrop.noise.draw_mask` unless a subclass (GaussianLSTM) overrides it.
+5. ``noise.py`` ``draw_mask`` -> 6. ``noise.py`` ``_bernoulli``: the mask ``[B, P]`` is drawn.
+7. ``stack.py`` ``VariationalRNNStack._forward_by_layer``: the layer's recurrent masks in the
    kernels' form ``[1, B, P]`` (``[T, B, P]`` per step).
-8. ``recurrent.py`` ``VariationalLSTM._layer_loop``: per direction, the kernel
-   :func:`rnndrop.kernels.lstm_kernel` returns (an :class:`~rnndrop.kernels.LSTMRecurrence`).
-9. ``kernels/lstm.py`` ``lstm_recurrence`` -> 10. ``_LSTMRecurrence.forward``: ``h_{t-1} * M_t``
-   at every step.
+8. ``recurrent.py`` ``VariationalLSTM._layer_loop``: per direction, calls the kernel
+   ``KERNELS[name]["lstm"]`` (typed :class:`~rnndrop.kernels.LSTMRecurrence`).
+9. ``kernels/lstm.py`` ``lstm_recurrence`` -> 10. ``_LSTMRecurrence.forward``
+   [``Schedule.step_masks``: the mask of each step]: ``m = h_{t-1} * M_t`` at every step.
 
 Masks passed to ``forward`` are checked (:meth:`RecurrentMasks.check`) and put in a
 packed batch's sorted order; masks drawn by ``draw_mask`` have their shapes by

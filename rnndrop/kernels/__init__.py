@@ -17,7 +17,8 @@ Shapes (``N = sum(batch_sizes)`` rows in packed, time-major order, ``B = batch_s
   ``T'`` in ``{1, T}`` (1: the same mask at every step) and ``B'`` in ``{1, B}``;
 - ``out``: ``[N, P]`` in the rows of ``gates_x``; ``h_n``: ``[B, P]``; ``c_n``: ``[B, H]``.
 
-The layer checks every argument (shapes, dtypes, devices, masks); kernels trust it.
+Kernels trust their arguments: the layer checks what a caller passed (shapes, dtypes,
+devices, masks) and builds the rest to shape.
 The two signatures are the protocols :class:`LSTMRecurrence` and :class:`GRURecurrence`;
 a layer takes its kernel from :data:`KERNELS` (typed with them) and calls it.
 
