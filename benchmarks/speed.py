@@ -44,9 +44,10 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
 from rnndrop import VariationalGRU, VariationalLSTM
-from rnndrop.kernels import DEFAULT_LOOP_KERNEL, KERNELS
+from rnndrop.kernels import DEFAULT_LOOP_KERNEL, KERNELS, get_kernel
 from rnndrop.kernels.matmul import onednn_enabled
 
 try:
@@ -295,10 +296,6 @@ def count_ops(
 ) -> tuple[collections.Counter, collections.Counter]:
     """Launching ops of one layer's forward and backward over ``steps`` time steps
     (batch 4, hidden 16, a per-sequence hidden mask)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from rnndrop.kernels import get_kernel
-
     B, H, G = 4, 16, 4 if cell == "lstm" else 3
     gates_x = torch.randn(steps * B, G * H, requires_grad=True)
     h0 = torch.zeros(B, H, requires_grad=True)

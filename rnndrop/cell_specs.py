@@ -1,15 +1,15 @@
-"""What a recurrent layer needs to know about its cell: gates, states, fused op, loop kernel.
+"""What a recurrent layer needs to know about its cell: gates, states, fused op.
 
 A :class:`CellSpec` is the Cell of PyTorch's Cell -> Layer -> Stack design
 (``benchmarks/fastrnns/custom_lstms.py``): the layers of :mod:`rnndrop.stack`
-are written once against it, and a new cell type is one more spec plus its
-kernels. The pointwise math itself lives in :mod:`rnndrop.cells` and in the
-kernels; a spec only says how to call them.
+are written once against it. ``fused`` is torch's whole-sequence op (``torch.lstm`` /
+``torch.gru``; oneDNN on CPU, cuDNN on GPU), used when no mask varies across the batch
+inside the recurrence (:func:`run_fused`).
 
-- ``fused``: torch's whole-sequence op (``torch.lstm`` / ``torch.gru``; oneDNN on
-  CPU, cuDNN on GPU), used when no mask varies across the batch inside the recurrence.
-- ``loop``: the call of a loop kernel of :mod:`rnndrop.kernels` for one layer and
-  direction, under the kernel contract documented there.
+The loop kernels (:mod:`rnndrop.kernels`) are called by each cell's layer class
+(``_layer_loop`` in :mod:`rnndrop.recurrent`), through the protocols that type
+:data:`rnndrop.kernels.KERNELS`; the pointwise math is :mod:`rnndrop.kernels.gates`.
+A new cell type is one more spec, one more layer class and its kernels.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rnndrop.cells import GRU_GATES, LSTM_GATES
-from rnndrop.kernels import DEFAULT_LOOP_KERNEL, KERNELS, get_kernel
+from rnndrop.kernels import KERNELS
+from rnndrop.kernels.gates import GRU_GATES, LSTM_GATES
 from rnndrop.layout import SequenceLayout
 
 __all__ = ["GRU_CELL", "LSTM_CELL", "CellSpec", "loop_kernel_names", "quiet_weight_compaction", "run_fused"]
@@ -31,11 +31,6 @@ __all__ = ["GRU_CELL", "LSTM_CELL", "CellSpec", "loop_kernel_names", "quiet_weig
 #: One layer's weights by their nn.LSTM names without the suffix: ``weight_ih``,
 #: ``weight_hh``, optionally ``bias_ih``, ``bias_hh``, ``weight_hr``.
 LayerWeights = dict[str, Tensor]
-#: ``loop(kernel_name, gates_x, batch_sizes, states, weights, hidden_mask, reverse) -> (out, states)``
-LoopHook = Callable[
-    [str, Tensor, list[int], tuple[Tensor, ...], LayerWeights, Tensor | None, bool],
-    tuple[Tensor, tuple[Tensor, ...]],
-]
 
 
 @dataclass(frozen=True)
@@ -49,10 +44,6 @@ class CellSpec:
         gates: gate blocks in ``W_ih`` / ``W_hh`` (4 LSTM: i, f, g, o; 3 GRU: r, z, n).
         state_names: names of the states in ``hx`` (``("h", "c")`` or ``("h",)``).
         fused: torch's fused op for whole sequences and stacks of layers.
-        input_bias: the bias folded into the input projection ``W_ih x + b`` hoisted
-            out of the loop (LSTM: both biases; GRU: ``b_ih`` only, since ``b_hh``
-            sits inside ``r * (W_hn h + b_hn)``).
-        loop: runs a loop kernel for one layer and direction (see :data:`LoopHook`).
     """
 
     name: str
@@ -60,8 +51,6 @@ class CellSpec:
     gates: int
     state_names: tuple[str, ...]
     fused: Callable
-    input_bias: Callable[[LayerWeights], Tensor | None]
-    loop: LoopHook
 
     @property
     def num_states(self) -> int:
@@ -73,40 +62,8 @@ def loop_kernel_names() -> tuple[str, ...]:
     return tuple(KERNELS)
 
 
-def _loop_kernel(kernel_name: str, cell: str) -> Callable:
-    """The recurrence function of loop kernel ``kernel_name`` (``"auto"``: the default one)
-    for ``cell`` (``"lstm"`` or ``"gru"``): the one lookup in the kernel registry."""
-    return get_kernel(DEFAULT_LOOP_KERNEL if kernel_name == "auto" else kernel_name, cell)
-
-
-def _lstm_loop(kernel_name, gates_x, batch_sizes, states, weights, hidden_mask, reverse):
-    h0, c0 = states
-    kernel = _loop_kernel(kernel_name, "lstm")
-    out, h, c = kernel(
-        gates_x, batch_sizes, h0, c0, weights["weight_hh"], weights.get("weight_hr"), hidden_mask, reverse
-    )
-    return out, (h, c)
-
-
-def _gru_loop(kernel_name, gates_x, batch_sizes, states, weights, hidden_mask, reverse):
-    (h0,) = states
-    kernel = _loop_kernel(kernel_name, "gru")
-    out, h = kernel(
-        gates_x, batch_sizes, h0, weights["weight_hh"], weights.get("bias_hh"), hidden_mask, reverse
-    )
-    return out, (h,)
-
-
-def _lstm_input_bias(weights: LayerWeights) -> Tensor | None:
-    return weights["bias_ih"] + weights["bias_hh"] if "bias_ih" in weights else None
-
-
-def _gru_input_bias(weights: LayerWeights) -> Tensor | None:
-    return weights.get("bias_ih")
-
-
-LSTM_CELL = CellSpec("lstm", "LSTM", LSTM_GATES, ("h", "c"), torch.lstm, _lstm_input_bias, _lstm_loop)
-GRU_CELL = CellSpec("gru", "GRU", GRU_GATES, ("h",), torch.gru, _gru_input_bias, _gru_loop)
+LSTM_CELL = CellSpec("lstm", "LSTM", LSTM_GATES, ("h", "c"), torch.lstm)
+GRU_CELL = CellSpec("gru", "GRU", GRU_GATES, ("h",), torch.gru)
 
 
 def run_fused(

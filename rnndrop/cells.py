@@ -6,66 +6,29 @@ matmuls, the form of Gal & Ghahramani (2016). A mask of shape ``[batch, size]``
 is shared by all gates; a mask of shape ``[batch, gates, size]`` gives every
 gate its own mask (Gal's "untied" variant). No mask means no dropout.
 
-The gate arithmetic lives in :func:`lstm_pointwise` and :func:`gru_pointwise` so
-that the cells and the layers' time loops compute the very same thing.
+The gate arithmetic (:func:`~rnndrop.kernels.gates.masked_linear`,
+:func:`~rnndrop.kernels.gates.lstm_pointwise`, :func:`~rnndrop.kernels.gates.gru_pointwise`)
+lives in :mod:`rnndrop.kernels.gates`, so that the cells and the layers' time loops
+compute the very same thing; it is imported from there (and importable from here).
 """
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rnndrop.kernels.gates import GRU_GATES, LSTM_GATES, gru_pointwise, lstm_pointwise, masked_linear
 from rnndrop.validation import check_tensor_like
 
-LSTM_GATES = 4  # (i, f, g, o), the order of nn.LSTM
-GRU_GATES = 3  # (r, z, n), the order of nn.GRU
-
-
-def masked_linear(x: Tensor, mask: Tensor | None, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``(x * mask) @ weight.T + bias``.
-
-    Args:
-        x: ``[..., in]``.
-        mask: ``None``; a tensor broadcastable to ``x`` (one mask for all gates);
-            or ``[..., gates, in]`` (one more dimension than ``x``: one mask per gate,
-            ``weight`` is then read as ``gates`` blocks of rows).
-        weight: ``[gates * out, in]``.
-        bias: ``[gates * out]`` or None.
-
-    Returns:
-        ``[..., gates * out]``.
-    """
-    if mask is None:
-        return F.linear(x, weight, bias)
-    if mask.dim() <= x.dim():
-        return F.linear(x * mask, weight, bias)
-    gates = mask.shape[-2]
-    xm = x.unsqueeze(-2) * mask  # [..., gates, in]
-    w = weight.view(gates, -1, weight.shape[-1])  # [gates, out, in]
-    out = torch.einsum("...gi,goi->...go", xm, w).flatten(-2)
-    return out if bias is None else out + bias
-
-
-def lstm_pointwise(gates: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
-    """LSTM gate nonlinearities: pre-activations ``[..., 4 * H]`` (i, f, g, o) and
-    ``c_{t-1}`` ``[..., H]`` -> ``(h_t, c_t)``, both ``[..., H]``."""
-    i, f, g, o = gates.chunk(4, -1)
-    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-    return torch.sigmoid(o) * torch.tanh(c), c
-
-
-def gru_pointwise(gates_x: Tensor, gates_h: Tensor, h: Tensor) -> Tensor:
-    """GRU update from the input part ``W_ih x + b_ih`` and the recurrent part
-    ``W_hh h + b_hh`` (both ``[..., 3 * H]``, order r, z, n) and ``h_{t-1}``
-    ``[..., H]`` (unmasked) -> ``h_t`` ``[..., H]``."""
-    xr, xz, xn = gates_x.chunk(3, -1)
-    hr, hz, hn = gates_h.chunk(3, -1)
-    r = torch.sigmoid(xr + hr)
-    z = torch.sigmoid(xz + hz)
-    n = torch.tanh(xn + r * hn)
-    return n + z * (h - n)
-
+__all__ = [
+    "GRU_GATES",
+    "LSTM_GATES",
+    "VariationalGRUCell",
+    "VariationalLSTMCell",
+    "check_cell_mask",
+    "gru_pointwise",
+    "lstm_pointwise",
+    "masked_linear",
+]
 
 def check_cell_mask(name: str, mask: Tensor | None, x: Tensor, size: int, gates: int) -> None:
     """Check a cell mask against its input ``x`` (``[batch, size]`` or unbatched ``[size]``).

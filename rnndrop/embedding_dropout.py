@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rnndrop.masks import bernoulli_mask
+from rnndrop.noise import bernoulli_mask
 from rnndrop.stochastic import Stochastic
 from rnndrop.validation import check_bool, check_choice, check_instance, check_probability
 

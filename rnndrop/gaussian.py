@@ -40,15 +40,14 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from rnndrop.kl import KL_APPROXIMATIONS, KLRegularized
+from rnndrop.kl import KL_APPROXIMATIONS, KLRegularized, check_max_alpha, clip_log_alpha
 from rnndrop.layout import mask_packed_sequence
-from rnndrop.masks import gaussian_mask
+from rnndrop.noise import MaskSite, gaussian_mask
 from rnndrop.recurrent import VariationalGRU, VariationalLSTM
 from rnndrop.stochastic import Stochastic
 from rnndrop.validation import (
     check_bool,
     check_choice,
-    check_positive_float,
     check_positive_int,
     check_probability,
 )
@@ -62,25 +61,6 @@ def rnn_state_dict(layer: nn.RNNBase) -> dict[str, Tensor]:
     """The entries of ``layer.state_dict()`` that a plain ``nn.LSTM`` / ``nn.GRU`` has."""
     names = set(layer._flat_weights_names)
     return {k: v for k, v in layer.state_dict().items() if k in names}
-
-
-def _check_max_alpha(max_alpha: float | None, kl_approximation: str) -> float | None:
-    check_choice("kl_approximation", kl_approximation, tuple(KL_APPROXIMATIONS))
-    if max_alpha is not None:
-        max_alpha = check_positive_float("max_alpha", max_alpha)
-    if kl_approximation == "kingma" and (max_alpha is None or max_alpha > 1):
-        raise ValueError(
-            "kl_approximation='kingma' is fitted for alpha <= 1 only: it needs max_alpha <= 1, "
-            f"got max_alpha={max_alpha!r}"
-        )
-    return max_alpha
-
-
-def clip_log_alpha(log_alpha: Tensor, max_alpha: float | None) -> Tensor:
-    """``log_alpha`` clipped at ``log(max_alpha)`` (no gradient beyond it); unchanged for None."""
-    if max_alpha is None:
-        return log_alpha
-    return log_alpha.clamp(max=math.log(max_alpha))
 
 
 def _alpha_shape(granularity: str, size: int, gates: int | None) -> tuple[int, ...]:
@@ -114,7 +94,7 @@ class _LearnedAlphaMixin(KLRegularized):
         self, granularity: str, max_alpha: float | None, kl_approximation: str
     ) -> None:
         self.granularity = check_choice("granularity", granularity, GRANULARITIES)
-        self.max_alpha = _check_max_alpha(max_alpha, kl_approximation)
+        self.max_alpha = check_max_alpha(max_alpha, kl_approximation)
         self.kl_approximation = kl_approximation
         if granularity == "weight":
             self.per_gate_masks = True
@@ -168,21 +148,21 @@ class _LearnedAlphaMixin(KLRegularized):
 
     def _draw_mask(
         self,
-        site: str,
-        shape: tuple[int, ...],
-        p: float,
+        site: MaskSite,
+        noise: str,
         *,
         device: torch.device | str,
         dtype: torch.dtype,
         generator: torch.Generator | None,
     ) -> Tensor | None:
         """``1 + sqrt(alpha) * eps`` with the site's learned ``alpha``, differentiable in
-        ``log_alpha``; shapes and scopes are those of :meth:`VariationalLSTM.sample_masks`."""
-        log_alpha = self._log_alpha(f"log_alpha_{site}")
+        ``log_alpha`` (``noise`` is always ``"gaussian"``); shapes and scopes are those of
+        :meth:`VariationalLSTM.sample_masks`."""
+        log_alpha = self._log_alpha(f"log_alpha_{site.name}")
         if log_alpha is None:
             return None
         alpha = log_alpha.exp().to(device=device, dtype=dtype)
-        return gaussian_mask(shape, alpha, device=device, dtype=dtype, generator=generator)
+        return gaussian_mask(site.shape, alpha, device=device, dtype=dtype, generator=generator)
 
     def extra_repr(self) -> str:
         s = super().extra_repr() + f", granularity={self.granularity!r}"
@@ -272,7 +252,7 @@ class GaussianLockedDropout(KLRegularized, Stochastic, nn.Module):
         self.size = size
         self.p = p
         self.granularity = granularity
-        self.max_alpha = _check_max_alpha(max_alpha, kl_approximation)
+        self.max_alpha = check_max_alpha(max_alpha, kl_approximation)
         self.kl_approximation = kl_approximation
         self.batch_first = check_bool("batch_first", batch_first)
         shape = (1,) if granularity == "layer" else (size,)

@@ -19,6 +19,7 @@ Modules with a KL term inherit :class:`KLRegularized` and implement ``kl()``;
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rnndrop.validation import check_choice, check_instance, check_positive_int
+from rnndrop.validation import check_choice, check_instance, check_positive_float, check_positive_int
 
 __all__ = [
     "KINGMA_COEFFICIENTS",
@@ -35,6 +36,8 @@ __all__ = [
     "MOLCHANOV_COEFFICIENTS",
     "KLRegularized",
     "KLRegularizer",
+    "check_max_alpha",
+    "clip_log_alpha",
     "kl_divergence",
     "kl_kingma",
     "kl_molchanov",
@@ -88,6 +91,26 @@ def kl_divergence(log_alpha: Tensor, approximation: str = "molchanov") -> Tensor
     """The approximation named ``approximation`` (``"molchanov"`` or ``"kingma"``), elementwise."""
     check_choice("approximation", approximation, tuple(KL_APPROXIMATIONS))
     return KL_APPROXIMATIONS[approximation](log_alpha)
+
+
+def check_max_alpha(max_alpha: float | None, kl_approximation: str) -> float | None:
+    """``max_alpha`` checked (None or positive), and checked against ``kl_approximation``'s range."""
+    check_choice("kl_approximation", kl_approximation, tuple(KL_APPROXIMATIONS))
+    if max_alpha is not None:
+        max_alpha = check_positive_float("max_alpha", max_alpha)
+    if kl_approximation == "kingma" and (max_alpha is None or max_alpha > 1):
+        raise ValueError(
+            "kl_approximation='kingma' is fitted for alpha <= 1 only: it needs max_alpha <= 1, "
+            f"got max_alpha={max_alpha!r}"
+        )
+    return max_alpha
+
+
+def clip_log_alpha(log_alpha: Tensor, max_alpha: float | None) -> Tensor:
+    """``log_alpha`` clipped at ``log(max_alpha)`` (no gradient beyond it); unchanged for None."""
+    if max_alpha is None:
+        return log_alpha
+    return log_alpha.clamp(max=math.log(max_alpha))
 
 
 class KLRegularized(ABC):

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from rnndrop.layout import mask_packed_sequence, packed_sequence_index
-from rnndrop.masks import NOISES, sample_mask
+from rnndrop.noise import NOISES, sample_mask
 from rnndrop.stochastic import Stochastic
 from rnndrop.validation import check_bool, check_choice, check_probability
 

@@ -1,26 +1,27 @@
-"""Sampling of dropout masks: the one place where rnndrop draws noise.
+"""Dropout masks of recurrent layers: their scopes, their sites, and the masks of one call.
 
-A mask is a tensor that multiplies an activation. Bernoulli masks hold 0 or
-``1 / (1 - p)`` (inverted dropout, so the expected value is 1); Gaussian masks
-hold ``1 + sqrt(alpha) * eps`` with ``eps ~ N(0, 1)`` and ``alpha = p / (1 - p)``,
-the Gaussian dropout of the same variance (Srivastava et al. 2014, Kingma et al. 2015).
-
-How long a mask lives is its *scope*:
+The noise itself is drawn in :mod:`rnndrop.noise` (Bernoulli or Gaussian; its
+functions are importable from here too). How long a mask lives is its *scope*:
 
 ``"sequence"``  one mask per sequence, reused at every time step (Gal & Ghahramani 2016)
 ``"step"``      a fresh mask at every time step (naive dropout, Zaremba et al. 2014)
 ``"batch"``     one mask shared by the whole batch (what can be folded into a weight)
+
+A recurrent layer's masks: :func:`mask_sites` lists the sites of a stack of layers
+(name, shape, probability) in drawing order and the layer draws each with
+:func:`rnndrop.noise.draw_mask`, the one sampling function, into a
+:class:`RecurrentMasks`. Drawn masks have their shapes by construction; masks a
+caller passes in are checked (:meth:`RecurrentMasks.check`).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
+from rnndrop.noise import NOISES, MaskSite, bernoulli_mask, draw_mask, gaussian_mask, sample_mask
 from rnndrop.validation import (
     check_bool,
     check_choice,
@@ -29,12 +30,25 @@ from rnndrop.validation import (
     check_tensor_like,
 )
 
+__all__ = [
+    "MASK_SCOPES",
+    "NOISES",
+    "MaskShapes",
+    "MaskSite",
+    "RecurrentMasks",
+    "StackGeometry",
+    "bernoulli_mask",
+    "check_probability",
+    "check_seq_len",
+    "draw_mask",
+    "gaussian_mask",
+    "mask_shape",
+    "mask_sites",
+    "sample_mask",
+    "stack_mask_shapes",
+]
+
 MASK_SCOPES: tuple[str, ...] = ("sequence", "step", "batch")
-NOISES: tuple[str, ...] = ("bernoulli", "gaussian")
-
-#: Probabilities ``p`` with ``min(p, 1 - p)`` below this are drawn exactly (see :func:`bernoulli_mask`).
-_FAST_DRAW_MIN = 2.0**-8
-
 
 def mask_shape(
     scope: str, batch_size: int, size: int, seq_len: int | None = None, gates: int | None = None
@@ -46,95 +60,27 @@ def mask_shape(
     variant) a gate dimension is inserted before ``size``: ``[..., gates, size]``.
     """
     check_choice("scope", scope, MASK_SCOPES)
+    check_seq_len(scope, seq_len)
+    return _shape(scope, batch_size, size, seq_len, gates)
+
+
+def check_seq_len(scope: str, seq_len: int | None) -> None:
+    """Raise unless ``seq_len`` is a positive int where ``scope`` (``"step"``) needs one."""
     if scope == "step":
         if seq_len is None:
             raise ValueError("seq_len is required for masks with scope 'step', got None")
         check_positive_int("seq_len", seq_len)
-        lead: tuple[int, ...] = (seq_len, batch_size)
+
+
+def _shape(scope: str, batch_size: int, size: int, seq_len: int | None, gates: int | None) -> tuple[int, ...]:
+    """:func:`mask_shape` of arguments already checked."""
+    if scope == "step":
+        lead: tuple[int, ...] = (seq_len, batch_size)  # type: ignore[assignment]
     elif scope == "sequence":
         lead = (batch_size,)
     else:
         lead = (1,)
     return (*lead, gates, size) if gates else (*lead, size)
-
-
-def bernoulli_mask(
-    shape: Sequence[int],
-    p: float,
-    *,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
-    generator: torch.Generator | None = None,
-) -> Tensor:
-    """A tensor of ``shape`` holding 0 with probability ``p`` and ``1 / (1 - p)`` otherwise.
-
-    For ``2**-8 <= p <= 1 - 2**-8`` (every usual dropout rate) ``p`` is resolved to a
-    multiple of 2**-16: each element compares 16 random bits with a threshold. Cutting
-    64-bit random integers into four 16-bit draws costs about half of
-    ``torch.rand(shape) >= p`` (and a fifth of ``bernoulli_``) on CPU, which matters for
-    weight-sized masks (DropConnect on ``W_hh``); the kept fraction is then off by at
-    most ``2**-17 / (1 - p) <= 2**-9`` of itself. Outside that range 16 bits cannot
-    express ``p`` well (``p`` just below 1 would round to 1, ``p`` below ``2**-17`` to 0),
-    so the element is drawn exactly as ``rand >= p`` with 53-bit uniforms instead.
-    """
-    p = check_probability("p", p)
-    dtype = dtype or torch.get_default_dtype()
-    if min(p, 1.0 - p) < _FAST_DRAW_MIN:
-        uniform = torch.rand(tuple(shape), dtype=torch.float64, device=device, generator=generator)
-        keep = uniform >= p
-    else:
-        numel = math.prod(shape)
-        words = torch.empty((numel + 3) // 4, dtype=torch.int64, device=device)
-        words.random_(-(2**63), None, generator=generator)  # all 64 bits random
-        bits = words.view(torch.int16)[:numel].view(tuple(shape))
-        keep = bits >= round(p * 65536) - 32768  # in [-32512, 32512]: no int16 overflow
-    return keep.to(dtype).mul_(1.0 / (1.0 - p))
-
-
-def gaussian_mask(
-    shape: Sequence[int],
-    alpha: float | Tensor,
-    *,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
-    generator: torch.Generator | None = None,
-) -> Tensor:
-    """``1 + sqrt(alpha) * eps``, ``eps ~ N(0, 1)``: multiplicative noise of mean 1, variance alpha.
-
-    ``alpha`` may be a tensor (a learned variance) broadcastable to ``shape``; the
-    result is then differentiable with respect to it.
-    """
-    if isinstance(alpha, Tensor):
-        device = device or alpha.device
-        dtype = dtype or alpha.dtype
-    dtype = dtype or torch.get_default_dtype()
-    eps = torch.randn(tuple(shape), device=device, dtype=dtype, generator=generator)
-    if isinstance(alpha, Tensor):
-        return 1.0 + alpha.sqrt() * eps
-    return eps.mul_(math.sqrt(alpha)).add_(1.0)
-
-
-def sample_mask(
-    shape: Sequence[int],
-    p: float,
-    noise: str = "bernoulli",
-    *,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
-    generator: torch.Generator | None = None,
-) -> Tensor | None:
-    """A mask of ``shape`` for dropout probability ``p``, or ``None`` when ``p == 0``.
-
-    ``noise="gaussian"`` draws Gaussian noise of the same variance as Bernoulli
-    dropout with probability ``p``: ``alpha = p / (1 - p)``.
-    """
-    if p == 0:
-        return None
-    if noise == "bernoulli":
-        return bernoulli_mask(shape, p, device=device, dtype=dtype, generator=generator)
-    if noise == "gaussian":
-        return gaussian_mask(shape, p / (1.0 - p), device=device, dtype=dtype, generator=generator)
-    raise ValueError(f"noise must be one of {NOISES}, got {noise!r}")
 
 
 @dataclass(frozen=True)
@@ -167,11 +113,31 @@ class StackGeometry:
 
 @dataclass(frozen=True)
 class MaskShapes:
-    """The shape of every mask of one forward call (see :meth:`RecurrentMasks.shapes`)."""
+    """The shape of every mask of one forward call (see :func:`stack_mask_shapes`)."""
 
     inputs: tuple[tuple[int, ...], ...]
     hidden: tuple[tuple[int, ...], ...]
     output: tuple[int, ...]
+
+
+def stack_mask_shapes(
+    geometry: StackGeometry, batch_size: int, seq_len: int | None, scope: str, per_gate: bool
+) -> MaskShapes:
+    """The shape of every mask of a stack for ``batch_size`` sequences of ``seq_len`` steps.
+
+    Shapes follow :func:`mask_shape` (arguments already checked). ``scope="batch"``
+    shares only the recurrent masks across the batch; input and output masks stay
+    per sequence.
+    """
+    gates = geometry.gates if per_gate else None
+    outer = "step" if scope == "step" else "sequence"
+    sizes = [geometry.input_size] + [geometry.layer_output_size] * (geometry.num_layers - 1)
+    return MaskShapes(
+        inputs=tuple(_shape(outer, batch_size, size, seq_len, gates) for size in sizes),
+        hidden=(_shape(scope, batch_size, geometry.state_size, seq_len, gates),)
+        * (geometry.num_layers * geometry.num_directions),
+        output=_shape(outer, batch_size, geometry.layer_output_size, seq_len, None),
+    )
 
 
 @dataclass(frozen=True)
@@ -218,58 +184,13 @@ class RecurrentMasks:
             per_gate=self.per_gate,
         )
 
-    # ---------------------------------------------------------------- planning
-
     @staticmethod
     def shapes(
         geometry: StackGeometry, batch_size: int, seq_len: int | None, scope: str, per_gate: bool
     ) -> MaskShapes:
-        """The shape of every mask for ``batch_size`` sequences of ``seq_len`` steps.
-
-        Shapes follow :func:`mask_shape`. ``scope="batch"`` shares only the recurrent
-        masks across the batch; input and output masks stay per sequence.
-        """
-        gates = geometry.gates if per_gate else None
-        outer = "step" if scope == "step" else "sequence"
-        sizes = [geometry.input_size] + [geometry.layer_output_size] * (geometry.num_layers - 1)
-        return MaskShapes(
-            inputs=tuple(mask_shape(outer, batch_size, size, seq_len, gates) for size in sizes),
-            hidden=(mask_shape(scope, batch_size, geometry.state_size, seq_len, gates),)
-            * (geometry.num_layers * geometry.num_directions),
-            output=mask_shape(outer, batch_size, geometry.layer_output_size, seq_len),
-        )
-
-    @classmethod
-    def sample(
-        cls,
-        geometry: StackGeometry,
-        *,
-        input_p: Sequence[float],
-        hidden_p: float,
-        output_p: float,
-        batch_size: int,
-        seq_len: int | None,
-        scope: str,
-        per_gate: bool,
-        draw: Callable[[str, tuple[int, ...], float], Tensor | None],
-    ) -> RecurrentMasks:
-        """Draw every mask with ``draw(site, shape, p)`` (None: no dropout at that site).
-
-        ``input_p[k]`` is the probability on layer ``k``'s input; sites are named
-        ``input_l{k}``, ``hidden_l{k}[_reverse]`` and ``output``.
-        """
-        shapes = cls.shapes(geometry, batch_size, seq_len, scope, per_gate)
-        return cls(
-            inputs=tuple(
-                draw(f"input_l{k}", shape, p) for k, (shape, p) in enumerate(zip(shapes.inputs, input_p))
-            ),
-            hidden=tuple(
-                draw(geometry.hidden_site(i), shape, hidden_p) for i, shape in enumerate(shapes.hidden)
-            ),
-            output=draw("output", shapes.output, output_p),
-            scope=scope,
-            per_gate=per_gate,
-        )
+        """The shape of every mask for ``batch_size`` sequences of ``seq_len`` steps
+        (:func:`stack_mask_shapes`)."""
+        return stack_mask_shapes(geometry, batch_size, seq_len, scope, per_gate)
 
     def check(self, geometry: StackGeometry, batch_size: int, seq_len: int, like: Tensor) -> None:
         """Raise unless every mask has its exact shape and ``like``'s dtype and device."""
@@ -290,8 +211,6 @@ class RecurrentMasks:
         if self.output is not None:
             check_tensor_like("masks.output", self.output, shapes.output, like, shape_note=note)
 
-    # ---------------------------------------------------------------- use
-
     def in_sorted_order(self, sorted_indices: Tensor | None) -> RecurrentMasks:
         """The masks with their batch dimension permuted to a PackedSequence's sorted order."""
         if sorted_indices is None:
@@ -303,14 +222,31 @@ class RecurrentMasks:
 
         return self.map(to_sorted)
 
-    def hidden_for_kernel(self, index: int) -> Tensor | None:
-        """Recurrent mask ``index`` in the loop kernels' form ``[T', B', (G,) P]``:
-        a time dimension of 1 (the same mask at every step) unless the scope is ``"step"``."""
-        mask = self.hidden[index]
-        if mask is None or self.scope == "step":
-            return mask
-        return mask.unsqueeze(0)
-
     def is_empty(self) -> bool:
         """True when no mask is set anywhere."""
         return self.output is None and all(m is None for m in (*self.inputs, *self.hidden))
+
+
+def mask_sites(
+    geometry: StackGeometry,
+    batch_size: int,
+    seq_len: int | None,
+    scope: str,
+    per_gate: bool,
+    *,
+    input_p: Sequence[float],
+    hidden_p: float,
+    output_p: float,
+) -> tuple[MaskSite, ...]:
+    """Every mask site of one forward call, in drawing order (arguments already checked).
+
+    ``input_l{k}`` for every layer (probability ``input_p[k]``), then
+    ``hidden_l{k}[_reverse]`` for every layer and direction (``hidden_p``), then
+    ``output`` (``output_p``); shapes from :func:`stack_mask_shapes`.
+    """
+    shapes = stack_mask_shapes(geometry, batch_size, seq_len, scope, per_gate)
+    return (
+        *(MaskSite(f"input_l{k}", shape, p) for k, (shape, p) in enumerate(zip(shapes.inputs, input_p))),
+        *(MaskSite(geometry.hidden_site(i), shape, hidden_p) for i, shape in enumerate(shapes.hidden)),
+        MaskSite("output", shapes.output, output_p),
+    )

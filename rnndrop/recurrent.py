@@ -16,7 +16,9 @@ recurrence itself.
 
 The shared machinery (masks, the three execution paths) is
 :class:`rnndrop.stack.VariationalRNNStack`; what differs between the two cells is
-their :class:`~rnndrop.cell_specs.CellSpec`.
+their :class:`~rnndrop.cell_specs.CellSpec` and their loop path, ``_layer_loop``
+here: the input projection and the cell's loop kernel, typed by
+:class:`~rnndrop.kernels.LSTMRecurrence` / :class:`~rnndrop.kernels.GRURecurrence`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from rnndrop.cell_specs import GRU_CELL, LSTM_CELL
+from rnndrop.kernels import KERNELS, GRURecurrence, LSTMRecurrence, input_projection
+from rnndrop.layout import SequenceLayout
 from rnndrop.masks import RecurrentMasks
 from rnndrop.stack import VariationalRNNStack
 
@@ -124,6 +128,31 @@ class VariationalLSTM(VariationalRNNStack, nn.LSTM):
     ) -> tuple[Tensor | PackedSequence, tuple[Tensor, Tensor]]:
         return super().forward(input, hx, masks)
 
+    def _layer_loop(
+        self,
+        x: Tensor,
+        layout: SequenceLayout,
+        layer: int,
+        states: tuple[Tensor, ...],
+        in_rows: Tensor | None,
+        hidden: list[Tensor | None],
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """Path 3 (:meth:`VariationalRNNStack._layer_loop`): ``gates_x = W_ih x + b_ih + b_hh``
+        for every step, then the LSTM kernel per direction."""
+        recurrence: LSTMRecurrence = KERNELS[self._loop_kernel]["lstm"]
+        h0, c0 = states
+        outs, finals = [], []
+        for d, mask in enumerate(hidden):
+            w = self._layer_weights(layer, d)
+            bias = w["bias_ih"] + w["bias_hh"] if self.bias else None
+            gates_x = input_projection(x, in_rows, w["weight_ih"], bias)
+            out, h, c = recurrence(
+                gates_x, layout.batch_sizes, h0[d], c0[d], w["weight_hh"], w.get("weight_hr"), mask, bool(d)
+            )
+            outs.append(out)
+            finals.append((h, c))
+        return self._join_directions(outs, finals)
+
 
 class VariationalGRU(VariationalRNNStack, nn.GRU):
     __doc__ = (
@@ -182,3 +211,27 @@ class VariationalGRU(VariationalRNNStack, nn.GRU):
         masks: RecurrentMasks | None = None,
     ) -> tuple[Tensor | PackedSequence, Tensor]:
         return super().forward(input, hx, masks)
+
+    def _layer_loop(
+        self,
+        x: Tensor,
+        layout: SequenceLayout,
+        layer: int,
+        states: tuple[Tensor, ...],
+        in_rows: Tensor | None,
+        hidden: list[Tensor | None],
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """Path 3 (:meth:`VariationalRNNStack._layer_loop`): ``gates_x = W_ih x + b_ih`` for every
+        step (``b_hh`` sits inside ``r * (W_hn h + b_hn)``), then the GRU kernel per direction."""
+        recurrence: GRURecurrence = KERNELS[self._loop_kernel]["gru"]
+        (h0,) = states
+        outs, finals = [], []
+        for d, mask in enumerate(hidden):
+            w = self._layer_weights(layer, d)
+            gates_x = input_projection(x, in_rows, w["weight_ih"], w.get("bias_ih"))
+            out, h = recurrence(
+                gates_x, layout.batch_sizes, h0[d], w["weight_hh"], w.get("bias_hh"), mask, bool(d)
+            )
+            outs.append(out)
+            finals.append((h,))
+        return self._join_directions(outs, finals)

@@ -1,15 +1,33 @@
 """The stack of recurrent layers behind VariationalLSTM / VariationalGRU: masks in, rows out.
 
-:class:`VariationalRNNStack` is written once for every cell: what differs between
-the LSTM and the GRU is a :class:`~rnndrop.cell_specs.CellSpec` (``_cell``).
+:class:`VariationalRNNStack` is written once for every cell; what differs between
+the LSTM and the GRU is a :class:`~rnndrop.cell_specs.CellSpec` (``_cell``: gates,
+states, torch's fused op) and the loop path of one layer, ``_layer_loop``, which
+:mod:`rnndrop.recurrent` writes per cell with its typed kernel.
 
-A mask's way, in order: ``sample_masks`` draws every mask through
-:meth:`RecurrentMasks.sample` (shapes from :meth:`RecurrentMasks.shapes`);
-``forward`` checks masks passed in (:meth:`RecurrentMasks.check`) and reorders them
-for a packed batch, multiplies each input mask into its layer's input rows
-(:meth:`SequenceLayout.broadcast_to_rows`) and hands each recurrent mask either to
-torch's fused op folded into ``W_hh`` or to the cell's loop kernel
-(:attr:`CellSpec.loop`), which multiplies it into ``h_{t-1}`` at every step.
+The walk of a ``dropout_hidden`` mask, hop by hop (training, no masks passed in, loop path;
+10 functions in 5 files, helpers that return at once in brackets):
+
+1. ``recurrent.py`` ``VariationalLSTM.__init__`` hands ``dropout_hidden`` to
+2. ``stack_settings.py`` ``StackSettings._init_dropout``: checked once
+   [``validation.check_probability``], kept as ``self.dropout_hidden``.
+3. ``stack.py`` ``VariationalRNNStack.forward``: no masks given, training: ``_draw_masks``.
+4. ``stack.py`` ``VariationalRNNStack._draw_masks``: loops over the sites
+   [``masks.mask_sites``: site ``hidden_l{k}``, shape ``[B, P]``, probability
+   ``dropout_hidden``] and draws each with ``self._draw_mask``, which is
+   :func:`rnndrop.noise.draw_mask` unless a subclass (GaussianLSTM) overrides it.
+5. ``noise.py`` ``draw_mask`` -> 6. ``noise.py`` ``_bernoulli``: the mask ``[B, P]`` is drawn.
+7. ``stack.py`` ``VariationalRNNStack._forward_by_layer``: the layer's recurrent masks in the
+   kernels' form ``[1, B, P]`` (``[T, B, P]`` per step).
+8. ``recurrent.py`` ``VariationalLSTM._layer_loop``: per direction, calls the kernel
+   ``KERNELS[name]["lstm"]`` (typed :class:`~rnndrop.kernels.LSTMRecurrence`).
+9. ``kernels/lstm.py`` ``lstm_recurrence`` -> 10. ``_LSTMRecurrence.forward``
+   [``Schedule.step_masks``: the mask of each step]: ``m = h_{t-1} * M_t`` at every step.
+
+Masks passed to ``forward`` are checked (:meth:`RecurrentMasks.check`) and put in a
+packed batch's sorted order; masks drawn by ``draw_mask`` have their shapes by
+construction and are not checked again; masks drawn by an override of ``_draw_mask``
+are checked like passed ones.
 
 Execution, three paths (:meth:`VariationalRNNStack.forward`):
 
@@ -30,98 +48,29 @@ last layer's output.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from rnndrop.cell_specs import CellSpec, LayerWeights, loop_kernel_names, quiet_weight_compaction, run_fused
-from rnndrop.kernels import input_projection
+from rnndrop.cell_specs import LayerWeights, quiet_weight_compaction, run_fused
 from rnndrop.layout import SequenceLayout
-from rnndrop.masks import MASK_SCOPES, NOISES, RecurrentMasks, StackGeometry, sample_mask
-from rnndrop.stochastic import Stochastic
-from rnndrop.validation import check_bool, check_choice, check_positive_int, check_probability
+from rnndrop.masks import RecurrentMasks, StackGeometry, check_seq_len, mask_sites
+from rnndrop.noise import draw_mask
+from rnndrop.stack_settings import StackSettings
+from rnndrop.validation import check_positive_int
 
 __all__ = ["VariationalRNNStack"]
 
 
-class VariationalRNNStack(Stochastic):
+class VariationalRNNStack(StackSettings):
     """What VariationalLSTM and VariationalGRU share; placed before nn.LSTM / nn.GRU.
 
-    A subclass sets ``_cell`` (a :class:`CellSpec`); everything cell-specific goes through it.
+    A subclass sets ``_cell`` (a :class:`CellSpec`) and writes ``_layer_loop`` for its cell;
+    the constructor's dropout arguments are :class:`~rnndrop.stack_settings.StackSettings`'.
     """
 
-    _cell: CellSpec
-
-    def _init_dropout(
-        self,
-        dropout: float,
-        dropout_input: float,
-        dropout_hidden: float,
-        dropout_output: float,
-        mask_scope: str,
-        per_gate_masks: bool,
-        noise: str,
-        kernel: str,
-    ) -> None:
-        self.dropout = check_probability("dropout", dropout)  # the input of layers 1..L-1
-        if self.dropout > 0 and self.num_layers == 1:  # nn.RNNBase's warning, word for word
-            warnings.warn(
-                "dropout option adds dropout after all but last recurrent layer, so non-zero dropout "
-                f"expects num_layers greater than 1, but got dropout={dropout} and "
-                f"num_layers={self.num_layers}",
-                stacklevel=3,
-            )
-        self.dropout_input = check_probability("dropout_input", dropout_input)
-        self.dropout_hidden = check_probability("dropout_hidden", dropout_hidden)
-        self.dropout_output = check_probability("dropout_output", dropout_output)
-        self.mask_scope = check_choice("mask_scope", mask_scope, MASK_SCOPES)
-        self.per_gate_masks = check_bool("per_gate_masks", per_gate_masks)
-        self.noise = check_choice("noise", noise, NOISES)
-        self.kernel = check_choice("kernel", kernel, ("auto", *loop_kernel_names()))
-
-    @classmethod
-    def from_module(cls, module: nn.RNNBase, **dropout_kwargs):
-        """A layer of this class with ``module``'s configuration, device, dtype and weights.
-
-        ``module`` is an ``nn.LSTM`` (for VariationalLSTM) or ``nn.GRU`` (for VariationalGRU),
-        or a subclass with the same cell (``module.mode``); ``dropout_kwargs`` are this
-        class's keyword arguments (``dropout_hidden=0.3``, ...). ``dropout`` defaults to
-        ``module.dropout``. Example::
-
-            model.rnn = VariationalLSTM.from_module(model.rnn, dropout_hidden=0.3)
-        """
-        mode = cls._cell.mode
-        if not isinstance(module, nn.RNNBase) or module.mode != mode:
-            got = type(module).__name__
-            if isinstance(module, nn.RNNBase):
-                got += f" (mode {module.mode!r})"
-            raise TypeError(f"{cls.__name__}.from_module: module must be an {mode}, got {got}")
-        config = dict(
-            num_layers=module.num_layers,
-            bias=module.bias,
-            batch_first=module.batch_first,
-            bidirectional=module.bidirectional,
-            device=module.weight_ih_l0.device,
-            dtype=module.weight_ih_l0.dtype,
-        )
-        if module.proj_size:
-            config["proj_size"] = module.proj_size
-        dropout_kwargs.setdefault("dropout", module.dropout)
-        layer = cls(module.input_size, module.hidden_size, **config, **dropout_kwargs)
-        layer.load_state_dict(module.state_dict())
-        layer.train(module.training)
-        return layer
-
-    # ------------------------------------------------------------------ masks
-
-    @property
-    def _num_directions(self) -> int:
-        return 2 if self.bidirectional else 1
-
-    @property
-    def _out_size(self) -> int:
-        return getattr(self, "proj_size", 0) or self.hidden_size
+    #: Draws the mask of one site: ``(site, noise, *, device, dtype, generator) -> Tensor | None``.
+    #: Subclasses that draw other noise (GaussianLSTM's learned alpha) override it.
+    _draw_mask = staticmethod(draw_mask)
 
     @property
     def _geometry(self) -> StackGeometry:
@@ -146,68 +95,44 @@ class VariationalRNNStack(Stochastic):
         ``batch_size=1``. Device and dtype default to the weights'.
         """
         check_positive_int("batch_size", batch_size)
+        check_seq_len(self.mask_scope, seq_len)
         weight = self.weight_ih_l0
         device = weight.device if device is None else device
         dtype = weight.dtype if dtype is None else dtype
+        return self._draw_masks(batch_size, seq_len, device, dtype, generator)
 
-        def draw(site: str, shape: tuple[int, ...], p: float) -> Tensor | None:
-            return self._draw_mask(site, shape, p, device=device, dtype=dtype, generator=generator)
-
-        input_p = [self.dropout_input] + [self.dropout] * (self.num_layers - 1)
-        return RecurrentMasks.sample(
-            self._geometry,
-            input_p=input_p,
-            hidden_p=self.dropout_hidden,
-            output_p=self.dropout_output,
-            batch_size=batch_size,
-            seq_len=seq_len,
-            scope=self.mask_scope,
-            per_gate=self.per_gate_masks,
-            draw=draw,
-        )
-
-    def _draw_mask(
+    def _draw_masks(
         self,
-        site: str,
-        shape: tuple[int, ...],
-        p: float,
-        *,
+        batch_size: int,
+        seq_len: int | None,
         device: torch.device | str,
         dtype: torch.dtype,
         generator: torch.Generator | None,
-    ) -> Tensor | None:
-        """The mask of one site (``input_l{k}``, ``hidden_l{k}[_reverse]`` or ``output``)
-        with dropout probability ``p``; subclasses that draw other noise override this."""
-        return sample_mask(shape, p, self.noise, device=device, dtype=dtype, generator=generator)
+    ) -> RecurrentMasks:
+        """Every mask of one call, site by site in :func:`mask_sites`' order (arguments checked)."""
+        sites = mask_sites(
+            self._geometry,
+            batch_size,
+            seq_len,
+            self.mask_scope,
+            self.per_gate_masks,
+            input_p=[self.dropout_input] + [self.dropout] * (self.num_layers - 1),
+            hidden_p=self.dropout_hidden,
+            output_p=self.dropout_output,
+        )
+        drawn = [self._draw_mask(site, self.noise, device=device, dtype=dtype, generator=generator)
+                 for site in sites]
+        L = self.num_layers
+        return RecurrentMasks(
+            tuple(drawn[:L]), tuple(drawn[L:-1]), drawn[-1], self.mask_scope, self.per_gate_masks
+        )
 
-    def is_stochastic(self) -> bool:
-        return self._has_dropout()
-
-    def shares_noise_across_batch(self) -> bool:
-        return self.mask_scope == "batch" and self.dropout_hidden > 0
-
-    def _has_dropout(self) -> bool:
-        between = self.dropout if self.num_layers > 1 else 0.0
-        return any(p > 0 for p in (self.dropout_input, between, self.dropout_hidden, self.dropout_output))
-
-    def _masks_for_call(
-        self, masks: RecurrentMasks | None, layout: SequenceLayout, x: Tensor
-    ) -> RecurrentMasks | None:
-        """The masks of this call in sorted batch order: fresh ones in training, ``masks``
-        (checked) when given, None when there is no dropout."""
-        if masks is not None and not isinstance(masks, RecurrentMasks):
+    def _given_masks(self, masks: RecurrentMasks, layout: SequenceLayout, x: Tensor) -> RecurrentMasks:
+        """Masks passed to ``forward``, checked (the kernels rely on it) and in sorted batch order."""
+        if not isinstance(masks, RecurrentMasks):
             raise TypeError(f"masks must be a RecurrentMasks or None, got {type(masks).__name__}")
-        given = masks is not None
-        if not given:
-            if not (self.training and self._has_dropout()):
-                return None
-            masks = self.sample_masks(layout.batch_size, layout.seq_len, device=x.device, dtype=x.dtype)
-        # The one check of every mask, sampled ones too (_draw_mask may be overridden):
-        # the kernels rely on it.
         masks.check(self._geometry, layout.batch_size, layout.seq_len, x)
-        if given:  # fresh masks are i.i.d. over the batch: they need no sorting
-            masks = masks.in_sorted_order(layout.sorted_indices)
-        return None if masks.is_empty() else masks
+        return masks.in_sorted_order(layout.sorted_indices)
 
     # --------------------------------------------------------------- forward
 
@@ -220,26 +145,6 @@ class VariationalRNNStack(Stochastic):
         if getattr(self, "proj_size", 0):
             names.append("weight_hr")
         return {n: getattr(self, n + suffix) for n in names}
-
-    def _fused(
-        self,
-        x: Tensor,
-        layout: SequenceLayout,
-        states: tuple[Tensor, ...],
-        weights: list[Tensor],
-        layers: int,
-    ) -> tuple[Tensor, tuple[Tensor, ...]]:
-        return run_fused(
-            self._cell,
-            x,
-            layout,
-            states,
-            weights,
-            num_layers=layers,
-            bias=self.bias,
-            bidirectional=self.bidirectional,
-            training=self.training,
-        )
 
     def forward(self, input, hx=None, masks: RecurrentMasks | None = None):
         """Run the layer; the contract of ``nn.LSTM.forward`` / ``nn.GRU.forward``.
@@ -263,7 +168,15 @@ class VariationalRNNStack(Stochastic):
         )
         sizes = (self._out_size, self.hidden_size)[: self._cell.num_states]
         states = layout.initial_states(hx, sizes, self.num_layers * self._num_directions, x, owner)
-        masks = self._masks_for_call(masks, layout, x)
+        if masks is not None:
+            masks = self._given_masks(masks, layout, x)
+        elif self.training and self._has_dropout():
+            # Fresh masks are i.i.d. over the batch: they need no sorting.
+            masks = self._draw_masks(layout.batch_size, layout.seq_len, x.device, x.dtype, None)
+            if type(self)._draw_mask is not draw_mask:  # an override's masks are checked like given ones
+                masks.check(self._geometry, layout.batch_size, layout.seq_len, x)
+        if masks is not None and masks.is_empty():
+            masks = None
         if masks is None and self.kernel == "auto":
             out, states = self._forward_fused(x, layout, states)
         else:
@@ -282,7 +195,8 @@ class VariationalRNNStack(Stochastic):
             for d in range(D)
             for w in self._layer_weights(layer, d).values()
         ]
-        return self._fused(x, layout, states, weights, self.num_layers)
+        return run_fused(self._cell, x, layout, states, weights, num_layers=self.num_layers, bias=self.bias,
+                         bidirectional=self.bidirectional, training=self.training)
 
     def _forward_by_layer(
         self, x: Tensor, layout: SequenceLayout, states: tuple[Tensor, ...], masks: RecurrentMasks | None
@@ -308,7 +222,8 @@ class VariationalRNNStack(Stochastic):
             if foldable:
                 x, new_states = self._layer_folded_mask(x, layout, layer, layer_states, hidden)
             else:
-                loop_masks = [masks.hidden_for_kernel(i) if masks is not None else None for i in indices]
+                # the kernels' form [T', B', (G,) P]: a time dimension of 1 unless per step
+                loop_masks = [m if m is None or per_step else m.unsqueeze(0) for m in hidden]
                 x, new_states = self._layer_loop(x, layout, layer, layer_states, in_rows, loop_masks)
             for acc, s in zip(finals, new_states):
                 acc.append(s)
@@ -333,7 +248,8 @@ class VariationalRNNStack(Stochastic):
                 w["weight_hh"] = w["weight_hh"] * mask
             weights.extend(w.values())
         with quiet_weight_compaction(x.device):
-            return self._fused(x, layout, states, weights, 1)
+            return run_fused(self._cell, x, layout, states, weights, num_layers=1, bias=self.bias,
+                             bidirectional=self.bidirectional, training=self.training)
 
     def _layer_loop(
         self,
@@ -344,32 +260,16 @@ class VariationalRNNStack(Stochastic):
         in_rows: Tensor | None,
         hidden: list[Tensor | None],
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
-        """Path 3: the input projection of every step at once (per-gate input mask
-        ``in_rows`` ``[N, G, in]`` applied there), then the cell's loop kernel per direction
-        with recurrent masks ``[T', B', (G,) P]``."""
-        outs, finals = [], []
-        for d, mask in enumerate(hidden):
-            w = self._layer_weights(layer, d)
-            gates_x = input_projection(x, in_rows, w["weight_ih"], self._cell.input_bias(w))
-            out, final = self._cell.loop(
-                self.kernel, gates_x, layout.batch_sizes, tuple(s[d] for s in states), w, mask, bool(d)
-            )
-            outs.append(out)
-            finals.append(final)
+        """Path 3 for ``layer``: per direction, the input projection of every step at once (the
+        per-gate input mask ``in_rows`` ``[N, G, in]`` applied there) and the cell's loop kernel
+        with recurrent mask ``hidden[d]`` ``[T', B', (G,) P]``; returns the rows ``[N, D * P]``
+        and the final states ``[D, B, size]``. Written per cell in :mod:`rnndrop.recurrent`."""
+        raise NotImplementedError(f"{type(self).__name__} must define _layer_loop for its cell")
+
+    @staticmethod
+    def _join_directions(
+        outs: list[Tensor], finals: list[tuple[Tensor, ...]]
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """Rows of every direction side by side ``[N, D * P]``; final states stacked ``[D, B, size]``."""
         out = torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
         return out, tuple(torch.stack(parts) for parts in zip(*finals))
-
-    def extra_repr(self) -> str:
-        s = super().extra_repr()
-        for name in ("dropout_input", "dropout_hidden", "dropout_output"):
-            if getattr(self, name):
-                s += f", {name}={getattr(self, name)}"
-        if self.mask_scope != "sequence":
-            s += f", mask_scope={self.mask_scope!r}"
-        if self.per_gate_masks:
-            s += ", per_gate_masks=True"
-        if self.noise != "bernoulli":
-            s += f", noise={self.noise!r}"
-        if self.kernel != "auto":
-            s += f", kernel={self.kernel!r}"
-        return s

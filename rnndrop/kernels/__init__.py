@@ -17,7 +17,10 @@ Shapes (``N = sum(batch_sizes)`` rows in packed, time-major order, ``B = batch_s
   ``T'`` in ``{1, T}`` (1: the same mask at every step) and ``B'`` in ``{1, B}``;
 - ``out``: ``[N, P]`` in the rows of ``gates_x``; ``h_n``: ``[B, P]``; ``c_n``: ``[B, H]``.
 
-The layer checks every argument (shapes, dtypes, devices, masks); kernels trust it.
+Kernels trust their arguments: the layer checks what a caller passed (shapes, dtypes,
+devices, masks) and builds the rest to shape.
+The two signatures are the protocols :class:`LSTMRecurrence` and :class:`GRURecurrence`;
+a layer takes its kernel from :data:`KERNELS` (typed with them) and calls it.
 
 Kernels, by name:
 
@@ -27,18 +30,67 @@ Kernels, by name:
 - ``"autograd"``: the reference loop differentiated by autograd,
   :mod:`rnndrop.kernels.reference` (about 2x slower on CPU; twice differentiable).
 
-A new cell is one more file here and one more entry per kernel in :data:`KERNELS`.
+A new cell is one more file here, one more protocol and one more entry per kernel in
+:data:`KERNELS`; the step equations the cells share live in :mod:`rnndrop.kernels.gates`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping, Sequence
+from typing import Protocol, TypedDict
+
+from torch import Tensor
 
 from rnndrop.kernels import gru, lstm, reference
 from rnndrop.kernels.matmul import input_projection
 
+
+class LSTMRecurrence(Protocol):
+    """What an LSTM loop kernel is: :func:`rnndrop.kernels.lstm.lstm_recurrence` (``"manual"``),
+    :func:`rnndrop.kernels.reference.lstm_recurrence` (``"autograd"``)."""
+
+    def __call__(
+        self,
+        gates_x: Tensor,
+        batch_sizes: Sequence[int],
+        h0: Tensor,
+        c0: Tensor,
+        w_hh: Tensor,
+        w_hr: Tensor | None,
+        hidden_mask: Tensor | None,
+        reverse: bool = False,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``(out [N, P], h_n [B, P], c_n [B, H])``; shapes in the module docstring."""
+        ...
+
+
+class GRURecurrence(Protocol):
+    """What a GRU loop kernel is: :func:`rnndrop.kernels.gru.gru_recurrence` (``"manual"``),
+    :func:`rnndrop.kernels.reference.gru_recurrence` (``"autograd"``)."""
+
+    def __call__(
+        self,
+        gates_x: Tensor,
+        batch_sizes: Sequence[int],
+        h0: Tensor,
+        w_hh: Tensor,
+        b_hh: Tensor | None,
+        hidden_mask: Tensor | None,
+        reverse: bool = False,
+    ) -> tuple[Tensor, Tensor]:
+        """``(out [N, H], h_n [B, H])``; shapes in the module docstring."""
+        ...
+
+
+class CellKernels(TypedDict):
+    """One kernel's recurrence functions, by cell."""
+
+    lstm: LSTMRecurrence
+    gru: GRURecurrence
+
+
 #: ``KERNELS[kernel][cell]``: the recurrence function of ``cell`` (``"lstm"``, ``"gru"``).
-KERNELS: Mapping[str, Mapping[str, Callable]] = {
+KERNELS: Mapping[str, CellKernels] = {
     "manual": {"lstm": lstm.lstm_recurrence, "gru": gru.gru_recurrence},
     "autograd": {"lstm": reference.lstm_recurrence, "gru": reference.gru_recurrence},
 }
@@ -47,14 +99,22 @@ KERNELS: Mapping[str, Mapping[str, Callable]] = {
 DEFAULT_LOOP_KERNEL = "manual"
 
 
-def get_kernel(name: str, cell: str) -> Callable:
-    """The recurrence function of kernel ``name`` for ``cell`` (``"lstm"`` or ``"gru"``)."""
+def get_kernel(name: str, cell: str) -> LSTMRecurrence | GRURecurrence:
+    """The recurrence function of kernel ``name`` for ``cell`` (``"lstm"`` or ``"gru"``), checked."""
     if name not in KERNELS:
         raise ValueError(f"kernel must be 'auto' or one of {', '.join(map(repr, KERNELS))}, got {name!r}")
     cells = KERNELS[name]
     if cell not in cells:
         raise ValueError(f"cell must be one of {', '.join(map(repr, cells))}, got {cell!r}")
-    return cells[cell]
+    return cells[cell]  # type: ignore[literal-required]
 
 
-__all__ = ["DEFAULT_LOOP_KERNEL", "KERNELS", "get_kernel", "input_projection"]
+__all__ = [
+    "DEFAULT_LOOP_KERNEL",
+    "KERNELS",
+    "CellKernels",
+    "GRURecurrence",
+    "LSTMRecurrence",
+    "get_kernel",
+    "input_projection",
+]

@@ -93,7 +93,10 @@ class _GRURecurrence(torch.autograd.Function):
         for step, h_prev, x_rz, x_n, mask_t, m, rz, r, z, n, h in plan:
             if h_prev is None:
                 h_prev = previous(out_at, h0, step)
-            m = h_prev if mask_t is None else mp.mask_state(h_prev, mask_t, m)
+            if mask_t is None:
+                m = h_prev
+            else:  # the mask's multiply, m_t = h_{t-1} * M_t (per gate [b, G, P]: once per gate)
+                m = torch.mul(h_prev if mask_t.dim() == 2 else h_prev.unsqueeze(1), mask_t, out=m)
             a = mp.recurrent_gates(w_hh_step, w_hh, m, bias=b_hh)
             a_n_at[step.t] = a_n = a[:, 2 * H :]
             torch.add(x_rz, a[:, : 2 * H], out=rz).sigmoid_()

@@ -116,7 +116,10 @@ class _LSTMRecurrence(torch.autograd.Function):
         for step, h_prev, c_prev, gx, mask_t, m, a, i, f, g, o, c, tanh_c, r_t, out_t in plan:
             if h_prev is None:
                 h_prev, c_prev = previous(out_at, h0, step), previous(cell_at, c0, step)
-            m = h_prev if mask_t is None else mp.mask_state(h_prev, mask_t, m)
+            if mask_t is None:
+                m = h_prev
+            else:  # the mask's multiply, m_t = h_{t-1} * M_t (per gate [b, G, P]: once per gate)
+                m = torch.mul(h_prev if mask_t.dim() == 2 else h_prev.unsqueeze(1), mask_t, out=m)
             z = mp.recurrent_gates(w_hh_step, w_hh, m, gx)
             sigmoid_tanh_(z, a, 2 * H, 3 * H)  # i, f, g, o
             torch.mul(f, c_prev, out=c).addcmul_(i, g)

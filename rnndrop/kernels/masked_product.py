@@ -1,9 +1,10 @@
 """The masked recurrent product that every cell kernel shares, and its gradients.
 
-Forward: ``m_t = h_{t-1} * M_t`` and ``W_hh m_t`` (``M_t`` ``[b or 1, P]``, one mask for
-all gates; or ``[b or 1, G, P]``, one per gate, when gate ``k`` sees
-``W_hh^k (h_{t-1} * M^k_t)``). Backward: ``dm_t = W_hh^T dz_t``, ``dh_{t-1} += dm_t * M_t``,
-``dM_t += dm_t * h_{t-1}``, ``dW_hh = Σ_t dz_t m_tᵀ``. ``z`` is the pre-activation of
+Forward: ``W_hh m_t`` of the masked state ``m_t = h_{t-1} * M_t``, whose multiply each
+kernel writes in its step loop (``M_t`` ``[b or 1, P]``, one mask for all gates; or
+``[b or 1, G, P]``, one per gate, when gate ``k`` sees ``W_hh^k (h_{t-1} * M^k_t)``).
+Backward: ``dm_t = W_hh^T dz_t``, ``dh_{t-1} += dm_t * M_t``, ``dM_t += dm_t * h_{t-1}``,
+``dW_hh = Σ_t dz_t m_tᵀ``. ``z`` is the pre-activation of
 the gates, ``[b, G * H]``.
 """
 
@@ -14,13 +15,6 @@ from torch import Tensor
 
 from rnndrop.kernels.matmul import StepWeight, matmul
 from rnndrop.kernels.schedule import Schedule, add_product, add_rows
-
-
-def mask_state(h_prev: Tensor, mask: Tensor, out: Tensor) -> Tensor:
-    """``m = h_prev * mask`` into ``out``: ``[b, P]``, or ``[b, G, P]`` for a per-gate mask."""
-    if mask.dim() == 3:
-        return torch.mul(h_prev.unsqueeze(1), mask, out=out)
-    return torch.mul(h_prev, mask, out=out)
 
 
 def recurrent_gates(

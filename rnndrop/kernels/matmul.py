@@ -24,7 +24,7 @@ import functools
 import torch
 from torch import Tensor
 
-from rnndrop.cells import masked_linear
+from rnndrop.kernels.gates import masked_linear
 
 
 @functools.cache
@@ -131,7 +131,7 @@ class _Linear(torch.autograd.Function):
 
 def input_projection(x: Tensor, mask: Tensor | None, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``gates_x = (x * mask) @ W_ih^T + bias`` for the rows ``x`` ``[N, in]`` of a whole
-    sequence (:func:`rnndrop.cells.masked_linear`, same arguments).
+    sequence (:func:`rnndrop.kernels.gates.masked_linear`, same arguments).
 
     Without a mask (or with one the caller already applied), forward and backward run
     through oneDNN where :class:`StepWeight` uses it, else ``F.linear``. Twice

@@ -2,7 +2,7 @@
 differentiated by autograd.
 
 Only the recurrent matmul and the gate arithmetic run inside the loop, with the
-very functions the cells use (:mod:`rnndrop.cells`); the input projection of all
+very functions the cells use (:mod:`rnndrop.kernels.gates`); the input projection of all
 steps was done by the caller in one matmul. It is the oracle the hand-written
 kernels (:mod:`rnndrop.kernels.lstm`, :mod:`rnndrop.kernels.gru`) are tested
 against, and the one kernel that is twice differentiable. See :mod:`rnndrop.kernels`
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rnndrop.cells import gru_pointwise, lstm_pointwise, masked_linear
+from rnndrop.kernels.gates import gru_pointwise, lstm_pointwise, masked_linear
 from rnndrop.kernels.schedule import step_offsets
 
 

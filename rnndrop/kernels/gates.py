@@ -1,0 +1,64 @@
+"""The step equations of the LSTM and GRU cells: the masked gate product and the gate math.
+
+One copy of the arithmetic of a time step, used by the public cells
+(:mod:`rnndrop.cells`), by the reference kernel (:mod:`rnndrop.kernels.reference`)
+and by the whole-sequence input projection (:func:`rnndrop.kernels.matmul.input_projection`),
+so that all of them compute the very same thing. Gate orders are nn.LSTM's
+(i, f, g, o) and nn.GRU's (r, z, n).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["GRU_GATES", "LSTM_GATES", "gru_pointwise", "lstm_pointwise", "masked_linear"]
+
+LSTM_GATES = 4  # (i, f, g, o), the order of nn.LSTM
+GRU_GATES = 3  # (r, z, n), the order of nn.GRU
+
+
+def masked_linear(x: Tensor, mask: Tensor | None, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``(x * mask) @ weight.T + bias``.
+
+    Args:
+        x: ``[..., in]``.
+        mask: ``None``; a tensor broadcastable to ``x`` (one mask for all gates);
+            or ``[..., gates, in]`` (one more dimension than ``x``: one mask per gate,
+            ``weight`` is then read as ``gates`` blocks of rows).
+        weight: ``[gates * out, in]``.
+        bias: ``[gates * out]`` or None.
+
+    Returns:
+        ``[..., gates * out]``.
+    """
+    if mask is None:
+        return F.linear(x, weight, bias)
+    if mask.dim() <= x.dim():
+        return F.linear(x * mask, weight, bias)
+    gates = mask.shape[-2]
+    xm = x.unsqueeze(-2) * mask  # [..., gates, in]
+    w = weight.view(gates, -1, weight.shape[-1])  # [gates, out, in]
+    out = torch.einsum("...gi,goi->...go", xm, w).flatten(-2)
+    return out if bias is None else out + bias
+
+
+def lstm_pointwise(gates: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+    """LSTM gate nonlinearities: pre-activations ``[..., 4 * H]`` (i, f, g, o) and
+    ``c_{t-1}`` ``[..., H]`` -> ``(h_t, c_t)``, both ``[..., H]``."""
+    i, f, g, o = gates.chunk(4, -1)
+    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+    return torch.sigmoid(o) * torch.tanh(c), c
+
+
+def gru_pointwise(gates_x: Tensor, gates_h: Tensor, h: Tensor) -> Tensor:
+    """GRU update from the input part ``W_ih x + b_ih`` and the recurrent part
+    ``W_hh h + b_hh`` (both ``[..., 3 * H]``, order r, z, n) and ``h_{t-1}``
+    ``[..., H]`` (unmasked) -> ``h_t`` ``[..., H]``."""
+    xr, xz, xn = gates_x.chunk(3, -1)
+    hr, hz, hn = gates_h.chunk(3, -1)
+    r = torch.sigmoid(xr + hr)
+    z = torch.sigmoid(xz + hz)
+    n = torch.tanh(xn + r * hn)
+    return n + z * (h - n)

@@ -1,0 +1,155 @@
+"""Drawing noise: the one place where rnndrop draws random masks.
+
+A mask is a tensor that multiplies an activation. Bernoulli masks hold 0 or
+``1 / (1 - p)`` (inverted dropout, so the expected value is 1); Gaussian masks
+hold ``1 + sqrt(alpha) * eps`` with ``eps ~ N(0, 1)`` and ``alpha = p / (1 - p)``,
+the Gaussian dropout of the same variance (Srivastava et al. 2014, Kingma et al. 2015).
+
+:func:`bernoulli_mask`, :func:`gaussian_mask` and :func:`sample_mask` check their
+arguments; :func:`draw_mask`, the recurrent layers' one sampling function, draws the
+mask of a :class:`MaskSite` with arguments the layer's constructor checked. Which
+sites a stack of layers has, and how long its masks live: :mod:`rnndrop.masks`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rnndrop.validation import check_probability
+
+__all__ = ["NOISES", "MaskSite", "bernoulli_mask", "draw_mask", "gaussian_mask", "sample_mask"]
+
+NOISES: tuple[str, ...] = ("bernoulli", "gaussian")
+
+#: Probabilities ``p`` with ``min(p, 1 - p)`` below this are drawn exactly (see :func:`bernoulli_mask`).
+_FAST_DRAW_MIN = 2.0**-8
+
+
+def bernoulli_mask(
+    shape: Sequence[int],
+    p: float,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """A tensor of ``shape`` holding 0 with probability ``p`` and ``1 / (1 - p)`` otherwise.
+
+    For ``2**-8 <= p <= 1 - 2**-8`` (every usual dropout rate) ``p`` is resolved to a
+    multiple of 2**-16: each element compares 16 random bits with a threshold. Cutting
+    64-bit random integers into four 16-bit draws costs about half of
+    ``torch.rand(shape) >= p`` (and a fifth of ``bernoulli_``) on CPU, which matters for
+    weight-sized masks (DropConnect on ``W_hh``); the kept fraction is then off by at
+    most ``2**-17 / (1 - p) <= 2**-9`` of itself. Outside that range 16 bits cannot
+    express ``p`` well (``p`` just below 1 would round to 1, ``p`` below ``2**-17`` to 0),
+    so the element is drawn exactly as ``rand >= p`` with 53-bit uniforms instead.
+    """
+    return _bernoulli(shape, check_probability("p", p), device, dtype, generator)
+
+
+def _bernoulli(
+    shape: Sequence[int],
+    p: float,
+    device: torch.device | str | None,
+    dtype: torch.dtype | None,
+    generator: torch.Generator | None,
+) -> Tensor:
+    """:func:`bernoulli_mask` for a ``p`` already checked."""
+    dtype = dtype or torch.get_default_dtype()
+    if min(p, 1.0 - p) < _FAST_DRAW_MIN:
+        uniform = torch.rand(tuple(shape), dtype=torch.float64, device=device, generator=generator)
+        keep = uniform >= p
+    else:
+        numel = math.prod(shape)
+        words = torch.empty((numel + 3) // 4, dtype=torch.int64, device=device)
+        words.random_(-(2**63), None, generator=generator)  # all 64 bits random
+        bits = words.view(torch.int16)[:numel].view(tuple(shape))
+        keep = bits >= round(p * 65536) - 32768  # in [-32512, 32512]: no int16 overflow
+    return keep.to(dtype).mul_(1.0 / (1.0 - p))
+
+
+def gaussian_mask(
+    shape: Sequence[int],
+    alpha: float | Tensor,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """``1 + sqrt(alpha) * eps``, ``eps ~ N(0, 1)``: multiplicative noise of mean 1, variance alpha.
+
+    ``alpha`` may be a tensor (a learned variance) broadcastable to ``shape``; the
+    result is then differentiable with respect to it.
+    """
+    if isinstance(alpha, Tensor):
+        device = device or alpha.device
+        dtype = dtype or alpha.dtype
+    dtype = dtype or torch.get_default_dtype()
+    eps = torch.randn(tuple(shape), device=device, dtype=dtype, generator=generator)
+    if isinstance(alpha, Tensor):
+        return 1.0 + alpha.sqrt() * eps
+    return eps.mul_(math.sqrt(alpha)).add_(1.0)
+
+
+def sample_mask(
+    shape: Sequence[int],
+    p: float,
+    noise: str = "bernoulli",
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor | None:
+    """A mask of ``shape`` for dropout probability ``p``, or ``None`` when ``p == 0``.
+
+    ``noise="gaussian"`` draws Gaussian noise of the same variance as Bernoulli
+    dropout with probability ``p``: ``alpha = p / (1 - p)``.
+    """
+    if p == 0:
+        return None
+    if noise == "bernoulli":
+        return bernoulli_mask(shape, p, device=device, dtype=dtype, generator=generator)
+    if noise == "gaussian":
+        return gaussian_mask(shape, p / (1.0 - p), device=device, dtype=dtype, generator=generator)
+    raise ValueError(f"noise must be one of {NOISES}, got {noise!r}")
+
+
+@dataclass(frozen=True)
+class MaskSite:
+    """One place of a recurrent stack where a mask multiplies an activation.
+
+    Attributes:
+        name: ``input_l{k}`` (the input of layer ``k``), ``hidden_l{k}`` / ``hidden_l{k}_reverse``
+            (``h_{t-1}`` of layer ``k``, one direction) or ``output`` (the last layer's output).
+        shape: the mask's shape (see :func:`rnndrop.masks.stack_mask_shapes`).
+        p: the dropout probability there (0: no mask).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    p: float
+
+
+def draw_mask(
+    site: MaskSite,
+    noise: str,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    generator: torch.Generator | None,
+) -> Tensor | None:
+    """The mask of ``site``, None where ``site.p == 0``: the recurrent layers' one sampling function.
+
+    Draws what :func:`sample_mask` draws, without checking again what the layer's
+    constructor checked (``p`` and ``noise``).
+    """
+    if site.p == 0:
+        return None
+    if noise == "bernoulli":
+        return _bernoulli(site.shape, site.p, device, dtype, generator)
+    return gaussian_mask(site.shape, site.p / (1.0 - site.p), device=device, dtype=dtype, generator=generator)
