@@ -8,6 +8,7 @@ from torch.nn.utils.rnn import pack_sequence
 
 from rnndrop import RecurrentMasks, VariationalGRU, VariationalLSTM
 from rnndrop.kernels import DEFAULT_LOOP_KERNEL, KERNELS, get_kernel, input_projection
+from rnndrop.kernels.first_order import SecondOrderGradientError
 from rnndrop.kernels.matmul import StepWeight, matmul
 from tests.helpers import assert_close
 
@@ -95,12 +96,36 @@ def test_kernel_passes_gradcheck(name, kind):
 
 
 @pytest.mark.parametrize("name", FAST)
-def test_double_backward_raises(name):
-    args = kernel_inputs("gru", [2, 2], (1, "B", "P"), 0)
-    out, _ = get_kernel(name, "gru")(args[0], [2, 2], *args[1:], False)
-    (g,) = torch.autograd.grad(out.sum(), args[2], create_graph=True)
-    with pytest.raises(RuntimeError):
-        torch.autograd.grad(g.sum(), args[2])
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_a_graph_of_the_backward_is_refused_not_silently_wrong(name, cell):
+    args = kernel_inputs(cell, [2, 2], (1, "B", "P"), 0)
+    out = get_kernel(name, cell)(args[0], [2, 2], *args[1:], False)[0]
+    out.sum().backward()  # first order works
+    with pytest.raises(SecondOrderGradientError, match="kernel='autograd'"):
+        torch.autograd.grad(out.pow(2).sum(), args[0], create_graph=True)
+
+
+@pytest.mark.parametrize("cls, plain_cls", [(VariationalLSTM, nn.LSTM), (VariationalGRU, nn.GRU)])
+def test_gradient_penalty_through_a_dropout_layer_is_right_or_refused(cls, plain_cls):
+    """d/dW ||dy/dx||² with a recurrent mask: the default kernel refuses; kernel='autograd'
+    gives nn.LSTM's / nn.GRU's answer when the mask is all ones, and another one with a mask."""
+    x = torch.randn(5, 2, 3, dtype=torch.float64, requires_grad=True)
+
+    def penalty(layer, **masks):
+        (g,) = torch.autograd.grad(layer(x, **masks)[0].pow(2).sum(), x, create_graph=True)
+        return torch.autograd.grad(g.pow(2).sum(), layer.weight_hh_l0)[0]
+
+    layer = cls(3, 4, dropout_hidden=0.3).double()
+    masks = layer.sample_masks(2)
+    with pytest.raises(SecondOrderGradientError):
+        penalty(layer, masks=masks)
+    exact = cls(3, 4, dropout_hidden=0.3, kernel="autograd").double()
+    exact.load_state_dict(layer.state_dict())
+    plain = plain_cls(3, 4).double()
+    plain.load_state_dict(layer.state_dict())
+    ones = masks.map(torch.ones_like)
+    assert_close(penalty(exact, masks=ones), penalty(plain), atol=1e-10)
+    assert not torch.allclose(penalty(exact, masks=masks), penalty(plain))
 
 
 # ---------------------------------------------------------------- layers

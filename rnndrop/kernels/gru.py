@@ -37,9 +37,10 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
-from torch.autograd.function import FunctionCtx, once_differentiable
+from torch.autograd.function import FunctionCtx
 
 from rnndrop.kernels import masked_product as mp
+from rnndrop.kernels.first_order import first_order_backward
 from rnndrop.kernels.matmul import StepWeight
 from rnndrop.kernels.pointwise import tanh
 from rnndrop.kernels.schedule import Schedule, add_product, gather_previous, previous, previous_targets
@@ -110,7 +111,7 @@ class _GRURecurrence(torch.autograd.Function):
         return out, out.index_select(0, final)
 
     @staticmethod
-    @once_differentiable
+    @first_order_backward("manual")
     def backward(ctx, d_out, d_hn):
         s = _Saved(*ctx.saved_tensors)
         needs = _Inputs(*ctx.needs_input_grad)

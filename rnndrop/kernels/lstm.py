@@ -41,9 +41,10 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
-from torch.autograd.function import FunctionCtx, once_differentiable
+from torch.autograd.function import FunctionCtx
 
 from rnndrop.kernels import masked_product as mp
+from rnndrop.kernels.first_order import first_order_backward
 from rnndrop.kernels.matmul import StepWeight, matmul
 from rnndrop.kernels.pointwise import sigmoid_tanh_, tanh
 from rnndrop.kernels.schedule import (
@@ -135,7 +136,7 @@ class _LSTMRecurrence(torch.autograd.Function):
         return out, out.index_select(0, final), cells.index_select(0, final)
 
     @staticmethod
-    @once_differentiable
+    @first_order_backward("manual")
     def backward(ctx, d_out, d_hn, d_cn):
         s = _Saved(*ctx.saved_tensors)
         needs = _Inputs(*ctx.needs_input_grad)

@@ -1,0 +1,43 @@
+"""The backward passes of the hand-written kernels are first-order only, and say so.
+
+``torch.autograd.function.once_differentiable`` alone is not enough: asked for a graph
+(``create_graph=True``, as a gradient penalty ``d/dW ||dy/dx||²`` or a Hessian-vector
+product does), a once-differentiable backward returns gradients that are silently
+cut off from the weights, so the second-order gradient comes out wrong or missing.
+:func:`first_order_backward` refuses that case with an error that names the way out.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from torch.autograd.function import once_differentiable
+
+
+class SecondOrderGradientError(RuntimeError):
+    """A first-order-only kernel was differentiated with ``create_graph=True``."""
+
+
+def first_order_backward(kernel: str) -> Callable[[Callable], Callable]:
+    """Decorate the ``backward`` of kernel ``kernel``'s autograd Function: once differentiable,
+    and an error instead of a wrong answer when autograd asks it for a graph."""
+
+    def decorate(backward: Callable) -> Callable:
+        once = once_differentiable(backward)
+
+        @functools.wraps(backward)
+        def guarded(ctx, *grad_outputs):
+            if torch.is_grad_enabled():
+                raise SecondOrderGradientError(
+                    f"the {kernel!r} loop kernel computes first-order gradients only, but this "
+                    "backward pass was asked for a graph (create_graph=True: a gradient penalty, a "
+                    "Hessian-vector product); build the layer with kernel='autograd' for "
+                    "second-order gradients"
+                )
+            return once(ctx, *grad_outputs)
+
+        return guarded
+
+    return decorate
