@@ -86,12 +86,34 @@ def _check_inputs(probs: Tensor, labels: Tensor, n_bins: int) -> tuple[Tensor, T
         raise ValueError("probs and labels must hold at least one prediction, got none")
     probs = probs.detach().reshape(-1, probs.shape[-1])
     labels = labels.detach().reshape(-1)
+    _check_probabilities("probs", probs)
+    sums = probs.double().sum(-1)
+    tolerance = 1e-3 if probs.dtype in (torch.float32, torch.float64) else 1e-2
+    worst = int((sums - 1).abs().argmax())
+    if abs(float(sums[worst]) - 1) > tolerance:
+        raise ValueError(
+            "probs must hold class probabilities whose rows sum to 1 (apply softmax to logits), "
+            f"got a row that sums to {float(sums[worst]):.6g}"
+        )
     if labels.min() < 0 or labels.max() >= probs.shape[-1]:
         raise ValueError(
             f"labels must be class indices in [0, {probs.shape[-1]}), got values in "
             f"[{int(labels.min())}, {int(labels.max())}]"
         )
     return probs, labels
+
+
+def _check_probabilities(name: str, values: Tensor) -> None:
+    """``values`` must be finite and in [0, 1] (logits, or NaN from a diverged model, are not)."""
+    bad = ~torch.isfinite(values)
+    if bool(bad.any()):
+        raise ValueError(f"{name} must be finite probabilities, got {float(values[bad][0])}")
+    low, high = float(values.min()), float(values.max())
+    if low < 0 or high > 1:
+        raise ValueError(
+            f"{name} must be probabilities in [0, 1] (apply softmax to logits), got values in "
+            f"[{low:.6g}, {high:.6g}]"
+        )
 
 
 def reliability_diagram(probs: Tensor, labels: Tensor, n_bins: int = 15) -> ReliabilityDiagram:
@@ -124,6 +146,13 @@ def reliability_from_predictions(confidence: Tensor, correct: Tensor, n_bins: in
         n_bins: the number of equal-width confidence bins.
     """
     check_positive_int("n_bins", n_bins)
+    for name, value in (("confidence", confidence), ("correct", correct)):
+        if not isinstance(value, Tensor):
+            raise TypeError(f"{name} must be a Tensor, got {type(value).__name__}")
+    if not confidence.is_floating_point():
+        raise TypeError(
+            f"confidence must be a floating-point Tensor of probabilities, got {confidence.dtype}"
+        )
     if confidence.shape != correct.shape:
         raise ValueError(
             f"confidence and correct must have the same shape, got {list(confidence.shape)} "
@@ -131,6 +160,9 @@ def reliability_from_predictions(confidence: Tensor, correct: Tensor, n_bins: in
         )
     if confidence.numel() == 0:
         raise ValueError("confidence must hold at least one prediction, got none")
+    _check_probabilities("confidence", confidence)
+    if correct.dtype != torch.bool and not bool(((correct == 0) | (correct == 1)).all()):
+        raise ValueError("correct must be bool or hold only 0 and 1, got other values")
     confidence = confidence.reshape(-1).double().cpu()
     correct = correct.reshape(-1).double().cpu()
     edges = torch.linspace(0, 1, n_bins + 1, dtype=torch.float64)

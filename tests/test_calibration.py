@@ -91,3 +91,45 @@ def test_reliability_from_predictions_bins_what_reliability_diagram_bins():
     assert torch.equal(a.count, b.count) and a.ece == b.ece
     with pytest.raises(ValueError, match="same shape"):
         reliability_from_predictions(confidence, (predicted == labels)[:5])
+
+
+@pytest.mark.parametrize(
+    "probs, match",
+    [
+        (torch.tensor([[2.0, -1.0], [0.5, 0.3]]), "in \\[0, 1\\]"),  # logits
+        (torch.tensor([[0.6, 0.6], [0.5, 0.5]]), "sum to 1"),
+        (torch.tensor([[float("nan"), 0.5], [0.5, 0.5]]), "finite"),
+        (torch.tensor([[float("inf"), 0.0], [0.5, 0.5]]), "finite"),
+    ],
+)
+def test_what_is_not_a_probability_is_refused(probs, match):
+    labels = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match=match):
+        expected_calibration_error(probs, labels)
+    with pytest.raises(ValueError, match=match):
+        reliability_diagram(probs, labels)
+
+
+@pytest.mark.parametrize(
+    "confidence, correct, error, match",
+    [
+        (torch.tensor([1.5, 0.5]), torch.tensor([True, False]), ValueError, "in \\[0, 1\\]"),
+        (torch.tensor([-0.1, 0.5]), torch.tensor([True, False]), ValueError, "in \\[0, 1\\]"),
+        (torch.tensor([float("nan"), 0.5]), torch.tensor([True, False]), ValueError, "finite"),
+        (torch.tensor([0.7, 0.5]), torch.tensor([2, 0]), ValueError, "only 0 and 1"),
+        (torch.tensor([1, 0]), torch.tensor([True, False]), TypeError, "floating-point"),
+        ([0.7, 0.5], torch.tensor([True, False]), TypeError, "must be a Tensor"),
+    ],
+)
+def test_reliability_from_predictions_refuses_what_is_not_a_confidence(confidence, correct, error, match):
+    with pytest.raises(error, match=match):
+        reliability_from_predictions(confidence, correct)
+
+
+def test_probabilities_in_half_precision_and_mc_means_are_accepted():
+    probs = torch.randn(50, 7).softmax(-1)
+    labels = torch.randint(7, (50,))
+    expected = expected_calibration_error(probs.double(), labels)
+    assert expected_calibration_error(probs.half().float(), labels) == pytest.approx(expected, abs=1e-2)
+    samples = torch.randn(20, 50, 7).softmax(-1).mean(0)  # an MC mean sums to 1 up to rounding
+    assert 0 <= expected_calibration_error(samples, labels) <= 1
