@@ -42,7 +42,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from rnndrop.kl import KL_APPROXIMATIONS, KLRegularized, check_max_alpha, clip_log_alpha
 from rnndrop.layout import mask_packed_sequence
-from rnndrop.noise import MaskSite, gaussian_mask
+from rnndrop.noise import MaskSite, learned_gaussian_mask
 from rnndrop.recurrent import VariationalGRU, VariationalLSTM
 from rnndrop.stochastic import Stochastic
 from rnndrop.validation import (
@@ -161,8 +161,7 @@ class _LearnedAlphaMixin(KLRegularized):
         log_alpha = self._log_alpha(f"log_alpha_{site.name}")
         if log_alpha is None:
             return None
-        alpha = log_alpha.exp().to(device=device, dtype=dtype)
-        return gaussian_mask(site.shape, alpha, device=device, dtype=dtype, generator=generator)
+        return learned_gaussian_mask(site.shape, log_alpha, device=device, dtype=dtype, generator=generator)
 
     def extra_repr(self) -> str:
         s = super().extra_repr() + f", granularity={self.granularity!r}"
@@ -279,14 +278,15 @@ class GaussianLockedDropout(KLRegularized, Stochastic, nn.Module):
             raise ValueError(f"x must be [T, B, {self.size}] or a PackedSequence, got {got}")
         if not self.training:
             return x
-        alpha = self._clipped_log_alpha().exp().to(data.dtype)
+        log_alpha = self._clipped_log_alpha()
         if isinstance(x, PackedSequence):
-            noise = gaussian_mask((int(x.batch_sizes[0]), self.size), alpha, device=data.device)
+            shape = (int(x.batch_sizes[0]), self.size)
+            noise = learned_gaussian_mask(shape, log_alpha, device=data.device, dtype=data.dtype)
             return mask_packed_sequence(x, noise)
         if data.dim() != 3:
             raise ValueError(f"x must be 3-D [T, B, {self.size}], got shape {list(data.shape)}")
         shape = (data.shape[0], 1, self.size) if self.batch_first else (1, data.shape[1], self.size)
-        return x * gaussian_mask(shape, alpha, device=data.device)
+        return x * learned_gaussian_mask(shape, log_alpha, device=data.device, dtype=data.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.size}, p={self.p}, granularity={self.granularity!r}"

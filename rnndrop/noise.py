@@ -96,6 +96,33 @@ def gaussian_mask(
     return eps.mul_(math.sqrt(alpha)).add_(1.0)
 
 
+#: Learned ``log_alpha`` above this draws the noise of this value: ``alpha = e^20`` (a noise sd of
+#: 22,000) already drowns any signal, and ``e^(log_alpha / 2)`` must stay finite in float16 too.
+MAX_NOISE_LOG_ALPHA = 20.0
+
+
+def learned_gaussian_mask(
+    shape: Sequence[int],
+    log_alpha: Tensor,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """``1 + e^(log_alpha / 2) * eps``: :func:`gaussian_mask` for a learned ``log_alpha``.
+
+    The sd is computed from ``log_alpha`` in its own dtype, before any cast to ``dtype``, and
+    without a square root: a tiny ``alpha`` (``log_alpha`` very negative, or below float16's
+    range) gives the gradient 0, not NaN; ``log_alpha`` above :data:`MAX_NOISE_LOG_ALPHA` is
+    capped there (no gradient beyond), so the mask stays finite.
+    """
+    device = device or log_alpha.device
+    dtype = dtype or log_alpha.dtype
+    std = (0.5 * log_alpha.clamp(max=MAX_NOISE_LOG_ALPHA)).exp().to(device=device, dtype=dtype)
+    eps = torch.randn(tuple(shape), device=device, dtype=dtype, generator=generator)
+    return 1.0 + std * eps
+
+
 def sample_mask(
     shape: Sequence[int],
     p: float,

@@ -173,3 +173,31 @@ def test_gaussian_locked_dropout_is_tied_over_time_and_learned():
         drop.train()(torch.ones(6, 3, 5))
     with pytest.raises(ValueError, match="p must be"):
         GaussianLockedDropout(4, 0.0)
+
+
+@pytest.mark.parametrize("log_alpha", [-200.0, -60.0, 60.0, 200.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_learned_alpha_at_its_extremes_gives_finite_outputs_and_gradients(log_alpha, dtype):
+    """alpha that underflows (its sqrt had an infinite derivative: NaN gradients with a finite
+    loss) or overflows (infinite noise: NaN outputs) leaves the loss and every gradient finite."""
+    layer = GaussianLSTM(3, 4, num_layers=2, dropout=0.3, dropout_input=0.3, dropout_hidden=0.3,
+                         dropout_output=0.3).to(dtype)
+    with torch.no_grad():
+        for name, parameter in layer.named_parameters():
+            if name.startswith("log_alpha"):
+                parameter.fill_(log_alpha)
+    out, _ = layer(torch.randn(5, 2, 3, dtype=dtype))
+    loss = out.sum() + layer.kl()
+    loss.backward()
+    assert torch.isfinite(out).all() and torch.isfinite(loss)
+    for name, parameter in layer.named_parameters():
+        assert torch.isfinite(parameter.grad).all(), name
+
+
+def test_learned_alpha_below_half_precision_has_a_zero_gradient_not_nan():
+    layer = GaussianLSTM(3, 4, dropout_hidden=0.3).half()
+    with torch.no_grad():
+        layer.log_alpha_hidden_l0.fill_(-40.0)  # alpha = e^-40: 0 in float16
+    out, _ = layer(torch.randn(5, 2, 3).half())
+    out.float().sum().backward()
+    assert torch.isfinite(layer.log_alpha_hidden_l0.grad).all()
