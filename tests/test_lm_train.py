@@ -226,14 +226,14 @@ def test_adam_and_gru_train_through_the_one_loop_and_resume_bit_for_bit(corpus, 
 def test_init_from_starts_sparse_vd_from_a_dense_run_and_records_what_it_loaded(corpus, tmp_path):
     from rnndrop.lm.model.configs import build_model
     from rnndrop.lm.model.regimes import REGIMES
-    from rnndrop.lm.run.train import _load_initial_weights
+    from rnndrop.lm.run.resume import load_initial_weights
 
     config = replace(TINY, epochs=1, mc_samples=0)
     train_run(corpus, config, "tied", tmp_path / "dense", seed=1, progress=False)
     dense = load_checkpoint(tmp_path / "dense" / "best.pt")["model"]
     sparse = build_model(len(corpus.vocab), config, REGIMES["sparse_vd"], {})
     before = {k: v.clone() for k, v in sparse.state_dict().items()}
-    info = _load_initial_weights(sparse, tmp_path / "dense")
+    info = load_initial_weights(sparse, tmp_path / "dense")
     after = sparse.state_dict()
     assert info["loaded"] == sorted(dense) and all(torch.equal(after[k], dense[k]) for k in dense)
     assert info["kept_init"] == sorted(k for k in after if "log_sigma2" in k)
