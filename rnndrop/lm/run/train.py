@@ -7,13 +7,14 @@ best validation epoch with what rebuilds the model, :func:`rnndrop.lm.load_model
 ``results.json`` and ``curve.png`` when the run has finished, ``run.lock`` meanwhile.
 
 Checkpoints are verified on load (:mod:`rnndrop.lm.run.checkpoint`); what makes two runs
-the same run is :mod:`rnndrop.lm.run.identity`. ``train_run(...,
-resume=True)`` continues from ``checkpoint.pt`` (or, with a logged warning, from
+the same run is :mod:`rnndrop.lm.run.identity`. ``train_run(..., resume=True)``
+continues from ``checkpoint.pt`` (or, with a logged warning, from
 ``checkpoint.prev.pt`` when the newest is corrupt): the run ends in the very state
 (bit for bit) an uninterrupted run with the same seed reaches, and no finished epoch
-is lost. A run resumes only into the same run (:func:`run_identity`: corpus, config
-but the epoch cap, regime, dropout, seed, starting weights, format version); the
-epoch cap may grow but not shrink below the epochs already run (an error).
+is lost. A run resumes only into the same run
+(:func:`rnndrop.lm.run.identity.run_identity`: corpus, config but the epoch cap,
+regime, dropout, seed, starting weights, format version); the epoch cap may grow but
+not shrink below the epochs already run (an error).
 
 Training follows Zaremba et al.: contiguous batches, truncated BPTT with the hidden
 state carried (detached) across segments and reset at every epoch, gradient-norm
