@@ -121,6 +121,48 @@ def test_resume_falls_back_to_the_previous_checkpoint_and_stays_bit_identical(co
                           load_checkpoint(tmp_path / "full" / "checkpoint.pt")["model"])
 
 
+def test_a_checkpoint_from_before_best_criterion_and_init_from_resumes_bit_for_bit(corpus, tmp_path):
+    config = replace(TINY, epochs=3, mc_samples=0)  # plateau: the best so far sets the next rate
+    full = train_run(corpus, config, "tied", tmp_path / "full", seed=4, progress=False)
+    with pytest.raises(_Killed):
+        train_run(corpus, config, "tied", tmp_path / "cut", seed=4, progress=False,
+                  on_epoch_end=_kill_after(1))
+    path = tmp_path / "cut" / "checkpoint.pt"
+    ckpt = load_checkpoint(path)
+    assert ckpt["progress"]["best_criterion"] == ckpt["progress"]["best_valid_ppl"]
+    for later_field in ("best_criterion", "init_from"):
+        del ckpt["progress"][later_field]
+    save_checkpoint(ckpt, path)
+    resumed = train_run(corpus, config, "tied", tmp_path / "cut", seed=4, progress=False, resume=True)
+    assert [(e["lr"], e["valid_ppl"]) for e in resumed["epochs"]] == \
+        [(e["lr"], e["valid_ppl"]) for e in full["epochs"]]
+    assert resumed["test_ppl"] == full["test_ppl"] and resumed["init_from"] is None
+    assert _weights_equal(load_checkpoint(path)["model"],
+                          load_checkpoint(tmp_path / "full" / "checkpoint.pt")["model"])
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"epochs_done": 1}, r"lacks nothing and has unknown fields \['epochs_done'\]"),
+    ({"history": None}, r"progress field history must be of type list, got None"),
+    ({"epoch": "1"}, r"progress field epoch must be of type int, got '1'"),
+    ({"best_epoch": True}, r"progress field best_epoch must be of type int, got True"),
+])
+def test_a_checkpoint_whose_progress_is_not_ours_is_refused(corpus, tmp_path, change, message):
+    train_run(corpus, ONE, "tied", tmp_path / "run", seed=1, progress=False)
+    path = tmp_path / "run" / "checkpoint.pt"
+    ckpt = load_checkpoint(path)
+    ckpt["progress"].update(change)
+    save_checkpoint(ckpt, path)  # a valid SHA-256: only the check of the progress can refuse it
+    with pytest.raises(CheckpointError, match=message):
+        train_run(corpus, replace(ONE, epochs=2), "tied", tmp_path / "run", seed=1, progress=False,
+                  resume=True)
+    del ckpt["progress"]["epoch"]
+    save_checkpoint(ckpt, path)
+    with pytest.raises(CheckpointError, match=r"the checkpoint in '.*run': its progress lacks \['epoch'\]"):
+        train_run(corpus, replace(ONE, epochs=2), "tied", tmp_path / "run", seed=1, progress=False,
+                  resume=True)
+
+
 def test_divergence_message_does_not_vouch_for_a_corrupt_checkpoint(corpus, tmp_path):
     from rnndrop.lm.model.regimes import Regime, registered
     from rnndrop.lm.run.train import TrainingDiverged

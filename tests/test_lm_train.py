@@ -169,6 +169,28 @@ def test_min_lr_stops_a_converged_run_and_resume_keeps_it_stopped(corpus, tmp_pa
     assert again["epochs"] == result["epochs"]  # nothing more was trained
 
 
+def test_schedule_holds_the_rate_rules_and_the_stopping_rule():
+    from rnndrop.lm.run.schedule import Schedule
+    from rnndrop.lm.run.state import RunState
+
+    fixed = Schedule(replace(TINY, schedule="fixed", lr=8.0, lr_decay=2.0, decay_after=2, min_lr=1.5))
+    assert [fixed.rate(epoch, carried=123.0) for epoch in (1, 2, 3, 4)] == [8.0, 8.0, 4.0, 2.0]
+    assert fixed.after_epoch(2.0, improved=False) == (2.0, None)  # fixed: no plateau decay
+    assert fixed.after_epoch(1.0, improved=True) == (1.0, "lr_floor")
+    plateau = Schedule(replace(TINY, lr=8.0, lr_decay=4.0, min_lr=1.0))
+    assert plateau.rate(5, carried=2.0) == 2.0
+    assert plateau.after_epoch(8.0, improved=True) == (8.0, None)
+    assert plateau.after_epoch(8.0, improved=False) == (2.0, None)
+    assert plateau.after_epoch(2.0, improved=False) == (0.5, "lr_floor")
+    assert list(plateau.epochs(RunState(epoch=1))) == [2, 3]  # up to TINY's cap of 3
+    state, seen = RunState(epoch=0), []
+    for epoch in plateau.epochs(state):
+        seen.append(epoch)
+        state.stopped = "lr_floor" if epoch == 2 else None
+    assert seen == [1, 2] and Schedule.stop_reason(state) == "lr_floor"
+    assert Schedule.stop_reason(RunState()) == "epoch_cap"
+
+
 def test_a_run_whose_best_epoch_is_its_cap_is_not_converged(corpus, tmp_path):
     config = replace(TINY, epochs=1, mc_samples=0)
     result = train_run(corpus, config, "none", tmp_path / "run", seed=1, progress=False)
@@ -227,14 +249,14 @@ def test_adam_and_gru_train_through_the_one_loop_and_resume_bit_for_bit(corpus, 
 def test_init_from_starts_sparse_vd_from_a_dense_run_and_records_what_it_loaded(corpus, tmp_path):
     from rnndrop.lm.model.configs import build_model
     from rnndrop.lm.model.regimes import REGIMES
-    from rnndrop.lm.run.train import _load_initial_weights
+    from rnndrop.lm.run.resume import load_initial_weights
 
     config = replace(TINY, epochs=1, mc_samples=0)
     train_run(corpus, config, "tied", tmp_path / "dense", seed=1, progress=False)
     dense = load_checkpoint(tmp_path / "dense" / "best.pt")["model"]
     sparse = build_model(len(corpus.vocab), config, REGIMES["sparse_vd"], {})
     before = {k: v.clone() for k, v in sparse.state_dict().items()}
-    info = _load_initial_weights(sparse, tmp_path / "dense")
+    info = load_initial_weights(sparse, tmp_path / "dense")
     after = sparse.state_dict()
     assert info["loaded"] == sorted(dense) and all(torch.equal(after[k], dense[k]) for k in dense)
     assert info["kept_init"] == sorted(k for k in after if "log_sigma2" in k)

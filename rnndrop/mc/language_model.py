@@ -112,19 +112,63 @@ def mc_language_model_loss(
     memory_budget = check_positive_int("memory_budget", memory_budget)
     if calibration_bins is not None:
         check_positive_int("calibration_bins", calibration_bins)
-    total_nll = 0.0
-    num_tokens = 0
-    plan: list[int] | None = None
-    states: list[Any] = []
-    log_s = math.log(n_samples)
-    confidences: list[Tensor] = []
-    correct: list[Tensor] = []
+    totals = _Totals(n_samples, calibration_bins)
+    with mc_dropout(model, strict=strict), torch.no_grad():
+        samples = _SampleChunks(model, n_samples, _resolve_method(model, method), chunk_size, memory_budget,
+                                calibration_bins)
+        batch_size: int | None = None
+        for index, batch in enumerate(batches):
+            tokens, targets = _check_lm_batch(batch, index)
+            if batch_size is None:
+                batch_size = tokens.shape[1]
+            elif tokens.shape[1] != batch_size:
+                raise ValueError(
+                    f"batch {index}: every batch must have the first one's B = {batch_size} "
+                    f"sequences (the state is carried across batches), got {tokens.shape[1]}"
+                )
+            totals.add(samples.log_prob(tokens, targets), targets)
+    return totals.result()
 
-    def run(copies: int, tokens: Tensor, targets: Tensor, hidden: Any) -> tuple[Tensor, Any, int]:
+
+class _SampleChunks:
+    """The ``S`` samples of a language model in chunks of copies, each chunk carrying its
+    own recurrent state from segment to segment. The chunk layout is fixed at the first
+    segment (:func:`rnndrop.mc.sampling._plan_chunks`, which may probe one sample)."""
+
+    def __init__(self, model: nn.Module, n_samples: int, method: str, chunk_size: int | None,
+                 memory_budget: int, calibration_bins: int | None) -> None:
+        self.model, self.n_samples, self.method = model, n_samples, method
+        self.chunk_size, self.memory_budget = chunk_size, memory_budget
+        self.calibration_bins = calibration_bins
+        self.plan: list[int] | None = None
+        self.states: list[Any] = []
+
+    def log_prob(self, tokens: Tensor, targets: Tensor) -> Tensor:
+        """``log sum_s p_s`` over the ``S`` samples of one segment: of the targets ``[T, B]``,
+        or with ``calibration_bins`` of every word ``[T, B, V]``."""
+        log_prob: Tensor | None = None
+        first = 0
+        if self.plan is None:
+
+            def probe() -> int:
+                nonlocal log_prob
+                log_prob, state, per_copy = self._run(1, tokens, targets, None)
+                self.states.append(state)
+                return 3 * per_copy  # logits, log-probabilities, gathered values
+
+            self.plan, first = _plan_chunks(self.method, self.n_samples, self.chunk_size, self.memory_budget,
+                                            probe)
+            self.states.extend([None] * (len(self.plan) - len(self.states)))
+        for i in range(first, len(self.plan)):
+            chunk_log_prob, self.states[i], _ = self._run(self.plan[i], tokens, targets, self.states[i])
+            log_prob = chunk_log_prob if log_prob is None else torch.logaddexp(log_prob, chunk_log_prob)
+        assert log_prob is not None  # the plan holds at least one chunk
+        return log_prob
+
+    def _run(self, copies: int, tokens: Tensor, targets: Tensor, hidden: Any) -> tuple[Tensor, Any, int]:
         """``copies`` samples of one segment: log-probabilities summed in probability space
-        over the copies (of the targets ``[T, B]``, or with ``calibration_bins`` of every word
-        ``[T, B, V]``), the new state, and the bytes of one copy's logits."""
-        output = model(_replicate(tokens, copies, 1), hidden)
+        over the copies (as :meth:`log_prob`), the new state, and the bytes of one copy's logits."""
+        output = self.model(_replicate(tokens, copies, 1), hidden)
         if not (isinstance(output, (tuple, list)) and len(output) == 2):
             raise TypeError(
                 "the language model must return (logits [T, B, V], hidden), got "
@@ -139,53 +183,42 @@ def mc_language_model_loss(
             )
         per_copy = logits.numel() * logits.element_size() // copies
         logp = logits.log_softmax(-1)
-        if calibration_bins is not None:
+        if self.calibration_bins is not None:
             return logp.view(T, copies, B, -1).logsumexp(1), hidden, per_copy
         logp = logp.gather(-1, _replicate(targets, copies, 1).unsqueeze(-1))
         return logp.view(T, copies, B).logsumexp(1), hidden, per_copy
 
-    with mc_dropout(model, strict=strict), torch.no_grad():
-        resolved = _resolve_method(model, method)
-        batch_size: int | None = None
-        for index, batch in enumerate(batches):
-            tokens, targets = _check_lm_batch(batch, index)
-            if batch_size is None:
-                batch_size = tokens.shape[1]
-            elif tokens.shape[1] != batch_size:
-                raise ValueError(
-                    f"batch {index}: every batch must have the first one's B = {batch_size} "
-                    f"sequences (the state is carried across batches), got {tokens.shape[1]}"
-                )
-            log_prob: Tensor | None = None
-            first = 0
-            if plan is None:
 
-                def probe(tokens: Tensor = tokens, targets: Tensor = targets) -> int:
-                    nonlocal log_prob
-                    log_prob, state, per_copy = run(1, tokens, targets, None)
-                    states.append(state)
-                    return 3 * per_copy  # logits, log-probabilities, gathered values
+class _Totals:
+    """The NLL summed over the segments, and with ``calibration_bins`` the confidence and
+    correctness of every averaged next-word prediction."""
 
-                plan, first = _plan_chunks(resolved, n_samples, chunk_size, memory_budget, probe)
-                states.extend([None] * (len(plan) - len(states)))
-            for i in range(first, len(plan)):
-                chunk_log_prob, states[i], _ = run(plan[i], tokens, targets, states[i])
-                log_prob = chunk_log_prob if log_prob is None else torch.logaddexp(log_prob, chunk_log_prob)
-            if calibration_bins is not None:
-                top_log_prob, top_word = log_prob.max(-1)
-                confidences.append((top_log_prob - log_s).exp())
-                correct.append(top_word == targets)
-                log_prob = log_prob.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-            total_nll -= (log_prob.double() - log_s).sum().item()
-            num_tokens += targets.numel()
-    if num_tokens == 0:
-        raise ValueError("batches must yield at least one (inputs, targets) pair, got none")
-    reliability = None
-    if calibration_bins is not None:
-        reliability = reliability_from_predictions(
-            torch.cat(confidences), torch.cat(correct), calibration_bins
-        )
-    return LanguageModelLoss(total_nll, num_tokens, n_samples, reliability)
+    def __init__(self, n_samples: int, calibration_bins: int | None) -> None:
+        self.n_samples, self.log_s, self.calibration_bins = n_samples, math.log(n_samples), calibration_bins
+        self.total_nll = 0.0
+        self.num_tokens = 0
+        self.confidences: list[Tensor] = []
+        self.correct: list[Tensor] = []
+
+    def add(self, log_prob: Tensor, targets: Tensor) -> None:
+        """Add one segment: ``log_prob`` from :meth:`_SampleChunks.log_prob`, ``targets [T, B]``."""
+        if self.calibration_bins is not None:
+            top_log_prob, top_word = log_prob.max(-1)
+            self.confidences.append((top_log_prob - self.log_s).exp())
+            self.correct.append(top_word == targets)
+            log_prob = log_prob.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        self.total_nll -= (log_prob.double() - self.log_s).sum().item()
+        self.num_tokens += targets.numel()
+
+    def result(self) -> LanguageModelLoss:
+        if self.num_tokens == 0:
+            raise ValueError("batches must yield at least one (inputs, targets) pair, got none")
+        reliability = None
+        if self.calibration_bins is not None:
+            reliability = reliability_from_predictions(
+                torch.cat(self.confidences), torch.cat(self.correct), self.calibration_bins
+            )
+        return LanguageModelLoss(self.total_nll, self.num_tokens, self.n_samples, reliability)
 
 
 def mc_perplexity(

@@ -34,6 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from rnndrop.lm.data.corpus import Vocabulary
+from rnndrop.lm.model.configs import TrainConfig, build_model
+from rnndrop.lm.model.regimes import Regime
 from rnndrop.lm.run.atomic import atomic_write, fsync_folder
 from rnndrop.lm.run.folder import BEST, previous_path
 
@@ -183,8 +186,8 @@ class LoadedModel:
     """
 
     model: nn.Module
-    vocab: Any
-    config: Any
+    vocab: Vocabulary
+    config: TrainConfig
     regime: str
     regime_settings: dict[str, Any]
     dropout: dict[str, float]
@@ -210,10 +213,6 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> LoadedMo
         CheckpointError: the file is corrupt, or is a ``best.pt`` without the config
             and vocabulary (written by an older version).
     """
-    from rnndrop.lm.data.corpus import Vocabulary
-    from rnndrop.lm.model.configs import TrainConfig, build_model
-    from rnndrop.lm.model.regimes import Regime
-
     path = Path(path)
     if path.is_dir():
         path = path / BEST

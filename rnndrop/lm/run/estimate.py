@@ -17,7 +17,7 @@ import torch
 from rnndrop.lm.data.corpus import Corpus, batchify
 from rnndrop.lm.model.configs import TrainConfig, build_model
 from rnndrop.lm.model.regimes import get_regime, regime_probabilities
-from rnndrop.lm.run.train import resolve_device
+from rnndrop.lm.run.setup import resolve_device
 
 __all__ = ["estimate_seconds"]
 

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from rnndrop.calibration import ReliabilityDiagram, reliability_from_predictions
 from rnndrop.lm.data.corpus import bptt_batches
 from rnndrop.lm.run.process_group import Distributed, all_reduce_reliability, all_reduce_sums, shard_columns
+from rnndrop.mc import mc_language_model_loss, sampling_modules
 
 __all__ = [
     "CALIBRATION_BINS",
@@ -120,8 +121,6 @@ def score_split(
         return score(model, batched, bptt, calibration_bins)
     shard = shard_columns(batched, ctx.rank, ctx.world_size)
     if mc_samples:
-        from rnndrop.mc import mc_language_model_loss
-
         loss = mc_language_model_loss(model, list(bptt_batches(shard, bptt)), mc_samples,
                                       calibration_bins=calibration_bins)
         total, count, diagram = loss.total_nll, loss.num_tokens, loss.reliability
@@ -137,8 +136,6 @@ def score_mc(
 ) -> Score:
     """:func:`score` under Monte-Carlo dropout (:func:`rnndrop.mc.mc_language_model_loss`):
     every word's predictive probability averaged over ``n_samples`` dropout draws."""
-    from rnndrop.mc import mc_language_model_loss
-
     loss = mc_language_model_loss(
         model, list(bptt_batches(batched, bptt)), n_samples, calibration_bins=calibration_bins
     )
@@ -157,6 +154,4 @@ def evaluate_mc(model: nn.Module, batched: Tensor, bptt: int, n_samples: int) ->
 
 def has_noise(model: nn.Module) -> bool:
     """Whether any module of ``model`` samples noise (a Monte-Carlo evaluation is possible)."""
-    from rnndrop.mc import sampling_modules
-
     return bool(sampling_modules(model))

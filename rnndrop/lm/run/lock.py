@@ -13,12 +13,14 @@ import logging
 import os
 import socket
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from rnndrop.lm.run.atomic import remove_stale_temporaries
 from rnndrop.lm.run.folder import LOCK
 
-__all__ = ["RunLock", "RunLocked"]
+__all__ = ["RunLock", "RunLocked", "claim_folder"]
 
 log = logging.getLogger(__name__)
 
@@ -121,3 +123,16 @@ class RunLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def claim_folder(out: Path, stack: ExitStack) -> None:
+    """Create ``out``, lock it until ``stack`` closes, and remove what a killed write left."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except PermissionError as e:
+        raise PermissionError(f"output folder {str(out)!r} cannot be created ({e.strerror})") from None
+    stack.enter_context(RunLock(out))
+    removed = remove_stale_temporaries(out)
+    if removed:
+        log.warning("%s: removed %d temporary files left by a killed write: %s", out, len(removed),
+                    ", ".join(p.name for p in removed))
