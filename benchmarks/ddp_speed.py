@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rnndrop.lm.data.corpus import load_corpus
-from rnndrop.lm.model.configs import get_config
+from rnndrop.lm.model.presets import get_config
 from rnndrop.lm.run.process_group import end_worker, init_from_env
 from rnndrop.lm.run.train import train_run
 

@@ -176,7 +176,7 @@ class KLRegularizer:
 
     Added to the mean NLL per data point it gives :func:`negative_elbo` with linear
     KL warm-up; ``progress`` is the fraction of training done, in [0, 1]. The
-    signature of ``Regime.regularizer`` in :mod:`rnndrop.lm.model.configs`, whose training
+    signature of ``Regime.regularizer`` in :mod:`rnndrop.lm.model.regimes`, whose training
     loop passes the number of training tokens as ``dataset_size``.
 
     Attributes:

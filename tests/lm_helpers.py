@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rnndrop.lm.model.configs import TrainConfig
+from rnndrop.lm.model.train_config import TrainConfig
 
 SUBJECTS = ["the cat", "a dog", "the bird", "my friend", "the teacher"]
 VERBS = ["sees", "likes", "finds", "follows"]

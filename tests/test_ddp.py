@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:  # run as a script by torchrun
     sys.path.insert(0, str(ROOT))
 
 from rnndrop.lm.data.corpus import load_corpus  # noqa: E402
-from rnndrop.lm.model.configs import build_model  # noqa: E402
+from rnndrop.lm.model.build import build_model  # noqa: E402
 from rnndrop.lm.model.regimes import REGIMES, get_hook, get_regime, registered  # noqa: E402
 from rnndrop.lm.run.checkpoint import load_checkpoint  # noqa: E402
 from rnndrop.lm.run.identity import read_verified_result  # noqa: E402

@@ -148,7 +148,7 @@ def test_language_model_regimes_train_with_the_kl_hook(tmp_path, regime):
     from dataclasses import replace
 
     from rnndrop.lm.data.corpus import load_corpus
-    from rnndrop.lm.model.configs import build_model
+    from rnndrop.lm.model.build import build_model
     from rnndrop.lm.model.regimes import REGIMES, get_hook
     from rnndrop.lm.run.train import train_run
     from tests.lm_helpers import TINY, write_corpus

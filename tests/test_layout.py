@@ -7,8 +7,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parent.parent / "rnndrop"
 MAX_MODULE_LINES = 300
 MAX_FUNCTION_LINES = 80
@@ -102,17 +100,68 @@ def test_no_cycle_among_rnndrop_modules():
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
-# The size targets of issue 21 ("Layout"); strict=False until every module is split.
-@pytest.mark.xfail(reason="issue 21: modules still over 300 lines", strict=False)
 def test_no_module_over_300_lines():
     assert not long_modules(), "\n".join(long_modules())
 
 
-@pytest.mark.xfail(reason="issue 21: functions still over 80 lines", strict=False)
 def test_no_function_over_80_lines():
     assert not long_functions(), "\n".join(long_functions())
 
 
+#: The layers, lowest first: a module may import from its own layer and the ones below.
+LAYERS = ("rnndrop", "rnndrop.lm.atomic", "rnndrop.lm.data", "rnndrop.lm.model", "rnndrop.lm.run",
+          "rnndrop.lm.cli", "rnndrop.lm")
+
+
+def layer_of(module: str) -> int:
+    """The index in :data:`LAYERS` of the longest prefix of ``module``."""
+    matches = [prefix for prefix in LAYERS if module == prefix or module.startswith(prefix + ".")]
+    return LAYERS.index(max(matches, key=len))
+
+
+def upward_imports() -> list[str]:
+    return [
+        f"{name} imports {imported}"
+        for name, imports in import_graph().items()
+        for imported in sorted(imports)
+        if layer_of(imported) > layer_of(name)
+    ]
+
+
+def test_data_flows_one_way_through_the_layers():
+    """The library never imports rnndrop.lm; data <- model <- run <- cli inside it."""
+    assert layer_of("rnndrop.masks") == 0 and layer_of("rnndrop.lm.run.train") == 4
+    assert layer_of("rnndrop.lm") == 6 and layer_of("rnndrop.lm.cli.parser") == 5
+    assert not upward_imports(), "\n".join(upward_imports())
+
+
+#: What a function may import inside its body: dependencies that are optional extras.
+OPTIONAL = ("matplotlib", "tqdm", "torch.utils.tensorboard", "datasets")
+
+
+def imports_inside_functions() -> list[str]:
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.Import):
+                    names = [alias.name for alias in inner.names]
+                elif isinstance(inner, ast.ImportFrom):
+                    names = [inner.module or "."]
+                else:
+                    continue
+                for name in names:
+                    if not name.startswith(OPTIONAL):
+                        out.append(f"{path.relative_to(PACKAGE.parent)}:{inner.lineno} {name}")
+    return out
+
+
+def test_imports_are_at_the_top_except_optional_dependencies():
+    assert not imports_inside_functions(), "\n".join(imports_inside_functions())
+
+
 if __name__ == "__main__":  # python tests/test_layout.py: what the targets flag
     print("cycle:", find_cycle(import_graph()))
-    print("\n".join(long_modules() + long_functions()))
+    print("\n".join(long_modules() + long_functions() + upward_imports() + imports_inside_functions()))

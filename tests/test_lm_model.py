@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from rnndrop.lm.model.configs import build_model
+from rnndrop.lm.model.build import build_model
 from rnndrop.lm.model.language_model import RNNLanguageModel, detach_hidden
 from rnndrop.lm.model.regimes import REGIMES, Regime, regime_probabilities, registered
 from rnndrop.mc import sampling_modules

@@ -7,16 +7,10 @@ import types
 import matplotlib.pyplot as plt
 import pytest
 
+from rnndrop.lm.run.metrics import METRICS_COLUMNS, EpochLog
+from rnndrop.lm.run.plots import learning_curve_figure, plot_learning_curves
 from rnndrop.lm.run.progress import JobProgress, format_duration
-from rnndrop.lm.run.results import (
-    METRICS_COLUMNS,
-    EpochLog,
-    benchmark_markdown,
-    comparison_table,
-    learning_curve_figure,
-    paired_differences,
-    plot_learning_curves,
-)
+from rnndrop.lm.run.tables import benchmark_markdown, comparison_table, paired_differences
 
 
 def _result(epochs: int, regime: str = "tied", seed: int = 1) -> dict:

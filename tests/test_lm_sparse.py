@@ -11,7 +11,8 @@ from rnndrop.lm.cli.errors import UsageError
 from rnndrop.lm.cli.job import config_from_args
 from rnndrop.lm.cli.parser import corpus_parser
 from rnndrop.lm.data.corpus import batchify
-from rnndrop.lm.model.configs import build_model, get_config
+from rnndrop.lm.model.build import build_model
+from rnndrop.lm.model.presets import get_config
 from rnndrop.lm.model.regimes import REGIMES, get_hook
 from rnndrop.lm.run.checkpoint import load_checkpoint, load_model
 from rnndrop.lm.run.evaluate import score
@@ -200,6 +201,6 @@ def test_frozen_parameters_keep_the_weights_they_started_from(corpus, tmp_path):
                   progress=False)
     with pytest.raises(ValueError, match="freeze must be a tuple of parameter-name prefixes, got 'decoder.'"):
         replace(SPARSE, freeze="decoder.")
-    from rnndrop.lm.model.configs import TrainConfig
+    from rnndrop.lm.model.train_config import TrainConfig
 
     assert TrainConfig.from_dict(frozen.to_dict()) == frozen

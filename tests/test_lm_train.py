@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from rnndrop.lm.cli import train_main
-from rnndrop.lm.model.configs import CONFIGS
+from rnndrop.lm.model.presets import CONFIGS
 from rnndrop.lm.model.regimes import Regime, registered
 from rnndrop.lm.run import benchmark
 from rnndrop.lm.run.checkpoint import load_checkpoint
-from rnndrop.lm.run.results import markdown_table, read_result, validate_result
+from rnndrop.lm.run.result_file import read_result, validate_result
+from rnndrop.lm.run.tables import markdown_table
 from rnndrop.lm.run.train import TrainingDiverged, train_run
 from tests.lm_helpers import TINY, Killed, one_thread, write_corpus  # noqa: F401 (fixtures)
 
@@ -247,7 +248,7 @@ def test_adam_and_gru_train_through_the_one_loop_and_resume_bit_for_bit(corpus, 
 
 
 def test_init_from_starts_sparse_vd_from_a_dense_run_and_records_what_it_loaded(corpus, tmp_path):
-    from rnndrop.lm.model.configs import build_model
+    from rnndrop.lm.model.build import build_model
     from rnndrop.lm.model.regimes import REGIMES
     from rnndrop.lm.run.resume import load_initial_weights
 

@@ -19,7 +19,7 @@ from rnndrop.lm.data.corpus import (
     sample_dir,
 )
 from rnndrop.lm.data.download import DownloadError, download_corpus
-from rnndrop.lm.model.configs import build_model
+from rnndrop.lm.model.build import build_model
 from rnndrop.lm.model.language_model import RNNLanguageModel, detach_hidden
 from rnndrop.lm.model.presets import CONFIGS, get_config
 from rnndrop.lm.model.regimes import REGIMES, Regime

@@ -13,8 +13,9 @@ from rnndrop.lm.cli.errors import UsageError, positive
 from rnndrop.lm.cli.parser import CONFIG_FLAGS
 from rnndrop.lm.data.corpus import sample_dir
 from rnndrop.lm.data.download import download_corpus
-from rnndrop.lm.model.configs import TrainConfig, get_config
+from rnndrop.lm.model.presets import get_config
 from rnndrop.lm.model.regimes import get_regime
+from rnndrop.lm.model.train_config import TrainConfig
 from rnndrop.lm.run.dropout_choice import chosen_dropout, parse_dropout
 from rnndrop.lm.run.identity import best_file
 from rnndrop.lm.run.spec import cached_corpus

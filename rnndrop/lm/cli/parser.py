@@ -7,7 +7,7 @@ import argparse
 from typing import Any
 
 from rnndrop.lm.data.download import DATASETS
-from rnndrop.lm.model.configs import CONFIGS
+from rnndrop.lm.model.presets import CONFIGS
 from rnndrop.lm.model.regimes import REGIMES
 
 __all__ = ["CONFIG_FLAGS", "CORPORA", "add_train_arguments", "build_parser", "corpus_parser"]

@@ -28,8 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from rnndrop.lm.atomic import atomic_write
 from rnndrop.lm.data.corpus import SPLITS
-from rnndrop.lm.run.atomic import atomic_write
 
 __all__ = ["DATASETS", "DownloadError", "RemoteCorpus", "default_cache_dir", "download_corpus"]
 

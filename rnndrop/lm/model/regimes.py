@@ -4,7 +4,7 @@ Sites: ``embedding`` (word types), ``input`` (first layer's input), ``between``
 (input of later layers), ``hidden`` (the recurrent state ``h_{t-1}``, or ``W_hh``
 for weight-dropped regimes), ``output`` (before the decoder). A regime uses only the
 sites it lists; the others get probability 0. The probabilities come from the config
-(:class:`rnndrop.lm.model.configs.TrainConfig`) or from a grid searched on validation.
+(:class:`rnndrop.lm.model.train_config.TrainConfig`) or from a grid searched on validation.
 
 Regimes are frozen and :data:`REGIMES` is a read-only mapping; a regime names its
 code hooks (an extra loss term, a recurrent stack of its own), which live in a

@@ -2,7 +2,7 @@
 
 :class:`TrainConfig` is plain, frozen data checked on construction; the published
 settings are in :mod:`rnndrop.lm.model.presets` and building a model or an optimiser
-from a config in :mod:`rnndrop.lm.model.configs`.
+from a config in :mod:`rnndrop.lm.model.build`.
 """
 
 from __future__ import annotations

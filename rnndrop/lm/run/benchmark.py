@@ -22,9 +22,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from rnndrop.lm.model.configs import TrainConfig
+from rnndrop.lm.atomic import atomic_write
 from rnndrop.lm.model.regimes import get_regime, regime_probabilities
-from rnndrop.lm.run.atomic import atomic_write
+from rnndrop.lm.model.train_config import TrainConfig
 from rnndrop.lm.run.dropout_choice import chosen_dropout, format_tag, parse_dropout, run_tag
 from rnndrop.lm.run.estimate import estimate_seconds
 from rnndrop.lm.run.folder import LEARNING_CURVES, RESULTS_TABLE, SUMMARY

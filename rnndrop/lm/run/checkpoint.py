@@ -34,10 +34,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from rnndrop.lm.atomic import atomic_write, fsync_folder
 from rnndrop.lm.data.corpus import Vocabulary
-from rnndrop.lm.model.configs import TrainConfig, build_model
+from rnndrop.lm.model.build import build_model
 from rnndrop.lm.model.regimes import Regime
-from rnndrop.lm.run.atomic import atomic_write, fsync_folder
+from rnndrop.lm.model.train_config import TrainConfig
 from rnndrop.lm.run.folder import BEST, previous_path
 
 __all__ = [

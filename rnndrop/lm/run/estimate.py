@@ -15,8 +15,9 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from rnndrop.lm.data.corpus import Corpus, batchify
-from rnndrop.lm.model.configs import TrainConfig, build_model
+from rnndrop.lm.model.build import build_model
 from rnndrop.lm.model.regimes import get_regime, regime_probabilities
+from rnndrop.lm.model.train_config import TrainConfig
 from rnndrop.lm.run.setup import resolve_device
 
 __all__ = ["estimate_seconds"]

@@ -18,15 +18,17 @@ from torch import Tensor
 
 from rnndrop.distributed import seed_noise_per_rank
 from rnndrop.lm.data.corpus import Corpus, batchify
-from rnndrop.lm.model.configs import TrainConfig, build_model
+from rnndrop.lm.model.build import build_model
 from rnndrop.lm.model.regimes import Regime
+from rnndrop.lm.model.train_config import TrainConfig
 from rnndrop.lm.run.checkpoint import load_checkpoint, load_model
 from rnndrop.lm.run.evaluate import CALIBRATION_BINS, Score, has_noise, score_split
 from rnndrop.lm.run.folder import CURVE, RESULTS
 from rnndrop.lm.run.identity import best_file, read_verified_result, write_signed_result
 from rnndrop.lm.run.lock import RunLock
+from rnndrop.lm.run.plots import plot_learning_curves
 from rnndrop.lm.run.process_group import Distributed, current, run_on_main
-from rnndrop.lm.run.results import SCHEMA, peak_memory, plot_learning_curves, versions
+from rnndrop.lm.run.result_file import SCHEMA, peak_memory, versions
 from rnndrop.lm.run.schedule import LR_FLOOR, Schedule
 from rnndrop.lm.run.setup import Training, rank_device
 
@@ -64,7 +66,7 @@ def seed_noise(seed: int, ctx: Distributed) -> None:
 
 
 def _result(run: Training, test: Score, test_mc: Score | None) -> dict[str, Any]:
-    """The content of results.json (see :mod:`rnndrop.lm.run.results` for its schema)."""
+    """The content of results.json (see :mod:`rnndrop.lm.run.result_file` for its schema)."""
     state = run.state
     stop_reason = Schedule.stop_reason(state)
     memory, memory_kind = peak_memory(run.device)

@@ -20,11 +20,11 @@ from typing import Any
 import torch
 
 from rnndrop.lm.data.corpus import Corpus
-from rnndrop.lm.model.configs import TrainConfig
 from rnndrop.lm.model.regimes import get_regime, regime_probabilities
+from rnndrop.lm.model.train_config import TrainConfig
 from rnndrop.lm.run.checkpoint import FORMAT_VERSION
 from rnndrop.lm.run.folder import BEST, RESULTS
-from rnndrop.lm.run.results import write_json_atomic
+from rnndrop.lm.run.result_file import write_json_atomic
 
 __all__ = [
     "ResultsError",

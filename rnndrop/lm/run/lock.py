@@ -17,7 +17,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from rnndrop.lm.run.atomic import remove_stale_temporaries
+from rnndrop.lm.atomic import remove_stale_temporaries
 from rnndrop.lm.run.folder import LOCK
 
 __all__ = ["RunLock", "RunLocked", "claim_folder"]

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rnndrop.lm.run.atomic import atomic_write
+from rnndrop.lm.atomic import atomic_write
 from rnndrop.lm.run.folder import METRICS
 
 __all__ = ["METRICS_COLUMNS", "EpochLog"]

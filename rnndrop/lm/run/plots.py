@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rnndrop.lm.run.atomic import atomic_write
+from rnndrop.lm.atomic import atomic_write
 from rnndrop.lm.run.tables import format_dropout
 
 __all__ = ["learning_curve_figure", "plot_learning_curves"]

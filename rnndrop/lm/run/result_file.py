@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 import rnndrop
-from rnndrop.lm.run.atomic import atomic_write
+from rnndrop.lm.atomic import atomic_write
 
 __all__ = ["REQUIRED_KEYS", "SCHEMA", "peak_memory", "read_result", "validate_result", "versions",
            "write_json_atomic"]

@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import nn
 
-from rnndrop.lm.model.configs import TrainConfig
+from rnndrop.lm.model.train_config import TrainConfig
 from rnndrop.lm.run.checkpoint import load_checkpoint, load_latest
 from rnndrop.lm.run.folder import BEST, CHECKPOINT, previous_path
 from rnndrop.lm.run.identity import best_file, file_sha256, identity_differences

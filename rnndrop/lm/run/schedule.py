@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from rnndrop.lm.model.configs import TrainConfig
+from rnndrop.lm.model.train_config import TrainConfig
 from rnndrop.lm.run.state import RunState
 
 __all__ = ["Schedule"]

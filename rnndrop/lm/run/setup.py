@@ -23,8 +23,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from rnndrop.distributed import seed_noise_per_rank
 from rnndrop.lm.data.corpus import Corpus, batchify
-from rnndrop.lm.model.configs import TrainConfig, build_model, build_optimizer, trainable_parameters
+from rnndrop.lm.model.build import build_model, build_optimizer, trainable_parameters
 from rnndrop.lm.model.regimes import Regime, get_hook, get_regime, regime_probabilities
+from rnndrop.lm.model.train_config import TrainConfig
 from rnndrop.lm.run.checkpoint import set_rng_state
 from rnndrop.lm.run.folder import BEST, CHECKPOINT
 from rnndrop.lm.run.identity import run_identity

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from rnndrop.lm.data.corpus import Corpus, load_corpus
-from rnndrop.lm.model.configs import TrainConfig
+from rnndrop.lm.model.train_config import TrainConfig
 from rnndrop.lm.run.folder import RESULTS
 from rnndrop.lm.run.identity import finished_result, run_identity
 from rnndrop.lm.run.metrics import EpochLog

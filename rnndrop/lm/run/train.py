@@ -51,8 +51,8 @@ from torch import nn
 
 from rnndrop.distributed import check_parameters_agree
 from rnndrop.lm.data.corpus import Corpus, bptt_batches, num_bptt_batches
-from rnndrop.lm.model.configs import TrainConfig
 from rnndrop.lm.model.language_model import detach_hidden
+from rnndrop.lm.model.train_config import TrainConfig
 from rnndrop.lm.run.checkpoint import get_rng_state, save_checkpoint
 from rnndrop.lm.run.divergence import DivergenceCheck, TrainingDiverged
 from rnndrop.lm.run.evaluate import Score, perplexity, score_split, token_loss

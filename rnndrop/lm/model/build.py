@@ -1,4 +1,4 @@
-"""Training configurations, as plain data.
+"""What a training configuration builds: the model, the optimiser, the trained parameters.
 
 A *config* fixes the model size and the optimisation (the published settings of
 Zaremba et al. 2014 and Gal & Ghahramani 2016, plus ``mini`` / ``cpu-200`` for the
@@ -8,8 +8,8 @@ validation split (``TrainConfig.grid``). Where dropout goes is the *regime*'s
 business (:mod:`rnndrop.lm.model.regimes`).
 
 This module holds what is built from a config (the model, the optimiser, the trained
-parameters) and re-exports :class:`~rnndrop.lm.model.train_config.TrainConfig` and the
-presets (:data:`~rnndrop.lm.model.presets.CONFIGS`, :func:`get_config`).
+parameters); the config itself is :class:`~rnndrop.lm.model.train_config.TrainConfig`, the
+named presets are :data:`~rnndrop.lm.model.presets.CONFIGS`.
 """
 
 from __future__ import annotations
@@ -21,21 +21,10 @@ import torch
 from torch import nn
 
 from rnndrop.lm.model.language_model import RNNLanguageModel
-from rnndrop.lm.model.presets import CONFIGS, get_config
 from rnndrop.lm.model.regimes import Regime, get_hook, regime_probabilities
-from rnndrop.lm.model.train_config import CELLS, OPTIMIZERS, SELECTIONS, TrainConfig
+from rnndrop.lm.model.train_config import TrainConfig
 
-__all__ = [
-    "CELLS",
-    "CONFIGS",
-    "OPTIMIZERS",
-    "SELECTIONS",
-    "TrainConfig",
-    "build_model",
-    "build_optimizer",
-    "get_config",
-    "trainable_parameters",
-]
+__all__ = ["build_model", "build_optimizer", "trainable_parameters"]
 
 
 def trainable_parameters(model: nn.Module, config: TrainConfig) -> list[nn.Parameter]:
