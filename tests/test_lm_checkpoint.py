@@ -22,6 +22,7 @@ ONE = replace(TINY, epochs=1, mc_samples=0)
 
 
 
+@pytest.mark.slow
 def test_load_model_rebuilds_the_best_model_with_its_vocabulary(corpus, tmp_path):
     result = train_run(corpus, ONE, "tied", tmp_path / "run", seed=4, progress=False)
     run = load_model(tmp_path / "run")
@@ -57,6 +58,7 @@ def _weights_equal(a, b):
 
 # -- finding 2: corrupted checkpoints are refused, the previous one takes over ---------------
 
+@pytest.mark.slow
 def test_corrupt_checkpoint_is_refused_with_the_file_named(corpus, tmp_path):
     config = replace(TINY, epochs=2, mc_samples=0)
     with pytest.raises(_Killed):
@@ -103,6 +105,7 @@ def test_a_hostile_payload_with_a_valid_checksum_is_refused_without_weights_only
     assert "weights_only=False" not in str(info.value)
 
 
+@pytest.mark.slow
 def test_resume_falls_back_to_the_previous_checkpoint_and_stays_bit_identical(corpus, tmp_path, caplog):
     config = replace(TINY, epochs=3, schedule="fixed", decay_after=1, lr_decay=2.0, mc_samples=0)
     full = train_run(corpus, config, "tied", tmp_path / "full", seed=5, progress=False)
@@ -121,6 +124,7 @@ def test_resume_falls_back_to_the_previous_checkpoint_and_stays_bit_identical(co
                           load_checkpoint(tmp_path / "full" / "checkpoint.pt")["model"])
 
 
+@pytest.mark.slow
 def test_a_checkpoint_from_before_best_criterion_and_init_from_resumes_bit_for_bit(corpus, tmp_path):
     config = replace(TINY, epochs=3, mc_samples=0)  # plateau: the best so far sets the next rate
     full = train_run(corpus, config, "tied", tmp_path / "full", seed=4, progress=False)
@@ -141,6 +145,7 @@ def test_a_checkpoint_from_before_best_criterion_and_init_from_resumes_bit_for_b
                           load_checkpoint(tmp_path / "full" / "checkpoint.pt")["model"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change, message", [
     ({"epochs_done": 1}, r"lacks nothing and has unknown fields \['epochs_done'\]"),
     ({"history": None}, r"progress field history must be of type list, got None"),
@@ -163,6 +168,7 @@ def test_a_checkpoint_whose_progress_is_not_ours_is_refused(corpus, tmp_path, ch
                   resume=True)
 
 
+@pytest.mark.slow
 def test_divergence_message_does_not_vouch_for_a_corrupt_checkpoint(corpus, tmp_path):
     from rnndrop.lm.model.regimes import Regime, registered
     from rnndrop.lm.run.train import TrainingDiverged
@@ -195,6 +201,7 @@ class _Loud(torch.nn.Module):
         return out * 1e6, hidden
 
 
+@pytest.mark.slow
 def test_a_large_finite_loss_stops_as_divergence_not_overflow(corpus, tmp_path):
     from rnndrop.lm.model.regimes import Regime, registered
     from rnndrop.lm.run.evaluate import Score
@@ -214,6 +221,7 @@ def test_config_rejects_non_positive_clip_and_lr(field, value):
 
 # -- finding 4: one writer per run folder -----------------------------------------------------
 
+@pytest.mark.slow
 def test_a_second_writer_is_refused_naming_the_holder(corpus, tmp_path):
     from rnndrop.lm.run.lock import RunLocked
 
@@ -229,6 +237,7 @@ def test_a_second_writer_is_refused_naming_the_holder(corpus, tmp_path):
     assert not (tmp_path / "run" / "run.lock").exists()  # released at the end
 
 
+@pytest.mark.slow
 def test_a_stale_lock_of_a_dead_process_is_taken_over(corpus, tmp_path, caplog):
     import socket
 
@@ -244,6 +253,7 @@ def test_a_stale_lock_of_a_dead_process_is_taken_over(corpus, tmp_path, caplog):
 
 # -- finding 5: resume checks the corpus, the whole config, results and the epoch cap --------
 
+@pytest.mark.slow
 def test_resume_refuses_another_corpus_and_names_only_the_differing_fields(corpus, tmp_path):
     train_run(corpus, ONE, "tied", tmp_path / "run", progress=False)
     other = load_corpus(write_corpus(tmp_path / "other", sizes=(150, 30, 30)))
@@ -257,6 +267,7 @@ def test_resume_refuses_another_corpus_and_names_only_the_differing_fields(corpu
     assert "config.bptt" not in str(info.value) and "corpus" not in str(info.value)
 
 
+@pytest.mark.slow
 def test_tampered_or_truncated_results_are_not_reused_and_resume_rewrites_them(corpus, tmp_path, caplog):
     from rnndrop.lm.run.identity import finished_result, run_identity
 
@@ -279,6 +290,7 @@ def test_tampered_or_truncated_results_are_not_reused_and_resume_rewrites_them(c
     assert finished_result(tmp_path / "run", identity)["test_ppl"] == result["test_ppl"]
 
 
+@pytest.mark.slow
 def test_resume_with_fewer_epochs_than_already_run_is_an_error(corpus, tmp_path):
     two = replace(ONE, epochs=2)
     train_run(corpus, two, "none", tmp_path / "run", progress=False)
@@ -290,6 +302,7 @@ def test_resume_with_fewer_epochs_than_already_run_is_an_error(corpus, tmp_path)
 
 # -- finding 8: leftovers, permissions, a read-only folder ------------------------------------
 
+@pytest.mark.slow
 def test_stale_temporaries_are_removed_and_files_honour_the_umask(corpus, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
@@ -322,6 +335,7 @@ def test_an_unwritable_output_folder_fails_before_training(corpus, tmp_path, mon
 
 # -- interrupts -------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_ctrl_c_is_reraised_with_the_epoch_and_resume_continues_bit_for_bit(corpus, tmp_path):
     from rnndrop.lm.run.train import RunInterrupted
 
@@ -365,6 +379,7 @@ except RunInterrupted as e:
 """
 
 
+@pytest.mark.slow
 def test_a_real_sigint_leaves_a_run_that_resumes_bit_for_bit(corpus, tmp_path):
     import signal
     import time
@@ -396,6 +411,7 @@ def test_a_real_sigint_leaves_a_run_that_resumes_bit_for_bit(corpus, tmp_path):
                           load_checkpoint(tmp_path / "full" / "checkpoint.pt")["model"])
 
 
+@pytest.mark.slow
 def test_load_model_of_a_gru_run_and_of_a_file_without_the_config(corpus, tmp_path):
     train_run(corpus, replace(ONE, cell="gru"), "naive", tmp_path / "gru", progress=False)
     run = load_model(tmp_path / "gru")

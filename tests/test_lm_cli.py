@@ -161,6 +161,7 @@ def test_ctrl_c_exits_130_with_one_line_and_resume_reproduces_the_uninterrupted_
     assert [int(r["epoch"]) for r in rows] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_flags_override_the_config_and_are_recorded(tmp_path, capsys):
     data = write_corpus(tmp_path / "data")
     out = tmp_path / "out"
@@ -241,6 +242,7 @@ def test_parallel_runs_print_one_whole_line_per_event(tmp_path, capfd, caplog):
     assert caplog.text.count("finished: best valid ppl") == 2  # the main process's lines
 
 
+@pytest.mark.slow
 def test_a_diverging_run_exits_3_with_one_line(tmp_path, capsys):
     data = write_corpus(tmp_path / "data")
     argv = ["ptb", "--data", str(data), "--regimes", "none", "--epochs", "2", "--hidden-size", "8",

@@ -65,6 +65,7 @@ def test_kl_per_token_is_the_molchanov_sum_over_the_lstm_weights_divided_by_the_
         f"rnn.log_sigma2_{n}" for n in lstm.sparse_weight_names()]
 
 
+@pytest.mark.slow
 def test_the_loop_adds_kl_weight_times_the_kl_and_selects_on_the_validation_objective(corpus, tmp_path):
     result = train_run(corpus, replace(SPARSE, epochs=3), "sparse_vd", tmp_path / "run", seed=3,
                        progress=False)
@@ -80,6 +81,7 @@ def test_the_loop_adds_kl_weight_times_the_kl_and_selects_on_the_validation_obje
     assert kl_per_token > 0.05  # the objective really differs from the NLL
 
 
+@pytest.mark.slow
 def test_kl_weight_scales_the_training_objective(corpus, tmp_path):
     # kl_weight 0 trains the weight noise without the KL: log sigma^2 falls, nothing is pruned;
     # a large kl_weight prunes.
@@ -119,6 +121,7 @@ def test_pruned_language_model_equals_the_sparse_model_in_eval_mode(corpus, tmp_
     assert not torch.allclose(model(inputs)[0], out_sparse, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_both_stages_of_the_recipe_resume_bit_for_bit(corpus, tmp_path):
     dense_config = replace(TINY, epochs=2, mc_samples=0, schedule="fixed", decay_after=1, lr_decay=2.0)
 
@@ -160,6 +163,7 @@ def test_kl_weight_and_select_are_checked_and_reach_the_config_from_the_command_
     assert get_config("cpu-200").kl_weight == 1.0 and get_config("cpu-200").select == "perplexity"
 
 
+@pytest.mark.slow
 def test_the_recipe_runs_from_the_command_line(tmp_path, capsys):
     from rnndrop.lm import cli
 
@@ -185,6 +189,7 @@ def test_the_recipe_runs_from_the_command_line(tmp_path, capsys):
     assert recorded["path"] == str(dense / "best.pt") and "rnn.weight_hh_l0" in recorded["loaded"]
 
 
+@pytest.mark.slow
 def test_frozen_parameters_keep_the_weights_they_started_from(corpus, tmp_path):
     dense = replace(TINY, epochs=1, mc_samples=0)
     train_run(corpus, dense, "tied", tmp_path / "dense", seed=1, progress=False)

@@ -16,6 +16,7 @@ from rnndrop.lm.run.train import TrainingDiverged, train_run
 from tests.lm_helpers import TINY, Killed, one_thread, write_corpus  # noqa: F401 (fixtures)
 
 
+@pytest.mark.slow
 def test_training_lowers_perplexity_and_writes_valid_results(corpus, tmp_path):
     result = train_run(corpus, TINY, "tied", tmp_path / "run", seed=1, progress=False)
     valid = [e["valid_ppl"] for e in result["epochs"]]
@@ -37,6 +38,7 @@ def test_training_lowers_perplexity_and_writes_valid_results(corpus, tmp_path):
         validate_result({k: v for k, v in on_disk.items() if k != "test_ppl"})
 
 
+@pytest.mark.slow
 def test_resume_after_a_kill_matches_an_uninterrupted_run_bit_for_bit(corpus, tmp_path):
     config = replace(TINY, schedule="fixed", decay_after=1, lr_decay=2.0)
     full = train_run(corpus, config, "tied", tmp_path / "full", seed=7, progress=False)
@@ -66,6 +68,7 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run_bit_for_bit(corpus, tm
     assert other["test_ppl"] != full["test_ppl"]
 
 
+@pytest.mark.slow
 def test_checkpoint_of_another_run_is_refused(corpus, tmp_path):
     config = replace(TINY, epochs=1)
     train_run(corpus, config, "naive", tmp_path / "run", seed=1, progress=False, mc_samples=0)
@@ -80,6 +83,7 @@ def _nan_after(threshold):
     return regularizer
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_with_a_clear_message_and_keeps_the_checkpoint(corpus, tmp_path):
     config = replace(TINY, epochs=2)
     regimes = {"nan-at-once": Regime("diverges at once", sites=("input",), regularizer="nan0"),
@@ -98,6 +102,7 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_the_checkpoint(corpus, tm
     assert not (tmp_path / "b" / "results.json").exists()
 
 
+@pytest.mark.slow
 def test_regularizer_hook_is_added_to_the_loss(corpus, tmp_path):
     seen = []
 
@@ -121,6 +126,7 @@ def test_regularizer_hook_is_added_to_the_loss(corpus, tmp_path):
     assert plain["test_ppl"] != shrunk["test_ppl"]
 
 
+@pytest.mark.slow
 def test_benchmark_cli_grid_selects_on_validation(tmp_path, monkeypatch):
     data = write_corpus(tmp_path / "data")
     monkeypatch.setitem(CONFIGS, "tiny", replace(TINY, epochs=2))
@@ -157,6 +163,7 @@ def test_benchmark_cli_data_errors(tmp_path, capsys):
     assert "regime must be one of" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_min_lr_stops_a_converged_run_and_resume_keeps_it_stopped(corpus, tmp_path):
     # lr 8 divided by 4 after every non-improving epoch; below 1 means two such epochs.
     config = replace(TINY, epochs=40, lr=8.0, min_lr=1.0, mc_samples=0)
@@ -192,6 +199,7 @@ def test_schedule_holds_the_rate_rules_and_the_stopping_rule():
     assert Schedule.stop_reason(RunState()) == "epoch_cap"
 
 
+@pytest.mark.slow
 def test_a_run_whose_best_epoch_is_its_cap_is_not_converged(corpus, tmp_path):
     config = replace(TINY, epochs=1, mc_samples=0)
     result = train_run(corpus, config, "none", tmp_path / "run", seed=1, progress=False)
@@ -199,6 +207,7 @@ def test_a_run_whose_best_epoch_is_its_cap_is_not_converged(corpus, tmp_path):
     assert result["converged"] is False
 
 
+@pytest.mark.slow
 def test_results_hold_test_nll_and_calibration_standard_and_mc(corpus, tmp_path):
     result = train_run(corpus, TINY, "tied", tmp_path / "run", seed=2, progress=False)
     assert math.isclose(math.exp(result["test_nll"]), result["test_ppl"], rel_tol=1e-9)
@@ -207,6 +216,7 @@ def test_results_hold_test_nll_and_calibration_standard_and_mc(corpus, tmp_path)
         assert 0.0 <= result[key] <= 1.0
 
 
+@pytest.mark.slow
 def test_dropout_from_a_grid_summary_sets_each_regimes_dropout(corpus, tmp_path):
     data = write_corpus(tmp_path / "data2")
     grid = benchmark.run_benchmark(data, "ptb", TINY, ["naive"], [1], tmp_path / "grid", grid=True,
@@ -220,6 +230,7 @@ def test_dropout_from_a_grid_summary_sets_each_regimes_dropout(corpus, tmp_path)
         benchmark.chosen_dropout(tmp_path / "final" / "summary.json")
 
 
+@pytest.mark.slow
 def test_adam_and_gru_train_through_the_one_loop_and_resume_bit_for_bit(corpus, tmp_path):
     config = replace(TINY, optimizer="adam", lr=0.01, adam_betas=(0.8, 0.99), cell="gru",
                      epochs=2, mc_samples=0)
@@ -247,6 +258,7 @@ def test_adam_and_gru_train_through_the_one_loop_and_resume_bit_for_bit(corpus, 
         replace(TINY, adam_betas=(0.9, 1.5))
 
 
+@pytest.mark.slow
 def test_init_from_starts_sparse_vd_from_a_dense_run_and_records_what_it_loaded(corpus, tmp_path):
     from rnndrop.lm.model.build import build_model
     from rnndrop.lm.model.regimes import REGIMES
