@@ -41,7 +41,8 @@ from rnndrop.lm.run.evaluate import score
 from rnndrop.lm.run.identity import read_verified_result
 from rnndrop.lm.run.result_file import write_json_atomic
 from rnndrop.lm.run.train import train_run
-from rnndrop.sparse import DEFAULT_THRESHOLD, prune, sparsity_report
+from rnndrop.sparse import DEFAULT_THRESHOLD
+from rnndrop.sparsity import prune, sparsity_report
 
 
 def set_threshold(model: nn.Module, threshold: float) -> None:

@@ -6,7 +6,7 @@ from rnndrop.embedding_dropout import EmbeddingDropout
 from rnndrop.gaussian import GaussianGRU, GaussianLockedDropout, GaussianLSTM
 from rnndrop.kl import KLRegularized, KLRegularizer, model_kl, negative_elbo
 from rnndrop.locked_dropout import LockedDropout
-from rnndrop.masks import RecurrentMasks, bernoulli_mask, gaussian_mask, sample_mask
+from rnndrop.masks import RecurrentMasks
 from rnndrop.mc import (
     LanguageModelLoss,
     MCPrediction,
@@ -15,15 +15,10 @@ from rnndrop.mc import (
     mc_perplexity,
     mc_predict,
 )
+from rnndrop.noise import bernoulli_mask, gaussian_mask, sample_mask
 from rnndrop.recurrent import VariationalGRU, VariationalLSTM
-from rnndrop.sparse import (
-    SparseEmbedding,
-    SparseGRU,
-    SparseLinear,
-    SparseLSTM,
-    prune,
-    sparsity_report,
-)
+from rnndrop.sparse import SparseEmbedding, SparseGRU, SparseLinear, SparseLSTM
+from rnndrop.sparsity import prune, sparsity_report
 from rnndrop.weight_drop import WeightDrop
 
 __version__ = "0.1.0"

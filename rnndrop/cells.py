@@ -9,7 +9,7 @@ gate its own mask (Gal's "untied" variant). No mask means no dropout.
 The gate arithmetic (:func:`~rnndrop.kernels.gates.masked_linear`,
 :func:`~rnndrop.kernels.gates.lstm_pointwise`, :func:`~rnndrop.kernels.gates.gru_pointwise`)
 lives in :mod:`rnndrop.kernels.gates`, so that the cells and the layers' time loops
-compute the very same thing; it is imported from there (and importable from here).
+compute the very same thing.
 """
 
 from __future__ import annotations
@@ -20,15 +20,11 @@ from rnndrop.kernels.gates import GRU_GATES, LSTM_GATES, gru_pointwise, lstm_poi
 from rnndrop.validation import check_tensor_like
 
 __all__ = [
-    "GRU_GATES",
-    "LSTM_GATES",
     "VariationalGRUCell",
     "VariationalLSTMCell",
     "check_cell_mask",
-    "gru_pointwise",
-    "lstm_pointwise",
-    "masked_linear",
 ]
+
 
 def check_cell_mask(name: str, mask: Tensor | None, x: Tensor, size: int, gates: int) -> None:
     """Check a cell mask against its input ``x`` (``[batch, size]`` or unbatched ``[size]``).

@@ -1,7 +1,7 @@
 """Dropout masks of recurrent layers: their scopes, their sites, and the masks of one call.
 
-The noise itself is drawn in :mod:`rnndrop.noise` (Bernoulli or Gaussian; its
-functions are importable from here too). How long a mask lives is its *scope*:
+The noise itself is drawn in :mod:`rnndrop.noise` (Bernoulli or Gaussian).
+How long a mask lives is its *scope*:
 
 ``"sequence"``  one mask per sequence, reused at every time step (Gal & Ghahramani 2016)
 ``"step"``      a fresh mask at every time step (naive dropout, Zaremba et al. 2014)
@@ -21,30 +21,22 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from rnndrop.noise import NOISES, MaskSite, bernoulli_mask, draw_mask, gaussian_mask, sample_mask
+from rnndrop.noise import MaskSite
 from rnndrop.validation import (
     check_bool,
     check_choice,
     check_positive_int,
-    check_probability,
     check_tensor_like,
 )
 
 __all__ = [
     "MASK_SCOPES",
-    "NOISES",
     "MaskShapes",
-    "MaskSite",
     "RecurrentMasks",
     "StackGeometry",
-    "bernoulli_mask",
-    "check_probability",
     "check_seq_len",
-    "draw_mask",
-    "gaussian_mask",
     "mask_shape",
     "mask_sites",
-    "sample_mask",
     "stack_mask_shapes",
 ]
 

@@ -29,7 +29,7 @@ Truncated BPTT: each call (segment) draws new weights.
 :func:`sparsity_report` counts the zeroed weights; :func:`prune` returns a copy of
 a model with plain ``nn.LSTM`` / ``nn.GRU`` / ``nn.Linear`` / ``nn.Embedding`` holding
 the zeros, which computes what the sparse model computes in eval mode (both in
-:mod:`rnndrop.sparsity`, importable from here).
+:mod:`rnndrop.sparsity`).
 """
 
 from __future__ import annotations
@@ -42,21 +42,17 @@ from torch import Tensor, nn
 
 from rnndrop.kl import KLRegularized, kl_molchanov
 from rnndrop.recurrent import VariationalGRU, VariationalLSTM
-from rnndrop.sparsity import LayerSparsity, Sparsified, SparsityReport, prune, sparsity_report
+from rnndrop.sparsity import Sparsified
 from rnndrop.stochastic import Stochastic
 from rnndrop.validation import check_bool, check_finite_float
 
 __all__ = [
     "DEFAULT_THRESHOLD",
     "INIT_LOG_SIGMA2",
-    "LayerSparsity",
     "SparseEmbedding",
     "SparseGRU",
     "SparseLSTM",
     "SparseLinear",
-    "SparsityReport",
-    "prune",
-    "sparsity_report",
 ]
 
 #: Weights with ``log alpha`` at or above this are zero in eval mode.

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from rnndrop import VariationalGRUCell, VariationalLSTMCell
-from rnndrop.masks import bernoulli_mask
+from rnndrop.noise import bernoulli_mask
 from tests.helpers import assert_close
 
 I, H, B = 5, 6, 3

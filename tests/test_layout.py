@@ -5,6 +5,7 @@ nothing."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "rnndrop"
@@ -165,3 +166,15 @@ def test_imports_are_at_the_top_except_optional_dependencies():
 if __name__ == "__main__":  # python tests/test_layout.py: what the targets flag
     print("cycle:", find_cycle(import_graph()))
     print("\n".join(long_modules() + long_functions() + upward_imports() + imports_inside_functions()))
+
+
+def test_the_module_map_names_every_module():
+    """docs/modules.md has a row for every module of the package, and no row for one that is gone."""
+    text = (PACKAGE.parent / "docs" / "modules.md").read_text(encoding="utf-8")
+    files = {str(path.relative_to(PACKAGE.parent)) for path in PACKAGE.rglob("*.py")}
+    files -= {str(path.relative_to(PACKAGE.parent)) for path in PACKAGE.rglob("__init__.py")
+              if path.parent.name in ("data", "model", "run", "mc")}
+    missing = sorted(f for f in files if f"`{f}`" not in text)
+    named = set(re.findall(r"`(rnndrop/[\w/]+\.py)`", text))
+    gone = sorted(named - {str(path.relative_to(PACKAGE.parent)) for path in PACKAGE.rglob("*.py")})
+    assert not missing and not gone, f"not in docs/modules.md: {missing}; named there but gone: {gone}"

@@ -18,7 +18,8 @@ from rnndrop.lm.run.checkpoint import load_checkpoint, load_model
 from rnndrop.lm.run.evaluate import score
 from rnndrop.lm.run.identity import read_verified_result
 from rnndrop.lm.run.train import train_run
-from rnndrop.sparse import SparseLSTM, prune, sparsity_report
+from rnndrop.sparse import SparseLSTM
+from rnndrop.sparsity import prune, sparsity_report
 from tests.lm_helpers import (  # noqa: F401 (fixtures)
     TINY,
     Killed,

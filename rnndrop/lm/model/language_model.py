@@ -17,8 +17,8 @@ import torch
 from torch import Tensor, nn
 
 from rnndrop.embedding_dropout import EmbeddingDropout
-from rnndrop.masks import check_probability
 from rnndrop.recurrent import VariationalGRU, VariationalLSTM
+from rnndrop.validation import check_probability
 from rnndrop.weight_drop import WeightDrop
 
 __all__ = ["RNNLanguageModel", "detach_hidden"]

@@ -43,8 +43,8 @@ from torch import Tensor, nn
 
 from rnndrop.gaussian import GaussianGRU, GaussianLSTM
 from rnndrop.kl import KLRegularizer
-from rnndrop.masks import check_probability
 from rnndrop.sparse import SparseGRU, SparseLSTM
+from rnndrop.validation import check_probability
 
 __all__ = [
     "REGIMES",
