@@ -1,4 +1,4 @@
-"""Training words/s of one process against DDP processes (the README's "Distributed training").
+"""Training words/s of one process against DDP processes (docs/distributed.md).
 
 One process with T threads::
 
