@@ -17,6 +17,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from rnndrop.kernels.gates import GRU_GATES, LSTM_GATES, gru_pointwise, lstm_pointwise, masked_linear
+from rnndrop.scripting import NotScriptable
 from rnndrop.validation import check_tensor_like
 
 __all__ = [
@@ -69,7 +70,7 @@ def _check_cell_state(cell: nn.Module, name: str, state: Tensor, input: Tensor) 
     check_tensor_like(f"{type(cell).__name__}: {name}", state, (*input.shape[:-1], cell.hidden_size), input)
 
 
-class VariationalLSTMCell(nn.LSTMCell):
+class VariationalLSTMCell(NotScriptable, nn.LSTMCell):
     """An ``nn.LSTMCell`` that takes dropout masks.
 
     Parameters, their names, shapes and initialisation are those of ``nn.LSTMCell``,
@@ -105,7 +106,7 @@ class VariationalLSTMCell(nn.LSTMCell):
         return lstm_pointwise(gates, c)
 
 
-class VariationalGRUCell(nn.GRUCell):
+class VariationalGRUCell(NotScriptable, nn.GRUCell):
     """An ``nn.GRUCell`` that takes dropout masks.
 
     The hidden mask multiplies ``h_{t-1}`` inside ``W_hh h_{t-1}`` only; the

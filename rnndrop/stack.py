@@ -146,6 +146,10 @@ class VariationalRNNStack(StackSettings):
             names.append("weight_hr")
         return {n: getattr(self, n + suffix) for n in names}
 
+    # torch.compile runs the layer eagerly, as it runs nn.LSTM (a graph break, not an error):
+    # the loop kernels are autograd Functions over a Python time loop, and tracing torch's
+    # fused RNN ops fails in Inductor.
+    @torch.compiler.disable
     def forward(self, input, hx=None, masks: RecurrentMasks | None = None):
         """Run the layer; the contract of ``nn.LSTM.forward`` / ``nn.GRU.forward``.
 

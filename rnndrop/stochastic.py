@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from rnndrop.scripting import NotScriptable
 
-class Stochastic:
+
+class Stochastic(NotScriptable):
     """Mixin for modules that draw noise in training mode (dropout masks, Gaussian noise).
 
     :func:`rnndrop.mc.mc_dropout` switches exactly these modules (and ``nn.Dropout``

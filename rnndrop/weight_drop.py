@@ -101,6 +101,12 @@ class WeightDrop(Stochastic, nn.Module):
                 )
         self.weights = names
 
+    def _weight(self, name: str) -> Tensor:
+        """The wrapped module's weight ``name`` as it is now: a Parameter, or the plain tensor
+        that ``torch.func.functional_call`` put in its place (``get_parameter`` refuses those)."""
+        owner, _, leaf = name.rpartition(".")
+        return getattr(self.module.get_submodule(owner), leaf)
+
     def is_stochastic(self) -> bool:
         return self.p > 0
 
@@ -110,7 +116,7 @@ class WeightDrop(Stochastic, nn.Module):
     def mask_shape(self, name: str) -> tuple[int, ...]:
         """The shape of the mask of weight ``name``: the weight's, or ``[1, in_features]``
         with ``variational``."""
-        weight = self.module.get_parameter(name)
+        weight = self._weight(name)
         return (1, weight.shape[1]) if self.variational else tuple(weight.shape)
 
     def sample_masks(self, generator: torch.Generator | None = None) -> dict[str, Tensor]:
@@ -118,7 +124,7 @@ class WeightDrop(Stochastic, nn.Module):
         the weight's device and dtype."""
         masks = {}
         for name in self.weights:
-            weight = self.module.get_parameter(name)
+            weight = self._weight(name)
             masks[name] = bernoulli_mask(
                 self.mask_shape(name), self.p, device=weight.device, dtype=weight.dtype, generator=generator
             )
@@ -138,9 +144,9 @@ class WeightDrop(Stochastic, nn.Module):
                 f"masks: {sorted(unknown)} are not among the dropped weights {list(self.weights)}"
             )
         for name, mask in masks.items():
-            weight = self.module.get_parameter(name)
+            weight = self._weight(name)
             check_tensor_like(f"masks[{name!r}]", mask, self.mask_shape(name), weight, f"the weight {name!r}")
-        dropped = {name: self.module.get_parameter(name) * m for name, m in masks.items()}
+        dropped = {name: self._weight(name) * m for name, m in masks.items()}
         if not dropped:
             return self.module(*args, **kwargs)
         # A dropped weight can never live in cuDNN's flat weight buffer, so cuDNN copies it

@@ -1,0 +1,96 @@
+"""rnndrop's modules under torch's other tools: torch.compile runs them, torch.func
+transforms them, torch.jit.script refuses them with a reason."""
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, grad
+
+from rnndrop import (
+    EmbeddingDropout,
+    GaussianLSTM,
+    LockedDropout,
+    SparseLSTM,
+    VariationalGRU,
+    VariationalGRUCell,
+    VariationalLSTM,
+    VariationalLSTMCell,
+    WeightDrop,
+)
+from rnndrop.lm import RNNLanguageModel
+
+LAYERS = [
+    pytest.param(lambda: VariationalLSTM(3, 4, num_layers=2, dropout_hidden=0.3, dropout=0.2), id="lstm"),
+    pytest.param(lambda: VariationalGRU(3, 4, dropout_hidden=0.3, dropout_input=0.2), id="gru"),
+    pytest.param(lambda: VariationalLSTM(3, 4), id="lstm-no-dropout"),
+    pytest.param(lambda: GaussianLSTM(3, 4, dropout_hidden=0.3), id="gaussian"),
+    pytest.param(lambda: SparseLSTM(3, 4), id="sparse"),
+]
+
+
+def _compiled_equals_eager(layer: nn.Module, backend: str) -> None:
+    x = torch.randn(5, 2, 3)
+    for training in (True, False):
+        layer.train(training)
+        torch.manual_seed(1)
+        expected = layer(x)[0]
+        torch.manual_seed(1)
+        got = torch.compile(layer, backend=backend)(x)[0]
+        torch.testing.assert_close(got, expected)
+        if training:
+            got.sum().backward()
+
+
+@pytest.mark.parametrize("make", LAYERS)
+def test_torch_compile_runs_the_layers_with_their_eager_results(make):
+    torch._dynamo.reset()
+    _compiled_equals_eager(make(), backend="eager")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make", LAYERS[:2])
+def test_torch_compile_with_the_default_backend_runs_a_model_around_the_layer(make):
+    """Inductor compiles what is around the layer; the layer itself runs eagerly (a graph
+    break, as for nn.LSTM). It failed in every mode before."""
+    torch._dynamo.reset()
+    _compiled_equals_eager(make(), backend="inductor")
+    model = RNNLanguageModel(50, 8, 8, 2, dropout_input=0.3, dropout_hidden=0.2, dropout_output=0.3)
+    tokens = torch.randint(50, (6, 2))
+    torch.manual_seed(2)
+    expected = model(tokens)[0]
+    torch.manual_seed(2)
+    torch.testing.assert_close(torch.compile(model)(tokens)[0], expected)
+
+
+@pytest.mark.parametrize("variational", [False, True])
+def test_torch_func_grad_of_weight_drop_in_training_equals_autograd(variational):
+    module = WeightDrop(nn.LSTM(3, 4), ["weight_hh_l0"], 0.3, variational=variational)
+    x = torch.randn(5, 2, 3)
+
+    def loss(parameters):
+        return functional_call(module, parameters, (x,))[0].pow(2).sum()
+
+    torch.manual_seed(3)
+    got = grad(loss)({name: p.detach() for name, p in module.named_parameters()})
+    torch.manual_seed(3)
+    loss(dict(module.named_parameters())).backward()
+    for name, parameter in module.named_parameters():
+        torch.testing.assert_close(got[name], parameter.grad, msg=name)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: VariationalLSTM(3, 4, dropout_hidden=0.3),
+        lambda: VariationalGRUCell(3, 4),
+        lambda: VariationalLSTMCell(3, 4),
+        lambda: WeightDrop(nn.LSTM(3, 4), ["weight_hh_l0"], 0.3),
+        lambda: LockedDropout(0.3),
+        lambda: EmbeddingDropout(nn.Embedding(10, 3), 0.3),
+        lambda: RNNLanguageModel(50, 8, 8, 1),  # a model holding them
+    ],
+)
+def test_torch_jit_script_refuses_with_one_line_naming_the_module(make):
+    with pytest.raises(TypeError, match=r"cannot be compiled by torch.jit.script .* torch.compile") as error:
+        torch.jit.script(make())
+    assert "\n" not in str(error.value)
