@@ -17,6 +17,7 @@ from rnndrop.lm.model.presets import get_config
 from rnndrop.lm.model.regimes import get_regime
 from rnndrop.lm.model.train_config import TrainConfig
 from rnndrop.lm.run.dropout_choice import chosen_dropout, parse_dropout
+from rnndrop.lm.run.folder import run_files
 from rnndrop.lm.run.identity import best_file
 from rnndrop.lm.run.spec import cached_corpus
 
@@ -96,10 +97,10 @@ def checked_job(args: argparse.Namespace, dataset: str) -> tuple[Any, ...]:
     out = Path(args.out) if args.out else Path("runs") / f"{dataset}{sample}-{config.name}"
     check_writable(out)
     if not args.resume:
-        held = sorted(out.glob("*/*/checkpoint.pt"))
+        held = sorted(folder for folder in out.glob("*/*/") if run_files(folder))
         if held:
             raise UsageError(
-                f"{str(out)!r} already holds runs of a job (e.g. {str(held[0].parent)!r}); add --resume "
+                f"{str(out)!r} already holds runs of a job (e.g. {str(held[0])!r}); add --resume "
                 "to continue them (finished runs are reused), or pass another --out"
             )
     return config, regimes, seeds, dropout, by_regime, data_dir, out

@@ -25,9 +25,19 @@ METRICS = "metrics.csv"
 CURVE = "curve.png"
 LOCK = "run.lock"
 
+#: What a run leaves besides its checkpoints: a folder holding any of these holds a run.
+RUN_OUTPUTS = (BEST, RESULTS, METRICS, CURVE)
+
 SUMMARY = "summary.json"
 RESULTS_TABLE = "results.md"
 LEARNING_CURVES = "learning_curves.png"
+
+
+def run_files(folder: str | Path) -> list[str]:
+    """The names of the files a run wrote that are in ``folder`` (checkpoints included)."""
+    folder = Path(folder)
+    names = (CHECKPOINT, previous_path(CHECKPOINT).name, *RUN_OUTPUTS)
+    return [name for name in names if (folder / name).exists()]
 
 
 def previous_path(path: str | Path) -> Path:

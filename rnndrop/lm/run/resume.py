@@ -11,7 +11,7 @@ from torch import nn
 
 from rnndrop.lm.model.train_config import TrainConfig
 from rnndrop.lm.run.checkpoint import load_checkpoint, load_latest
-from rnndrop.lm.run.folder import BEST, CHECKPOINT, previous_path
+from rnndrop.lm.run.folder import BEST, CHECKPOINT, previous_path, run_files
 from rnndrop.lm.run.identity import best_file, file_sha256, identity_differences
 from rnndrop.lm.run.process_group import Distributed
 from rnndrop.lm.run.state import RunState
@@ -36,6 +36,8 @@ def read_checkpoint(
             f"{str(out)!r} already holds a checkpoint; pass resume=True (--resume) to "
             "continue that run, or choose another output folder"
         )
+    if not has_checkpoint:
+        _refuse_to_overwrite(out, identity, resume)
     ckpt = load_latest(ckpt_path) if has_checkpoint else None
     if ckpt is None:
         return None, None, None if init_from is None else load_initial_weights(model, init_from)
@@ -60,6 +62,25 @@ def read_checkpoint(
     if state.best_epoch:
         load_checkpoint(best_path)  # verify it now rather than after training
     return ckpt, state, None
+
+
+def _refuse_to_overwrite(out: Path, identity: dict[str, Any], resume: bool) -> None:
+    """A folder without a checkpoint may still hold a run (its checkpoints deleted to free
+    disk, or another run's): training there would overwrite it, so refuse. The one folder
+    let through is this very run stopped between its first ``best.pt`` and its first
+    checkpoint, with ``resume``: it starts again."""
+    present = run_files(out)
+    if not present:
+        return
+    best_identity = load_checkpoint(out / BEST).get("identity", {}) if present == [BEST] else None
+    if resume and best_identity is not None and not identity_differences(identity, best_identity):
+        log.warning("%s holds this run's best.pt but no checkpoint (stopped while writing its first "
+                    "one): starting the run again", out)
+        return
+    raise FileExistsError(
+        f"{str(out)!r} holds files of a run ({', '.join(present)}) but no checkpoint to continue "
+        "it from; nothing there is overwritten: choose another output folder"
+    )
 
 
 def load_initial_weights(model: nn.Module, init_from: str | Path) -> dict[str, Any]:

@@ -96,6 +96,7 @@ def execute(spec: RunSpec, progress: JobProgress | None = None) -> dict[str, Any
         done = run_on_main(functools.partial(_finished, spec), ctx, f"reading {spec.folder!r}")
         if done is not None:
             log.info("%s: finished earlier, reusing its results", spec.folder)
+            done = _with_mc(spec, done)
             if progress is not None:
                 progress.run_done(spec.label, done, reused=True)
             return done
@@ -135,7 +136,15 @@ def execute_mc(spec: RunSpec, progress: JobProgress | None = None) -> dict[str, 
     if spec.threads:
         torch.set_num_threads(spec.threads)
     done = run_on_main(functools.partial(_finished, spec), current(), f"reading {spec.folder!r}")
-    if done is not None and (done.get("test_ppl_mc") is not None or spec.mc_samples == 0):
+    if done is None:
+        done = {"test_ppl_mc": None, "mc_samples": 0}  # unreadable results: add_mc_result says why
+    return _with_mc(spec, done)
+
+
+def _with_mc(spec: RunSpec, done: dict[str, Any]) -> dict[str, Any]:
+    """A finished run's result with the Monte-Carlo test perplexity of ``spec.mc_samples``
+    samples: reused when it has it, added when it was made without it or with another count."""
+    if spec.mc_samples == 0 or done.get("mc_samples") == spec.mc_samples:
         return done
     log.info("%s: Monte-Carlo test perplexity (%d samples)", spec.label or spec.folder, spec.mc_samples)
     return add_mc_result(cached_corpus(spec.data_dir), spec.config, spec.folder, spec.mc_samples, spec.device)
