@@ -1,17 +1,17 @@
 """Issue 25 (reliability, second round), the language-model half: no finished work lost, no
-result reported that was not computed. Every test here trains, so all are slow."""
+result reported that was not computed, one line for every user error."""
 
 import json
+import os
 from dataclasses import replace
 
 import pytest
 import torch
 
 from rnndrop.lm import cli
+from rnndrop.lm.run.setup import resolve_device
 from rnndrop.lm.run.train import train_run
 from tests.lm_helpers import TINY, one_thread, write_corpus  # noqa: F401 (autouse fixture)
-
-pytestmark = pytest.mark.slow
 
 ONE = replace(TINY, epochs=1, mc_samples=0)
 
@@ -25,6 +25,7 @@ def _strip_checkpoints(folder):
         path.unlink()
 
 
+@pytest.mark.slow
 def test_a_finished_run_without_its_checkpoints_is_never_trained_over(corpus, tmp_path):
     run = tmp_path / "run"
     train_run(corpus, ONE, "tied", run, seed=1, progress=False)
@@ -37,6 +38,7 @@ def test_a_finished_run_without_its_checkpoints_is_never_trained_over(corpus, tm
     assert _snapshot(run) == kept
 
 
+@pytest.mark.slow
 def test_a_run_stopped_between_its_first_best_and_checkpoint_starts_again_with_resume(corpus, tmp_path):
     run = tmp_path / "run"
     expected = train_run(corpus, ONE, "tied", tmp_path / "whole", seed=1, progress=False)
@@ -65,6 +67,7 @@ def _job(data, out, *extra):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_the_command_refuses_a_folder_whose_runs_lost_their_checkpoints(tmp_path, capsys):
     data, out = write_corpus(tmp_path / "data"), tmp_path / "out"
     assert _job(data, out, "--mc-samples", "0") == 0
@@ -76,6 +79,7 @@ def test_the_command_refuses_a_folder_whose_runs_lost_their_checkpoints(tmp_path
     assert _job(data, out, "--mc-samples", "0", "--resume") == 0  # the finished runs are reused
 
 
+@pytest.mark.slow
 def test_resume_with_mc_samples_adds_mc_to_a_run_finished_without_it(tmp_path):
     data, out = write_corpus(tmp_path / "data"), tmp_path / "out"
     assert _job(data, out, "--mc-samples", "0") == 0
@@ -84,3 +88,47 @@ def test_resume_with_mc_samples_adds_mc_to_a_run_finished_without_it(tmp_path):
     assert _job(data, out, "--mc-samples", "3", "--resume") == 0
     result = json.loads(results.read_text())
     assert result["mc_samples"] == 3 and result["test_ppl_mc"] > 1
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", "cuda:7"])
+def test_a_device_this_machine_lacks_is_a_value_error_that_says_so(device, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"CPU-only build|no CUDA GPU is visible"):
+        resolve_device(device)
+    with pytest.raises(ValueError, match="device must be"):
+        resolve_device("gpu")
+
+
+@pytest.mark.slow
+def test_evaluate_and_generate_on_a_missing_device_are_one_line(tmp_path, capsys, monkeypatch):
+    data, out = write_corpus(tmp_path / "data"), tmp_path / "out"
+    assert _job(data, out, "--mc-samples", "0") == 0
+    (run,) = out.glob("tied/*/")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    capsys.readouterr()
+    for argv in (["evaluate", str(run), "--device", "cuda"], ["generate", str(run), "--device", "cuda"]):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--device 'cuda'" in err
+    assert _job(data, tmp_path / "other", "--device", "cuda") == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_evaluate_from_another_folder_never_scores_another_corpus_as_the_runs(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_corpus(tmp_path / "data")
+    assert _job("data", "out", "--mc-samples", "0", "--regimes", "none") == 0  # a relative --data
+    (run,) = (tmp_path / "out").glob("none/*/")
+    elsewhere = tmp_path / "elsewhere"
+    write_corpus(elsewhere / "data", sizes=(60, 20, 20))  # another corpus under the same relative name
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    assert cli.main(["evaluate", str(run)]) == 0  # the run recorded its corpus' absolute path
+    assert "the run reported" in capsys.readouterr().out
+    assert cli.main(["evaluate", str(run), "--data", "data", "--mc-samples", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "not the corpus the run was trained on" in text and "the run reported" not in text
+    assert "draws no dropout noise" in text  # MC of a run without dropout: said, not a traceback
+    result = json.loads((run / "results.json").read_text())
+    assert os.path.isabs(result["corpus"]["source"])

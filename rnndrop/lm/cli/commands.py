@@ -18,14 +18,15 @@ import torch
 from rnndrop.lm.cli.errors import EXIT_DATA, EXIT_DIVERGED, EXIT_INTERRUPTED, UsageError, fail, positive
 from rnndrop.lm.cli.job import checked_job
 from rnndrop.lm.cli.parser import CORPORA, corpus_parser
-from rnndrop.lm.data.corpus import CorpusError, batchify, encode_split, sample_dir
+from rnndrop.lm.data.corpus import CorpusError, batchify, encode_split, load_corpus, sample_dir
 from rnndrop.lm.data.download import DownloadError
 from rnndrop.lm.run.benchmark import JobInterrupted, run_benchmark
 from rnndrop.lm.run.checkpoint import CheckpointError, LoadedModel, load_model
-from rnndrop.lm.run.evaluate import CALIBRATION_BINS, score, score_mc
+from rnndrop.lm.run.evaluate import CALIBRATION_BINS, has_noise, score, score_mc
 from rnndrop.lm.run.folder import LEARNING_CURVES, RESULTS
 from rnndrop.lm.run.generate import generate as generate_words
 from rnndrop.lm.run.generate import words_to_text
+from rnndrop.lm.run.identity import corpus_fingerprint
 from rnndrop.lm.run.lock import RunLocked
 from rnndrop.lm.run.process_group import RankFailed, init_from_env, run_on_main, torchrun_world_size
 from rnndrop.lm.run.train import TrainingDiverged, resolve_device
@@ -123,7 +124,11 @@ class _logging_beside_bars:
 
 def _load_run(path: str, device: str) -> LoadedModel:
     try:
-        return load_model(path, resolve_device(device))
+        resolved = resolve_device(device)
+    except ValueError as e:
+        raise fail(f"--{e}", EXIT_DATA) from None
+    try:
+        return load_model(path, resolved)
     except (FileNotFoundError, CheckpointError, ValueError) as e:
         raise fail(f"cannot load the model of {path!r}: {e}", EXIT_DATA) from None
 
@@ -150,7 +155,20 @@ def _evaluation_data(data: str | None, run: LoadedModel, result: dict[str, Any])
     if not source:
         raise UsageError(f"{str(run.path.parent)!r} does not say which corpus it was trained "
                          "on: pass --data sample or --data DIR")
+    if not _is_training_corpus(Path(source), result):
+        raise UsageError(f"{source!r}, the corpus folder {str(run.path.parent)!r} names, does not hold "
+                         "the corpus the run was trained on (a relative path read from here, or a folder "
+                         "that changed): pass --data DIR")
     return Path(source)
+
+
+def _is_training_corpus(data_dir: Path, result: dict[str, Any]) -> bool:
+    """Whether ``data_dir`` holds the very corpus of the run's results (its fingerprint)."""
+    expected = result.get("identity", {}).get("corpus")
+    try:
+        return expected is not None and corpus_fingerprint(load_corpus(data_dir)) == expected
+    except (CorpusError, OSError, ValueError):
+        return False
 
 
 def evaluate(args: argparse.Namespace) -> str:
@@ -178,10 +196,13 @@ def evaluate(args: argparse.Namespace) -> str:
         f"perplexity      {standard.perplexity:.2f}   (NLL {standard.nll:.4f} nats/word, "
         f"ECE {standard.ece:.4f})",
     ]
-    own_corpus = Path(str(result.get("corpus", {}).get("source", ""))) == Path(data_dir)
-    if args.split == "test" and own_corpus and isinstance(result.get("test_ppl"), (int, float)):
+    if not _is_training_corpus(data_dir, result):
+        lines.append("                (not the corpus the run was trained on)")
+    elif args.split == "test" and isinstance(result.get("test_ppl"), (int, float)):
         lines.append(f"                (the run reported {result['test_ppl']:.2f} at the end of training)")
-    if args.mc_samples:
+    if args.mc_samples and not has_noise(run.model):
+        lines.append(f"perplexity, MC  the same: the {run.regime!r} run draws no dropout noise")
+    elif args.mc_samples:
         torch.manual_seed(args.seed)
         mc = score_mc(run.model, batched, run.config.bptt, args.mc_samples, CALIBRATION_BINS)
         lines.append(f"perplexity, MC  {mc.perplexity:.2f}   (NLL {mc.nll:.4f} nats/word, "

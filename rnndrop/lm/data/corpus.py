@@ -213,7 +213,7 @@ def load_corpus(directory: str | Path) -> Corpus:
         train=vocab.encode(words["train"]),
         valid=vocab.encode(words["valid"]),
         test=vocab.encode(words["test"]),
-        source=str(Path(directory).expanduser()),
+        source=str(Path(directory).expanduser().resolve()),  # absolute: readable from anywhere
         unseen=unseen,
     )
 

@@ -93,10 +93,24 @@ class Training:
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    """``"auto"``: CUDA when available, else the CPU."""
+    """``"auto"``: CUDA when available, else the CPU. A device this machine does not have is a
+    ValueError that says so (torch would fail later with an AssertionError deep inside)."""
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is a CPU-only build" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ValueError(f"device {str(device)!r}: {why}; use --device cpu (or auto)")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            count = torch.cuda.device_count()
+            raise ValueError(f"device {str(device)!r}: this machine has {count} CUDA GPU(s)")
+    elif resolved.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {str(device)!r}: MPS is not available here; use --device cpu (or auto)")
+    return resolved
 
 
 def rank_device(device: str | torch.device, ctx: Distributed) -> torch.device:
