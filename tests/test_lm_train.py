@@ -269,11 +269,16 @@ def test_init_from_starts_sparse_vd_from_a_dense_run_and_records_what_it_loaded(
     dense = load_checkpoint(tmp_path / "dense" / "best.pt")["model"]
     sparse = build_model(len(corpus.vocab), config, REGIMES["sparse_vd"], {})
     before = {k: v.clone() for k, v in sparse.state_dict().items()}
-    info = load_initial_weights(sparse, tmp_path / "dense")
+    info = load_initial_weights(sparse, tmp_path / "dense", corpus.vocab.itos)
     after = sparse.state_dict()
     assert info["loaded"] == sorted(dense) and all(torch.equal(after[k], dense[k]) for k in dense)
     assert info["kept_init"] == sorted(k for k in after if "log_sigma2" in k)
     assert all(torch.equal(after[k], before[k]) for k in info["kept_init"])
+    shuffled = [*corpus.vocab.itos[1:], corpus.vocab.itos[0]]  # the same words in another order
+    with pytest.raises(ValueError, match="same words in another order"):
+        load_initial_weights(sparse, tmp_path / "dense", shuffled)
+    with pytest.raises(ValueError, match="2 words that only one of them has"):
+        load_initial_weights(sparse, tmp_path / "dense", [*corpus.vocab.itos[:-1], "zebra-never-seen"])
 
     adam = replace(config, optimizer="adam", lr=0.01)
     result = train_run(corpus, adam, "sparse_vd", tmp_path / "sparse", seed=1, progress=False,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 
 def read_checkpoint(
     out: Path, identity: dict[str, Any], config: TrainConfig, model: nn.Module, *, resume: bool,
-    init_from: str | Path | None, ctx: Distributed,
+    init_from: str | Path | None, vocab: Sequence[str], ctx: Distributed,
 ) -> tuple[dict[str, Any] | None, RunState | None, dict[str, Any] | None]:
     """(the checkpoint in ``out`` to resume from and its verified progress, or None, None;
     what ``init_from`` loaded into ``model``, or None), every check done: a checkpoint there
@@ -40,7 +41,7 @@ def read_checkpoint(
         _refuse_to_overwrite(out, identity, resume)
     ckpt = load_latest(ckpt_path) if has_checkpoint else None
     if ckpt is None:
-        return None, None, None if init_from is None else load_initial_weights(model, init_from)
+        return None, None, None if init_from is None else load_initial_weights(model, init_from, vocab)
     differences = identity_differences(identity, ckpt.get("identity", {}))
     if differences:
         raise ValueError(
@@ -83,11 +84,15 @@ def _refuse_to_overwrite(out: Path, identity: dict[str, Any], resume: bool) -> N
     )
 
 
-def load_initial_weights(model: nn.Module, init_from: str | Path) -> dict[str, Any]:
+def load_initial_weights(model: nn.Module, init_from: str | Path, vocab: Sequence[str]) -> dict[str, Any]:
     """Copy into ``model`` every tensor of another run's best.pt that it has (same name and
-    shape); the others keep their initialisation. Returns what was loaded, for the results."""
+    shape); the others keep their initialisation. Returns what was loaded, for the results.
+    That run's vocabulary must be ``vocab`` word for word: its embedding and decoder rows
+    belong to its words, in its order."""
     best = best_file(init_from)
-    source = load_checkpoint(best)["model"]
+    checkpoint = load_checkpoint(best)
+    _check_same_vocabulary(best, checkpoint.get("vocab"), vocab)
+    source = checkpoint["model"]
     own = model.state_dict()
     mismatched = [f"{k}: {list(v.shape)} there vs {list(own[k].shape)} here"
                   for k, v in source.items() if k in own and v.shape != own[k].shape]
@@ -101,3 +106,16 @@ def load_initial_weights(model: nn.Module, init_from: str | Path) -> dict[str, A
              best, len(loaded), ", ".join(loaded), ", ".join(kept) or "none", ", ".join(ignored) or "none")
     return {"path": str(best), "sha256": file_sha256(best), "loaded": loaded, "kept_init": kept,
             "ignored": ignored}
+
+
+def _check_same_vocabulary(best: Path, theirs: Sequence[str] | None, ours: Sequence[str]) -> None:
+    if theirs is None or list(theirs) == list(ours):
+        return
+    if sorted(theirs) == sorted(ours):
+        what = "the same words in another order"
+    else:
+        what = f"{len(set(theirs) ^ set(ours))} words that only one of them has"
+    raise ValueError(
+        f"init_from {str(best)!r}: its vocabulary is not this corpus' ({what}), so its embedding and "
+        "decoder rows would belong to other words; start from a run trained on this corpus"
+    )

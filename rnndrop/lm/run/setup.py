@@ -152,7 +152,8 @@ def prepare(
     # Rank 0 reads; every rank gets the checkpoint (init_from weights reach the other ranks
     # through DDP's broadcast of rank 0's parameters).
     ckpt, state, loaded_init = run_on_main(
-        partial(read_checkpoint, out, identity, config, model, resume=resume, init_from=init_from, ctx=ctx),
+        partial(read_checkpoint, out, identity, config, model, resume=resume, init_from=init_from,
+                vocab=corpus.vocab.itos, ctx=ctx),
         ctx, f"reading the checkpoint in {str(out)!r}",
     )
     optimizer = build_optimizer(trainable_parameters(model, config), config)
