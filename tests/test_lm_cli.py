@@ -1,5 +1,6 @@
 """The ``rnndrop-lm`` command: entry points, the offline sample, flags, errors, Ctrl-C."""
 
+import contextlib
 import csv
 import json
 import math
@@ -159,6 +160,44 @@ def test_ctrl_c_exits_130_with_one_line_and_resume_reproduces_the_uninterrupted_
     assert a["test_ppl"] == b["test_ppl"] and a["best_valid_ppl"] == b["best_valid_ppl"]
     rows = list(csv.DictReader(next(out.glob("tied/*/metrics.csv")).open()))
     assert [int(r["epoch"]) for r in rows] == [1, 2, 3, 4]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_job_with_workers_as_ctrl_c_does(tmp_path):
+    """SIGTERM to the main process of --jobs 2: one line, exit 130, workers gone, epochs kept
+    (before: the main process died at once and its workers hung forever)."""
+    data = write_corpus(tmp_path / "data", sizes=(3000, 100, 100))
+    out = tmp_path / "out"
+    args = [*_job_args(data, out), "--regimes", "none,tied", "--jobs", "2", "--epochs", "40"]
+    process = subprocess.Popen([sys.executable, "-m", "rnndrop.lm", *args], env=_env(tmp_path),
+                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    workers: set[int] = set()
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None:
+        for lock in out.glob("*/*/run.lock"):
+            with contextlib.suppress(OSError, ValueError, KeyError):  # being written
+                workers.add(json.loads(lock.read_text())["pid"])
+        if len(workers) == 2 and list(out.glob("*/*/checkpoint.pt")):
+            break
+        time.sleep(0.01)
+    assert len(workers) == 2 and process.pid not in workers
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr and stderr.strip().splitlines()[-1].startswith("error: interrupted")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(map(_alive, workers)):
+        time.sleep(0.1)
+    assert not any(map(_alive, workers))
+    assert list(out.glob("*/*/checkpoint.pt"))  # what finished is kept
 
 
 @pytest.mark.slow

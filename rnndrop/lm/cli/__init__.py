@@ -9,7 +9,7 @@
     rnndrop-lm generate runs/ptb-sample-mini/tied/<run> --words 50
 
 ``python -m rnndrop.lm`` is the same command. Exit status: 0 done, 2 a data or usage
-problem, 3 training diverged, 130 interrupted (Ctrl-C); the reason is one line on
+problem, 3 training diverged, 130 interrupted (Ctrl-C or SIGTERM); the reason is one line on
 stderr, never a traceback.
 
 The parsers are in :mod:`~rnndrop.lm.cli.parser`, the checks of a training job in
@@ -19,15 +19,18 @@ The parsers are in :mod:`~rnndrop.lm.cli.parser`, the checks of a training job i
 
 from __future__ import annotations
 
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch.distributed as dist
 
 from rnndrop.lm.cli.commands import evaluate, generate, train, train_main
 from rnndrop.lm.cli.errors import EXIT_DATA, EXIT_DIVERGED, EXIT_INTERRUPTED, UsageError
 from rnndrop.lm.cli.parser import CORPORA, build_parser
-from rnndrop.lm.run.process_group import end_worker
+from rnndrop.lm.run.process_group import end_worker, torchrun_world_size
 
 __all__ = [
     "EXIT_DATA",
@@ -43,10 +46,31 @@ __all__ = [
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``rnndrop-lm`` and ``python -m rnndrop.lm``; returns the exit status
     (under torchrun, a worker that joined the process group exits with it instead)."""
-    code = _main(argv)
+    with _sigterm_as_ctrl_c():
+        code = _main(argv)
     if dist.is_available() and dist.is_initialized():
         end_worker(code)
     return code
+
+
+@contextmanager
+def _sigterm_as_ctrl_c() -> Iterator[None]:
+    """SIGTERM (``kill``, a scheduler ending the job) stops the command as Ctrl-C does: every
+    finished epoch kept, worker processes stopped, one line. Without it the main process
+    died at once and ``--jobs`` workers were left behind. torchrun's workers keep the default:
+    torchrun itself ends them together."""
+    if threading.current_thread() is not threading.main_thread() or torchrun_world_size() > 1:
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _main(argv: Sequence[str] | None) -> int:
