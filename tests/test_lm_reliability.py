@@ -132,3 +132,23 @@ def test_evaluate_from_another_folder_never_scores_another_corpus_as_the_runs(tm
     assert "draws no dropout noise" in text  # MC of a run without dropout: said, not a traceback
     result = json.loads((run / "results.json").read_text())
     assert os.path.isabs(result["corpus"]["source"])
+
+
+@pytest.mark.slow
+def test_an_intact_checkpoint_written_for_another_model_is_one_line(corpus, tmp_path, capsys):
+    from rnndrop.lm.run.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint
+
+    run = tmp_path / "run"
+    train_run(corpus, ONE, "tied", run, seed=1, progress=False)
+    for name in ("best.pt", "checkpoint.pt"):
+        state = load_checkpoint(run / name)
+        state["model"] = {k: v[:-1] if v.dim() and v.shape[0] > 1 else v for k, v in state["model"].items()}
+        save_checkpoint(state, run / name)  # a valid file: the right checksum over the wrong tensors
+    with pytest.raises(CheckpointError, match="intact but its model state does not fit"):
+        load_model(run)
+    with pytest.raises(CheckpointError, match="checkpoint.pt' is intact but"):
+        train_run(corpus, replace(ONE, epochs=2), "tied", run, seed=1, resume=True, progress=False)
+    capsys.readouterr()
+    assert cli.main(["evaluate", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not fit" in err

@@ -49,6 +49,7 @@ __all__ = [
     "load_checkpoint",
     "load_latest",
     "load_model",
+    "load_state",
     "save_checkpoint",
     "set_rng_state",
 ]
@@ -227,7 +228,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> LoadedMo
     regime = Regime.from_settings(ckpt["regime_settings"])
     vocab = Vocabulary(list(ckpt["vocab"]))
     model = build_model(len(vocab), config, regime, ckpt["dropout"])
-    model.load_state_dict(ckpt["model"])
+    load_state(model, ckpt["model"], path)
     model.to(device).eval()
     return LoadedModel(model, vocab, config, ckpt["regime"], dict(ckpt["regime_settings"]),
                        dict(ckpt["dropout"]), int(ckpt.get("epoch", 0)), path)
@@ -256,3 +257,18 @@ def load_latest(ckpt_path: Path) -> dict[str, Any] | None:
     else:
         return None
     return load_checkpoint(prev)
+
+
+def load_state(target: Any, state: Any, path: str | Path, what: str = "model") -> None:
+    """``target.load_state_dict(state)`` (a model or an optimizer); a state that passed its
+    checksum but does not fit (other shapes, other names: written for another model) is a
+    :class:`CheckpointError` naming the file, not torch's multi-line RuntimeError."""
+    try:
+        target.load_state_dict(state)
+    except (RuntimeError, KeyError, TypeError, ValueError) as e:
+        first = str(e).strip().splitlines()
+        detail = first[1].strip() if len(first) > 1 else (first[0] if first else type(e).__name__)
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is intact but its {what} state does not fit this model ({detail}): "
+            "it was written for another model"
+        ) from None

@@ -21,7 +21,7 @@ from rnndrop.lm.data.corpus import Corpus, batchify
 from rnndrop.lm.model.build import build_model
 from rnndrop.lm.model.regimes import Regime
 from rnndrop.lm.model.train_config import TrainConfig
-from rnndrop.lm.run.checkpoint import load_checkpoint, load_model
+from rnndrop.lm.run.checkpoint import load_checkpoint, load_model, load_state
 from rnndrop.lm.run.evaluate import CALIBRATION_BINS, Score, has_noise, score_split
 from rnndrop.lm.run.folder import CURVE, RESULTS
 from rnndrop.lm.run.identity import best_file, read_verified_result, write_signed_result
@@ -39,7 +39,7 @@ def finish_run(run: Training) -> dict[str, Any]:
     """Test the best epoch's weights, then write and return the run's result."""
     config, ctx = run.config, run.ctx
     best = run_on_main(lambda: load_checkpoint(run.best_path)["model"], ctx, "reading best.pt")
-    run.model.load_state_dict(best)
+    load_state(run.model, best, run.best_path)
     test = score_split(run.model, run.test_data, config.bptt, CALIBRATION_BINS, ctx)
     test_mc = None
     if run.mc_samples > 0 and has_noise(run.model):
@@ -132,7 +132,7 @@ def add_mc_result(
         if ctx.enabled:
             model = build_model(len(corpus.vocab), TrainConfig.from_dict(result["config"]),
                                 Regime.from_settings(result["regime_settings"]), result["dropout"])
-            model.load_state_dict(best_state)
+            load_state(model, best_state, best_file(out))
             model.to(device).eval()
         else:
             model = load_model(out, device).model

@@ -26,7 +26,7 @@ from rnndrop.lm.data.corpus import Corpus, batchify
 from rnndrop.lm.model.build import build_model, build_optimizer, trainable_parameters
 from rnndrop.lm.model.regimes import Regime, get_hook, get_regime, regime_probabilities
 from rnndrop.lm.model.train_config import TrainConfig
-from rnndrop.lm.run.checkpoint import set_rng_state
+from rnndrop.lm.run.checkpoint import load_state, set_rng_state
 from rnndrop.lm.run.folder import BEST, CHECKPOINT
 from rnndrop.lm.run.identity import run_identity
 from rnndrop.lm.run.process_group import Distributed, check_batch_split, run_on_main, shard_columns
@@ -158,8 +158,8 @@ def prepare(
     )
     optimizer = build_optimizer(trainable_parameters(model, config), config)
     if ckpt is not None and state is not None:
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+        load_state(model, ckpt["model"], out / CHECKPOINT)
+        load_state(optimizer, ckpt["optimizer"], out / CHECKPOINT, "optimizer")
         set_rng_state(ckpt["distributed"]["rng"][ctx.rank] if ctx.enabled else ckpt["rng"])
         log.info("%s: resumed after epoch %d", out, state.epoch)
     else:
