@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rnndrop.lm import cli
 from rnndrop.lm.model.train_config import TrainConfig
 
 SUBJECTS = ["the cat", "a dog", "the bird", "my friend", "the teacher"]
@@ -58,3 +59,13 @@ class Killed(Exception):
 def kill_after_first_epoch(epoch: int, record) -> None:
     if epoch == 1:
         raise Killed
+
+
+def run_cli(argv: list[str]) -> int:
+    """``rnndrop-lm argv`` in this process (its exit status); the command sets its own thread
+    count, which is put back afterwards."""
+    threads = torch.get_num_threads()
+    try:
+        return cli.main(argv)
+    finally:
+        torch.set_num_threads(threads)

@@ -20,7 +20,7 @@ from rnndrop.lm.data.corpus import batchify, load_corpus, sample_dir
 from rnndrop.lm.run import benchmark
 from rnndrop.lm.run.checkpoint import load_model
 from rnndrop.lm.run.evaluate import score
-from tests.lm_helpers import write_corpus
+from tests.lm_helpers import run_cli, write_corpus
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -119,18 +119,12 @@ def _result(out: Path) -> dict:
     return json.loads((run / "results.json").read_text())
 
 
-def _in_process(argv: list[str]) -> int:
-    threads = torch.get_num_threads()
-    try:
-        return cli.main(argv)
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.slow
 def test_ctrl_c_exits_130_with_one_line_and_resume_reproduces_the_uninterrupted_run(tmp_path):
     data = write_corpus(tmp_path / "data", sizes=(3000, 100, 100))
-    assert _in_process(_job_args(data, tmp_path / "whole")) == 0
+    assert run_cli(_job_args(data, tmp_path / "whole")) == 0
 
     out = tmp_path / "cut"
     process = subprocess.Popen([sys.executable, "-m", "rnndrop.lm", *_job_args(data, out)],
@@ -150,7 +144,7 @@ def test_ctrl_c_exits_130_with_one_line_and_resume_reproduces_the_uninterrupted_
     assert last.startswith("error: interrupted in epoch ") and "--resume" in last
     assert not list(out.glob("tied/*/results.json"))  # it was stopped before the end
 
-    assert _in_process([*_job_args(data, out), "--resume"]) == 0
+    assert run_cli([*_job_args(data, out), "--resume"]) == 0
     a, b = _result(tmp_path / "whole"), _result(out)
 
     def timeless(epochs):
@@ -204,7 +198,7 @@ def test_sigterm_stops_a_job_with_workers_as_ctrl_c_does(tmp_path):
 def test_flags_override_the_config_and_are_recorded(tmp_path, capsys):
     data = write_corpus(tmp_path / "data")
     out = tmp_path / "out"
-    code = _in_process(["ptb", "--data", str(data), "--regimes", "none", "--mc-samples", "0",
+    code = run_cli(["ptb", "--data", str(data), "--regimes", "none", "--mc-samples", "0",
                          "--epochs", "2", "--lr", "0.01", "--hidden-size", "12", "--emb-size", "10",
                          "--layers", "1", "--batch-size", "4", "--bptt", "6", "--clip", "0.5",
                          "--optimizer", "adam",
@@ -287,6 +281,6 @@ def test_a_diverging_run_exits_3_with_one_line(tmp_path, capsys):
     argv = ["ptb", "--data", str(data), "--regimes", "none", "--epochs", "2", "--hidden-size", "8",
             "--emb-size", "8", "--layers", "1", "--batch-size", "4", "--bptt", "6", "--mc-samples", "0",
             "--lr", "1e30", "--clip", "1e30", "--out", str(tmp_path / "out"), "--no-progress"]
-    assert _in_process(argv) == 3
+    assert run_cli(argv) == 3
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: training stopped: ") and "epoch 1" in err

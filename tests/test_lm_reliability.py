@@ -11,7 +11,7 @@ import torch
 from rnndrop.lm import cli
 from rnndrop.lm.run.setup import resolve_device
 from rnndrop.lm.run.train import train_run
-from tests.lm_helpers import TINY, one_thread, write_corpus  # noqa: F401 (autouse fixture)
+from tests.lm_helpers import TINY, one_thread, run_cli, write_corpus  # noqa: F401 (autouse fixture)
 
 ONE = replace(TINY, epochs=1, mc_samples=0)
 
@@ -60,11 +60,7 @@ def _job(data, out, *extra):
     argv = ["ptb", "--data", str(data), "--regimes", "tied", "--epochs", "1", "--hidden-size", "12",
             "--emb-size", "10", "--batch-size", "4", "--bptt", "6", "--out", str(out), "--no-progress",
             *extra]
-    threads = torch.get_num_threads()
-    try:
-        return cli.main(argv)
-    finally:
-        torch.set_num_threads(threads)
+    return run_cli(argv)
 
 
 @pytest.mark.slow
