@@ -164,10 +164,9 @@ def _alive(pid: int) -> bool:
     return True
 
 
-@pytest.mark.slow
-def test_sigterm_stops_a_job_with_workers_as_ctrl_c_does(tmp_path):
-    """SIGTERM to the main process of --jobs 2: one line, exit 130, workers gone, epochs kept
-    (before: the main process died at once and its workers hung forever)."""
+def _job_with_two_workers(tmp_path: Path) -> tuple[subprocess.Popen, set[int], Path]:
+    """A job of two runs in two worker processes, started and waited for until both train
+    and one has saved an epoch: (the main process, the workers' pids from their run.lock, out)."""
     data = write_corpus(tmp_path / "data", sizes=(3000, 100, 100))
     out = tmp_path / "out"
     args = [*_job_args(data, out), "--regimes", "none,tied", "--jobs", "2", "--epochs", "40"]
@@ -183,15 +182,39 @@ def test_sigterm_stops_a_job_with_workers_as_ctrl_c_does(tmp_path):
             break
         time.sleep(0.01)
     assert len(workers) == 2 and process.pid not in workers
+    return process, workers, out
+
+
+def _all_end(pids: set[int]) -> bool:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(map(_alive, pids)):
+        time.sleep(0.1)
+    return not any(map(_alive, pids))
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_job_with_workers_as_ctrl_c_does(tmp_path):
+    """SIGTERM to the main process of --jobs 2: one line, exit 130, workers gone, epochs kept
+    (before: the main process died at once and its workers hung forever)."""
+    process, workers, out = _job_with_two_workers(tmp_path)
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 130, stderr
     assert "Traceback" not in stderr and stderr.strip().splitlines()[-1].startswith("error: interrupted")
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(map(_alive, workers)):
-        time.sleep(0.1)
-    assert not any(map(_alive, workers))
+    assert _all_end(workers)
     assert list(out.glob("*/*/checkpoint.pt"))  # what finished is kept
+
+
+@pytest.mark.slow
+def test_a_worker_that_dies_is_one_line_and_the_other_stops(tmp_path):
+    process, workers, _ = _job_with_two_workers(tmp_path)
+    os.kill(min(workers), signal.SIGKILL)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 2, stderr
+    assert "Traceback" not in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("error: a worker process died while it ran ") and "--resume" in last
+    assert _all_end(workers)
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ from rnndrop.lm.run.generate import generate as generate_words
 from rnndrop.lm.run.generate import words_to_text
 from rnndrop.lm.run.identity import corpus_fingerprint
 from rnndrop.lm.run.lock import RunLocked
+from rnndrop.lm.run.pool import WorkerDied
 from rnndrop.lm.run.process_group import RankFailed, init_from_env, run_on_main, torchrun_world_size
 from rnndrop.lm.run.train import TrainingDiverged, resolve_device
 
@@ -87,7 +88,7 @@ def train(args: argparse.Namespace, dataset: str, given: list[str]) -> str:
                    "to continue", EXIT_INTERRUPTED) from None
     except TrainingDiverged as e:
         raise fail(str(e), EXIT_DIVERGED) from None
-    except (RunLocked, OSError, CorpusError, ValueError, RankFailed) as e:
+    except (RunLocked, OSError, CorpusError, ValueError, RankFailed, WorkerDied) as e:
         # another process holds a run folder, a file cannot be written, a damaged or
         # foreign checkpoint or result: the message names the file and what to do
         raise fail(str(e), EXIT_DATA) from None

@@ -7,12 +7,23 @@ import multiprocessing
 import signal
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from rnndrop.lm.run.progress import JobProgress
 from rnndrop.lm.run.spec import JobInterrupted, RunSpec, execute
 
-__all__ = ["run_all"]
+__all__ = ["WorkerDied", "run_all"]
+
+
+class WorkerDied(RuntimeError):
+    """A worker process of ``--jobs`` ended without a result (killed, out of memory)."""
+
+    def __init__(self, label: str) -> None:
+        super().__init__(
+            f"a worker process died while it ran {label} (killed, or out of memory); every finished "
+            "epoch is saved: run the same command with --resume to continue"
+        )
 
 
 def _ignore_sigint() -> None:
@@ -42,7 +53,10 @@ def run_all(
         results: dict[int, dict[str, Any]] = {}
         for future in as_completed(futures):
             i = futures[future]
-            results[i] = future.result()
+            try:
+                results[i] = future.result()
+            except BrokenProcessPool:
+                raise WorkerDied(specs[i].label or specs[i].folder) from None
             if progress is not None and fn is execute:
                 progress.run_done(specs[i].label, results[i])
         return [results[i] for i in range(len(specs))]
