@@ -1,6 +1,7 @@
 """Issue 25 (reliability, second round), the language-model half: no finished work lost, no
 result reported that was not computed, one line for every user error."""
 
+import errno
 import json
 import os
 from dataclasses import replace
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from rnndrop.lm import cli
+from rnndrop.lm.atomic import atomic_write
 from rnndrop.lm.run.setup import resolve_device
 from rnndrop.lm.run.train import train_run
 from tests.lm_helpers import TINY, one_thread, run_cli, write_corpus  # noqa: F401 (autouse fixture)
@@ -148,3 +150,18 @@ def test_an_intact_checkpoint_written_for_another_model_is_one_line(corpus, tmp_
     assert cli.main(["evaluate", str(run)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "does not fit" in err
+
+
+def test_a_full_disk_names_the_file_and_keeps_what_was_there(tmp_path, monkeypatch):
+    target = tmp_path / "results.json"
+    target.write_text("finished")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match=r"cannot write '.*results.json': No space left on device; its "
+                                      r"previous version is intact") as error, atomic_write(target, "w") as f:
+        f.write("new")
+    assert error.value.errno == errno.ENOSPC
+    assert target.read_text() == "finished" and [p.name for p in tmp_path.iterdir()] == ["results.json"]

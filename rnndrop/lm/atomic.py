@@ -52,8 +52,11 @@ def atomic_write(path: str | Path, mode: str = "wb", encoding: str | None = None
             json.dump(obj, f)
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise _naming(e, path) from None
     try:
         os.chmod(tmp, 0o666 & ~_umask())
         with os.fdopen(fd, mode, encoding=encoding) as f:
@@ -61,10 +64,22 @@ def atomic_write(path: str | Path, mode: str = "wb", encoding: str | None = None
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise _naming(e, path) from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_folder(path.parent)
+
+
+def _naming(error: OSError, path: Path) -> OSError:
+    """``error`` (disk full, quota, permissions) as an OSError of the same kind whose message
+    names the file and says that what was written before is untouched."""
+    reason = error.strerror or str(error)
+    before = "its previous version is intact" if path.exists() else "no partial file is left"
+    return type(error)(error.errno, f"cannot write {str(path)!r}: {reason}; {before}, and so is "
+                                    "every file written before it")
 
 
 def remove_stale_temporaries(folder: str | Path) -> list[Path]:
