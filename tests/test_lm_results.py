@@ -31,13 +31,33 @@ def test_a_one_epoch_plot_shows_markers_and_integer_epochs_under_a_title():
     fig = learning_curve_figure([_result(1)])
     try:
         ax = fig.axes[0]
-        assert len(ax.lines) == 2
+        assert len(ax.lines) == 3  # valid, train, the best epoch's ring
         assert all(line.get_marker() not in (None, "None", "") for line in ax.lines)
-        assert [list(line.get_xdata()) for line in ax.lines] == [[1], [1]]
+        assert [list(line.get_xdata()) for line in ax.lines] == [[1], [1], [1]]
         ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
         assert ticks and all(float(t).is_integer() for t in ticks)
         title = ax.get_title()
         assert "ptb (ptb-sample)" in title and "mini" in title and "GRU" in title and "adam" in title
+    finally:
+        plt.close(fig)
+
+
+def test_the_plot_labels_values_inside_the_range_marks_the_best_epoch_and_names_test_ppl():
+    runs = [_result(6), _result(6, "none")]
+    for run, low in zip(runs, (150.0, 185.0)):
+        run["epochs"] = [{**e, "valid_ppl": low + 5 * e["epoch"], "train_ppl": low - 10 + e["epoch"]}
+                         for e in run["epochs"]]
+        run["best_epoch"], run["test_ppl"] = 2, low + 3
+    fig = learning_curve_figure(runs)
+    try:
+        ax = fig.axes[0]
+        lo, hi = ax.get_ylim()
+        labels = [float(t) for t in ax.get_yticks() if lo <= t <= hi]
+        assert len(labels) >= 4 and all(140 <= t <= 220 for t in labels)  # not only 10^2
+        rings = [line for line in ax.lines if line.get_fillstyle() == "none"]
+        assert [(list(r.get_xdata()), list(r.get_ydata())) for r in rings] == [([2], [160.0]), ([2], [195.0])]
+        legend = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert legend[0].endswith("test 153.0") and legend[1].endswith("test 188.0")
     finally:
         plt.close(fig)
 

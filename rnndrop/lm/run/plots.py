@@ -33,33 +33,52 @@ def _plot_title(results: Sequence[Mapping[str, Any]]) -> str:
 
 def learning_curve_figure(results: Sequence[Mapping[str, Any]]):
     """A matplotlib figure of train (dashed, ×) and validation (solid, ●) perplexity per
-    epoch of every run, titled with the corpus and the config (matplotlib required)."""
+    epoch of every run, the best epoch circled, the test perplexity in the legend, titled
+    with the corpus and the config (matplotlib required). The log axis is labelled at
+    round values inside the data's range, so 150 can be told from 185."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import FuncFormatter, MaxNLocator, NullLocator
 
     fig, ax = plt.subplots(figsize=(7, 4.8))
     for i, r in enumerate(results):
-        epochs = [e["epoch"] for e in r["epochs"]]
-        label = f"{r['regime']} ({format_dropout(r['dropout'])}, seed {r['seed']})"
         color = f"C{i % 10}"
-        ax.plot(epochs, [e["valid_ppl"] for e in r["epochs"]], color=color, marker="o",
-                markersize=4, label=label)
+        epochs = [e["epoch"] for e in r["epochs"]]
+        valid = [e["valid_ppl"] for e in r["epochs"]]
+        ax.plot(epochs, valid, color=color, marker="o", markersize=4, label=_legend_label(r))
         ax.plot(epochs, [e["train_ppl"] for e in r["epochs"]], color=color, marker="x",
                 markersize=4, linestyle="--")
+        if r.get("best_epoch") in epochs:
+            best = epochs.index(r["best_epoch"])
+            ax.plot([epochs[best]], [valid[best]], color=color, marker="o", markersize=11,
+                    fillstyle="none", markeredgewidth=1.5)
     ax.set_xlabel("epoch")
     last = max((e["epoch"] for r in results for e in r["epochs"]), default=1)
     ax.set_xlim(0.5, last + 0.5)  # a range of at least one epoch, so every tick is an epoch
     ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
-    ax.set_ylabel("perplexity (solid ●: valid, dashed ×: train)")
+    ax.set_ylabel("perplexity (solid ●: valid, dashed ×: train; ○ best epoch)")
     ax.set_yscale("log")
+    values = [e[k] for r in results for e in r["epochs"] for k in ("valid_ppl", "train_ppl")]
+    finite = [v for v in values if isinstance(v, (int, float)) and 0 < v < float("inf")]
+    if finite:
+        ticks = [t for t in MaxNLocator(nbins=8).tick_values(min(finite), max(finite)) if t > 0]
+        ax.set_yticks(ticks)
+        ax.yaxis.set_minor_locator(NullLocator())
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_title(_plot_title(results), fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
+    ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def _legend_label(result: Mapping[str, Any]) -> str:
+    label = f"{result['regime']} ({format_dropout(result['dropout'])}, seed {result['seed']})"
+    if isinstance(result.get("test_ppl"), (int, float)):
+        label += f": test {result['test_ppl']:.1f}"
+    return label
 
 
 def plot_learning_curves(results: Sequence[Mapping[str, Any]], path: str | Path) -> Path | None:
