@@ -5,6 +5,7 @@ import csv
 import json
 import math
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -74,7 +75,8 @@ def test_sample_run_offline_with_an_empty_home_then_evaluate_and_generate(tmp_pa
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr
     assert "should take about" in done.stderr  # the estimate comes first
-    assert "| none | — | 1 | 1 |" in done.stdout
+    assert re.search(r"^none\s+—\s+1\s+1\s", done.stdout, re.M)  # the table, aligned for a terminal
+    assert "| none | — | 1 | 1 |" in (out / "results.md").read_text()  # the Markdown, in the file
     assert done.stdout.rstrip().endswith(f"Learning curves: {out / 'learning_curves.png'}")
     assert not (tmp_path / "home" / ".cache" / "rnndrop").exists()  # nothing was downloaded or cached
     run = next((out / "none").iterdir())

@@ -18,6 +18,7 @@ import torch
 from rnndrop.lm.cli.errors import EXIT_DATA, EXIT_DIVERGED, EXIT_INTERRUPTED, UsageError, fail, positive
 from rnndrop.lm.cli.job import checked_job
 from rnndrop.lm.cli.parser import CORPORA, corpus_parser
+from rnndrop.lm.cli.terminal import markdown_for_terminal
 from rnndrop.lm.data.corpus import CorpusError, batchify, encode_split, load_corpus, sample_dir
 from rnndrop.lm.data.download import DownloadError
 from rnndrop.lm.run.benchmark import JobInterrupted, run_benchmark
@@ -94,7 +95,7 @@ def train(args: argparse.Namespace, dataset: str, given: list[str]) -> str:
         raise fail(str(e), EXIT_DATA) from None
     if not ctx.is_main:
         return ""
-    report = summary["markdown"].rstrip() + "\n\n"
+    report = markdown_for_terminal(summary["markdown"]).rstrip() + "\n\n"
     report += f"Written to {out}/: {', '.join(summary['files'])} and one folder per run.\n"
     if LEARNING_CURVES in summary["files"]:
         report += f"Learning curves: {out / LEARNING_CURVES}\n"
