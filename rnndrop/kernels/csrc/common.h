@@ -1,0 +1,167 @@
+// What the LSTM and GRU loops share: the order of the steps over packed rows, the
+// hidden mask of a row, the masked state, and the gradients that every cell derives
+// the same way (previous states, mask gradient). The equations are those of
+// rnndrop/kernels/lstm.py and gru.py.
+//
+// The recurrence keeps a state buffer of B rows (row k: sequence k). A step with b
+// rows reads rows 0..b-1 and writes them back: as the batch shrinks (forward) the
+// finished rows keep their last state, and in reverse direction rows not started yet
+// still hold the initial state. At the end the buffer is (h_n, c_n). The backward
+// pass runs the same buffer of gradients the other way.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace rnndrop {
+
+using at::Tensor;
+
+// One time step in running order: its time index, rows, first row in the packed
+// buffers, and how many of its rows continue rows of the step that ran before
+// (`prev_offset`: that step's first row); the others start from the initial state.
+struct Step {
+  int64_t t, size, offset, prev_offset, carried;
+};
+
+inline std::vector<Step> running_order(const std::vector<int64_t>& sizes, bool reverse) {
+  const int64_t T = static_cast<int64_t>(sizes.size());
+  std::vector<int64_t> offsets(T, 0);
+  for (int64_t t = 1; t < T; ++t) offsets[t] = offsets[t - 1] + sizes[t - 1];
+  std::vector<Step> steps;
+  steps.reserve(T);
+  for (int64_t k = 0; k < T; ++k) {
+    const int64_t t = reverse ? T - 1 - k : k;
+    if (k == 0) {
+      steps.push_back({t, sizes[t], offsets[t], 0, 0});
+    } else {
+      const Step& prev = steps.back();
+      steps.push_back({t, sizes[t], offsets[t], prev.offset, std::min(sizes[t], prev.size)});
+    }
+  }
+  return steps;
+}
+
+// The hidden mask [T', B', (G,) P] (contiguous): where the mask of step t and row k starts.
+template <typename scalar_t>
+struct MaskView {
+  const scalar_t* data = nullptr;
+  int64_t steps = 0, batch = 0, row_size = 0;  // row_size: G * P per gate, else P
+
+  explicit MaskView(const Tensor& mask) {
+    if (!mask.defined()) return;
+    data = mask.data_ptr<scalar_t>();
+    steps = mask.size(0);
+    batch = mask.size(1);
+    row_size = mask.numel() / (steps * batch);
+  }
+  const scalar_t* row(int64_t t, int64_t k) const {
+    return data + ((steps > 1 ? t : 0) * batch + (batch > 1 ? k : 0)) * row_size;
+  }
+};
+
+// m = h_prev * M for the rows of one step: [b, P] -> [b, (G,) P].
+template <typename scalar_t>
+inline void mask_state(const scalar_t* h, const MaskView<scalar_t>& mask, int64_t t, int64_t b, int64_t P,
+                       scalar_t* m) {
+  const int64_t G = mask.row_size / P;
+  for (int64_t k = 0; k < b; ++k) {
+    const scalar_t* mk = mask.row(t, k);
+    const scalar_t* hk = h + k * P;
+    scalar_t* out = m + k * G * P;
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t p = 0; p < P; ++p) out[g * P + p] = hk[p] * mk[g * P + p];
+  }
+}
+
+// dh_prev = dm * M (one mask) or sum over gates of dm_g * M_g (per gate), for one step.
+template <typename scalar_t>
+inline void unmask_grad(const scalar_t* dm, const MaskView<scalar_t>& mask, int64_t t, int64_t b, int64_t P,
+                        bool accumulate, scalar_t* dh) {
+  const int64_t G = mask.row_size / P;
+  for (int64_t k = 0; k < b; ++k) {
+    const scalar_t* mk = mask.row(t, k);
+    const scalar_t* dmk = dm + k * G * P;
+    scalar_t* out = dh + k * P;
+    if (!accumulate) std::fill(out, out + P, scalar_t(0));
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t p = 0; p < P; ++p) out[p] += dmk[g * P + p] * mk[g * P + p];
+  }
+}
+
+// The state every row started its step from: [N, X] from the rows of all steps and
+// the initial state [B, X].
+inline Tensor gather_previous(const Tensor& rows, const Tensor& init, const std::vector<Step>& steps) {
+  Tensor out = at::empty_like(rows);
+  for (const Step& s : steps) {
+    if (s.carried) out.narrow(0, s.offset, s.carried).copy_(rows.narrow(0, s.prev_offset, s.carried));
+    if (s.size > s.carried)
+      out.narrow(0, s.offset + s.carried, s.size - s.carried).copy_(init.narrow(0, s.carried, s.size - s.carried));
+  }
+  return out;
+}
+
+// dM [T', B', (G,) P]: the sum of dm * h_prev over the rows that share a mask.
+template <typename scalar_t>
+inline Tensor mask_grad(const Tensor& mask, const Tensor& d_masked, const Tensor& h_prev,
+                        const std::vector<Step>& steps) {
+  Tensor d_mask = at::zeros_like(mask);
+  MaskView<scalar_t> view(mask);
+  scalar_t* base = d_mask.data_ptr<scalar_t>();
+  const scalar_t* dm = d_masked.data_ptr<scalar_t>();
+  const scalar_t* h = h_prev.data_ptr<scalar_t>();
+  const int64_t P = h_prev.size(1), G = view.row_size / P;
+  for (const Step& s : steps) {
+    for (int64_t k = 0; k < s.size; ++k) {
+      const int64_t row = s.offset + k;
+      scalar_t* out = base + (view.row(s.t, k) - view.data);
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t p = 0; p < P; ++p) out[g * P + p] += dm[(row * G + g) * P + p] * h[row * P + p];
+    }
+  }
+  return d_mask;
+}
+
+// dW_hh = sum over rows of dz mᵀ: [N, G * H] and [N, P] (or per gate [N, G, P]) -> [G * H, P].
+inline Tensor weight_grad(const Tensor& d_z, const Tensor& m) {
+  if (m.dim() == 2) return at::mm(d_z.t(), m);
+  const int64_t N = d_z.size(0), G = m.size(1);
+  Tensor per_gate = at::bmm(d_z.view({N, G, -1}).permute({1, 2, 0}), m.transpose(0, 1));  // [G, H, P]
+  return per_gate.reshape({-1, m.size(2)});
+}
+
+// z += m @ wᵀ for one step: m [b, P] or per gate [b, G, P]; w_t = Wᵀ [P, G * H].
+inline void add_recurrent_product(Tensor z, const Tensor& m, const Tensor& w_t) {
+  if (m.dim() == 2) {
+    z.addmm_(m, w_t);
+    return;
+  }
+  const int64_t G = m.size(1), H = w_t.size(1) / G;
+  for (int64_t g = 0; g < G; ++g) z.narrow(1, g * H, H).addmm_(m.select(1, g), w_t.narrow(1, g * H, H));
+}
+
+// dm = dz @ W for one step: dz [b, G * H], W [G * H, P] -> dm [b, P] or per gate [b, G, P].
+inline void state_product(Tensor dm, const Tensor& d_z, const Tensor& w) {
+  if (dm.dim() == 2) {
+    at::mm_out(dm, d_z, w);
+    return;
+  }
+  const int64_t G = dm.size(1), H = w.size(0) / G;
+  for (int64_t g = 0; g < G; ++g) {
+    Tensor dm_g = dm.select(1, g);
+    at::mm_out(dm_g, d_z.narrow(1, g * H, H), w.narrow(0, g * H, H));
+  }
+}
+
+inline void check_inputs(const Tensor& x, const char* who) {
+  TORCH_CHECK(x.device().is_cpu(), who, ": the compiled kernel runs on CPU tensors only, got ", x.device(),
+              " (use kernel='manual')");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble, who,
+              ": the compiled kernel takes float32 or float64, got ", x.scalar_type());
+}
+
+}  // namespace rnndrop
