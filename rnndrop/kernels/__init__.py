@@ -25,7 +25,10 @@ Kernels, by name:
   and :mod:`rnndrop.kernels.gru`, with the row bookkeeping in
   :mod:`rnndrop.kernels.schedule` and the matrix products in :mod:`rnndrop.kernels.matmul`;
 - ``"autograd"``: the reference loop differentiated by autograd,
-  :mod:`rnndrop.kernels.reference` (about 2x slower on CPU; twice differentiable).
+  :mod:`rnndrop.kernels.reference` (about 2x slower on CPU; twice differentiable);
+- ``"compiled"``: the manual kernel's equations with the time loops in C++,
+  :mod:`rnndrop.kernels.compiled` (CPU, float32 / float64; built on first use).
+  ``kernel="auto"`` runs it where it can (:func:`auto_loop_kernel`).
 
 A new cell is one more file here and one more entry per kernel in :data:`KERNELS`.
 """
@@ -34,17 +37,31 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from rnndrop.kernels import gru, lstm, reference
+import torch
+from torch import Tensor
+
+from rnndrop.kernels import compiled, gru, lstm, reference
 from rnndrop.kernels.matmul import input_projection
 
 #: ``KERNELS[kernel][cell]``: the recurrence function of ``cell`` (``"lstm"``, ``"gru"``).
 KERNELS: Mapping[str, Mapping[str, Callable]] = {
     "manual": {"lstm": lstm.lstm_recurrence, "gru": gru.gru_recurrence},
     "autograd": {"lstm": reference.lstm_recurrence, "gru": reference.gru_recurrence},
+    "compiled": {"lstm": compiled.lstm_recurrence, "gru": compiled.gru_recurrence},
 }
 
-#: The loop kernel that ``kernel="auto"`` uses when the fused kernel cannot run.
+#: The loop kernel that ``kernel="auto"`` uses when the fused kernel cannot run and the
+#: compiled one cannot either (:func:`auto_loop_kernel`).
 DEFAULT_LOOP_KERNEL = "manual"
+
+
+def auto_loop_kernel(x: Tensor) -> str:
+    """The loop kernel ``kernel="auto"`` runs on tensors like ``x``: ``"compiled"`` on CPU in
+    float32 / float64 where it can be built (the first call builds it), else
+    :data:`DEFAULT_LOOP_KERNEL`."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and compiled.is_available():
+        return "compiled"
+    return DEFAULT_LOOP_KERNEL
 
 
 def get_kernel(name: str, cell: str) -> Callable:
@@ -57,4 +74,4 @@ def get_kernel(name: str, cell: str) -> Callable:
     return cells[cell]
 
 
-__all__ = ["DEFAULT_LOOP_KERNEL", "KERNELS", "get_kernel", "input_projection"]
+__all__ = ["DEFAULT_LOOP_KERNEL", "KERNELS", "auto_loop_kernel", "get_kernel", "input_projection"]
