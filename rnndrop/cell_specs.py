@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from rnndrop.cells import GRU_GATES, LSTM_GATES
-from rnndrop.kernels import DEFAULT_LOOP_KERNEL, KERNELS, get_kernel
+from rnndrop.kernels import KERNELS, auto_loop_kernel, get_kernel
 from rnndrop.layout import SequenceLayout
 
 __all__ = ["GRU_CELL", "LSTM_CELL", "CellSpec", "loop_kernel_names", "quiet_weight_compaction", "run_fused"]
@@ -73,15 +73,16 @@ def loop_kernel_names() -> tuple[str, ...]:
     return tuple(KERNELS)
 
 
-def _loop_kernel(kernel_name: str, cell: str) -> Callable:
-    """The recurrence function of loop kernel ``kernel_name`` (``"auto"``: the default one)
-    for ``cell`` (``"lstm"`` or ``"gru"``): the one lookup in the kernel registry."""
-    return get_kernel(DEFAULT_LOOP_KERNEL if kernel_name == "auto" else kernel_name, cell)
+def _loop_kernel(kernel_name: str, cell: str, x: Tensor) -> Callable:
+    """The recurrence function of loop kernel ``kernel_name`` (``"auto"``: the one for tensors
+    like ``x``, see :func:`rnndrop.kernels.auto_loop_kernel`) for ``cell`` (``"lstm"`` or
+    ``"gru"``): the one lookup in the kernel registry."""
+    return get_kernel(auto_loop_kernel(x) if kernel_name == "auto" else kernel_name, cell)
 
 
 def _lstm_loop(kernel_name, gates_x, batch_sizes, states, weights, hidden_mask, reverse):
     h0, c0 = states
-    kernel = _loop_kernel(kernel_name, "lstm")
+    kernel = _loop_kernel(kernel_name, "lstm", gates_x)
     out, h, c = kernel(
         gates_x, batch_sizes, h0, c0, weights["weight_hh"], weights.get("weight_hr"), hidden_mask, reverse
     )
@@ -90,7 +91,7 @@ def _lstm_loop(kernel_name, gates_x, batch_sizes, states, weights, hidden_mask, 
 
 def _gru_loop(kernel_name, gates_x, batch_sizes, states, weights, hidden_mask, reverse):
     (h0,) = states
-    kernel = _loop_kernel(kernel_name, "gru")
+    kernel = _loop_kernel(kernel_name, "gru", gates_x)
     out, h = kernel(
         gates_x, batch_sizes, h0, weights["weight_hh"], weights.get("bias_hh"), hidden_mask, reverse
     )
