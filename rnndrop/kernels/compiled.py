@@ -115,9 +115,10 @@ def is_available() -> bool:
     except RuntimeError as error:
         if not _warned:
             _warned = True
+            how = "unset RNNDROP_NO_COMPILE" if "RNNDROP_NO_COMPILE" in str(error) else HOW_TO_GET_IT
             warnings.warn(
                 f"rnndrop: {error}; kernel='auto' runs the 'manual' kernel instead. "
-                f"To get it: {HOW_TO_GET_IT}.",
+                f"To get it: {how}.",
                 RuntimeWarning,
                 stacklevel=2,
             )
