@@ -17,6 +17,8 @@
 #include <cstring>
 #include <vector>
 
+#include "rows.h"
+
 namespace rnndrop {
 
 using at::Tensor;
@@ -73,8 +75,7 @@ inline void mask_state(const scalar_t* h, const MaskView<scalar_t>& mask, int64_
     const scalar_t* mk = mask.row(t, k);
     const scalar_t* hk = h + k * P;
     scalar_t* out = m + k * G * P;
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t p = 0; p < P; ++p) out[g * P + p] = hk[p] * mk[g * P + p];
+    for (int64_t g = 0; g < G; ++g) rows::mul<scalar_t>(P, hk, mk + g * P, out + g * P);
   }
 }
 
@@ -88,8 +89,7 @@ inline void unmask_grad(const scalar_t* dm, const MaskView<scalar_t>& mask, int6
     const scalar_t* dmk = dm + k * G * P;
     scalar_t* out = dh + k * P;
     if (!accumulate) std::fill(out, out + P, scalar_t(0));
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t p = 0; p < P; ++p) out[p] += dmk[g * P + p] * mk[g * P + p];
+    for (int64_t g = 0; g < G; ++g) rows::add_mul<scalar_t>(P, dmk + g * P, mk + g * P, out);
   }
 }
 

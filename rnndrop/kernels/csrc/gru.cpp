@@ -34,34 +34,21 @@ void gru_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>& 
     }
     add_recurrent_product(a, m, w_t);
     for (int64_t k = 0; k < b; ++k) {  // pre-activations of r and z
-      const scalar_t* x = x_base + (s.offset + k) * 3 * H;
-      const scalar_t* ak = a_ptr + k * 3 * H;
-      scalar_t* act = act_base + (s.offset + k) * 3 * H;
-      for (int64_t j = 0; j < 2 * H; ++j) act[j] = x[j] + ak[j];
+      const int64_t row = (s.offset + k) * 3 * H;
+      rows::add<scalar_t>(2 * H, x_base + row, a_ptr + k * 3 * H, act_base + row);
     }
     Tensor act_t = acts.narrow(0, s.offset, b);
     act_t.narrow(1, 0, 2 * H).sigmoid_();
     for (int64_t k = 0; k < b; ++k) {  // 2 (x_n + r a_n), for tanh
-      const scalar_t* x = x_base + (s.offset + k) * 3 * H;
-      const scalar_t* ak = a_ptr + k * 3 * H;
-      scalar_t* act = act_base + (s.offset + k) * 3 * H;
-      scalar_t* an = an_base + (s.offset + k) * H;
-      for (int64_t j = 0; j < H; ++j) {
-        an[j] = ak[2 * H + j];
-        act[2 * H + j] = 2 * (x[2 * H + j] + act[j] * an[j]);
-      }
+      const int64_t row = (s.offset + k) * 3 * H;
+      rows::gru_candidate<scalar_t>(H, x_base + row + 2 * H, act_base + row, a_ptr + k * 3 * H + 2 * H,
+                                    an_base + (s.offset + k) * H, act_base + row + 2 * H);
     }
     act_t.narrow(1, 2 * H, H).sigmoid_();
     for (int64_t k = 0; k < b; ++k) {  // n = 2σ - 1, h = n + z (h_prev - n)
-      scalar_t* act = act_base + (s.offset + k) * 3 * H;
-      scalar_t* h = out_base + (s.offset + k) * H;
-      scalar_t* hp = hs + k * H;
-      for (int64_t j = 0; j < H; ++j) {
-        const scalar_t n = 2 * act[2 * H + j] - 1;
-        act[2 * H + j] = n;
-        h[j] = n + act[H + j] * (hp[j] - n);
-        hp[j] = h[j];
-      }
+      const int64_t row = (s.offset + k) * 3 * H;
+      rows::gru_output<scalar_t>(H, act_base + row + H, act_base + row + 2 * H, out_base + (s.offset + k) * H,
+                                 hs + k * H);
     }
   }
 }
@@ -79,27 +66,17 @@ void gru_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>&
   scalar_t* da_base = d_a.data_ptr<scalar_t>();
   scalar_t* dgx_base = d_gates_x.defined() ? d_gates_x.data_ptr<scalar_t>() : nullptr;
   scalar_t* dhs = dh_state.data_ptr<scalar_t>();
+  std::vector<scalar_t> scratch(dgx_base ? 0 : H);
+  scalar_t* dn_scratch = scratch.data();
   for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
     const Step& s = *it;
     const int64_t b = s.size;
     for (int64_t k = 0; k < b; ++k) {
       const int64_t row = s.offset + k;
-      const scalar_t* act = act_base + row * 3 * H;
-      const scalar_t* an = an_base + row * H;
-      const scalar_t* hp = k < s.carried ? out_base + (s.prev_offset + k) * H : h0_base + k * H;
-      const scalar_t* dh_out = dh_base + row * H;
-      scalar_t* da = da_base + row * 3 * H;
-      scalar_t* dhk = dhs + k * H;
-      for (int64_t j = 0; j < H; ++j) {
-        const scalar_t r = act[j], z = act[H + j], n = act[2 * H + j];
-        const scalar_t dh = dh_out[j] + dhk[j];
-        const scalar_t dn_pre = dh * (1 - z) * (1 - n * n);
-        da[j] = dn_pre * an[j] * r * (1 - r);
-        da[H + j] = dh * (hp[j] - n) * z * (1 - z);
-        da[2 * H + j] = dn_pre * r;
-        dhk[j] = dh * z;
-        if (dgx_base) dgx_base[row * 3 * H + 2 * H + j] = dn_pre;
-      }
+      const scalar_t* h_prev = k < s.carried ? out_base + (s.prev_offset + k) * H : h0_base + k * H;
+      scalar_t* dn_pre = dgx_base ? dgx_base + row * 3 * H + 2 * H : dn_scratch;
+      rows::gru_grad<scalar_t>(H, act_base + row * 3 * H, an_base + row * H, h_prev, dh_base + row * H, dhs + k * H,
+                               da_base + row * 3 * H, dn_pre);
     }
     Tensor da_t = d_a.narrow(0, s.offset, b);
     Tensor dh_prev = dh_state.narrow(0, 0, b);

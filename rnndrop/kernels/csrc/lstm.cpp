@@ -34,31 +34,14 @@ void lstm_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>&
     z.sigmoid_();
     for (int64_t k = 0; k < b; ++k) {  // g = 2σ - 1, c = f c_prev + i g; 2c for tanh(c)
       scalar_t* a = a_base + (s.offset + k) * 4 * H;
-      scalar_t* c = c_base + (s.offset + k) * H;
-      scalar_t* tc = tc_base + (s.offset + k) * H;
-      const scalar_t* cp = cs + k * H;
-      for (int64_t j = 0; j < H; ++j) {
-        const scalar_t g = 2 * a[2 * H + j] - 1;
-        a[2 * H + j] = g;
-        c[j] = a[H + j] * cp[j] + a[j] * g;
-        tc[j] = 2 * c[j];
-      }
+      const int64_t row = (s.offset + k) * H;
+      rows::lstm_cell<scalar_t>(H, a, a + H, a + 2 * H, cs + k * H, c_base + row, tc_base + row);
     }
-    Tensor tc_t = tanh_cells.narrow(0, s.offset, b);
-    tc_t.sigmoid_();
+    tanh_cells.narrow(0, s.offset, b).sigmoid_();
     for (int64_t k = 0; k < b; ++k) {  // tanh(c) = 2σ(2c) - 1, r = o tanh(c); the state moves on
-      const scalar_t* a = a_base + (s.offset + k) * 4 * H;
-      const scalar_t* c = c_base + (s.offset + k) * H;
-      scalar_t* tc = tc_base + (s.offset + k) * H;
-      scalar_t* rk = r_base + (s.offset + k) * H;
-      scalar_t* ck = cs + k * H;
-      for (int64_t j = 0; j < H; ++j) {
-        const scalar_t t = 2 * tc[j] - 1;
-        tc[j] = t;
-        rk[j] = a[3 * H + j] * t;
-        ck[j] = c[j];
-      }
-      if (!proj) std::memcpy(hs + k * H, rk, H * sizeof(scalar_t));
+      const int64_t row = (s.offset + k) * H;
+      rows::lstm_output<scalar_t>(H, a_base + (s.offset + k) * 4 * H + 3 * H, c_base + row, tc_base + row,
+                                  r_base + row, cs + k * H, proj ? nullptr : hs + k * H);
     }
     if (proj) {
       Tensor out_t = out.narrow(0, s.offset, b);
@@ -95,21 +78,9 @@ void lstm_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>
     const scalar_t* dr_base = dr.data_ptr<scalar_t>();
     for (int64_t k = 0; k < b; ++k) {
       const int64_t row = s.offset + k;
-      const scalar_t* a = a_base + row * 4 * H;
-      const scalar_t* tc = tc_base + row * H;
-      const scalar_t* cp = k < s.carried ? c_base + (s.prev_offset + k) * H : c0_base + k * H;
-      const scalar_t* drk = dr_base + k * H;
-      scalar_t* dz = dz_base + row * 4 * H;
-      scalar_t* dck = dcs + k * H;
-      for (int64_t j = 0; j < H; ++j) {
-        const scalar_t i = a[j], f = a[H + j], g = a[2 * H + j], o = a[3 * H + j], t = tc[j];
-        const scalar_t dc = dck[j] + drk[j] * o * (1 - t * t);
-        dz[j] = dc * g * i * (1 - i);
-        dz[H + j] = dc * cp[j] * f * (1 - f);
-        dz[2 * H + j] = dc * i * (1 - g * g);
-        dz[3 * H + j] = drk[j] * t * o * (1 - o);
-        dck[j] = dc * f;
-      }
+      const scalar_t* c_prev = k < s.carried ? c_base + (s.prev_offset + k) * H : c0_base + k * H;
+      rows::lstm_grad<scalar_t>(H, a_base + row * 4 * H, tc_base + row * H, c_prev, dr_base + k * H, dcs + k * H,
+                                dz_base + row * 4 * H);
     }
     Tensor dz_t = d_gates.narrow(0, s.offset, b);
     Tensor dh_prev = dh_state.narrow(0, 0, b);
