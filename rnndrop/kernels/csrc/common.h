@@ -79,18 +79,38 @@ inline void mask_state(const scalar_t* h, const MaskView<scalar_t>& mask, int64_
   }
 }
 
-// dh_prev = dm * M (one mask) or sum over gates of dm_g * M_g (per gate), for one step.
+// dh_prev = dm * M (one mask) or sum over gates of dm_g * M_g (per gate), for one step;
+// row k of dm, gate g, at dm + k * P + g * gate_stride.
 template <typename scalar_t>
-inline void unmask_grad(const scalar_t* dm, const MaskView<scalar_t>& mask, int64_t t, int64_t b, int64_t P,
-                        bool accumulate, scalar_t* dh) {
+inline void unmask_grad(const scalar_t* dm, int64_t gate_stride, const MaskView<scalar_t>& mask, int64_t t,
+                        int64_t b, int64_t P, bool accumulate, scalar_t* dh) {
   const int64_t G = mask.row_size / P;
   for (int64_t k = 0; k < b; ++k) {
     const scalar_t* mk = mask.row(t, k);
-    const scalar_t* dmk = dm + k * G * P;
     scalar_t* out = dh + k * P;
     if (!accumulate) std::fill(out, out + P, scalar_t(0));
-    for (int64_t g = 0; g < G; ++g) rows::add_mul<scalar_t>(P, dmk + g * P, mk + g * P, out);
+    for (int64_t g = 0; g < G; ++g) rows::add_mul<scalar_t>(P, dm + k * P + g * gate_stride, mk + g * P, out);
   }
+}
+
+// One step of the backward pass through the masked product: dm = dz W (per gate
+// dm_g = dz_g W_g, one batched product with w_gates = W viewed [G, H, P]), then
+// dh_prev (+)= dm * M. `scratch` holds at least G * B * P elements; `d_masked_rows`
+// ([b, (G,) P], or undefined) receives dm for the mask's gradient.
+template <typename scalar_t>
+inline void masked_state_grad(const Tensor& d_z, const Tensor& w, const Tensor& w_gates,
+                              const MaskView<scalar_t>& mask, int64_t t, int64_t b, int64_t P, Tensor& scratch,
+                              Tensor d_masked_rows, bool accumulate, scalar_t* dh) {
+  const int64_t G = mask.row_size / P;
+  Tensor flat = scratch.narrow(0, 0, G * b * P);
+  Tensor dm = G == 1 ? flat.view({b, P}) : flat.view({G, b, P});
+  if (G == 1) {
+    at::mm_out(dm, d_z, w);
+  } else {
+    at::bmm_out(dm, d_z.view({b, G, -1}).transpose(0, 1), w_gates);
+  }
+  if (d_masked_rows.defined()) d_masked_rows.copy_(G == 1 ? dm : dm.transpose(0, 1));
+  unmask_grad(flat.data_ptr<scalar_t>(), b * P, mask, t, b, P, accumulate, dh);
 }
 
 // The state every row started its step from: [N, X] from the rows of all steps and
@@ -129,32 +149,31 @@ inline Tensor mask_grad(const Tensor& mask, const Tensor& d_masked, const Tensor
 // dW_hh = sum over rows of dz mᵀ: [N, G * H] and [N, P] (or per gate [N, G, P]) -> [G * H, P].
 inline Tensor weight_grad(const Tensor& d_z, const Tensor& m) {
   if (m.dim() == 2) return at::mm(d_z.t(), m);
-  const int64_t N = d_z.size(0), G = m.size(1);
-  Tensor per_gate = at::bmm(d_z.view({N, G, -1}).permute({1, 2, 0}), m.transpose(0, 1));  // [G, H, P]
-  return per_gate.reshape({-1, m.size(2)});
+  const int64_t G = m.size(1), H = d_z.size(1) / G;
+  Tensor d_w = at::empty({G * H, m.size(2)}, d_z.options());
+  for (int64_t g = 0; g < G; ++g) {
+    Tensor d_w_g = d_w.narrow(0, g * H, H);
+    at::mm_out(d_w_g, d_z.narrow(1, g * H, H).t(), m.select(1, g));
+  }
+  return d_w;
 }
 
-// z += m @ wᵀ for one step: m [b, P] or per gate [b, G, P]; w_t = Wᵀ [P, G * H].
-inline void add_recurrent_product(Tensor z, const Tensor& m, const Tensor& w_t) {
+// z += m Wᵀ for one step: m [b, P] with w_t = Wᵀ [P, G * H], or per gate m [b, G, P]
+// with w_t_gates = the Wᵀ of every gate [G, P, H] (one batched product into z's gate blocks).
+inline void add_recurrent_product(Tensor z, const Tensor& m, const Tensor& w_t, const Tensor& w_t_gates) {
   if (m.dim() == 2) {
     z.addmm_(m, w_t);
     return;
   }
-  const int64_t G = m.size(1), H = w_t.size(1) / G;
-  for (int64_t g = 0; g < G; ++g) z.narrow(1, g * H, H).addmm_(m.select(1, g), w_t.narrow(1, g * H, H));
+  const int64_t b = z.size(0), G = m.size(1);
+  z.view({b, G, -1}).transpose(0, 1).baddbmm_(m.transpose(0, 1), w_t_gates);
 }
 
-// dm = dz @ W for one step: dz [b, G * H], W [G * H, P] -> dm [b, P] or per gate [b, G, P].
-inline void state_product(Tensor dm, const Tensor& d_z, const Tensor& w) {
-  if (dm.dim() == 2) {
-    at::mm_out(dm, d_z, w);
-    return;
-  }
-  const int64_t G = dm.size(1), H = w.size(0) / G;
-  for (int64_t g = 0; g < G; ++g) {
-    Tensor dm_g = dm.select(1, g);
-    at::mm_out(dm_g, d_z.narrow(1, g * H, H), w.narrow(0, g * H, H));
-  }
+// Wᵀ of every gate, [G, P, H], from Wᵀ [P, G * H] (per-gate masks), else undefined.
+inline Tensor gate_weights_t(const Tensor& w_t, const Tensor& mask) {
+  if (!mask.defined() || mask.dim() == 3) return Tensor();
+  const int64_t G = mask.size(2), P = w_t.size(0);
+  return w_t.view({P, G, -1}).permute({1, 0, 2}).contiguous();
 }
 
 inline void check_inputs(const Tensor& x, const char* who) {

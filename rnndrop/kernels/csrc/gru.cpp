@@ -10,7 +10,7 @@ namespace {
 
 template <typename scalar_t>
 void gru_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>& mask, const Tensor& gates_x,
-                      const Tensor& w_t, const Tensor& b_hh, Tensor a_buf, Tensor acts, Tensor a_n, Tensor out,
+                      const Tensor& w_t, const Tensor& w_t_gates, const Tensor& b_hh, Tensor a_buf, Tensor acts, Tensor a_n, Tensor out,
                       Tensor masked, Tensor h_state) {
   const int64_t H = out.size(1);
   const scalar_t* x_base = gates_x.data_ptr<scalar_t>();
@@ -32,7 +32,7 @@ void gru_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>& 
     } else {
       a.zero_();
     }
-    add_recurrent_product(a, m, w_t);
+    add_recurrent_product(a, m, w_t, w_t_gates);
     for (int64_t k = 0; k < b; ++k) {  // pre-activations of r and z
       const int64_t row = (s.offset + k) * 3 * H;
       rows::add<scalar_t>(2 * H, x_base + row, a_ptr + k * 3 * H, act_base + row);
@@ -66,8 +66,11 @@ void gru_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>&
   scalar_t* da_base = d_a.data_ptr<scalar_t>();
   scalar_t* dgx_base = d_gates_x.defined() ? d_gates_x.data_ptr<scalar_t>() : nullptr;
   scalar_t* dhs = dh_state.data_ptr<scalar_t>();
-  std::vector<scalar_t> scratch(dgx_base ? 0 : H);
-  scalar_t* dn_scratch = scratch.data();
+  const int64_t G = mask.data ? mask.row_size / H : 1;
+  const Tensor w_gates = G > 1 ? w_hh.reshape({G, -1, H}) : Tensor();
+  Tensor scratch = at::empty({G * dh_state.size(0) * H}, acts.options());
+  std::vector<scalar_t> dn_pre_row(dgx_base ? 0 : H);  // where dn_pre goes when dx̂ is not wanted
+  scalar_t* dn_scratch = dn_pre_row.data();
   for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
     const Step& s = *it;
     const int64_t b = s.size;
@@ -84,9 +87,8 @@ void gru_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>&
       dh_prev.addmm_(da_t, w_hh);
       continue;
     }
-    Tensor dm = d_masked.narrow(0, d_masked.size(0) == d_a.size(0) ? s.offset : 0, b);
-    state_product(dm, da_t, w_hh);
-    unmask_grad(dm.data_ptr<scalar_t>(), mask, s.t, b, H, true, dhs);
+    masked_state_grad(da_t, w_hh, w_gates, mask, s.t, b, H, scratch,
+                      d_masked.defined() ? d_masked.narrow(0, s.offset, b) : Tensor(), true, dhs);
   }
 }
 
@@ -114,8 +116,8 @@ std::vector<Tensor> gru_forward(const Tensor& gates_x, const Tensor& h0, const T
   }
   Tensor h_state = h0.contiguous().clone();
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gru_forward", [&] {
-    gru_forward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), x, w_t, b_hh, a_buf, acts, a_n, out, masked,
-                               h_state);
+    gru_forward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), x, w_t, gate_weights_t(w_t, mask), b_hh, a_buf,
+                               acts, a_n, out, masked, h_state);
   });
   return {out, h_state, acts, a_n, masked};
 }
@@ -135,9 +137,9 @@ std::vector<Tensor> gru_backward(const c10::optional<Tensor>& d_out, const c10::
   Tensor d_a = at::empty({N, 3 * H}, acts.options());
   Tensor d_gates_x = needs[0] ? at::empty({N, 3 * H}, acts.options()) : Tensor();
   const bool need_mask = needs[4] && mask.defined();
-  Tensor d_masked;  // dm of every row when the mask's gradient is wanted, else of one step
+  Tensor d_masked;  // dm of every row, when the mask's gradient is wanted
   if (mask.defined()) {
-    d_masked = need_mask ? at::empty_like(masked) : at::empty_like(masked.narrow(0, 0, h0.size(0)));
+    d_masked = need_mask ? at::empty_like(masked) : Tensor();
   }
   const Tensor h0c = h0.contiguous();
   AT_DISPATCH_FLOATING_TYPES(acts.scalar_type(), "gru_backward", [&] {

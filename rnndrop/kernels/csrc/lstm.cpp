@@ -12,7 +12,7 @@ namespace {
 
 template <typename scalar_t>
 void lstm_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>& mask, const Tensor& w_t,
-                       const Tensor& w_hr_t, Tensor acts, Tensor cells, Tensor tanh_cells, Tensor r,
+                       const Tensor& w_t_gates, const Tensor& w_hr_t, Tensor acts, Tensor cells, Tensor tanh_cells, Tensor r,
                        Tensor out, Tensor masked, Tensor h_state, Tensor c_state) {
   const int64_t H = cells.size(1), P = out.size(1);
   const bool proj = w_hr_t.defined();
@@ -30,7 +30,7 @@ void lstm_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>&
       mask_state(hs, mask, s.t, b, P, m.data_ptr<scalar_t>());
     }
     Tensor z = acts.narrow(0, s.offset, b);
-    add_recurrent_product(z, m, w_t);
+    add_recurrent_product(z, m, w_t, w_t_gates);
     z.sigmoid_();
     for (int64_t k = 0; k < b; ++k) {  // g = 2σ - 1, c = f c_prev + i g; 2c for tanh(c)
       scalar_t* a = a_base + (s.offset + k) * 4 * H;
@@ -65,6 +65,9 @@ void lstm_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>
   scalar_t* dz_base = d_gates.data_ptr<scalar_t>();
   scalar_t* dhs = dh_state.data_ptr<scalar_t>();
   scalar_t* dcs = dc_state.data_ptr<scalar_t>();
+  const int64_t G = mask.data ? mask.row_size / P : 1;
+  const Tensor w_gates = G > 1 ? w_hh.reshape({G, -1, P}) : Tensor();
+  Tensor scratch = at::empty({G * dh_state.size(0) * P}, acts.options());
   for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
     const Step& s = *it;
     const int64_t b = s.size;
@@ -88,9 +91,8 @@ void lstm_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>
       at::mm_out(dh_prev, dz_t, w_hh);
       continue;
     }
-    Tensor dm = d_masked.narrow(0, d_masked.size(0) == d_gates.size(0) ? s.offset : 0, b);
-    state_product(dm, dz_t, w_hh);
-    unmask_grad(dm.data_ptr<scalar_t>(), mask, s.t, b, P, false, dhs);
+    masked_state_grad(dz_t, w_hh, w_gates, mask, s.t, b, P, scratch,
+                      d_masked.defined() ? d_masked.narrow(0, s.offset, b) : Tensor(), false, dhs);
   }
 }
 
@@ -122,7 +124,7 @@ std::vector<Tensor> lstm_forward(const Tensor& gates_x, const Tensor& h0, const 
   Tensor h_state = h0.contiguous().clone();
   Tensor c_state = c0.contiguous().clone();
   AT_DISPATCH_FLOATING_TYPES(gates_x.scalar_type(), "lstm_forward", [&] {
-    lstm_forward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), w_t, w_hr_t, acts, cells, tanh_cells, r, out,
+    lstm_forward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), w_t, gate_weights_t(w_t, mask), w_hr_t, acts, cells, tanh_cells, r, out,
                                 masked, h_state, c_state);
   });
   return {out, h_state, c_state, acts, cells, tanh_cells, w_hr.defined() ? r : Tensor(), masked};
@@ -146,9 +148,9 @@ std::vector<Tensor> lstm_backward(const c10::optional<Tensor>& d_out, const c10:
   Tensor dc_state = d_cn.has_value() ? d_cn->contiguous().clone() : at::zeros_like(c0);
   Tensor d_gates = at::empty({N, 4 * H}, acts.options());
   const bool need_mask = needs[5] && mask.defined();
-  Tensor d_masked;  // dm of every row when the mask's gradient is wanted, else of one step
+  Tensor d_masked;  // dm of every row, when the mask's gradient is wanted
   if (mask.defined()) {
-    d_masked = need_mask ? at::empty_like(masked) : at::empty_like(masked.narrow(0, 0, h0.size(0)));
+    d_masked = need_mask ? at::empty_like(masked) : Tensor();
   }
   Tensor dr_buf = w_hr.defined() ? at::empty({h0.size(0), H}, acts.options()) : Tensor();
   const Tensor c0c = c0.contiguous();
