@@ -79,6 +79,22 @@ def test_matches_reference_kernel_in_float32(kind):
         assert_close(ours, ref, atol=1e-5, rtol=1e-5, msg=f"{batch_sizes} mask {mask_shape} proj {proj}")
 
 
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_rows_split_between_two_threads_match_reference_kernel(kind):
+    """Wide enough rows (H 256, 8 and 5 rows a step) that the pointwise passes run on two threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for mask_shape in (None, ("T", "B", "G", "P")):
+            args = shared.kernel_inputs(kind, [8, 8, 5], mask_shape, 0, H=256)
+            for reverse in (False, True):
+                ours = shared.run_kernel("compiled", kind, [8, 8, 5], args, reverse)
+                ref = shared.run_kernel("autograd", kind, [8, 8, 5], args, reverse)
+                assert_close(ours, ref, atol=1e-10, rtol=1e-8, msg=f"{mask_shape} reverse {reverse}")
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_only_wanted_gradients_are_returned():
     """Inputs without requires_grad get None (and the others are still right)."""
     args = shared.kernel_inputs("lstm", [3, 2, 1], ("T", "B", "P"), 2, mask_grad=False)
