@@ -12,7 +12,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstring>
@@ -47,13 +46,6 @@ inline std::vector<Step> running_order(const std::vector<int64_t>& sizes, bool r
     }
   }
   return steps;
-}
-
-// f(lo, hi) over the rows 0..b-1 of a step (H elements each), split between threads
-// when there are enough of them (ATen ops inside f then run on one thread).
-template <typename F>
-inline void for_rows(int64_t b, int64_t H, const F& f) {
-  at::parallel_for(0, b, std::max<int64_t>(1, 1024 / H), f);
 }
 
 // The hidden mask [T', B', (G,) P] (contiguous): where the mask of step t and row k starts.

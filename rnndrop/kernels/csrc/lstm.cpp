@@ -31,20 +31,18 @@ void lstm_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>&
     }
     Tensor z = acts.narrow(0, s.offset, b);
     add_recurrent_product(z, m, w_t, w_t_gates);
-    for_rows(b, H, [&](int64_t lo, int64_t hi) {
-      z.narrow(0, lo, hi - lo).sigmoid_();
-      for (int64_t k = lo; k < hi; ++k) {  // g = 2σ - 1, c = f c_prev + i g; 2c for tanh(c)
-        scalar_t* a = a_base + (s.offset + k) * 4 * H;
-        const int64_t row = (s.offset + k) * H;
-        rows::lstm_cell<scalar_t>(H, a, a + H, a + 2 * H, cs + k * H, c_base + row, tc_base + row);
-      }
-      tanh_cells.narrow(0, s.offset + lo, hi - lo).sigmoid_();
-      for (int64_t k = lo; k < hi; ++k) {  // tanh(c) = 2σ(2c) - 1, r = o tanh(c); the state moves on
-        const int64_t row = (s.offset + k) * H;
-        rows::lstm_output<scalar_t>(H, a_base + (s.offset + k) * 4 * H + 3 * H, c_base + row, tc_base + row,
-                                    r_base + row, cs + k * H, proj ? nullptr : hs + k * H);
-      }
-    });
+    z.sigmoid_();
+    for (int64_t k = 0; k < b; ++k) {  // g = 2σ - 1, c = f c_prev + i g; 2c for tanh(c)
+      scalar_t* a = a_base + (s.offset + k) * 4 * H;
+      const int64_t row = (s.offset + k) * H;
+      rows::lstm_cell<scalar_t>(H, a, a + H, a + 2 * H, cs + k * H, c_base + row, tc_base + row);
+    }
+    tanh_cells.narrow(0, s.offset, b).sigmoid_();
+    for (int64_t k = 0; k < b; ++k) {  // tanh(c) = 2σ(2c) - 1, r = o tanh(c); the state moves on
+      const int64_t row = (s.offset + k) * H;
+      rows::lstm_output<scalar_t>(H, a_base + (s.offset + k) * 4 * H + 3 * H, c_base + row, tc_base + row,
+                                  r_base + row, cs + k * H, proj ? nullptr : hs + k * H);
+    }
     if (proj) {
       Tensor out_t = out.narrow(0, s.offset, b);
       at::mm_out(out_t, r.narrow(0, s.offset, b), w_hr_t);
@@ -81,14 +79,12 @@ void lstm_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>
       at::mm_out(dr, dh, w_hr);
     }
     const scalar_t* dr_base = dr.data_ptr<scalar_t>();
-    for_rows(b, H, [&](int64_t lo, int64_t hi) {
-      for (int64_t k = lo; k < hi; ++k) {
-        const int64_t row = s.offset + k;
-        const scalar_t* c_prev = k < s.carried ? c_base + (s.prev_offset + k) * H : c0_base + k * H;
-        rows::lstm_grad<scalar_t>(H, a_base + row * 4 * H, tc_base + row * H, c_prev, dr_base + k * H,
-                                  dcs + k * H, dz_base + row * 4 * H);
-      }
-    });
+    for (int64_t k = 0; k < b; ++k) {
+      const int64_t row = s.offset + k;
+      const scalar_t* c_prev = k < s.carried ? c_base + (s.prev_offset + k) * H : c0_base + k * H;
+      rows::lstm_grad<scalar_t>(H, a_base + row * 4 * H, tc_base + row * H, c_prev, dr_base + k * H, dcs + k * H,
+                                dz_base + row * 4 * H);
+    }
     Tensor dz_t = d_gates.narrow(0, s.offset, b);
     Tensor dh_prev = dh_state.narrow(0, 0, b);
     if (!mask.data) {
