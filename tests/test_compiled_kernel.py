@@ -80,8 +80,8 @@ def test_matches_reference_kernel_in_float32(kind):
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
-def test_rows_split_between_two_threads_match_reference_kernel(kind):
-    """Wide enough rows (H 256, 8 and 5 rows a step) that the pointwise passes run on two threads."""
+def test_matches_reference_kernel_with_two_threads(kind):
+    """Wide rows (H 256) with two threads, where ATen may run the step's products and σ threaded."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
