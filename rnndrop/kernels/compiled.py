@@ -92,7 +92,10 @@ def _compile_or_load() -> ModuleType:
         raise RuntimeError(missing)
     from torch.utils import cpp_extension
 
-    build_dir = cpp_extension._get_build_directory(NAME, verbose=False)
+    try:  # a private helper of torch, used only to say whether a compilation is coming
+        build_dir = cpp_extension._get_build_directory(NAME, verbose=False)
+    except (AttributeError, TypeError, OSError):
+        build_dir = "torch's extension directory"
     if not _is_cached(build_dir):
         logger.info("rnndrop: compiling the C++ loop kernel into %s (first use only, < 1 min)", build_dir)
     try:
