@@ -95,6 +95,30 @@ def test_matches_reference_kernel_with_two_threads(kind):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_onednn_products_match_reference_kernel(kind, monkeypatch):
+    """The oneDNN path of the step products (large float32 weights with several threads; here
+    every weight)."""
+    monkeypatch.setattr(compiled, "ONEDNN_MIN_WEIGHT", 0)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    for batch_sizes, mask_shape, reverse in [([4, 3, 3, 1], (1, "B", "P"), False), ([3, 3, 2], None, True)]:
+        args = shared.kernel_inputs(kind, batch_sizes, mask_shape, 0, dtype=torch.float32, H=40)
+        with torch.no_grad():
+            weight = args[3] if kind == "lstm" else args[2]
+            weight /= weight.shape[1] ** 0.5
+        assert compiled._packed(weight, None) is not None
+        ours = shared.run_kernel("compiled", kind, batch_sizes, args, reverse)
+        ref = shared.run_kernel("autograd", kind, batch_sizes, args, reverse)
+        assert_close(ours, ref, atol=1e-5, rtol=1e-5, msg=f"{batch_sizes} mask {mask_shape}")
+        if kind == "gru":
+            args[3] = None  # no b_hh
+            ours = shared.run_kernel("compiled", kind, batch_sizes, args, reverse)
+            ref = shared.run_kernel("autograd", kind, batch_sizes, args, reverse)
+            assert_close(ours, ref, atol=1e-5, rtol=1e-5, msg=f"no bias {batch_sizes} mask {mask_shape}")
+
+
 def test_only_wanted_gradients_are_returned():
     """Inputs without requires_grad get None (and the others are still right)."""
     args = shared.kernel_inputs("lstm", [3, 2, 1], ("T", "B", "P"), 2, mask_grad=False)

@@ -12,6 +12,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <algorithm>
 #include <cstring>
@@ -47,6 +48,45 @@ inline std::vector<Step> running_order(const std::vector<int64_t>& sizes, bool r
   }
   return steps;
 }
+
+// x Wᵀ (+ add, + bias) through oneDNN's linear op (the op torch.compile emits for
+// nn.Linear on CPU), with `packed` a weight from mkldnn::_reorder_linear_weight.
+inline Tensor onednn_linear(const Tensor& x, const Tensor& packed, const Tensor& add, const Tensor& bias) {
+  static const auto plain = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  static const auto binary = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "binary");
+  const c10::IValue b = bias.defined() ? c10::IValue(bias) : c10::IValue();
+  std::vector<c10::IValue> stack;
+  if (add.defined()) {
+    stack = {x, add, packed, b, c10::IValue(std::string("add"))};
+    binary.callBoxed(&stack);
+  } else {
+    stack = {x, packed, b, c10::IValue(std::string("none")), c10::IValue(c10::List<std::optional<c10::Scalar>>()),
+             c10::IValue(std::string(""))};
+    plain.callBoxed(&stack);
+  }
+  return stack[0].toTensor();
+}
+
+// The weight of a step's product x @ w ([b, in] x [in, out]): through BLAS, or through
+// oneDNN when the Python side packed it (float32 and a large weight, where oneDNN's
+// packed products are faster, most of all with several threads).
+struct StepWeight {
+  Tensor w;       // [in, out]
+  Tensor packed;  // wᵀ packed by oneDNN, or undefined
+
+  // out = x @ w, + out when `accumulate`, + bias when defined.
+  void into(Tensor out, const Tensor& x, bool accumulate, const Tensor& bias = Tensor()) const {
+    if (packed.defined()) {
+      out.copy_(onednn_linear(x, packed, accumulate ? out : Tensor(), bias));
+    } else if (accumulate) {
+      out.addmm_(x, w);
+    } else if (bias.defined()) {
+      at::addmm_out(out, bias, x, w);
+    } else {
+      at::mm_out(out, x, w);
+    }
+  }
+};
 
 // The hidden mask [T', B', (G,) P] (contiguous): where the mask of step t and row k starts.
 template <typename scalar_t>
@@ -98,14 +138,14 @@ inline void unmask_grad(const scalar_t* dm, int64_t gate_stride, const MaskView<
 // dh_prev (+)= dm * M. `scratch` holds at least G * B * P elements; `d_masked_rows`
 // ([b, (G,) P], or undefined) receives dm for the mask's gradient.
 template <typename scalar_t>
-inline void masked_state_grad(const Tensor& d_z, const Tensor& w, const Tensor& w_gates,
+inline void masked_state_grad(const Tensor& d_z, const StepWeight& w, const Tensor& w_gates,
                               const MaskView<scalar_t>& mask, int64_t t, int64_t b, int64_t P, Tensor& scratch,
                               Tensor d_masked_rows, bool accumulate, scalar_t* dh) {
   const int64_t G = mask.row_size / P;
   Tensor flat = scratch.narrow(0, 0, G * b * P);
   Tensor dm = G == 1 ? flat.view({b, P}) : flat.view({G, b, P});
   if (G == 1) {
-    at::mm_out(dm, d_z, w);
+    w.into(dm, d_z, false);
   } else {
     at::bmm_out(dm, d_z.view({b, G, -1}).transpose(0, 1), w_gates);
   }
@@ -160,9 +200,9 @@ inline Tensor weight_grad(const Tensor& d_z, const Tensor& m) {
 
 // z += m Wᵀ for one step: m [b, P] with w_t = Wᵀ [P, G * H], or per gate m [b, G, P]
 // with w_t_gates = the Wᵀ of every gate [G, P, H] (one batched product into z's gate blocks).
-inline void add_recurrent_product(Tensor z, const Tensor& m, const Tensor& w_t, const Tensor& w_t_gates) {
+inline void add_recurrent_product(Tensor z, const Tensor& m, const StepWeight& w_t, const Tensor& w_t_gates) {
   if (m.dim() == 2) {
-    z.addmm_(m, w_t);
+    w_t.into(z, m, true);
     return;
   }
   const int64_t b = z.size(0), G = m.size(1);

@@ -10,8 +10,8 @@ namespace {
 
 template <typename scalar_t>
 void gru_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>& mask, const Tensor& gates_x,
-                      const Tensor& w_t, const Tensor& w_t_gates, const Tensor& b_hh, Tensor a_buf, Tensor acts, Tensor a_n, Tensor out,
-                      Tensor masked, Tensor h_state) {
+                      const StepWeight& w_t, const Tensor& w_t_gates, const Tensor& b_hh, Tensor a_buf, Tensor acts,
+                      Tensor a_n, Tensor out, Tensor masked, Tensor h_state) {
   const int64_t H = out.size(1);
   const scalar_t* x_base = gates_x.data_ptr<scalar_t>();
   scalar_t* act_base = acts.data_ptr<scalar_t>();
@@ -27,10 +27,8 @@ void gru_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>& 
       mask_state(hs, mask, s.t, b, H, m.data_ptr<scalar_t>());
     }
     Tensor a = a_buf.narrow(0, 0, b);  // W_hh m + b_hh
-    if (m.dim() == 2 && b_hh.defined()) {
-      at::addmm_out(a, b_hh, m, w_t);
-    } else if (m.dim() == 2) {
-      at::mm_out(a, m, w_t);
+    if (m.dim() == 2) {
+      w_t.into(a, m, false, b_hh);
     } else {
       b_hh.defined() ? a.copy_(b_hh.expand({b, 3 * H})) : a.zero_();
       add_recurrent_product(a, m, w_t, w_t_gates);
@@ -56,7 +54,7 @@ void gru_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>& 
 }
 
 template <typename scalar_t>
-void gru_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>& mask, const Tensor& w_hh,
+void gru_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>& mask, const StepWeight& w_hh,
                        const Tensor& acts, const Tensor& a_n, const Tensor& out, const Tensor& h0, Tensor d_h,
                        Tensor d_a, Tensor d_gates_x, Tensor d_masked, Tensor dh_state) {
   const int64_t H = out.size(1);
@@ -69,7 +67,7 @@ void gru_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>&
   scalar_t* dgx_base = d_gates_x.defined() ? d_gates_x.data_ptr<scalar_t>() : nullptr;
   scalar_t* dhs = dh_state.data_ptr<scalar_t>();
   const int64_t G = mask.data ? mask.row_size / H : 1;
-  const Tensor w_gates = G > 1 ? w_hh.reshape({G, -1, H}) : Tensor();
+  const Tensor w_gates = G > 1 ? w_hh.w.reshape({G, -1, H}) : Tensor();
   Tensor scratch = at::empty({G * dh_state.size(0) * H}, acts.options());
   std::vector<scalar_t> dn_pre_row(dgx_base ? 0 : H);  // where dn_pre goes when dx̂ is not wanted
   scalar_t* dn_scratch = dn_pre_row.data();
@@ -86,7 +84,7 @@ void gru_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>&
     Tensor da_t = d_a.narrow(0, s.offset, b);
     Tensor dh_prev = dh_state.narrow(0, 0, b);
     if (!mask.data) {
-      dh_prev.addmm_(da_t, w_hh);
+      w_hh.into(dh_prev, da_t, true);
       continue;
     }
     masked_state_grad(da_t, w_hh, w_gates, mask, s.t, b, H, scratch,
@@ -98,7 +96,8 @@ void gru_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>&
 
 std::vector<Tensor> gru_forward(const Tensor& gates_x, const Tensor& h0, const Tensor& w_hh,
                                 const c10::optional<Tensor>& b_hh_opt, const c10::optional<Tensor>& mask_opt,
-                                const std::vector<int64_t>& batch_sizes, bool reverse) {
+                                const std::vector<int64_t>& batch_sizes, bool reverse,
+                                const c10::optional<Tensor>& w_packed) {
   check_inputs(gates_x, "gru_forward");
   const Tensor b_hh = b_hh_opt.has_value() ? *b_hh_opt : Tensor();
   const Tensor mask = mask_opt.has_value() ? mask_opt->contiguous() : Tensor();
@@ -118,7 +117,8 @@ std::vector<Tensor> gru_forward(const Tensor& gates_x, const Tensor& h0, const T
   }
   Tensor h_state = h0.contiguous().clone();
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gru_forward", [&] {
-    gru_forward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), x, w_t, gate_weights_t(w_t, mask), b_hh, a_buf,
+    gru_forward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), x, StepWeight{w_t, w_packed.value_or(Tensor())},
+                               gate_weights_t(w_t, mask), b_hh, a_buf,
                                acts, a_n, out, masked, h_state);
   });
   return {out, h_state, acts, a_n, masked};
@@ -129,7 +129,7 @@ std::vector<Tensor> gru_backward(const c10::optional<Tensor>& d_out, const c10::
                                  const Tensor& acts, const Tensor& a_n, const Tensor& out,
                                  const c10::optional<Tensor>& masked_opt, const Tensor& h0, const Tensor& w_hh,
                                  const c10::optional<Tensor>& mask_opt, const std::vector<int64_t>& batch_sizes,
-                                 bool reverse, std::vector<bool> needs) {
+                                 bool reverse, std::vector<bool> needs, const c10::optional<Tensor>& w_t_packed) {
   const Tensor mask = mask_opt.has_value() ? mask_opt->contiguous() : Tensor();
   const Tensor masked = masked_opt.has_value() ? *masked_opt : Tensor();
   const auto steps = running_order(batch_sizes, reverse);
@@ -145,7 +145,7 @@ std::vector<Tensor> gru_backward(const c10::optional<Tensor>& d_out, const c10::
   }
   const Tensor h0c = h0.contiguous();
   AT_DISPATCH_FLOATING_TYPES(acts.scalar_type(), "gru_backward", [&] {
-    gru_backward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), w_hh, acts, a_n, out, h0c, d_h, d_a, d_gates_x,
+    gru_backward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), StepWeight{w_hh, w_t_packed.value_or(Tensor())}, acts, a_n, out, h0c, d_h, d_a, d_gates_x,
                                 d_masked, dh_state);
   });
   if (d_gates_x.defined()) d_gates_x.narrow(1, 0, 2 * H).copy_(d_a.narrow(1, 0, 2 * H));

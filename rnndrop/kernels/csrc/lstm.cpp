@@ -11,9 +11,9 @@ namespace rnndrop {
 namespace {
 
 template <typename scalar_t>
-void lstm_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>& mask, const Tensor& w_t,
-                       const Tensor& w_t_gates, const Tensor& w_hr_t, Tensor acts, Tensor cells, Tensor tanh_cells, Tensor r,
-                       Tensor out, Tensor masked, Tensor h_state, Tensor c_state) {
+void lstm_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>& mask, const StepWeight& w_t,
+                       const Tensor& w_t_gates, const Tensor& w_hr_t, Tensor acts, Tensor cells, Tensor tanh_cells,
+                       Tensor r, Tensor out, Tensor masked, Tensor h_state, Tensor c_state) {
   const int64_t H = cells.size(1), P = out.size(1);
   const bool proj = w_hr_t.defined();
   scalar_t* a_base = acts.data_ptr<scalar_t>();
@@ -52,7 +52,7 @@ void lstm_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>&
 }
 
 template <typename scalar_t>
-void lstm_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>& mask, const Tensor& w_hh,
+void lstm_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>& mask, const StepWeight& w_hh,
                         const Tensor& w_hr, const Tensor& acts, const Tensor& cells, const Tensor& tanh_cells,
                         const Tensor& c0, Tensor d_h, Tensor d_gates, Tensor d_masked, Tensor dr_buf,
                         Tensor dh_state, Tensor dc_state) {
@@ -66,7 +66,7 @@ void lstm_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>
   scalar_t* dhs = dh_state.data_ptr<scalar_t>();
   scalar_t* dcs = dc_state.data_ptr<scalar_t>();
   const int64_t G = mask.data ? mask.row_size / P : 1;
-  const Tensor w_gates = G > 1 ? w_hh.reshape({G, -1, P}) : Tensor();
+  const Tensor w_gates = G > 1 ? w_hh.w.reshape({G, -1, P}) : Tensor();
   Tensor scratch = at::empty({G * dh_state.size(0) * P}, acts.options());
   for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
     const Step& s = *it;
@@ -88,7 +88,7 @@ void lstm_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>
     Tensor dz_t = d_gates.narrow(0, s.offset, b);
     Tensor dh_prev = dh_state.narrow(0, 0, b);
     if (!mask.data) {
-      at::mm_out(dh_prev, dz_t, w_hh);
+      w_hh.into(dh_prev, dz_t, false);
       continue;
     }
     masked_state_grad(dz_t, w_hh, w_gates, mask, s.t, b, P, scratch,
@@ -100,7 +100,8 @@ void lstm_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>
 
 std::vector<Tensor> lstm_forward(const Tensor& gates_x, const Tensor& h0, const Tensor& c0, const Tensor& w_hh,
                                  const c10::optional<Tensor>& w_hr_opt, const c10::optional<Tensor>& mask_opt,
-                                 const std::vector<int64_t>& batch_sizes, bool reverse) {
+                                 const std::vector<int64_t>& batch_sizes, bool reverse,
+                                 const c10::optional<Tensor>& w_packed) {
   check_inputs(gates_x, "lstm_forward");
   const Tensor w_hr = w_hr_opt.has_value() ? *w_hr_opt : Tensor();
   const Tensor mask = mask_opt.has_value() ? mask_opt->contiguous() : Tensor();
@@ -124,8 +125,9 @@ std::vector<Tensor> lstm_forward(const Tensor& gates_x, const Tensor& h0, const 
   Tensor h_state = h0.contiguous().clone();
   Tensor c_state = c0.contiguous().clone();
   AT_DISPATCH_FLOATING_TYPES(gates_x.scalar_type(), "lstm_forward", [&] {
-    lstm_forward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), w_t, gate_weights_t(w_t, mask), w_hr_t, acts, cells, tanh_cells, r, out,
-                                masked, h_state, c_state);
+    lstm_forward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), StepWeight{w_t, w_packed.value_or(Tensor())},
+                                gate_weights_t(w_t, mask), w_hr_t, acts, cells, tanh_cells, r, out, masked, h_state,
+                                c_state);
   });
   return {out, h_state, c_state, acts, cells, tanh_cells, w_hr.defined() ? r : Tensor(), masked};
 }
@@ -137,7 +139,7 @@ std::vector<Tensor> lstm_backward(const c10::optional<Tensor>& d_out, const c10:
                                   const c10::optional<Tensor>& masked_opt, const Tensor& h0, const Tensor& c0,
                                   const Tensor& w_hh, const c10::optional<Tensor>& w_hr_opt,
                                   const c10::optional<Tensor>& mask_opt, const std::vector<int64_t>& batch_sizes,
-                                  bool reverse, std::vector<bool> needs) {
+                                  bool reverse, std::vector<bool> needs, const c10::optional<Tensor>& w_t_packed) {
   const Tensor w_hr = w_hr_opt.has_value() ? *w_hr_opt : Tensor();
   const Tensor mask = mask_opt.has_value() ? mask_opt->contiguous() : Tensor();
   const Tensor masked = masked_opt.has_value() ? *masked_opt : Tensor();
@@ -155,7 +157,7 @@ std::vector<Tensor> lstm_backward(const c10::optional<Tensor>& d_out, const c10:
   Tensor dr_buf = w_hr.defined() ? at::empty({h0.size(0), H}, acts.options()) : Tensor();
   const Tensor c0c = c0.contiguous();
   AT_DISPATCH_FLOATING_TYPES(acts.scalar_type(), "lstm_backward", [&] {
-    lstm_backward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), w_hh, w_hr, acts, cells, tanh_cells, c0c, d_h,
+    lstm_backward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), StepWeight{w_hh, w_t_packed.value_or(Tensor())}, w_hr, acts, cells, tanh_cells, c0c, d_h,
                                  d_gates, d_masked, dr_buf, dh_state, dc_state);
   });
   Tensor d_w_hh, d_w_hr, d_mask;
