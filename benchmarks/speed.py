@@ -11,8 +11,9 @@ size (small 200, medium 650, large 1500), float32. Variants, for the LSTM and th
 - ``nn.LSTM`` / ``nn.GRU``: no dropout, the baseline every ratio is taken against;
 - ``<scope>/<kernel>``: ``VariationalLSTM/GRU`` with dropout_input, dropout (between
   layers), dropout_hidden and dropout_output all ``--p``, masks drawn afresh every call,
-  ``mask_scope`` sequence (Gal & Ghahramani) or step (naive), run by each loop kernel of
-  ``rnndrop.kernels.KERNELS`` (``*`` marks the one ``kernel="auto"`` picks);
+  ``mask_scope`` sequence (Gal & Ghahramani), step (naive), or ``gates``: sequence with
+  ``per_gate_masks=True``; run by each loop kernel of ``rnndrop.kernels.KERNELS``
+  (``--kernels``; ``*`` marks the one ``kernel="auto"`` runs here, also named in the header);
 - ``batch/fused``: ``mask_scope="batch"``: the recurrent mask is shared by the batch and
   folded into ``W_hh``, so torch's fused kernel runs;
 - ``weight_drop``: ``WeightDrop(nn.LSTM, every weight_hh, p)`` (DropConnect), when
@@ -47,7 +48,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from rnndrop import VariationalGRU, VariationalLSTM
-from rnndrop.kernels import DEFAULT_LOOP_KERNEL, KERNELS, get_kernel
+from rnndrop.kernels import KERNELS, auto_loop_kernel, get_kernel
 from rnndrop.kernels.matmul import onednn_enabled
 
 try:
@@ -59,17 +60,19 @@ SHAPES = {"small": 200, "medium": 650, "large": 1500}
 
 
 def build_variants(
-    model: str, hidden: int, layers: int, p: float, kernels: list[str]
+    model: str, hidden: int, layers: int, p: float, kernels: list[str], auto: str = ""
 ) -> dict[str, nn.Module]:
-    """The modules to time, baseline first."""
+    """The modules to time, baseline first (``auto``: the loop kernel ``kernel="auto"`` runs)."""
     base_cls, ours_cls = (nn.LSTM, VariationalLSTM) if model == "lstm" else (nn.GRU, VariationalGRU)
     probs = dict(dropout=p, dropout_input=p, dropout_hidden=p, dropout_output=p)
     variants: dict[str, nn.Module] = {f"nn.{base_cls.__name__}": base_cls(hidden, hidden, layers)}
-    for scope in ("sequence", "step"):
+    for scope in ("sequence", "step", "gates"):
+        per_gate = scope == "gates"
+        masks = dict(mask_scope="sequence" if per_gate else scope, per_gate_masks=per_gate)
         for kernel in kernels:
-            mark = "*" if kernel == DEFAULT_LOOP_KERNEL else ""
+            mark = "*" if kernel == auto else ""
             variants[f"{scope}/{kernel}{mark}"] = ours_cls(
-                hidden, hidden, layers, mask_scope=scope, kernel=kernel, **probs
+                hidden, hidden, layers, kernel=kernel, **masks, **probs
             )
     variants["batch/fused"] = ours_cls(hidden, hidden, layers, mask_scope="batch", **probs)
     if WeightDrop is not None:
@@ -124,7 +127,8 @@ def saved_bytes(module: nn.Module, x: torch.Tensor) -> int:
 def bench_shape(model: str, shape: str, args: argparse.Namespace, device: torch.device) -> list[dict]:
     hidden = SHAPES[shape]
     torch.manual_seed(0)
-    variants = build_variants(model, hidden, args.layers, args.p, args.kernels)
+    auto = auto_loop_kernel(torch.ones(1, device=device))
+    variants = build_variants(model, hidden, args.layers, args.p, args.kernels, auto)
     for m in variants.values():
         m.to(device).train()
     x = torch.randn(args.seq_len, args.batch, hidden, device=device)
@@ -379,7 +383,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{machine()}\n"
         f"device {device}, {torch.get_num_threads()} threads, "
         f"batch {args.batch}, seq {args.seq_len}, {args.layers} layers, p {args.p}, "
-        f"{args.rounds} rounds, load average {os.getloadavg()[0]:.2f}"
+        f"{args.rounds} rounds, load average {os.getloadavg()[0]:.2f}\n"
+        f"kernel='auto' runs the loop kernel {auto_loop_kernel(torch.ones(1, device=device))!r}"
     )
     print(header, flush=True)
     rows = []

@@ -139,13 +139,13 @@ class VariationalLSTM(VariationalRNNStack, nn.LSTM):
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
         """Path 3 (:meth:`VariationalRNNStack._layer_loop`): ``gates_x = W_ih x + b_ih + b_hh``
         for every step, then the LSTM kernel per direction."""
-        recurrence: LSTMRecurrence = KERNELS[self._loop_kernel]["lstm"]
         h0, c0 = states
         outs, finals = [], []
         for d, mask in enumerate(hidden):
             w = self._layer_weights(layer, d)
             bias = w["bias_ih"] + w["bias_hh"] if self.bias else None
             gates_x = input_projection(x, in_rows, w["weight_ih"], bias)
+            recurrence: LSTMRecurrence = KERNELS[self._loop_kernel(gates_x)]["lstm"]
             out, h, c = recurrence(
                 gates_x, layout.batch_sizes, h0[d], c0[d], w["weight_hh"], w.get("weight_hr"), mask, bool(d)
             )
@@ -223,12 +223,12 @@ class VariationalGRU(VariationalRNNStack, nn.GRU):
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
         """Path 3 (:meth:`VariationalRNNStack._layer_loop`): ``gates_x = W_ih x + b_ih`` for every
         step (``b_hh`` sits inside ``r * (W_hn h + b_hn)``), then the GRU kernel per direction."""
-        recurrence: GRURecurrence = KERNELS[self._loop_kernel]["gru"]
         (h0,) = states
         outs, finals = [], []
         for d, mask in enumerate(hidden):
             w = self._layer_weights(layer, d)
             gates_x = input_projection(x, in_rows, w["weight_ih"], w.get("bias_ih"))
+            recurrence: GRURecurrence = KERNELS[self._loop_kernel(gates_x)]["gru"]
             out, h = recurrence(
                 gates_x, layout.batch_sizes, h0[d], w["weight_hh"], w.get("bias_hh"), mask, bool(d)
             )

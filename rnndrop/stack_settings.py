@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import warnings
 
-from torch import nn
+from torch import Tensor, nn
 
 from rnndrop.cell_specs import CellSpec, loop_kernel_names
-from rnndrop.kernels import DEFAULT_LOOP_KERNEL
+from rnndrop.kernels import auto_loop_kernel
 from rnndrop.masks import MASK_SCOPES
 from rnndrop.noise import NOISES
 from rnndrop.stochastic import Stochastic
@@ -100,10 +100,11 @@ class StackSettings(Stochastic):
     def _out_size(self) -> int:
         return getattr(self, "proj_size", 0) or self.hidden_size
 
-    @property
-    def _loop_kernel(self) -> str:
-        """The name in :data:`rnndrop.kernels.KERNELS` of the loop kernel this layer runs."""
-        return DEFAULT_LOOP_KERNEL if self.kernel == "auto" else self.kernel
+    def _loop_kernel(self, gates_x: Tensor) -> str:
+        """The name in :data:`rnndrop.kernels.KERNELS` of the loop kernel this layer runs on
+        ``gates_x``: the one named, or for ``"auto"`` :func:`rnndrop.kernels.auto_loop_kernel`
+        (the compiled kernel on CPU where it builds; the autograd one under ``torch.func``)."""
+        return auto_loop_kernel(gates_x) if self.kernel == "auto" else self.kernel
 
     def is_stochastic(self) -> bool:
         return self._has_dropout()

@@ -14,7 +14,8 @@ from tests.helpers import assert_close
 
 pytestmark = pytest.mark.filterwarnings("ignore:LSTM with projections is not supported")
 
-FAST = [name for name in KERNELS if name != "autograd"]  # kernels checked against the reference
+# Kernels checked against the reference here ("compiled" needs a compiler: tests/test_compiled_kernel.py).
+FAST = [name for name in KERNELS if name not in ("autograd", "compiled")]
 I, H, T, B = 5, 6, 7, 4
 GATES = {"lstm": 4, "gru": 3}
 
@@ -254,7 +255,7 @@ def test_layer_passes_gradcheck_through_explicit_masks(name):
 
 
 def test_registry_is_keyed_by_kernel_and_cell():
-    assert set(KERNELS) == {"manual", "autograd"}
+    assert set(KERNELS) == {"manual", "autograd", "compiled"}
     assert DEFAULT_LOOP_KERNEL in KERNELS
     for name in KERNELS:
         assert {cell for cell in KERNELS[name]} == {"lstm", "gru"}

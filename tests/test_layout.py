@@ -136,8 +136,9 @@ def test_data_flows_one_way_through_the_layers():
     assert not upward_imports(), "\n".join(upward_imports())
 
 
-#: What a function may import inside its body: dependencies that are optional extras.
-OPTIONAL = ("matplotlib", "tqdm", "torch.utils.tensorboard", "datasets")
+#: What a function may import inside its body: dependencies that are optional extras, and torch's
+#: C++ extension builder (it imports setuptools: only the compiled kernel's build needs it).
+OPTIONAL = ("matplotlib", "tqdm", "torch.utils.tensorboard", "datasets", "torch.utils.cpp_extension")
 
 
 def imports_inside_functions() -> list[str]:

@@ -94,3 +94,20 @@ def test_torch_jit_script_refuses_with_one_line_naming_the_module(make):
     with pytest.raises(TypeError, match=r"cannot be compiled by torch.jit.script .* torch.compile") as error:
         torch.jit.script(make())
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("cls", [VariationalLSTM, VariationalGRU])
+def test_torch_func_grad_of_a_layer_with_masks_runs_the_autograd_kernel_and_equals_autograd(cls):
+    """kernel='auto' under torch.func.grad runs the loop kernel written in plain torch ops
+    (the hand-written backward passes are autograd Functions torch.func cannot run)."""
+    layer = cls(3, 4, num_layers=2, dropout_hidden=0.3, dropout=0.2)
+    x = torch.randn(5, 2, 3)
+    masks = layer.sample_masks(2)
+
+    def loss(parameters):
+        return functional_call(layer, parameters, (x,), {"masks": masks})[0].pow(2).sum()
+
+    got = grad(loss)({name: p.detach() for name, p in layer.named_parameters()})
+    loss(dict(layer.named_parameters())).backward()
+    for name, parameter in layer.named_parameters():
+        torch.testing.assert_close(got[name], parameter.grad, msg=name)

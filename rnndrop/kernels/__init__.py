@@ -28,7 +28,10 @@ Kernels, by name:
   and :mod:`rnndrop.kernels.gru`, with the row bookkeeping in
   :mod:`rnndrop.kernels.schedule` and the matrix products in :mod:`rnndrop.kernels.matmul`;
 - ``"autograd"``: the reference loop differentiated by autograd,
-  :mod:`rnndrop.kernels.reference` (about 2x slower on CPU; twice differentiable).
+  :mod:`rnndrop.kernels.reference` (about 2x slower on CPU; twice differentiable);
+- ``"compiled"``: the manual kernel's equations with the time loops in C++,
+  :mod:`rnndrop.kernels.compiled` (CPU, float32 / float64; built on first use).
+  ``kernel="auto"`` runs it where it can (:func:`auto_loop_kernel`).
 
 A new cell is one more file here, one more protocol and one more entry per kernel in
 :data:`KERNELS`; the step equations the cells share live in :mod:`rnndrop.kernels.gates`.
@@ -39,15 +42,17 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Protocol, TypedDict
 
+import torch
 from torch import Tensor
 
-from rnndrop.kernels import gru, lstm, reference
-from rnndrop.kernels.matmul import input_projection
+from rnndrop.kernels import compiled, gru, lstm, reference
+from rnndrop.kernels.matmul import functorch_wrapped, input_projection
 
 
 class LSTMRecurrence(Protocol):
     """What an LSTM loop kernel is: :func:`rnndrop.kernels.lstm.lstm_recurrence` (``"manual"``),
-    :func:`rnndrop.kernels.reference.lstm_recurrence` (``"autograd"``)."""
+    :func:`rnndrop.kernels.reference.lstm_recurrence` (``"autograd"``),
+    :func:`rnndrop.kernels.compiled.lstm_recurrence` (``"compiled"``)."""
 
     def __call__(
         self,
@@ -66,7 +71,8 @@ class LSTMRecurrence(Protocol):
 
 class GRURecurrence(Protocol):
     """What a GRU loop kernel is: :func:`rnndrop.kernels.gru.gru_recurrence` (``"manual"``),
-    :func:`rnndrop.kernels.reference.gru_recurrence` (``"autograd"``)."""
+    :func:`rnndrop.kernels.reference.gru_recurrence` (``"autograd"``),
+    :func:`rnndrop.kernels.compiled.gru_recurrence` (``"compiled"``)."""
 
     def __call__(
         self,
@@ -93,10 +99,24 @@ class CellKernels(TypedDict):
 KERNELS: Mapping[str, CellKernels] = {
     "manual": {"lstm": lstm.lstm_recurrence, "gru": gru.gru_recurrence},
     "autograd": {"lstm": reference.lstm_recurrence, "gru": reference.gru_recurrence},
+    "compiled": {"lstm": compiled.lstm_recurrence, "gru": compiled.gru_recurrence},
 }
 
-#: The loop kernel that ``kernel="auto"`` uses when the fused kernel cannot run.
+#: The loop kernel that ``kernel="auto"`` uses when the fused kernel cannot run and the
+#: compiled one cannot either (:func:`auto_loop_kernel`).
 DEFAULT_LOOP_KERNEL = "manual"
+
+
+def auto_loop_kernel(x: Tensor) -> str:
+    """The loop kernel ``kernel="auto"`` runs on tensors like ``x``: ``"autograd"`` inside a
+    ``torch.func`` transform (``grad``, ``vmap``, ...: the hand-written backward passes are
+    autograd Functions those transforms cannot run), ``"compiled"`` on CPU in float32 /
+    float64 where it can be built (the first call builds it), else :data:`DEFAULT_LOOP_KERNEL`."""
+    if functorch_wrapped(x):
+        return "autograd"
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and compiled.is_available():
+        return "compiled"
+    return DEFAULT_LOOP_KERNEL
 
 
 def get_kernel(name: str, cell: str) -> LSTMRecurrence | GRURecurrence:
@@ -115,6 +135,7 @@ __all__ = [
     "CellKernels",
     "GRURecurrence",
     "LSTMRecurrence",
+    "auto_loop_kernel",
     "get_kernel",
     "input_projection",
 ]

@@ -104,6 +104,13 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(b.t().contiguous(), a, None, "none", [], "").t()
 
 
+def functorch_wrapped(*tensors: Tensor) -> bool:
+    """Whether any of ``tensors`` is inside a ``torch.func`` transform (``grad``, ``vmap``, ...),
+    where autograd Functions without ``setup_context`` (this module's, the loop kernels') cannot run."""
+    is_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+    return is_wrapped is not None and any(is_wrapped(t) for t in tensors)
+
+
 class _Linear(torch.autograd.Function):
     """``x @ W^T + b`` with every product through :func:`matmul` / oneDNN."""
 
@@ -137,6 +144,7 @@ def input_projection(x: Tensor, mask: Tensor | None, weight: Tensor, bias: Tenso
     through oneDNN where :class:`StepWeight` uses it, else ``F.linear``. Twice
     differentiable either way.
     """
-    if mask is None and x.dim() == 2 and onednn_enabled(x) and weight.dtype == x.dtype:
+    if (mask is None and x.dim() == 2 and onednn_enabled(x) and weight.dtype == x.dtype
+            and not functorch_wrapped(x, weight)):
         return _Linear.apply(x.contiguous(), weight, bias)
     return masked_linear(x, mask, weight, bias)

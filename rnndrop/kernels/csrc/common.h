@@ -1,0 +1,226 @@
+// What the LSTM and GRU loops share: the order of the steps over packed rows, the
+// hidden mask of a row, the masked state, and the gradients that every cell derives
+// the same way (previous states, mask gradient). The equations are those of
+// rnndrop/kernels/lstm.py and gru.py.
+//
+// The recurrence keeps a state buffer of B rows (row k: sequence k). A step with b
+// rows reads rows 0..b-1 and writes them back: as the batch shrinks (forward) the
+// finished rows keep their last state, and in reverse direction rows not started yet
+// still hold the initial state. At the end the buffer is (h_n, c_n). The backward
+// pass runs the same buffer of gradients the other way.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "rows.h"
+
+namespace rnndrop {
+
+using at::Tensor;
+
+// One time step in running order: its time index, rows, first row in the packed
+// buffers, and how many of its rows continue rows of the step that ran before
+// (`prev_offset`: that step's first row); the others start from the initial state.
+struct Step {
+  int64_t t, size, offset, prev_offset, carried;
+};
+
+inline std::vector<Step> running_order(const std::vector<int64_t>& sizes, bool reverse) {
+  const int64_t T = static_cast<int64_t>(sizes.size());
+  std::vector<int64_t> offsets(T, 0);
+  for (int64_t t = 1; t < T; ++t) offsets[t] = offsets[t - 1] + sizes[t - 1];
+  std::vector<Step> steps;
+  steps.reserve(T);
+  for (int64_t k = 0; k < T; ++k) {
+    const int64_t t = reverse ? T - 1 - k : k;
+    if (k == 0) {
+      steps.push_back({t, sizes[t], offsets[t], 0, 0});
+    } else {
+      const Step& prev = steps.back();
+      steps.push_back({t, sizes[t], offsets[t], prev.offset, std::min(sizes[t], prev.size)});
+    }
+  }
+  return steps;
+}
+
+// x Wᵀ (+ add, + bias) through oneDNN's linear op (the op torch.compile emits for
+// nn.Linear on CPU), with `packed` a weight from mkldnn::_reorder_linear_weight.
+inline Tensor onednn_linear(const Tensor& x, const Tensor& packed, const Tensor& add, const Tensor& bias) {
+  static const auto plain = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  static const auto binary = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "binary");
+  const c10::IValue b = bias.defined() ? c10::IValue(bias) : c10::IValue();
+  std::vector<c10::IValue> stack;
+  if (add.defined()) {
+    stack = {x, add, packed, b, c10::IValue(std::string("add"))};
+    binary.callBoxed(&stack);
+  } else {
+    stack = {x, packed, b, c10::IValue(std::string("none")), c10::IValue(c10::List<std::optional<c10::Scalar>>()),
+             c10::IValue(std::string(""))};
+    plain.callBoxed(&stack);
+  }
+  return stack[0].toTensor();
+}
+
+// The weight of a step's product x @ w ([b, in] x [in, out]): through BLAS, or through
+// oneDNN when the Python side packed it (float32 and a large weight, where oneDNN's
+// packed products are faster, most of all with several threads).
+struct StepWeight {
+  Tensor w;       // [in, out]
+  Tensor packed;  // wᵀ packed by oneDNN, or undefined
+
+  // out = x @ w, + out when `accumulate`, + bias when defined.
+  void into(Tensor out, const Tensor& x, bool accumulate, const Tensor& bias = Tensor()) const {
+    if (packed.defined()) {
+      out.copy_(onednn_linear(x, packed, accumulate ? out : Tensor(), bias));
+    } else if (accumulate) {
+      out.addmm_(x, w);
+    } else if (bias.defined()) {
+      at::addmm_out(out, bias, x, w);
+    } else {
+      at::mm_out(out, x, w);
+    }
+  }
+};
+
+// The hidden mask [T', B', (G,) P] (contiguous): where the mask of step t and row k starts.
+template <typename scalar_t>
+struct MaskView {
+  const scalar_t* data = nullptr;
+  int64_t steps = 0, batch = 0, row_size = 0;  // row_size: G * P per gate, else P
+
+  explicit MaskView(const Tensor& mask) {
+    if (!mask.defined()) return;
+    data = mask.data_ptr<scalar_t>();
+    steps = mask.size(0);
+    batch = mask.size(1);
+    row_size = mask.numel() / (steps * batch);
+  }
+  const scalar_t* row(int64_t t, int64_t k) const {
+    return data + ((steps > 1 ? t : 0) * batch + (batch > 1 ? k : 0)) * row_size;
+  }
+};
+
+// m = h_prev * M for the rows of one step: [b, P] -> [b, (G,) P].
+template <typename scalar_t>
+inline void mask_state(const scalar_t* h, const MaskView<scalar_t>& mask, int64_t t, int64_t b, int64_t P,
+                       scalar_t* m) {
+  const int64_t G = mask.row_size / P;
+  for (int64_t k = 0; k < b; ++k) {
+    const scalar_t* mk = mask.row(t, k);
+    const scalar_t* hk = h + k * P;
+    scalar_t* out = m + k * G * P;
+    for (int64_t g = 0; g < G; ++g) rows::mul<scalar_t>(P, hk, mk + g * P, out + g * P);
+  }
+}
+
+// dh_prev = dm * M (one mask) or sum over gates of dm_g * M_g (per gate), for one step;
+// row k of dm, gate g, at dm + k * P + g * gate_stride.
+template <typename scalar_t>
+inline void unmask_grad(const scalar_t* dm, int64_t gate_stride, const MaskView<scalar_t>& mask, int64_t t,
+                        int64_t b, int64_t P, bool accumulate, scalar_t* dh) {
+  const int64_t G = mask.row_size / P;
+  for (int64_t k = 0; k < b; ++k) {
+    const scalar_t* mk = mask.row(t, k);
+    scalar_t* out = dh + k * P;
+    if (!accumulate) std::fill(out, out + P, scalar_t(0));
+    for (int64_t g = 0; g < G; ++g) rows::add_mul<scalar_t>(P, dm + k * P + g * gate_stride, mk + g * P, out);
+  }
+}
+
+// One step of the backward pass through the masked product: dm = dz W (per gate
+// dm_g = dz_g W_g, one batched product with w_gates = W viewed [G, H, P]), then
+// dh_prev (+)= dm * M. `scratch` holds at least G * B * P elements; `d_masked_rows`
+// ([b, (G,) P], or undefined) receives dm for the mask's gradient.
+template <typename scalar_t>
+inline void masked_state_grad(const Tensor& d_z, const StepWeight& w, const Tensor& w_gates,
+                              const MaskView<scalar_t>& mask, int64_t t, int64_t b, int64_t P, Tensor& scratch,
+                              Tensor d_masked_rows, bool accumulate, scalar_t* dh) {
+  const int64_t G = mask.row_size / P;
+  Tensor flat = scratch.narrow(0, 0, G * b * P);
+  Tensor dm = G == 1 ? flat.view({b, P}) : flat.view({G, b, P});
+  if (G == 1) {
+    w.into(dm, d_z, false);
+  } else {
+    at::bmm_out(dm, d_z.view({b, G, -1}).transpose(0, 1), w_gates);
+  }
+  if (d_masked_rows.defined()) d_masked_rows.copy_(G == 1 ? dm : dm.transpose(0, 1));
+  unmask_grad(flat.data_ptr<scalar_t>(), b * P, mask, t, b, P, accumulate, dh);
+}
+
+// The state every row started its step from: [N, X] from the rows of all steps and
+// the initial state [B, X].
+inline Tensor gather_previous(const Tensor& rows, const Tensor& init, const std::vector<Step>& steps) {
+  Tensor out = at::empty_like(rows);
+  for (const Step& s : steps) {
+    if (s.carried) out.narrow(0, s.offset, s.carried).copy_(rows.narrow(0, s.prev_offset, s.carried));
+    if (s.size > s.carried)
+      out.narrow(0, s.offset + s.carried, s.size - s.carried).copy_(init.narrow(0, s.carried, s.size - s.carried));
+  }
+  return out;
+}
+
+// dM [T', B', (G,) P]: the sum of dm * h_prev over the rows that share a mask.
+template <typename scalar_t>
+inline Tensor mask_grad(const Tensor& mask, const Tensor& d_masked, const Tensor& h_prev,
+                        const std::vector<Step>& steps) {
+  Tensor d_mask = at::zeros_like(mask);
+  MaskView<scalar_t> view(mask);
+  scalar_t* base = d_mask.data_ptr<scalar_t>();
+  const scalar_t* dm = d_masked.data_ptr<scalar_t>();
+  const scalar_t* h = h_prev.data_ptr<scalar_t>();
+  const int64_t P = h_prev.size(1), G = view.row_size / P;
+  for (const Step& s : steps) {
+    for (int64_t k = 0; k < s.size; ++k) {
+      const int64_t row = s.offset + k;
+      scalar_t* out = base + (view.row(s.t, k) - view.data);
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t p = 0; p < P; ++p) out[g * P + p] += dm[(row * G + g) * P + p] * h[row * P + p];
+    }
+  }
+  return d_mask;
+}
+
+// dW_hh = sum over rows of dz mᵀ: [N, G * H] and [N, P] (or per gate [N, G, P]) -> [G * H, P].
+inline Tensor weight_grad(const Tensor& d_z, const Tensor& m) {
+  if (m.dim() == 2) return at::mm(d_z.t(), m);
+  const int64_t G = m.size(1), H = d_z.size(1) / G;
+  Tensor d_w = at::empty({G * H, m.size(2)}, d_z.options());
+  for (int64_t g = 0; g < G; ++g) {
+    Tensor d_w_g = d_w.narrow(0, g * H, H);
+    at::mm_out(d_w_g, d_z.narrow(1, g * H, H).t(), m.select(1, g));
+  }
+  return d_w;
+}
+
+// z += m Wᵀ for one step: m [b, P] with w_t = Wᵀ [P, G * H], or per gate m [b, G, P]
+// with w_t_gates = the Wᵀ of every gate [G, P, H] (one batched product into z's gate blocks).
+inline void add_recurrent_product(Tensor z, const Tensor& m, const StepWeight& w_t, const Tensor& w_t_gates) {
+  if (m.dim() == 2) {
+    w_t.into(z, m, true);
+    return;
+  }
+  const int64_t b = z.size(0), G = m.size(1);
+  z.view({b, G, -1}).transpose(0, 1).baddbmm_(m.transpose(0, 1), w_t_gates);
+}
+
+// Wᵀ of every gate, [G, P, H], from Wᵀ [P, G * H] (per-gate masks), else undefined.
+inline Tensor gate_weights_t(const Tensor& w_t, const Tensor& mask) {
+  if (!mask.defined() || mask.dim() == 3) return Tensor();
+  const int64_t G = mask.size(2), P = w_t.size(0);
+  return w_t.view({P, G, -1}).permute({1, 0, 2}).contiguous();
+}
+
+inline void check_inputs(const Tensor& x, const char* who) {
+  TORCH_CHECK(x.device().is_cpu(), who, ": the compiled kernel runs on CPU tensors only, got ", x.device(),
+              " (use kernel='manual')");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble, who,
+              ": the compiled kernel takes float32 or float64, got ", x.scalar_type());
+}
+
+}  // namespace rnndrop

@@ -1,0 +1,164 @@
+// The GRU recurrence, forward and backward, each one loop over time in C++. The
+// equations are those of rnndrop/kernels/gru.py. Per step: one matrix product
+// a = W_hh m + b_hh, then passes over the step's rows with two ATen σ calls (r and z;
+// n's tanh as 2σ(2x) - 1).
+#include "common.h"
+
+namespace rnndrop {
+
+namespace {
+
+template <typename scalar_t>
+void gru_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>& mask, const Tensor& gates_x,
+                      const StepWeight& w_t, const Tensor& w_t_gates, const Tensor& b_hh, Tensor a_buf, Tensor acts,
+                      Tensor a_n, Tensor out, Tensor masked, Tensor h_state) {
+  const int64_t H = out.size(1);
+  const scalar_t* x_base = gates_x.data_ptr<scalar_t>();
+  scalar_t* act_base = acts.data_ptr<scalar_t>();
+  scalar_t* an_base = a_n.data_ptr<scalar_t>();
+  scalar_t* out_base = out.data_ptr<scalar_t>();
+  scalar_t* hs = h_state.data_ptr<scalar_t>();
+  const scalar_t* a_ptr = a_buf.data_ptr<scalar_t>();
+  for (const Step& s : steps) {
+    const int64_t b = s.size;
+    Tensor m = h_state.narrow(0, 0, b);
+    if (mask.data) {
+      m = masked.narrow(0, s.offset, b);
+      mask_state(hs, mask, s.t, b, H, m.data_ptr<scalar_t>());
+    }
+    Tensor a = a_buf.narrow(0, 0, b);  // W_hh m + b_hh
+    if (m.dim() == 2) {
+      w_t.into(a, m, false, b_hh);
+    } else {
+      b_hh.defined() ? a.copy_(b_hh.expand({b, 3 * H})) : a.zero_();
+      add_recurrent_product(a, m, w_t, w_t_gates);
+    }
+    for (int64_t k = 0; k < b; ++k) {  // pre-activations of r and z
+      const int64_t row = (s.offset + k) * 3 * H;
+      rows::add<scalar_t>(2 * H, x_base + row, a_ptr + k * 3 * H, act_base + row);
+    }
+    Tensor act_t = acts.narrow(0, s.offset, b);
+    act_t.narrow(1, 0, 2 * H).sigmoid_();
+    for (int64_t k = 0; k < b; ++k) {  // 2 (x_n + r a_n), for tanh
+      const int64_t row = (s.offset + k) * 3 * H;
+      rows::gru_candidate<scalar_t>(H, x_base + row + 2 * H, act_base + row, a_ptr + k * 3 * H + 2 * H,
+                                    an_base + (s.offset + k) * H, act_base + row + 2 * H);
+    }
+    act_t.narrow(1, 2 * H, H).sigmoid_();
+    for (int64_t k = 0; k < b; ++k) {  // n = 2σ - 1, h = n + z (h_prev - n)
+      const int64_t row = (s.offset + k) * 3 * H;
+      rows::gru_output<scalar_t>(H, act_base + row + H, act_base + row + 2 * H, out_base + (s.offset + k) * H,
+                                 hs + k * H);
+    }
+  }
+}
+
+template <typename scalar_t>
+void gru_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>& mask, const StepWeight& w_hh,
+                       const Tensor& acts, const Tensor& a_n, const Tensor& out, const Tensor& h0, Tensor d_h,
+                       Tensor d_a, Tensor d_gates_x, Tensor d_masked, Tensor dh_state) {
+  const int64_t H = out.size(1);
+  const scalar_t* act_base = acts.data_ptr<scalar_t>();
+  const scalar_t* an_base = a_n.data_ptr<scalar_t>();
+  const scalar_t* out_base = out.data_ptr<scalar_t>();
+  const scalar_t* h0_base = h0.data_ptr<scalar_t>();
+  const scalar_t* dh_base = d_h.data_ptr<scalar_t>();
+  scalar_t* da_base = d_a.data_ptr<scalar_t>();
+  scalar_t* dgx_base = d_gates_x.defined() ? d_gates_x.data_ptr<scalar_t>() : nullptr;
+  scalar_t* dhs = dh_state.data_ptr<scalar_t>();
+  const int64_t G = mask.data ? mask.row_size / H : 1;
+  const Tensor w_gates = G > 1 ? w_hh.w.reshape({G, -1, H}) : Tensor();
+  Tensor scratch = at::empty({G * dh_state.size(0) * H}, acts.options());
+  std::vector<scalar_t> dn_pre_row(dgx_base ? 0 : H);  // where dn_pre goes when dx̂ is not wanted
+  scalar_t* dn_scratch = dn_pre_row.data();
+  for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
+    const Step& s = *it;
+    const int64_t b = s.size;
+    for (int64_t k = 0; k < b; ++k) {
+      const int64_t row = s.offset + k;
+      const scalar_t* h_prev = k < s.carried ? out_base + (s.prev_offset + k) * H : h0_base + k * H;
+      scalar_t* dn_pre = dgx_base ? dgx_base + row * 3 * H + 2 * H : dn_scratch;
+      rows::gru_grad<scalar_t>(H, act_base + row * 3 * H, an_base + row * H, h_prev, dh_base + row * H, dhs + k * H,
+                               da_base + row * 3 * H, dn_pre);
+    }
+    Tensor da_t = d_a.narrow(0, s.offset, b);
+    Tensor dh_prev = dh_state.narrow(0, 0, b);
+    if (!mask.data) {
+      w_hh.into(dh_prev, da_t, true);
+      continue;
+    }
+    masked_state_grad(da_t, w_hh, w_gates, mask, s.t, b, H, scratch,
+                      d_masked.defined() ? d_masked.narrow(0, s.offset, b) : Tensor(), true, dhs);
+  }
+}
+
+}  // namespace
+
+std::vector<Tensor> gru_forward(const Tensor& gates_x, const Tensor& h0, const Tensor& w_hh,
+                                const c10::optional<Tensor>& b_hh_opt, const c10::optional<Tensor>& mask_opt,
+                                const std::vector<int64_t>& batch_sizes, bool reverse,
+                                const c10::optional<Tensor>& w_packed) {
+  check_inputs(gates_x, "gru_forward");
+  const Tensor b_hh = b_hh_opt.has_value() ? *b_hh_opt : Tensor();
+  const Tensor mask = mask_opt.has_value() ? mask_opt->contiguous() : Tensor();
+  const auto steps = running_order(batch_sizes, reverse);
+  const int64_t N = gates_x.size(0), H = h0.size(1), B = h0.size(0);
+  const Tensor x = gates_x.contiguous();
+  Tensor w_t = w_hh.t().contiguous();  // [H, 3H]
+  Tensor acts = at::empty({N, 3 * H}, x.options());
+  Tensor a_n = at::empty({N, H}, x.options());
+  Tensor out = at::empty({N, H}, x.options());
+  Tensor a_buf = at::empty({B, 3 * H}, x.options());
+  Tensor masked;
+  if (mask.defined()) {
+    std::vector<int64_t> shape{N};
+    for (int64_t d = 2; d < mask.dim(); ++d) shape.push_back(mask.size(d));
+    masked = at::empty(shape, x.options());
+  }
+  Tensor h_state = h0.contiguous().clone();
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gru_forward", [&] {
+    gru_forward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), x, StepWeight{w_t, w_packed.value_or(Tensor())},
+                               gate_weights_t(w_t, mask), b_hh, a_buf,
+                               acts, a_n, out, masked, h_state);
+  });
+  return {out, h_state, acts, a_n, masked};
+}
+
+// Gradients of (gates_x, h0, w_hh, b_hh, mask); undefined where not wanted.
+std::vector<Tensor> gru_backward(const c10::optional<Tensor>& d_out, const c10::optional<Tensor>& d_hn,
+                                 const Tensor& acts, const Tensor& a_n, const Tensor& out,
+                                 const c10::optional<Tensor>& masked_opt, const Tensor& h0, const Tensor& w_hh,
+                                 const c10::optional<Tensor>& mask_opt, const std::vector<int64_t>& batch_sizes,
+                                 bool reverse, std::vector<bool> needs, const c10::optional<Tensor>& w_t_packed) {
+  const Tensor mask = mask_opt.has_value() ? mask_opt->contiguous() : Tensor();
+  const Tensor masked = masked_opt.has_value() ? *masked_opt : Tensor();
+  const auto steps = running_order(batch_sizes, reverse);
+  const int64_t N = acts.size(0), H = out.size(1);
+  Tensor d_h = d_out.has_value() ? d_out->contiguous() : at::zeros_like(out);
+  Tensor dh_state = d_hn.has_value() ? d_hn->contiguous().clone() : at::zeros_like(h0);
+  Tensor d_a = at::empty({N, 3 * H}, acts.options());
+  Tensor d_gates_x = needs[0] ? at::empty({N, 3 * H}, acts.options()) : Tensor();
+  const bool need_mask = needs[4] && mask.defined();
+  Tensor d_masked;  // dm of every row, when the mask's gradient is wanted
+  if (mask.defined()) {
+    d_masked = need_mask ? at::empty_like(masked) : Tensor();
+  }
+  const Tensor h0c = h0.contiguous();
+  AT_DISPATCH_FLOATING_TYPES(acts.scalar_type(), "gru_backward", [&] {
+    gru_backward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), StepWeight{w_hh, w_t_packed.value_or(Tensor())}, acts, a_n, out, h0c, d_h, d_a, d_gates_x,
+                                d_masked, dh_state);
+  });
+  if (d_gates_x.defined()) d_gates_x.narrow(1, 0, 2 * H).copy_(d_a.narrow(1, 0, 2 * H));
+  Tensor d_w_hh, d_b_hh, d_mask, h_prev;
+  if ((needs[2] && !mask.defined()) || need_mask) h_prev = gather_previous(out, h0c, steps);
+  if (needs[2]) d_w_hh = weight_grad(d_a, mask.defined() ? masked : h_prev);
+  if (needs[3]) d_b_hh = d_a.sum(0);
+  if (need_mask) {
+    AT_DISPATCH_FLOATING_TYPES(acts.scalar_type(), "gru_mask_grad", [&] {
+      d_mask = mask_grad<scalar_t>(mask, d_masked, h_prev, steps);
+    });
+  }
+  return {d_gates_x, dh_state, d_w_hh, d_b_hh, d_mask};
+}
+
+}  // namespace rnndrop

@@ -1,0 +1,176 @@
+// The LSTM recurrence, forward and backward, each one loop over time in C++. The
+// equations are those of rnndrop/kernels/lstm.py. Per step: one matrix product into
+// the step's rows of the gate buffer (which already hold the input projection), σ
+// over the whole [b, 4H] row through ATen, then one pass over the row for g, c,
+// tanh(c) (as 2σ(2c) - 1, one more ATen σ) and h. tanh(z_g) is 2σ(2 z_g) - 1 too:
+// the g columns of the input projection and of W_hh are doubled once per call.
+#include "common.h"
+
+namespace rnndrop {
+
+namespace {
+
+template <typename scalar_t>
+void lstm_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>& mask, const StepWeight& w_t,
+                       const Tensor& w_t_gates, const Tensor& w_hr_t, Tensor acts, Tensor cells, Tensor tanh_cells,
+                       Tensor r, Tensor out, Tensor masked, Tensor h_state, Tensor c_state) {
+  const int64_t H = cells.size(1), P = out.size(1);
+  const bool proj = w_hr_t.defined();
+  scalar_t* a_base = acts.data_ptr<scalar_t>();
+  scalar_t* c_base = cells.data_ptr<scalar_t>();
+  scalar_t* tc_base = tanh_cells.data_ptr<scalar_t>();
+  scalar_t* r_base = r.data_ptr<scalar_t>();
+  scalar_t* hs = h_state.data_ptr<scalar_t>();
+  scalar_t* cs = c_state.data_ptr<scalar_t>();
+  for (const Step& s : steps) {
+    const int64_t b = s.size;
+    Tensor m = h_state.narrow(0, 0, b);
+    if (mask.data) {
+      m = masked.narrow(0, s.offset, b);
+      mask_state(hs, mask, s.t, b, P, m.data_ptr<scalar_t>());
+    }
+    Tensor z = acts.narrow(0, s.offset, b);
+    add_recurrent_product(z, m, w_t, w_t_gates);
+    z.sigmoid_();
+    for (int64_t k = 0; k < b; ++k) {  // g = 2σ - 1, c = f c_prev + i g; 2c for tanh(c)
+      scalar_t* a = a_base + (s.offset + k) * 4 * H;
+      const int64_t row = (s.offset + k) * H;
+      rows::lstm_cell<scalar_t>(H, a, a + H, a + 2 * H, cs + k * H, c_base + row, tc_base + row);
+    }
+    tanh_cells.narrow(0, s.offset, b).sigmoid_();
+    for (int64_t k = 0; k < b; ++k) {  // tanh(c) = 2σ(2c) - 1, r = o tanh(c); the state moves on
+      const int64_t row = (s.offset + k) * H;
+      rows::lstm_output<scalar_t>(H, a_base + (s.offset + k) * 4 * H + 3 * H, c_base + row, tc_base + row,
+                                  r_base + row, cs + k * H, proj ? nullptr : hs + k * H);
+    }
+    if (proj) {
+      Tensor out_t = out.narrow(0, s.offset, b);
+      at::mm_out(out_t, r.narrow(0, s.offset, b), w_hr_t);
+      h_state.narrow(0, 0, b).copy_(out_t);
+    }
+  }
+}
+
+template <typename scalar_t>
+void lstm_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>& mask, const StepWeight& w_hh,
+                        const Tensor& w_hr, const Tensor& acts, const Tensor& cells, const Tensor& tanh_cells,
+                        const Tensor& c0, Tensor d_h, Tensor d_gates, Tensor d_masked, Tensor dr_buf,
+                        Tensor dh_state, Tensor dc_state) {
+  const int64_t H = cells.size(1), P = d_h.size(1);
+  const bool proj = w_hr.defined();
+  const scalar_t* a_base = acts.data_ptr<scalar_t>();
+  const scalar_t* c_base = cells.data_ptr<scalar_t>();
+  const scalar_t* tc_base = tanh_cells.data_ptr<scalar_t>();
+  const scalar_t* c0_base = c0.data_ptr<scalar_t>();
+  scalar_t* dz_base = d_gates.data_ptr<scalar_t>();
+  scalar_t* dhs = dh_state.data_ptr<scalar_t>();
+  scalar_t* dcs = dc_state.data_ptr<scalar_t>();
+  const int64_t G = mask.data ? mask.row_size / P : 1;
+  const Tensor w_gates = G > 1 ? w_hh.w.reshape({G, -1, P}) : Tensor();
+  Tensor scratch = at::empty({G * dh_state.size(0) * P}, acts.options());
+  for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
+    const Step& s = *it;
+    const int64_t b = s.size;
+    Tensor dh = d_h.narrow(0, s.offset, b);
+    dh.add_(dh_state.narrow(0, 0, b));  // dh_t: the output's gradient and what later steps sent back
+    Tensor dr = dh;
+    if (proj) {
+      dr = dr_buf.narrow(0, 0, b);
+      at::mm_out(dr, dh, w_hr);
+    }
+    const scalar_t* dr_base = dr.data_ptr<scalar_t>();
+    for (int64_t k = 0; k < b; ++k) {
+      const int64_t row = s.offset + k;
+      const scalar_t* c_prev = k < s.carried ? c_base + (s.prev_offset + k) * H : c0_base + k * H;
+      rows::lstm_grad<scalar_t>(H, a_base + row * 4 * H, tc_base + row * H, c_prev, dr_base + k * H, dcs + k * H,
+                                dz_base + row * 4 * H);
+    }
+    Tensor dz_t = d_gates.narrow(0, s.offset, b);
+    Tensor dh_prev = dh_state.narrow(0, 0, b);
+    if (!mask.data) {
+      w_hh.into(dh_prev, dz_t, false);
+      continue;
+    }
+    masked_state_grad(dz_t, w_hh, w_gates, mask, s.t, b, P, scratch,
+                      d_masked.defined() ? d_masked.narrow(0, s.offset, b) : Tensor(), false, dhs);
+  }
+}
+
+}  // namespace
+
+std::vector<Tensor> lstm_forward(const Tensor& gates_x, const Tensor& h0, const Tensor& c0, const Tensor& w_hh,
+                                 const c10::optional<Tensor>& w_hr_opt, const c10::optional<Tensor>& mask_opt,
+                                 const std::vector<int64_t>& batch_sizes, bool reverse,
+                                 const c10::optional<Tensor>& w_packed) {
+  check_inputs(gates_x, "lstm_forward");
+  const Tensor w_hr = w_hr_opt.has_value() ? *w_hr_opt : Tensor();
+  const Tensor mask = mask_opt.has_value() ? mask_opt->contiguous() : Tensor();
+  const auto steps = running_order(batch_sizes, reverse);
+  const int64_t N = gates_x.size(0), H = c0.size(1), P = h0.size(1);
+  Tensor acts = gates_x.contiguous().clone();
+  acts.narrow(1, 2 * H, H).mul_(2);
+  Tensor w_t = w_hh.t().contiguous();  // [P, 4H], the g columns doubled
+  w_t.narrow(1, 2 * H, H).mul_(2);
+  Tensor w_hr_t = w_hr.defined() ? w_hr.t().contiguous() : Tensor();
+  Tensor cells = at::empty({N, H}, gates_x.options());
+  Tensor tanh_cells = at::empty({N, H}, gates_x.options());
+  Tensor out = at::empty({N, P}, gates_x.options());
+  Tensor r = w_hr.defined() ? at::empty({N, H}, gates_x.options()) : out;
+  Tensor masked;
+  if (mask.defined()) {
+    std::vector<int64_t> shape{N};
+    for (int64_t d = 2; d < mask.dim(); ++d) shape.push_back(mask.size(d));
+    masked = at::empty(shape, gates_x.options());
+  }
+  Tensor h_state = h0.contiguous().clone();
+  Tensor c_state = c0.contiguous().clone();
+  AT_DISPATCH_FLOATING_TYPES(gates_x.scalar_type(), "lstm_forward", [&] {
+    lstm_forward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), StepWeight{w_t, w_packed.value_or(Tensor())},
+                                gate_weights_t(w_t, mask), w_hr_t, acts, cells, tanh_cells, r, out, masked, h_state,
+                                c_state);
+  });
+  return {out, h_state, c_state, acts, cells, tanh_cells, w_hr.defined() ? r : Tensor(), masked};
+}
+
+// Gradients of (gates_x, h0, c0, w_hh, w_hr, mask); undefined where not wanted.
+std::vector<Tensor> lstm_backward(const c10::optional<Tensor>& d_out, const c10::optional<Tensor>& d_hn,
+                                  const c10::optional<Tensor>& d_cn, const Tensor& acts, const Tensor& cells,
+                                  const Tensor& tanh_cells, const Tensor& out, const c10::optional<Tensor>& r_opt,
+                                  const c10::optional<Tensor>& masked_opt, const Tensor& h0, const Tensor& c0,
+                                  const Tensor& w_hh, const c10::optional<Tensor>& w_hr_opt,
+                                  const c10::optional<Tensor>& mask_opt, const std::vector<int64_t>& batch_sizes,
+                                  bool reverse, std::vector<bool> needs, const c10::optional<Tensor>& w_t_packed) {
+  const Tensor w_hr = w_hr_opt.has_value() ? *w_hr_opt : Tensor();
+  const Tensor mask = mask_opt.has_value() ? mask_opt->contiguous() : Tensor();
+  const Tensor masked = masked_opt.has_value() ? *masked_opt : Tensor();
+  const auto steps = running_order(batch_sizes, reverse);
+  const int64_t N = acts.size(0), H = cells.size(1);
+  Tensor d_h = d_out.has_value() ? d_out->contiguous().clone() : at::zeros_like(out);
+  Tensor dh_state = d_hn.has_value() ? d_hn->contiguous().clone() : at::zeros_like(h0);
+  Tensor dc_state = d_cn.has_value() ? d_cn->contiguous().clone() : at::zeros_like(c0);
+  Tensor d_gates = at::empty({N, 4 * H}, acts.options());
+  const bool need_mask = needs[5] && mask.defined();
+  Tensor d_masked;  // dm of every row, when the mask's gradient is wanted
+  if (mask.defined()) {
+    d_masked = need_mask ? at::empty_like(masked) : Tensor();
+  }
+  Tensor dr_buf = w_hr.defined() ? at::empty({h0.size(0), H}, acts.options()) : Tensor();
+  const Tensor c0c = c0.contiguous();
+  AT_DISPATCH_FLOATING_TYPES(acts.scalar_type(), "lstm_backward", [&] {
+    lstm_backward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), StepWeight{w_hh, w_t_packed.value_or(Tensor())}, w_hr, acts, cells, tanh_cells, c0c, d_h,
+                                 d_gates, d_masked, dr_buf, dh_state, dc_state);
+  });
+  Tensor d_w_hh, d_w_hr, d_mask;
+  Tensor h_prev;
+  if ((needs[3] && !mask.defined()) || need_mask) h_prev = gather_previous(out, h0.contiguous(), steps);
+  if (needs[3]) d_w_hh = weight_grad(d_gates, mask.defined() ? masked : h_prev);
+  if (needs[4] && w_hr.defined()) d_w_hr = at::mm(d_h.t(), *r_opt);
+  if (need_mask) {
+    AT_DISPATCH_FLOATING_TYPES(acts.scalar_type(), "lstm_mask_grad", [&] {
+      d_mask = mask_grad<scalar_t>(mask, d_masked, h_prev, steps);
+    });
+  }
+  return {d_gates, dh_state, dc_state, d_w_hh, d_w_hr, d_mask};
+}
+
+}  // namespace rnndrop

@@ -1,0 +1,238 @@
+"""The "compiled" loop kernel (C++ time loops): against the reference kernel, nn.LSTM / nn.GRU
+and the autograd layer; kernel="auto" picks it on CPU; without it, "manual" runs after one warning.
+
+The extension is built (or loaded from torch's cache) once per session by ``compiled_kernel``.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from rnndrop import VariationalGRU, VariationalLSTM
+from rnndrop.kernels import auto_loop_kernel, compiled, get_kernel
+from tests import test_kernels as shared
+from tests.helpers import assert_close
+
+pytestmark = pytest.mark.filterwarnings("ignore:LSTM with projections is not supported")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled_kernel():
+    """Build or load the extension; CI has g++ and ninja, so not having it is a failure."""
+    try:
+        compiled.build()
+    except RuntimeError as error:
+        pytest.fail(f"the compiled kernel must build here: {error}")
+
+
+# ------------------------------------------------ the kernel against the reference kernel
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_matches_reference_kernel_in_float64(kind, reverse):
+    """Every packed layout, mask shape (shared / per gate, T' and B' in {1, full}), projection,
+    with and without the mask's gradient: outputs, final states, gradients of every input."""
+    shared.test_kernel_matches_reference_kernel("compiled", kind, reverse)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_gru_without_recurrent_bias_matches_reference_kernel(reverse):
+    for batch_sizes in shared.BATCH_SIZES:
+        for mask_shape in (None, ("T", "B", "P"), (1, "B", "G", "P")):
+            args = shared.kernel_inputs("gru", batch_sizes, mask_shape, 0)
+            args[3] = None  # b_hh
+            ours = shared.run_kernel("compiled", "gru", batch_sizes, args, reverse)
+            ref = shared.run_kernel("autograd", "gru", batch_sizes, args, reverse)
+            assert len(ours[1]) == len(ref[1])
+            assert_close(ours, ref, atol=1e-10, rtol=1e-8, msg=f"{batch_sizes} {mask_shape}")
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_matches_reference_kernel_in_float32(kind):
+    """At 1e-5, with weights on nn.LSTM's scale (1 / sqrt(size)): unscaled random weights
+    saturate the gates and amplify float32 rounding differences beyond it."""
+    cases = [
+        ([4, 3, 3, 1], (1, "B", "P"), 0, False),
+        ([3, 3, 2], ("T", "B", "G", "P"), 0, True),
+        ([4, 4, 2], None, 3, True),
+        ([5, 5, 5], ("T", 1, "P"), 3, False),
+    ]
+    for batch_sizes, mask_shape, proj, reverse in cases:
+        if kind == "gru" and proj:
+            continue
+        args = shared.kernel_inputs(kind, batch_sizes, mask_shape, proj, dtype=torch.float32, H=40)
+        with torch.no_grad():
+            for weight in args[3:5] if kind == "lstm" else args[2:3]:
+                if weight is not None:
+                    weight /= weight.shape[1] ** 0.5
+        ours = shared.run_kernel("compiled", kind, batch_sizes, args, reverse)
+        ref = shared.run_kernel("autograd", kind, batch_sizes, args, reverse)
+        assert_close(ours, ref, atol=1e-5, rtol=1e-5, msg=f"{batch_sizes} mask {mask_shape} proj {proj}")
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_matches_reference_kernel_with_two_threads(kind):
+    """Wide rows (H 256) with two threads, where ATen may run the step's products and σ threaded."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for mask_shape in (None, ("T", "B", "G", "P")):
+            args = shared.kernel_inputs(kind, [8, 8, 5], mask_shape, 0, H=256)
+            for reverse in (False, True):
+                ours = shared.run_kernel("compiled", kind, [8, 8, 5], args, reverse)
+                ref = shared.run_kernel("autograd", kind, [8, 8, 5], args, reverse)
+                assert_close(ours, ref, atol=1e-10, rtol=1e-8, msg=f"{mask_shape} reverse {reverse}")
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_onednn_products_match_reference_kernel(kind, monkeypatch):
+    """The oneDNN path of the step products (large float32 weights with several threads; here
+    every weight)."""
+    monkeypatch.setattr(compiled, "ONEDNN_MIN_WEIGHT", 0)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    for batch_sizes, mask_shape, reverse in [([4, 3, 3, 1], (1, "B", "P"), False), ([3, 3, 2], None, True)]:
+        args = shared.kernel_inputs(kind, batch_sizes, mask_shape, 0, dtype=torch.float32, H=40)
+        with torch.no_grad():
+            weight = args[3] if kind == "lstm" else args[2]
+            weight /= weight.shape[1] ** 0.5
+        assert compiled._packed(weight, None) is not None
+        ours = shared.run_kernel("compiled", kind, batch_sizes, args, reverse)
+        ref = shared.run_kernel("autograd", kind, batch_sizes, args, reverse)
+        assert_close(ours, ref, atol=1e-5, rtol=1e-5, msg=f"{batch_sizes} mask {mask_shape}")
+        if kind == "gru":
+            args[3] = None  # no b_hh
+            ours = shared.run_kernel("compiled", kind, batch_sizes, args, reverse)
+            ref = shared.run_kernel("autograd", kind, batch_sizes, args, reverse)
+            assert_close(ours, ref, atol=1e-5, rtol=1e-5, msg=f"no bias {batch_sizes} mask {mask_shape}")
+
+
+def test_only_wanted_gradients_are_returned():
+    """Inputs without requires_grad get None (and the others are still right)."""
+    args = shared.kernel_inputs("lstm", [3, 2, 1], ("T", "B", "P"), 2, mask_grad=False)
+    for frozen in (1, 2, 3):
+        args[frozen] = args[frozen].detach()
+    ours = shared.run_kernel("compiled", "lstm", [3, 2, 1], args, True)
+    ref = shared.run_kernel("autograd", "lstm", [3, 2, 1], args, True)
+    assert len(ours[1]) == 2  # gates_x, w_hr
+    assert_close(ours, ref, atol=1e-10, rtol=1e-8)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_passes_gradcheck(kind):
+    shared.test_kernel_passes_gradcheck("compiled", kind)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_a_graph_of_the_backward_is_refused_not_silently_wrong(cell):
+    shared.test_a_graph_of_the_backward_is_refused_not_silently_wrong("compiled", cell)
+
+
+def test_rejects_tensors_it_cannot_run():
+    args = shared.kernel_inputs("gru", [2, 2], None, 0, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="float32 or float64"):
+        get_kernel("compiled", "gru")(args[0], [2, 2], *args[1:])
+
+
+# ------------------------------------------------------------------ in the layers
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_layer_without_dropout_matches_torch(kind):
+    shared.test_layer_without_dropout_matches_torch("compiled", kind)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_layer_in_float64_matches_torch(kind):
+    shared.test_layer_in_float64_matches_torch("compiled", kind)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_layer_with_masks_matches_autograd_kernel(kind):
+    shared.test_layer_with_masks_matches_reference_kernel("compiled", kind)
+
+
+def test_layer_passes_gradcheck_through_explicit_masks():
+    shared.test_layer_passes_gradcheck_through_explicit_masks("compiled")
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_auto_runs_the_compiled_kernel_in_training(kind, monkeypatch):
+    """kernel="auto" with masks on CPU: the compiled kernel runs (counted) and the layer
+    matches kernel="autograd" with the same explicit masks."""
+    assert auto_loop_kernel(torch.ones(1)) == "compiled"
+    assert auto_loop_kernel(torch.ones(1, dtype=torch.float16)) == shared.DEFAULT_LOOP_KERNEL
+    function = compiled._LSTMRecurrence if kind == "lstm" else compiled._GRURecurrence
+    calls = []
+    original = function.apply
+    monkeypatch.setattr(function, "apply", lambda *a: calls.append(1) or original(*a))
+    cls = VariationalLSTM if kind == "lstm" else VariationalGRU
+    layers = [
+        cls(shared.I, shared.H, num_layers=2, bidirectional=True, dropout=0.3, dropout_hidden=0.5, kernel=k)
+        for k in ("auto", "autograd")
+    ]
+    layers[1].load_state_dict(layers[0].state_dict())
+    masks = layers[0].sample_masks(shared.B, shared.T)
+    x = torch.randn(shared.T, shared.B, shared.I, requires_grad=True)
+    hx = shared.initial_state(kind, layers[0], shared.B)
+    ours = shared.forward_and_grads(layers[0], x, hx, masks)
+    assert len(calls) == 4  # 2 layers x 2 directions
+    assert_close(ours, shared.forward_and_grads(layers[1], x, hx, masks))
+
+
+# ------------------------------------------------------------------ without a compiler
+
+FALLBACK = textwrap.dedent(
+    """
+    import json, warnings
+    import torch
+    from rnndrop import VariationalLSTM
+    from rnndrop.kernels import auto_loop_kernel, compiled
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        answers = [compiled.is_available(), compiled.is_available()]
+        chosen = auto_loop_kernel(torch.ones(1))
+        torch.manual_seed(0)
+        layers = [VariationalLSTM(3, 4, dropout_hidden=0.5, kernel=k) for k in ("auto", "manual")]
+        layers[1].load_state_dict(layers[0].state_dict())
+        masks = layers[0].sample_masks(2, 5)
+        x = torch.randn(5, 2, 3)
+        outs = [layer(x, masks=masks)[0] for layer in layers]
+    try:
+        h0 = c0 = torch.ones(1, 4)
+        compiled.lstm_recurrence(torch.ones(1, 16), [1], h0, c0, torch.ones(16, 4), None, None)
+        explicit = "ran"
+    except RuntimeError as error:
+        explicit = str(error)
+    print(json.dumps(dict(
+        answers=answers, chosen=chosen, same=bool(torch.equal(outs[0], outs[1])), explicit=explicit,
+        warnings=[str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
+    )))
+    """
+)
+
+
+def test_without_compiler_auto_warns_once_and_runs_manual():
+    env = dict(os.environ, RNNDROP_NO_COMPILE="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run(
+        [sys.executable, "-c", FALLBACK], env=env, capture_output=True, text=True, timeout=120, check=True
+    )
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["answers"] == [False, False]
+    assert result["chosen"] == "manual"
+    assert result["same"]
+    assert "RNNDROP_NO_COMPILE" in result["explicit"]
+    assert len(result["warnings"]) == 1, result["warnings"]
+    assert "RNNDROP_NO_COMPILE" in result["warnings"][0] and "'manual'" in result["warnings"][0]
