@@ -20,9 +20,15 @@ The walk of a ``dropout_hidden`` mask, hop by hop (training, no masks passed in,
 7. ``stack.py`` ``VariationalRNNStack._forward_by_layer``: the layer's recurrent masks in the
    kernels' form ``[1, B, P]`` (``[T, B, P]`` per step).
 8. ``recurrent.py`` ``VariationalLSTM._layer_loop``: per direction, calls the kernel
-   ``KERNELS[name]["lstm"]`` (typed :class:`~rnndrop.kernels.LSTMRecurrence`).
+   ``KERNELS[name]["lstm"]`` (typed :class:`~rnndrop.kernels.LSTMRecurrence`; ``name`` from
+   [``StackSettings._loop_kernel`` -> ``kernels.auto_loop_kernel``]).
 9. ``kernels/lstm.py`` ``lstm_recurrence`` -> 10. ``_LSTMRecurrence.forward``
    [``Schedule.step_masks``: the mask of each step]: ``m = h_{t-1} * M_t`` at every step.
+
+With the compiled kernel (``kernel="auto"`` on CPU where it builds), hops 9 and 10 are
+``kernels/compiled.py`` ``lstm_recurrence`` -> ``_LSTMRecurrence.forward`` -> ``csrc/lstm.cpp``
+``lstm_forward`` -> ``lstm_forward_loop`` -> ``csrc/common.h`` ``mask_state`` (the multiply):
+13 hops in all, the last three in C++.
 
 Masks passed to ``forward`` are checked (:meth:`RecurrentMasks.check`) and put in a
 packed batch's sorted order; masks drawn by ``draw_mask`` have their shapes by
