@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.cpp_extension import get_default_build_root
 
 from rnndrop.lm import cli
 from rnndrop.lm.data.corpus import batchify, load_corpus, sample_dir
@@ -27,13 +28,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
-    """An empty HOME, no cache, and every network route pointing nowhere."""
+    """An empty HOME, no cache, and every network route pointing nowhere; the compiled kernel's
+    build is the test process's (not compiled again under the empty HOME)."""
     home = tmp_path / "home"
     home.mkdir(exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RNNDROP_")}
     env.update(HOME=str(home), PYTHONPATH=str(ROOT), RNNDROP_DATA_MIRROR="http://127.0.0.1:9/",
                http_proxy="http://127.0.0.1:9", https_proxy="http://127.0.0.1:9",
-               HTTP_PROXY="http://127.0.0.1:9", HTTPS_PROXY="http://127.0.0.1:9", OMP_NUM_THREADS="1")
+               HTTP_PROXY="http://127.0.0.1:9", HTTPS_PROXY="http://127.0.0.1:9", OMP_NUM_THREADS="1",
+               TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
     return env
 
 
@@ -205,6 +208,18 @@ def test_sigterm_stops_a_job_with_workers_as_ctrl_c_does(tmp_path):
     assert "Traceback" not in stderr and stderr.strip().splitlines()[-1].startswith("error: interrupted")
     assert _all_end(workers)
     assert list(out.glob("*/*/checkpoint.pt"))  # what finished is kept
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_jobs_leaves_no_lock_behind(tmp_path):
+    """The workers that Ctrl-C stops release their run folders (before: run.lock files were
+    left, and the next run reported them as stale)."""
+    process, workers, out = _job_with_two_workers(tmp_path)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+    assert _all_end(workers)
+    assert not list(out.glob("*/*/run.lock")) and list(out.glob("*/*/checkpoint.pt"))
 
 
 @pytest.mark.slow

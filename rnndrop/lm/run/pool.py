@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -26,9 +27,27 @@ class WorkerDied(RuntimeError):
         )
 
 
-def _ignore_sigint() -> None:
-    # Workers leave Ctrl-C to the main process, which stops them (their checkpoints are atomic).
+def _worker_signals() -> None:
+    """Workers leave Ctrl-C to the main process, which stops them with SIGTERM; SIGTERM then
+    unwinds the worker's run, so its run folder's lock is released and no half-written
+    file is left (checkpoints are atomic either way)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+
+class _Terminated(BaseException):
+    """SIGTERM in a worker: unwinds the run (its lock released), then the worker ends."""
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
+def _in_worker(fn: Callable[[RunSpec, JobProgress | None], dict[str, Any]], spec: RunSpec) -> dict[str, Any]:
+    try:
+        return fn(spec, None)
+    except _Terminated:
+        os._exit(128 + signal.SIGTERM)  # unwound: the run folder is released; nothing to report
 
 
 def run_all(
@@ -41,13 +60,13 @@ def run_all(
         return [fn(s, progress) for s in specs]
     context = multiprocessing.get_context("spawn")
     pool = ProcessPoolExecutor(max_workers=min(jobs, len(specs)), mp_context=context,
-                               initializer=_ignore_sigint)
+                               initializer=_worker_signals)
     try:
         # Workers start while SIGINT is ignored, and keep ignoring it (the disposition is
         # inherited): a Ctrl-C at the terminal reaches the main process alone, which stops them.
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            futures = {pool.submit(fn, s): i for i, s in enumerate(specs)}
+            futures = {pool.submit(_in_worker, fn, s): i for i, s in enumerate(specs)}
         finally:
             signal.signal(signal.SIGINT, previous)
         results: dict[int, dict[str, Any]] = {}
