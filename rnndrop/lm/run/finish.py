@@ -8,6 +8,7 @@ that finished without it.
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -28,11 +29,14 @@ from rnndrop.lm.run.identity import best_file, read_verified_result, write_signe
 from rnndrop.lm.run.lock import RunLock
 from rnndrop.lm.run.plots import plot_learning_curves
 from rnndrop.lm.run.process_group import Distributed, current, run_on_main
+from rnndrop.lm.run.progress import format_duration
 from rnndrop.lm.run.result_file import SCHEMA, peak_memory, versions
 from rnndrop.lm.run.schedule import LR_FLOOR, Schedule
 from rnndrop.lm.run.setup import Training, rank_device
 
 __all__ = ["add_mc_result", "finish_run"]
+
+log = logging.getLogger(__name__)
 
 
 def finish_run(run: Training) -> dict[str, Any]:
@@ -40,9 +44,14 @@ def finish_run(run: Training) -> dict[str, Any]:
     config, ctx = run.config, run.ctx
     best = run_on_main(lambda: load_checkpoint(run.best_path)["model"], ctx, "reading best.pt")
     load_state(run.model, best, run.best_path)
+    start = time.perf_counter()
     test = score_split(run.model, run.test_data, config.bptt, CALIBRATION_BINS, ctx)
     test_mc = None
     if run.mc_samples > 0 and has_noise(run.model):
+        one_pass = time.perf_counter() - start
+        if ctx.is_main:  # the phase after the last epoch's bar: say what runs and for how long
+            log.info("%s: Monte-Carlo test perplexity, %d dropout samples (up to about %s)", run.out,
+                     run.mc_samples, format_duration(one_pass * run.mc_samples))
         seed_noise(run.seed, ctx)
         test_mc = score_split(run.model, run.test_data, config.bptt, CALIBRATION_BINS, ctx, run.mc_samples)
     run.state.add_wall_time(run.wall_start)
