@@ -19,6 +19,7 @@ of time, and see where it lives, with::
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -39,9 +40,20 @@ __all__ = ["build", "gru_recurrence", "is_available", "lstm_recurrence"]
 
 logger = logging.getLogger(__name__)
 
-NAME = "rnndrop_loop_kernels"
 SOURCES = [Path(__file__).parent / "csrc" / f for f in ("module.cpp", "lstm.cpp", "gru.cpp")]
-HEADERS = [Path(__file__).parent / "csrc" / "common.h"]
+HEADERS = [Path(__file__).parent / "csrc" / h for h in ("common.h", "rows.h")]
+
+
+def _build_name() -> str:
+    """The extension's name, and so its build folder: one per source folder and source text, so
+    that two checkouts (or two versions) never rebuild over each other's cached library."""
+    digest = hashlib.sha256(str(SOURCES[0].parent.resolve()).encode())
+    for path in SOURCES + HEADERS:
+        digest.update(path.read_bytes())
+    return f"rnndrop_loop_kernels_{digest.hexdigest()[:12]}"
+
+
+NAME = _build_name()
 HOW_TO_GET_IT = (
     "install a C++ compiler (g++) and ninja (`pip install ninja`), then build it with "
     "`python -m rnndrop.kernels.compiled`"
