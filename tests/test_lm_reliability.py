@@ -165,3 +165,14 @@ def test_a_full_disk_names_the_file_and_keeps_what_was_there(tmp_path, monkeypat
         f.write("new")
     assert error.value.errno == errno.ENOSPC
     assert target.read_text() == "finished" and [p.name for p in tmp_path.iterdir()] == ["results.json"]
+
+
+@pytest.mark.slow
+def test_generate_says_which_prompt_words_the_model_does_not_know(tmp_path, capsys, caplog):
+    data, out = write_corpus(tmp_path / "data"), tmp_path / "out"
+    assert _job(data, out, "--mc-samples", "0", "--regimes", "none") == 0
+    (run,) = out.glob("none/*/")
+    capsys.readouterr()
+    assert cli.main(["generate", str(run), "--prompt", "zzqq the cat zzqq", "--words", "2"]) == 0
+    assert "read as <unk>: zzqq" in caplog.text and caplog.text.count("zzqq") == 1
+    assert capsys.readouterr().out.startswith("zzqq the cat zzqq")

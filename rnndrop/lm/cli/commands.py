@@ -225,6 +225,10 @@ def generate(args: argparse.Namespace) -> str:
     run = _load_run(args.run, args.device)
     generator = torch.Generator().manual_seed(args.seed)
     prompt = args.prompt.split()
+    unknown = [word for word in prompt if word not in run.vocab.stoi]
+    if unknown:
+        logging.getLogger(__name__).warning(
+            "not in the model's vocabulary, read as <unk>: %s", ", ".join(dict.fromkeys(unknown)))
     words = generate_words(run.model, run.vocab, prompt, args.words, temperature=args.temperature,
                            generator=generator)
     return words_to_text([*prompt, *words]) + "\n"
