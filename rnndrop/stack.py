@@ -54,6 +54,8 @@ last layer's output.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 from torch import Tensor
 
@@ -67,7 +69,7 @@ from rnndrop.validation import check_positive_int
 __all__ = ["VariationalRNNStack"]
 
 
-class VariationalRNNStack(StackSettings):
+class VariationalRNNStack(StackSettings, ABC):
     """What VariationalLSTM and VariationalGRU share; placed before nn.LSTM / nn.GRU.
 
     A subclass sets ``_cell`` (a :class:`CellSpec`) and writes ``_layer_loop`` for its cell;
@@ -261,6 +263,7 @@ class VariationalRNNStack(StackSettings):
             return run_fused(self._cell, x, layout, states, weights, num_layers=1, bias=self.bias,
                              bidirectional=self.bidirectional, training=self.training)
 
+    @abstractmethod
     def _layer_loop(
         self,
         x: Tensor,
@@ -274,7 +277,6 @@ class VariationalRNNStack(StackSettings):
         per-gate input mask ``in_rows`` ``[N, G, in]`` applied there) and the cell's loop kernel
         with recurrent mask ``hidden[d]`` ``[T', B', (G,) P]``; returns the rows ``[N, D * P]``
         and the final states ``[D, B, size]``. Written per cell in :mod:`rnndrop.recurrent`."""
-        raise NotImplementedError(f"{type(self).__name__} must define _layer_loop for its cell")
 
     @staticmethod
     def _join_directions(
