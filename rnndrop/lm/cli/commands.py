@@ -145,23 +145,27 @@ def _run_result(best: Path) -> dict[str, Any]:
         return {}
 
 
-def _evaluation_data(data: str | None, run: LoadedModel, result: dict[str, Any]) -> Path:
-    """The corpus folder to score: ``--data`` (``sample``: the run's corpus' sample), or the
-    folder the run was trained on (UsageError when its results do not say)."""
+def _evaluation_data(data: str | None, run: LoadedModel, result: dict[str, Any]) -> tuple[Path, bool]:
+    """The corpus folder to score and whether it holds the run's own corpus: ``--data``
+    (``sample``: the run's corpus' sample), or the folder the run was trained on (UsageError
+    when its results do not say, or when that folder now holds another corpus)."""
     if data == "sample":
         dataset = result.get("dataset") or "ptb"
-        return sample_dir(dataset if dataset in CORPORA.values() else "ptb")
-    if data:
-        return Path(data)
-    source = result.get("corpus", {}).get("source")
-    if not source:
-        raise UsageError(f"{str(run.path.parent)!r} does not say which corpus it was trained "
-                         "on: pass --data sample or --data DIR")
-    if not _is_training_corpus(Path(source), result):
-        raise UsageError(f"{source!r}, the corpus folder {str(run.path.parent)!r} names, does not hold "
-                         "the corpus the run was trained on (a relative path read from here, or a folder "
-                         "that changed): pass --data DIR")
-    return Path(source)
+        data_dir = sample_dir(dataset if dataset in CORPORA.values() else "ptb")
+    elif data:
+        data_dir = Path(data)
+    else:
+        source = result.get("corpus", {}).get("source")
+        if not source:
+            raise UsageError(f"{str(run.path.parent)!r} does not say which corpus it was trained "
+                             "on: pass --data sample or --data DIR")
+        data_dir = Path(source)
+    own = _is_training_corpus(data_dir, result)
+    if not data and not own:
+        raise UsageError(f"{str(data_dir)!r}, the corpus folder {str(run.path.parent)!r} names, does not "
+                         "hold the corpus the run was trained on (a relative path read from here, or a "
+                         "folder that changed): pass --data DIR")
+    return data_dir, own
 
 
 def _is_training_corpus(data_dir: Path, result: dict[str, Any]) -> bool:
@@ -185,7 +189,7 @@ def evaluate(args: argparse.Namespace) -> str:
     run = _load_run(args.run, args.device)
     result = _run_result(run.path)
     try:
-        data_dir = _evaluation_data(args.data, run, result)
+        data_dir, own_corpus = _evaluation_data(args.data, run, result)
         ids = encode_split(data_dir, args.split, run.vocab)
         device = next(run.model.parameters()).device
         batched = batchify(ids, run.config.eval_batch_size).to(device)
@@ -198,7 +202,7 @@ def evaluate(args: argparse.Namespace) -> str:
         f"perplexity      {standard.perplexity:.2f}   (NLL {standard.nll:.4f} nats/word, "
         f"ECE {standard.ece:.4f})",
     ]
-    if not _is_training_corpus(data_dir, result):
+    if not own_corpus:
         lines.append("                (not the corpus the run was trained on)")
     elif args.split == "test" and isinstance(result.get("test_ppl"), (int, float)):
         lines.append(f"                (the run reported {result['test_ppl']:.2f} at the end of training)")
