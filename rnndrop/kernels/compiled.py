@@ -94,6 +94,8 @@ def _is_cached(build_dir: str) -> bool:
 def build() -> ModuleType:
     """Compile (first time) or load (cached) the extension; raise RuntimeError saying why it cannot."""
     global _extension, _failure
+    if _extension is not None:  # every call of the kernel asks: no lock once it is loaded
+        return _extension
     with _lock:
         if _extension is None and _failure is None:
             try:
