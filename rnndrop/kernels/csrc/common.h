@@ -153,6 +153,22 @@ inline void masked_state_grad(const Tensor& d_z, const StepWeight& w, const Tens
   unmask_grad(flat.data_ptr<scalar_t>(), b * P, mask, t, b, P, accumulate, dh);
 }
 
+// One step's gradient to the previous state, written (`accumulate` false) or added into the
+// first b rows of dh_state: dz W without a mask, else through masked_state_grad (its rows of
+// d_masked, when defined, receive dm for the mask's gradient).
+template <typename scalar_t>
+inline void add_state_grad(const Tensor& d_z, const StepWeight& w, const Tensor& w_gates,
+                           const MaskView<scalar_t>& mask, const Step& s, int64_t b, int64_t P,
+                           Tensor& scratch, const Tensor& d_masked, bool accumulate, Tensor& dh_state) {
+  if (!mask.data) {
+    w.into(dh_state.narrow(0, 0, b), d_z, accumulate);
+    return;
+  }
+  masked_state_grad(d_z, w, w_gates, mask, s.t, b, P, scratch,
+                    d_masked.defined() ? d_masked.narrow(0, s.offset, b) : Tensor(), accumulate,
+                    dh_state.data_ptr<scalar_t>());
+}
+
 // The state every row started its step from: [N, X] from the rows of all steps and
 // the initial state [B, X].
 inline Tensor gather_previous(const Tensor& rows, const Tensor& init, const std::vector<Step>& steps) {

@@ -81,14 +81,7 @@ void gru_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>&
       rows::gru_grad<scalar_t>(H, act_base + row * 3 * H, an_base + row * H, h_prev, dh_base + row * H, dhs + k * H,
                                da_base + row * 3 * H, dn_pre);
     }
-    Tensor da_t = d_a.narrow(0, s.offset, b);
-    Tensor dh_prev = dh_state.narrow(0, 0, b);
-    if (!mask.data) {
-      w_hh.into(dh_prev, da_t, true);
-      continue;
-    }
-    masked_state_grad(da_t, w_hh, w_gates, mask, s.t, b, H, scratch,
-                      d_masked.defined() ? d_masked.narrow(0, s.offset, b) : Tensor(), true, dhs);
+    add_state_grad(d_a.narrow(0, s.offset, b), w_hh, w_gates, mask, s, b, H, scratch, d_masked, true, dh_state);
   }
 }
 

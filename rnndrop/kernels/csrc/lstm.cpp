@@ -63,7 +63,6 @@ void lstm_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>
   const scalar_t* tc_base = tanh_cells.data_ptr<scalar_t>();
   const scalar_t* c0_base = c0.data_ptr<scalar_t>();
   scalar_t* dz_base = d_gates.data_ptr<scalar_t>();
-  scalar_t* dhs = dh_state.data_ptr<scalar_t>();
   scalar_t* dcs = dc_state.data_ptr<scalar_t>();
   const int64_t G = mask.data ? mask.row_size / P : 1;
   const Tensor w_gates = G > 1 ? w_hh.w.reshape({G, -1, P}) : Tensor();
@@ -85,14 +84,8 @@ void lstm_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>
       rows::lstm_grad<scalar_t>(H, a_base + row * 4 * H, tc_base + row * H, c_prev, dr_base + k * H, dcs + k * H,
                                 dz_base + row * 4 * H);
     }
-    Tensor dz_t = d_gates.narrow(0, s.offset, b);
-    Tensor dh_prev = dh_state.narrow(0, 0, b);
-    if (!mask.data) {
-      w_hh.into(dh_prev, dz_t, false);
-      continue;
-    }
-    masked_state_grad(dz_t, w_hh, w_gates, mask, s.t, b, P, scratch,
-                      d_masked.defined() ? d_masked.narrow(0, s.offset, b) : Tensor(), false, dhs);
+    add_state_grad(d_gates.narrow(0, s.offset, b), w_hh, w_gates, mask, s, b, P, scratch, d_masked, false,
+                   dh_state);
   }
 }
 
