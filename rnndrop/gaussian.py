@@ -9,7 +9,8 @@ With ``alpha`` fixed, ``VariationalLSTM(..., noise="gaussian")`` is the same noi
 :class:`~rnndrop.VariationalGRU` and only change how masks are sampled: every site
 whose dropout probability ``p`` is positive (``dropout_input``, ``dropout`` between
 layers, ``dropout_hidden``, ``dropout_output``) gets a ``log_alpha`` parameter
-initialised to ``log(p / (1 - p))``, the Gaussian dropout of the same variance.
+initialised to ``log(p / (1 - p))``, the Gaussian dropout of the same variance (at most
+``log(max_alpha)`` when ``max_alpha`` is given).
 
 ``granularity``:
 
@@ -108,7 +109,10 @@ class _LearnedAlphaMixin(KLRegularized):
                 return
             shape = _alpha_shape(granularity, size, site_gates)
             count = size * fan_out / math.prod(shape)
-            self._alpha_sites[name] = (math.log(p / (1.0 - p)), shape, count)
+            init = math.log(p / (1.0 - p))
+            if self.max_alpha is not None:  # start inside the constraint, where alpha can move
+                init = min(init, math.log(self.max_alpha))
+            self._alpha_sites[name] = (init, shape, count)
 
         for layer in range(self.num_layers):
             p = self.dropout_input if layer == 0 else self.dropout
@@ -139,11 +143,15 @@ class _LearnedAlphaMixin(KLRegularized):
         """``alpha`` (after clipping) of every site with noise, by parameter name, detached."""
         return {name: self._log_alpha(name).detach().exp() for name in self._alpha_sites}
 
+    def site_kl(self) -> dict[str, Tensor]:
+        """The KL term of every site with noise (scalars), by parameter name; they sum to :meth:`kl`."""
+        approx = KL_APPROXIMATIONS[self.kl_approximation]
+        return {name: approx(self._log_alpha(name)).sum() * count
+                for name, (_, _, count) in self._alpha_sites.items()}
+
     def kl(self) -> Tensor:
         """KL term of all sites (scalar); see the module docstring for what is counted."""
-        approx = KL_APPROXIMATIONS[self.kl_approximation]
-        terms = [approx(self._log_alpha(name)).sum() * count
-                 for name, (_, _, count) in self._alpha_sites.items()]
+        terms = list(self.site_kl().values())
         return torch.stack(terms).sum() if terms else self.weight_ih_l0.new_zeros(())
 
     def _draw_mask(

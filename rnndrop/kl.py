@@ -23,6 +23,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -106,11 +107,33 @@ def check_max_alpha(max_alpha: float | None, kl_approximation: str) -> float | N
     return max_alpha
 
 
+class _ClipFromAbove(torch.autograd.Function):
+    """``min(x, bound)`` whose gradient reaches an ``x`` beyond ``bound`` only when it points
+    back inside (a gradient step would lower ``x``): a parameter pushed past the bound by
+    one step stays free to come back instead of sitting where its gradient is zero forever."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, bound: float) -> Tensor:
+        ctx.save_for_backward(x)
+        ctx.bound = bound
+        return x.clamp(max=bound)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        (x,) = ctx.saved_tensors
+        return grad * ((x <= ctx.bound) | (grad > 0)).to(grad.dtype), None
+
+
 def clip_log_alpha(log_alpha: Tensor, max_alpha: float | None) -> Tensor:
-    """``log_alpha`` clipped at ``log(max_alpha)`` (no gradient beyond it); unchanged for None."""
+    """``log_alpha`` clipped at ``log(max_alpha)``; unchanged for None.
+
+    Beyond the bound only a gradient that lowers ``log_alpha`` passes, so the KL term
+    (which favours larger alpha) cannot push it further out, and the data term can
+    always bring it back.
+    """
     if max_alpha is None:
         return log_alpha
-    return log_alpha.clamp(max=math.log(max_alpha))
+    return _ClipFromAbove.apply(log_alpha, math.log(max_alpha))
 
 
 class KLRegularized(ABC):

@@ -201,3 +201,25 @@ def test_learned_alpha_below_half_precision_has_a_zero_gradient_not_nan():
     out, _ = layer(torch.randn(5, 2, 3).half())
     out.float().sum().backward()
     assert torch.isfinite(layer.log_alpha_hidden_l0.grad).all()
+
+
+def test_max_alpha_starts_inside_and_a_clipped_alpha_can_come_back():
+    layer = GaussianLSTM(5, 6, dropout_input=0.8, max_alpha=1.0, kl_approximation="kingma")
+    assert torch.all(layer.log_alpha_input_l0 == 0.0)  # p 0.8 would be alpha 4: starts at the bound
+    with torch.no_grad():
+        layer.log_alpha_input_l0.fill_(0.5)  # one step past the bound
+    # the KL term favours a larger alpha: beyond the bound its pull does not pass...
+    layer.kl().backward()
+    assert torch.all(layer.log_alpha_input_l0.grad == 0)
+    # ...but a gradient that lowers log_alpha does, so the data term can bring it back
+    layer.zero_grad()
+    (-layer.kl()).backward()
+    assert torch.all(layer.log_alpha_input_l0.grad > 0)
+
+
+def test_site_kl_sums_to_kl():
+    layer = GaussianLSTM(5, 6, num_layers=2, dropout_input=0.5, dropout=0.3, dropout_hidden=0.2,
+                         dropout_output=0.4)
+    per_site = layer.site_kl()
+    assert set(per_site) == set(layer.alphas())
+    torch.testing.assert_close(torch.stack(list(per_site.values())).sum(), layer.kl())

@@ -53,6 +53,10 @@ _SMALL_GRID: dict[str, tuple[Mapping[str, float], ...]] = {
     "untied": _tied_grid(0.1, (0.05, 0.1, 0.2, 0.3), (0.2, 0.3, 0.5, 0.65)),
     "batch": _tied_grid(0.1, (0.05, 0.1, 0.2, 0.3), (0.2, 0.3, 0.5, 0.65)),
     "gaussian": _tied_grid(0.1, (0.05, 0.1, 0.2, 0.3), (0.2, 0.3, 0.5, 0.65)),
+    "gaussian_fixed": _tied_grid(0.1, (0.1, 0.2, 0.3), (0.3, 0.5, 0.65)),
+    # alpha <= 1 is p <= 0.5: the grid's points stay inside the constraint
+    "gaussian_kingma": _tied_grid(0.1, (0.05, 0.1, 0.2), (0.2, 0.3, 0.5)),
+    "gaussian_kingma_layer": _tied_grid(0.1, (0.05, 0.1, 0.2), (0.2, 0.3, 0.5)),
     # DropConnect on W_hh drops single weights, not whole units: AWD-LSTM uses 0.5.
     "weight_drop": _tied_grid(0.1, (0.1, 0.2, 0.35, 0.5), (0.2, 0.3, 0.5, 0.65)),
 }

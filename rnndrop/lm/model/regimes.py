@@ -41,9 +41,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from rnndrop.gaussian import GaussianGRU, GaussianLSTM
 from rnndrop.kl import KLRegularizer
-from rnndrop.sparse import SparseGRU, SparseLSTM
+from rnndrop.lm.model.rnn_factories import learned_gaussian, sparse_variational
 from rnndrop.validation import check_probability
 
 __all__ = [
@@ -62,8 +61,6 @@ SITES: tuple[str, ...] = ("embedding", "input", "between", "hidden", "output")
 
 #: ``regularizer(model, progress, train_tokens) -> scalar Tensor`` added to the loss.
 Regularizer = Callable[[nn.Module, float, int], Tensor]
-#: ``rnn_factory(input_size, hidden_size, num_layers, probabilities, cell=...) -> nn.Module``.
-RNNFactory = Callable[..., nn.Module]
 
 
 @dataclass(frozen=True)
@@ -119,38 +116,13 @@ class Regime:
         return cls(**{k: v for k, v in settings.items() if k in {f.name for f in fields(cls)}})
 
 
-def _between(p: Mapping[str, float], num_layers: int) -> float:
-    """The between-layer probability; 0 for one layer (nn.LSTM warns about a dropout it ignores)."""
-    return p["between"] if num_layers > 1 else 0.0
-
-
-def _gaussian_rnn(
-    input_size: int, hidden_size: int, num_layers: int, p: Mapping[str, float], cell: str = "lstm"
-) -> nn.Module:
-    """GaussianLSTM / GaussianGRU: learned per-unit alpha on every site, initialised at p / (1 - p)."""
-    return (GaussianGRU if cell == "gru" else GaussianLSTM)(
-        input_size, hidden_size, num_layers, dropout=_between(p, num_layers), dropout_input=p["input"],
-        dropout_hidden=p["hidden"], dropout_output=p["output"], granularity="unit",
-    )
-
-
-def _sparse_rnn(
-    input_size: int, hidden_size: int, num_layers: int, p: Mapping[str, float], cell: str = "lstm"
-) -> nn.Module:
-    """SparseLSTM / SparseGRU: sparse variational dropout on every recurrent weight matrix,
-    plus tied Bernoulli dropout on the input, between-layer and output sites (the weight
-    noise on ``W_hh`` replaces the recurrent mask)."""
-    return (SparseGRU if cell == "gru" else SparseLSTM)(
-        input_size, hidden_size, num_layers, dropout=_between(p, num_layers), dropout_input=p["input"],
-        dropout_output=p["output"],
-    )
-
-
 _HOOKS: dict[str, Callable[..., Any]] = {
     # The KL term is divided by the training tokens the loop passes in.
     "kl_warmup_0.2": KLRegularizer(warmup=0.2),
-    "gaussian_rnn": _gaussian_rnn,
-    "sparse_rnn": _sparse_rnn,
+    "gaussian_rnn": learned_gaussian("unit"),
+    "gaussian_kingma_rnn": learned_gaussian("unit", max_alpha=1.0, kl_approximation="kingma"),
+    "gaussian_kingma_layer_rnn": learned_gaussian("layer", max_alpha=1.0, kl_approximation="kingma"),
+    "sparse_rnn": sparse_variational,
 }
 
 _REGIMES: dict[str, Regime] = {
@@ -183,12 +155,35 @@ _REGIMES: dict[str, Regime] = {
         embedding_scope="batch",
     ),
     "gaussian": Regime(
-        "Gaussian dropout N(1, alpha), tied, learned per-unit alpha (Kingma et al.), KL warm-up; "
+        "Gaussian dropout N(1, alpha), tied, learned per-unit alpha, any alpha (Molchanov et al.'s "
+        "KL approximation), KL warm-up; "
         "Bernoulli word-type embedding dropout",
         sites=SITES,
         noise="gaussian",
         regularizer="kl_warmup_0.2",
         rnn_factory="gaussian_rnn",
+    ),
+    "gaussian_fixed": Regime(
+        "Gaussian dropout N(1, alpha), tied, alpha = p / (1 - p) fixed (the baseline of learned alpha); "
+        "Bernoulli word-type embedding dropout",
+        sites=SITES,
+        noise="gaussian",
+    ),
+    "gaussian_kingma": Regime(
+        "Gaussian dropout, tied, learned per-unit alpha <= 1 with Kingma et al.'s KL approximation "
+        "(their constrained setting), KL warm-up; Bernoulli word-type embedding dropout",
+        sites=SITES,
+        noise="gaussian",
+        regularizer="kl_warmup_0.2",
+        rnn_factory="gaussian_kingma_rnn",
+    ),
+    "gaussian_kingma_layer": Regime(
+        "as gaussian_kingma with one learned alpha per site and layer (Kingma et al.'s per-layer "
+        "variant)",
+        sites=SITES,
+        noise="gaussian",
+        regularizer="kl_warmup_0.2",
+        rnn_factory="gaussian_kingma_layer_rnn",
     ),
     "sparse_vd": Regime(
         "sparse variational dropout on the recurrent weights (Molchanov et al.; Lobacheva et al.), "

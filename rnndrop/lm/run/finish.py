@@ -24,10 +24,10 @@ from rnndrop.lm.model.regimes import Regime
 from rnndrop.lm.model.train_config import TrainConfig
 from rnndrop.lm.run.checkpoint import load_checkpoint, load_model, load_state
 from rnndrop.lm.run.evaluate import CALIBRATION_BINS, Score, has_noise, score_split
-from rnndrop.lm.run.folder import CURVE, RESULTS
+from rnndrop.lm.run.folder import ALPHAS, CURVE, RESULTS
 from rnndrop.lm.run.identity import best_file, read_verified_result, write_signed_result
 from rnndrop.lm.run.lock import RunLock
-from rnndrop.lm.run.plots import plot_learning_curves
+from rnndrop.lm.run.plots import plot_alphas, plot_learning_curves
 from rnndrop.lm.run.process_group import Distributed, current, run_on_main
 from rnndrop.lm.run.progress import format_duration
 from rnndrop.lm.run.result_file import SCHEMA, peak_memory, versions
@@ -60,6 +60,7 @@ def finish_run(run: Training) -> dict[str, Any]:
     def write_result() -> dict[str, Any]:
         write_signed_result(result, run.out / RESULTS)
         plot_learning_curves([result], run.out / CURVE)
+        plot_alphas([result], run.out / ALPHAS)
         return result
 
     return run_on_main(write_result, ctx, "writing results.json")

@@ -23,10 +23,11 @@ BEST = "best.pt"
 RESULTS = "results.json"
 METRICS = "metrics.csv"
 CURVE = "curve.png"
+ALPHAS = "alphas.png"
 LOCK = "run.lock"
 
 #: What a run leaves besides its checkpoints: a folder holding any of these holds a run.
-RUN_OUTPUTS = (BEST, RESULTS, METRICS, CURVE)
+RUN_OUTPUTS = (BEST, RESULTS, METRICS, CURVE, ALPHAS)
 
 SUMMARY = "summary.json"
 RESULTS_TABLE = "results.md"

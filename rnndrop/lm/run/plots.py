@@ -1,4 +1,4 @@
-"""Learning curves of a job's runs as a PNG (matplotlib, optional: imported where used)."""
+"""Learning curves and learned alphas of a job's runs as PNGs (matplotlib, optional: imported where used)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from rnndrop.lm.atomic import atomic_write
+from rnndrop.lm.run.noise_trace import noise_series
 from rnndrop.lm.run.tables import format_dropout
 
-__all__ = ["learning_curve_figure", "plot_learning_curves"]
+__all__ = ["alpha_figure", "learning_curve_figure", "plot_alphas", "plot_learning_curves"]
 
 log = logging.getLogger(__name__)
 
@@ -87,18 +88,53 @@ def plot_learning_curves(results: Sequence[Mapping[str, Any]], path: str | Path)
 
     Returns the path, or None when matplotlib is not installed or there is nothing to plot.
     """
-    if not results:
+    return _save_png(learning_curve_figure, results, path) if results else None
+
+
+def alpha_figure(results: Sequence[Mapping[str, Any]]):
+    """A matplotlib figure of the mean learned ``alpha`` of every site per epoch (log axis;
+    one colour per site, one line style per run), with ``p = alpha / (1 + alpha)``, the
+    Bernoulli dropout of the same variance, on the right axis."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.8))
+    styles = ("-", "--", ":", "-.")
+    for i, r in enumerate(results):
+        for j, (site, points) in enumerate(sorted(noise_series(r["epochs"]).items())):
+            ax.plot([e for e, _ in points], [a for _, a in points], color=f"C{j % 10}",
+                    linestyle=styles[i % len(styles)], marker="o", markersize=3,
+                    label=f"{site} (seed {r['seed']})" if len(results) > 1 else site)
+    ax.set_yscale("log")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("mean alpha of the site (noise variance)")
+    right = ax.secondary_yaxis("right", functions=(lambda a: a / (1 + a), lambda p: p / (1 - p).clip(1e-9)))
+    right.set_ylabel("p of the same variance")
+    ax.set_title(_plot_title(results) + f"\nregime {results[0]['regime']}: learned alpha per site",
+                 fontsize=9)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def plot_alphas(results: Sequence[Mapping[str, Any]], path: str | Path) -> Path | None:
+    """:func:`alpha_figure` as a PNG at ``path`` (written atomically); None when no run
+    learned its noise or matplotlib is not installed."""
+    if not any(noise_series(r["epochs"]) for r in results):
         return None
+    return _save_png(alpha_figure, results, path)
+
+
+def _save_png(figure: Any, results: Sequence[Mapping[str, Any]], path: str | Path) -> Path | None:
     try:
         import matplotlib
 
         matplotlib.use("Agg", force=False)
         import matplotlib.pyplot as plt
     except ImportError:
-        log.warning("matplotlib is not installed: no learning curves at %s "
-                    "(pip install 'rnndrop[bench]')", path)
+        log.warning("matplotlib is not installed: no plot at %s (pip install 'rnndrop[bench]')", path)
         return None
-    fig = learning_curve_figure(results)
+    fig = figure(results)
     path = Path(path)
     try:
         with atomic_write(path) as f:
@@ -106,4 +142,3 @@ def plot_learning_curves(results: Sequence[Mapping[str, Any]], path: str | Path)
     finally:
         plt.close(fig)
     return path
-

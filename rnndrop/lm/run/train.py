@@ -58,6 +58,7 @@ from rnndrop.lm.run.divergence import DivergenceCheck, TrainingDiverged
 from rnndrop.lm.run.evaluate import Score, perplexity, score_split, token_loss
 from rnndrop.lm.run.finish import add_mc_result, finish_run
 from rnndrop.lm.run.lock import claim_folder
+from rnndrop.lm.run.noise_trace import learned_noise
 from rnndrop.lm.run.process_group import all_gather_objects, all_reduce_sums, current, run_on_main
 from rnndrop.lm.run.progress import EpochProgress
 from rnndrop.lm.run.schedule import Schedule
@@ -198,6 +199,9 @@ def _train_epochs(run: Training, progress: bool, on_epoch_end: EpochCallback | N
             }
             if config.select == "objective":
                 record["valid_objective"] = criterion
+            noise = learned_noise(run.model)
+            if noise:
+                record["noise"] = noise
             next_lr, stop = schedule.after_epoch(lr, improved)
             state.end_epoch(record, next_lr, seconds, words)
             if stop:
