@@ -40,6 +40,7 @@ import platform
 import random
 import re
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -124,7 +125,14 @@ def saved_bytes(module: nn.Module, x: torch.Tensor) -> int:
     return sum(storages.values())
 
 
-def bench_shape(model: str, shape: str, args: argparse.Namespace, device: torch.device) -> list[dict]:
+def note(message: str) -> None:
+    """A line of progress on stderr (the tables go to stdout)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def bench_shape(
+    model: str, shape: str, args: argparse.Namespace, device: torch.device, step: str = ""
+) -> list[dict]:
     hidden = SHAPES[shape]
     torch.manual_seed(0)
     auto = auto_loop_kernel(torch.ones(1, device=device))
@@ -144,10 +152,15 @@ def bench_shape(model: str, shape: str, args: argparse.Namespace, device: torch.
         for name in names:
             variants[name].zero_grad(set_to_none=True)
             calls[name]()
+    round_seconds = sum(first.values())  # the first calls: an upper bound of a round
+    note(f"{step}{model} {shape} (hidden {hidden}): {len(names)} variants, {args.rounds} rounds, "
+         f"up to about {round_seconds * args.rounds:.0f} s")
     load_before = os.getloadavg()[0]
     times: dict[str, list[float]] = {name: [] for name in names}
     rng = random.Random(0)
-    for _ in range(args.rounds):
+    for done in range(args.rounds):
+        if done and done % max(1, args.rounds // 3) == 0:
+            note(f"  round {done}/{args.rounds}")
         order = names[:]
         rng.shuffle(order)
         for name in order:
@@ -371,6 +384,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    try:
+        run(argv)
+    except KeyboardInterrupt:
+        note("interrupted: the tables printed above are complete; the others were not timed")
+        sys.exit(130)
+
+
+def run(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.count_ops:
         print(machine())
@@ -388,13 +409,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(header, flush=True)
     rows = []
-    for shape in args.shapes:
-        for model in args.models:
-            shape_rows = bench_shape(model, shape, args, device)
-            rows += shape_rows
-            print(format_table(shape_rows), flush=True)
-            loads = shape_rows[0]["load"]
-            print(f"load average during timing: {loads[0]:.2f} -> {loads[1]:.2f}\n", flush=True)
+    pairs = [(shape, model) for shape in args.shapes for model in args.models]
+    for i, (shape, model) in enumerate(pairs, 1):
+        shape_rows = bench_shape(model, shape, args, device, step=f"[{i}/{len(pairs)}] ")
+        rows += shape_rows
+        print(format_table(shape_rows), flush=True)
+        loads = shape_rows[0]["load"]
+        print(f"load average during timing: {loads[0]:.2f} -> {loads[1]:.2f}\n", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             config = dict(vars(args), device=str(device), header=header)

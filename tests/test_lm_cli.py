@@ -313,6 +313,8 @@ def test_parallel_runs_print_one_whole_line_per_event(tmp_path, capfd, caplog):
         mine = [line for line in epoch_lines if label in line]
         assert [f"{regime} epoch {e}:" in line for e, line in enumerate(mine, 1)] == [True, True]
     assert caplog.text.count("finished: best valid ppl") == 2  # the main process's lines
+    # the main process hears every epoch of the workers and says how far the job is
+    assert caplog.text.count("/2 done (valid ppl") == 4 and "job ETA" in caplog.text
 
 
 @pytest.mark.slow

@@ -188,3 +188,43 @@ def test_comparison_table_shows_signed_paired_deltas_and_flags_unconverged_runs(
     assert "-3.5 ± 3.5" in tied  # paired: -1 and -6
     assert "-1.8 ± 4.6" in tied  # MC: +1.5 and -5.0
     assert "10/12, 12/12 cap" in tied and "| 0 |" in table  # the baseline's own delta
+
+
+def test_the_monte_carlo_passes_show_progress_lines(caplog):
+    import logging
+
+    import torch
+
+    from rnndrop.lm.model.language_model import RNNLanguageModel
+    from rnndrop.lm.run.evaluate import score_mc
+
+    torch.manual_seed(0)
+    model = RNNLanguageModel(30, 8, 8, 1, dropout_output=0.5)
+    stream = torch.randint(30, (41, 2))  # 40 predictions per column: 10 segments of 4
+    with caplog.at_level(logging.INFO, logger="rnndrop.lm.run.progress"):
+        quiet = score_mc(model, stream, 4, 3)
+        assert not caplog.records
+        torch.manual_seed(0)
+        shown = score_mc(model, stream, 4, 3, progress="MC test, 3 samples")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("MC test, 3 samples 1/10") and lines[-1].startswith("MC test, 3 samples 10/10")
+    assert len(lines) == 10
+    torch.manual_seed(0)
+    assert score_mc(model, stream, 4, 3).nll == shown.nll and quiet.tokens == shown.tokens
+
+
+def test_the_job_says_how_far_off_its_estimate_was(caplog):
+    import logging
+
+    from rnndrop.lm.run.benchmark import _report_estimate
+
+    job = JobProgress(2, 3, bar=False, estimate_seconds=600.0)
+    with caplog.at_level(logging.INFO, logger="rnndrop.lm.run.benchmark"):
+        job.run_done("run 1/2", {"best_valid_ppl": 9.0, "test_ppl": 9.0}, reused=True)
+        job.run_done("run 2/2", {"best_valid_ppl": 9.0, "test_ppl": 9.0})
+        _report_estimate(600.0, 480.0, job)  # a reused run: the estimate counted it, no comparison
+        assert not [r for r in caplog.records if r.name.endswith("benchmark")]
+        fresh = JobProgress(1, 3, bar=False, estimate_seconds=600.0)
+        fresh.run_done("run 1/1", {"best_valid_ppl": 9.0, "test_ppl": 9.0})
+        _report_estimate(600.0, 480.0, fresh)
+    assert caplog.records[-1].getMessage() == "the job took 8 min; its estimate was 10 min (+25%)"

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-from rnndrop.lm.cli.commands import evaluate, generate, train, train_main
+from rnndrop.lm.cli.commands import carve, evaluate, generate, train, train_main
 from rnndrop.lm.cli.errors import EXIT_DATA, EXIT_DIVERGED, EXIT_INTERRUPTED, UsageError
 from rnndrop.lm.cli.parser import CORPORA, build_parser
 from rnndrop.lm.run.process_group import end_worker, torchrun_world_size
@@ -82,6 +82,8 @@ def _main(argv: Sequence[str] | None) -> int:
             sys.stdout.write(train(args, CORPORA[args.command], argv[1:]))
         elif args.command == "evaluate":
             sys.stdout.write(evaluate(args))
+        elif args.command == "carve":
+            sys.stdout.write(carve(args))
         else:
             sys.stdout.write(generate(args))
     except SystemExit as e:

@@ -19,11 +19,14 @@ from rnndrop.lm.cli.errors import EXIT_DATA, EXIT_DIVERGED, EXIT_INTERRUPTED, Us
 from rnndrop.lm.cli.job import checked_job
 from rnndrop.lm.cli.parser import CORPORA, corpus_parser
 from rnndrop.lm.cli.terminal import markdown_for_terminal
+from rnndrop.lm.data.carve import CarveError
+from rnndrop.lm.data.carve import carve as carve_corpus
 from rnndrop.lm.data.corpus import CorpusError, batchify, encode_split, load_corpus, sample_dir
 from rnndrop.lm.data.download import DownloadError
 from rnndrop.lm.run.benchmark import JobInterrupted, run_benchmark
 from rnndrop.lm.run.checkpoint import CheckpointError, LoadedModel, load_model
 from rnndrop.lm.run.evaluate import CALIBRATION_BINS, has_noise, score, score_mc
+from rnndrop.lm.run.finish import MC_PROGRESS
 from rnndrop.lm.run.folder import LEARNING_CURVES, RESULTS
 from rnndrop.lm.run.generate import generate as generate_words
 from rnndrop.lm.run.generate import words_to_text
@@ -210,7 +213,8 @@ def evaluate(args: argparse.Namespace) -> str:
         lines.append(f"perplexity, MC  the same: the {run.regime!r} run draws no dropout noise")
     elif args.mc_samples:
         torch.manual_seed(args.seed)
-        mc = score_mc(run.model, batched, run.config.bptt, args.mc_samples, CALIBRATION_BINS)
+        mc = score_mc(run.model, batched, run.config.bptt, args.mc_samples, CALIBRATION_BINS,
+                      progress=MC_PROGRESS.format(args.mc_samples), bar=True)
         lines.append(f"perplexity, MC  {mc.perplexity:.2f}   (NLL {mc.nll:.4f} nats/word, "
                      f"ECE {mc.ece:.4f}; {args.mc_samples} dropout samples)")
     return "\n".join(lines) + "\n"
@@ -236,3 +240,12 @@ def generate(args: argparse.Namespace) -> str:
     words = generate_words(run.model, run.vocab, prompt, args.words, temperature=args.temperature,
                            generator=generator)
     return words_to_text([*prompt, *words]) + "\n"
+
+
+def carve(args: argparse.Namespace) -> str:
+    """``rnndrop-lm carve CORPUS --from DIR --out DIR``: a result page's corpus from the official files."""
+    try:
+        written = carve_corpus(args.corpus, args.official, args.out)
+    except (CarveError, OSError) as e:
+        raise fail(f"carve: {e}", EXIT_DATA) from None
+    return f"{args.corpus}: wrote {', '.join(str(p) for p in written)}\n"

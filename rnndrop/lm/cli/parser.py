@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from rnndrop.lm.data.carve import CARVINGS
 from rnndrop.lm.data.download import DATASETS
 from rnndrop.lm.model.presets import CONFIGS
 from rnndrop.lm.model.regimes import REGIMES
@@ -116,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
         "2 CPU cores; after Ctrl-C run the same command with --resume). "
         "Exit status: 0 done, 2 data or usage problem, 3 training diverged, 130 interrupted.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{ptb,wikitext2,evaluate,generate}", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="{ptb,wikitext2,evaluate,generate,carve}",
+                                required=True)
     for name in ("ptb", "wikitext2"):
         p = sub.add_parser(name, help=f"train and compare regimes on {CORPORA[name]} "
                            "(--data sample|DIR, --resume, ...)",
@@ -127,7 +129,20 @@ def build_parser() -> argparse.ArgumentParser:
         add_train_arguments(p, CORPORA[name])
     _add_evaluate(sub)
     _add_generate(sub)
+    _add_carve(sub)
     return parser
+
+
+def _add_carve(sub: Any) -> None:
+    carve = sub.add_parser(
+        "carve", help="make the small corpora of the result pages from the official PTB / "
+        "WikiText-2 files", description="Write ptb-mini, ptb-144k or wikitext-2-mini (the corpora "
+        "of docs/results.md) from the official files: Mikolov's PTB simple-examples/data "
+        "(ptb.train.txt, ptb.valid.txt) or WikiText-2's wiki.valid.tokens.")
+    carve.add_argument("corpus", choices=tuple(CARVINGS))
+    carve.add_argument("--from", dest="official", required=True, metavar="DIR",
+                       help="the folder of the official files")
+    carve.add_argument("--out", required=True, metavar="DIR", help="the folder to write (new or empty)")
 
 
 def _add_evaluate(sub: Any) -> None:

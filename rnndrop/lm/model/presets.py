@@ -66,7 +66,8 @@ CONFIGS: dict[str, TrainConfig] = {
     "mini": TrainConfig(
         name="mini", embedding_size=200, hidden_size=200, num_layers=2, batch_size=20, bptt=35,
         epochs=20, lr=20.0, lr_decay=4.0, decay_after=0, clip=0.25, init_scale=0.1,
-        schedule="plateau", eval_batch_size=10,
+        # Below 0.1 (after four epochs without improvement) validation no longer moves: stop.
+        schedule="plateau", min_lr=0.1, eval_batch_size=10,
         dropout={"embedding": 0.1, "hidden": 0.2, "input": 0.5, "between": 0.5, "output": 0.5},
         grid=_SMALL_GRID, mc_samples=50,
         reference="small offline setting of this project (SGD and plateau decay as in "

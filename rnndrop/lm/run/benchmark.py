@@ -17,6 +17,7 @@ several at once. The command line is :mod:`rnndrop.lm.cli`.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -105,12 +106,22 @@ def _estimate(job: _Job, plan: _Plan, jobs: int) -> float:
     corpus = cached_corpus(job.corpus_dir)
     eta = estimate_seconds(corpus, job.config, plan.planned, round(plan.mc_per_run), jobs=jobs,
                            threads=job.threads, device=job.device)
+    early = " if no run converges early" if job.config.min_lr > 0 else ""
     log.info("this job trains %d run%s of up to %d epochs on %s training words; at the speed "
-             "measured on this machine just now it should take about %s%s. Ctrl-C stops it "
+             "measured on this machine just now it should take about %s%s%s. Ctrl-C stops it "
              "(finished epochs are kept; rerun with --resume)", plan.total, "s" * (plan.total != 1),
              job.config.epochs, f"{corpus.train.numel():,}", format_duration(eta),
-             f" ({jobs} runs at a time)" if jobs > 1 else "")
+             f" ({jobs} runs at a time)" if jobs > 1 else "", early)
     return eta
+
+
+def _report_estimate(eta: float | None, seconds: float, progress: JobProgress) -> None:
+    """Log how far the up-front estimate was from the time the job took (when it trained
+    every run itself: a resumed job's estimate counted the runs it reused)."""
+    if eta is None or progress.runs_trained < progress.total_runs:
+        return
+    log.info("the job took %s; its estimate was %s (%+.0f%%)", format_duration(seconds),
+             format_duration(eta), 100 * (eta - seconds) / max(seconds, 1e-9))
 
 
 def _run_grid(
@@ -212,6 +223,7 @@ def run_benchmark(
     plan = _plan(job, regimes, seeds, mc, grid=grid, dropout=dropout, dropout_by_regime=dropout_by_regime)
     eta = _estimate(job, plan, jobs) if estimate else None
     job_progress = JobProgress(plan.total, config.epochs, bar=progress and jobs <= 1, estimate_seconds=eta)
+    start = time.perf_counter()
     try:
         if grid:
             final_results, grid_results = _run_grid(job, plan, regimes, seeds, mc, jobs, job_progress)
@@ -220,4 +232,5 @@ def run_benchmark(
             grid_results = []
     finally:
         job_progress.close()
+    _report_estimate(eta, time.perf_counter() - start, job_progress)
     return _summary(job, regimes, seeds, grid, command, final_results, grid_results)

@@ -11,6 +11,7 @@ share of the streams and the sums are added over the ranks.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ from torch import Tensor, nn
 from rnndrop.calibration import ReliabilityDiagram, reliability_from_predictions
 from rnndrop.lm.data.corpus import bptt_batches
 from rnndrop.lm.run.process_group import Distributed, all_reduce_reliability, all_reduce_sums, shard_columns
+from rnndrop.lm.run.progress import EpochProgress
 from rnndrop.mc import mc_language_model_loss, sampling_modules
 
 __all__ = [
@@ -111,18 +113,19 @@ def score_sums(
 
 def score_split(
     model: nn.Module, batched: Tensor, bptt: int, calibration_bins: int | None, ctx: Distributed,
-    mc_samples: int = 0,
+    mc_samples: int = 0, *, progress: str | None = None, bar: bool = False,
 ) -> Score:
-    """:func:`score` (or with ``mc_samples`` :func:`score_mc`) of a whole split: each rank
-    scores its share of the streams and the sums are added over the ranks."""
+    """:func:`score` (or with ``mc_samples`` :func:`score_mc`, shown under ``progress`` as
+    there) of a whole split: each rank scores its share of the streams and the sums are
+    added over the ranks (rank 0 alone shows progress)."""
     if not ctx.enabled:
         if mc_samples:
-            return score_mc(model, batched, bptt, mc_samples, calibration_bins)
+            return score_mc(model, batched, bptt, mc_samples, calibration_bins, progress=progress, bar=bar)
         return score(model, batched, bptt, calibration_bins)
     shard = shard_columns(batched, ctx.rank, ctx.world_size)
     if mc_samples:
-        loss = mc_language_model_loss(model, list(bptt_batches(shard, bptt)), mc_samples,
-                                      calibration_bins=calibration_bins)
+        segments = _shown(list(bptt_batches(shard, bptt)), progress if ctx.is_main else None, bar)
+        loss = mc_language_model_loss(model, segments, mc_samples, calibration_bins=calibration_bins)
         total, count, diagram = loss.total_nll, loss.num_tokens, loss.reliability
     else:
         total, count, diagram = score_sums(model, shard, bptt, calibration_bins)
@@ -132,14 +135,34 @@ def score_split(
 
 
 def score_mc(
-    model: nn.Module, batched: Tensor, bptt: int, n_samples: int, calibration_bins: int | None = None
+    model: nn.Module, batched: Tensor, bptt: int, n_samples: int, calibration_bins: int | None = None,
+    *, progress: str | None = None, bar: bool = False,
 ) -> Score:
     """:func:`score` under Monte-Carlo dropout (:func:`rnndrop.mc.mc_language_model_loss`):
-    every word's predictive probability averaged over ``n_samples`` dropout draws."""
-    loss = mc_language_model_loss(
-        model, list(bptt_batches(batched, bptt)), n_samples, calibration_bins=calibration_bins
-    )
+    every word's predictive probability averaged over ``n_samples`` dropout draws.
+
+    ``progress``: show the passes under this label, a tqdm bar on a terminal when ``bar``,
+    else a log line every tenth of the split (None: nothing shown).
+    """
+    segments = _shown(list(bptt_batches(batched, bptt)), progress, bar)
+    loss = mc_language_model_loss(model, segments, n_samples, calibration_bins=calibration_bins)
     return Score(loss.nll, loss.num_tokens, None if loss.reliability is None else loss.reliability.ece)
+
+
+def _shown(
+    segments: list[tuple[Tensor, Tensor]], label: str | None, bar: bool
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """``segments`` again, counted on an :class:`EpochProgress` named ``label`` as they are used."""
+    if label is None:
+        yield from segments
+        return
+    shown = EpochProgress(len(segments), label, True, bar=bar)
+    try:
+        for segment in segments:
+            yield segment
+            shown.update()
+    finally:
+        shown.close()
 
 
 def evaluate(model: nn.Module, batched: Tensor, bptt: int) -> float:

@@ -38,9 +38,13 @@ __all__ = ["add_mc_result", "finish_run"]
 
 log = logging.getLogger(__name__)
 
+#: how the Monte-Carlo passes are labelled in bars and log lines
+MC_PROGRESS = "MC test, {} samples"
 
-def finish_run(run: Training) -> dict[str, Any]:
-    """Test the best epoch's weights, then write and return the run's result."""
+
+def finish_run(run: Training, bar: bool = False) -> dict[str, Any]:
+    """Test the best epoch's weights, then write and return the run's result; the
+    Monte-Carlo passes show their progress (a bar on a terminal when ``bar``, else log lines)."""
     config, ctx = run.config, run.ctx
     best = run_on_main(lambda: load_checkpoint(run.best_path)["model"], ctx, "reading best.pt")
     load_state(run.model, best, run.best_path)
@@ -53,7 +57,8 @@ def finish_run(run: Training) -> dict[str, Any]:
             log.info("%s: Monte-Carlo test perplexity, %d dropout samples (up to about %s)", run.out,
                      run.mc_samples, format_duration(one_pass * run.mc_samples))
         seed_noise(run.seed, ctx)
-        test_mc = score_split(run.model, run.test_data, config.bptt, CALIBRATION_BINS, ctx, run.mc_samples)
+        test_mc = score_split(run.model, run.test_data, config.bptt, CALIBRATION_BINS, ctx, run.mc_samples,
+                              progress=MC_PROGRESS.format(run.mc_samples), bar=bar)
     run.state.add_wall_time(run.wall_start)
     result = _result(run, test, test_mc)
 
@@ -150,7 +155,8 @@ def add_mc_result(
             seed_noise(result["seed"], ctx)
             start = time.perf_counter()
             test_data = batchify(corpus.test, config.eval_batch_size).to(device)
-            test_mc = score_split(model, test_data, config.bptt, CALIBRATION_BINS, ctx, n_samples)
+            test_mc = score_split(model, test_data, config.bptt, CALIBRATION_BINS, ctx, n_samples,
+                                  progress=MC_PROGRESS.format(n_samples))
             result.update(test_ppl_mc=test_mc.perplexity, test_nll_mc=test_mc.nll, test_ece_mc=test_mc.ece)
             result["mc_samples"] = n_samples
             result["mc_seconds"] = time.perf_counter() - start

@@ -7,12 +7,12 @@ import multiprocessing
 import os
 import signal
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from rnndrop.lm.run.progress import JobProgress
-from rnndrop.lm.run.spec import JobInterrupted, RunSpec, execute
+from rnndrop.lm.run.progress import EpochRelay, JobProgress, relay_events
+from rnndrop.lm.run.spec import JobInterrupted, RunSpec, execute, worker_logging
 
 __all__ = ["WorkerDied", "run_all"]
 
@@ -27,12 +27,18 @@ class WorkerDied(RuntimeError):
         )
 
 
-def _worker_signals() -> None:
+#: in a worker process: the queue its runs report their epochs on (see :class:`EpochRelay`)
+_events: Any = None
+
+
+def _worker_init(events: Any) -> None:
     """Workers leave Ctrl-C to the main process, which stops them with SIGTERM; SIGTERM then
     unwinds the worker's run, so its run folder's lock is released and no half-written
-    file is left (checkpoints are atomic either way)."""
+    file is left (checkpoints are atomic either way). Their runs report to ``events``."""
+    global _events
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    _events = events
 
 
 class _Terminated(BaseException):
@@ -43,9 +49,10 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise _Terminated
 
 
-def _in_worker(fn: Callable[[RunSpec, JobProgress | None], dict[str, Any]], spec: RunSpec) -> dict[str, Any]:
+def _in_worker(fn: Callable[[RunSpec, Any], dict[str, Any]], spec: RunSpec) -> dict[str, Any]:
+    worker_logging(spec.label)
     try:
-        return fn(spec, None)
+        return fn(spec, EpochRelay(_events))
     except _Terminated:
         os._exit(128 + signal.SIGTERM)  # unwound: the run folder is released; nothing to report
 
@@ -59,8 +66,9 @@ def run_all(
     if jobs <= 1 or len(specs) <= 1:
         return [fn(s, progress) for s in specs]
     context = multiprocessing.get_context("spawn")
+    events = context.Queue()
     pool = ProcessPoolExecutor(max_workers=min(jobs, len(specs)), mp_context=context,
-                               initializer=_worker_signals)
+                               initializer=_worker_init, initargs=(events,))
     try:
         # Workers start while SIGINT is ignored, and keep ignoring it (the disposition is
         # inherited): a Ctrl-C at the terminal reaches the main process alone, which stops them.
@@ -70,14 +78,19 @@ def run_all(
         finally:
             signal.signal(signal.SIGINT, previous)
         results: dict[int, dict[str, Any]] = {}
-        for future in as_completed(futures):
-            i = futures[future]
-            try:
-                results[i] = future.result()
-            except BrokenProcessPool:
-                raise WorkerDied(specs[i].label or specs[i].folder) from None
-            if progress is not None and fn is execute:
-                progress.run_done(specs[i].label, results[i])
+        pending, reused = set(futures), set()
+        while pending:
+            done, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
+            if progress is not None:
+                relay_events(events, progress, reused)
+            for future in done:
+                i = futures[future]
+                try:
+                    results[i] = future.result()
+                except BrokenProcessPool:
+                    raise WorkerDied(specs[i].label or specs[i].folder) from None
+                if progress is not None and fn is execute:
+                    progress.run_done(specs[i].label, results[i], reused=specs[i].label in reused)
         return [results[i] for i in range(len(specs))]
     except KeyboardInterrupt:
         _stop(pool)

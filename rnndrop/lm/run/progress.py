@@ -9,12 +9,13 @@ lines of parallel runs never interleave on one terminal line.
 from __future__ import annotations
 
 import logging
+import queue
 import sys
 import time
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["EpochProgress", "JobProgress", "format_duration"]
+__all__ = ["EpochProgress", "EpochRelay", "JobProgress", "format_duration", "relay_events"]
 
 log = logging.getLogger(__name__)
 
@@ -32,21 +33,23 @@ def format_duration(seconds: float) -> str:
 class JobProgress:
     """Counts the epochs of a job of ``total_runs`` runs of up to ``epochs`` epochs each.
 
-    The ETA is the job's remaining epochs times the wall time per epoch trained so far in
-    this process (evaluation and Monte-Carlo scoring included); before the first epoch it
-    is ``estimate_seconds`` scaled by the share of the job left. When only whole runs are
-    seen (runs in worker processes), runs take the place of epochs.
+    The ETA is the job's remaining epochs times the wall time per epoch trained so far
+    (evaluation and Monte-Carlo scoring included; runs trained side by side under
+    ``--jobs`` count each of their epochs); before the first epoch it is
+    ``estimate_seconds`` scaled by the share of the job left. Runs in worker processes
+    report their epochs through an :class:`EpochRelay`.
     """
 
     def __init__(self, total_runs: int, epochs: int, *, bar: bool,
                  estimate_seconds: float | None = None) -> None:
         self.total_runs, self.epochs = total_runs, epochs
-        self.done_epochs = 0  # epochs trained in this process
+        self.done_epochs = 0  # epochs trained in this job
         self.runs_started = 0
         self.runs_done = 0
-        self.runs_trained = 0  # runs that trained here (not reused)
-        self.next_epoch: int | None = None  # of the active run
-        self.run_label = ""
+        self.runs_trained = 0  # runs that trained (not reused)
+        self.active: dict[str, int] = {}  # label of a running run -> its next epoch
+        self.finished: set[str] = set()  # labels of the runs done
+        self.run_label = ""  # of the run this process trains
         self.start = time.perf_counter()
         self.estimate = estimate_seconds
         self.bar = None
@@ -60,8 +63,13 @@ class JobProgress:
             except ImportError:
                 pass
 
+    @property
+    def next_epoch(self) -> int | None:
+        """The next epoch of the run this process trains (None between runs)."""
+        return self.active.get(self.run_label)
+
     def remaining_epochs(self) -> int:
-        active = 0 if self.next_epoch is None else max(0, self.epochs - self.next_epoch + 1)
+        active = sum(max(0, self.epochs - n + 1) for n in self.active.values())
         return active + self.epochs * (self.total_runs - self.runs_started)
 
     def total_epochs(self) -> int:
@@ -95,28 +103,30 @@ class JobProgress:
         self.bar.refresh()
 
     def start_run(self, label: str, first_epoch: int = 1) -> None:
-        """A run begins (or resumes at ``first_epoch``) in this process; ``label`` names it
+        """A run begins (or resumes at ``first_epoch``); ``label`` names it
         (``"run 2/3 tied ... seed 1"``)."""
         self.runs_started += 1
         self.run_label = label
-        self.next_epoch = first_epoch
+        self.active[label] = first_epoch
         self._refresh()
 
-    def epoch_done(self, epoch: int, record: Mapping[str, Any]) -> None:
+    def epoch_done(self, epoch: int, record: Mapping[str, Any], label: str | None = None) -> None:
+        """``epoch`` of the run ``label`` (default: the one this process trains) ended."""
+        label = self.run_label if label is None else label
         self.done_epochs += 1
-        self.next_epoch = epoch + 1
+        self.active[label] = epoch + 1
         if self.bar is not None:
             self._refresh()
         else:
             log.info("%s: epoch %d/%d done (valid ppl %.2f); job %d%%, %s",
-                     self.run_label, epoch, self.epochs,
+                     label, epoch, self.epochs,
                      record["valid_ppl"], 100 * self.done_epochs // self.total_epochs(), self._eta_text())
 
     def run_done(self, label: str, result: Mapping[str, Any], *, reused: bool = False) -> None:
         """A run ended: trained (here or in a worker), or ``reused`` from an earlier job."""
-        if self.next_epoch is None:  # not announced by start_run (a worker's, or reused)
+        if self.active.pop(label, None) is None:  # not announced by start_run
             self.runs_started += 1
-        self.next_epoch = None
+        self.finished.add(label)
         self.runs_done += 1
         self.runs_trained += not reused
         if self.bar is not None:
@@ -133,16 +143,59 @@ class JobProgress:
             self.bar = None
 
 
-class EpochProgress:
-    """A tqdm bar on a terminal when tqdm is installed (below the job's bar of
-    :class:`rnndrop.lm.run.progress.JobProgress`, if one is drawn), else a log line every
-    tenth of the loop (e.g. when stderr goes to a file)."""
+class EpochRelay:
+    """What a worker process of ``--jobs`` has in place of the :class:`JobProgress` of the
+    main process: it puts the run's events on ``events`` (a multiprocessing queue), which
+    the main process passes on with :func:`relay_events`."""
 
-    def __init__(self, total: int, desc: str, enabled: bool) -> None:
+    def __init__(self, events: Any) -> None:
+        self.events = events
+        self.run_label = ""
+        self.next_epoch: int | None = None
+
+    def start_run(self, label: str, first_epoch: int = 1) -> None:
+        self.run_label, self.next_epoch = label, first_epoch
+        self.events.put(("start", label, first_epoch))
+
+    def epoch_done(self, epoch: int, record: Mapping[str, Any]) -> None:
+        self.next_epoch = epoch + 1
+        self.events.put(("epoch", self.run_label, epoch, {"valid_ppl": record["valid_ppl"]}))
+
+    def run_done(self, label: str, result: Mapping[str, Any], *, reused: bool = False) -> None:
+        # The main process counts the run when its result arrives; it only needs to know this.
+        if reused:
+            self.events.put(("reused", label))
+
+
+def relay_events(events: Any, progress: JobProgress, reused: set[str]) -> None:
+    """Pass the events waiting on ``events`` to ``progress``; labels of reused runs go to
+    ``reused``."""
+    while True:
+        try:
+            event = events.get_nowait()
+        except queue.Empty:
+            return
+        if event[1] in progress.finished:
+            continue  # a late event of a run whose result has arrived
+        if event[0] == "start":
+            progress.start_run(event[1], event[2])
+        elif event[0] == "epoch":
+            progress.epoch_done(event[2], event[3], label=event[1])
+        else:
+            reused.add(event[1])
+
+
+class EpochProgress:
+    """A tqdm bar on a terminal when tqdm is installed and ``bar`` (below the job's bar of
+    :class:`rnndrop.lm.run.progress.JobProgress`, if one is drawn), else a log line every
+    tenth of the loop (e.g. when stderr goes to a file, or in a worker process of ``--jobs``
+    whose bars would overwrite each other)."""
+
+    def __init__(self, total: int, desc: str, enabled: bool, *, bar: bool = True) -> None:
         self.total, self.desc, self.count = total, desc, 0
         self.bar = None
         self.enabled = enabled
-        if enabled and sys.stderr.isatty():
+        if enabled and bar and sys.stderr.isatty():
             try:
                 from tqdm.auto import tqdm
 

@@ -21,10 +21,10 @@ from rnndrop.lm.run.folder import RESULTS
 from rnndrop.lm.run.identity import finished_result, run_identity
 from rnndrop.lm.run.metrics import EpochLog
 from rnndrop.lm.run.process_group import current, run_on_main
-from rnndrop.lm.run.progress import JobProgress
+from rnndrop.lm.run.progress import EpochRelay, JobProgress
 from rnndrop.lm.run.train import add_mc_result, train_run
 
-__all__ = ["JobInterrupted", "RunSpec", "cached_corpus", "execute", "execute_mc"]
+__all__ = ["JobInterrupted", "RunSpec", "cached_corpus", "execute", "execute_mc", "worker_logging"]
 
 log = logging.getLogger(__name__)
 
@@ -79,17 +79,16 @@ def _finished(spec: RunSpec) -> dict[str, Any] | None:
     return finished_result(spec.folder, identity, epochs=spec.config.epochs)
 
 
-def _worker_logging(label: str) -> None:
+def worker_logging(label: str) -> None:
+    """Log lines of a worker process, each prefixed with the run it trains."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{label}] %(message)s", datefmt="%H:%M:%S",
                         force=True)
 
 
-def execute(spec: RunSpec, progress: JobProgress | None = None) -> dict[str, Any]:
+def execute(spec: RunSpec, progress: JobProgress | EpochRelay | None = None) -> dict[str, Any]:
     """Run (or reuse, or resume) one spec; top-level so worker processes can call it."""
     if spec.threads:
         torch.set_num_threads(spec.threads)
-    if progress is None:
-        _worker_logging(spec.label)
     ctx = current()
     if spec.resume:
         # Under torchrun rank 0 reads the folder and tells the others (who never touch it).
@@ -131,7 +130,7 @@ def execute(spec: RunSpec, progress: JobProgress | None = None) -> dict[str, Any
     return result
 
 
-def execute_mc(spec: RunSpec, progress: JobProgress | None = None) -> dict[str, Any]:
+def execute_mc(spec: RunSpec, progress: JobProgress | EpochRelay | None = None) -> dict[str, Any]:
     """Add the Monte-Carlo test perplexity to a finished run (the grid's chosen ones)."""
     if spec.threads:
         torch.set_num_threads(spec.threads)

@@ -166,7 +166,7 @@ def train_run(
             # now, not whenever a reference cycle through a frame is collected: torch aborts
             # at exit when gloo work outlives destroy_process_group.
             run.net = run.model
-        return finish_run(run)
+        return finish_run(run, bar=progress)
 
 
 def _train_epochs(run: Training, progress: bool, on_epoch_end: EpochCallback | None) -> None:
