@@ -227,4 +227,4 @@ def test_the_job_says_how_far_off_its_estimate_was(caplog):
         fresh = JobProgress(1, 3, bar=False, estimate_seconds=600.0)
         fresh.run_done("run 1/1", {"best_valid_ppl": 9.0, "test_ppl": 9.0})
         _report_estimate(600.0, 480.0, fresh)
-    assert caplog.records[-1].getMessage() == "the job took 8 min; its estimate was 10 min (+25%)"
+    assert caplog.records[-1].getMessage() == "the job took 8 min; its estimate was 10 min (25% too high)"

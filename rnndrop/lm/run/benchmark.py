@@ -120,8 +120,9 @@ def _report_estimate(eta: float | None, seconds: float, progress: JobProgress) -
     every run itself: a resumed job's estimate counted the runs it reused)."""
     if eta is None or progress.runs_trained < progress.total_runs:
         return
-    log.info("the job took %s; its estimate was %s (%+.0f%%)", format_duration(seconds),
-             format_duration(eta), 100 * (eta - seconds) / max(seconds, 1e-9))
+    off = 100 * (eta - seconds) / max(seconds, 1e-9)
+    log.info("the job took %s; its estimate was %s (%.0f%% too %s)", format_duration(seconds),
+             format_duration(eta), abs(off), "high" if off > 0 else "low")
 
 
 def _run_grid(
