@@ -2,18 +2,19 @@
 
     python benchmarks/speed.py                               # small and medium, LSTM and GRU
     python benchmarks/speed.py --shapes large --models lstm --rounds 5
-    python benchmarks/speed.py --device cuda --shapes small,medium,large --json speed.json
+    python benchmarks/speed.py --device cuda --shapes small,medium,large --batch 20,64,128 --json speed.json
 
 Every variant runs forward + backward of ``out.sum()`` in training mode on the
-Zaremba et al. (2014) shapes: batch 20, 35 steps, 2 layers, input size = hidden
-size (small 200, medium 650, large 1500), float32. Variants, for the LSTM and the GRU:
+Zaremba et al. (2014) shapes: batch 20 (``--batch``: one or more), 35 steps, 2 layers, input
+size = hidden size (small 200, medium 650, large 1500), float32. Variants, for the LSTM and the GRU:
 
 - ``nn.LSTM`` / ``nn.GRU``: no dropout, the baseline every ratio is taken against;
 - ``<scope>/<kernel>``: ``VariationalLSTM/GRU`` with dropout_input, dropout (between
   layers), dropout_hidden and dropout_output all ``--p``, masks drawn afresh every call,
   ``mask_scope`` sequence (Gal & Ghahramani), step (naive), or ``gates``: sequence with
-  ``per_gate_masks=True``; run by each loop kernel of ``rnndrop.kernels.KERNELS``
-  (``--kernels``; ``*`` marks the one ``kernel="auto"`` runs here, also named in the header);
+  ``per_gate_masks=True``; run by each loop kernel of ``rnndrop.kernels.KERNELS`` that runs on
+  the device (``--kernels``; on CPU all but "triton", on CUDA all but "compiled"; ``*`` marks the
+  one ``kernel="auto"`` runs here, also named in the header);
 - ``batch/fused``: ``mask_scope="batch"``: the recurrent mask is shared by the batch and
   folded into ``W_hh``, so torch's fused kernel runs;
 - ``weight_drop``: ``WeightDrop(nn.LSTM, every weight_hh, p)`` (DropConnect), when
@@ -28,18 +29,25 @@ the first call's time (a cold compile would show there).
 Memory: on CPU the bytes saved for backward (``torch.autograd.graph.saved_tensors_hooks``,
 each storage counted once, parameters excluded); on CUDA the peak of
 ``torch.cuda.max_memory_allocated`` over forward + backward above what was allocated before.
+
+On CUDA the header names the GPU, its driver, CUDA, torch and Triton, and a last table sets the
+ratios against the goals of docs/gpu.md (the exact per-sequence masks on the Triton kernel within
+1.3x cuDNN at hidden 650 and 1500 and 2x at 200, batch-shared masks and WeightDrop within 1.05x,
+peak memory within 1.5x).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import importlib.metadata
 import json
 import os
 import platform
 import random
 import re
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 
@@ -124,14 +132,16 @@ def saved_bytes(module: nn.Module, x: torch.Tensor) -> int:
     return sum(storages.values())
 
 
-def bench_shape(model: str, shape: str, args: argparse.Namespace, device: torch.device) -> list[dict]:
+def bench_shape(
+    model: str, shape: str, batch: int, args: argparse.Namespace, device: torch.device
+) -> list[dict]:
     hidden = SHAPES[shape]
     torch.manual_seed(0)
     auto = auto_loop_kernel(torch.ones(1, device=device))
     variants = build_variants(model, hidden, args.layers, args.p, args.kernels, auto)
     for m in variants.values():
         m.to(device).train()
-    x = torch.randn(args.seq_len, args.batch, hidden, device=device)
+    x = torch.randn(args.seq_len, batch, hidden, device=device)
     calls = {name: (lambda m=m: train_step(m, x)) for name, m in variants.items()}
     names = list(variants)
     baseline = names[0]
@@ -166,11 +176,12 @@ def bench_shape(model: str, shape: str, args: argparse.Namespace, device: torch.
             model=model,
             shape=shape,
             hidden=hidden,
+            batch=batch,
             variant=name,
             median_s=med,
             spread=(q3 - q1) / med,
             ratio=ratio,
-            words_per_s=args.batch * args.seq_len / med,
+            words_per_s=batch * args.seq_len / med,
             first_call_s=first[name],
             times_s=times[name],
             load=[load_before, load_after],
@@ -184,14 +195,14 @@ def bench_shape(model: str, shape: str, args: argparse.Namespace, device: torch.
 
 def format_table(rows: list[dict]) -> str:
     head = (
-        f"{'model':5} {'hidden':>6} {'variant':22} {'ms':>8} {'±':>5} {'x base':>7} "
+        f"{'model':5} {'hidden':>6} {'batch':>5} {'variant':22} {'ms':>8} {'±':>5} {'x base':>7} "
         f"{'words/s':>8} {'first ms':>9} {'mem MB':>7} {'x base':>6}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         mem = f"{r['memory_bytes'] / 2**20:7.1f} {r['memory_ratio']:6.2f}" if "memory_bytes" in r else ""
         lines.append(
-            f"{r['model']:5} {r['hidden']:6d} {r['variant']:22} {r['median_s'] * 1e3:8.1f} "
+            f"{r['model']:5} {r['hidden']:6d} {r['batch']:5d} {r['variant']:22} {r['median_s'] * 1e3:8.1f} "
             f"{r['spread'] * 100:4.0f}% {r['ratio']:7.2f} {r['words_per_s']:8.0f} "
             f"{r['first_call_s'] * 1e3:9.1f} {mem}"
         )
@@ -219,6 +230,52 @@ def machine() -> str:
         f"BLAS {blas.group(1) if blas else '?'}, {onednn_text} (loop kernels' products: {used}), "
         f"CPU capability {torch.backends.cpu.get_cpu_capability()}\n{memory_setup()}"
     )
+
+
+def gpu_setup(device: torch.device) -> str:
+    """The GPU, its driver (``nvidia-smi``), CUDA, torch and Triton versions on one line."""
+    props = torch.cuda.get_device_properties(device)
+    try:
+        index = f"-i={device.index or 0}"
+        query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", index]
+        driver = subprocess.run(query, capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        driver = "? (no nvidia-smi)"
+    try:
+        triton = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton = "not installed"
+    return (
+        f"GPU {props.name} ({props.total_memory / 2**30:.0f} GiB, capability {props.major}.{props.minor}), "
+        f"driver {driver}, CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}, "
+        f"torch {torch.__version__}, Triton {triton}"
+    )
+
+
+#: The goals of docs/gpu.md (issue 22), as (variant, largest ratio to the baseline): the per-sequence
+#: masks on the loop kernel (hidden 200: 2x), batch-shared masks and WeightDrop (1.05x).
+GOALS = {"sequence": 1.3, "batch/fused": 1.05, "weight_drop": 1.05}
+SMALL_HIDDEN_GOAL = 2.0
+MEMORY_GOAL = 1.5
+
+
+def goal_rows(rows: list[dict], auto: str) -> list[str]:
+    """One line per (model, hidden, batch, variant) that a goal names: time and memory ratio to
+    the baseline (cuDNN on CUDA), the goal and whether it is met."""
+    lines = [f"{'model':5} {'hidden':>6} {'batch':>5} {'variant':22} {'x base':>7} {'goal':>5} "
+             f"{'mem x':>6} {'goal':>5}  met"]
+    for r in rows:
+        name = r["variant"].rstrip("*")
+        key = "sequence" if name == f"sequence/{auto}" else name
+        if key not in GOALS:
+            continue
+        goal = SMALL_HIDDEN_GOAL if key == "sequence" and r["hidden"] < 650 else GOALS[key]
+        memory = r.get("memory_ratio")
+        met = r["ratio"] <= goal and (memory is None or memory <= MEMORY_GOAL)
+        mem = f"{memory:6.2f} {MEMORY_GOAL:5.2f}" if memory is not None else f"{'-':>6} {'-':>5}"
+        lines.append(f"{r['model']:5} {r['hidden']:6d} {r['batch']:5d} {r['variant']:22} "
+                     f"{r['ratio']:7.2f} {goal:5.2f} {mem}  {'yes' if met else 'NO'}")
+    return lines
 
 
 def memory_setup() -> str:
@@ -321,6 +378,10 @@ def print_op_counts() -> None:
     """Ops per time step (the difference between 20 and 10 steps, over 10) of every loop kernel."""
     print("launching ops per time step of one layer and direction (profiler, CPU):")
     for kernel in KERNELS:
+        if kernel == "triton":  # CUDA only; its launches are fixed by construction
+            print("  triton   (CUDA) forward 2, backward 2 per step and direction (4 and 4 with proj_size):"
+                  " a cuBLAS product and a fused Triton kernel each way (rnndrop/kernels/triton_lstm.py)")
+            continue
         for cell in ("lstm", "gru"):
             for onednn in (True, False):
                 long, short = count_ops(kernel, cell, 20, onednn), count_ops(kernel, cell, 10, onednn)
@@ -338,9 +399,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="small,medium", help="comma-separated: small, medium, large")
     parser.add_argument("--models", default="lstm,gru", help="comma-separated: lstm, gru")
-    parser.add_argument("--kernels", default=",".join(KERNELS), help="loop kernels to time")
+    parser.add_argument(
+        "--kernels", default=None, help="loop kernels to time (default: those that run on the device)"
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--batch", type=int, default=20)
+    parser.add_argument("--batch", default="20", help="comma-separated batch sizes, e.g. 20,64,128")
     parser.add_argument("--seq-len", type=int, default=35)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--p", type=float, default=0.5, help="every dropout probability")
@@ -355,7 +418,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.shapes = [s for s in args.shapes.split(",") if s]
     args.models = [m for m in args.models.split(",") if m]
-    args.kernels = [k for k in args.kernels.split(",") if k]
+    try:
+        args.device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device: expected cpu or cuda[:N], got {args.device!r}")
+    if args.device.type not in ("cpu", "cuda"):
+        parser.error(f"--device: expected cpu or cuda[:N], got {str(args.device)!r}")
+    runs_here = [k for k in KERNELS if k != ("compiled" if args.device.type == "cuda" else "triton")]
+    args.kernels = runs_here if args.kernels is None else [k for k in args.kernels.split(",") if k]
+    try:
+        args.batch = [int(b) for b in args.batch.split(",") if b]
+    except ValueError:
+        parser.error(f"--batch: expected comma-separated positive integers, got {args.batch!r}")
+    if not args.batch or min(args.batch) < 1:
+        parser.error(f"--batch: expected comma-separated positive integers, got {args.batch!r}")
     for s in args.shapes:
         if s not in SHAPES:
             parser.error(f"--shapes: expected names from {', '.join(SHAPES)}, got {s!r}")
@@ -365,6 +441,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for k in args.kernels:
         if k not in KERNELS:
             parser.error(f"--kernels: expected names from {', '.join(KERNELS)}, got {k!r}")
+        if k not in runs_here:
+            here = ", ".join(runs_here)
+            parser.error(f"--kernels: on {args.device.type} expected one of {here}, got {k!r}")
     if args.rounds < 1 or args.warmup < 1:
         parser.error("--rounds and --warmup must be at least 1")
     return args
@@ -376,25 +455,30 @@ def main(argv: list[str] | None = None) -> None:
         print(machine())
         print_op_counts()
         return
-    device = torch.device(args.device)
+    device = args.device
     if args.threads:
         torch.set_num_threads(args.threads)
+    auto = auto_loop_kernel(torch.ones(1, device=device))
     header = (
         f"{machine()}\n"
-        f"device {device}, {torch.get_num_threads()} threads, "
-        f"batch {args.batch}, seq {args.seq_len}, {args.layers} layers, p {args.p}, "
+        + (f"{gpu_setup(device)}\n" if device.type == "cuda" else "")
+        + f"device {device}, {torch.get_num_threads()} threads, "
+        f"batch {','.join(map(str, args.batch))}, seq {args.seq_len}, {args.layers} layers, p {args.p}, "
         f"{args.rounds} rounds, load average {os.getloadavg()[0]:.2f}\n"
-        f"kernel='auto' runs the loop kernel {auto_loop_kernel(torch.ones(1, device=device))!r}"
+        f"kernel='auto' runs the loop kernel {auto!r}"
     )
     print(header, flush=True)
     rows = []
     for shape in args.shapes:
         for model in args.models:
-            shape_rows = bench_shape(model, shape, args, device)
-            rows += shape_rows
-            print(format_table(shape_rows), flush=True)
-            loads = shape_rows[0]["load"]
-            print(f"load average during timing: {loads[0]:.2f} -> {loads[1]:.2f}\n", flush=True)
+            for batch in args.batch:
+                shape_rows = bench_shape(model, shape, batch, args, device)
+                rows += shape_rows
+                print(format_table(shape_rows), flush=True)
+                loads = shape_rows[0]["load"]
+                print(f"load average during timing: {loads[0]:.2f} -> {loads[1]:.2f}\n", flush=True)
+    if device.type == "cuda":
+        print("against the goals of docs/gpu.md (baseline: cuDNN):\n" + "\n".join(goal_rows(rows, auto)))
     if args.json:
         with open(args.json, "w") as f:
             config = dict(vars(args), device=str(device), header=header)

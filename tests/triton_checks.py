@@ -17,10 +17,11 @@ from torch.nn.utils.rnn import pack_sequence
 
 from rnndrop import VariationalGRU, VariationalLSTM
 from rnndrop.kernels import get_kernel, gpu
+from rnndrop.kernels.cuda_graphs import GraphCache
 from rnndrop.kernels.first_order import SecondOrderGradientError
 from rnndrop.kernels.triton_plan import interpreted
 from tests import test_kernels as shared
-from tests.helpers import assert_close
+from tests.helpers import assert_close, fake_capture
 
 pytestmark = pytest.mark.filterwarnings("ignore:LSTM with projections is not supported")
 
@@ -191,3 +192,31 @@ def test_layer_with_masks_matches_autograd_kernel(kind, device):
             x = torch.randn(shared.T, len(lengths), shared.I, device=device, requires_grad=True)
         assert_close(forward_and_grads(ours, x, hx, masks), forward_and_grads(ref, x, hx, masks),
                      msg=f"scope {scope} per_gate {per_gate} packed {packed}")
+
+
+# ------------------------------------------------------------------ CUDA graphs
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_loops_replayed_from_graphs_match_eager_ones(kind, device, monkeypatch):
+    """Through the graph cache (on a GPU real CUDA graphs; on CPU a stand-in graph that reruns the
+    loop on the captured inputs): three calls per case, the second captures, the third replays
+    (forward and backward), and every one equals the eager kernel. The backward pass that computes
+    the mask's gradient is never captured."""
+    import rnndrop.kernels.triton_gru as triton_gru
+    import rnndrop.kernels.triton_lstm as triton_lstm
+
+    capture = {} if device.type == "cuda" else dict(capture=fake_capture, can_capture=lambda inputs: True)
+    cache = GraphCache(8, **capture)
+    cases = [([4, 3, 3, 1], ("T", "B", "P"), 3 if kind == "lstm" else 0, True, False),
+             ([3, 3, 3], (1, "B", "G", "P"), 0, False, False), ([4, 2, 1], None, 0, True, False),
+             ([3, 2, 2], (1, "B", "P"), 0, False, True)]
+    for batch_sizes, mask_shape, proj, reverse, mask_grad in cases:
+        args = inputs(kind, batch_sizes, mask_shape, proj, device, mask_grad=mask_grad)
+        monkeypatch.setattr(triton_lstm if kind == "lstm" else triton_gru, "GRAPHS", GraphCache(0))
+        eager = run("triton", kind, batch_sizes, args, reverse)
+        monkeypatch.setattr(triton_lstm if kind == "lstm" else triton_gru, "GRAPHS", cache)
+        for _ in range(3):
+            assert_close(run("triton", kind, batch_sizes, args, reverse), eager, atol=1e-12, rtol=1e-12)
+    passes = [key[0][0].split()[1] for key in cache.graphs]
+    assert passes.count("forward") == 4 and passes.count("backward") == 3

@@ -21,6 +21,7 @@ computed over all steps after the loop, as in the manual kernel.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -31,6 +32,7 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
 from rnndrop.kernels import masked_product as mp
+from rnndrop.kernels.cuda_graphs import GRAPHS
 from rnndrop.kernels.first_order import first_order_backward
 from rnndrop.kernels.schedule import Schedule, gather_previous
 from rnndrop.kernels.triton_common import (
@@ -49,6 +51,7 @@ from rnndrop.kernels.triton_plan import (
     compute_dtype,
     initial_grad,
     launch,
+    loop_key,
     mask_rows,
     next_state_target,
     plan_steps,
@@ -140,8 +143,8 @@ class _Saved(NamedTuple):
     mask: Tensor | None
 
 
-def _forward(gates_x, h0, w_hh, b_hh, mask, schedule: Schedule):
-    """``(out, h_n)`` and what backward needs (:class:`_Saved`)."""
+def _forward(schedule: Schedule, gates_x, h0, w_hh, b_hh, mask):
+    """``(out, h_n)`` and what backward needs besides the inputs: ``acts, a_n, masked``."""
     N, (B, H), device = gates_x.shape[0], h0.shape, gates_x.device
     G = mask.shape[2] if mask is not None and mask.dim() == 4 else 1
     acts = gates_x.new_empty(N, 3 * H)
@@ -166,12 +169,13 @@ def _forward(gates_x, h0, w_hh, b_hh, mask, schedule: Schedule):
                scratch if target is None else target, m_row, m_gate, b, step.carried, step.next_size, H,
                **flags, HAS_BIAS=b_hh is not None, WRITE_NEXT=target is not None)
         m = target if target is not None else out[step.offset : step.offset + step.next_size]
-    saved = _Saved(acts, a_n, out, masked, h0, w_hh, b_hh, mask)
-    return out, out.index_select(0, schedule.final_rows(device)), saved
+    return out, out.index_select(0, schedule.final_rows(device)), acts, a_n, masked
 
 
-def _backward(s: _Saved, d_out, d_hn, schedule: Schedule, needs: Sequence[bool]):
-    """The gradients of ``(gates_x, h0, w_hh, b_hh, mask)``, None where not needed."""
+def _backward(schedule: Schedule, needs: Sequence[bool], *tensors):
+    """The gradients of ``(gates_x, h0, w_hh, b_hh, mask)``, None where not needed, from the fields
+    of :class:`_Saved` and ``d_out, d_hn``."""
+    s, (d_out, d_hn) = _Saved(*tensors[:-2]), tensors[-2:]
     (N, H), device = s.out.shape, s.out.device
     B = s.h0.shape[0]
     G = s.mask.shape[2] if s.mask is not None and s.mask.dim() == 4 else 1
@@ -211,19 +215,26 @@ def _backward(s: _Saved, d_out, d_hn, schedule: Schedule, needs: Sequence[bool])
 class _GRURecurrence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, gates_x, h0, w_hh, b_hh, mask, schedule: Schedule):
+        inputs = (gates_x, h0, w_hh, b_hh, mask)
         with torch.autocast(gates_x.device.type, enabled=False):
-            out, h_n, saved = _forward(gates_x, h0, w_hh, b_hh, mask, schedule)
+            out, h_n, acts, a_n, masked = GRAPHS(
+                ("gru forward", *loop_key(schedule)), functools.partial(_forward, schedule), inputs
+            )
         ctx.schedule = schedule
-        ctx.save_for_backward(*saved)
+        ctx.save_for_backward(*_Saved(acts, a_n, out, masked, h0, w_hh, b_hh, mask))
         ctx.set_materialize_grads(False)
         return out, h_n
 
     @staticmethod
     @first_order_backward("triton")
     def backward(ctx, d_out, d_hn):
-        saved = _Saved(*ctx.saved_tensors)
-        with torch.autocast(saved.out.device.type, enabled=False):
-            grads = _backward(saved, d_out, d_hn, ctx.schedule, ctx.needs_input_grad)
+        needs, saved = tuple(ctx.needs_input_grad[:5]), ctx.saved_tensors
+        run = functools.partial(_backward, ctx.schedule, needs)
+        with torch.autocast(saved[0].device.type, enabled=False):
+            grads = GRAPHS(  # a mask's gradient copies an index from the host: not capturable
+                ("gru backward", *loop_key(ctx.schedule), needs), run, (*saved, d_out, d_hn),
+                capturable=not needs[4],
+            )
         return (*grads, None)
 
 

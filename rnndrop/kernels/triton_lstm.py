@@ -24,6 +24,7 @@ kernel. ``tanh(c_t)`` is recomputed in backward rather than kept.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -34,6 +35,7 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
 from rnndrop.kernels import masked_product as mp
+from rnndrop.kernels.cuda_graphs import GRAPHS
 from rnndrop.kernels.first_order import first_order_backward
 from rnndrop.kernels.matmul import matmul
 from rnndrop.kernels.schedule import Schedule, gather_previous
@@ -53,6 +55,7 @@ from rnndrop.kernels.triton_plan import (
     compute_dtype,
     initial_grad,
     launch,
+    loop_key,
     mask_rows,
     next_state_target,
     plan_steps,
@@ -148,8 +151,8 @@ class _Saved(NamedTuple):
     mask: Tensor | None
 
 
-def _forward(gates_x, h0, c0, w_hh, w_hr, mask, schedule: Schedule):
-    """``(out, h_n, c_n)`` and what backward needs (:class:`_Saved`)."""
+def _forward(schedule: Schedule, gates_x, h0, c0, w_hh, w_hr, mask):
+    """``(out, h_n, c_n)`` and what backward needs besides the inputs: ``acts, cells, r, masked``."""
     N, H, (B, P), device = gates_x.shape[0], c0.shape[1], h0.shape, gates_x.device
     G = mask.shape[2] if mask is not None and mask.dim() == 4 else 1
     acts = gates_x.new_empty(N, 4 * H)
@@ -181,12 +184,14 @@ def _forward(gates_x, h0, c0, w_hh, w_hr, mask, schedule: Schedule):
                        m_row, m_gate, b, step.next_size, P, **flags, F64=cells.dtype == torch.float64)
         m = target if target is not None else out[step.offset : step.offset + step.next_size]
     final = schedule.final_rows(device)
-    saved = _Saved(acts, cells, out, None if w_hr is None else r, masked, h0, c0, w_hh, w_hr, mask)
-    return out, out.index_select(0, final), cells.index_select(0, final).to(c0.dtype), saved
+    h_n, c_n = out.index_select(0, final), cells.index_select(0, final).to(c0.dtype)
+    return out, h_n, c_n, acts, cells, None if w_hr is None else r, masked
 
 
-def _backward(s: _Saved, d_out, d_hn, d_cn, schedule: Schedule, needs: Sequence[bool]):
-    """The gradients of ``(gates_x, h0, c0, w_hh, w_hr, mask)``, None where not needed."""
+def _backward(schedule: Schedule, needs: Sequence[bool], *tensors):
+    """The gradients of ``(gates_x, h0, c0, w_hh, w_hr, mask)``, None where not needed, from the
+    fields of :class:`_Saved` and ``d_out, d_hn, d_cn``."""
+    s, (d_out, d_hn, d_cn) = _Saved(*tensors[:-3]), tensors[-3:]
     (N, H), (B, P), device = s.cells.shape, s.h0.shape, s.cells.device
     G = s.mask.shape[2] if s.mask is not None and s.mask.dim() == 4 else 1
     d_gates = s.acts.new_empty(N, 4 * H)
@@ -241,19 +246,26 @@ def _whole_sequence_grads(s: _Saved, d_gates, d_h, d_masked, schedule: Schedule,
 class _LSTMRecurrence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, gates_x, h0, c0, w_hh, w_hr, mask, schedule: Schedule):
+        inputs = (gates_x, h0, c0, w_hh, w_hr, mask)
         with torch.autocast(gates_x.device.type, enabled=False):
-            out, h_n, c_n, saved = _forward(gates_x, h0, c0, w_hh, w_hr, mask, schedule)
+            out, h_n, c_n, acts, cells, r, masked = GRAPHS(
+                ("lstm forward", *loop_key(schedule)), functools.partial(_forward, schedule), inputs
+            )
         ctx.schedule = schedule
-        ctx.save_for_backward(*saved)
+        ctx.save_for_backward(*_Saved(acts, cells, out, r, masked, h0, c0, w_hh, w_hr, mask))
         ctx.set_materialize_grads(False)
         return out, h_n, c_n
 
     @staticmethod
     @first_order_backward("triton")
     def backward(ctx, d_out, d_hn, d_cn):
-        saved = _Saved(*ctx.saved_tensors)
-        with torch.autocast(saved.cells.device.type, enabled=False):
-            grads = _backward(saved, d_out, d_hn, d_cn, ctx.schedule, ctx.needs_input_grad)
+        needs, saved = tuple(ctx.needs_input_grad[:6]), ctx.saved_tensors
+        run = functools.partial(_backward, ctx.schedule, needs)
+        with torch.autocast(saved[0].device.type, enabled=False):
+            grads = GRAPHS(  # a mask's gradient copies an index from the host: not capturable
+                ("lstm backward", *loop_key(ctx.schedule), needs), run, (*saved, d_out, d_hn, d_cn),
+                capturable=not needs[5],
+            )
         return (*grads, None)
 
 

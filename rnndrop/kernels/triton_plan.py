@@ -14,7 +14,6 @@ gradients that flow back through time in that dtype.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -29,7 +28,10 @@ __all__ = [
     "accumulation_dtype",
     "check_device",
     "compute_dtype",
+    "initial_grad",
+    "interpreted",
     "launch",
+    "loop_key",
     "mask_rows",
     "next_state_target",
     "plan_steps",
@@ -73,6 +75,11 @@ def plan_steps(schedule: Schedule) -> list[StepPlan]:
                             after.t if after else -1, after.size if after else 0,
                             schedule.offsets[after.t] if after else 0))
     return out
+
+
+def loop_key(schedule: Schedule) -> tuple[tuple[int, ...], int]:
+    """What of a schedule a loop's launches depend on: the batch sizes and the first step."""
+    return tuple(schedule.sizes), schedule.steps[0].t
 
 
 def compute_dtype(x: Tensor) -> torch.dtype:
@@ -197,7 +204,3 @@ def initial_grad(grad: Tensor | None, like: Tensor, dtype: torch.dtype) -> Tenso
     if grad is None:
         return torch.zeros(like.shape, dtype=dtype, device=like.device)
     return grad.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
-
-
-def sizes(batch_sizes: Sequence[int]) -> list[int]:
-    return [int(b) for b in batch_sizes]
