@@ -15,6 +15,8 @@ size = hidden size (small 200, medium 650, large 1500), float32. Variants, for t
   ``per_gate_masks=True``; run by each loop kernel of ``rnndrop.kernels.KERNELS`` that runs on
   the device (``--kernels``; on CPU all but "triton", on CUDA all but "compiled"; ``*`` marks the
   one ``kernel="auto"`` runs here, also named in the header);
+- ``sequence/triton+graphs``: the per-sequence masks on the Triton kernel with its loops replayed
+  from CUDA graphs (``rnndrop.kernels.cuda_graphs``, on for this variant only; CUDA);
 - ``batch/fused``: ``mask_scope="batch"``: the recurrent mask is shared by the batch and
   folded into ``W_hh``, so torch's fused kernel runs;
 - ``weight_drop``: ``WeightDrop(nn.LSTM, every weight_hh, p)`` (DropConnect), when
@@ -29,6 +31,8 @@ the first call's time (a cold compile would show there).
 Memory: on CPU the bytes saved for backward (``torch.autograd.graph.saved_tensors_hooks``,
 each storage counted once, parameters excluded); on CUDA the peak of
 ``torch.cuda.max_memory_allocated`` over forward + backward above what was allocated before.
+What the CUDA graphs of ``sequence/triton+graphs`` hold between calls is allocated before, so
+not in that peak: a line under the table gives it (the memory their release returns).
 
 On CUDA the header names the GPU, its driver, CUDA, torch and Triton, and a last table sets the
 ratios against the goals of docs/gpu.md (the exact per-sequence masks on the Triton kernel within
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -56,7 +61,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from rnndrop import VariationalGRU, VariationalLSTM
-from rnndrop.kernels import KERNELS, auto_loop_kernel, get_kernel
+from rnndrop.kernels import KERNELS, auto_loop_kernel, cuda_graphs, get_kernel
 from rnndrop.kernels.matmul import onednn_enabled
 
 try:
@@ -82,6 +87,8 @@ def build_variants(
             variants[f"{scope}/{kernel}{mark}"] = ours_cls(
                 hidden, hidden, layers, kernel=kernel, **masks, **probs
             )
+    if "triton" in kernels:
+        variants[GRAPHED] = ours_cls(hidden, hidden, layers, kernel="triton", **probs)
     variants["batch/fused"] = ours_cls(hidden, hidden, layers, mask_scope="batch", **probs)
     if WeightDrop is not None:
         names = [f"weight_hh_l{k}" for k in range(layers)]
@@ -89,9 +96,45 @@ def build_variants(
     return variants
 
 
+#: The variant whose loops are replayed from CUDA graphs.
+GRAPHED = "sequence/triton+graphs"
+
+
 def train_step(module: nn.Module, x: torch.Tensor) -> None:
     out, _ = module(x)
     out.sum().backward()
+
+
+@contextlib.contextmanager
+def graphs_on(on: bool, max_graphs: int = 8):
+    """CUDA graphs for the Triton loops while ``on`` (the graphs stay cached when it ends)."""
+    before = cuda_graphs.GRAPHS.max_graphs
+    cuda_graphs.GRAPHS.max_graphs = max_graphs if on else 0
+    try:
+        yield
+    finally:
+        cuda_graphs.GRAPHS.max_graphs = before
+
+
+def graph_memory(device: torch.device) -> int:
+    """Bytes the CUDA graphs of the Triton loops hold, returned to the device when they are dropped."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved(device)
+    cuda_graphs.GRAPHS.clear()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return before - torch.cuda.memory_reserved(device)
+
+
+def graphed(name: str, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with the Triton loops' CUDA graphs on for the graphed variant, off for the others."""
+
+    def run():
+        with graphs_on(name == GRAPHED):
+            return fn()
+
+    return run
 
 
 def timed(fn: Callable[[], None], device: torch.device) -> float:
@@ -142,7 +185,7 @@ def bench_shape(
     for m in variants.values():
         m.to(device).train()
     x = torch.randn(args.seq_len, batch, hidden, device=device)
-    calls = {name: (lambda m=m: train_step(m, x)) for name, m in variants.items()}
+    calls = {name: graphed(name, lambda m=m: train_step(m, x)) for name, m in variants.items()}
     names = list(variants)
     baseline = names[0]
 
@@ -164,8 +207,11 @@ def bench_shape(
             variants[name].zero_grad(set_to_none=True)
             times[name].append(timed(calls[name], device))
     load_after = os.getloadavg()[0]
-    memory = {name: saved_bytes(variants[name], x) for name in names} if args.memory else {}
+    memory = {}
+    if args.memory:
+        memory = {name: graphed(name, lambda m=variants[name]: saved_bytes(m, x))() for name in names}
 
+    held = graph_memory(device) if GRAPHED in variants else None
     rows = []
     for name in names:
         t = sorted(times[name])
@@ -186,6 +232,8 @@ def bench_shape(
             times_s=times[name],
             load=[load_before, load_after],
         )
+        if name == GRAPHED:
+            row["graph_memory_bytes"] = held
         if memory:
             row["memory_bytes"] = memory[name]
             row["memory_ratio"] = memory[name] / memory[baseline] if memory[baseline] else None
@@ -254,7 +302,7 @@ def gpu_setup(device: torch.device) -> str:
 
 #: The goals of docs/gpu.md (issue 22), as (variant, largest ratio to the baseline): the per-sequence
 #: masks on the loop kernel (hidden 200: 2x), batch-shared masks and WeightDrop (1.05x).
-GOALS = {"sequence": 1.3, "batch/fused": 1.05, "weight_drop": 1.05}
+GOALS = {"sequence": 1.3, GRAPHED: 1.3, "batch/fused": 1.05, "weight_drop": 1.05}
 SMALL_HIDDEN_GOAL = 2.0
 MEMORY_GOAL = 1.5
 
@@ -269,7 +317,7 @@ def goal_rows(rows: list[dict], auto: str) -> list[str]:
         key = "sequence" if name == f"sequence/{auto}" else name
         if key not in GOALS:
             continue
-        goal = SMALL_HIDDEN_GOAL if key == "sequence" and r["hidden"] < 650 else GOALS[key]
+        goal = SMALL_HIDDEN_GOAL if key.startswith("sequence") and r["hidden"] < 650 else GOALS[key]
         memory = r.get("memory_ratio")
         met = r["ratio"] <= goal and (memory is None or memory <= MEMORY_GOAL)
         mem = f"{memory:6.2f} {MEMORY_GOAL:5.2f}" if memory is not None else f"{'-':>6} {'-':>5}"
@@ -475,6 +523,10 @@ def main(argv: list[str] | None = None) -> None:
                 shape_rows = bench_shape(model, shape, batch, args, device)
                 rows += shape_rows
                 print(format_table(shape_rows), flush=True)
+                for r in shape_rows:
+                    if r.get("graph_memory_bytes") is not None:
+                        held = r["graph_memory_bytes"] / 2**20
+                        print(f"{r['variant']}: its CUDA graphs held {held:.1f} MB between calls", flush=True)
                 loads = shape_rows[0]["load"]
                 print(f"load average during timing: {loads[0]:.2f} -> {loads[1]:.2f}\n", flush=True)
     if device.type == "cuda":

@@ -91,3 +91,18 @@ def test_the_goal_table_checks_time_and_memory(speed):
     assert len(lines) == 5  # the header and the four rows with a goal
     assert [line.split()[-1] for line in lines[1:]] == ["yes", "yes", "NO", "NO"]
     assert "2.00" in lines[2]
+
+
+def test_the_graphed_variant_runs_the_triton_kernel_with_graphs_on_for_it_only(speed, monkeypatch):
+    variants = speed.build_variants("lstm", 8, 2, 0.5, ["manual", "triton"], "triton")
+    assert variants[speed.GRAPHED].kernel == "triton" and "sequence/triton*" in variants
+    assert speed.GRAPHED not in speed.build_variants("gru", 8, 2, 0.5, ["manual"], "compiled")
+    monkeypatch.setattr(speed.cuda_graphs.GRAPHS, "max_graphs", 0)
+    seen = []
+
+    def probe():
+        seen.append(speed.cuda_graphs.GRAPHS.max_graphs)
+
+    speed.graphed(speed.GRAPHED, probe)()
+    speed.graphed("sequence/triton*", probe)()
+    assert seen == [8, 0] and speed.cuda_graphs.GRAPHS.max_graphs == 0

@@ -113,7 +113,7 @@ def interpreted() -> bool:
 
 def check_device(x: Tensor) -> None:
     """The Triton kernel needs CUDA tensors, or CPU tensors under Triton's interpreter."""
-    if x.device.type == "cpu" and not interpreted():
+    if x.device.type != "cuda" and not (x.device.type == "cpu" and interpreted()):
         raise RuntimeError(
             "the 'triton' loop kernel runs on CUDA tensors (or on CPU tensors under Triton's "
             f"interpreter, TRITON_INTERPRET=1), got gates_x on {x.device}; use kernel='auto'"
