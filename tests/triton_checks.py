@@ -134,9 +134,10 @@ def test_a_graph_of_the_backward_is_refused_not_silently_wrong(cell, device):
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_autocast_runs_the_products_in_low_precision_and_the_state_in_float32(kind, device):
-    """Under autocast (bfloat16; on CUDA also float16): outputs in autocast's dtype, the LSTM's c_n
-    in float32, values and gradients within low-precision rounding of the float32 reference."""
-    dtypes = [torch.bfloat16, torch.float16] if device.type == "cuda" else [torch.bfloat16]
+    """Under autocast (bfloat16, float16): outputs in autocast's dtype, the LSTM's c_n in float32,
+    values and gradients within low-precision rounding of the float32 reference; the same for
+    float16 tensors without autocast (c_n then in float16, like c_0)."""
+    dtypes = [torch.bfloat16, torch.float16]
     batch_sizes, reverse = [4, 3, 3, 1], True
     args = inputs(kind, batch_sizes, ("T", "B", "P"), 0, device, torch.float32, mask_grad=False, H=16)
     ref = run("autograd", kind, batch_sizes, args, reverse)
@@ -150,6 +151,10 @@ def test_autocast_runs_the_products_in_low_precision_and_the_state_in_float32(ki
             ours = run("triton", kind, batch_sizes, args, reverse)
         assert all(g.dtype == torch.float32 for g in ours[1])  # the inputs' dtype
         assert_close([[o.float() for o in ours[0]], ours[1]], ref, atol=5e-2, rtol=5e-2, msg=str(dtype))
+    half = [None if a is None else a.detach().half().requires_grad_(a.requires_grad) for a in args]
+    ours = run("triton", kind, batch_sizes, half, reverse)
+    assert all(o.dtype == torch.float16 for o in ours[0]) and all(g.dtype == torch.float16 for g in ours[1])
+    assert_close([[o.float() for o in ours[0]], [g.float() for g in ours[1]]], ref, atol=5e-2, rtol=5e-2)
 
 
 # ------------------------------------------------------------------ in the layers
