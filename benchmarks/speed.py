@@ -2,18 +2,21 @@
 
     python benchmarks/speed.py                               # small and medium, LSTM and GRU
     python benchmarks/speed.py --shapes large --models lstm --rounds 5
-    python benchmarks/speed.py --device cuda --shapes small,medium,large --json speed.json
+    python benchmarks/speed.py --device cuda --shapes small,medium,large --batch 20,64,128 --json speed.json
 
 Every variant runs forward + backward of ``out.sum()`` in training mode on the
-Zaremba et al. (2014) shapes: batch 20, 35 steps, 2 layers, input size = hidden
-size (small 200, medium 650, large 1500), float32. Variants, for the LSTM and the GRU:
+Zaremba et al. (2014) shapes: batch 20 (``--batch``: one or more), 35 steps, 2 layers, input
+size = hidden size (small 200, medium 650, large 1500), float32. Variants, for the LSTM and the GRU:
 
 - ``nn.LSTM`` / ``nn.GRU``: no dropout, the baseline every ratio is taken against;
 - ``<scope>/<kernel>``: ``VariationalLSTM/GRU`` with dropout_input, dropout (between
   layers), dropout_hidden and dropout_output all ``--p``, masks drawn afresh every call,
   ``mask_scope`` sequence (Gal & Ghahramani), step (naive), or ``gates``: sequence with
-  ``per_gate_masks=True``; run by each loop kernel of ``rnndrop.kernels.KERNELS``
-  (``--kernels``; ``*`` marks the one ``kernel="auto"`` runs here, also named in the header);
+  ``per_gate_masks=True``; run by each loop kernel of ``rnndrop.kernels.KERNELS`` that runs on
+  the device (``--kernels``; on CPU all but "triton", on CUDA all but "compiled"; ``*`` marks the
+  one ``kernel="auto"`` runs here, also named in the header);
+- ``sequence/triton+graphs``: the per-sequence masks on the Triton kernel with its loops replayed
+  from CUDA graphs (``rnndrop.kernels.cuda_graphs``, on for this variant only; CUDA);
 - ``batch/fused``: ``mask_scope="batch"``: the recurrent mask is shared by the batch and
   folded into ``W_hh``, so torch's fused kernel runs;
 - ``weight_drop``: ``WeightDrop(nn.LSTM, every weight_hh, p)`` (DropConnect), when
@@ -28,18 +31,28 @@ the first call's time (a cold compile would show there).
 Memory: on CPU the bytes saved for backward (``torch.autograd.graph.saved_tensors_hooks``,
 each storage counted once, parameters excluded); on CUDA the peak of
 ``torch.cuda.max_memory_allocated`` over forward + backward above what was allocated before.
+What the CUDA graphs of ``sequence/triton+graphs`` hold between calls is allocated before, so
+not in that peak: a line under the table gives it (the memory their release returns).
+
+On CUDA the header names the GPU, its driver, CUDA, torch and Triton, and a last table sets the
+ratios against the goals of docs/gpu.md (the exact per-sequence masks on the Triton kernel within
+1.3x cuDNN at hidden 650 and 1500 and 2x at 200, batch-shared masks and WeightDrop within 1.05x,
+peak memory within 1.5x).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import importlib.metadata
 import json
 import os
 import platform
 import random
 import re
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -49,7 +62,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from rnndrop import VariationalGRU, VariationalLSTM
-from rnndrop.kernels import KERNELS, auto_loop_kernel, get_kernel
+from rnndrop.kernels import KERNELS, auto_loop_kernel, cuda_graphs, get_kernel
 from rnndrop.kernels.matmul import onednn_enabled
 
 try:
@@ -75,6 +88,8 @@ def build_variants(
             variants[f"{scope}/{kernel}{mark}"] = ours_cls(
                 hidden, hidden, layers, kernel=kernel, **masks, **probs
             )
+    if "triton" in kernels:
+        variants[GRAPHED] = ours_cls(hidden, hidden, layers, kernel="triton", **probs)
     variants["batch/fused"] = ours_cls(hidden, hidden, layers, mask_scope="batch", **probs)
     if WeightDrop is not None:
         names = [f"weight_hh_l{k}" for k in range(layers)]
@@ -82,9 +97,45 @@ def build_variants(
     return variants
 
 
+#: The variant whose loops are replayed from CUDA graphs.
+GRAPHED = "sequence/triton+graphs"
+
+
 def train_step(module: nn.Module, x: torch.Tensor) -> None:
     out, _ = module(x)
     out.sum().backward()
+
+
+@contextlib.contextmanager
+def graphs_on(on: bool, max_graphs: int = 8):
+    """CUDA graphs for the Triton loops while ``on`` (the graphs stay cached when it ends)."""
+    before = cuda_graphs.GRAPHS.max_graphs
+    cuda_graphs.GRAPHS.max_graphs = max_graphs if on else 0
+    try:
+        yield
+    finally:
+        cuda_graphs.GRAPHS.max_graphs = before
+
+
+def graph_memory(device: torch.device) -> int:
+    """Bytes the CUDA graphs of the Triton loops hold, returned to the device when they are dropped."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved(device)
+    cuda_graphs.GRAPHS.clear()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return before - torch.cuda.memory_reserved(device)
+
+
+def graphed(name: str, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with the Triton loops' CUDA graphs on for the graphed variant, off for the others."""
+
+    def run():
+        with graphs_on(name == GRAPHED):
+            return fn()
+
+    return run
 
 
 def timed(fn: Callable[[], None], device: torch.device) -> float:
@@ -131,7 +182,7 @@ def note(message: str) -> None:
 
 
 def bench_shape(
-    model: str, shape: str, args: argparse.Namespace, device: torch.device, step: str = ""
+    model: str, shape: str, batch: int, args: argparse.Namespace, device: torch.device, step: str = ""
 ) -> list[dict]:
     hidden = SHAPES[shape]
     torch.manual_seed(0)
@@ -139,8 +190,8 @@ def bench_shape(
     variants = build_variants(model, hidden, args.layers, args.p, args.kernels, auto)
     for m in variants.values():
         m.to(device).train()
-    x = torch.randn(args.seq_len, args.batch, hidden, device=device)
-    calls = {name: (lambda m=m: train_step(m, x)) for name, m in variants.items()}
+    x = torch.randn(args.seq_len, batch, hidden, device=device)
+    calls = {name: graphed(name, lambda m=m: train_step(m, x)) for name, m in variants.items()}
     names = list(variants)
     baseline = names[0]
 
@@ -153,8 +204,8 @@ def bench_shape(
             variants[name].zero_grad(set_to_none=True)
             calls[name]()
     round_seconds = sum(first.values())  # the first calls: an upper bound of a round
-    note(f"{step}{model} {shape} (hidden {hidden}): {len(names)} variants, {args.rounds} rounds, "
-         f"up to about {round_seconds * args.rounds:.0f} s")
+    note(f"{step}{model} {shape} (hidden {hidden}, batch {batch}): {len(names)} variants, "
+         f"{args.rounds} rounds, up to about {round_seconds * args.rounds:.0f} s")
     load_before = os.getloadavg()[0]
     times: dict[str, list[float]] = {name: [] for name in names}
     rng = random.Random(0)
@@ -167,8 +218,11 @@ def bench_shape(
             variants[name].zero_grad(set_to_none=True)
             times[name].append(timed(calls[name], device))
     load_after = os.getloadavg()[0]
-    memory = {name: saved_bytes(variants[name], x) for name in names} if args.memory else {}
+    memory = {}
+    if args.memory:
+        memory = {name: graphed(name, lambda m=variants[name]: saved_bytes(m, x))() for name in names}
 
+    held = graph_memory(device) if GRAPHED in variants else None
     rows = []
     for name in names:
         t = sorted(times[name])
@@ -179,15 +233,18 @@ def bench_shape(
             model=model,
             shape=shape,
             hidden=hidden,
+            batch=batch,
             variant=name,
             median_s=med,
             spread=(q3 - q1) / med,
             ratio=ratio,
-            words_per_s=args.batch * args.seq_len / med,
+            words_per_s=batch * args.seq_len / med,
             first_call_s=first[name],
             times_s=times[name],
             load=[load_before, load_after],
         )
+        if name == GRAPHED:
+            row["graph_memory_bytes"] = held
         if memory:
             row["memory_bytes"] = memory[name]
             row["memory_ratio"] = memory[name] / memory[baseline] if memory[baseline] else None
@@ -197,14 +254,14 @@ def bench_shape(
 
 def format_table(rows: list[dict]) -> str:
     head = (
-        f"{'model':5} {'hidden':>6} {'variant':22} {'ms':>8} {'±':>5} {'x base':>7} "
+        f"{'model':5} {'hidden':>6} {'batch':>5} {'variant':22} {'ms':>8} {'±':>5} {'x base':>7} "
         f"{'words/s':>8} {'first ms':>9} {'mem MB':>7} {'x base':>6}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         mem = f"{r['memory_bytes'] / 2**20:7.1f} {r['memory_ratio']:6.2f}" if "memory_bytes" in r else ""
         lines.append(
-            f"{r['model']:5} {r['hidden']:6d} {r['variant']:22} {r['median_s'] * 1e3:8.1f} "
+            f"{r['model']:5} {r['hidden']:6d} {r['batch']:5d} {r['variant']:22} {r['median_s'] * 1e3:8.1f} "
             f"{r['spread'] * 100:4.0f}% {r['ratio']:7.2f} {r['words_per_s']:8.0f} "
             f"{r['first_call_s'] * 1e3:9.1f} {mem}"
         )
@@ -232,6 +289,52 @@ def machine() -> str:
         f"BLAS {blas.group(1) if blas else '?'}, {onednn_text} (loop kernels' products: {used}), "
         f"CPU capability {torch.backends.cpu.get_cpu_capability()}\n{memory_setup()}"
     )
+
+
+def gpu_setup(device: torch.device) -> str:
+    """The GPU, its driver (``nvidia-smi``), CUDA, torch and Triton versions on one line."""
+    props = torch.cuda.get_device_properties(device)
+    try:
+        index = f"-i={device.index or 0}"
+        query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", index]
+        driver = subprocess.run(query, capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        driver = "? (no nvidia-smi)"
+    try:
+        triton = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton = "not installed"
+    return (
+        f"GPU {props.name} ({props.total_memory / 2**30:.0f} GiB, capability {props.major}.{props.minor}), "
+        f"driver {driver}, CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}, "
+        f"torch {torch.__version__}, Triton {triton}"
+    )
+
+
+#: The goals of docs/gpu.md (issue 22), as (variant, largest ratio to the baseline): the per-sequence
+#: masks on the loop kernel (hidden 200: 2x), batch-shared masks and WeightDrop (1.05x).
+GOALS = {"sequence": 1.3, GRAPHED: 1.3, "batch/fused": 1.05, "weight_drop": 1.05}
+SMALL_HIDDEN_GOAL = 2.0
+MEMORY_GOAL = 1.5
+
+
+def goal_rows(rows: list[dict], auto: str) -> list[str]:
+    """One line per (model, hidden, batch, variant) that a goal names: time and memory ratio to
+    the baseline (cuDNN on CUDA), the goal and whether it is met."""
+    lines = [f"{'model':5} {'hidden':>6} {'batch':>5} {'variant':22} {'x base':>7} {'goal':>5} "
+             f"{'mem x':>6} {'goal':>5}  met"]
+    for r in rows:
+        name = r["variant"].rstrip("*")
+        key = "sequence" if name == f"sequence/{auto}" else name
+        if key not in GOALS:
+            continue
+        goal = SMALL_HIDDEN_GOAL if key.startswith("sequence") and r["hidden"] < 650 else GOALS[key]
+        memory = r.get("memory_ratio")
+        met = r["ratio"] <= goal and (memory is None or memory <= MEMORY_GOAL)
+        mem = f"{memory:6.2f} {MEMORY_GOAL:5.2f}" if memory is not None else f"{'-':>6} {'-':>5}"
+        lines.append(f"{r['model']:5} {r['hidden']:6d} {r['batch']:5d} {r['variant']:22} "
+                     f"{r['ratio']:7.2f} {goal:5.2f} {mem}  {'yes' if met else 'NO'}")
+    return lines
 
 
 def memory_setup() -> str:
@@ -334,6 +437,10 @@ def print_op_counts() -> None:
     """Ops per time step (the difference between 20 and 10 steps, over 10) of every loop kernel."""
     print("launching ops per time step of one layer and direction (profiler, CPU):")
     for kernel in KERNELS:
+        if kernel == "triton":  # CUDA only; its launches are fixed by construction
+            print("  triton   (CUDA) forward 2, backward 2 per step and direction (4 and 4 with proj_size):"
+                  " a cuBLAS product and a fused Triton kernel each way (rnndrop/kernels/triton_lstm.py)")
+            continue
         for cell in ("lstm", "gru"):
             for onednn in (True, False):
                 long, short = count_ops(kernel, cell, 20, onednn), count_ops(kernel, cell, 10, onednn)
@@ -351,9 +458,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="small,medium", help="comma-separated: small, medium, large")
     parser.add_argument("--models", default="lstm,gru", help="comma-separated: lstm, gru")
-    parser.add_argument("--kernels", default=",".join(KERNELS), help="loop kernels to time")
+    parser.add_argument(
+        "--kernels", default=None, help="loop kernels to time (default: those that run on the device)"
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--batch", type=int, default=20)
+    parser.add_argument("--batch", default="20", help="comma-separated batch sizes, e.g. 20,64,128")
     parser.add_argument("--seq-len", type=int, default=35)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--p", type=float, default=0.5, help="every dropout probability")
@@ -368,7 +477,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.shapes = [s for s in args.shapes.split(",") if s]
     args.models = [m for m in args.models.split(",") if m]
-    args.kernels = [k for k in args.kernels.split(",") if k]
+    try:
+        args.device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device: expected cpu or cuda[:N], got {args.device!r}")
+    if args.device.type not in ("cpu", "cuda"):
+        parser.error(f"--device: expected cpu or cuda[:N], got {str(args.device)!r}")
+    runs_here = [k for k in KERNELS if k != ("compiled" if args.device.type == "cuda" else "triton")]
+    args.kernels = runs_here if args.kernels is None else [k for k in args.kernels.split(",") if k]
+    try:
+        args.batch = [int(b) for b in args.batch.split(",") if b]
+    except ValueError:
+        parser.error(f"--batch: expected comma-separated positive integers, got {args.batch!r}")
+    if not args.batch or min(args.batch) < 1:
+        parser.error(f"--batch: expected comma-separated positive integers, got {args.batch!r}")
     for s in args.shapes:
         if s not in SHAPES:
             parser.error(f"--shapes: expected names from {', '.join(SHAPES)}, got {s!r}")
@@ -378,6 +500,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for k in args.kernels:
         if k not in KERNELS:
             parser.error(f"--kernels: expected names from {', '.join(KERNELS)}, got {k!r}")
+        if k not in runs_here:
+            here = ", ".join(runs_here)
+            parser.error(f"--kernels: on {args.device.type} expected one of {here}, got {k!r}")
     if args.rounds < 1 or args.warmup < 1:
         parser.error("--rounds and --warmup must be at least 1")
     return args
@@ -385,37 +510,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     try:
-        run(argv)
+        _run(argv)
     except KeyboardInterrupt:
         note("interrupted: the tables printed above are complete; the others were not timed")
         sys.exit(130)
 
 
-def run(argv: list[str] | None = None) -> None:
+def _run(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.count_ops:
         print(machine())
         print_op_counts()
         return
-    device = torch.device(args.device)
+    device = args.device
     if args.threads:
         torch.set_num_threads(args.threads)
+    auto = auto_loop_kernel(torch.ones(1, device=device))
     header = (
         f"{machine()}\n"
-        f"device {device}, {torch.get_num_threads()} threads, "
-        f"batch {args.batch}, seq {args.seq_len}, {args.layers} layers, p {args.p}, "
+        + (f"{gpu_setup(device)}\n" if device.type == "cuda" else "")
+        + f"device {device}, {torch.get_num_threads()} threads, "
+        f"batch {','.join(map(str, args.batch))}, seq {args.seq_len}, {args.layers} layers, p {args.p}, "
         f"{args.rounds} rounds, load average {os.getloadavg()[0]:.2f}\n"
-        f"kernel='auto' runs the loop kernel {auto_loop_kernel(torch.ones(1, device=device))!r}"
+        f"kernel='auto' runs the loop kernel {auto!r}"
     )
     print(header, flush=True)
     rows = []
-    pairs = [(shape, model) for shape in args.shapes for model in args.models]
-    for i, (shape, model) in enumerate(pairs, 1):
-        shape_rows = bench_shape(model, shape, args, device, step=f"[{i}/{len(pairs)}] ")
+    cases = [(shape, model, batch) for shape in args.shapes for model in args.models for batch in args.batch]
+    for i, (shape, model, batch) in enumerate(cases, 1):
+        shape_rows = bench_shape(model, shape, batch, args, device, step=f"[{i}/{len(cases)}] ")
         rows += shape_rows
         print(format_table(shape_rows), flush=True)
+        for r in shape_rows:
+            if r.get("graph_memory_bytes") is not None:
+                held = r["graph_memory_bytes"] / 2**20
+                print(f"{r['variant']}: its CUDA graphs held {held:.1f} MB between calls", flush=True)
         loads = shape_rows[0]["load"]
         print(f"load average during timing: {loads[0]:.2f} -> {loads[1]:.2f}\n", flush=True)
+    if device.type == "cuda":
+        print("against the goals of docs/gpu.md (baseline: cuDNN):\n" + "\n".join(goal_rows(rows, auto)))
     if args.json:
         with open(args.json, "w") as f:
             config = dict(vars(args), device=str(device), header=header)

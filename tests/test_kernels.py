@@ -14,8 +14,9 @@ from tests.helpers import assert_close
 
 pytestmark = pytest.mark.filterwarnings("ignore:LSTM with projections is not supported")
 
-# Kernels checked against the reference here ("compiled" needs a compiler: tests/test_compiled_kernel.py).
-FAST = [name for name in KERNELS if name not in ("autograd", "compiled")]
+# Kernels checked against the reference here ("compiled" needs a compiler: tests/test_compiled_kernel.py;
+# "triton" a GPU or Triton's interpreter: tests/test_triton_kernel.py).
+FAST = [name for name in KERNELS if name not in ("autograd", "compiled", "triton")]
 I, H, T, B = 5, 6, 7, 4
 GATES = {"lstm": 4, "gru": 3}
 
@@ -255,7 +256,7 @@ def test_layer_passes_gradcheck_through_explicit_masks(name):
 
 
 def test_registry_is_keyed_by_kernel_and_cell():
-    assert set(KERNELS) == {"manual", "autograd", "compiled"}
+    assert set(KERNELS) == {"manual", "autograd", "compiled", "triton"}
     assert DEFAULT_LOOP_KERNEL in KERNELS
     for name in KERNELS:
         assert {cell for cell in KERNELS[name]} == {"lstm", "gru"}

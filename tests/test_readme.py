@@ -19,7 +19,8 @@ DOCS = ROOT / "docs"
 # The pages whose Python blocks run here (the others hold results, not code to paste).
 RUNNABLE = [README, DOCS / "usage.md"]
 # The pages written as the user guide: their commands are checked against the parsers.
-GUIDE_PAGES = ("usage.md", "language-models.md", "distributed.md", "results.md", "speed.md", "modules.md")
+GUIDE_PAGES = ("usage.md", "language-models.md", "distributed.md", "results.md", "speed.md", "modules.md",
+               "gpu.md")
 GUIDE = [README, *(DOCS / name for name in GUIDE_PAGES)]
 
 # A Python block, optionally followed by the ```text block of what it prints.

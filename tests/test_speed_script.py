@@ -18,7 +18,7 @@ def test_speed_says_what_it_times_and_how_long(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPT), *SMALL, "--rounds", "3"], capture_output=True,
                           text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert "[1/1] gru small (hidden 200): " in done.stderr and " rounds, up to about " in done.stderr
+    assert "[1/1] gru small (hidden 200, batch 2): " in done.stderr and " rounds, up to about " in done.stderr
     assert "x base" in done.stdout and "nn.GRU" in done.stdout
 
 

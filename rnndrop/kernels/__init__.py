@@ -31,7 +31,10 @@ Kernels, by name:
   :mod:`rnndrop.kernels.reference` (about 2x slower on CPU; twice differentiable);
 - ``"compiled"``: the manual kernel's equations with the time loops in C++,
   :mod:`rnndrop.kernels.compiled` (CPU, float32 / float64; built on first use).
-  ``kernel="auto"`` runs it where it can (:func:`auto_loop_kernel`).
+  ``kernel="auto"`` runs it where it can (:func:`auto_loop_kernel`);
+- ``"triton"``: per step one recurrent product (cuBLAS) and one fused Triton kernel, forward and
+  backward, :mod:`rnndrop.kernels.gpu` (CUDA; Triton imported on first use, never by
+  ``import rnndrop``). ``kernel="auto"`` runs it on CUDA tensors where Triton imports.
 
 A new cell is one more file here, one more protocol and one more entry per kernel in
 :data:`KERNELS`; the step equations the cells share live in :mod:`rnndrop.kernels.gates`.
@@ -45,14 +48,15 @@ from typing import Protocol, TypedDict
 import torch
 from torch import Tensor
 
-from rnndrop.kernels import compiled, gru, lstm, reference
+from rnndrop.kernels import compiled, gpu, gru, lstm, reference
 from rnndrop.kernels.matmul import functorch_wrapped, input_projection
 
 
 class LSTMRecurrence(Protocol):
     """What an LSTM loop kernel is: :func:`rnndrop.kernels.lstm.lstm_recurrence` (``"manual"``),
     :func:`rnndrop.kernels.reference.lstm_recurrence` (``"autograd"``),
-    :func:`rnndrop.kernels.compiled.lstm_recurrence` (``"compiled"``)."""
+    :func:`rnndrop.kernels.compiled.lstm_recurrence` (``"compiled"``),
+    :func:`rnndrop.kernels.gpu.lstm_recurrence` (``"triton"``)."""
 
     def __call__(
         self,
@@ -72,7 +76,8 @@ class LSTMRecurrence(Protocol):
 class GRURecurrence(Protocol):
     """What a GRU loop kernel is: :func:`rnndrop.kernels.gru.gru_recurrence` (``"manual"``),
     :func:`rnndrop.kernels.reference.gru_recurrence` (``"autograd"``),
-    :func:`rnndrop.kernels.compiled.gru_recurrence` (``"compiled"``)."""
+    :func:`rnndrop.kernels.compiled.gru_recurrence` (``"compiled"``),
+    :func:`rnndrop.kernels.gpu.gru_recurrence` (``"triton"``)."""
 
     def __call__(
         self,
@@ -100,6 +105,7 @@ KERNELS: Mapping[str, CellKernels] = {
     "manual": {"lstm": lstm.lstm_recurrence, "gru": gru.gru_recurrence},
     "autograd": {"lstm": reference.lstm_recurrence, "gru": reference.gru_recurrence},
     "compiled": {"lstm": compiled.lstm_recurrence, "gru": compiled.gru_recurrence},
+    "triton": {"lstm": gpu.lstm_recurrence, "gru": gpu.gru_recurrence},
 }
 
 #: The loop kernel that ``kernel="auto"`` uses when the fused kernel cannot run and the
@@ -111,9 +117,12 @@ def auto_loop_kernel(x: Tensor) -> str:
     """The loop kernel ``kernel="auto"`` runs on tensors like ``x``: ``"autograd"`` inside a
     ``torch.func`` transform (``grad``, ``vmap``, ...: the hand-written backward passes are
     autograd Functions those transforms cannot run), ``"compiled"`` on CPU in float32 /
-    float64 where it can be built (the first call builds it), else :data:`DEFAULT_LOOP_KERNEL`."""
+    float64 where it can be built (the first call builds it), ``"triton"`` on CUDA where Triton
+    imports (the first call imports it), else :data:`DEFAULT_LOOP_KERNEL`."""
     if functorch_wrapped(x):
         return "autograd"
+    if x.device.type == "cuda" and gpu.is_available():
+        return "triton"
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and compiled.is_available():
         return "compiled"
     return DEFAULT_LOOP_KERNEL

@@ -1,0 +1,260 @@
+r"""The GRU recurrence of the "triton" kernel: per step one recurrent product (cuBLAS) and one
+fused Triton kernel, forward and backward, as cuDNN does.
+
+The equations are those of :mod:`rnndrop.kernels.gru`; per step ``t`` (rows and the masked state
+``m_t = h_{t-1} * M_t`` as in :mod:`rnndrop.kernels.triton_common`)::
+
+    forward   product  p_t = W_hh m_t                       (torch.mm; per gate one bmm)
+              kernel   a = p_t + b_hh = (a_r, a_z, a_n)
+                       r = σ(x̂_r + a_r),  z = σ(x̂_z + a_z),  n = tanh(x̂_n + r a_n)
+                       h_t = n + z (h_{t-1} - n)
+                       saves (r, z, n) and a_n; writes h_t and m_{t'} = h_t * M_{t'}
+    backward  kernel   dh_t gathered (dm_{t'} * M_{t'} + dh_{t'} z_{t'} + d_out_t)
+                       dn_pre = dh_t (1 - z) (1 - n²)
+                       da_r = dn_pre a_n r (1 - r),  da_z = dh_t (h_{t-1} - n) z (1 - z),  da_n = dn_pre r
+                       sends dh_t z on to the step before
+              product  dm_t = W_hh^T da_t
+
+Two launches per step and direction each way; ``dW_hh``, ``db_hh`` and the mask's gradient are
+computed over all steps after the loop, as in the manual kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.autograd.function import FunctionCtx
+
+from rnndrop.kernels import masked_product as mp
+from rnndrop.kernels.cuda_graphs import GRAPHS
+from rnndrop.kernels.first_order import first_order_backward
+from rnndrop.kernels.schedule import Schedule, gather_previous
+from rnndrop.kernels.triton_common import (
+    gather_state_grad,
+    load_previous,
+    next_state,
+    sigmoid,
+    state_grad,
+    store_next_state,
+    tanh,
+)
+from rnndrop.kernels.triton_plan import (
+    StepProducts,
+    accumulation_dtype,
+    check_device,
+    compute_dtype,
+    initial_grad,
+    launch,
+    loop_key,
+    mask_rows,
+    next_state_target,
+    plan_steps,
+    state_rows,
+)
+
+__all__ = ["gru_recurrence"]
+
+
+@triton.jit
+def _load(ptr, rows, acc):
+    return tl.load(ptr, mask=rows, other=0.0).to(acc)
+
+
+@triton.jit
+def _forward_step(
+    gx_ptr, p_ptr, p_row, p_gate, b_hh_ptr, h_prev_ptr, h0_ptr, acts_ptr, a_n_ptr, out_ptr,
+    mask_ptr, mask_row, mask_gate, m_ptr, m_row, m_gate, b, carried, b_next, H, n,
+    MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_NEXT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    k = offs // H
+    j = offs % H
+    lanes = offs < n
+    rows = lanes & (k < b)
+    acc = a_n_ptr.dtype.element_ty
+    x = gx_ptr + k * 3 * H + j
+    p = p_ptr + k * p_row + j
+    a_r = _load(p, rows, acc)
+    a_z = _load(p + p_gate, rows, acc)
+    a_n = _load(p + 2 * p_gate, rows, acc)
+    if HAS_BIAS:
+        a_r += _load(b_hh_ptr + j, rows, acc)
+        a_z += _load(b_hh_ptr + H + j, rows, acc)
+        a_n += _load(b_hh_ptr + 2 * H + j, rows, acc)
+    r = sigmoid(_load(x, rows, acc) + a_r)
+    z = sigmoid(_load(x + H, rows, acc) + a_z)
+    cand = tanh(_load(x + 2 * H, rows, acc) + r * a_n)
+    h = cand + z * (load_previous(h_prev_ptr, h0_ptr, k, j, H, carried, rows, acc) - cand)
+    a = acts_ptr + k * 3 * H + j
+    tl.store(a, r, mask=rows)
+    tl.store(a + H, z, mask=rows)
+    tl.store(a + 2 * H, cand, mask=rows)
+    tl.store(a_n_ptr + k * H + j, a_n, mask=rows)
+    tl.store(out_ptr + k * H + j, h, mask=rows)
+    if WRITE_NEXT:
+        store_next_state(h, k, j, H, b, b_next, lanes, h0_ptr, mask_ptr, mask_row, mask_gate,
+                         m_ptr, m_row, m_gate, MASK_GATES, HAS_MASK)
+
+
+@triton.jit
+def _backward_step(
+    d_out_ptr, dm_ptr, dm_row, dm_gate, mask_ptr, mask_row, mask_gate, dh_state_ptr,
+    acts_ptr, a_n_ptr, h_prev_ptr, h0_ptr, da_ptr, dn_ptr, b, carried, b_next, H, n,
+    MASK_GATES: tl.constexpr, HAS_DOUT: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_MASK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    k = offs // H
+    j = offs % H
+    lanes = offs < n
+    rows = lanes & (k < b)
+    acc = dh_state_ptr.dtype.element_ty
+    dh = gather_state_grad(d_out_ptr, dm_ptr, dm_row, dm_gate, mask_ptr, mask_row, mask_gate, dh_state_ptr,
+                           k, j, H, b, b_next, lanes, acc, MASK_GATES, HAS_DOUT, HAS_NEXT, HAS_MASK)
+    a = acts_ptr + k * 3 * H + j
+    r = _load(a, rows, acc)
+    z = _load(a + H, rows, acc)
+    cand = _load(a + 2 * H, rows, acc)
+    h_prev = load_previous(h_prev_ptr, h0_ptr, k, j, H, carried, rows, acc)
+    dn_pre = dh * (1 - z) * (1 - cand * cand)
+    da = da_ptr + k * 3 * H + j
+    tl.store(da, dn_pre * _load(a_n_ptr + k * H + j, rows, acc) * r * (1 - r), mask=rows)
+    tl.store(da + H, dh * (h_prev - cand) * z * (1 - z), mask=rows)
+    tl.store(da + 2 * H, dn_pre * r, mask=rows)
+    tl.store(dn_ptr + k * H + j, dn_pre, mask=rows)
+    tl.store(dh_state_ptr + k * H + j, dh * z, mask=rows)
+
+
+class _Saved(NamedTuple):
+    acts: Tensor  # [N, 3H]: r, z, n (compute dtype)
+    a_n: Tensor  # [N, H]: the n part of W_hh m + b_hh (accumulation dtype)
+    out: Tensor  # [N, H]: h_t
+    masked: Tensor | None  # [N, (G,) H]: m_t, with a mask
+    h0: Tensor
+    w_hh: Tensor
+    b_hh: Tensor | None
+    mask: Tensor | None
+
+
+def _forward(schedule: Schedule, gates_x, h0, w_hh, b_hh, mask):
+    """``(out, h_n)`` and what backward needs besides the inputs: ``acts, a_n, masked``."""
+    N, (B, H), device = gates_x.shape[0], h0.shape, gates_x.device
+    G = mask.shape[2] if mask is not None and mask.dim() == 4 else 1
+    acts = gates_x.new_empty(N, 3 * H)
+    a_n = torch.empty(N, H, dtype=accumulation_dtype(gates_x.dtype), device=device)
+    out = gates_x.new_empty(N, H)
+    masked = None if mask is None else gates_x.new_empty(N, *mask.shape[2:])
+    scratch = gates_x.new_empty(B, H)
+    products = StepProducts(w_hh, 3, G, B)
+    steps = plan_steps(schedule)
+    flags = dict(MASK_GATES=G, HAS_MASK=mask is not None)
+    m, m_row, m_gate = state_rows(masked, scratch, steps[0].offset, steps[0].size)
+    launch(next_state, steps[0].size * H, device, h0, h0, *mask_rows(mask, steps[0].t, h0), m, m_row, m_gate,
+           0, steps[0].size, H, **flags, F64=a_n.dtype == torch.float64)
+    for step in steps:
+        b, rows = step.size, step.rows
+        p, p_row, p_gate = products.forward(m)
+        target, m_row, m_gate = next_state_target(step, masked, scratch)
+        lanes = b if target is None else max(b, step.next_size)
+        launch(_forward_step, lanes * H, device, gates_x[rows], p, p_row, p_gate,
+               h0 if b_hh is None else b_hh, out[step.prev_offset :], h0, acts[rows], a_n[rows], out[rows],
+               *mask_rows(mask, step.next_t, h0),
+               scratch if target is None else target, m_row, m_gate, b, step.carried, step.next_size, H,
+               **flags, HAS_BIAS=b_hh is not None, WRITE_NEXT=target is not None)
+        m = target if target is not None else out[step.offset : step.offset + step.next_size]
+    return out, out.index_select(0, schedule.final_rows(device)), acts, a_n, masked
+
+
+def _backward(schedule: Schedule, needs: Sequence[bool], *tensors):
+    """The gradients of ``(gates_x, h0, w_hh, b_hh, mask)``, None where not needed, from the fields
+    of :class:`_Saved` and ``d_out, d_hn``."""
+    s, (d_out, d_hn) = _Saved(*tensors[:-2]), tensors[-2:]
+    (N, H), device = s.out.shape, s.out.device
+    B = s.h0.shape[0]
+    G = s.mask.shape[2] if s.mask is not None and s.mask.dim() == 4 else 1
+    d_a = s.acts.new_empty(N, 3 * H)
+    d_n = s.acts.new_empty(N, H)
+    dh_state = initial_grad(d_hn, s.h0, s.a_n.dtype)  # then dh_0
+    d_masked = s.masked.new_empty(s.masked.shape) if needs[4] and s.masked is not None else None
+    d_out = None if d_out is None else d_out.contiguous()
+    products = StepProducts(s.w_hh, 3, G, B)
+    flags = dict(MASK_GATES=G, HAS_DOUT=d_out is not None, HAS_MASK=s.mask is not None)
+    dm, dm_row, dm_gate = dh_state, 0, 0
+    for step in reversed(plan_steps(schedule)):
+        b, rows = step.size, step.rows
+        launch(_backward_step, max(b, step.next_size) * H, device, dh_state if d_out is None else d_out[rows],
+               dm, dm_row, dm_gate, *mask_rows(s.mask, step.next_t, dh_state), dh_state, s.acts[rows],
+               s.a_n[rows], s.out[step.prev_offset :], s.h0, d_a[rows], d_n[rows], b, step.carried,
+               step.next_size, H, **flags, HAS_NEXT=step.next_t >= 0)
+        dm, dm_row, dm_gate = products.backward(d_a[rows])
+        if d_masked is not None:
+            d_masked[rows].copy_(dm if G == 1 else dm.transpose(0, 1))
+    first = schedule.steps[0]
+    launch(state_grad, first.size * H, device, dh_state, dm, dm_row, dm_gate,
+           *mask_rows(s.mask, first.t, dh_state), dh_state, dh_state, 0, first.size, H,
+           **dict(flags, HAS_DOUT=False), HAS_NEXT=True)
+    h_prev = None
+    if (needs[2] and s.masked is None) or d_masked is not None:
+        h_prev = gather_previous(s.out, s.h0, schedule.previous_blocks())
+    return (
+        torch.cat([d_a[:, : 2 * H], d_n], 1) if needs[0] else None,
+        dh_state.to(s.h0.dtype) if needs[1] else None,
+        mp.weight_grad(d_a, h_prev if s.masked is None else s.masked) if needs[2] else None,
+        d_a.sum(0).to(s.b_hh.dtype) if needs[3] and s.b_hh is not None else None,
+        None if d_masked is None else mp.mask_grad(schedule, s.mask, d_masked, h_prev).to(s.mask.dtype),
+    )
+
+
+class _GRURecurrence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, gates_x, h0, w_hh, b_hh, mask, schedule: Schedule):
+        inputs = (gates_x, h0, w_hh, b_hh, mask)
+        with torch.autocast(gates_x.device.type, enabled=False):
+            out, h_n, acts, a_n, masked = GRAPHS(
+                ("gru forward", *loop_key(schedule)), functools.partial(_forward, schedule), inputs
+            )
+        ctx.schedule = schedule
+        ctx.save_for_backward(*_Saved(acts, a_n, out, masked, h0, w_hh, b_hh, mask))
+        ctx.set_materialize_grads(False)
+        return out, h_n
+
+    @staticmethod
+    @first_order_backward("triton")
+    def backward(ctx, d_out, d_hn):
+        needs, saved = tuple(ctx.needs_input_grad[:5]), ctx.saved_tensors
+        run = functools.partial(_backward, ctx.schedule, needs)
+        with torch.autocast(saved[0].device.type, enabled=False):
+            grads = GRAPHS(  # a mask's gradient copies an index from the host: not capturable
+                ("gru backward", *loop_key(ctx.schedule), needs), run, (*saved, d_out, d_hn),
+                capturable=not needs[4],
+            )
+        return (*grads, None)
+
+
+def gru_recurrence(
+    gates_x: Tensor,
+    batch_sizes: Sequence[int],
+    h0: Tensor,
+    w_hh: Tensor,
+    b_hh: Tensor | None,
+    hidden_mask: Tensor | None,
+    reverse: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """The GRU recurrence of one layer and direction (contract in :mod:`rnndrop.kernels`).
+
+    Under autocast the products run in autocast's dtype: ``gates_x``, ``W_hh`` and the outputs in it."""
+    check_device(gates_x)
+    dtype = compute_dtype(gates_x)
+    out, h_n = _GRURecurrence.apply(
+        gates_x.to(dtype).contiguous(), h0.contiguous(), w_hh.to(dtype).contiguous(),
+        None if b_hh is None else b_hh.contiguous(),
+        None if hidden_mask is None else hidden_mask.contiguous(), Schedule(batch_sizes, reverse),
+    )
+    return out, h_n

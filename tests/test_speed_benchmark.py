@@ -1,0 +1,108 @@
+"""benchmarks/speed.py: its arguments, and a tiny run of the whole path on CPU; the CUDA-only parts
+(the GPU line of the header, the table against the goals) on made-up inputs."""
+
+import importlib.metadata
+import importlib.util
+import json
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def speed():
+    spec = importlib.util.spec_from_file_location("speed_benchmark", ROOT / "benchmarks" / "speed.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_defaults_time_the_kernels_that_run_on_the_device(speed):
+    cpu = speed.parse_args([])
+    assert cpu.device == torch.device("cpu") and cpu.batch == [20]
+    assert "triton" not in cpu.kernels and "compiled" in cpu.kernels
+    cuda = speed.parse_args(["--device", "cuda", "--batch", "20,64,128", "--shapes", "small,medium,large"])
+    assert cuda.device.type == "cuda" and cuda.batch == [20, 64, 128]
+    assert "triton" in cuda.kernels and "compiled" not in cuda.kernels
+    assert speed.parse_args(["--device", "cuda:1", "--kernels", "triton"]).kernels == ["triton"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--kernels", "triton"], "on cpu expected one of"),
+    (["--device", "cuda", "--kernels", "compiled"], "on cuda expected one of"),
+    (["--kernels", "nope"], "expected names from"),
+    (["--batch", "20,x"], "--batch: expected comma-separated positive integers, got '20,x'"),
+    (["--batch", "0"], "--batch: expected comma-separated positive integers"),
+    (["--device", "tpu"], "--device: expected cpu or cuda"),
+    (["--shapes", "huge"], "--shapes: expected names from"),
+])
+def test_bad_arguments_are_refused_naming_the_flag(speed, capsys, argv, message):
+    with pytest.raises(SystemExit):
+        speed.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_a_tiny_run_prints_a_table_per_shape_model_and_batch(speed, capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(speed.SHAPES, "small", 8)
+    out = tmp_path / "speed.json"
+    speed.main(["--shapes", "small", "--models", "gru", "--kernels", "manual", "--batch", "2,3",
+                "--seq-len", "3", "--rounds", "2", "--warmup", "1", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert printed.count("sequence/manual") == 2 and "batch/fused" in printed
+    results = json.loads(out.read_text())["results"]
+    assert {r["batch"] for r in results} == {2, 3}
+    assert all(r["ratio"] > 0 for r in results)
+
+
+def test_the_gpu_line_names_gpu_driver_cuda_torch_and_triton(speed, monkeypatch):
+    props = SimpleNamespace(name="Made-up GPU", total_memory=80 * 2**30, major=9, minor=0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    monkeypatch.setattr(speed.subprocess, "run", lambda *a, **k: SimpleNamespace(stdout="555.42\n"))
+    line = speed.gpu_setup(torch.device("cuda"))
+    assert "GPU Made-up GPU (80 GiB, capability 9.0), driver 555.42" in line
+    assert f"torch {torch.__version__}" in line
+    assert f"Triton {importlib.metadata.version('triton')}" in line
+
+    def no_smi(*args, **kwargs):
+        raise subprocess.SubprocessError("no nvidia-smi")
+
+    monkeypatch.setattr(speed.subprocess, "run", no_smi)
+    assert "driver ? (no nvidia-smi)" in speed.gpu_setup(torch.device("cuda"))
+
+
+def test_the_goal_table_checks_time_and_memory(speed):
+    def row(variant, hidden, ratio, memory):
+        return dict(model="lstm", hidden=hidden, batch=20, variant=variant, ratio=ratio, memory_ratio=memory)
+
+    rows = [
+        row("nn.LSTM", 650, 1.0, 1.0),
+        row("sequence/triton*", 650, 1.25, 1.4),  # met
+        row("sequence/triton*", 200, 1.9, 1.2),  # met: 2x at hidden 200
+        row("sequence/triton*", 1500, 1.2, 1.6),  # memory over 1.5x
+        row("sequence/manual", 650, 5.0, 1.0),  # not the auto kernel: no goal
+        row("batch/fused", 650, 1.07, 1.0),  # over 1.05x
+    ]
+    lines = speed.goal_rows(rows, "triton")
+    assert len(lines) == 5  # the header and the four rows with a goal
+    assert [line.split()[-1] for line in lines[1:]] == ["yes", "yes", "NO", "NO"]
+    assert "2.00" in lines[2]
+
+
+def test_the_graphed_variant_runs_the_triton_kernel_with_graphs_on_for_it_only(speed, monkeypatch):
+    variants = speed.build_variants("lstm", 8, 2, 0.5, ["manual", "triton"], "triton")
+    assert variants[speed.GRAPHED].kernel == "triton" and "sequence/triton*" in variants
+    assert speed.GRAPHED not in speed.build_variants("gru", 8, 2, 0.5, ["manual"], "compiled")
+    monkeypatch.setattr(speed.cuda_graphs.GRAPHS, "max_graphs", 0)
+    seen = []
+
+    def probe():
+        seen.append(speed.cuda_graphs.GRAPHS.max_graphs)
+
+    speed.graphed(speed.GRAPHED, probe)()
+    speed.graphed("sequence/triton*", probe)()
+    assert seen == [8, 0] and speed.cuda_graphs.GRAPHS.max_graphs == 0

@@ -1,0 +1,113 @@
+"""The "triton" loop kernel: its checks against the reference kernel (``tests/triton_checks.py``,
+run in a subprocess: under Triton's interpreter on CPU, compiled on a GPU); kernel="auto" picks it
+on CUDA only; rnndrop imports and runs without Triton; the switch that turns it off.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from rnndrop import VariationalGRU, VariationalLSTM
+from rnndrop.kernels import auto_loop_kernel, get_kernel, gpu
+from tests import test_kernels as shared
+
+ROOT = Path(__file__).resolve().parents[1]
+CUDA = torch.cuda.is_available()
+cuda_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (the GPU machine runs it)")
+
+
+def test_the_kernels_match_the_reference_kernel():
+    """``tests/triton_checks.py`` in a fresh process, where ``TRITON_INTERPRET=1`` (no GPU) is set
+    before anything imports Triton and leaks into no other test; every check must pass, none skip."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    if CUDA:
+        env.pop("TRITON_INTERPRET", None)
+    else:
+        env["TRITON_INTERPRET"] = "1"
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/triton_checks.py"]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    assert " passed" in summary and "skipped" not in summary and "deselected" not in summary, summary
+
+
+def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    args = shared.kernel_inputs("gru", [2, 2], None, 0)
+    with pytest.raises(RuntimeError, match="runs on CUDA tensors .*got gates_x on cpu"):
+        get_kernel("triton", "gru")(args[0], [2, 2], *args[1:])
+
+
+def test_auto_never_picks_it_for_cpu_tensors():
+    assert auto_loop_kernel(torch.ones(1)) != "triton"
+    assert auto_loop_kernel(torch.ones(1, dtype=torch.float16)) != "triton"
+
+
+def test_the_switch_turns_it_off_with_one_warning(monkeypatch):
+    monkeypatch.setenv("RNNDROP_NO_TRITON", "1")
+    for name, value in (("_modules", None), ("_failure", None), ("_warned", False)):
+        monkeypatch.setattr(gpu, name, value)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert [gpu.is_available(), gpu.is_available()] == [False, False]
+    assert len(caught) == 1 and "unset RNNDROP_NO_TRITON" in str(caught[0].message)
+    assert "'manual' kernel on CUDA" in str(caught[0].message)
+    args = shared.kernel_inputs("lstm", [1], None, 0)
+    with pytest.raises(RuntimeError, match="not available: disabled by RNNDROP_NO_TRITON"):
+        get_kernel("triton", "lstm")(args[0], [1], *args[1:])
+
+
+WITHOUT_TRITON = textwrap.dedent(
+    """
+    import json, sys, warnings
+    import torch
+    from rnndrop import VariationalGRU
+    from rnndrop.kernels import gpu
+    layer = VariationalGRU(3, 4, dropout_hidden=0.5)
+    layer(torch.randn(5, 2, 3))[0].sum().backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        answer = gpu.is_available()
+    print(json.dumps(dict(answer=answer, warnings=[str(w.message) for w in caught],
+                          kernels=sorted(m for m in sys.modules if m.startswith("rnndrop.kernels.triton_")))))
+    """
+)
+
+
+def test_rnndrop_imports_and_trains_without_triton(tmp_path):
+    """A ``triton`` that cannot be imported (as where it is not installed): the layers still import
+    and train on CPU, and the kernel says how to get it."""
+    (tmp_path / "triton").mkdir()
+    (tmp_path / "triton" / "__init__.py").write_text("raise ImportError('no triton here')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, "-c", WITHOUT_TRITON], env=env, capture_output=True, text=True,
+                          timeout=120, check=True)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["answer"] is False and result["kernels"] == []
+    assert len(result["warnings"]) == 1 and "no triton here" in result["warnings"][0]
+    assert 'pip install "rnndrop[gpu]"' in result["warnings"][0]
+
+
+@cuda_only
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_auto_runs_the_triton_kernel_on_cuda_with_a_mask(kind, monkeypatch):
+    import rnndrop.kernels.triton_gru as triton_gru
+    import rnndrop.kernels.triton_lstm as triton_lstm
+
+    assert auto_loop_kernel(torch.ones(1, device="cuda")) == "triton"
+    function = triton_lstm._LSTMRecurrence if kind == "lstm" else triton_gru._GRURecurrence
+    calls = []
+    original = function.apply
+    monkeypatch.setattr(function, "apply", lambda *a: calls.append(1) or original(*a))
+    cls = VariationalLSTM if kind == "lstm" else VariationalGRU
+    layer = cls(8, 16, num_layers=2, bidirectional=True, dropout_hidden=0.5, device="cuda")
+    layer(torch.randn(5, 3, 8, device="cuda"))[0].sum().backward()
+    assert len(calls) == 4  # 2 layers x 2 directions

@@ -1,0 +1,228 @@
+"""The "triton" loop kernel (a cuBLAS product and a fused Triton kernel per step) against the
+reference kernel, forward and backward, for every mask kind and layout, in the layers and under
+autocast.
+
+Not collected by the default run: ``tests/test_triton_kernel.py`` runs this file in a subprocess,
+under Triton's interpreter on CPU tensors where there is no GPU (``TRITON_INTERPRET=1`` must be set
+before Triton is imported, and ``import torch._dynamo``, which ``import rnndrop`` runs, imports
+it), and compiled on CUDA tensors where there is one. By hand::
+
+    TRITON_INTERPRET=1 python -m pytest tests/triton_checks.py    # CPU
+    python -m pytest tests/triton_checks.py                        # GPU
+"""
+
+import pytest
+import torch
+from torch.nn.utils.rnn import pack_sequence
+
+from rnndrop import VariationalGRU, VariationalLSTM
+from rnndrop.kernels import get_kernel, gpu
+from rnndrop.kernels.cuda_graphs import GraphCache
+from rnndrop.kernels.first_order import SecondOrderGradientError
+from rnndrop.kernels.triton_plan import interpreted
+from tests import test_kernels as shared
+from tests.helpers import assert_close, fake_capture
+
+pytestmark = pytest.mark.filterwarnings("ignore:LSTM with projections is not supported")
+
+
+
+@pytest.fixture(scope="module", autouse=True)
+def device():
+    """CUDA where there is a GPU, else CPU tensors under Triton's interpreter."""
+    if not torch.cuda.is_available() and not interpreted():
+        pytest.fail("without a GPU this file runs under TRITON_INTERPRET=1 (see tests/test_triton_kernel.py)")
+    gpu.load()
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def inputs(kind, batch_sizes, mask_shape, proj, device, dtype=torch.float64, mask_grad=True, H=shared.H):
+    """``shared.kernel_inputs`` on ``device``; float32 weights on nn.LSTM's scale (1 / sqrt(size)):
+    unscaled random weights saturate the gates and amplify float32 rounding beyond 1e-5."""
+    args = shared.kernel_inputs(kind, batch_sizes, mask_shape, proj, dtype=dtype, mask_grad=mask_grad, H=H)
+    if dtype == torch.float32:
+        with torch.no_grad():
+            for weight in args[3:5] if kind == "lstm" else args[2:3]:
+                if weight is not None:
+                    weight /= weight.shape[1] ** 0.5
+    return [None if a is None else a.detach().to(device).requires_grad_(a.requires_grad) for a in args]
+
+
+def run(name, kind, batch_sizes, args, reverse):
+    """Outputs and the gradients of a random functional of them, on CPU."""
+    outputs = get_kernel(name, kind)(args[0], batch_sizes, *args[1:], reverse)
+    g = torch.Generator().manual_seed(1)
+    loss = sum((o * torch.randn(o.shape, generator=g, dtype=o.dtype).to(o.device)).sum() for o in outputs)
+    leaves = [a for a in args if a is not None and a.requires_grad]
+    return [o.cpu() for o in outputs], [d.cpu() for d in torch.autograd.grad(loss, leaves)]
+
+
+def compare(kind, batch_sizes, mask_shape, proj, reverse, device, dtype, mask_grad=True, tol=1e-10):
+    args = inputs(kind, batch_sizes, mask_shape, proj, device, dtype, mask_grad)
+    ours = run("triton", kind, batch_sizes, args, reverse)
+    ref = run("autograd", kind, batch_sizes, args, reverse)
+    assert len(ours[1]) == len(ref[1])
+    where = f"{kind} {batch_sizes} mask {mask_shape} proj {proj} reverse {reverse} mask_grad {mask_grad}"
+    assert_close(ours, ref, atol=tol, rtol=tol, msg=where)
+
+
+# ------------------------------------------------ the kernel against the reference kernel
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_every_mask_kind_and_layout_matches_reference_in_float64(kind, reverse, device):
+    """Every mask shape (shared / per gate, T' and B' in {1, full}) on two packed layouts, with a
+    projection on every other case, with and without the mask's gradient; outputs, final states
+    and the gradients of every input."""
+    for i, mask_shape in enumerate(shared.MASK_SHAPES):
+        for batch_sizes in (shared.BATCH_SIZES[i % 4], shared.BATCH_SIZES[(i + 1) % 4]):
+            proj = 3 if kind == "lstm" and i % 2 else 0
+            compare(kind, batch_sizes, mask_shape, proj, reverse, device, torch.float64, mask_grad=i % 3 != 2)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_every_mask_kind_and_layout_matches_reference_in_float32(kind, device):
+    """The same at 1e-5 in float32, each mask shape with another layout and direction (the first:
+    no mask, a projection, sequences joining in reverse direction)."""
+    for i, mask_shape in enumerate(shared.MASK_SHAPES):
+        proj = 3 if kind == "lstm" and i % 3 == 0 else 0
+        compare(kind, shared.BATCH_SIZES[(i + 1) % 4], mask_shape, proj, i % 2 == 0, device, torch.float32,
+                tol=1e-5)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_gru_without_recurrent_bias_matches_reference(reverse, device):
+    for batch_sizes, mask_shape in [([4, 3, 3, 1], None), ([4, 2, 2, 1, 1], (1, "B", "G", "P"))]:
+        args = inputs("gru", batch_sizes, mask_shape, 0, device)
+        args[3] = None  # b_hh
+        ours = run("triton", "gru", batch_sizes, args, reverse)
+        ref = run("autograd", "gru", batch_sizes, args, reverse)
+        assert len(ours[1]) == len(ref[1]) == (3 if mask_shape is None else 4)
+        assert_close(ours, ref, atol=1e-10, rtol=1e-8)
+
+
+def test_only_wanted_gradients_are_returned(device):
+    """Inputs without requires_grad get None (and the others are still right); no gradient of the
+    output rows at all (only of the final states) works too."""
+    args = inputs("lstm", [3, 2, 1], ("T", "B", "P"), 2, device, mask_grad=False)
+    for frozen in (1, 2, 3):
+        args[frozen] = args[frozen].detach()
+    ours = run("triton", "lstm", [3, 2, 1], args, True)
+    assert len(ours[1]) == 2  # gates_x, w_hr
+    assert_close(ours, run("autograd", "lstm", [3, 2, 1], args, True), atol=1e-10, rtol=1e-8)
+    for kind in ("lstm", "gru"):
+        args = inputs(kind, [3, 3, 1], None, 0, device)
+        grads = []
+        for name in ("triton", "autograd"):
+            h_n = get_kernel(name, kind)(args[0], [3, 3, 1], *args[1:], False)[1]
+            grads.append(torch.autograd.grad(h_n.sum(), args[0])[0].cpu())
+        assert_close(grads[0], grads[1], atol=1e-10, msg=kind)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_a_graph_of_the_backward_is_refused_not_silently_wrong(cell, device):
+    args = inputs(cell, [2, 2], (1, "B", "P"), 0, device)
+    out = get_kernel("triton", cell)(args[0], [2, 2], *args[1:], False)[0]
+    out.sum().backward()  # first order works
+    with pytest.raises(SecondOrderGradientError, match="'triton' loop kernel"):
+        torch.autograd.grad(out.pow(2).sum(), args[0], create_graph=True)
+
+
+# ------------------------------------------------------------------ mixed precision
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_autocast_runs_the_products_in_low_precision_and_the_state_in_float32(kind, device):
+    """Under autocast (bfloat16, float16): outputs in autocast's dtype, the LSTM's c_n in float32,
+    values and gradients within low-precision rounding of the float32 reference; the same for
+    float16 tensors without autocast (c_n then in float16, like c_0)."""
+    dtypes = [torch.bfloat16, torch.float16]
+    batch_sizes, reverse = [4, 3, 3, 1], True
+    args = inputs(kind, batch_sizes, ("T", "B", "P"), 0, device, torch.float32, mask_grad=False, H=16)
+    ref = run("autograd", kind, batch_sizes, args, reverse)
+    for dtype in dtypes:
+        with torch.autocast(device.type, dtype=dtype):
+            outputs = get_kernel("triton", kind)(args[0], batch_sizes, *args[1:], reverse)
+        assert outputs[0].dtype == dtype and outputs[1].dtype == dtype
+        if kind == "lstm":
+            assert outputs[2].dtype == torch.float32
+        with torch.autocast(device.type, dtype=dtype):
+            ours = run("triton", kind, batch_sizes, args, reverse)
+        assert all(g.dtype == torch.float32 for g in ours[1])  # the inputs' dtype
+        assert_close([[o.float() for o in ours[0]], ours[1]], ref, atol=5e-2, rtol=5e-2, msg=str(dtype))
+    half = [None if a is None else a.detach().half().requires_grad_(a.requires_grad) for a in args]
+    ours = run("triton", kind, batch_sizes, half, reverse)
+    assert all(o.dtype == torch.float16 for o in ours[0]) and all(g.dtype == torch.float16 for g in ours[1])
+    assert_close([[o.float() for o in ours[0]], [g.float() for g in ours[1]]], ref, atol=5e-2, rtol=5e-2)
+
+
+# ------------------------------------------------------------------ in the layers
+
+
+def forward_and_grads(layer, x, hx, masks):
+    out, state = layer(x, hx, masks=masks)
+    data = out.data if hasattr(out, "batch_sizes") else out
+    states = state if isinstance(state, tuple) else (state,)
+    g = torch.Generator().manual_seed(1)
+    loss = sum((t * torch.randn(t.shape, generator=g).to(t.device)).sum() for t in (data, *states))
+    leaves = [x.data if hasattr(x, "batch_sizes") else x, *(hx if isinstance(hx, tuple) else (hx,))]
+    grads = torch.autograd.grad(loss, [*leaves, *layer.parameters()])
+    return [t.cpu() for t in (data, *states)], [d.cpu() for d in grads]
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_layer_with_masks_matches_autograd_kernel(kind, device):
+    """Two bidirectional layers with every mask site, per-sequence, per-step and batch-shared masks,
+    shared and per gate, padded and packed, against the same layer on the reference kernel."""
+    cls = VariationalLSTM if kind == "lstm" else VariationalGRU
+    proj = dict(proj_size=3) if kind == "lstm" else {}
+    for scope, per_gate, packed in [("sequence", False, True), ("step", True, False), ("batch", True, True)]:
+        ref, ours = (
+            cls(shared.I, shared.H, num_layers=2, bidirectional=True, mask_scope=scope,
+                per_gate_masks=per_gate, dropout=0.4, dropout_input=0.3, dropout_hidden=0.5,
+                dropout_output=0.2, kernel=kernel, device=device, **proj)
+            for kernel in ("autograd", "triton")
+        )
+        ours.load_state_dict(ref.state_dict())
+        lengths = [3, shared.T, 1, 5] if packed else [shared.T] * 4
+        masks = ref.sample_masks(len(lengths), shared.T)
+        hx = shared.initial_state(kind, ours, len(lengths))
+        hx = tuple(h.detach().to(device).requires_grad_() for h in hx) if kind == "lstm" else (
+            hx.detach().to(device).requires_grad_())
+        if packed:
+            x = pack_sequence([torch.randn(n, shared.I, device=device) for n in lengths],
+                              enforce_sorted=False)
+            x.data.requires_grad_()
+        else:
+            x = torch.randn(shared.T, len(lengths), shared.I, device=device, requires_grad=True)
+        assert_close(forward_and_grads(ours, x, hx, masks), forward_and_grads(ref, x, hx, masks),
+                     msg=f"scope {scope} per_gate {per_gate} packed {packed}")
+
+
+# ------------------------------------------------------------------ CUDA graphs
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_loops_replayed_from_graphs_match_eager_ones(kind, device, monkeypatch):
+    """Through the graph cache (on a GPU real CUDA graphs; on CPU a stand-in graph that reruns the
+    loop on the captured inputs): three calls per case, the second captures, the third replays
+    (forward and backward), and every one equals the eager kernel. The backward pass that computes
+    the mask's gradient is never captured."""
+    import rnndrop.kernels.triton_gru as triton_gru
+    import rnndrop.kernels.triton_lstm as triton_lstm
+
+    capture = {} if device.type == "cuda" else dict(capture=fake_capture, can_capture=lambda inputs: True)
+    cache = GraphCache(8, **capture)
+    cases = [([4, 3, 3, 1], ("T", "B", "P"), 3 if kind == "lstm" else 0, True, False),
+             ([3, 3, 3], (1, "B", "G", "P"), 0, False, False), ([4, 2, 1], None, 0, True, False),
+             ([3, 2, 2], (1, "B", "P"), 0, False, True)]
+    for batch_sizes, mask_shape, proj, reverse, mask_grad in cases:
+        args = inputs(kind, batch_sizes, mask_shape, proj, device, mask_grad=mask_grad)
+        monkeypatch.setattr(triton_lstm if kind == "lstm" else triton_gru, "GRAPHS", GraphCache(0))
+        eager = run("triton", kind, batch_sizes, args, reverse)
+        monkeypatch.setattr(triton_lstm if kind == "lstm" else triton_gru, "GRAPHS", cache)
+        for _ in range(3):
+            assert_close(run("triton", kind, batch_sizes, args, reverse), eager, atol=1e-12, rtol=1e-12)
+    passes = [key[0][0].split()[1] for key in cache.graphs]
+    assert passes.count("forward") == 4 and passes.count("backward") == 3
