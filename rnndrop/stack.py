@@ -54,7 +54,10 @@ last layer's output.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -154,10 +157,6 @@ class VariationalRNNStack(StackSettings, ABC):
             names.append("weight_hr")
         return {n: getattr(self, n + suffix) for n in names}
 
-    # torch.compile runs the layer eagerly, as it runs nn.LSTM (a graph break, not an error):
-    # the loop kernels are autograd Functions over a Python time loop, and tracing torch's
-    # fused RNN ops fails in Inductor.
-    @torch.compiler.disable
     def forward(self, input, hx=None, masks: RecurrentMasks | None = None):
         """Run the layer; the contract of ``nn.LSTM.forward`` / ``nn.GRU.forward``.
 
@@ -170,6 +169,11 @@ class VariationalRNNStack(StackSettings, ABC):
                 used in eval mode too. Batch order is that of ``input`` (also for a
                 ``PackedSequence`` with ``enforce_sorted=False``).
         """
+        if torch.compiler.is_compiling():
+            return _run_eagerly()(self, input, hx, masks)
+        return self._forward(input, hx, masks)
+
+    def _forward(self, input, hx, masks: RecurrentMasks | None):
         owner = type(self).__name__
         x, layout = SequenceLayout.from_input(
             input,
@@ -285,3 +289,12 @@ class VariationalRNNStack(StackSettings, ABC):
         """Rows of every direction side by side ``[N, D * P]``; final states stacked ``[D, B, size]``."""
         out = torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
         return out, tuple(torch.stack(parts) for parts in zip(*finals))
+
+
+@functools.cache
+def _run_eagerly() -> Callable[..., Any]:
+    """:meth:`VariationalRNNStack._forward` under ``torch.compiler.disable``, made on first use (it imports
+    torch._dynamo, seconds that only torch.compile needs): torch.compile runs the layer
+    eagerly, as it runs nn.LSTM (a graph break, not an error): the loop kernels are autograd
+    Functions over a Python time loop, and tracing torch's fused RNN ops fails in Inductor."""
+    return torch.compiler.disable(VariationalRNNStack._forward)

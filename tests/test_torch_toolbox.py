@@ -111,3 +111,17 @@ def test_torch_func_grad_of_a_layer_with_masks_runs_the_autograd_kernel_and_equa
     loss(dict(layer.named_parameters())).backward()
     for name, parameter in layer.named_parameters():
         torch.testing.assert_close(got[name], parameter.grad, msg=name)
+
+
+def test_import_leaves_torch_dynamo_to_torch_compile():
+    """torch._dynamo (and through it triton, when installed) costs seconds to import; only
+    torch.compile needs it, so ``import rnndrop`` and a forward pass do not load it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch, rnndrop; "
+            "rnndrop.VariationalLSTM(3, 4, dropout_hidden=0.5)(torch.randn(2, 1, 3)); "
+            "print('torch._dynamo' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
