@@ -121,7 +121,9 @@ def _compile_or_load() -> ModuleType:
     except (AttributeError, TypeError, OSError):
         build_dir = "torch's extension directory"
     if not _is_cached(build_dir):
-        logger.warning("rnndrop: compiling the C++ loop kernel into %s (first use only, < 1 min)", build_dir)
+        logger.warning("rnndrop: compiling the C++ loop kernel into %s (first use only: about 40 s "
+                       "on a quiet 2-core CPU, minutes on a busy one; `python -m "
+                       "rnndrop.kernels.compiled` builds it ahead)", build_dir)
     try:
         return cpp_extension.load(
             name=NAME, sources=[str(p) for p in SOURCES], extra_cflags=["-O3"], verbose=False
