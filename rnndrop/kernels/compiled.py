@@ -129,7 +129,8 @@ def _compile_or_load() -> ModuleType:
         )
     # compiler errors, a broken cache, a compiler that fails its --version probe (SubprocessError)
     except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as error:
-        lines = [line for line in str(error).splitlines() if "error" in line] or [type(error).__name__]
+        lines = ([line for line in str(error).splitlines() if "error" in line]
+                 or [f"{type(error).__name__}: {str(error).strip()}"])
         raise RuntimeError(f"the build failed: {lines[0].strip()}") from error
 
 
