@@ -11,6 +11,9 @@ import torch
 
 from rnndrop.lm import cli
 from rnndrop.lm.atomic import atomic_write
+from rnndrop.lm.data.corpus import Vocabulary
+from rnndrop.lm.model.language_model import RNNLanguageModel
+from rnndrop.lm.run.generate import generate
 from rnndrop.lm.run.setup import resolve_device
 from rnndrop.lm.run.train import train_run
 from tests.lm_helpers import TINY, one_thread, run_cli, write_corpus  # noqa: F401 (autouse fixture)
@@ -176,3 +179,20 @@ def test_generate_says_which_prompt_words_the_model_does_not_know(tmp_path, caps
     assert cli.main(["generate", str(run), "--prompt", "zzqq the cat zzqq", "--words", "2"]) == 0
     assert "read as <unk>: zzqq" in caplog.text and caplog.text.count("zzqq") == 1
     assert capsys.readouterr().out.startswith("zzqq the cat zzqq")
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-320, float("inf")])
+def test_generate_at_an_extreme_temperature_samples_instead_of_failing(temperature):
+    """Issue 25 probe: --temperature 1e-320 made logits / T overflow, softmax NaN and
+    torch.multinomial a traceback; a tiny temperature is the greedy choice."""
+    torch.manual_seed(0)
+    vocab = Vocabulary.from_words(["a", "b", "c", "d", "e", "f"])
+    model = RNNLanguageModel(len(vocab), 8, 8, 1)
+
+    def sample(t, seed):
+        return generate(model, vocab, ["a"], 5, temperature=t, generator=torch.Generator().manual_seed(seed))
+
+    words = sample(temperature, 1)
+    assert len(words) == 5 and all(w in vocab.stoi for w in words)
+    if temperature < 1:
+        assert words == sample(1e-9, 2)  # greedy: the generator plays no part
