@@ -196,3 +196,25 @@ def test_generate_at_an_extreme_temperature_samples_instead_of_failing(temperatu
     assert len(words) == 5 and all(w in vocab.stoi for w in words)
     if temperature < 1:
         assert words == sample(1e-9, 2)  # greedy: the generator plays no part
+
+
+@pytest.mark.slow
+def test_resume_with_init_from_never_reuses_a_run_that_did_not_start_from_those_weights(tmp_path, capsys):
+    """Issue 25 probe: the reuse check left init_from out of the identity, so `--resume
+    --init-from RUN` reported a run trained from scratch as if fine-tuned from RUN."""
+    data = write_corpus(tmp_path / "data")
+    assert _job(data, tmp_path / "dense", "--mc-samples", "0") == 0
+    (dense,) = (tmp_path / "dense").glob("tied/*/")
+    out = tmp_path / "out"
+    assert _job(data, out, "--mc-samples", "0") == 0  # from scratch
+    capsys.readouterr()
+    assert _job(data, out, "--mc-samples", "0", "--resume", "--init-from", str(dense)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "belongs to another run" in err and "init_from" in err, err
+    fine_tuned = tmp_path / "fine-tuned"  # a run that did start from them is reused as it is
+    assert _job(data, fine_tuned, "--mc-samples", "0", "--init-from", str(dense)) == 0
+    (result,) = fine_tuned.glob("tied/*/results.json")
+    before = result.read_bytes()
+    assert json.loads(before)["init_from"] is not None
+    assert _job(data, fine_tuned, "--mc-samples", "0", "--resume", "--init-from", str(dense)) == 0
+    assert result.read_bytes() == before

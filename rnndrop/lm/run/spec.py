@@ -75,7 +75,8 @@ def cached_corpus(data_dir: str) -> Corpus:
 def _finished(spec: RunSpec) -> dict[str, Any] | None:
     if not (Path(spec.folder) / RESULTS).is_file():
         return None  # nothing to reuse: skip reading the corpus
-    identity = run_identity(cached_corpus(spec.data_dir), spec.config, spec.regime, spec.dropout, spec.seed)
+    identity = run_identity(cached_corpus(spec.data_dir), spec.config, spec.regime, spec.dropout, spec.seed,
+                            spec.init_from)  # a run started from other weights is another run
     return finished_result(spec.folder, identity, epochs=spec.config.epochs)
 
 
