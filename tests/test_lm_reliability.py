@@ -218,3 +218,22 @@ def test_resume_with_init_from_never_reuses_a_run_that_did_not_start_from_those_
     assert json.loads(before)["init_from"] is not None
     assert _job(data, fine_tuned, "--mc-samples", "0", "--resume", "--init-from", str(dense)) == 0
     assert result.read_bytes() == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["truncated", "deleted"])
+def test_resume_says_when_a_reused_run_has_lost_its_weights(tmp_path, capsys, caplog, damage):
+    """Issue 25 probe: a finished run whose best.pt was damaged or deleted was reused in
+    silence; the job reported success and `evaluate` failed later."""
+    data, out = write_corpus(tmp_path / "data"), tmp_path / "out"
+    assert _job(data, out, "--mc-samples", "0") == 0
+    (best,) = out.glob("tied/*/best.pt")
+    if damage == "truncated":
+        best.write_bytes(best.read_bytes()[:1000])
+    else:
+        best.unlink()
+    caplog.clear()
+    assert _job(data, out, "--mc-samples", "0", "--resume") == 0  # the numbers stand
+    warning = [r.getMessage() for r in caplog.records if "best.pt" in r.getMessage()]
+    assert len(warning) == 1 and "the trained weights are gone" in warning[0], caplog.text
+    assert ("truncated" if damage == "truncated" else "is missing") in warning[0]

@@ -17,7 +17,8 @@ import torch
 
 from rnndrop.lm.data.corpus import Corpus, load_corpus
 from rnndrop.lm.model.train_config import TrainConfig
-from rnndrop.lm.run.folder import RESULTS
+from rnndrop.lm.run.checkpoint import checkpoint_damage
+from rnndrop.lm.run.folder import BEST, RESULTS
 from rnndrop.lm.run.identity import finished_result, run_identity
 from rnndrop.lm.run.metrics import EpochLog
 from rnndrop.lm.run.process_group import current, run_on_main
@@ -77,7 +78,13 @@ def _finished(spec: RunSpec) -> dict[str, Any] | None:
         return None  # nothing to reuse: skip reading the corpus
     identity = run_identity(cached_corpus(spec.data_dir), spec.config, spec.regime, spec.dropout, spec.seed,
                             spec.init_from)  # a run started from other weights is another run
-    return finished_result(spec.folder, identity, epochs=spec.config.epochs)
+    result = finished_result(spec.folder, identity, epochs=spec.config.epochs)
+    damage = checkpoint_damage(Path(spec.folder) / BEST) if result is not None else None
+    if damage is not None:  # the numbers stand; say that the weights behind them are gone
+        log.warning("%s: %s %s; its results are reused, but the trained weights are gone (evaluate, "
+                    "generate and --init-from need them): to have them again, train the run anew "
+                    "with another --out", spec.folder, BEST, damage)
+    return result
 
 
 def _worker_logging(label: str) -> None:
