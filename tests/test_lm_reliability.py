@@ -13,6 +13,7 @@ from rnndrop.lm import cli
 from rnndrop.lm.atomic import atomic_write
 from rnndrop.lm.data.corpus import Vocabulary
 from rnndrop.lm.model.language_model import RNNLanguageModel
+from rnndrop.lm.run import finish
 from rnndrop.lm.run.generate import generate
 from rnndrop.lm.run.setup import resolve_device
 from rnndrop.lm.run.train import train_run
@@ -237,3 +238,22 @@ def test_resume_says_when_a_reused_run_has_lost_its_weights(tmp_path, capsys, ca
     warning = [r.getMessage() for r in caplog.records if "best.pt" in r.getMessage()]
     assert len(warning) == 1 and "the trained weights are gone" in warning[0], caplog.text
     assert ("truncated" if damage == "truncated" else "is missing") in warning[0]
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_test_split_is_scored_is_not_called_an_epoch(tmp_path, capsys, monkeypatch):
+    """Issue 25 probe: Ctrl-C / SIGTERM during the test (or Monte-Carlo) scoring after the last
+    epoch of a 1-epoch run said "interrupted in epoch 2"."""
+    data, out = write_corpus(tmp_path / "data"), tmp_path / "out"
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(finish, "score_split", ctrl_c)
+        assert _job(data, out, "--mc-samples", "0") == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "after the last epoch of run 1/1 tied" in err, err
+    assert "epoch 2" not in err
+    assert _job(data, out, "--mc-samples", "0", "--resume") == 0
+    assert len(list(out.glob("tied/*/results.json"))) == 1

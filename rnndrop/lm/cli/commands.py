@@ -94,6 +94,8 @@ def train(args: argparse.Namespace, dataset: str, given: list[str]) -> str:
             )
     except JobInterrupted as e:
         where = f"in epoch {e.epoch} of {e.label or e.folder}" if e.epoch is not None else "during training"
+        if e.testing:
+            where = f"after the last epoch of {e.label or e.folder}, while its test split was scored"
         raise fail(f"interrupted {where}; every finished epoch is saved: run the same command "
                    "with --resume to continue", EXIT_INTERRUPTED) from None
     except KeyboardInterrupt:

@@ -23,7 +23,7 @@ from rnndrop.lm.run.identity import finished_result, run_identity
 from rnndrop.lm.run.metrics import EpochLog
 from rnndrop.lm.run.process_group import current, run_on_main
 from rnndrop.lm.run.progress import JobProgress
-from rnndrop.lm.run.train import add_mc_result, train_run
+from rnndrop.lm.run.train import RunInterrupted, add_mc_result, train_run
 
 __all__ = ["JobInterrupted", "RunSpec", "cached_corpus", "execute", "execute_mc"]
 
@@ -56,14 +56,15 @@ class JobInterrupted(KeyboardInterrupt):
     """Ctrl-C stopped the job; every finished epoch is in its run's checkpoint.
 
     Attributes:
-        epoch: the epoch that was running (None when several runs were).
+        epoch: the epoch that was running (None when several runs were, or after the last one).
         folder: that run's folder (None when several runs were).
         label: that run's name in the job (``"run 2/3 tied ... seed 1"``).
+        testing: it stopped after the run's last epoch, while its test split was scored.
     """
 
-    def __init__(self, epoch: int | None, folder: str | None, label: str = "") -> None:
-        super().__init__(epoch, folder, label)
-        self.epoch, self.folder, self.label = epoch, folder, label
+    def __init__(self, epoch: int | None, folder: str | None, label: str = "", testing: bool = False) -> None:
+        super().__init__(epoch, folder, label, testing)
+        self.epoch, self.folder, self.label, self.testing = epoch, folder, label, testing
 
 
 @functools.lru_cache(maxsize=2)
@@ -128,6 +129,8 @@ def execute(spec: RunSpec, progress: JobProgress | None = None) -> dict[str, Any
             init_from=spec.init_from,
         )
     except KeyboardInterrupt as e:
+        if isinstance(e, RunInterrupted) and e.epoch is None:  # not "epoch N + 1" of N epochs
+            raise JobInterrupted(None, spec.folder, spec.label, testing=True) from None
         epoch = getattr(e, "epoch", None)
         if epoch is None:
             epoch = progress.next_epoch if progress is not None and progress.next_epoch else first

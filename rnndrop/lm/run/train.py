@@ -82,13 +82,15 @@ class RunInterrupted(KeyboardInterrupt):
 
     Attributes:
         epoch: the epoch that was interrupted (the finished epochs before it are in
-            the checkpoint; rerun with ``resume=True`` to continue bit for bit).
+            the checkpoint; rerun with ``resume=True`` to continue bit for bit); None after
+            the last epoch, while the test split was scored (every epoch is saved).
         folder: the run's folder.
     """
 
-    def __init__(self, epoch: int, folder: Path) -> None:
-        super().__init__(f"interrupted during epoch {epoch} of the run in {str(folder)!r}; "
-                         f"epochs before it are saved, resume=True (--resume) continues from there")
+    def __init__(self, epoch: int | None, folder: Path) -> None:
+        where = f"during epoch {epoch}" if epoch is not None else "after the last epoch (testing)"
+        super().__init__(f"interrupted {where} of the run in {str(folder)!r}; the finished epochs are "
+                         "saved, resume=True (--resume) continues from there")
         self.epoch = epoch
         self.folder = folder
 
@@ -165,7 +167,10 @@ def train_run(
             # now, not whenever a reference cycle through a frame is collected: torch aborts
             # at exit when gloo work outlives destroy_process_group.
             run.net = run.model
-        return finish_run(run)
+        try:
+            return finish_run(run)
+        except KeyboardInterrupt as e:
+            raise RunInterrupted(None, run.out) from e
 
 
 def _train_epochs(run: Training, progress: bool, on_epoch_end: EpochCallback | None) -> None:
