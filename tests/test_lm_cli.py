@@ -223,6 +223,17 @@ def test_ctrl_c_under_jobs_leaves_no_lock_behind(tmp_path):
 
 
 @pytest.mark.slow
+def test_workers_end_when_their_main_process_is_killed(tmp_path):
+    """Issue 25 probe: after kill -9 of the main process of --jobs 2 the workers lived on
+    forever, waiting for work; they now unwind their runs (no lock left) and end."""
+    process, workers, out = _job_with_two_workers(tmp_path)
+    process.kill()
+    process.communicate(timeout=120)
+    assert _all_end(workers)
+    assert not list(out.glob("*/*/run.lock")) and list(out.glob("*/*/checkpoint.pt"))
+
+
+@pytest.mark.slow
 def test_a_worker_that_dies_is_one_line_and_the_other_stops(tmp_path):
     process, workers, _ = _job_with_two_workers(tmp_path)
     os.kill(min(workers), signal.SIGKILL)

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
@@ -30,24 +32,43 @@ class WorkerDied(RuntimeError):
 def _worker_signals() -> None:
     """Workers leave Ctrl-C to the main process, which stops them with SIGTERM; SIGTERM then
     unwinds the worker's run, so its run folder's lock is released and no half-written
-    file is left (checkpoints are atomic either way)."""
+    file is left (checkpoints are atomic either way). A worker whose main process dies
+    without stopping it (kill -9) sends itself SIGTERM: it would otherwise wait for work forever."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=_end_with_parent, args=(parent.sentinel,), daemon=True,
+                         name="rnndrop-parent-watch").start()
+
+
+def _end_with_parent(sentinel: int) -> None:
+    multiprocessing.connection.wait([sentinel])  # ready once the main process is gone
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 class _Terminated(BaseException):
     """SIGTERM in a worker: unwinds the run (its lock released), then the worker ends."""
 
 
+_running = False  # whether this worker is inside a run (SIGTERM unwinds it) or waiting for one
+
+
 def _exit_on_sigterm(signum: int, frame: object) -> None:
+    if not _running:
+        os._exit(128 + signal.SIGTERM)  # between runs: nothing to unwind
     raise _Terminated
 
 
 def _in_worker(fn: Callable[[RunSpec, JobProgress | None], dict[str, Any]], spec: RunSpec) -> dict[str, Any]:
+    global _running
+    _running = True
     try:
         return fn(spec, None)
     except _Terminated:
         os._exit(128 + signal.SIGTERM)  # unwound: the run folder is released; nothing to report
+    finally:
+        _running = False
 
 
 def run_all(
