@@ -328,6 +328,11 @@ def test_evaluate_and_generate_errors_are_one_line(tmp_path, capsys):
     assert cli.main(["generate", str(tmp_path / "nothing"), "--words", "-1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 2 and "nothing" in err and "--words must be >= 0" in err
+    text = tmp_path / "ptb.train.txt"  # issue 25 probe: the error advised --resume, a training flag
+    text.write_text("the cat sees the dog .\n")
+    assert cli.main(["evaluate", str(text)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not an rnndrop checkpoint" in err and "resume" not in err, err
     for command in ("evaluate", "generate"):  # issue 25 probe: torch's overflow as a traceback
         assert cli.main([command, str(tmp_path / "nothing"), "--seed", str(2**70)]) == 2
         err = capsys.readouterr().err

@@ -237,7 +237,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> LoadedMo
     path = Path(path)
     if path.is_dir():
         path = path / BEST
-    ckpt = load_checkpoint(path)
+    try:
+        ckpt = load_checkpoint(path)
+    except CheckpointError as error:  # without the hint to resume a run: it was asked for none
+        raise (CheckpointError(f"checkpoint {str(path)!r} {error.what}") if error.what else error) from None
     missing = [k for k in ("model", "config", "regime", "regime_settings", "dropout", "vocab")
                if k not in ckpt]
     if missing:
