@@ -27,24 +27,11 @@ from torch import Tensor, nn
 
 from rnndrop.noise import bernoulli_mask
 from rnndrop.stochastic import Stochastic
-from rnndrop.validation import check_bool, check_choice, check_instance, check_probability
+from rnndrop.validation import check_bool, check_choice, check_instance, check_probability, check_word_ids
 
 __all__ = ["EmbeddingDropout", "word_keep_mask"]
 
 EMBEDDING_SCOPES: tuple[str, ...] = ("sequence", "batch")
-
-
-def check_word_ids(name: str, tokens: Tensor, num_embeddings: int) -> None:
-    """Raise a ValueError naming the first id of ``tokens`` outside ``[0, num_embeddings)``."""
-    if tokens.numel() == 0:
-        return
-    low, high = int(tokens.min()), int(tokens.max())
-    if low < 0 or high >= num_embeddings:
-        bad = low if low < 0 else high
-        raise ValueError(
-            f"{name} must be word ids in [0, {num_embeddings}) (the vocabulary size V = {num_embeddings}), "
-            f"got id {bad}"
-        )
 
 
 def word_keep_mask(

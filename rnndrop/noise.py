@@ -60,7 +60,15 @@ def _bernoulli(
     generator: torch.Generator | None,
 ) -> Tensor:
     """:func:`bernoulli_mask` for a ``p`` already checked."""
-    dtype = dtype or torch.get_default_dtype()
+    dtype = _mask_dtype(dtype)
+    scale = 1.0 / (1.0 - p)
+    if scale > torch.finfo(dtype).max:
+        largest = torch.finfo(dtype).max
+        raise ValueError(
+            f"p={p} scales the kept values by 1 / (1 - p) = {scale:.4g}, beyond the largest {dtype} "
+            f"({largest:.6g}): every kept value would be inf; "
+            f"use p <= {1.0 - 1.0 / largest:.7f} or a wider dtype"
+        )
     if min(p, 1.0 - p) < _FAST_DRAW_MIN:
         uniform = torch.rand(tuple(shape), dtype=torch.float64, device=device, generator=generator)
         keep = uniform >= p
@@ -70,7 +78,17 @@ def _bernoulli(
         words.random_(-(2**63), None, generator=generator)  # all 64 bits random
         bits = words.view(torch.int16)[:numel].view(tuple(shape))
         keep = bits >= round(p * 65536) - 32768  # in [-32512, 32512]: no int16 overflow
-    return keep.to(dtype).mul_(1.0 / (1.0 - p))
+    return keep.to(dtype).mul_(scale)
+
+
+def _mask_dtype(dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype of a mask (default: torch's default dtype), which must be floating-point."""
+    dtype = dtype or torch.get_default_dtype()
+    if not dtype.is_floating_point:
+        raise TypeError(
+            f"dropout masks need a floating-point dtype (that of the values they multiply), got {dtype}"
+        )
+    return dtype
 
 
 def gaussian_mask(
@@ -89,7 +107,7 @@ def gaussian_mask(
     if isinstance(alpha, Tensor):
         device = device or alpha.device
         dtype = dtype or alpha.dtype
-    dtype = dtype or torch.get_default_dtype()
+    dtype = _mask_dtype(dtype)
     eps = torch.randn(tuple(shape), device=device, dtype=dtype, generator=generator)
     if isinstance(alpha, Tensor):
         return 1.0 + alpha.sqrt() * eps

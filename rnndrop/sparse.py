@@ -44,7 +44,7 @@ from rnndrop.kl import KLRegularized, kl_molchanov
 from rnndrop.recurrent import VariationalGRU, VariationalLSTM
 from rnndrop.sparsity import Sparsified
 from rnndrop.stochastic import Stochastic
-from rnndrop.validation import check_bool, check_finite_float
+from rnndrop.validation import check_bool, check_finite_float, check_word_ids
 
 __all__ = [
     "DEFAULT_THRESHOLD",
@@ -276,6 +276,8 @@ class SparseEmbedding(_SparseWeightsMixin, nn.Embedding):
         self._init_sparse(("weight",), threshold)
 
     def forward(self, input: Tensor) -> Tensor:
+        # in training a negative id would index the last rows silently (weight[types])
+        check_word_ids("input", input, self.num_embeddings)
         if not self.training:
             return F.embedding(input, self.pruned_weight("weight"))
         types, where = torch.unique(input, return_inverse=True)

@@ -74,7 +74,10 @@ class SparsityReport:
 
     @property
     def compression(self) -> float:
-        """Sparsified weights / nonzero sparsified weights (``inf`` when all are zero)."""
+        """Sparsified weights / nonzero sparsified weights (``inf`` when all are zero; 1 for a
+        model without sparse layers, of which nothing is removed)."""
+        if not self.total:
+            return 1.0
         kept = self.total - self.zeros
         return self.total / kept if kept else float("inf")
 

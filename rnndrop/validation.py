@@ -13,6 +13,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "check_positive_int",
     "check_probability",
     "check_tensor_like",
+    "check_word_ids",
 ]
 
 
@@ -112,3 +114,20 @@ def check_tensor_like(
         raise TypeError(f"{name} must have {like_name}'s dtype {like.dtype}, got {tensor.dtype}")
     if tensor.device != like.device:
         raise ValueError(f"{name} must be on {like_name}'s device {like.device}, got {tensor.device}")
+
+
+def check_word_ids(name: str, tokens: Any, num_embeddings: int) -> None:
+    """Raise unless ``tokens`` is an int64 / int32 tensor of ids in ``[0, num_embeddings)``
+    (a TypeError for the type, a ValueError naming the first id outside the range)."""
+    if not isinstance(tokens, Tensor) or tokens.dtype not in (torch.long, torch.int):
+        got = tokens.dtype if isinstance(tokens, Tensor) else type(tokens).__name__
+        raise TypeError(f"{name} must be an int64 or int32 tensor of word ids, got {got}")
+    if tokens.numel() == 0:
+        return
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= num_embeddings:
+        bad = low if low < 0 else high
+        raise ValueError(
+            f"{name} must be word ids in [0, {num_embeddings}) (the vocabulary size V = {num_embeddings}), "
+            f"got id {bad}"
+        )

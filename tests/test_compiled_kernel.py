@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.utils.cpp_extension as cpp_extension
 
 from rnndrop import VariationalGRU, VariationalLSTM
 from rnndrop.kernels import auto_loop_kernel, compiled, get_kernel
@@ -237,3 +238,18 @@ def test_without_compiler_auto_warns_once_and_runs_manual():
     assert "RNNDROP_NO_COMPILE" in result["explicit"]
     assert len(result["warnings"]) == 1, result["warnings"]
     assert "RNNDROP_NO_COMPILE" in result["warnings"][0] and "'manual'" in result["warnings"][0]
+
+
+def test_a_compiler_that_fails_is_a_reason_to_fall_back_not_a_traceback(monkeypatch):
+    """Issue 25 probe: with CXX=/bin/false the build raised subprocess.CalledProcessError out of
+    the layer's forward (kernel='auto') instead of falling back to the 'manual' kernel."""
+    def failing_load(*args, **kwargs):
+        raise subprocess.CalledProcessError(1, ["/bin/false", "--version"])
+
+    monkeypatch.setattr(compiled, "_extension", None)
+    monkeypatch.setattr(compiled, "_failure", None)
+    monkeypatch.setattr(compiled, "_missing_tool", lambda: None)
+    monkeypatch.setattr(compiled, "_is_cached", lambda build_dir: True)
+    monkeypatch.setattr(cpp_extension, "load", failing_load)
+    with pytest.raises(RuntimeError, match="the compiled loop kernel is not available: the build failed"):
+        compiled.build()

@@ -11,6 +11,10 @@ import torch
 
 from rnndrop.lm import cli
 from rnndrop.lm.atomic import atomic_write
+from rnndrop.lm.data.corpus import Vocabulary
+from rnndrop.lm.model.language_model import RNNLanguageModel
+from rnndrop.lm.run import finish
+from rnndrop.lm.run.generate import generate
 from rnndrop.lm.run.setup import resolve_device
 from rnndrop.lm.run.train import train_run
 from tests.lm_helpers import TINY, one_thread, run_cli, write_corpus  # noqa: F401 (autouse fixture)
@@ -176,3 +180,80 @@ def test_generate_says_which_prompt_words_the_model_does_not_know(tmp_path, caps
     assert cli.main(["generate", str(run), "--prompt", "zzqq the cat zzqq", "--words", "2"]) == 0
     assert "read as <unk>: zzqq" in caplog.text and caplog.text.count("zzqq") == 1
     assert capsys.readouterr().out.startswith("zzqq the cat zzqq")
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-320, float("inf")])
+def test_generate_at_an_extreme_temperature_samples_instead_of_failing(temperature):
+    """Issue 25 probe: --temperature 1e-320 made logits / T overflow, softmax NaN and
+    torch.multinomial a traceback; a tiny temperature is the greedy choice."""
+    torch.manual_seed(0)
+    vocab = Vocabulary.from_words(["a", "b", "c", "d", "e", "f"])
+    model = RNNLanguageModel(len(vocab), 8, 8, 1)
+
+    def sample(t, seed):
+        return generate(model, vocab, ["a"], 5, temperature=t, generator=torch.Generator().manual_seed(seed))
+
+    words = sample(temperature, 1)
+    assert len(words) == 5 and all(w in vocab.stoi for w in words)
+    if temperature < 1:
+        assert words == sample(1e-9, 2)  # greedy: the generator plays no part
+
+
+@pytest.mark.slow
+def test_resume_with_init_from_never_reuses_a_run_that_did_not_start_from_those_weights(tmp_path, capsys):
+    """Issue 25 probe: the reuse check left init_from out of the identity, so `--resume
+    --init-from RUN` reported a run trained from scratch as if fine-tuned from RUN."""
+    data = write_corpus(tmp_path / "data")
+    assert _job(data, tmp_path / "dense", "--mc-samples", "0") == 0
+    (dense,) = (tmp_path / "dense").glob("tied/*/")
+    out = tmp_path / "out"
+    assert _job(data, out, "--mc-samples", "0") == 0  # from scratch
+    capsys.readouterr()
+    assert _job(data, out, "--mc-samples", "0", "--resume", "--init-from", str(dense)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "belongs to another run" in err and "init_from" in err, err
+    fine_tuned = tmp_path / "fine-tuned"  # a run that did start from them is reused as it is
+    assert _job(data, fine_tuned, "--mc-samples", "0", "--init-from", str(dense)) == 0
+    (result,) = fine_tuned.glob("tied/*/results.json")
+    before = result.read_bytes()
+    assert json.loads(before)["init_from"] is not None
+    assert _job(data, fine_tuned, "--mc-samples", "0", "--resume", "--init-from", str(dense)) == 0
+    assert result.read_bytes() == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["truncated", "deleted"])
+def test_resume_says_when_a_reused_run_has_lost_its_weights(tmp_path, capsys, caplog, damage):
+    """Issue 25 probe: a finished run whose best.pt was damaged or deleted was reused in
+    silence; the job reported success and `evaluate` failed later."""
+    data, out = write_corpus(tmp_path / "data"), tmp_path / "out"
+    assert _job(data, out, "--mc-samples", "0") == 0
+    (best,) = out.glob("tied/*/best.pt")
+    if damage == "truncated":
+        best.write_bytes(best.read_bytes()[:1000])
+    else:
+        best.unlink()
+    caplog.clear()
+    assert _job(data, out, "--mc-samples", "0", "--resume") == 0  # the numbers stand
+    warning = [r.getMessage() for r in caplog.records if "best.pt" in r.getMessage()]
+    assert len(warning) == 1 and "the trained weights are gone" in warning[0], caplog.text
+    assert ("truncated" if damage == "truncated" else "is missing") in warning[0]
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_test_split_is_scored_is_not_called_an_epoch(tmp_path, capsys, monkeypatch):
+    """Issue 25 probe: Ctrl-C / SIGTERM during the test (or Monte-Carlo) scoring after the last
+    epoch of a 1-epoch run said "interrupted in epoch 2"."""
+    data, out = write_corpus(tmp_path / "data"), tmp_path / "out"
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(finish, "score_split", ctrl_c)
+        assert _job(data, out, "--mc-samples", "0") == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "after the last epoch of run 1/1 tied" in err, err
+    assert "epoch 2" not in err
+    assert _job(data, out, "--mc-samples", "0", "--resume") == 0
+    assert len(list(out.glob("tied/*/results.json"))) == 1

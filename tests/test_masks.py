@@ -85,3 +85,28 @@ def test_argument_checks_name_the_argument_what_was_expected_and_what_came():
 def test_flags_must_be_bools(build):
     with pytest.raises(TypeError, match="must be True or False, got str 'no'"):
         build()
+
+
+@pytest.mark.parametrize(
+    "draw",
+    [
+        lambda: VariationalLSTM(4, 6, dropout_hidden=0.3).sample_masks(2, dtype=torch.int64),
+        lambda: LockedDropout(0.5)(torch.ones(3, 2, dtype=torch.long)),
+        lambda: bernoulli_mask((3,), 0.5, dtype=torch.bool),
+    ],
+    ids=["sample_masks(dtype=int64)", "LockedDropout(int tensor)", "bernoulli_mask(dtype=bool)"],
+)
+def test_masks_of_an_integer_dtype_are_refused_naming_the_dtype(draw):
+    """Issue 25 probe: torch's "result type Float can't be cast to the desired output type Long"."""
+    with pytest.raises(TypeError, match="masks need a floating-point dtype .*, got torch"):
+        draw()
+
+
+def test_p_whose_scale_overflows_the_dtype_is_refused_instead_of_inf_masks():
+    """Issue 25 probe: in float16, 1 / (1 - p) above 65504 made every kept value inf."""
+    with pytest.raises(ValueError, match=r"p=0.99999 scales the kept values by .* largest torch.float16"):
+        LockedDropout(0.99999)(torch.ones(1, 1000, 4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="beyond the largest torch.float16"):
+        VariationalLSTM(4, 6, dropout_hidden=0.99999).half().sample_masks(2)
+    mask = bernoulli_mask((100_000,), 0.9999847, dtype=torch.float16)  # the largest p that fits
+    assert torch.isfinite(mask).all()

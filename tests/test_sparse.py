@@ -141,6 +141,17 @@ def test_sparse_embedding_ties_a_word_within_the_batch():
     assert torch.equal(embedding.eval()(tokens), F.embedding(tokens, embedding.pruned_weight("weight")))
 
 
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("bad", [-1, 10])
+def test_sparse_embedding_refuses_ids_outside_the_vocabulary(training, bad):
+    """Issue 25 probe: in training id -1 silently took the last word's row (weight[types])."""
+    embedding = SparseEmbedding(10, 4).train(training)
+    with pytest.raises(ValueError, match=rf"input must be word ids in \[0, 10\) .*got id {bad}"):
+        embedding(torch.tensor([[3, bad]]))
+    with pytest.raises(TypeError, match="input must be an int64 or int32 tensor of word ids, got torch"):
+        embedding(torch.tensor([[3.0]]))
+
+
 def test_kl_and_log_alpha():
     layer = SparseLinear(4, 3)
     log_alpha = layer.log_sigma2_weight - torch.log(layer.weight**2 + 1e-8)
@@ -182,6 +193,14 @@ def test_state_dict_and_reset():
     linear.reset_parameters()
     assert torch.all(linear.log_sigma2_weight == INIT_LOG_SIGMA2)
     assert layer.is_stochastic()
+
+
+def test_sparsity_report_of_a_model_without_sparse_layers_claims_no_compression():
+    """Issue 25 probe: it reported compression inf (0 / 0 taken as "every weight removed")."""
+    report = sparsity_report(nn.Sequential(nn.Linear(3, 3), nn.LSTM(3, 4)))
+    assert report.total == 0 and report.sparsity == 0.0
+    assert report.compression == 1.0 and report.model_compression == 1.0
+    assert "inf" not in str(report)
 
 
 def test_bad_arguments():

@@ -23,6 +23,7 @@ import hashlib
 import logging
 import os
 import shutil
+import subprocess
 import threading
 import warnings
 from collections.abc import Sequence
@@ -128,8 +129,10 @@ def _compile_or_load() -> ModuleType:
         return cpp_extension.load(
             name=NAME, sources=[str(p) for p in SOURCES], extra_cflags=["-O3"], verbose=False
         )
-    except (RuntimeError, OSError, ImportError) as error:  # compiler errors, a broken cache
-        lines = [line for line in str(error).splitlines() if "error" in line] or [type(error).__name__]
+    # compiler errors, a broken cache, a compiler that fails its --version probe (SubprocessError)
+    except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as error:
+        lines = ([line for line in str(error).splitlines() if "error" in line]
+                 or [f"{type(error).__name__}: {str(error).strip()}"])
         raise RuntimeError(f"the build failed: {lines[0].strip()}") from error
 
 

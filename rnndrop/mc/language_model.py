@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from rnndrop.calibration import ReliabilityDiagram, reliability_from_predictions
 from rnndrop.mc.sampling import DEFAULT_MEMORY_BUDGET, _plan_chunks, _replicate, _resolve_method, mc_dropout
-from rnndrop.validation import check_positive_int
+from rnndrop.validation import check_positive_int, check_word_ids
 
 __all__ = ["LanguageModelLoss", "mc_language_model_loss", "mc_perplexity"]
 
@@ -181,6 +181,7 @@ class _SampleChunks:
             raise ValueError(
                 f"the language model's logits must be [T, B, V] = [{T}, {copies * B}, V], got {got}"
             )
+        check_word_ids("targets", targets, logits.shape[-1])  # else a bare gather error
         per_copy = logits.numel() * logits.element_size() // copies
         logp = logits.log_softmax(-1)
         if self.calibration_bins is not None:

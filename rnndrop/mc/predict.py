@@ -173,6 +173,9 @@ def mc_predict(
         chunk_size = check_positive_int("chunk_size", chunk_size)
     memory_budget = check_positive_int("memory_budget", memory_budget)
     out_dim = batch_dim if output_batch_dim is None else output_batch_dim
+    # errors about the output's batch dimension name the argument it came from
+    out_name = ("output_batch_dim" if output_batch_dim is not None
+                else "batch_dim (the output's batch dimension too: output_batch_dim is not given)")
     args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     batch_size = _batch_size(args, batch_dim)
     if batch_size is None:
@@ -183,7 +186,7 @@ def mc_predict(
         out = _first_tensor(model(*_replicate(args, copies, batch_dim)))
         if task == "classification" and out.dim() == 0:
             raise ValueError("task='classification' needs outputs with a class dimension, got a scalar")
-        accumulator.add(_split_samples(out, copies, batch_size, out_dim))
+        accumulator.add(_split_samples(out, copies, batch_size, out_dim, out_name))
 
     def probe() -> int:
         run(1)

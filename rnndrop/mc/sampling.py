@@ -141,12 +141,15 @@ def _batch_size(obj: Any, batch_dim: int) -> int | None:
     return None
 
 
-def _split_samples(out: Tensor, copies: int, batch_size: int, batch_dim: int) -> Tensor:
-    """``[..., copies * B, ...]`` (copies along ``batch_dim``) -> ``[copies, ..., B, ...]``."""
-    d = _normalize_dim(batch_dim, out.dim(), "output_batch_dim")
+def _split_samples(
+    out: Tensor, copies: int, batch_size: int, batch_dim: int, name: str = "output_batch_dim"
+) -> Tensor:
+    """``[..., copies * B, ...]`` (copies along ``batch_dim``) -> ``[copies, ..., B, ...]``;
+    ``name`` is the argument that gave ``batch_dim``, for the errors."""
+    d = _normalize_dim(batch_dim, out.dim(), name)
     if out.shape[d] != copies * batch_size:
         raise ValueError(
-            f"the model's output has size {out.shape[d]} along output_batch_dim={batch_dim} "
+            f"the model's output has size {out.shape[d]} along {name}={batch_dim} "
             f"for {copies} copies of a batch of {batch_size}, expected {copies * batch_size}; "
             "set batch_dim / output_batch_dim to the batch dimension of inputs / outputs"
         )

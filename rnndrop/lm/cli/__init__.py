@@ -59,7 +59,11 @@ def _sigterm_as_ctrl_c() -> Iterator[None]:
     finished epoch kept, worker processes stopped, one line. Without it the main process
     died at once and ``--jobs`` workers were left behind. torchrun's workers keep the default:
     torchrun itself ends them together."""
-    if threading.current_thread() is not threading.main_thread() or torchrun_world_size() > 1:
+    try:
+        under_torchrun = torchrun_world_size() > 1
+    except ValueError:  # a malformed WORLD_SIZE: the command reports it in one line
+        under_torchrun = False
+    if threading.current_thread() is not threading.main_thread() or under_torchrun:
         yield
         return
 

@@ -15,7 +15,15 @@ from typing import Any
 
 import torch
 
-from rnndrop.lm.cli.errors import EXIT_DATA, EXIT_DIVERGED, EXIT_INTERRUPTED, UsageError, fail, positive
+from rnndrop.lm.cli.errors import (
+    EXIT_DATA,
+    EXIT_DIVERGED,
+    EXIT_INTERRUPTED,
+    UsageError,
+    check_seed,
+    fail,
+    positive,
+)
 from rnndrop.lm.cli.job import checked_job
 from rnndrop.lm.cli.parser import CORPORA, corpus_parser
 from rnndrop.lm.cli.terminal import markdown_for_terminal
@@ -53,6 +61,10 @@ def train_main(argv: Sequence[str] | None, dataset: str) -> str:
 def train(args: argparse.Namespace, dataset: str, given: list[str]) -> str:
     """``rnndrop-lm <corpus>`` from parsed arguments; returns the report (``given``: the
     arguments after the corpus, for the command line the report quotes)."""
+    try:  # a device this machine lacks, or no device at all: one line naming --device
+        resolve_device(args.device)
+    except ValueError as e:
+        raise fail(f"--{e}", EXIT_DATA) from None
     try:  # under torchrun: join the process group (each rank checks the same arguments)
         if torchrun_world_size() > 1 and args.jobs != 1:
             raise UsageError(f"--jobs must be 1 under torchrun (its processes train each run "
@@ -85,6 +97,8 @@ def train(args: argparse.Namespace, dataset: str, given: list[str]) -> str:
             )
     except JobInterrupted as e:
         where = f"in epoch {e.epoch} of {e.label or e.folder}" if e.epoch is not None else "during training"
+        if e.testing:
+            where = f"after the last epoch of {e.label or e.folder}, while its test split was scored"
         raise fail(f"interrupted {where}; every finished epoch is saved: run the same command "
                    "with --resume to continue", EXIT_INTERRUPTED) from None
     except KeyboardInterrupt:
@@ -186,6 +200,7 @@ def evaluate(args: argparse.Namespace) -> str:
     try:
         positive("--mc-samples", args.mc_samples, 0)
         positive("--threads", args.threads)
+        check_seed("--seed", args.seed)
     except UsageError as e:
         raise fail(str(e), EXIT_DATA) from None
     torch.set_num_threads(args.threads)
@@ -225,6 +240,7 @@ def generate(args: argparse.Namespace) -> str:
     try:
         positive("--words", args.words, 0)
         positive("--threads", args.threads)
+        check_seed("--seed", args.seed)
         if not args.temperature > 0:
             raise UsageError(f"--temperature must be > 0, got {args.temperature}")
     except UsageError as e:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["EXIT_DATA", "EXIT_DIVERGED", "EXIT_INTERRUPTED", "UsageError", "fail", "positive"]
+__all__ = ["EXIT_DATA", "EXIT_DIVERGED", "EXIT_INTERRUPTED", "UsageError", "check_seed", "fail", "positive"]
 
 EXIT_DATA = 2
 EXIT_DIVERGED = 3
@@ -27,3 +27,16 @@ def positive(name: str, value: int | None, minimum: int = 1) -> None:
     """Raise UsageError unless ``value`` is None or at least ``minimum``."""
     if value is not None and value < minimum:
         raise UsageError(f"{name} must be >= {minimum}, got {value}")
+
+
+#: The seeds torch's generators take (``torch.manual_seed``): a wider one overflowed inside torch.
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+def check_seed(name: str, value: int) -> int:
+    """Raise UsageError unless ``value`` is a seed torch accepts; returns it."""
+    low, high = SEED_RANGE
+    if not low <= value <= high:
+        raise UsageError(f"{name} must be seeds in [{low}, {high}] (what torch's generators take), "
+                         f"got {value}")
+    return value

@@ -4,12 +4,13 @@ config, regimes, seeds, dropout, the corpus (read once) and the output folder.""
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from rnndrop.lm.cli.errors import UsageError, positive
+from rnndrop.lm.cli.errors import UsageError, check_seed, positive
 from rnndrop.lm.cli.parser import CONFIG_FLAGS
 from rnndrop.lm.data.corpus import sample_dir
 from rnndrop.lm.data.download import download_corpus
@@ -54,8 +55,18 @@ def resolve_data(data: str | None, dataset: str, args: argparse.Namespace) -> Pa
     return download_corpus(dataset, args.cache_dir, base_url=args.mirror, source=args.source)
 
 
+def _no_repeats(flag: str, values: list[Any], given: str) -> None:
+    """UsageError when ``values`` repeats one: the second run of it would find the first's folder."""
+    repeated = list(dict.fromkeys(v for v in values if values.count(v) > 1))
+    if repeated:
+        raise UsageError(f"{flag} names {', '.join(map(str, repeated))} more than once, got {given!r}")
+
+
 def check_writable(out: Path) -> None:
     """Create ``out`` if needed; UsageError unless a file can be written in it."""
+    if out.is_symlink() and not out.exists():
+        raise UsageError(f"--out {str(out)!r} is a symbolic link to {os.readlink(out)!r}, "
+                         "which does not exist")
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out):
@@ -79,12 +90,21 @@ def checked_job(args: argparse.Namespace, dataset: str) -> tuple[Any, ...]:
         raise UsageError(f"--seeds takes comma-separated integers, got {args.seeds!r}") from None
     if not seeds:
         raise UsageError(f"--seeds must name at least one seed, got {args.seeds!r}")
+    for seed in seeds:
+        check_seed("--seeds", seed)
+    for flag, values, given in (("--regimes", regimes, args.regimes), ("--seeds", seeds, args.seeds)):
+        _no_repeats(flag, values, given)
     if args.grid and args.dropout:
         raise UsageError("--dropout cannot be combined with --grid (the grid sets the dropout)")
     dropout = parse_dropout(args.dropout) if args.dropout else None
     if args.dropout_from and (args.grid or args.dropout):
         raise UsageError("--dropout-from cannot be combined with --grid or --dropout")
     by_regime = chosen_dropout(args.dropout_from) if args.dropout_from else None
+    lacking = [r for r in regimes if by_regime is not None and r not in by_regime and get_regime(r).sites]
+    if lacking:  # they would silently train with the config's dropout
+        raise UsageError(f"--dropout-from {args.dropout_from!r} holds no choice for regime(s) "
+                         f"{', '.join(lacking)} (it has {', '.join(sorted(by_regime or {})) or 'none'}); "
+                         "drop them from --regimes")
     if args.init_from is not None and not best_file(args.init_from).is_file():
         raise UsageError(f"--init-from: expected a finished run's folder (holding best.pt) or a best.pt "
                          f"file, got {args.init_from!r}, where there is none")

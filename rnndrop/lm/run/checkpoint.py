@@ -45,6 +45,7 @@ __all__ = [
     "FORMAT_VERSION",
     "CheckpointError",
     "LoadedModel",
+    "checkpoint_damage",
     "get_rng_state",
     "load_checkpoint",
     "load_latest",
@@ -67,7 +68,10 @@ _RESTART_HINT = (
 
 
 class CheckpointError(ValueError):
-    """A checkpoint file that is missing, empty, truncated, corrupted or not ours."""
+    """A checkpoint file that is missing, empty, truncated, corrupted or not ours; ``what``
+    says which, after the file's name."""
+
+    what: str = ""
 
 
 
@@ -82,7 +86,22 @@ def _encode(obj: Any) -> bytes:
 
 
 def _bad(path: Path, what: str) -> CheckpointError:
-    return CheckpointError(f"checkpoint {str(path)!r} {what}; {_RESTART_HINT}")
+    error = CheckpointError(f"checkpoint {str(path)!r} {what}; {_RESTART_HINT}")
+    error.what = what
+    return error
+
+
+def checkpoint_damage(path: str | Path) -> str | None:
+    """What is wrong with the checkpoint file at ``path`` (missing, empty, truncated, corrupted),
+    or None when its header and checksum hold; the payload is not unpickled."""
+    path = Path(path)
+    if not path.is_file():
+        return "is missing"
+    try:
+        _verified_payload(path, path.read_bytes())
+    except CheckpointError as error:
+        return error.what
+    return None
 
 
 def _verified_payload(path: Path, data: bytes) -> bytes:
@@ -218,7 +237,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> LoadedMo
     path = Path(path)
     if path.is_dir():
         path = path / BEST
-    ckpt = load_checkpoint(path)
+    try:
+        ckpt = load_checkpoint(path)
+    except CheckpointError as error:  # without the hint to resume a run: it was asked for none
+        raise (CheckpointError(f"checkpoint {str(path)!r} {error.what}") if error.what else error) from None
     missing = [k for k in ("model", "config", "regime", "regime_settings", "dropout", "vocab")
                if k not in ckpt]
     if missing:

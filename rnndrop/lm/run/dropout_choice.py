@@ -35,7 +35,12 @@ def parse_dropout(text: str) -> dict[str, float]:
             raise ValueError(
                 f"--dropout takes site=p pairs with sites among {', '.join(SITES)}, got {item!r}"
             )
-        out[site] = float(value)
+        if site in out:
+            raise ValueError(f"--dropout names site {site!r} more than once, got {text!r}")
+        try:
+            out[site] = float(value)
+        except ValueError:
+            raise ValueError(f"--dropout takes site=p pairs with p a number, got {item!r}") from None
     return out
 
 
@@ -45,7 +50,7 @@ def chosen_dropout(summary_path: str | Path) -> dict[str, dict[str, float]]:
     try:
         with open(path, encoding="utf-8") as f:
             summary = json.load(f)
-        if not summary.get("grid"):
+        if not isinstance(summary, dict) or not summary.get("grid"):
             raise ValueError("it is not the summary of a --grid run")
         return {run["regime"]: dict(run["dropout"]) for run in summary["runs"]}
     except (OSError, ValueError, KeyError, TypeError) as e:

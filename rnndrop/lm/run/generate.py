@@ -49,7 +49,10 @@ def generate(
         logits, hidden = model(ids)
         words: list[str] = []
         for _ in range(n_words):
-            probs = torch.softmax(logits[-1, 0].double() / temperature, dim=-1).cpu()
+            # shifted so the largest is 0: a tiny temperature then gives the greedy choice,
+            # not inf / inf = NaN probabilities
+            scores = logits[-1, 0].double()
+            probs = torch.softmax((scores - scores.max()) / temperature, dim=-1).cpu()
             word = int(torch.multinomial(probs, 1, generator=generator))
             words.append(vocab.itos[word])
             logits, hidden = model(torch.tensor([[word]], device=device), hidden)

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -34,27 +36,47 @@ _events: Any = None
 def _worker_init(events: Any) -> None:
     """Workers leave Ctrl-C to the main process, which stops them with SIGTERM; SIGTERM then
     unwinds the worker's run, so its run folder's lock is released and no half-written
-    file is left (checkpoints are atomic either way). Their runs report to ``events``."""
+    file is left (checkpoints are atomic either way). Their runs report to ``events``. A
+    worker whose main process dies without stopping it (kill -9) sends itself SIGTERM: it
+    would otherwise wait for work forever."""
     global _events
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     _events = events
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=_end_with_parent, args=(parent.sentinel,), daemon=True,
+                         name="rnndrop-parent-watch").start()
+
+
+def _end_with_parent(sentinel: int) -> None:
+    multiprocessing.connection.wait([sentinel])  # ready once the main process is gone
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 class _Terminated(BaseException):
     """SIGTERM in a worker: unwinds the run (its lock released), then the worker ends."""
 
 
+_running = False  # whether this worker is inside a run (SIGTERM unwinds it) or waiting for one
+
+
 def _exit_on_sigterm(signum: int, frame: object) -> None:
+    if not _running:
+        os._exit(128 + signal.SIGTERM)  # between runs: nothing to unwind
     raise _Terminated
 
 
 def _in_worker(fn: Callable[[RunSpec, Any], dict[str, Any]], spec: RunSpec) -> dict[str, Any]:
+    global _running
+    _running = True
     worker_logging(spec.label)
     try:
         return fn(spec, EpochRelay(_events))
     except _Terminated:
         os._exit(128 + signal.SIGTERM)  # unwound: the run folder is released; nothing to report
+    finally:
+        _running = False
 
 
 def run_all(

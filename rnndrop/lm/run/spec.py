@@ -17,12 +17,13 @@ import torch
 
 from rnndrop.lm.data.corpus import Corpus, load_corpus
 from rnndrop.lm.model.train_config import TrainConfig
-from rnndrop.lm.run.folder import RESULTS
+from rnndrop.lm.run.checkpoint import checkpoint_damage
+from rnndrop.lm.run.folder import BEST, RESULTS
 from rnndrop.lm.run.identity import finished_result, run_identity
 from rnndrop.lm.run.metrics import EpochLog
 from rnndrop.lm.run.process_group import current, run_on_main
 from rnndrop.lm.run.progress import EpochRelay, JobProgress
-from rnndrop.lm.run.train import add_mc_result, train_run
+from rnndrop.lm.run.train import RunInterrupted, add_mc_result, train_run
 
 __all__ = ["JobInterrupted", "RunSpec", "cached_corpus", "execute", "execute_mc", "worker_logging"]
 
@@ -55,14 +56,15 @@ class JobInterrupted(KeyboardInterrupt):
     """Ctrl-C stopped the job; every finished epoch is in its run's checkpoint.
 
     Attributes:
-        epoch: the epoch that was running (None when several runs were).
+        epoch: the epoch that was running (None when several runs were, or after the last one).
         folder: that run's folder (None when several runs were).
         label: that run's name in the job (``"run 2/3 tied ... seed 1"``).
+        testing: it stopped after the run's last epoch, while its test split was scored.
     """
 
-    def __init__(self, epoch: int | None, folder: str | None, label: str = "") -> None:
-        super().__init__(epoch, folder, label)
-        self.epoch, self.folder, self.label = epoch, folder, label
+    def __init__(self, epoch: int | None, folder: str | None, label: str = "", testing: bool = False) -> None:
+        super().__init__(epoch, folder, label, testing)
+        self.epoch, self.folder, self.label, self.testing = epoch, folder, label, testing
 
 
 @functools.lru_cache(maxsize=2)
@@ -75,8 +77,15 @@ def cached_corpus(data_dir: str) -> Corpus:
 def _finished(spec: RunSpec) -> dict[str, Any] | None:
     if not (Path(spec.folder) / RESULTS).is_file():
         return None  # nothing to reuse: skip reading the corpus
-    identity = run_identity(cached_corpus(spec.data_dir), spec.config, spec.regime, spec.dropout, spec.seed)
-    return finished_result(spec.folder, identity, epochs=spec.config.epochs)
+    identity = run_identity(cached_corpus(spec.data_dir), spec.config, spec.regime, spec.dropout, spec.seed,
+                            spec.init_from)  # a run started from other weights is another run
+    result = finished_result(spec.folder, identity, epochs=spec.config.epochs)
+    damage = checkpoint_damage(Path(spec.folder) / BEST) if result is not None else None
+    if damage is not None:  # the numbers stand; say that the weights behind them are gone
+        log.warning("%s: %s %s; its results are reused, but the trained weights are gone (evaluate, "
+                    "generate and --init-from need them): to have them again, train the run anew "
+                    "with another --out", spec.folder, BEST, damage)
+    return result
 
 
 def worker_logging(label: str) -> None:
@@ -119,6 +128,8 @@ def execute(spec: RunSpec, progress: JobProgress | EpochRelay | None = None) -> 
             init_from=spec.init_from,
         )
     except KeyboardInterrupt as e:
+        if isinstance(e, RunInterrupted) and e.epoch is None:  # not "epoch N + 1" of N epochs
+            raise JobInterrupted(None, spec.folder, spec.label, testing=True) from None
         epoch = getattr(e, "epoch", None)
         if epoch is None:
             epoch = progress.next_epoch if progress is not None and progress.next_epoch else first

@@ -8,17 +8,14 @@ best validation epoch with what rebuilds the model, :func:`rnndrop.lm.load_model
 
 Checkpoints are verified on load (:mod:`rnndrop.lm.run.checkpoint`); what makes two runs
 the same run is :mod:`rnndrop.lm.run.identity`. ``train_run(..., resume=True)``
-continues from ``checkpoint.pt`` (or, with a logged warning, from
-``checkpoint.prev.pt`` when the newest is corrupt): the run ends in the very state
-(bit for bit) an uninterrupted run with the same seed reaches, and no finished epoch
-is lost. A run resumes only into the same run
-(:func:`rnndrop.lm.run.identity.run_identity`: corpus, config but the epoch cap,
-regime, dropout, seed, starting weights, format version); the epoch cap may grow but
-not shrink below the epochs already run (an error).
+continues from ``checkpoint.pt`` (or, with a logged warning, from ``checkpoint.prev.pt``
+when the newest is corrupt) into the very state (bit for bit) an uninterrupted run with
+the same seed reaches, and no finished epoch is lost. A run resumes only into the same
+run (:func:`rnndrop.lm.run.identity.run_identity`); the epoch cap may grow but not shrink
+below the epochs already run (an error).
 
-Training follows Zaremba et al.: contiguous batches, truncated BPTT with the hidden
-state carried (detached) across segments and reset at every epoch, gradient-norm
-clipping, and the optimiser the config names (SGD or Adam).
+Training follows Zaremba et al.: contiguous batches, truncated BPTT with the state carried
+(detached) across segments and reset every epoch, gradient-norm clipping, SGD or Adam.
 
 Under ``torchrun`` (a default process group of N > 1 ranks, see
 :mod:`rnndrop.lm.run.process_group`) the same call on every rank trains one model with
@@ -83,13 +80,15 @@ class RunInterrupted(KeyboardInterrupt):
 
     Attributes:
         epoch: the epoch that was interrupted (the finished epochs before it are in
-            the checkpoint; rerun with ``resume=True`` to continue bit for bit).
+            the checkpoint; rerun with ``resume=True`` to continue bit for bit); None after
+            the last epoch, while the test split was scored (every epoch is saved).
         folder: the run's folder.
     """
 
-    def __init__(self, epoch: int, folder: Path) -> None:
-        super().__init__(f"interrupted during epoch {epoch} of the run in {str(folder)!r}; "
-                         f"epochs before it are saved, resume=True (--resume) continues from there")
+    def __init__(self, epoch: int | None, folder: Path) -> None:
+        where = f"during epoch {epoch}" if epoch is not None else "after the last epoch (testing)"
+        super().__init__(f"interrupted {where} of the run in {str(folder)!r}; the finished epochs are "
+                         "saved, resume=True (--resume) continues from there")
         self.epoch = epoch
         self.folder = folder
 
@@ -166,7 +165,10 @@ def train_run(
             # now, not whenever a reference cycle through a frame is collected: torch aborts
             # at exit when gloo work outlives destroy_process_group.
             run.net = run.model
-        return finish_run(run, bar=progress)
+        try:
+            return finish_run(run, bar=progress)
+        except KeyboardInterrupt as e:
+            raise RunInterrupted(None, run.out) from e
 
 
 def _train_epochs(run: Training, progress: bool, on_epoch_end: EpochCallback | None) -> None:
