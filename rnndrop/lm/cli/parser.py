@@ -113,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="rnndrop-lm",
         description="Word-level language models with recurrent dropout: train and compare "
         "regimes on a corpus, then evaluate or sample a trained run.",
-        epilog="Start with: rnndrop-lm ptb --data sample   (the bundled sample, about 10 minutes on "
-        "2 CPU cores; after Ctrl-C run the same command with --resume). "
+        epilog="Start with: rnndrop-lm ptb --data sample   (the bundled sample, 10-30 minutes on "
+        "2 CPU cores, estimated up front; after Ctrl-C run the same command with --resume). "
         "Exit status: 0 done, 2 data or usage problem, 3 training diverged, 130 interrupted.",
     )
     sub = parser.add_subparsers(dest="command", metavar="{ptb,wikitext2,evaluate,generate,carve}",
