@@ -260,6 +260,7 @@ def test_flags_override_the_config_and_are_recorded(tmp_path, capsys):
                                    "clip", "optimizer", "cell", "epochs")} == {
         "lr": 0.01, "hidden_size": 12, "embedding_size": 10, "num_layers": 1, "batch_size": 4, "bptt": 6,
         "clip": 0.5, "optimizer": "adam", "cell": "gru", "epochs": 2}
+    assert config["min_lr"] == pytest.approx(0.1 * 0.01 / 20)  # mini's floor, scaled with --lr
     model = load_model(next(out.glob("none/*"))).model
     assert isinstance(model.rnn, torch.nn.GRU)
 
@@ -285,6 +286,7 @@ def _probe_files(folder: Path) -> dict[str, Path]:
     (["--regimes", "none,nonsense"], "regime must be one of"),
     (["--threads", "0"], "--threads must be >= 1, got 0"),
     (["--jobs", "0"], "--jobs must be >= 1, got 0"),
+    (["--lr", "1", "--min-lr", "2"], "min_lr must be a number in [0, lr = 1.0), got 2.0"),
     (["--seeds", "one"], "--seeds takes comma-separated integers"),
     (["--mc-samples", "-1"], "--mc-samples must be >= 0"),
     (["--hidden-size", "0"], "hidden_size must be a positive int, got 0"),

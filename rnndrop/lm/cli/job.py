@@ -40,6 +40,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if args.tie_weights:
         changes["tie_weights"] = True
         flags.append("--tie-weights")
+    if "lr" in changes and "min_lr" not in changes and config.min_lr:
+        # The floor stays as many decays below the start as the config puts it.
+        changes["min_lr"] = config.min_lr * changes["lr"] / config.lr
     try:
         return replace(config, **changes) if changes else config
     except (TypeError, ValueError) as e:

@@ -24,7 +24,9 @@ def _prefixes(text: str) -> tuple[str, ...]:
 #: Flags that override a field of the config: flag -> (TrainConfig field, type, help).
 CONFIG_FLAGS: dict[str, tuple[str, type, str]] = {
     "--epochs": ("epochs", int, "number of epochs (the cap when the config stops at min_lr)"),
-    "--lr": ("lr", float, "initial learning rate"),
+    "--lr": ("lr", float, "initial learning rate (the config's min_lr scales with it unless --min-lr "
+             "is given)"),
+    "--min-lr": ("min_lr", float, "stop once the next learning rate would be below this (0: never)"),
     "--optimizer": ("optimizer", str, "sgd or adam"),
     "--model": ("cell", str, "recurrent cell: lstm or gru"),
     "--emb-size": ("embedding_size", int, "word embedding size"),
