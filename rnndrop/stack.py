@@ -158,7 +158,9 @@ class VariationalRNNStack(StackSettings, ABC):
     # the loop kernels are autograd Functions over a Python time loop, and tracing torch's
     # fused RNN ops fails in Inductor.
     @torch.compiler.disable
-    def forward(self, input, hx=None, masks: RecurrentMasks | None = None):
+    def forward(
+        self, input, hx=None, masks: RecurrentMasks | None = None, *, return_raw_output: bool = False
+    ):
         """Run the layer; the contract of ``nn.LSTM.forward`` / ``nn.GRU.forward``.
 
         Args:
@@ -169,6 +171,9 @@ class VariationalRNNStack(StackSettings, ABC):
             masks: masks from :meth:`sample_masks` to use instead of fresh ones. They are
                 used in eval mode too. Batch order is that of ``input`` (also for a
                 ``PackedSequence`` with ``enforce_sorted=False``).
+            return_raw_output: ``output, h_n, raw = layer(...)``: ``raw`` is the last layer's
+                output before the output dropout, laid out as ``output`` (for TAR,
+                :mod:`rnndrop.activation_regularization`); ``output`` itself without an output mask.
         """
         owner = type(self).__name__
         x, layout = SequenceLayout.from_input(
@@ -189,12 +194,15 @@ class VariationalRNNStack(StackSettings, ABC):
                 masks.check(self._geometry, layout.batch_size, layout.seq_len, x)
         if masks is not None and masks.is_empty():
             masks = None
+        raw: list[Tensor] = []
         if masks is None and self.kernel == "auto":
             out, states = self._forward_fused(x, layout, states)
         else:
-            out, states = self._forward_by_layer(x, layout, states, masks)
+            out, states = self._forward_by_layer(x, layout, states, masks, raw if return_raw_output else None)
         output, states = layout.restore(out, states)
-        return output, (states if self._cell.num_states > 1 else states[0])
+        final = states if self._cell.num_states > 1 else states[0]
+        return (output, final, layout.restore(raw[0], ())[0] if raw else output) if return_raw_output \
+            else (output, final)
 
     def _forward_fused(
         self, x: Tensor, layout: SequenceLayout, states: tuple[Tensor, ...]
@@ -211,9 +219,11 @@ class VariationalRNNStack(StackSettings, ABC):
                          bidirectional=self.bidirectional, training=self.training)
 
     def _forward_by_layer(
-        self, x: Tensor, layout: SequenceLayout, states: tuple[Tensor, ...], masks: RecurrentMasks | None
+        self, x: Tensor, layout: SequenceLayout, states: tuple[Tensor, ...], masks: RecurrentMasks | None,
+        raw: list[Tensor] | None = None,
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
-        """Layer by layer with masks: each layer takes path 2 (folded-mask) or 3 (loop)."""
+        """Layer by layer with masks: each layer takes path 2 (folded-mask) or 3 (loop). With
+        ``raw`` (a list), the last layer's rows before the output mask are appended to it."""
         D = self._num_directions
         per_step = masks is not None and masks.scope == "step"
         finals: list[list[Tensor]] = [[] for _ in states]
@@ -240,6 +250,8 @@ class VariationalRNNStack(StackSettings, ABC):
             for acc, s in zip(finals, new_states):
                 acc.append(s)
         if masks is not None and masks.output is not None:
+            if raw is not None:
+                raw.append(x)
             x = x * layout.broadcast_to_rows(masks.output, per_step)
         return x, tuple(torch.cat(acc) for acc in finals)
 

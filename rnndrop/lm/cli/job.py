@@ -35,10 +35,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             if field_name not in config.__dataclass_fields__:
                 raise UsageError(f"{flag} is not supported by this version's TrainConfig")
             changes[field_name] = value
-            flags.append(f"{flag} {value}")
-    if args.tie_weights:
-        changes["tie_weights"] = True
-        flags.append("--tie-weights")
+            if isinstance(value, bool):
+                flags.append(flag if value else f"--no-{flag[2:]}")
+            else:
+                flags.append(f"{flag} {value}")
     try:
         return replace(config, **changes) if changes else config
     except (TypeError, ValueError) as e:
