@@ -1,5 +1,13 @@
 """rnndrop: variational (tied) dropout and other regularizers for recurrent networks."""
 
+from rnndrop.activation_regularization import (
+    ActivationRegularization,
+    RecurrentOutputs,
+    activation_regularization,
+    temporal_activation_regularization,
+)
+from rnndrop.averaging import NonMonotoneTrigger, NTAveraging
+from rnndrop.bptt import VariableBPTT, scaled_learning_rate
 from rnndrop.calibration import ReliabilityDiagram, expected_calibration_error, reliability_diagram
 from rnndrop.cells import VariationalGRUCell, VariationalLSTMCell
 from rnndrop.embedding_dropout import EmbeddingDropout
@@ -24,6 +32,7 @@ from rnndrop.weight_drop import WeightDrop
 __version__ = "0.1.0"
 
 __all__ = [
+    "ActivationRegularization",
     "EmbeddingDropout",
     "GaussianGRU",
     "GaussianLSTM",
@@ -33,17 +42,22 @@ __all__ = [
     "LanguageModelLoss",
     "LockedDropout",
     "MCPrediction",
+    "NTAveraging",
+    "NonMonotoneTrigger",
     "RecurrentMasks",
+    "RecurrentOutputs",
     "ReliabilityDiagram",
     "SparseEmbedding",
     "SparseGRU",
     "SparseLSTM",
     "SparseLinear",
+    "VariableBPTT",
     "VariationalGRU",
     "VariationalGRUCell",
     "VariationalLSTM",
     "VariationalLSTMCell",
     "WeightDrop",
+    "activation_regularization",
     "bernoulli_mask",
     "expected_calibration_error",
     "gaussian_mask",
@@ -56,5 +70,7 @@ __all__ = [
     "prune",
     "reliability_diagram",
     "sample_mask",
+    "scaled_learning_rate",
     "sparsity_report",
+    "temporal_activation_regularization",
 ]

@@ -125,8 +125,10 @@ class VariationalLSTM(VariationalRNNStack, nn.LSTM):
         input: Tensor | PackedSequence,
         hx: tuple[Tensor, Tensor] | None = None,
         masks: RecurrentMasks | None = None,
+        *,
+        return_raw_output: bool = False,
     ) -> tuple[Tensor | PackedSequence, tuple[Tensor, Tensor]]:
-        return super().forward(input, hx, masks)
+        return super().forward(input, hx, masks, return_raw_output=return_raw_output)
 
     def _layer_loop(
         self,
@@ -209,8 +211,10 @@ class VariationalGRU(VariationalRNNStack, nn.GRU):
         input: Tensor | PackedSequence,
         hx: Tensor | None = None,
         masks: RecurrentMasks | None = None,
+        *,
+        return_raw_output: bool = False,
     ) -> tuple[Tensor | PackedSequence, Tensor]:
-        return super().forward(input, hx, masks)
+        return super().forward(input, hx, masks, return_raw_output=return_raw_output)
 
     def _layer_loop(
         self,

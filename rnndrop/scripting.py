@@ -1,4 +1,5 @@
-"""TorchScript: rnndrop's modules refuse ``torch.jit.script`` with a reason instead of a parser error.
+"""torch's compilers: rnndrop's modules refuse ``torch.jit.script`` with a reason instead of a
+parser error, and run eagerly inside ``torch.compile`` (a graph break, not an error).
 
 TorchScript (deprecated in current torch) cannot express what these modules do: masks
 drawn per call and passed around as dataclasses, loop kernels that are autograd
@@ -9,7 +10,11 @@ one-line :class:`TypeError` that names the module and the ways that work.
 
 from __future__ import annotations
 
-from typing import NoReturn
+import functools
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import torch
 
 
 class NotScriptable:
@@ -20,3 +25,13 @@ class NotScriptable:
             f"{type(self).__name__} cannot be compiled by torch.jit.script (TorchScript cannot express "
             "its per-call masks and loop kernels); use torch.compile, which runs it, or the module as it is"
         )
+
+
+@functools.cache
+def run_eagerly(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` under ``torch.compiler.disable``, made on first use: the layers call it only
+    while torch.compile traces them (``torch.compiler.is_compiling()``), so ``import rnndrop``
+    does not import torch._dynamo (seconds). torch.compile then runs the layer eagerly, as it
+    runs nn.LSTM: the loop kernels are autograd Functions over a Python time loop, and tracing
+    torch's fused RNN ops fails in Inductor."""
+    return torch.compiler.disable(fn)

@@ -54,10 +54,7 @@ last layer's output.
 
 from __future__ import annotations
 
-import functools
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -66,6 +63,7 @@ from rnndrop.cell_specs import LayerWeights, quiet_weight_compaction, run_fused
 from rnndrop.layout import SequenceLayout
 from rnndrop.masks import RecurrentMasks, StackGeometry, check_seq_len, mask_sites
 from rnndrop.noise import draw_mask
+from rnndrop.scripting import run_eagerly
 from rnndrop.stack_settings import StackSettings
 from rnndrop.validation import check_positive_int
 
@@ -157,7 +155,9 @@ class VariationalRNNStack(StackSettings, ABC):
             names.append("weight_hr")
         return {n: getattr(self, n + suffix) for n in names}
 
-    def forward(self, input, hx=None, masks: RecurrentMasks | None = None):
+    def forward(
+        self, input, hx=None, masks: RecurrentMasks | None = None, *, return_raw_output: bool = False
+    ):
         """Run the layer; the contract of ``nn.LSTM.forward`` / ``nn.GRU.forward``.
 
         Args:
@@ -168,18 +168,18 @@ class VariationalRNNStack(StackSettings, ABC):
             masks: masks from :meth:`sample_masks` to use instead of fresh ones. They are
                 used in eval mode too. Batch order is that of ``input`` (also for a
                 ``PackedSequence`` with ``enforce_sorted=False``).
+            return_raw_output: ``output, h_n, raw = layer(...)``: ``raw`` is the last layer's
+                output before the output dropout, laid out as ``output`` (for TAR,
+                :mod:`rnndrop.activation_regularization`); ``output`` itself without an output mask.
         """
         if torch.compiler.is_compiling():
-            return _run_eagerly()(self, input, hx, masks)
-        return self._forward(input, hx, masks)
+            return run_eagerly(VariationalRNNStack._forward)(self, input, hx, masks, return_raw_output)
+        return self._forward(input, hx, masks, return_raw_output)
 
-    def _forward(self, input, hx, masks: RecurrentMasks | None):
+    def _forward(self, input, hx, masks: RecurrentMasks | None, return_raw_output: bool):
         owner = type(self).__name__
         x, layout = SequenceLayout.from_input(
-            input,
-            batch_first=self.batch_first,
-            input_size=self.input_size,
-            weight=self.weight_ih_l0,
+            input, batch_first=self.batch_first, input_size=self.input_size, weight=self.weight_ih_l0,
             owner=owner,
         )
         sizes = (self._out_size, self.hidden_size)[: self._cell.num_states]
@@ -193,12 +193,15 @@ class VariationalRNNStack(StackSettings, ABC):
                 masks.check(self._geometry, layout.batch_size, layout.seq_len, x)
         if masks is not None and masks.is_empty():
             masks = None
+        raw: list[Tensor] = []
         if masks is None and self.kernel == "auto":
             out, states = self._forward_fused(x, layout, states)
         else:
-            out, states = self._forward_by_layer(x, layout, states, masks)
+            out, states = self._forward_by_layer(x, layout, states, masks, raw if return_raw_output else None)
         output, states = layout.restore(out, states)
-        return output, (states if self._cell.num_states > 1 else states[0])
+        final = states if self._cell.num_states > 1 else states[0]
+        return (output, final, layout.restore(raw[0], ())[0] if raw else output) if return_raw_output \
+            else (output, final)
 
     def _forward_fused(
         self, x: Tensor, layout: SequenceLayout, states: tuple[Tensor, ...]
@@ -215,9 +218,11 @@ class VariationalRNNStack(StackSettings, ABC):
                          bidirectional=self.bidirectional, training=self.training)
 
     def _forward_by_layer(
-        self, x: Tensor, layout: SequenceLayout, states: tuple[Tensor, ...], masks: RecurrentMasks | None
+        self, x: Tensor, layout: SequenceLayout, states: tuple[Tensor, ...], masks: RecurrentMasks | None,
+        raw: list[Tensor] | None = None,
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
-        """Layer by layer with masks: each layer takes path 2 (folded-mask) or 3 (loop)."""
+        """Layer by layer with masks: each layer takes path 2 (folded-mask) or 3 (loop). With
+        ``raw`` (a list), the last layer's rows before the output mask are appended to it."""
         D = self._num_directions
         per_step = masks is not None and masks.scope == "step"
         finals: list[list[Tensor]] = [[] for _ in states]
@@ -244,6 +249,8 @@ class VariationalRNNStack(StackSettings, ABC):
             for acc, s in zip(finals, new_states):
                 acc.append(s)
         if masks is not None and masks.output is not None:
+            if raw is not None:
+                raw.append(x)
             x = x * layout.broadcast_to_rows(masks.output, per_step)
         return x, tuple(torch.cat(acc) for acc in finals)
 
@@ -289,12 +296,3 @@ class VariationalRNNStack(StackSettings, ABC):
         """Rows of every direction side by side ``[N, D * P]``; final states stacked ``[D, B, size]``."""
         out = torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
         return out, tuple(torch.stack(parts) for parts in zip(*finals))
-
-
-@functools.cache
-def _run_eagerly() -> Callable[..., Any]:
-    """:meth:`VariationalRNNStack._forward` under ``torch.compiler.disable``, made on first use (it imports
-    torch._dynamo, seconds that only torch.compile needs): torch.compile runs the layer
-    eagerly, as it runs nn.LSTM (a graph break, not an error): the loop kernels are autograd
-    Functions over a Python time loop, and tracing torch's fused RNN ops fails in Inductor."""
-    return torch.compiler.disable(VariationalRNNStack._forward)

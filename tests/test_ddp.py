@@ -44,6 +44,9 @@ DETERMINISTIC_AT_ZERO = ("tied", "untied", "naive", "batch", "weight_drop", "gau
 NO_DROPOUT = dict.fromkeys(("embedding", "input", "between", "hidden", "output"), 0.0)
 ONE_STEP = replace(TINY, bptt=1000, epochs=1, mc_samples=0)  # one segment: one step per epoch
 FULL = replace(TINY, schedule="fixed", decay_after=1, lr_decay=2.0, epochs=3)
+#: AWD-LSTM's recipe: AR / TAR, variable BPTT (the same lengths on every rank), NT-ASGD, fine-tuning.
+RECIPE = replace(TINY, schedule="fixed", lr_decay=1.0, epochs=3, ar=1.0, tar=1.0, variable_bptt=True,
+                 nt_asgd=True, nonmono=1, finetune_epochs=1, mc_samples=0)
 #: The "tied" regime plus a loss hook that adds 0 and can kill the process mid-epoch.
 KILLABLE = replace(REGIMES["tied"], regularizer="zero_or_kill")
 #: The "tied" regime plus a loss hook that makes rank 1's loss NaN in the middle of epoch 1.
@@ -174,6 +177,8 @@ def _worker(scenario: str, folder: Path) -> None:
                     report["diverged"] = str(e)
                 train_run(corpus, ONE_STEP, "tied", folder / "one_step", dropout=NO_DROPOUT, seed=4,
                           progress=False)
+                report["recipe"] = train_run(corpus, RECIPE, "weight_drop", folder / "recipe", seed=2,
+                                             progress=False)
                 full = train_run(corpus, FULL, "tied_killable", folder / "full", seed=7, progress=False)
                 report["full_result"] = full
                 save()
@@ -291,6 +296,16 @@ def test_one_ddp_step_of_train_run_matches_one_process(runs, tmp_path):
     for key in ("best_valid_ppl", "test_ppl", "test_ece"):
         assert math.isclose(single[key], ddp[key], rel_tol=1e-5), key
     assert single["epochs"][0]["train_ppl"] == pytest.approx(ddp["epochs"][0]["train_ppl"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_the_awd_recipe_trains_under_torchrun(runs):
+    rank0, rank1 = (r["recipe"] for r in runs["first"])
+    assert rank0 == rank1 and rank0["world_size"] == WORLD
+    assert rank0["epochs_run"] == 4 and rank0["nt_asgd"]["finetune"]["from_epoch"] == 3
+    assert rank0["epochs"][-1]["averaged"] and math.isfinite(rank0["test_ppl"])
+    averaged = load_checkpoint(runs["folder"] / "recipe" / "checkpoint.pt")["averaging"]["averaged"]
+    assert int(averaged["n_averaged"]) > 0
 
 
 @pytest.mark.slow

@@ -134,7 +134,8 @@ def test_a_checkpoint_from_before_best_criterion_and_init_from_resumes_bit_for_b
     path = tmp_path / "cut" / "checkpoint.pt"
     ckpt = load_checkpoint(path)
     assert ckpt["progress"]["best_criterion"] == ckpt["progress"]["best_valid_ppl"]
-    for later_field in ("best_criterion", "init_from"):
+    later = ("best_criterion", "init_from", "averaging_since", "finetune_from", "finetune_stopped")
+    for later_field in later:
         del ckpt["progress"][later_field]
     save_checkpoint(ckpt, path)
     resumed = train_run(corpus, config, "tied", tmp_path / "cut", seed=4, progress=False, resume=True)

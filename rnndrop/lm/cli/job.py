@@ -36,10 +36,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             if field_name not in config.__dataclass_fields__:
                 raise UsageError(f"{flag} is not supported by this version's TrainConfig")
             changes[field_name] = value
-            flags.append(f"{flag} {value}")
-    if args.tie_weights:
-        changes["tie_weights"] = True
-        flags.append("--tie-weights")
+            if isinstance(value, bool):
+                flags.append(flag if value else f"--no-{flag[2:]}")
+            else:
+                flags.append(f"{flag} {value}")
     if "lr" in changes and "min_lr" not in changes and config.min_lr:
         # The floor stays as many decays below the start as the config puts it.
         changes["min_lr"] = config.min_lr * changes["lr"] / config.lr

@@ -26,6 +26,10 @@ CONFIG_FLAGS: dict[str, tuple[str, type, str]] = {
     "--epochs": ("epochs", int, "number of epochs (the cap when the config stops at min_lr)"),
     "--lr": ("lr", float, "initial learning rate (the config's min_lr scales with it unless --min-lr "
              "is given)"),
+    "--schedule": ("schedule", str, "learning-rate rule: fixed (decay by --lr-decay after decay_after "
+                   "epochs; 1: constant) or plateau (divide by --lr-decay after every epoch that does "
+                   "not improve validation)"),
+    "--lr-decay": ("lr_decay", float, "the factor of the learning-rate rule"),
     "--min-lr": ("min_lr", float, "stop once the next learning rate would be below this (0: never)"),
     "--optimizer": ("optimizer", str, "sgd or adam"),
     "--model": ("cell", str, "recurrent cell: lstm or gru"),
@@ -38,6 +42,23 @@ CONFIG_FLAGS: dict[str, tuple[str, type, str]] = {
     "--kl-weight": ("kl_weight", float, "factor on the KL term of variational regimes (1: the ELBO)"),
     "--freeze": ("freeze", _prefixes, "comma-separated parameter-name prefixes kept fixed, e.g. "
                  "embedding.,decoder."),
+    "--weight-decay": ("weight_decay", float, "L2 weight decay of the optimiser"),
+    "--tie-weights": ("tie_weights", bool, "tie embedding and decoder weights (--no-tie-weights: untie "
+                      "them; needs --emb-size equal to --hidden-size)"),
+    # AWD-LSTM's training recipe (docs/language-models.md#the-awd-lstm-recipe)
+    "--ar": ("ar", float, "activation regularization: ar * mean of the squared dropped last-layer "
+             "output, added to the loss (AWD-LSTM: 2; 0: off)"),
+    "--tar": ("tar", float, "temporal activation regularization: tar * mean of the squared change of "
+              "the raw last-layer output between steps (AWD-LSTM: 1; 0: off)"),
+    "--variable-bptt": ("variable_bptt", bool, "random segment lengths around --bptt, the rate "
+                        "scaled by length / bptt (AWD-LSTM)"),
+    "--nt-asgd": ("nt_asgd", bool, "NT-ASGD: average the weights once validation has not improved "
+                  "for --nonmono epochs; validate, keep and test the average"),
+    "--nonmono": ("nonmono", int, "epochs without improvement that start NT-ASGD's averaging (and end "
+                  "the averaging and fine-tuning stages)"),
+    "--finetune-epochs": ("finetune_epochs", int, "after training, fine-tune up to this many epochs "
+                          "from the best averaged weights with averaging restarted (0: none; needs "
+                          "NT-ASGD)"),
 }
 
 
@@ -82,11 +103,14 @@ def add_train_arguments(parser: argparse.ArgumentParser, dataset: str) -> None:
     for flag, (_, kind, text) in CONFIG_FLAGS.items():
         if flag == "--optimizer":
             model.add_argument(flag, choices=("sgd", "adam"), default=None, help=text)
+        elif flag == "--schedule":
+            model.add_argument(flag, choices=("fixed", "plateau"), default=None, help=text)
         elif flag == "--model":
             model.add_argument(flag, choices=("lstm", "gru"), default=None, help=text)
+        elif kind is bool:  # --flag / --no-flag; absent: the config's
+            model.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
             model.add_argument(flag, type=kind, default=None, help=text)
-    model.add_argument("--tie-weights", action="store_true", help="tie embedding and decoder weights")
     machine = parser.add_argument_group("machine")
     machine.add_argument("--jobs", type=int, default=1, help="runs trained at once (processes)")
     machine.add_argument("--threads", type=int, default=1,

@@ -6,7 +6,9 @@ between-layer, recurrent and output dropout) -> Linear decoder -> logits [T, B, 
 The model follows the LM protocol of :mod:`rnndrop.lm`: time-major,
 ``model(tokens, hidden=None) -> (logits, hidden)``, where ``hidden`` is opaque
 (``(h, c)`` for an LSTM, ``h`` for a GRU, each ``[num_layers, B, H]``) and is carried by the caller across
-truncated-BPTT segments (detached with :func:`detach_hidden`).
+truncated-BPTT segments (detached with :func:`detach_hidden`). ``model(tokens, hidden,
+return_outputs=True)`` adds the last layer's output before and after its dropout, for
+AR / TAR (:mod:`rnndrop.activation_regularization`).
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from rnndrop.activation_regularization import RecurrentOutputs
 from rnndrop.embedding_dropout import EmbeddingDropout
 from rnndrop.recurrent import VariationalGRU, VariationalLSTM
+from rnndrop.stack import VariationalRNNStack
 from rnndrop.validation import check_probability
 from rnndrop.weight_drop import WeightDrop
 
@@ -155,10 +159,32 @@ class RNNLanguageModel(nn.Module):
                 for p in module.parameters():
                     p.uniform_(-init_scale, init_scale)
 
-    def forward(self, tokens: Tensor, hidden: Any = None) -> tuple[Tensor, Any]:
+    def forward(self, tokens: Tensor, hidden: Any = None, *, return_outputs: bool = False) -> tuple[Any, ...]:
+        """``(logits [T, B, V], hidden)``; with ``return_outputs`` also the last recurrent
+        layer's output before and after its dropout, ``RecurrentOutputs(raw, dropped)``
+        (``[T, B, H]`` each, ``dropped`` is what the decoder reads): what activation and
+        temporal activation regularization need (:mod:`rnndrop.activation_regularization`).
+        The masks drawn and the logits are those of the plain call."""
         if not isinstance(tokens, Tensor) or tokens.dim() != 2:
             got = list(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
             raise ValueError(f"tokens must be a [T, B] tensor of word ids, got {got}")
         x = self.embedding(tokens)  # [T, B, E]
-        out, hidden = self.rnn(x, hidden)  # [T, B, H]
-        return self.decoder(out), hidden  # [T, B, V]
+        if not return_outputs:
+            out, hidden = self.rnn(x, hidden)  # [T, B, H]
+            return self.decoder(out), hidden  # [T, B, V]
+        out, hidden, raw = self._rnn_with_raw_output(x, hidden)
+        return self.decoder(out), hidden, RecurrentOutputs(raw, out)
+
+    def _rnn_with_raw_output(self, x: Tensor, hidden: Any) -> tuple[Tensor, Any, Tensor]:
+        """The recurrent stack's ``(output, hidden, output before the output dropout)``."""
+        core = self.rnn.module if isinstance(self.rnn, WeightDrop) else self.rnn
+        if isinstance(core, VariationalRNNStack):
+            return self.rnn(x, hidden, return_raw_output=True)
+        if type(core) in (nn.LSTM, nn.GRU):  # no output dropout: the two are one
+            out, hidden = self.rnn(x, hidden)
+            return out, hidden, out
+        raise TypeError(
+            f"return_outputs=True needs the last layer's output before its dropout, which a "
+            f"{type(core).__name__} does not give: use a VariationalLSTM / VariationalGRU (or a stack "
+            "built on rnndrop.stack.VariationalRNNStack), or an nn.LSTM / nn.GRU without output dropout"
+        )

@@ -50,6 +50,24 @@ class TrainConfig:
     ``optimizer`` is ``"sgd"`` (with ``weight_decay``) or ``"adam"`` (with
     ``adam_betas``, ``adam_eps`` and ``weight_decay``); ``clip`` is the threshold of
     the gradient-norm clipping. ``cell`` is ``"lstm"`` or ``"gru"``.
+
+    AWD-LSTM's training recipe (Merity et al. 2017; all off by default, the ``awd`` preset
+    turns it on):
+
+    - ``ar`` / ``tar``: weights of activation regularization (``ar * mean(m ** 2)`` on the
+      last layer's dropped output) and temporal activation regularization (``tar *
+      mean((h_t - h_{t-1}) ** 2)`` on its raw output), added to the training loss
+      (:mod:`rnndrop.activation_regularization`; AWD-LSTM: 2 and 1).
+    - ``variable_bptt``: every segment's length drawn around ``bptt`` and the step's rate
+      scaled by ``length / bptt`` (:class:`rnndrop.bptt.VariableBPTT`).
+    - ``nt_asgd``: SGD until the validation perplexity has not improved for ``nonmono``
+      epochs (the non-monotone trigger), then the average of the weights after every step
+      (:class:`rnndrop.averaging.NTAveraging`), which is validated, kept as best and tested
+      from then on; the averaging stage ends at the epoch cap or when the averaged
+      validation perplexity fires the same trigger.
+    - ``finetune_epochs``: then a fine-tuning stage of up to that many epochs: the best
+      averaged weights, averaging restarted from the first step, until the trigger fires
+      (needs ``nt_asgd``).
     """
 
     name: str
@@ -82,6 +100,12 @@ class TrainConfig:
     select: str = "perplexity"
     #: Parameter-name prefixes that are not trained (e.g. ``("embedding.", "decoder.")``).
     freeze: tuple[str, ...] = ()
+    ar: float = 0.0
+    tar: float = 0.0
+    variable_bptt: bool = False
+    nt_asgd: bool = False
+    nonmono: int = 5
+    finetune_epochs: int = 0
 
     def __post_init__(self) -> None:
         def positive_number(name: str, value: Any) -> None:
@@ -122,9 +146,35 @@ class TrainConfig:
         if isinstance(self.freeze, str) or not all(isinstance(p, str) and p for p in self.freeze):
             raise ValueError(f"freeze must be a tuple of parameter-name prefixes, got {self.freeze!r}")
         object.__setattr__(self, "freeze", tuple(self.freeze))
+        self._check_recipe()
         if not (isinstance(self.min_lr, (int, float)) and 0 <= self.min_lr < self.lr):
             raise ValueError(f"min_lr must be a number in [0, lr = {self.lr}), got {self.min_lr!r}")
         regime_probabilities(REGIMES["tied"], self.dropout)
+
+    def _check_recipe(self) -> None:
+        """The AWD-LSTM fields (see the class docstring)."""
+        for name in ("ar", "tar"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        for name in ("variable_bptt", "nt_asgd"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if isinstance(self.nonmono, bool) or not isinstance(self.nonmono, int) or self.nonmono < 1:
+            raise ValueError(f"nonmono must be a positive int, got {self.nonmono!r}")
+        if isinstance(self.finetune_epochs, bool) or not isinstance(self.finetune_epochs, int) \
+                or self.finetune_epochs < 0:
+            raise ValueError(f"finetune_epochs must be an int >= 0, got {self.finetune_epochs!r}")
+        if self.nt_asgd and self.optimizer != "sgd":
+            raise ValueError(f"nt_asgd averages SGD's iterates (NT-ASGD): it needs optimizer 'sgd', "
+                             f"got {self.optimizer!r}")
+        if self.nt_asgd and self.select != "perplexity":
+            raise ValueError("nt_asgd selects the best epoch on the (averaged) validation perplexity: "
+                             f"it needs select 'perplexity', got {self.select!r}")
+        if self.finetune_epochs and not self.nt_asgd:
+            raise ValueError("finetune_epochs restarts the weight averaging of NT-ASGD from the best "
+                             "averaged weights: it needs nt_asgd=True")
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

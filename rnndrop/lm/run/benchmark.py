@@ -110,8 +110,8 @@ def _estimate(job: _Job, plan: _Plan, jobs: int) -> float:
     log.info("this job trains %d run%s of up to %d epochs on %s training words; at the speed "
              "measured on this machine just now it should take about %s%s%s. Ctrl-C stops it "
              "(finished epochs are kept; rerun with --resume)", plan.total, "s" * (plan.total != 1),
-             job.config.epochs, f"{corpus.train.numel():,}", format_duration(eta),
-             f" ({jobs} runs at a time)" if jobs > 1 else "", early)
+             job.config.epochs + job.config.finetune_epochs, f"{corpus.train.numel():,}",
+             format_duration(eta), f" ({jobs} runs at a time)" if jobs > 1 else "", early)
     return eta
 
 
@@ -223,7 +223,8 @@ def run_benchmark(
                progress and jobs <= 1, None if init_from is None else str(init_from))
     plan = _plan(job, regimes, seeds, mc, grid=grid, dropout=dropout, dropout_by_regime=dropout_by_regime)
     eta = _estimate(job, plan, jobs) if estimate else None
-    job_progress = JobProgress(plan.total, config.epochs, bar=progress and jobs <= 1, estimate_seconds=eta)
+    job_progress = JobProgress(plan.total, config.epochs + config.finetune_epochs, bar=progress and jobs <= 1,
+                               estimate_seconds=eta)
     start = time.perf_counter()
     try:
         if grid:

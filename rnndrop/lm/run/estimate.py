@@ -31,7 +31,7 @@ def estimate_seconds(
 
     Times two training steps, two evaluation forwards and two dropout forwards of each
     distinct regime on the corpus's first batches, and scales them to ``config.epochs``
-    epochs of the training split, a validation pass per epoch, a test pass and
+    (plus ``finetune_epochs``) epochs of the training split, a validation pass per epoch, a test pass and
     ``mc_samples`` Monte-Carlo passes per run; ``jobs`` runs share the time.
     """
     device_obj = resolve_device(device)
@@ -63,7 +63,8 @@ def estimate_seconds(
     for regime_name, probabilities in runs:
         train_w, eval_w, sample_w = cost[json.dumps([regime_name, dict(probabilities)], sort_keys=True)]
         noisy = any(regime_probabilities(get_regime(regime_name), probabilities).values())
-        total += config.epochs * (n_train * train_w + n_valid * eval_w) + n_test * eval_w
+        epochs = config.epochs + config.finetune_epochs
+        total += epochs * (n_train * train_w + n_valid * eval_w) + n_test * eval_w
         total += mc_samples * n_test * sample_w if noisy else 0.0
     return total / max(1, min(jobs, len(runs)))
 

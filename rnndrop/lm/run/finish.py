@@ -31,8 +31,9 @@ from rnndrop.lm.run.plots import plot_alphas, plot_learning_curves
 from rnndrop.lm.run.process_group import Distributed, current, run_on_main
 from rnndrop.lm.run.progress import format_duration
 from rnndrop.lm.run.result_file import SCHEMA, peak_memory, versions
-from rnndrop.lm.run.schedule import LR_FLOOR, Schedule
+from rnndrop.lm.run.schedule import CONVERGED, EPOCH_CAP, Schedule
 from rnndrop.lm.run.setup import Training, rank_device
+from rnndrop.lm.run.state import RunState
 
 __all__ = ["add_mc_result", "finish_run"]
 
@@ -100,8 +101,9 @@ def _result(run: Training, test: Score, test_mc: Score | None) -> dict[str, Any]
         "best_valid_ppl": state.best_valid_ppl,
         "epochs_run": state.epoch,
         "stop_reason": stop_reason,
-        # Not converged: validation was still improving when the epoch cap ended the run.
-        "converged": stop_reason == LR_FLOOR or state.best_epoch < state.epoch,
+        # Not converged: validation was still improving when the epoch cap ended the run (or
+        # its fine-tuning stage).
+        "converged": _last_stop(state, stop_reason) in CONVERGED or state.best_epoch < state.epoch,
         "test_ppl": test.perplexity,
         "test_nll": test.nll,
         "test_ece": test.ece,
@@ -122,7 +124,28 @@ def _result(run: Training, test: Score, test_mc: Score | None) -> dict[str, Any]
         "backend": run.ctx.backend,
         "versions": versions(),
         "identity": run.identity,
+        **_averaging_result(run),
     }
+
+
+def _last_stop(state: RunState, stop_reason: str) -> str:
+    """Why the last stage of the run ended: training's reason, or fine-tuning's once it ran."""
+    if state.finetune_from is None:
+        return stop_reason
+    return state.finetune_stopped or EPOCH_CAP
+
+
+def _averaging_result(run: Training) -> dict[str, Any]:
+    """NT-ASGD's stages (only in runs that use it): when averaging began, when fine-tuning
+    began and why it ended."""
+    if run.averaging is None:
+        return {}
+    state = run.state
+    finetune = None
+    if state.finetune_from is not None:
+        finetune = {"from_epoch": state.finetune_from, "epochs_run": state.epoch - state.finetune_from,
+                    "stop_reason": state.finetune_stopped or EPOCH_CAP}
+    return {"nt_asgd": {"averaging_after_epoch": state.averaging_since, "finetune": finetune}}
 
 
 def add_mc_result(

@@ -105,7 +105,10 @@ def run_identity(
 
 
 #: TrainConfig fields added after FORMAT_VERSION, with the value they had in effect before.
-_LATER_FIELDS: dict[str, Any] = {"kl_weight": 1.0, "select": "perplexity", "freeze": []}
+_LATER_FIELDS: dict[str, Any] = {
+    "kl_weight": 1.0, "select": "perplexity", "freeze": [],
+    "ar": 0.0, "tar": 0.0, "variable_bptt": False, "nt_asgd": False, "nonmono": 5, "finetune_epochs": 0,
+}
 
 
 def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:

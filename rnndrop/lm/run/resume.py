@@ -49,9 +49,10 @@ def read_checkpoint(
             f"call vs the checkpoint): {'; '.join(differences)}. Choose another output folder"
         )
     state = RunState.from_dict(ckpt.get("progress"), f"the checkpoint in {str(out)!r}")
-    if state.epoch > config.epochs:
+    trained = state.epoch if state.finetune_from is None else state.finetune_from  # fine-tuning aside
+    if trained > config.epochs:
         raise ValueError(
-            f"epochs must be >= {state.epoch}, the epochs the run in {str(out)!r} "
+            f"epochs must be >= {trained}, the epochs the run in {str(out)!r} "
             f"has already trained, got {config.epochs} (the epoch cap of a run may grow, not shrink)"
         )
     world_size = int(ckpt.get("distributed", {}).get("world_size", 1))

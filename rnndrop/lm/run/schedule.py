@@ -7,7 +7,10 @@ Two rate rules (``TrainConfig.schedule``):
   after every epoch whose validation did not improve on the best.
 
 Training stops at the epoch cap (``epochs``), or earlier once the rate the next epoch
-would start from is below ``min_lr`` (the run has converged: ``stopped = "lr_floor"``).
+would start from is below ``min_lr`` (the run has converged: ``stopped = "lr_floor"``), or,
+with NT-ASGD, once the averaged weights stop improving (``"average_converged"``,
+:mod:`rnndrop.lm.run.averaging`). The fine-tuning stage (``finetune_epochs``) follows with
+epochs of its own (:meth:`Schedule.finetune_epochs`).
 """
 
 from __future__ import annotations
@@ -17,10 +20,14 @@ from collections.abc import Iterator
 from rnndrop.lm.model.train_config import TrainConfig
 from rnndrop.lm.run.state import RunState
 
-__all__ = ["Schedule"]
+__all__ = ["AVERAGE_CONVERGED", "CONVERGED", "EPOCH_CAP", "LR_FLOOR", "Schedule"]
 
 LR_FLOOR = "lr_floor"
 EPOCH_CAP = "epoch_cap"
+#: NT-ASGD: the averaged weights' validation perplexity fired the non-monotone trigger.
+AVERAGE_CONVERGED = "average_converged"
+#: Reasons that mean the run converged (rather than hitting its cap).
+CONVERGED: tuple[str, ...] = (LR_FLOOR, AVERAGE_CONVERGED)
 
 
 class Schedule:
@@ -33,7 +40,17 @@ class Schedule:
         """The epochs still to train: from the one after ``state.epoch`` up to the cap, until
         ``state.stopped`` is set (it is read again before every epoch)."""
         for epoch in range(state.epoch + 1, self.config.epochs + 1):
-            if state.stopped:
+            if state.stopped or state.finetune_from is not None:
+                return
+            yield epoch
+
+    def finetune_epochs(self, state: RunState) -> Iterator[int]:
+        """The fine-tuning epochs still to train (``state.finetune_from`` set): up to
+        ``finetune_epochs`` after the epoch it began after, until ``state.finetune_stopped``."""
+        if state.finetune_from is None:
+            return
+        for epoch in range(state.epoch + 1, state.finetune_from + self.config.finetune_epochs + 1):
+            if state.finetune_stopped:
                 return
             yield epoch
 

@@ -21,15 +21,19 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from rnndrop.activation_regularization import ActivationRegularization
 from rnndrop.distributed import seed_noise_per_rank
 from rnndrop.lm.data.corpus import Corpus, batchify
 from rnndrop.lm.model.build import build_model, build_optimizer, trainable_parameters
 from rnndrop.lm.model.regimes import Regime, get_hook, get_regime, regime_probabilities
 from rnndrop.lm.model.train_config import TrainConfig
+from rnndrop.lm.run.averaging import CHECKPOINT_KEY as AVERAGING_KEY
+from rnndrop.lm.run.averaging import RunAveraging
 from rnndrop.lm.run.checkpoint import load_state, set_rng_state
 from rnndrop.lm.run.folder import BEST, CHECKPOINT
 from rnndrop.lm.run.identity import run_identity
 from rnndrop.lm.run.process_group import Distributed, check_batch_split, run_on_main, shard_columns
+from rnndrop.lm.run.recipe import activation_regularizer
 from rnndrop.lm.run.resume import read_checkpoint
 from rnndrop.lm.run.state import RunState
 
@@ -59,6 +63,8 @@ class Training:
             ``test_data`` the evaluation streams ``[N, eval_batch_size]``.
         state: the progress (:class:`RunState`, resumed from the checkpoint).
         wall_start: ``time.perf_counter()`` when wall time was last added to ``state``.
+        activation_reg: AR / TAR at the config's weights, or None (:mod:`rnndrop.lm.run.recipe`).
+        averaging: NT-ASGD (:class:`~rnndrop.lm.run.averaging.RunAveraging`), or None.
     """
 
     corpus: Corpus
@@ -82,6 +88,14 @@ class Training:
     test_data: Tensor
     state: RunState
     wall_start: float
+    activation_reg: ActivationRegularization | None = None
+    averaging: RunAveraging | None = None
+
+    @property
+    def evaluation_model(self) -> nn.Module:
+        """What is validated, saved as best and tested: the averaged weights once NT-ASGD
+        averages, else the model."""
+        return self.model if self.averaging is None else self.averaging.evaluation_model
 
     @property
     def checkpoint_path(self) -> Path:
@@ -157,9 +171,12 @@ def prepare(
         ctx, f"reading the checkpoint in {str(out)!r}",
     )
     optimizer = build_optimizer(trainable_parameters(model, config), config)
+    averaging = RunAveraging(model, config) if config.nt_asgd else None
     if ckpt is not None and state is not None:
         load_state(model, ckpt["model"], out / CHECKPOINT)
         load_state(optimizer, ckpt["optimizer"], out / CHECKPOINT, "optimizer")
+        if averaging is not None:
+            averaging.load_state_dict(ckpt.get(AVERAGING_KEY), f"the checkpoint in {str(out)!r}")
         set_rng_state(ckpt["distributed"]["rng"][ctx.rank] if ctx.enabled else ckpt["rng"])
         log.info("%s: resumed after epoch %d", out, state.epoch)
     else:
@@ -176,6 +193,7 @@ def prepare(
         out=out, dataset=dataset, identity=identity, device=device, ctx=ctx, mc_samples=mc_samples,
         model=model, net=net, optimizer=optimizer, extra_loss=extra_loss, train_stream=train_stream,
         valid_data=valid_data, test_data=test_data, state=state, wall_start=wall_start,
+        activation_reg=activation_regularizer(config), averaging=averaging,
     )
 
 

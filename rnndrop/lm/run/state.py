@@ -19,13 +19,16 @@ from rnndrop.lm.run.checkpoint import CheckpointError
 __all__ = ["RunState"]
 
 #: Fields every checkpoint of format 2 holds; the others were added later and get their
-#: default when absent (``best_criterion`` then falls back to ``best_valid_ppl``).
+#: default when absent (``best_criterion`` then falls back to ``best_valid_ppl``; the
+#: NT-ASGD fields are None).
 _REQUIRED = ("epoch", "lr", "best_valid_ppl", "best_epoch", "history")
 _NUMBER = (int, float)
 _TYPES: dict[str, tuple[type, ...]] = {
     "epoch": (int,), "lr": _NUMBER, "best_valid_ppl": _NUMBER, "best_epoch": (int,),
     "best_criterion": _NUMBER, "history": (list,), "train_seconds": _NUMBER, "train_words": (int,),
     "wall_seconds": _NUMBER, "stopped": (str, type(None)), "init_from": (dict, type(None)),
+    "averaging_since": (int, type(None)), "finetune_from": (int, type(None)),
+    "finetune_stopped": (str, type(None)),
 }
 
 
@@ -43,6 +46,10 @@ class RunState:
         wall_seconds: wall-clock time of the run, setup and evaluation included.
         stopped: why training stopped before the epoch cap (``"lr_floor"``), or None.
         init_from: what ``init_from`` loaded into the model (path, SHA-256, tensors), or None.
+        averaging_since: NT-ASGD (:mod:`rnndrop.lm.run.averaging`): the epoch after which the
+            weights are averaged, or None.
+        finetune_from: the epoch after which the fine-tuning stage began, or None;
+            ``finetune_stopped`` why it stopped before its cap, or None.
     """
 
     epoch: int = 0
@@ -56,6 +63,9 @@ class RunState:
     wall_seconds: float = 0.0
     stopped: str | None = None
     init_from: dict[str, Any] | None = None
+    averaging_since: int | None = None
+    finetune_from: int | None = None
+    finetune_stopped: str | None = None
 
     def keep_if_best(self, epoch: int, valid_ppl: float, criterion: float) -> bool:
         """Make ``epoch`` the best one when its ``criterion`` is below the best so far;
@@ -72,6 +82,13 @@ class RunState:
         self.lr = next_lr
         self.train_seconds += seconds
         self.train_words += words
+
+    def stop_stage(self, reason: str) -> None:
+        """End the stage the run is in (training, or fine-tuning once it began) for ``reason``."""
+        if self.finetune_from is None:
+            self.stopped = reason
+        else:
+            self.finetune_stopped = reason
 
     def add_wall_time(self, since: float) -> float:
         """Add the wall-clock time since ``since`` (a ``time.perf_counter()``); returns now."""

@@ -16,6 +16,8 @@ below the epochs already run (an error).
 
 Training follows Zaremba et al.: contiguous batches, truncated BPTT with the state carried
 (detached) across segments and reset every epoch, gradient-norm clipping, SGD or Adam.
+AWD-LSTM's recipe is optional, field by field: AR / TAR and variable-length BPTT
+(:mod:`rnndrop.lm.run.recipe`), NT-ASGD and fine-tuning (:mod:`rnndrop.lm.run.averaging`).
 
 Under ``torchrun`` (a default process group of N > 1 ranks, see
 :mod:`rnndrop.lm.run.process_group`) the same call on every rank trains one model with
@@ -37,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
@@ -46,20 +48,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from rnndrop.distributed import check_parameters_agree
-from rnndrop.lm.data.corpus import Corpus, bptt_batches, num_bptt_batches
+from rnndrop.bptt import scaled_learning_rate
+from rnndrop.lm.data.corpus import Corpus
 from rnndrop.lm.model.language_model import detach_hidden
 from rnndrop.lm.model.train_config import TrainConfig
-from rnndrop.lm.run.checkpoint import get_rng_state, save_checkpoint
 from rnndrop.lm.run.divergence import DivergenceCheck, TrainingDiverged
-from rnndrop.lm.run.evaluate import Score, perplexity, score_split, token_loss
+from rnndrop.lm.run.epoch_end import save_best, save_checkpoint, selection_criterion, stop_message
+from rnndrop.lm.run.evaluate import perplexity, score_split, token_loss
 from rnndrop.lm.run.finish import add_mc_result, finish_run
 from rnndrop.lm.run.lock import claim_folder
 from rnndrop.lm.run.noise_trace import learned_noise
-from rnndrop.lm.run.process_group import all_gather_objects, all_reduce_sums, current, run_on_main
+from rnndrop.lm.run.process_group import all_reduce_sums, current, run_on_main
 from rnndrop.lm.run.progress import EpochProgress
+from rnndrop.lm.run.recipe import EpochSegments, epoch_segments, forward_with_penalty
 from rnndrop.lm.run.schedule import Schedule
-from rnndrop.lm.run.setup import ExtraLoss, Training, prepare, resolve_device
+from rnndrop.lm.run.setup import Training, prepare, resolve_device
 
 __all__ = [
     "EpochCallback",
@@ -175,25 +178,27 @@ def _train_epochs(run: Training, progress: bool, on_epoch_end: EpochCallback | N
     """The epoch loop: set the rate, train an epoch, validate, keep the best, checkpoint.
 
     It ends at the epoch cap or when the schedule stops the run (:mod:`rnndrop.lm.run.schedule`);
-    Ctrl-C becomes :class:`RunInterrupted` (the epochs before it are in the checkpoint).
+    NT-ASGD's fine-tuning stage then goes on through the same loop (:func:`_stages`). Ctrl-C
+    becomes :class:`RunInterrupted` (the epochs before it are in the checkpoint).
     """
     config, state, schedule = run.config, run.state, Schedule(run.config)
-    n_batches = num_bptt_batches(run.train_stream, config.bptt)
     epoch = state.epoch + 1
     try:
-        for epoch in schedule.epochs(state):
+        for epoch in _stages(run, schedule):
             lr = schedule.rate(epoch, state.lr)
             for group in run.optimizer.param_groups:
                 group["lr"] = lr
-            check = DivergenceCheck(epoch, n_batches, lr, run.checkpoint_path, state.epoch, run.ctx)
-            train_ppl, words, seconds = _train_epoch(run, epoch, check, progress)
+            segments = epoch_segments(run.train_stream, config, run.seed, epoch)
+            check = DivergenceCheck(epoch, segments.count, lr, run.checkpoint_path, state.epoch, run.ctx)
+            train_ppl, words, seconds = _train_epoch(run, epoch, segments, check, progress)
 
-            valid = score_split(run.model, run.valid_data, config.bptt, None, run.ctx)
+            evaluated = run.evaluation_model  # the averaged weights once NT-ASGD averages
+            valid = score_split(evaluated, run.valid_data, config.bptt, None, run.ctx)
             check.validation(valid.perplexity)
-            criterion = _selection_criterion(config, valid, run.extra_loss)
+            criterion = selection_criterion(config, valid, run.extra_loss)
             improved = state.keep_if_best(epoch, valid.perplexity, criterion)
             if improved:
-                _save_best(run, epoch)
+                save_best(run, epoch, evaluated)
 
             record = {
                 "epoch": epoch, "lr": lr, "train_ppl": train_ppl, "valid_ppl": valid.perplexity,
@@ -205,16 +210,18 @@ def _train_epochs(run: Training, progress: bool, on_epoch_end: EpochCallback | N
             if noise:
                 record["noise"] = noise
             next_lr, stop = schedule.after_epoch(lr, improved)
+            if run.averaging is not None:
+                record.update(run.averaging.after_validation(state, epoch, valid.perplexity, run.regime))
+                stop = stop or run.averaging.stop_reason()
             state.end_epoch(record, next_lr, seconds, words)
             if stop:
-                state.stopped = stop
-                log.info("%s: converged after epoch %d (the next learning rate %g is below min_lr %g)",
-                         run.regime, epoch, next_lr, config.min_lr)
+                state.stop_stage(stop)
+                log.info(stop_message(run, epoch, stop, next_lr))
             log.info("%s epoch %d: lr %g, train ppl %.2f, valid ppl %.2f, %.0f words/s",
                      run.regime, epoch, lr, train_ppl, valid.perplexity, words / seconds)
 
             run.wall_start = state.add_wall_time(run.wall_start)
-            _save_checkpoint(run)
+            save_checkpoint(run)
             if on_epoch_end is not None:
                 on_epoch_end(epoch, record)
     except KeyboardInterrupt as e:
@@ -223,36 +230,56 @@ def _train_epochs(run: Training, progress: bool, on_epoch_end: EpochCallback | N
         raise RunInterrupted(epoch, run.out) from e
 
 
+def _stages(run: Training, schedule: Schedule) -> Iterator[int]:
+    """The epochs to train: the training stage's, then (``finetune_epochs``) the fine-tuning
+    stage's, which begins here once the training stage is over (a resumed run already in it
+    goes on); see :mod:`rnndrop.lm.run.averaging`."""
+    yield from schedule.epochs(run.state)
+    if not run.config.finetune_epochs:
+        return
+    if run.state.finetune_from is None:
+        assert run.averaging is not None  # finetune_epochs needs nt_asgd
+        run.optimizer = run.averaging.start_finetune(run.state, run.config, run.best_path, run.ctx,
+                                                     run.regime)
+    yield from schedule.finetune_epochs(run.state)
+
+
 def _train_epoch(
-    run: Training, epoch: int, check: DivergenceCheck, progress: bool
+    run: Training, epoch: int, segments: EpochSegments, check: DivergenceCheck, progress: bool
 ) -> tuple[float, int, float]:
     """One pass over the training stream: (train perplexity, words, seconds).
 
     ``run.extra_loss(progress)`` is added to the mean NLL (``progress`` runs from 0 to 1
-    over training). Under DDP ``run.train_stream`` is this rank's shard and ``run.net`` the
+    over training), and AR / TAR when the config asks for them; each step's rate is scaled
+    by its segment's factor (variable-length BPTT; 1 otherwise) and NT-ASGD's average
+    updated after it. Under DDP ``run.train_stream`` is this rank's shard and ``run.net`` the
     DDP wrapper of ``run.model`` (its backward all-reduces the gradients before they are
     clipped); perplexity and words are those of every rank together.
     """
     config, ctx = run.config, run.ctx
     run.net.train()
-    n_batches = check.n_batches
-    bar = EpochProgress(n_batches, f"epoch {epoch}", progress and ctx.is_main)
+    bar = EpochProgress(segments.count, f"epoch {epoch}", progress and ctx.is_main)
     total, words, hidden = 0.0, 0, None
     start = time.perf_counter()
     try:
-        for i, (inputs, targets) in enumerate(bptt_batches(run.train_stream, config.bptt)):
-            logits, hidden = run.net(inputs, hidden)
+        for i, segment in enumerate(segments.items):
+            targets = segment.targets
+            logits, hidden, penalty = forward_with_penalty(run.net, segment.inputs, hidden,
+                                                           run.activation_reg)
             hidden = detach_hidden(hidden)
             loss = token_loss(logits, targets)
-            objective = loss
+            objective = loss if penalty is None else loss + penalty
             if run.extra_loss is not None:
-                objective = loss + run.extra_loss((epoch - 1 + i / n_batches) / config.epochs)
+                objective = objective + run.extra_loss((epoch - 1 + segment.done) / config.epochs)
             check.losses(objective, loss, i)
             run.optimizer.zero_grad(set_to_none=True)
             objective.backward()
             grad_norm = nn.utils.clip_grad_norm_(run.model.parameters(), config.clip)
             check.gradient_norm(grad_norm, i)
-            run.optimizer.step()
+            with scaled_learning_rate(run.optimizer, segment.lr_scale):
+                run.optimizer.step()
+            if run.averaging is not None:
+                run.averaging.after_step()
             total += loss.item() * targets.numel()
             words += targets.numel()
             elapsed = time.perf_counter() - start
@@ -263,38 +290,3 @@ def _train_epoch(
         total, all_words = all_reduce_sums([total, words], ctx)
         words = round(all_words)
     return perplexity(total / words), words, time.perf_counter() - start
-
-
-def _selection_criterion(config: TrainConfig, valid: Score, extra_loss: ExtraLoss | None) -> float:
-    """What the best epoch minimises: the validation perplexity, or (``select="objective"``)
-    the validation NLL per word plus the extra loss at the end of training (full weight)."""
-    if config.select == "perplexity":
-        return valid.perplexity
-    if extra_loss is None:
-        return valid.nll
-    with torch.no_grad():
-        return valid.nll + float(extra_loss(1.0))
-
-
-def _save_best(run: Training, epoch: int) -> None:
-    """best.pt: the weights of ``epoch`` with what rebuilds the model (:func:`rnndrop.lm.load_model`)."""
-    best = {
-        "model": run.model.state_dict(), "epoch": epoch, "config": run.config.to_dict(),
-        "regime": run.regime, "regime_settings": run.rules.settings(), "dropout": run.dropout,
-        "vocab": list(run.corpus.vocab.itos), "identity": run.identity,
-    }
-    run_on_main(partial(save_checkpoint, best, run.best_path), run.ctx, "writing best.pt")
-
-
-def _save_checkpoint(run: Training) -> None:
-    """checkpoint.pt: model, optimiser, progress and every rank's RNG state (the one before
-    it is kept as checkpoint.prev.pt until this one is verified)."""
-    checkpoint = {"identity": run.identity, "model": run.model.state_dict(),
-                  "optimizer": run.optimizer.state_dict(), "progress": run.state.to_dict(),
-                  "rng": get_rng_state()}
-    if run.ctx.enabled:
-        check_parameters_agree(run.model)
-        checkpoint["distributed"] = {"world_size": run.ctx.world_size, "backend": run.ctx.backend,
-                                     "rng": all_gather_objects(get_rng_state(), run.ctx)}
-    run_on_main(partial(save_checkpoint, checkpoint, run.checkpoint_path, keep_previous=True), run.ctx,
-                "writing checkpoint.pt")
