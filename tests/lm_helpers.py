@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import signal
 from pathlib import Path
 
 import pytest
@@ -69,3 +70,10 @@ def run_cli(argv: list[str]) -> int:
         return cli.main(argv)
     finally:
         torch.set_num_threads(threads)
+
+
+def ctrl_c_reaches() -> None:
+    """``preexec_fn`` of a child a test interrupts with SIGINT: a shell that starts jobs in
+    the background (``cmd &``) starts them with SIGINT ignored, and Python then never turns
+    it into KeyboardInterrupt; the child gets SIGINT's default back."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

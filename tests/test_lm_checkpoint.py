@@ -15,7 +15,7 @@ import torch
 from rnndrop.lm.data.corpus import load_corpus
 from rnndrop.lm.run.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint
 from rnndrop.lm.run.train import train_run
-from tests.lm_helpers import TINY, one_thread, write_corpus  # noqa: F401 (autouse fixture)
+from tests.lm_helpers import TINY, ctrl_c_reaches, one_thread, write_corpus  # noqa: F401 (autouse fixture)
 
 ONE = replace(TINY, epochs=1, mc_samples=0)
 
@@ -389,7 +389,7 @@ def test_a_real_sigint_leaves_a_run_that_resumes_bit_for_bit(corpus, tmp_path):
     child = subprocess.Popen(
         [sys.executable, "-c", _CHILD, corpus.source, str(tmp_path / "cut"), str(marker)],
         cwd=os.getcwd(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, preexec_fn=ctrl_c_reaches,
     )
     try:
         deadline = time.monotonic() + 120

@@ -22,7 +22,7 @@ from rnndrop.lm.data.corpus import batchify, load_corpus, sample_dir
 from rnndrop.lm.run import benchmark
 from rnndrop.lm.run.checkpoint import load_model
 from rnndrop.lm.run.evaluate import score
-from tests.lm_helpers import run_cli, write_corpus
+from tests.lm_helpers import ctrl_c_reaches, run_cli, write_corpus
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -134,7 +134,7 @@ def test_ctrl_c_exits_130_with_one_line_and_resume_reproduces_the_uninterrupted_
     out = tmp_path / "cut"
     process = subprocess.Popen([sys.executable, "-m", "rnndrop.lm", *_job_args(data, out)],
                                env=_env(tmp_path), cwd=tmp_path, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+                               stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_reaches)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and process.poll() is None:
         metrics = list(out.glob("tied/*/metrics.csv"))
@@ -176,7 +176,8 @@ def _job_with_two_workers(tmp_path: Path) -> tuple[subprocess.Popen, set[int], P
     out = tmp_path / "out"
     args = [*_job_args(data, out), "--regimes", "none,tied", "--jobs", "2", "--epochs", "40"]
     process = subprocess.Popen([sys.executable, "-m", "rnndrop.lm", *args], env=_env(tmp_path),
-                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=ctrl_c_reaches)
     workers: set[int] = set()
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and process.poll() is None:

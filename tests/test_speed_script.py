@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.lm_helpers import ctrl_c_reaches
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "speed.py"
 SMALL = ["--shapes", "small", "--models", "gru", "--kernels", "manual", "--warmup", "1", "--no-memory",
          "--batch", "2", "--seq-len", "3", "--layers", "1", "--threads", "1"]
@@ -26,7 +28,7 @@ def test_speed_says_what_it_times_and_how_long(tmp_path):
 def test_ctrl_c_stops_speed_with_one_line(tmp_path):
     process = subprocess.Popen([sys.executable, str(SCRIPT), *SMALL, "--rounds", "100000"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                               env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                               env=dict(os.environ, PYTHONUNBUFFERED="1"), preexec_fn=ctrl_c_reaches)
     for line in process.stderr:
         if "rounds, up to about" in line:
             break
