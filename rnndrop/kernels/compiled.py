@@ -25,7 +25,6 @@ import os
 import shutil
 import subprocess
 import threading
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -36,6 +35,7 @@ from torch.autograd.function import FunctionCtx
 
 from rnndrop.kernels.first_order import first_order_backward
 from rnndrop.kernels.matmul import onednn_enabled
+from rnndrop.kernels.optional import available_or_warn
 
 __all__ = ["build", "gru_recurrence", "is_available", "lstm_recurrence"]
 
@@ -142,20 +142,10 @@ def is_available() -> bool:
     When it cannot, warns once per process saying why and how to get it.
     """
     global _warned
-    try:
-        build()
-    except RuntimeError as error:
-        if not _warned:
-            _warned = True
-            how = "unset RNNDROP_NO_COMPILE" if "RNNDROP_NO_COMPILE" in str(error) else HOW_TO_GET_IT
-            warnings.warn(
-                f"rnndrop: {error}; kernel='auto' runs the 'manual' kernel instead. "
-                f"To get it: {how}.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        return False
-    return True
+    available, _warned = available_or_warn(
+        build, _warned, "RNNDROP_NO_COMPILE", HOW_TO_GET_IT, "the 'manual' kernel"
+    )
+    return available
 
 
 def _sizes(batch_sizes: Sequence[int]) -> list[int]:

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import os
 import threading
-import warnings
 from collections.abc import Sequence
 from types import ModuleType
 
 from torch import Tensor
+
+from rnndrop.kernels.optional import available_or_warn
 
 __all__ = ["gru_recurrence", "is_available", "load", "lstm_recurrence"]
 
@@ -57,20 +58,10 @@ def is_available() -> bool:
     """Whether the Triton kernel can run (imports it on the first call; the answer is cached).
     When it cannot, warns once per process saying why and how to get it."""
     global _warned
-    try:
-        load()
-    except RuntimeError as error:
-        if not _warned:
-            _warned = True
-            how = "unset RNNDROP_NO_TRITON" if "RNNDROP_NO_TRITON" in str(error) else HOW_TO_GET_IT
-            warnings.warn(
-                f"rnndrop: {error}; kernel='auto' runs the 'manual' kernel on CUDA instead. "
-                f"To get it: {how}.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        return False
-    return True
+    available, _warned = available_or_warn(
+        load, _warned, "RNNDROP_NO_TRITON", HOW_TO_GET_IT, "the 'manual' kernel on CUDA"
+    )
+    return available
 
 
 def lstm_recurrence(
