@@ -47,6 +47,16 @@ def tanh(x):
 
 
 @triton.jit
+def lanes_of(b, width, n, BLOCK: tl.constexpr):
+    """This program's lanes ``(k, j, lanes, rows)``: lane ``k * width + j`` is column ``j`` of row
+    ``k``; ``lanes`` the ones below ``n``, ``rows`` those of the step's ``b`` rows."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    k = offs // width
+    lanes = offs < n
+    return k, offs % width, lanes, lanes & (k < b)
+
+
+@triton.jit
 def load_previous(prev_ptr, init_ptr, k, j, width, carried, rows, acc):
     """The state row ``k`` starts its step from: row ``k`` of the step before where ``k < carried``,
     else row ``k`` of the initial state (both ``[*, width]``); ``rows``: the lanes of the step's rows."""
@@ -104,12 +114,9 @@ def next_state(
     """Kernel: the masked state ``m'`` from this step's outputs ``out`` ``[b, width]`` (written by a
     product: the LSTM's projection) and ``h_0``; with ``b = 0``, the first step's from ``h_0``.
     ``n = max(b, b') * width`` lanes; ``F64``: compute in float64."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    k = offs // width
-    j = offs % width
-    lanes = offs < n
+    k, j, lanes, rows = lanes_of(b, width, n, BLOCK)
     acc = tl.float64 if F64 else tl.float32
-    h = tl.load(out_ptr + k * width + j, mask=lanes & (k < b), other=0.0).to(acc)
+    h = tl.load(out_ptr + k * width + j, mask=rows, other=0.0).to(acc)
     store_next_state(h, k, j, width, b, b_next, lanes, h0_ptr, mask_ptr, mask_row, mask_gate,
                      m_ptr, m_row, m_gate, MASK_GATES, HAS_MASK)
 
@@ -124,13 +131,9 @@ def state_grad(
     """Kernel: ``dh_t`` of the step's rows into ``dh`` ``[b, width]`` and ``carry = 0`` there (the
     LSTM's projection takes it from here); ``dh_0`` of rows ``b <= k < b'``. With ``b = 0``, after
     the last backward step: ``dh_0`` of the first step's rows. ``n = max(b, b') * width`` lanes."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    k = offs // width
-    j = offs % width
-    lanes = offs < n
+    k, j, lanes, rows = lanes_of(b, width, n, BLOCK)
     acc = dh_state_ptr.dtype.element_ty
     dh = gather_state_grad(d_out_ptr, dm_ptr, dm_row, dm_gate, mask_ptr, mask_row, mask_gate, dh_state_ptr,
                            k, j, width, b, b_next, lanes, acc, MASK_GATES, HAS_DOUT, HAS_NEXT, HAS_MASK)
-    rows = lanes & (k < b)
     tl.store(dh_ptr + k * width + j, dh, mask=rows)
     tl.store(dh_state_ptr + k * width + j, tl.zeros_like(dh), mask=rows)

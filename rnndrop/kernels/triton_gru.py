@@ -37,6 +37,7 @@ from rnndrop.kernels.first_order import first_order_backward
 from rnndrop.kernels.schedule import Schedule, gather_previous
 from rnndrop.kernels.triton_common import (
     gather_state_grad,
+    lanes_of,
     load_previous,
     next_state,
     sigmoid,
@@ -73,11 +74,7 @@ def _forward_step(
     MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_NEXT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    k = offs // H
-    j = offs % H
-    lanes = offs < n
-    rows = lanes & (k < b)
+    k, j, lanes, rows = lanes_of(b, H, n, BLOCK)
     acc = a_n_ptr.dtype.element_ty
     x = gx_ptr + k * 3 * H + j
     p = p_ptr + k * p_row + j
@@ -110,11 +107,7 @@ def _backward_step(
     MASK_GATES: tl.constexpr, HAS_DOUT: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_MASK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    k = offs // H
-    j = offs % H
-    lanes = offs < n
-    rows = lanes & (k < b)
+    k, j, lanes, rows = lanes_of(b, H, n, BLOCK)
     acc = dh_state_ptr.dtype.element_ty
     dh = gather_state_grad(d_out_ptr, dm_ptr, dm_row, dm_gate, mask_ptr, mask_row, mask_gate, dh_state_ptr,
                            k, j, H, b, b_next, lanes, acc, MASK_GATES, HAS_DOUT, HAS_NEXT, HAS_MASK)

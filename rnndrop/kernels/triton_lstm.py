@@ -41,6 +41,7 @@ from rnndrop.kernels.matmul import matmul
 from rnndrop.kernels.schedule import Schedule, gather_previous
 from rnndrop.kernels.triton_common import (
     gather_state_grad,
+    lanes_of,
     load_previous,
     next_state,
     sigmoid,
@@ -76,11 +77,7 @@ def _forward_step(
     h0_ptr, mask_ptr, mask_row, mask_gate, m_ptr, m_row, m_gate, b, carried, b_next, H, n,
     MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, WRITE_NEXT: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    k = offs // H
-    j = offs % H
-    lanes = offs < n
-    rows = lanes & (k < b)
+    k, j, lanes, rows = lanes_of(b, H, n, BLOCK)
     acc = cells_ptr.dtype.element_ty
     x = gx_ptr + k * 4 * H + j
     p = p_ptr + k * p_row + j
@@ -109,11 +106,7 @@ def _backward_step(
     MASK_GATES: tl.constexpr, HAS_DOUT: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_MASK: tl.constexpr,
     PROJ: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    k = offs // H
-    j = offs % H
-    lanes = offs < n
-    rows = lanes & (k < b)
+    k, j, lanes, rows = lanes_of(b, H, n, BLOCK)
     acc = dc_state_ptr.dtype.element_ty
     if PROJ:  # dr = W_hr^T dh_t came from a product
         dr = tl.load(dr_ptr + k * H + j, mask=rows, other=0.0).to(acc)
