@@ -11,7 +11,8 @@ from rnndrop.bptt import VariableBPTT, scaled_learning_rate
 from rnndrop.calibration import ReliabilityDiagram, expected_calibration_error, reliability_diagram
 from rnndrop.cells import VariationalGRUCell, VariationalLSTMCell
 from rnndrop.embedding_dropout import EmbeddingDropout
-from rnndrop.gaussian import GaussianGRU, GaussianLockedDropout, GaussianLSTM
+from rnndrop.gaussian import GaussianGRU, GaussianLSTM
+from rnndrop.gaussian_locked_dropout import GaussianLockedDropout
 from rnndrop.kl import KLRegularized, KLRegularizer, model_kl, negative_elbo
 from rnndrop.locked_dropout import LockedDropout
 from rnndrop.masks import RecurrentMasks

@@ -24,8 +24,10 @@ KL term (:meth:`kl`): noise ``ξ_i`` on a unit that feeds weights ``w_ji`` is re
 weight posterior ``w_ji ~ N(θ_ji, α_i θ_ji²)``, so each ``alpha`` counts once per weight
 it scales: ``gates * hidden_size`` weights per input unit (twice for a bidirectional
 layer's shared input mask), ``gates * hidden_size`` per recurrent unit. The output site
-feeds a layer outside this module and counts once per unit; so does
-:class:`GaussianLockedDropout`.
+feeds a layer outside this module: ``output_fan_out`` says how many weights each output
+unit scales there (a language model's decoder: the vocabulary size). Its default, 1,
+counts it once per unit, a KL term so small beside the data term that the output's alpha
+falls towards 0 (no output dropout) during training.
 
 State dicts: the base weights keep ``nn.LSTM``'s names, the ``log_alpha_*`` entries
 are extra. Load an ``nn.LSTM`` state dict with ``load_state_dict(sd, strict=False)``
@@ -39,21 +41,16 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.utils.rnn import PackedSequence
 
 from rnndrop.kl import KL_APPROXIMATIONS, KLRegularized, check_max_alpha, clip_log_alpha
-from rnndrop.layout import mask_packed_sequence
 from rnndrop.noise import MaskSite, learned_gaussian_mask
 from rnndrop.recurrent import VariationalGRU, VariationalLSTM
-from rnndrop.stochastic import Stochastic
 from rnndrop.validation import (
-    check_bool,
     check_choice,
     check_positive_int,
-    check_probability,
 )
 
-__all__ = ["GRANULARITIES", "GaussianGRU", "GaussianLSTM", "GaussianLockedDropout", "rnn_state_dict"]
+__all__ = ["GRANULARITIES", "GaussianGRU", "GaussianLSTM", "rnn_state_dict"]
 
 GRANULARITIES: tuple[str, ...] = ("layer", "unit", "weight")
 
@@ -81,6 +78,7 @@ class _LearnedAlphaMixin(KLRegularized):
         granularity: str = "unit",
         max_alpha: float | None = None,
         kl_approximation: str = "molchanov",
+        output_fan_out: int = 1,
         **kwargs: Any,
     ) -> None:
         if "noise" in kwargs:
@@ -89,12 +87,13 @@ class _LearnedAlphaMixin(KLRegularized):
                 f"got noise={kwargs['noise']!r}"
             )
         super().__init__(*args, noise="gaussian", **kwargs)
-        self._init_learned_alpha(granularity, max_alpha, kl_approximation)
+        self._init_learned_alpha(granularity, max_alpha, kl_approximation, output_fan_out)
 
     def _init_learned_alpha(
-        self, granularity: str, max_alpha: float | None, kl_approximation: str
+        self, granularity: str, max_alpha: float | None, kl_approximation: str, output_fan_out: int
     ) -> None:
         self.granularity = check_choice("granularity", granularity, GRANULARITIES)
+        self.output_fan_out = check_positive_int("output_fan_out", output_fan_out)
         self.max_alpha = check_max_alpha(max_alpha, kl_approximation)
         self.kl_approximation = kl_approximation
         if granularity == "weight":
@@ -121,7 +120,7 @@ class _LearnedAlphaMixin(KLRegularized):
             for d in range(D):
                 suffix = f"_l{layer}" + ("_reverse" if d else "")
                 add("log_alpha_hidden" + suffix, self.dropout_hidden, self._out_size, gates, gates * H)
-        add("log_alpha_output", self.dropout_output, width, None, 1)
+        add("log_alpha_output", self.dropout_output, width, None, output_fan_out)
         weight = self.weight_ih_l0
         for name, (init, shape, _) in self._alpha_sites.items():
             param = torch.full(shape, init, device=weight.device, dtype=weight.dtype)
@@ -177,6 +176,8 @@ class _LearnedAlphaMixin(KLRegularized):
             s += f", max_alpha={self.max_alpha}"
         if self.kl_approximation != "molchanov":
             s += f", kl_approximation={self.kl_approximation!r}"
+        if self.output_fan_out != 1:
+            s += f", output_fan_out={self.output_fan_out}"
         return s
 
 
@@ -192,6 +193,9 @@ _GAUSSIAN_ARGS_DOC = """
             larger ``log_alpha`` is clipped and gets no gradient. None: unbounded.
         kl_approximation: ``"molchanov"`` (default, any alpha) or ``"kingma"`` (needs
             ``max_alpha <= 1``), see :mod:`rnndrop.kl`.
+        output_fan_out: weights each output unit scales in the layer it feeds (the
+            decoder's vocabulary size in a language model); the output site's KL counts
+            each alpha that many times per unit. Default 1 (module docstring).
 
     ``kl()`` returns the KL term; ``alphas()`` the learned variances by site.
 """
@@ -204,7 +208,7 @@ class GaussianLSTM(_LearnedAlphaMixin, VariationalLSTM):
     Example::
 
         lstm = GaussianLSTM(200, 200, dropout_input=0.5, dropout_hidden=0.2,
-                            dropout_output=0.5, granularity="unit")
+                            dropout_output=0.5, granularity="unit", output_fan_out=vocab_size)
         loss = negative_elbo(nll, model_kl(model), dataset_size=n_tokens)
 """
         + _GAUSSIAN_ARGS_DOC
@@ -217,84 +221,3 @@ class GaussianGRU(_LearnedAlphaMixin, VariationalGRU):
 """
         + _GAUSSIAN_ARGS_DOC
     )
-
-
-class GaussianLockedDropout(KLRegularized, Stochastic, nn.Module):
-    """Locked dropout with Gaussian noise ``N(1, alpha)`` and learned ``alpha``.
-
-    One noise vector per sequence, reused at every time step (like
-    :class:`~rnndrop.LockedDropout`), with ``alpha`` per feature (``granularity="unit"``)
-    or one for all (``"layer"``), stored as the parameter ``log_alpha``.
-
-    Args:
-        size: number of features (last dimension of the input).
-        p: initial variance as a dropout probability: ``alpha = p / (1 - p)``, ``p`` in (0, 1).
-        granularity: ``"unit"`` or ``"layer"``.
-        max_alpha, kl_approximation: as for :class:`GaussianLSTM`.
-        batch_first: input is ``[B, T, size]`` instead of ``[T, B, size]``.
-
-    Shapes:
-        input: ``[T, B, size]`` (``[B, T, size]``), or a ``PackedSequence`` of ``[N, size]``.
-        returns: like ``input``; unchanged in eval mode.
-
-    ``kl()`` counts each ``alpha`` once per feature it scales.
-    """
-
-    def __init__(
-        self,
-        size: int,
-        p: float,
-        *,
-        granularity: str = "unit",
-        max_alpha: float | None = None,
-        kl_approximation: str = "molchanov",
-        batch_first: bool = False,
-    ) -> None:
-        super().__init__()
-        check_positive_int("size", size)
-        p = check_probability("p", p)
-        if p == 0:
-            raise ValueError("p must be in (0, 1) to set a positive initial alpha, got 0.0")
-        check_choice("granularity", granularity, ("layer", "unit"))
-        self.size = size
-        self.p = p
-        self.granularity = granularity
-        self.max_alpha = check_max_alpha(max_alpha, kl_approximation)
-        self.kl_approximation = kl_approximation
-        self.batch_first = check_bool("batch_first", batch_first)
-        shape = (1,) if granularity == "layer" else (size,)
-        self.log_alpha = nn.Parameter(torch.full(shape, math.log(p / (1.0 - p))))
-
-    def is_stochastic(self) -> bool:
-        return True
-
-    def _clipped_log_alpha(self) -> Tensor:
-        return clip_log_alpha(self.log_alpha, self.max_alpha)
-
-    def alpha(self) -> Tensor:
-        """The present ``alpha`` (after clipping), detached: ``[1]`` or ``[size]``."""
-        return self._clipped_log_alpha().detach().exp()
-
-    def kl(self) -> Tensor:
-        count = self.size / self.log_alpha.numel()
-        return KL_APPROXIMATIONS[self.kl_approximation](self._clipped_log_alpha()).sum() * count
-
-    def forward(self, x: Tensor | PackedSequence) -> Tensor | PackedSequence:
-        data = x.data if isinstance(x, PackedSequence) else x
-        if not isinstance(data, Tensor) or data.dim() < 2 or data.shape[-1] != self.size:
-            got = list(data.shape) if isinstance(data, Tensor) else type(data).__name__
-            raise ValueError(f"x must be [T, B, {self.size}] or a PackedSequence, got {got}")
-        if not self.training:
-            return x
-        log_alpha = self._clipped_log_alpha()
-        if isinstance(x, PackedSequence):
-            shape = (int(x.batch_sizes[0]), self.size)
-            noise = learned_gaussian_mask(shape, log_alpha, device=data.device, dtype=data.dtype)
-            return mask_packed_sequence(x, noise)
-        if data.dim() != 3:
-            raise ValueError(f"x must be 3-D [T, B, {self.size}], got shape {list(data.shape)}")
-        shape = (data.shape[0], 1, self.size) if self.batch_first else (1, data.shape[1], self.size)
-        return x * learned_gaussian_mask(shape, log_alpha, device=data.device, dtype=data.dtype)
-
-    def extra_repr(self) -> str:
-        return f"{self.size}, p={self.p}, granularity={self.granularity!r}"

@@ -5,7 +5,8 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
-from rnndrop.gaussian import GaussianGRU, GaussianLockedDropout, GaussianLSTM, rnn_state_dict
+from rnndrop.gaussian import GaussianGRU, GaussianLSTM, rnn_state_dict
+from rnndrop.gaussian_locked_dropout import GaussianLockedDropout
 from rnndrop.kl import kl_molchanov, model_kl, negative_elbo
 from tests.oracle import assert_close, plain_twin
 
@@ -106,6 +107,15 @@ def test_kl_counts_each_alpha_once_per_weight_it_scales(granularity):
     per_weight = lambda p: kl_molchanov(torch.tensor(math.log(p / (1 - p))))  # noqa: E731
     expected = per_weight(0.5) * 5 * 24 + per_weight(0.2) * 6 * 24 + per_weight(0.4) * 6
     torch.testing.assert_close(layer.kl(), expected)
+    # the output site counts the weights of the layer it feeds (a decoder of 11 words)
+    feeding = GaussianLSTM(5, 6, dropout_input=0.5, dropout_hidden=0.2, dropout_output=0.4,
+                           granularity=granularity, output_fan_out=11)
+    torch.testing.assert_close(feeding.kl(), expected + per_weight(0.4) * 6 * 10)
+    torch.testing.assert_close(feeding.site_kl()["log_alpha_output"], per_weight(0.4) * 6 * 11)
+    assert "output_fan_out=11" in repr(feeding)
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="output_fan_out"):
+            GaussianLSTM(5, 6, dropout_output=0.4, output_fan_out=bad)
 
 
 def test_max_alpha_clips_and_kingma_needs_it():
@@ -166,6 +176,7 @@ def test_gaussian_locked_dropout_is_tied_over_time_and_learned():
     assert drop.log_alpha.grad.shape == (4,)
     assert torch.equal(drop.eval()(x), x)
     torch.testing.assert_close(drop.kl(), kl_molchanov(torch.zeros(4)).sum())
+    torch.testing.assert_close(GaussianLockedDropout(4, 0.5, fan_out=7).kl(), 7 * drop.kl())
     batch_first = GaussianLockedDropout(4, 0.5, batch_first=True, granularity="layer")
     y = batch_first(torch.ones(3, 6, 4))
     assert torch.equal(y, y[:, :1].expand_as(y))

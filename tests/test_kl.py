@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from rnndrop.gaussian import GaussianLockedDropout
+from rnndrop.gaussian_locked_dropout import GaussianLockedDropout
 from rnndrop.kl import (
     KINGMA_COEFFICIENTS,
     MOLCHANOV_COEFFICIENTS,
@@ -165,3 +165,20 @@ def test_language_model_regimes_train_with_the_kl_hook(tmp_path, regime):
     assert math.isfinite(result["test_ppl"])
     assert mc_samples == 0 or math.isfinite(result["test_ppl_mc"])
     assert result["regime_settings"]["regularizer"] == "kl_warmup_0.2"
+
+
+def test_language_model_learned_alpha_counts_the_decoder_in_the_output_kl():
+    """The LM's output site feeds the decoder: its KL counts one weight per word of the
+    vocabulary; the hooks of runs made before kept the old count (once per unit)."""
+    from rnndrop.lm.model.build import build_model
+    from rnndrop.lm.model.regimes import REGIMES, Regime
+    from tests.lm_helpers import TINY
+
+    for name in ("gaussian", "gaussian_kingma", "gaussian_kingma_layer"):
+        model = build_model(50, TINY, REGIMES[name], TINY.dropout)
+        assert model.rnn.output_fan_out == 50, name
+        old = build_model(50, TINY, Regime("old", noise="gaussian", rnn_factory=f"{name}_rnn",
+                                           sites=REGIMES[name].sites), TINY.dropout)
+        assert old.rnn.output_fan_out == 1, name
+        ratio = model.rnn.site_kl()["log_alpha_output"] / old.rnn.site_kl()["log_alpha_output"]
+        assert ratio.item() == pytest.approx(50)

@@ -67,7 +67,8 @@ def build_model(
     }
     if regime.rnn_factory is not None:
         factory = get_hook(regime.rnn_factory)
-        rnn = factory(config.embedding_size, config.hidden_size, config.num_layers, p, cell=config.cell)
+        rnn = factory(config.embedding_size, config.hidden_size, config.num_layers, p, cell=config.cell,
+                      output_fan_out=vocab_size)
         return RNNLanguageModel(
             vocab_size, config.embedding_size, config.hidden_size, config.num_layers,
             rnn=rnn, **common,

@@ -119,9 +119,15 @@ class Regime:
 _HOOKS: dict[str, Callable[..., Any]] = {
     # The KL term is divided by the training tokens the loop passes in.
     "kl_warmup_0.2": KLRegularizer(warmup=0.2),
-    "gaussian_rnn": learned_gaussian("unit"),
-    "gaussian_kingma_rnn": learned_gaussian("unit", max_alpha=1.0, kl_approximation="kingma"),
-    "gaussian_kingma_layer_rnn": learned_gaussian("layer", max_alpha=1.0, kl_approximation="kingma"),
+    # The output site's KL counts the decoder weights each unit scales (its vocabulary).
+    "learned_alpha": learned_gaussian("unit"),
+    "learned_alpha_kingma": learned_gaussian("unit", max_alpha=1.0, kl_approximation="kingma"),
+    "learned_alpha_kingma_layer": learned_gaussian("layer", max_alpha=1.0, kl_approximation="kingma"),
+    # As run before 2026-11-24 (output KL once per unit), so that those runs resume as they were.
+    "gaussian_rnn": learned_gaussian("unit", decoder_kl=False),
+    "gaussian_kingma_rnn": learned_gaussian("unit", max_alpha=1.0, kl_approximation="kingma", decoder_kl=False),
+    "gaussian_kingma_layer_rnn": learned_gaussian("layer", max_alpha=1.0, kl_approximation="kingma",
+                                                  decoder_kl=False),
     "sparse_rnn": sparse_variational,
 }
 
@@ -161,7 +167,7 @@ _REGIMES: dict[str, Regime] = {
         sites=SITES,
         noise="gaussian",
         regularizer="kl_warmup_0.2",
-        rnn_factory="gaussian_rnn",
+        rnn_factory="learned_alpha",
     ),
     "gaussian_fixed": Regime(
         "Gaussian dropout N(1, alpha), tied, alpha = p / (1 - p) fixed (the baseline of learned alpha); "
@@ -175,7 +181,7 @@ _REGIMES: dict[str, Regime] = {
         sites=SITES,
         noise="gaussian",
         regularizer="kl_warmup_0.2",
-        rnn_factory="gaussian_kingma_rnn",
+        rnn_factory="learned_alpha_kingma",
     ),
     "gaussian_kingma_layer": Regime(
         "as gaussian_kingma with one learned alpha per site and layer (Kingma et al.'s per-layer "
@@ -183,7 +189,7 @@ _REGIMES: dict[str, Regime] = {
         sites=SITES,
         noise="gaussian",
         regularizer="kl_warmup_0.2",
-        rnn_factory="gaussian_kingma_layer_rnn",
+        rnn_factory="learned_alpha_kingma_layer",
     ),
     "sparse_vd": Regime(
         "sparse variational dropout on the recurrent weights (Molchanov et al.; Lobacheva et al.), "
