@@ -253,3 +253,17 @@ def test_a_compiler_that_fails_is_a_reason_to_fall_back_not_a_traceback(monkeypa
     monkeypatch.setattr(cpp_extension, "load", failing_load)
     with pytest.raises(RuntimeError, match="the compiled loop kernel is not available: the build failed"):
         compiled.build()
+
+
+def test_build_command_says_where_the_kernel_is_or_why_not(compiled_kernel):
+    """``python -m rnndrop.kernels``: the cached build and its path, no runpy warning; without
+    a kernel, one line and exit status 1."""
+    command = [sys.executable, "-m", "rnndrop.kernels"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "built and cached" in done.stdout and "Warning" not in done.stderr
+    env = {**os.environ, "RNNDROP_NO_COMPILE": "1"}
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert refused.returncode == 1
+    assert refused.stderr.strip().splitlines() == ["rnndrop: the compiled loop kernel is not available: "
+                                                   "disabled by RNNDROP_NO_COMPILE"]

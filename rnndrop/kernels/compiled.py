@@ -11,7 +11,7 @@ C++ compiler and ninja) and cached in torch's extension directory
 (``TORCH_EXTENSIONS_DIR``); a cached build loads in well under a second. Build it ahead
 of time, and see where it lives, with::
 
-    python -m rnndrop.kernels.compiled
+    python -m rnndrop.kernels
 
 ``RNNDROP_NO_COMPILE=1`` turns it off: :func:`is_available` is then False and
 ``kernel="auto"`` runs the "manual" kernel.
@@ -57,7 +57,7 @@ def _build_name() -> str:
 NAME = _build_name()
 HOW_TO_GET_IT = (
     "install a C++ compiler (g++) and ninja (`pip install ninja`), then build it with "
-    "`python -m rnndrop.kernels.compiled`"
+    "`python -m rnndrop.kernels`"
 )
 
 #: With more than one thread, recurrent weights with at least this many elements go through
@@ -124,7 +124,7 @@ def _compile_or_load() -> ModuleType:
     if not _is_cached(build_dir):
         logger.warning("rnndrop: compiling the C++ loop kernel into %s (first use only: about 40 s "
                        "on a quiet 2-core CPU, minutes on a busy one; `python -m "
-                       "rnndrop.kernels.compiled` builds it ahead)", build_dir)
+                       "rnndrop.kernels` builds it ahead)", build_dir)
     try:
         return cpp_extension.load(
             name=NAME, sources=[str(p) for p in SOURCES], extra_cflags=["-O3"], verbose=False
@@ -237,9 +237,3 @@ def gru_recurrence(
     """The GRU recurrence of one layer and direction (contract in :mod:`rnndrop.kernels`)."""
     out, h_n = _GRURecurrence.apply(gates_x, h0, w_hh, b_hh, hidden_mask, _sizes(batch_sizes), bool(reverse))
     return out, h_n
-
-
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    module = build()
-    print(f"the compiled loop kernel is built and cached: {module.__file__}")

@@ -1,0 +1,15 @@
+"""``python -m rnndrop.kernels``: build the compiled loop kernel ahead of its first use (or load
+it from torch's extension cache) and say where it lives."""
+
+import logging
+import sys
+
+from rnndrop.kernels import compiled
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        module = compiled.build()
+    except RuntimeError as error:
+        sys.exit(f"rnndrop: {error}")
+    print(f"the compiled loop kernel is built and cached: {module.__file__}")
