@@ -3,6 +3,7 @@
     python benchmarks/speed.py                               # small and medium, LSTM and GRU
     python benchmarks/speed.py --shapes large --models lstm --rounds 5
     python benchmarks/speed.py --device cuda --shapes small,medium,large --batch 20,64,128 --json speed.json
+    python benchmarks/speed.py --mode mc-eval                # Monte-Carlo prediction: forward only
 
 Every variant runs forward + backward of ``out.sum()`` in training mode on the
 Zaremba et al. (2014) shapes: batch 20 (``--batch``: one or more), 35 steps, 2 layers, input
@@ -21,6 +22,10 @@ size = hidden size (small 200, medium 650, large 1500), float32. Variants, for t
   folded into ``W_hh``, so torch's fused kernel runs;
 - ``weight_drop``: ``WeightDrop(nn.LSTM, every weight_hh, p)`` (DropConnect), when
   ``rnndrop.weight_drop`` is there.
+
+``--mode mc-eval`` times what Monte-Carlo prediction runs instead: the forward pass alone under
+``torch.no_grad()``, the dropout modules in training mode so that every call draws fresh masks,
+against the baseline's forward under ``no_grad``; memory is not measured then.
 
 Timing: warm-up calls, then interleaved rounds; every round runs the variants once each
 in a fresh random order, so load from other processes hits all of them alike. A
@@ -104,6 +109,15 @@ GRAPHED = "sequence/triton+graphs"
 def train_step(module: nn.Module, x: torch.Tensor) -> None:
     out, _ = module(x)
     out.sum().backward()
+
+
+def mc_eval_step(module: nn.Module, x: torch.Tensor) -> None:
+    """One Monte-Carlo sample: the forward pass with fresh masks (training mode), no graph."""
+    with torch.no_grad():
+        module(x)
+
+
+STEPS = {"train": train_step, "mc-eval": mc_eval_step}
 
 
 @contextlib.contextmanager
@@ -191,7 +205,8 @@ def bench_shape(
     for m in variants.values():
         m.to(device).train()
     x = torch.randn(args.seq_len, batch, hidden, device=device)
-    calls = {name: graphed(name, lambda m=m: train_step(m, x)) for name, m in variants.items()}
+    step_fn = STEPS[args.mode]
+    calls = {name: graphed(name, lambda m=m: step_fn(m, x)) for name, m in variants.items()}
     names = list(variants)
     baseline = names[0]
 
@@ -219,7 +234,7 @@ def bench_shape(
             times[name].append(timed(calls[name], device))
     load_after = os.getloadavg()[0]
     memory = {}
-    if args.memory:
+    if args.memory and args.mode == "train":
         memory = {name: graphed(name, lambda m=variants[name]: saved_bytes(m, x))() for name in names}
 
     held = graph_memory(device) if GRAPHED in variants else None
@@ -466,6 +481,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=35)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--p", type=float, default=0.5, help="every dropout probability")
+    parser.add_argument("--mode", default="train", choices=sorted(STEPS),
+                        help="train: forward + backward (default); mc-eval: forward, fresh masks, no grad")
     parser.add_argument("--warmup", type=int, default=3, help="calls per variant before timing")
     parser.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
@@ -529,7 +546,7 @@ def _run(argv: list[str] | None = None) -> None:
     header = (
         f"{machine()}\n"
         + (f"{gpu_setup(device)}\n" if device.type == "cuda" else "")
-        + f"device {device}, {torch.get_num_threads()} threads, "
+        + f"device {device}, {torch.get_num_threads()} threads, {args.mode}, "
         f"batch {','.join(map(str, args.batch))}, seq {args.seq_len}, {args.layers} layers, p {args.p}, "
         f"{args.rounds} rounds, load average {os.getloadavg()[0]:.2f}\n"
         f"kernel='auto' runs the loop kernel {auto!r}"

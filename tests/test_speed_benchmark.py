@@ -59,6 +59,30 @@ def test_a_tiny_run_prints_a_table_per_shape_model_and_batch(speed, capsys, monk
     assert all(r["ratio"] > 0 for r in results)
 
 
+def test_mc_eval_mode_times_forward_passes_with_fresh_masks_and_no_graph(speed, capsys, monkeypatch):
+    monkeypatch.setitem(speed.SHAPES, "small", 8)
+    seen = []
+    real = speed.mc_eval_step
+
+    def spy(module, x):
+        real(module, x)
+        seen.append(module.training)
+
+    monkeypatch.setitem(speed.STEPS, "mc-eval", spy)
+    speed.main(["--shapes", "small", "--models", "lstm", "--kernels", "manual", "--batch", "2",
+                "--seq-len", "3", "--rounds", "2", "--warmup", "1", "--mode", "mc-eval"])
+    printed = capsys.readouterr().out
+    assert "mc-eval" in printed and "sequence/manual" in printed
+    assert seen and all(seen)  # the masks are drawn: training mode
+    lstm = speed.VariationalLSTM(4, 4, dropout_hidden=0.5, kernel="manual").train()
+    x = torch.randn(3, 2, 4)
+    with torch.no_grad():
+        first, second = lstm(x)[0], lstm(x)[0]
+    assert not torch.equal(first, second)  # every call draws fresh masks
+    with pytest.raises(SystemExit):
+        speed.parse_args(["--mode", "eval"])
+
+
 def test_the_gpu_line_names_gpu_driver_cuda_torch_and_triton(speed, monkeypatch):
     props = SimpleNamespace(name="Made-up GPU", total_memory=80 * 2**30, major=9, minor=0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
