@@ -25,9 +25,9 @@ weight posterior ``w_ji ~ N(θ_ji, α_i θ_ji²)``, so each ``alpha`` counts onc
 it scales: ``gates * hidden_size`` weights per input unit (twice for a bidirectional
 layer's shared input mask), ``gates * hidden_size`` per recurrent unit. The output site
 feeds a layer outside this module: ``output_fan_out`` says how many weights each output
-unit scales there (a language model's decoder: the vocabulary size). Its default, 1,
-counts it once per unit, a KL term so small beside the data term that the output's alpha
-falls towards 0 (no output dropout) during training.
+unit scales there (a language model's decoder: the vocabulary size). Without it the output
+counts once per unit (with a warning), a KL term so small beside the data term that the
+output's alpha falls towards 0 (no output dropout) during training.
 
 State dicts: the base weights keep ``nn.LSTM``'s names, the ``log_alpha_*`` entries
 are extra. Load an ``nn.LSTM`` state dict with ``load_state_dict(sd, strict=False)``
@@ -37,12 +37,13 @@ are extra. Load an ``nn.LSTM`` state dict with ``load_state_dict(sd, strict=Fals
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from rnndrop.kl import KL_APPROXIMATIONS, KLRegularized, check_max_alpha, clip_log_alpha
+from rnndrop.kl import KL_APPROXIMATIONS, KLRegularized, check_max_alpha, clip_log_alpha, fan_out_warning
 from rnndrop.noise import MaskSite, learned_gaussian_mask
 from rnndrop.recurrent import VariationalGRU, VariationalLSTM
 from rnndrop.validation import (
@@ -78,7 +79,7 @@ class _LearnedAlphaMixin(KLRegularized):
         granularity: str = "unit",
         max_alpha: float | None = None,
         kl_approximation: str = "molchanov",
-        output_fan_out: int = 1,
+        output_fan_out: int | None = None,
         **kwargs: Any,
     ) -> None:
         if "noise" in kwargs:
@@ -90,9 +91,14 @@ class _LearnedAlphaMixin(KLRegularized):
         self._init_learned_alpha(granularity, max_alpha, kl_approximation, output_fan_out)
 
     def _init_learned_alpha(
-        self, granularity: str, max_alpha: float | None, kl_approximation: str, output_fan_out: int
+        self, granularity: str, max_alpha: float | None, kl_approximation: str, output_fan_out: int | None
     ) -> None:
         self.granularity = check_choice("granularity", granularity, GRANULARITIES)
+        if output_fan_out is None:
+            if self.dropout_output > 0:
+                message = fan_out_warning(type(self).__name__, "output_fan_out")
+                warnings.warn(message, UserWarning, stacklevel=3)
+            output_fan_out = 1
         self.output_fan_out = check_positive_int("output_fan_out", output_fan_out)
         self.max_alpha = check_max_alpha(max_alpha, kl_approximation)
         self.kl_approximation = kl_approximation
@@ -120,7 +126,7 @@ class _LearnedAlphaMixin(KLRegularized):
             for d in range(D):
                 suffix = f"_l{layer}" + ("_reverse" if d else "")
                 add("log_alpha_hidden" + suffix, self.dropout_hidden, self._out_size, gates, gates * H)
-        add("log_alpha_output", self.dropout_output, width, None, output_fan_out)
+        add("log_alpha_output", self.dropout_output, width, None, self.output_fan_out)
         weight = self.weight_ih_l0
         for name, (init, shape, _) in self._alpha_sites.items():
             param = torch.full(shape, init, device=weight.device, dtype=weight.dtype)
@@ -195,7 +201,8 @@ _GAUSSIAN_ARGS_DOC = """
             ``max_alpha <= 1``), see :mod:`rnndrop.kl`.
         output_fan_out: weights each output unit scales in the layer it feeds (the
             decoder's vocabulary size in a language model); the output site's KL counts
-            each alpha that many times per unit. Default 1 (module docstring).
+            each alpha that many times per unit. Not given: counted once per unit, with a
+            warning when the output site has noise (module docstring).
 
     ``kl()`` returns the KL term; ``alphas()`` the learned variances by site.
 """

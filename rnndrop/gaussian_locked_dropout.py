@@ -5,12 +5,13 @@ sequence, reused at every step, for a tensor between any two layers."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from rnndrop.kl import KL_APPROXIMATIONS, KLRegularized, check_max_alpha, clip_log_alpha
+from rnndrop.kl import KL_APPROXIMATIONS, KLRegularized, check_max_alpha, clip_log_alpha, fan_out_warning
 from rnndrop.layout import mask_packed_sequence
 from rnndrop.noise import learned_gaussian_mask
 from rnndrop.stochastic import Stochastic
@@ -32,8 +33,8 @@ class GaussianLockedDropout(KLRegularized, Stochastic, nn.Module):
         granularity: ``"unit"`` or ``"layer"``.
         max_alpha, kl_approximation: as for :class:`~rnndrop.GaussianLSTM`.
         fan_out: weights each feature scales in the layer it feeds; ``kl()`` counts each
-            ``alpha`` that many times per feature. Default 1: once per feature (a weak KL
-            term, under which alpha drifts towards 0).
+            ``alpha`` that many times per feature. Not given: once per feature, with a warning
+            (a weak KL term, under which alpha drifts towards 0).
         batch_first: input is ``[B, T, size]`` instead of ``[T, B, size]``.
 
     Shapes:
@@ -50,7 +51,7 @@ class GaussianLockedDropout(KLRegularized, Stochastic, nn.Module):
         granularity: str = "unit",
         max_alpha: float | None = None,
         kl_approximation: str = "molchanov",
-        fan_out: int = 1,
+        fan_out: int | None = None,
         batch_first: bool = False,
     ) -> None:
         super().__init__()
@@ -64,6 +65,9 @@ class GaussianLockedDropout(KLRegularized, Stochastic, nn.Module):
         self.granularity = granularity
         self.max_alpha = check_max_alpha(max_alpha, kl_approximation)
         self.kl_approximation = kl_approximation
+        if fan_out is None:
+            warnings.warn(fan_out_warning(type(self).__name__, "fan_out"), UserWarning, stacklevel=2)
+            fan_out = 1
         self.fan_out = check_positive_int("fan_out", fan_out)
         self.batch_first = check_bool("batch_first", batch_first)
         shape = (1,) if granularity == "layer" else (size,)

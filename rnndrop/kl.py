@@ -107,6 +107,15 @@ def check_max_alpha(max_alpha: float | None, kl_approximation: str) -> float | N
     return max_alpha
 
 
+def fan_out_warning(module: str, argument: str) -> str:
+    """What a learned-alpha module says when it does not know the width of the layer its
+    output feeds (``argument``), so its output KL counts each alpha once per unit."""
+    return (f"{module}: {argument} not given, so the KL term counts each output alpha once per "
+            f"unit, too weak a term to keep that noise (its alpha falls towards 0 in training); "
+            f"pass {argument}=<width of the layer it feeds> (a language model: its vocabulary "
+            f"size), or {argument}=1 to keep this count")
+
+
 class _ClipFromAbove(torch.autograd.Function):
     """``min(x, bound)`` whose gradient reaches an ``x`` beyond ``bound`` only when it points
     back inside (a gradient step would lower ``x``): a parameter pushed past the bound by

@@ -1,4 +1,5 @@
 import math
+import warnings
 
 import pytest
 import torch
@@ -113,6 +114,16 @@ def test_kl_counts_each_alpha_once_per_weight_it_scales(granularity):
     torch.testing.assert_close(feeding.kl(), expected + per_weight(0.4) * 6 * 10)
     torch.testing.assert_close(feeding.site_kl()["log_alpha_output"], per_weight(0.4) * 6 * 11)
     assert "output_fan_out=11" in repr(feeding)
+    with pytest.warns(UserWarning, match="output_fan_out not given") as caught:
+        GaussianLSTM(5, 6, dropout_output=0.4)
+    assert caught[0].filename == __file__  # points at the caller
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GaussianLSTM(5, 6, dropout_hidden=0.4)  # no output noise, nothing to count
+        GaussianLSTM(5, 6, dropout_output=0.4, output_fan_out=1)
+        GaussianLockedDropout(4, 0.5, fan_out=1)
+    with pytest.warns(UserWarning, match="fan_out not given"):
+        GaussianLockedDropout(4, 0.5)
     for bad in (0, 2.5, True):
         with pytest.raises(ValueError, match="output_fan_out"):
             GaussianLSTM(5, 6, dropout_output=0.4, output_fan_out=bad)
