@@ -77,8 +77,8 @@ class _LearnedAlphaMixin(KLRegularized):
         self,
         *args: Any,
         granularity: str = "unit",
-        max_alpha: float | None = None,
-        kl_approximation: str = "molchanov",
+        max_alpha: float | None = 1.0,
+        kl_approximation: str = "kingma",
         output_fan_out: int | None = None,
         **kwargs: Any,
     ) -> None:
@@ -178,9 +178,9 @@ class _LearnedAlphaMixin(KLRegularized):
 
     def extra_repr(self) -> str:
         s = super().extra_repr() + f", granularity={self.granularity!r}"
-        if self.max_alpha is not None:
+        if self.max_alpha != 1.0:
             s += f", max_alpha={self.max_alpha}"
-        if self.kl_approximation != "molchanov":
+        if self.kl_approximation != "kingma":
             s += f", kl_approximation={self.kl_approximation!r}"
         if self.output_fan_out != 1:
             s += f", output_fan_out={self.output_fan_out}"
@@ -195,10 +195,13 @@ _GAUSSIAN_ARGS_DOC = """
 
     Extra keyword arguments:
         granularity: ``"layer"``, ``"unit"`` (default) or ``"weight"`` (module docstring).
-        max_alpha: upper bound on ``alpha`` (``1.0`` is Kingma et al.'s constraint); a
-            larger ``log_alpha`` is clipped and gets no gradient. None: unbounded.
-        kl_approximation: ``"molchanov"`` (default, any alpha) or ``"kingma"`` (needs
-            ``max_alpha <= 1``), see :mod:`rnndrop.kl`.
+        max_alpha: upper bound on ``alpha``; default ``1.0``, Kingma et al.'s constraint. A
+            larger ``log_alpha`` is clipped and gets no gradient only outwards. None: unbounded
+            (with ``kl_approximation="molchanov"``).
+        kl_approximation: ``"kingma"`` (default; needs ``max_alpha <= 1``) or
+            ``"molchanov"`` (any alpha), see :mod:`rnndrop.kl`. The defaults are Kingma et
+            al.'s constrained setting, the best of the learned settings in
+            ``docs/gaussian-results.md`` (per unit, ``alpha <= 1``).
         output_fan_out: weights each output unit scales in the layer it feeds (the
             decoder's vocabulary size in a language model); the output site's KL counts
             each alpha that many times per unit. Not given: counted once per unit, with a

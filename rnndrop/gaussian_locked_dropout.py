@@ -49,8 +49,8 @@ class GaussianLockedDropout(KLRegularized, Stochastic, nn.Module):
         p: float,
         *,
         granularity: str = "unit",
-        max_alpha: float | None = None,
-        kl_approximation: str = "molchanov",
+        max_alpha: float | None = 1.0,
+        kl_approximation: str = "kingma",
         fan_out: int | None = None,
         batch_first: bool = False,
     ) -> None:

@@ -8,10 +8,12 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 from rnndrop.gaussian import GaussianGRU, GaussianLSTM, rnn_state_dict
 from rnndrop.gaussian_locked_dropout import GaussianLockedDropout
-from rnndrop.kl import kl_molchanov, model_kl, negative_elbo
+from rnndrop.kl import kl_kingma, kl_molchanov, model_kl, negative_elbo
 from tests.oracle import assert_close, plain_twin
 
-SITES = dict(dropout=0.3, dropout_input=0.5, dropout_hidden=0.2, dropout_output=0.4)
+SITES = dict(dropout=0.3, dropout_input=0.5, dropout_hidden=0.2, dropout_output=0.4, output_fan_out=3)
+#: Molchanov's unconstrained setting (the defaults are Kingma's: alpha <= 1, his KL approximation).
+UNBOUNDED = dict(max_alpha=None, kl_approximation="molchanov")
 
 
 def twins(cls, plain_cls, **kwargs):
@@ -77,7 +79,7 @@ def test_sites_without_dropout_have_no_parameter_and_no_noise():
 
 
 def test_masks_are_tied_over_time_with_mean_one_and_variance_alpha():
-    layer = GaussianLSTM(5, 6, dropout_input=0.5, granularity="unit")
+    layer = GaussianLSTM(5, 6, dropout_input=0.5, granularity="unit", **UNBOUNDED)
     with torch.no_grad():
         layer.log_alpha_input_l0.copy_(torch.log(torch.tensor([0.01, 0.1, 0.5, 1.0, 4.0])))
     mask = layer.sample_masks(40000).inputs[0]
@@ -104,8 +106,8 @@ def test_packed_input_runs():
 @pytest.mark.parametrize("granularity", ["layer", "unit", "weight"])
 def test_kl_counts_each_alpha_once_per_weight_it_scales(granularity):
     layer = GaussianLSTM(5, 6, dropout_input=0.5, dropout_hidden=0.2, dropout_output=0.4,
-                         granularity=granularity)
-    per_weight = lambda p: kl_molchanov(torch.tensor(math.log(p / (1 - p))))  # noqa: E731
+                         granularity=granularity, output_fan_out=1)
+    per_weight = lambda p: kl_kingma(torch.tensor(math.log(p / (1 - p))))  # noqa: E731
     expected = per_weight(0.5) * 5 * 24 + per_weight(0.2) * 6 * 24 + per_weight(0.4) * 6
     torch.testing.assert_close(layer.kl(), expected)
     # the output site counts the weights of the layer it feeds (a decoder of 11 words)
@@ -136,7 +138,9 @@ def test_max_alpha_clips_and_kingma_needs_it():
     assert torch.all(layer.alphas()["log_alpha_input_l0"] == 1.0)
     assert torch.isfinite(layer.kl())
     with pytest.raises(ValueError, match="max_alpha"):
-        GaussianLSTM(5, 6, dropout_input=0.5, kl_approximation="kingma")
+        GaussianLSTM(5, 6, dropout_input=0.5, max_alpha=None)  # Kingma's KL, the default, needs it
+    default = GaussianLSTM(5, 6, dropout_input=0.5)
+    assert (default.max_alpha, default.kl_approximation) == (1.0, "kingma")
     with pytest.raises(ValueError, match="max_alpha"):
         GaussianLSTM(5, 6, dropout_input=0.5, max_alpha=-1.0)
     with pytest.raises(ValueError, match="granularity"):
@@ -158,7 +162,7 @@ def test_state_dicts_interchange_with_nn_lstm():
 @pytest.mark.slow
 def test_learned_alpha_rises_on_a_useless_input_and_stays_low_on_a_useful_one():
     torch.manual_seed(0)
-    lstm = GaussianLSTM(2, 8, dropout_input=0.2, granularity="unit")
+    lstm = GaussianLSTM(2, 8, dropout_input=0.2, granularity="unit", **UNBOUNDED)
     head = nn.Linear(8, 1)
     opt = torch.optim.Adam([*lstm.parameters(), *head.parameters()], lr=0.03)
     for _ in range(100):
@@ -178,7 +182,7 @@ def test_learned_alpha_rises_on_a_useless_input_and_stays_low_on_a_useful_one():
 
 
 def test_gaussian_locked_dropout_is_tied_over_time_and_learned():
-    drop = GaussianLockedDropout(4, 0.5)
+    drop = GaussianLockedDropout(4, 0.5, fan_out=1, **UNBOUNDED)
     x = torch.ones(6, 3, 4)
     y = drop(x)
     assert torch.equal(y, y[:1].expand_as(y))  # the same noise at every step
@@ -187,7 +191,7 @@ def test_gaussian_locked_dropout_is_tied_over_time_and_learned():
     assert drop.log_alpha.grad.shape == (4,)
     assert torch.equal(drop.eval()(x), x)
     torch.testing.assert_close(drop.kl(), kl_molchanov(torch.zeros(4)).sum())
-    torch.testing.assert_close(GaussianLockedDropout(4, 0.5, fan_out=7).kl(), 7 * drop.kl())
+    torch.testing.assert_close(GaussianLockedDropout(4, 0.5, fan_out=7, **UNBOUNDED).kl(), 7 * drop.kl())
     batch_first = GaussianLockedDropout(4, 0.5, batch_first=True, granularity="layer")
     y = batch_first(torch.ones(3, 6, 4))
     assert torch.equal(y, y[:, :1].expand_as(y))
