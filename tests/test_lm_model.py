@@ -119,6 +119,14 @@ def test_custom_rnn_factory_keeps_its_own_initialisation():
     with pytest.raises(ValueError, match="hook must be one of .*got 'constant-lstm'"):
         build_model(V, TINY, regime, ALL)  # the registration ended with the block
     assert marker["p"]["hidden"] == 0.25 and marker["p"]["input"] == 0 and marker["cell"] == "lstm"
+
+    def wide_factory(input_size, hidden_size, num_layers, probabilities, cell, **options):
+        marker["options"] = options
+        return nn.LSTM(input_size, hidden_size, num_layers)
+
+    with registered(hooks={"constant-lstm": wide_factory}):
+        build_model(V, TINY, regime, ALL)
+    assert marker["options"] == {"output_fan_out": V}  # a factory that takes it learns the decoder's width
     assert torch.all(model.rnn.weight_hh_l0 == 0.5)
     assert model(torch.randint(V, (4, 2)))[0].shape == (4, 2, V)
     with pytest.raises(ValueError, match="custom rnn.*dropout_hidden must be 0"):

@@ -14,7 +14,8 @@ named presets are :data:`~rnndrop.lm.model.presets.CONFIGS`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import inspect
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -52,6 +53,15 @@ def build_optimizer(parameters: Any, config: TrainConfig) -> Any:
     return torch.optim.SGD(parameters, lr=config.lr, weight_decay=config.weight_decay)
 
 
+def _takes(fn: Callable[..., object], name: str) -> bool:
+    """Whether ``fn`` accepts the keyword ``name`` (factories registered before it existed do not)."""
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
 def build_model(
     vocab_size: int, config: TrainConfig, regime: Regime, probabilities: Mapping[str, float]
 ) -> nn.Module:
@@ -67,8 +77,9 @@ def build_model(
     }
     if regime.rnn_factory is not None:
         factory = get_hook(regime.rnn_factory)
-        rnn = factory(config.embedding_size, config.hidden_size, config.num_layers, p, cell=config.cell,
-                      output_fan_out=vocab_size)
+        extra = {"output_fan_out": vocab_size} if _takes(factory, "output_fan_out") else {}
+        rnn = factory(config.embedding_size, config.hidden_size, config.num_layers, p,
+                      cell=config.cell, **extra)
         return RNNLanguageModel(
             vocab_size, config.embedding_size, config.hidden_size, config.num_layers,
             rnn=rnn, **common,

@@ -13,8 +13,8 @@ from rnndrop.sparse import SparseGRU, SparseLSTM
 __all__ = ["RNNFactory", "learned_gaussian", "sparse_variational"]
 
 #: ``rnn_factory(input_size, hidden_size, num_layers, probabilities, cell=..., output_fan_out=...)
-#: -> nn.Module``; ``output_fan_out`` is the width of the layer the stack's output feeds (the
-#: language model's decoder: its vocabulary size).
+#: -> nn.Module``; ``output_fan_out``, the width of the layer the stack's output feeds (the
+#: language model's decoder: its vocabulary size), is passed to factories that take it.
 RNNFactory = Callable[..., nn.Module]
 
 
