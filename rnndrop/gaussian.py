@@ -37,18 +37,23 @@ are extra. Load an ``nn.LSTM`` state dict with ``load_state_dict(sd, strict=Fals
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from rnndrop.kl import KL_APPROXIMATIONS, KLRegularized, check_max_alpha, clip_log_alpha, fan_out_warning
+from rnndrop.kl import (
+    KL_APPROXIMATIONS,
+    KLRegularized,
+    check_max_alpha,
+    checked_fan_out,
+    clip_log_alpha,
+    initial_log_alpha,
+)
 from rnndrop.noise import MaskSite, learned_gaussian_mask
 from rnndrop.recurrent import VariationalGRU, VariationalLSTM
 from rnndrop.validation import (
     check_choice,
-    check_positive_int,
 )
 
 __all__ = ["GRANULARITIES", "GaussianGRU", "GaussianLSTM", "rnn_state_dict"]
@@ -94,12 +99,8 @@ class _LearnedAlphaMixin(KLRegularized):
         self, granularity: str, max_alpha: float | None, kl_approximation: str, output_fan_out: int | None
     ) -> None:
         self.granularity = check_choice("granularity", granularity, GRANULARITIES)
-        if output_fan_out is None:
-            if self.dropout_output > 0:
-                message = fan_out_warning(type(self).__name__, "output_fan_out")
-                warnings.warn(message, UserWarning, stacklevel=3)
-            output_fan_out = 1
-        self.output_fan_out = check_positive_int("output_fan_out", output_fan_out)
+        self.output_fan_out = checked_fan_out(type(self).__name__, "output_fan_out", output_fan_out,
+                                              noisy=self.dropout_output > 0, stacklevel=3)
         self.max_alpha = check_max_alpha(max_alpha, kl_approximation)
         self.kl_approximation = kl_approximation
         if granularity == "weight":
@@ -114,10 +115,7 @@ class _LearnedAlphaMixin(KLRegularized):
                 return
             shape = _alpha_shape(granularity, size, site_gates)
             count = size * fan_out / math.prod(shape)
-            init = math.log(p / (1.0 - p))
-            if self.max_alpha is not None:  # start inside the constraint, where alpha can move
-                init = min(init, math.log(self.max_alpha))
-            self._alpha_sites[name] = (init, shape, count)
+            self._alpha_sites[name] = (initial_log_alpha(p, self.max_alpha), shape, count)
 
         for layer in range(self.num_layers):
             p = self.dropout_input if layer == 0 else self.dropout

@@ -4,14 +4,18 @@ sequence, reused at every step, for a tensor between any two layers."""
 
 from __future__ import annotations
 
-import math
-import warnings
-
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from rnndrop.kl import KL_APPROXIMATIONS, KLRegularized, check_max_alpha, clip_log_alpha, fan_out_warning
+from rnndrop.kl import (
+    KL_APPROXIMATIONS,
+    KLRegularized,
+    check_max_alpha,
+    checked_fan_out,
+    clip_log_alpha,
+    initial_log_alpha,
+)
 from rnndrop.layout import mask_packed_sequence
 from rnndrop.noise import learned_gaussian_mask
 from rnndrop.stochastic import Stochastic
@@ -65,13 +69,10 @@ class GaussianLockedDropout(KLRegularized, Stochastic, nn.Module):
         self.granularity = granularity
         self.max_alpha = check_max_alpha(max_alpha, kl_approximation)
         self.kl_approximation = kl_approximation
-        if fan_out is None:
-            warnings.warn(fan_out_warning(type(self).__name__, "fan_out"), UserWarning, stacklevel=2)
-            fan_out = 1
-        self.fan_out = check_positive_int("fan_out", fan_out)
+        self.fan_out = checked_fan_out(type(self).__name__, "fan_out", fan_out, stacklevel=2)
         self.batch_first = check_bool("batch_first", batch_first)
         shape = (1,) if granularity == "layer" else (size,)
-        self.log_alpha = nn.Parameter(torch.full(shape, math.log(p / (1.0 - p))))
+        self.log_alpha = nn.Parameter(torch.full(shape, initial_log_alpha(p, self.max_alpha)))
 
     def is_stochastic(self) -> bool:
         return True
@@ -105,4 +106,4 @@ class GaussianLockedDropout(KLRegularized, Stochastic, nn.Module):
         return x * learned_gaussian_mask(shape, log_alpha, device=data.device, dtype=data.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.size}, p={self.p}, granularity={self.granularity!r}"
+        return f"{self.size}, p={self.p}, granularity={self.granularity!r}, fan_out={self.fan_out}"

@@ -20,6 +20,7 @@ Modules with a KL term inherit :class:`KLRegularized` and implement ``kl()``;
 from __future__ import annotations
 
 import math
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -107,13 +108,27 @@ def check_max_alpha(max_alpha: float | None, kl_approximation: str) -> float | N
     return max_alpha
 
 
-def fan_out_warning(module: str, argument: str) -> str:
-    """What a learned-alpha module says when it does not know the width of the layer its
-    output feeds (``argument``), so its output KL counts each alpha once per unit."""
-    return (f"{module}: {argument} not given, so the KL term counts each output alpha once per "
-            f"unit, too weak a term to keep that noise (its alpha falls towards 0 in training); "
-            f"pass {argument}=<width of the layer it feeds> (a language model: its vocabulary "
-            f"size), or {argument}=1 to keep this count")
+def initial_log_alpha(p: float, max_alpha: float | None) -> float:
+    """``log(p / (1 - p))``, the Gaussian noise of dropout probability ``p``, at most
+    ``log(max_alpha)``: a learned alpha starts inside its bound, where it can move."""
+    init = math.log(p / (1.0 - p))
+    return init if max_alpha is None else min(init, math.log(max_alpha))
+
+
+def checked_fan_out(module: str, argument: str, fan_out: int | None, *, noisy: bool = True,
+                    stacklevel: int = 1) -> int:
+    """``fan_out`` (the weights each output unit scales in the layer it feeds) checked; when not
+    given, 1, with a warning if the site has noise (``noisy``): once per unit is too weak a KL
+    term to keep that noise. ``stacklevel`` counts from the caller, as for ``warnings.warn``."""
+    if fan_out is None:
+        if noisy:
+            warnings.warn(
+                f"{module}: {argument} not given, so the KL term counts each output alpha once per "
+                f"unit, too weak a term to keep that noise (its alpha falls towards 0 in training); "
+                f"pass {argument}=<width of the layer it feeds> (a language model: its vocabulary "
+                f"size), or {argument}=1 to keep this count", UserWarning, stacklevel=stacklevel + 1)
+        fan_out = 1
+    return check_positive_int(argument, fan_out)
 
 
 class _ClipFromAbove(torch.autograd.Function):

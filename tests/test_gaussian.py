@@ -124,8 +124,13 @@ def test_kl_counts_each_alpha_once_per_weight_it_scales(granularity):
         GaussianLSTM(5, 6, dropout_hidden=0.4)  # no output noise, nothing to count
         GaussianLSTM(5, 6, dropout_output=0.4, output_fan_out=1)
         GaussianLockedDropout(4, 0.5, fan_out=1)
-    with pytest.warns(UserWarning, match="fan_out not given"):
+    with pytest.warns(UserWarning, match="fan_out not given") as caught:
         GaussianLockedDropout(4, 0.5)
+    assert caught[0].filename == __file__
+    # like the recurrent sites, a stand-alone one starts inside its bound, where alpha can move
+    assert torch.all(GaussianLockedDropout(4, 0.8, fan_out=1).log_alpha == 0.0)
+    assert torch.allclose(GaussianLockedDropout(4, 0.8, fan_out=1, **UNBOUNDED).log_alpha,
+                          torch.full((4,), math.log(4.0)))
     for bad in (0, 2.5, True):
         with pytest.raises(ValueError, match="output_fan_out"):
             GaussianLSTM(5, 6, dropout_output=0.4, output_fan_out=bad)
