@@ -97,12 +97,34 @@ def test_matches_reference_kernel_with_two_threads(kind):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("onednn", [False, True])
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_inference_forward_equals_training_forward(kind, onednn, monkeypatch):
+    """Under no_grad the kernel keeps one step's rows instead of the buffers backward reads:
+    the same outputs and final states, bit for bit, in every layout, mask shape and projection
+    (float32 with oneDNN's packed products too)."""
+    if onednn:
+        monkeypatch.setattr(compiled, "ONEDNN_MIN_WEIGHT", 0)
+    dtype = torch.float32 if onednn else torch.float64
+    kernel = get_kernel("compiled", kind)
+    for batch_sizes in shared.BATCH_SIZES:
+        for mask_shape in shared.MASK_SHAPES:
+            for proj in [0, 3] if kind == "lstm" else [0]:
+                args = shared.kernel_inputs(kind, batch_sizes, mask_shape, proj, dtype=dtype)
+                for reverse in (False, True):
+                    trained = kernel(args[0], batch_sizes, *args[1:], reverse)
+                    assert trained[0].requires_grad  # the differentiable path ran
+                    with torch.no_grad():
+                        inferred = kernel(args[0], batch_sizes, *args[1:], reverse)
+                    where = f"{batch_sizes} mask {mask_shape} proj {proj} reverse {reverse}"
+                    for ours, ref in zip(inferred, trained, strict=True):
+                        assert torch.equal(ours, ref.detach()), where
+
+
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_onednn_products_match_reference_kernel(kind, monkeypatch):
-    """The oneDNN path of the step products (large float32 weights with several threads; here
-    every weight)."""
+    """The oneDNN path of the step products (large float32 weights; here every weight)."""
     monkeypatch.setattr(compiled, "ONEDNN_MIN_WEIGHT", 0)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     for batch_sizes, mask_shape, reverse in [([4, 3, 3, 1], (1, "B", "P"), False), ([3, 3, 2], None, True)]:
         args = shared.kernel_inputs(kind, batch_sizes, mask_shape, 0, dtype=torch.float32, H=40)
         with torch.no_grad():

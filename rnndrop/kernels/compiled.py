@@ -60,11 +60,12 @@ HOW_TO_GET_IT = (
     "`python -m rnndrop.kernels`"
 )
 
-#: With more than one thread, recurrent weights with at least this many elements go through
-#: oneDNN's packed products (float32, where torch has oneDNN; not with per-gate masks), others
-#: through BLAS. Measured on an AMD EPYC (Zen 3, AVX2), [20, 650] x [650, 2600] with two threads:
-#: oneDNN 0.49 ms against 0.73 (the layer: 1.14x nn.LSTM against 1.18x); with one thread the
-#: packing costs what the products gain, and at hidden 200 BLAS is the faster.
+#: Recurrent weights with at least this many elements go through oneDNN's packed products
+#: (float32, where torch has oneDNN; not with per-gate masks), others through BLAS, whatever the
+#: thread count. Tied LSTM at hidden 650 (a 1.7 M-element W_hh), time over nn.LSTM: on an AMD EPYC
+#: Zen 3 (AVX2) with two threads 1.14 packed against 1.18 through BLAS, with one thread even; on a
+#: Zen 4 (AVX-512, where torch's MKL still runs AVX2 code and oneDNN AVX-512) with one thread 1.03
+#: packed against 1.15. At hidden 200 (160 k elements) BLAS is the faster on both.
 ONEDNN_MIN_WEIGHT = 1_000_000
 
 _lock = threading.Lock()
@@ -155,8 +156,8 @@ def _sizes(batch_sizes: Sequence[int]) -> list[int]:
 def _packed(weight: Tensor, mask: Tensor | None, rows: tuple[int, int] | None = None) -> Tensor | None:
     """``weight`` ``[out, in]`` packed for oneDNN's products of a step's rows, its ``rows``
     doubled (the LSTM's g gate); None where the products go through BLAS."""
-    small = weight.numel() < ONEDNN_MIN_WEIGHT or torch.get_num_threads() < 2
-    if small or (mask is not None and mask.dim() == 4) or not onednn_enabled(weight):
+    per_gate = mask is not None and mask.dim() == 4
+    if weight.numel() < ONEDNN_MIN_WEIGHT or per_gate or not onednn_enabled(weight):
         return None
     weight = weight.detach()
     if rows is not None:
@@ -165,12 +166,19 @@ def _packed(weight: Tensor, mask: Tensor | None, rows: tuple[int, int] | None = 
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
 
 
+def _differentiable(*tensors: Tensor | None) -> bool:
+    """Whether autograd will want a backward pass through a recurrence of ``tensors``; where
+    not (``torch.no_grad``, inference mode, nothing requires grad), the forward pass keeps none
+    of the buffers backward reads (one step's rows, reused: Monte-Carlo sampling's fast path)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 class _LSTMRecurrence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, gates_x, h0, c0, w_hh, w_hr, mask, batch_sizes, reverse):
         H = c0.shape[1]
         out, h_n, c_n, acts, cells, tanh_cells, r, masked = build().lstm_forward(
-            gates_x, h0, c0, w_hh, w_hr, mask, batch_sizes, reverse, _packed(w_hh, mask, (2 * H, 3 * H))
+            gates_x, h0, c0, w_hh, w_hr, mask, batch_sizes, reverse, _packed(w_hh, mask, (2 * H, 3 * H)), True
         )
         ctx.save_for_backward(acts, cells, tanh_cells, out, r, masked, h0, c0, w_hh, w_hr, mask)
         ctx.schedule = (batch_sizes, reverse)
@@ -191,7 +199,7 @@ class _GRURecurrence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, gates_x, h0, w_hh, b_hh, mask, batch_sizes, reverse):
         out, h_n, acts, a_n, masked = build().gru_forward(
-            gates_x, h0, w_hh, b_hh, mask, batch_sizes, reverse, _packed(w_hh, mask)
+            gates_x, h0, w_hh, b_hh, mask, batch_sizes, reverse, _packed(w_hh, mask), True
         )
         ctx.save_for_backward(acts, a_n, out, masked, h0, w_hh, mask)
         ctx.schedule = (batch_sizes, reverse)
@@ -219,9 +227,15 @@ def lstm_recurrence(
     reverse: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The LSTM recurrence of one layer and direction (contract in :mod:`rnndrop.kernels`)."""
-    out, h_n, c_n = _LSTMRecurrence.apply(
-        gates_x, h0, c0, w_hh, w_hr, hidden_mask, _sizes(batch_sizes), bool(reverse)
-    )
+    sizes, reverse = _sizes(batch_sizes), bool(reverse)
+    if not _differentiable(gates_x, h0, c0, w_hh, w_hr, hidden_mask):
+        H = c0.shape[1]
+        packed = _packed(w_hh, hidden_mask, (2 * H, 3 * H))
+        out, h_n, c_n, *_ = build().lstm_forward(
+            gates_x, h0, c0, w_hh, w_hr, hidden_mask, sizes, reverse, packed, False
+        )
+        return out, h_n, c_n
+    out, h_n, c_n = _LSTMRecurrence.apply(gates_x, h0, c0, w_hh, w_hr, hidden_mask, sizes, reverse)
     return out, h_n, c_n
 
 
@@ -235,5 +249,11 @@ def gru_recurrence(
     reverse: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """The GRU recurrence of one layer and direction (contract in :mod:`rnndrop.kernels`)."""
-    out, h_n = _GRURecurrence.apply(gates_x, h0, w_hh, b_hh, hidden_mask, _sizes(batch_sizes), bool(reverse))
+    sizes, reverse = _sizes(batch_sizes), bool(reverse)
+    if not _differentiable(gates_x, h0, w_hh, b_hh, hidden_mask):
+        out, h_n, *_ = build().gru_forward(
+            gates_x, h0, w_hh, b_hh, hidden_mask, sizes, reverse, _packed(w_hh, hidden_mask), False
+        )
+        return out, h_n
+    out, h_n = _GRURecurrence.apply(gates_x, h0, w_hh, b_hh, hidden_mask, sizes, reverse)
     return out, h_n

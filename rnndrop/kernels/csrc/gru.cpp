@@ -2,6 +2,9 @@
 // equations are those of rnndrop/kernels/gru.py. Per step: one matrix product
 // a = W_hh m + b_hh, then passes over the step's rows with two ATen σ calls (r and z;
 // n's tanh as 2σ(2x) - 1).
+//
+// Without `keep` (inference: nothing will run backward) the buffers of the activations
+// and masked states hold one step's rows, reused from step to step.
 #include "common.h"
 
 namespace rnndrop {
@@ -10,8 +13,8 @@ namespace {
 
 template <typename scalar_t>
 void gru_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>& mask, const Tensor& gates_x,
-                      const StepWeight& w_t, const Tensor& w_t_gates, const Tensor& b_hh, Tensor a_buf, Tensor acts,
-                      Tensor a_n, Tensor out, Tensor masked, Tensor h_state) {
+                      const StepWeight& w_t, const Tensor& w_t_gates, const Tensor& b_hh, bool keep, Tensor a_buf,
+                      Tensor acts, Tensor a_n, Tensor out, Tensor masked, Tensor h_state) {
   const int64_t H = out.size(1);
   const scalar_t* x_base = gates_x.data_ptr<scalar_t>();
   scalar_t* act_base = acts.data_ptr<scalar_t>();
@@ -20,10 +23,10 @@ void gru_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>& 
   scalar_t* hs = h_state.data_ptr<scalar_t>();
   const scalar_t* a_ptr = a_buf.data_ptr<scalar_t>();
   for (const Step& s : steps) {
-    const int64_t b = s.size;
+    const int64_t b = s.size, kept = keep ? s.offset : 0;  // kept: the step's first row in the buffers
     Tensor m = h_state.narrow(0, 0, b);
     if (mask.data) {
-      m = masked.narrow(0, s.offset, b);
+      m = masked.narrow(0, kept, b);
       mask_state(hs, mask, s.t, b, H, m.data_ptr<scalar_t>());
     }
     Tensor a = a_buf.narrow(0, 0, b);  // W_hh m + b_hh
@@ -34,19 +37,18 @@ void gru_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>& 
       add_recurrent_product(a, m, w_t, w_t_gates);
     }
     for (int64_t k = 0; k < b; ++k) {  // pre-activations of r and z
-      const int64_t row = (s.offset + k) * 3 * H;
-      rows::add<scalar_t>(2 * H, x_base + row, a_ptr + k * 3 * H, act_base + row);
+      rows::add<scalar_t>(2 * H, x_base + (s.offset + k) * 3 * H, a_ptr + k * 3 * H, act_base + (kept + k) * 3 * H);
     }
-    Tensor act_t = acts.narrow(0, s.offset, b);
+    Tensor act_t = acts.narrow(0, kept, b);
     act_t.narrow(1, 0, 2 * H).sigmoid_();
     for (int64_t k = 0; k < b; ++k) {  // 2 (x_n + r a_n), for tanh
-      const int64_t row = (s.offset + k) * 3 * H;
-      rows::gru_candidate<scalar_t>(H, x_base + row + 2 * H, act_base + row, a_ptr + k * 3 * H + 2 * H,
-                                    an_base + (s.offset + k) * H, act_base + row + 2 * H);
+      const int64_t row = (kept + k) * 3 * H;
+      rows::gru_candidate<scalar_t>(H, x_base + (s.offset + k) * 3 * H + 2 * H, act_base + row,
+                                    a_ptr + k * 3 * H + 2 * H, an_base + (kept + k) * H, act_base + row + 2 * H);
     }
     act_t.narrow(1, 2 * H, H).sigmoid_();
     for (int64_t k = 0; k < b; ++k) {  // n = 2σ - 1, h = n + z (h_prev - n)
-      const int64_t row = (s.offset + k) * 3 * H;
+      const int64_t row = (kept + k) * 3 * H;
       rows::gru_output<scalar_t>(H, act_base + row + H, act_base + row + 2 * H, out_base + (s.offset + k) * H,
                                  hs + k * H);
     }
@@ -90,17 +92,18 @@ void gru_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>&
 std::vector<Tensor> gru_forward(const Tensor& gates_x, const Tensor& h0, const Tensor& w_hh,
                                 const c10::optional<Tensor>& b_hh_opt, const c10::optional<Tensor>& mask_opt,
                                 const std::vector<int64_t>& batch_sizes, bool reverse,
-                                const c10::optional<Tensor>& w_packed) {
+                                const c10::optional<Tensor>& w_packed, bool keep) {
   check_inputs(gates_x, "gru_forward");
   const Tensor b_hh = b_hh_opt.has_value() ? *b_hh_opt : Tensor();
   const Tensor mask = mask_opt.has_value() ? mask_opt->contiguous() : Tensor();
   const auto steps = running_order(batch_sizes, reverse);
-  const int64_t N = gates_x.size(0), H = h0.size(1), B = h0.size(0);
+  const int64_t H = h0.size(1), B = h0.size(0);
+  const int64_t N = keep ? gates_x.size(0) : B;  // rows of the buffers a backward pass reads
   const Tensor x = gates_x.contiguous();
   Tensor w_t = w_hh.t().contiguous();  // [H, 3H]
   Tensor acts = at::empty({N, 3 * H}, x.options());
   Tensor a_n = at::empty({N, H}, x.options());
-  Tensor out = at::empty({N, H}, x.options());
+  Tensor out = at::empty({gates_x.size(0), H}, x.options());
   Tensor a_buf = at::empty({B, 3 * H}, x.options());
   Tensor masked;
   if (mask.defined()) {
@@ -111,7 +114,7 @@ std::vector<Tensor> gru_forward(const Tensor& gates_x, const Tensor& h0, const T
   Tensor h_state = h0.contiguous().clone();
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gru_forward", [&] {
     gru_forward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), x, StepWeight{w_t, w_packed.value_or(Tensor())},
-                               gate_weights_t(w_t, mask), b_hh, a_buf,
+                               gate_weights_t(w_t, mask), b_hh, keep, a_buf,
                                acts, a_n, out, masked, h_state);
   });
   return {out, h_state, acts, a_n, masked};

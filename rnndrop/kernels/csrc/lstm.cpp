@@ -4,6 +4,10 @@
 // over the whole [b, 4H] row through ATen, then one pass over the row for g, c,
 // tanh(c) (as 2σ(2c) - 1, one more ATen σ) and h. tanh(z_g) is 2σ(2 z_g) - 1 too:
 // the g columns of the input projection and of W_hh are doubled once per call.
+//
+// Without `keep` (inference: nothing will run backward) the buffers of the gates, cells
+// and masked states hold one step's rows, reused from step to step, instead of every
+// row of the sequence: each step copies its rows of the input projection in.
 #include "common.h"
 
 namespace rnndrop {
@@ -12,40 +16,47 @@ namespace {
 
 template <typename scalar_t>
 void lstm_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>& mask, const StepWeight& w_t,
-                       const Tensor& w_t_gates, const Tensor& w_hr_t, Tensor acts, Tensor cells, Tensor tanh_cells,
-                       Tensor r, Tensor out, Tensor masked, Tensor h_state, Tensor c_state) {
+                       const Tensor& w_t_gates, const Tensor& w_hr_t, const Tensor& gates_x, bool keep, Tensor acts,
+                       Tensor cells, Tensor tanh_cells, Tensor r, Tensor out, Tensor masked, Tensor h_state,
+                       Tensor c_state) {
   const int64_t H = cells.size(1), P = out.size(1);
   const bool proj = w_hr_t.defined();
+  const scalar_t* x_base = gates_x.data_ptr<scalar_t>();
   scalar_t* a_base = acts.data_ptr<scalar_t>();
   scalar_t* c_base = cells.data_ptr<scalar_t>();
   scalar_t* tc_base = tanh_cells.data_ptr<scalar_t>();
   scalar_t* r_base = r.data_ptr<scalar_t>();
   scalar_t* hs = h_state.data_ptr<scalar_t>();
   scalar_t* cs = c_state.data_ptr<scalar_t>();
+  scalar_t* out_base = out.data_ptr<scalar_t>();
   for (const Step& s : steps) {
-    const int64_t b = s.size;
+    const int64_t b = s.size, kept = keep ? s.offset : 0;  // kept: the step's first row in the buffers
     Tensor m = h_state.narrow(0, 0, b);
     if (mask.data) {
-      m = masked.narrow(0, s.offset, b);
+      m = masked.narrow(0, kept, b);
       mask_state(hs, mask, s.t, b, P, m.data_ptr<scalar_t>());
     }
-    Tensor z = acts.narrow(0, s.offset, b);
+    if (!keep)
+      for (int64_t k = 0; k < b; ++k)
+        rows::copy_doubling_block<scalar_t>(4 * H, 2 * H, 3 * H, x_base + (s.offset + k) * 4 * H, a_base + k * 4 * H);
+    Tensor z = acts.narrow(0, kept, b);
     add_recurrent_product(z, m, w_t, w_t_gates);
     z.sigmoid_();
     for (int64_t k = 0; k < b; ++k) {  // g = 2σ - 1, c = f c_prev + i g; 2c for tanh(c)
-      scalar_t* a = a_base + (s.offset + k) * 4 * H;
-      const int64_t row = (s.offset + k) * H;
+      scalar_t* a = a_base + (kept + k) * 4 * H;
+      const int64_t row = (kept + k) * H;
       rows::lstm_cell<scalar_t>(H, a, a + H, a + 2 * H, cs + k * H, c_base + row, tc_base + row);
     }
-    tanh_cells.narrow(0, s.offset, b).sigmoid_();
+    tanh_cells.narrow(0, kept, b).sigmoid_();
     for (int64_t k = 0; k < b; ++k) {  // tanh(c) = 2σ(2c) - 1, r = o tanh(c); the state moves on
-      const int64_t row = (s.offset + k) * H;
-      rows::lstm_output<scalar_t>(H, a_base + (s.offset + k) * 4 * H + 3 * H, c_base + row, tc_base + row,
-                                  r_base + row, cs + k * H, proj ? nullptr : hs + k * H);
+      const int64_t row = (kept + k) * H;
+      scalar_t* r_row = proj ? r_base + row : out_base + (s.offset + k) * P;
+      rows::lstm_output<scalar_t>(H, a_base + (kept + k) * 4 * H + 3 * H, c_base + row, tc_base + row, r_row,
+                                  cs + k * H, proj ? nullptr : hs + k * H);
     }
     if (proj) {
       Tensor out_t = out.narrow(0, s.offset, b);
-      at::mm_out(out_t, r.narrow(0, s.offset, b), w_hr_t);
+      at::mm_out(out_t, r.narrow(0, kept, b), w_hr_t);
       h_state.narrow(0, 0, b).copy_(out_t);
     }
   }
@@ -94,20 +105,27 @@ void lstm_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>
 std::vector<Tensor> lstm_forward(const Tensor& gates_x, const Tensor& h0, const Tensor& c0, const Tensor& w_hh,
                                  const c10::optional<Tensor>& w_hr_opt, const c10::optional<Tensor>& mask_opt,
                                  const std::vector<int64_t>& batch_sizes, bool reverse,
-                                 const c10::optional<Tensor>& w_packed) {
+                                 const c10::optional<Tensor>& w_packed, bool keep) {
   check_inputs(gates_x, "lstm_forward");
   const Tensor w_hr = w_hr_opt.has_value() ? *w_hr_opt : Tensor();
   const Tensor mask = mask_opt.has_value() ? mask_opt->contiguous() : Tensor();
   const auto steps = running_order(batch_sizes, reverse);
-  const int64_t N = gates_x.size(0), H = c0.size(1), P = h0.size(1);
-  Tensor acts = gates_x.contiguous().clone();
-  acts.narrow(1, 2 * H, H).mul_(2);
+  const int64_t H = c0.size(1), P = h0.size(1);
+  const int64_t N = keep ? gates_x.size(0) : h0.size(0);  // rows of the buffers a backward pass reads
+  const Tensor x = gates_x.contiguous();
+  Tensor acts;
+  if (keep) {
+    acts = x.clone();
+    acts.narrow(1, 2 * H, H).mul_(2);
+  } else {
+    acts = at::empty({N, 4 * H}, x.options());
+  }
   Tensor w_t = w_hh.t().contiguous();  // [P, 4H], the g columns doubled
   w_t.narrow(1, 2 * H, H).mul_(2);
   Tensor w_hr_t = w_hr.defined() ? w_hr.t().contiguous() : Tensor();
   Tensor cells = at::empty({N, H}, gates_x.options());
   Tensor tanh_cells = at::empty({N, H}, gates_x.options());
-  Tensor out = at::empty({N, P}, gates_x.options());
+  Tensor out = at::empty({gates_x.size(0), P}, gates_x.options());
   Tensor r = w_hr.defined() ? at::empty({N, H}, gates_x.options()) : out;
   Tensor masked;
   if (mask.defined()) {
@@ -119,8 +137,8 @@ std::vector<Tensor> lstm_forward(const Tensor& gates_x, const Tensor& h0, const 
   Tensor c_state = c0.contiguous().clone();
   AT_DISPATCH_FLOATING_TYPES(gates_x.scalar_type(), "lstm_forward", [&] {
     lstm_forward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), StepWeight{w_t, w_packed.value_or(Tensor())},
-                                gate_weights_t(w_t, mask), w_hr_t, acts, cells, tanh_cells, r, out, masked, h_state,
-                                c_state);
+                                gate_weights_t(w_t, mask), w_hr_t, x, keep, acts, cells, tanh_cells, r, out, masked,
+                                h_state, c_state);
   });
   return {out, h_state, c_state, acts, cells, tanh_cells, w_hr.defined() ? r : Tensor(), masked};
 }

@@ -111,6 +111,15 @@ RNNDROP_ROW void gru_grad(int64_t n, const T* RNNDROP_R act, const T* RNNDROP_R 
   }
 }
 
+// out = x, with the elements lo..hi-1 doubled (a row of the LSTM's input projection, its g
+// gate scaled for tanh(z) = 2σ(2z) - 1).
+template <typename T>
+RNNDROP_ROW void copy_doubling_block(int64_t n, int64_t lo, int64_t hi, const T* RNNDROP_R x, T* RNNDROP_R out) {
+  for (int64_t j = 0; j < lo; ++j) out[j] = x[j];
+  for (int64_t j = lo; j < hi; ++j) out[j] = 2 * x[j];
+  for (int64_t j = hi; j < n; ++j) out[j] = x[j];
+}
+
 // out = x * y (the masked state of one gate), or out (+)= x * y.
 template <typename T>
 RNNDROP_ROW void mul(int64_t n, const T* RNNDROP_R x, const T* RNNDROP_R y, T* RNNDROP_R out) {
