@@ -10,6 +10,7 @@ import sys
 import textwrap
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -111,3 +112,38 @@ def test_auto_runs_the_triton_kernel_on_cuda_with_a_mask(kind, monkeypatch):
     layer = cls(8, 16, num_layers=2, bidirectional=True, dropout_hidden=0.5, device="cuda")
     layer(torch.randn(5, 3, 8, device="cuda"))[0].sum().backward()
     assert len(calls) == 4  # 2 layers x 2 directions
+
+
+def _fake_triton(monkeypatch, lstm, gru):
+    """The Triton kernel replaced by ``lstm`` / ``gru`` (recurrence functions), unchecked."""
+    modules = (SimpleNamespace(lstm_recurrence=lstm), SimpleNamespace(gru_recurrence=gru))
+    monkeypatch.setattr(gpu, "_modules", modules)
+    monkeypatch.setattr(gpu, "_checked", {})
+
+
+def test_first_use_check_catches_a_kernel_that_fails_or_is_wrong(monkeypatch):
+    """Before kernel="auto" runs the Triton kernel on a device it runs a small LSTM and GRU through
+    it: a compiler error, or a result off the reference, sends "auto" to the manual kernel there."""
+    reference_lstm, reference_gru = get_kernel("autograd", "lstm"), get_kernel("autograd", "gru")
+
+    def failing(*args):
+        raise RuntimeError("PTX assembly failed\nmore lines")
+
+    def wrong_gru(*args):
+        out, h_n = reference_gru(*args)
+        return out, h_n + 1e-3
+
+    _fake_triton(monkeypatch, reference_lstm, reference_gru)
+    state = torch.get_rng_state()
+    assert gpu.first_use_failure("cpu") is None
+    assert torch.equal(torch.get_rng_state(), state)  # its own generator
+    _fake_triton(monkeypatch, failing, reference_gru)
+    assert gpu.first_use_failure("cpu") == "RuntimeError: PTX assembly failed"
+    _fake_triton(monkeypatch, reference_lstm, wrong_gru)
+    assert gpu.first_use_failure("cpu") == "its GRU differs from the reference kernel by 0.001"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert [gpu.passes_first_use_check(torch.device("cpu")) for _ in range(2)] == [False, False]
+    assert len(caught) == 1
+    assert "failed its first-use check on cpu (its GRU differs" in str(caught[0].message)
+    assert "runs the 'manual' kernel there instead" in str(caught[0].message)

@@ -226,3 +226,9 @@ def test_loops_replayed_from_graphs_match_eager_ones(kind, device, monkeypatch):
             assert_close(run("triton", kind, batch_sizes, args, reverse), eager, atol=1e-12, rtol=1e-12)
     passes = [key[0][0].split()[1] for key in cache.graphs]
     assert passes.count("forward") == 4 and passes.count("backward") == 3
+
+
+def test_the_first_use_check_passes(device):
+    """The check kernel="auto" runs before it first picks the kernel on a device (compiled on a
+    GPU, interpreted on CPU) finds nothing wrong."""
+    assert gpu.first_use_failure(device) is None

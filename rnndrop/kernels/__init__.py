@@ -118,10 +118,11 @@ def auto_loop_kernel(x: Tensor) -> str:
     ``torch.func`` transform (``grad``, ``vmap``, ...: the hand-written backward passes are
     autograd Functions those transforms cannot run), ``"compiled"`` on CPU in float32 /
     float64 where it can be built (the first call builds it), ``"triton"`` on CUDA where Triton
-    imports (the first call imports it), else :data:`DEFAULT_LOOP_KERNEL`."""
+    imports (the first call imports it) and passes its first-use check on the device, else
+    :data:`DEFAULT_LOOP_KERNEL`."""
     if functorch_wrapped(x):
         return "autograd"
-    if x.device.type == "cuda" and gpu.is_available():
+    if x.device.type == "cuda" and gpu.is_available() and gpu.passes_first_use_check(x.device):
         return "triton"
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and compiled.is_available():
         return "compiled"

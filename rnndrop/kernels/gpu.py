@@ -9,20 +9,34 @@ tested without a GPU. Triton comes with torch's CUDA wheels on Linux, else
 ``pip install "rnndrop[gpu]"``. Each step kernel compiles on first use (about a second) and is
 cached on disk by Triton. ``RNNDROP_NO_TRITON=1`` turns it off: :func:`is_available` is then
 False and ``kernel="auto"`` runs the "manual" kernel on CUDA. See docs/gpu.md.
+
+Before ``kernel="auto"`` first runs it on a device, :func:`passes_first_use_check` runs a small
+LSTM and GRU through it and through the reference kernel, forward and backward; if Triton's
+compiler or the device fails that, ``"auto"`` runs the "manual" kernel there, with one warning
+that says why, rather than fail or be wrong in the middle of a user's training.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import warnings
 from collections.abc import Sequence
 from types import ModuleType
 
+import torch
 from torch import Tensor
 
 from rnndrop.kernels.optional import available_or_warn
 
-__all__ = ["gru_recurrence", "is_available", "load", "lstm_recurrence"]
+__all__ = [
+    "first_use_failure",
+    "gru_recurrence",
+    "is_available",
+    "load",
+    "lstm_recurrence",
+    "passes_first_use_check",
+]
 
 HOW_TO_GET_IT = 'pip install "rnndrop[gpu]" (Triton)'
 
@@ -30,6 +44,8 @@ _lock = threading.Lock()
 _modules: tuple[ModuleType, ModuleType] | None = None
 _failure: str | None = None
 _warned = False
+_checked: dict[str, str | None] = {}  # device -> why it failed the first-use check, or None
+_check_lock = threading.Lock()
 
 
 def load() -> tuple[ModuleType, ModuleType]:
@@ -89,3 +105,59 @@ def gru_recurrence(
 ) -> tuple[Tensor, Tensor]:
     """The GRU recurrence of one layer and direction (contract in :mod:`rnndrop.kernels`)."""
     return load()[1].gru_recurrence(gates_x, batch_sizes, h0, w_hh, b_hh, hidden_mask, reverse)
+
+
+def first_use_failure(device: torch.device | str) -> str | None:
+    """Why the kernel fails on ``device``, or None: a small packed LSTM (tied mask) and GRU (per-gate
+    mask) in float32, outputs and every gradient against the reference kernel within 1e-4.
+
+    Uses its own generator (the global random state is left as it was) and runs outside any
+    ``torch.autocast`` the caller is in."""
+    from rnndrop.kernels import get_kernel  # the registry imports this module
+
+    device = torch.device(device)
+    generator = torch.Generator().manual_seed(0)
+    sizes, hidden = [3, 2, 1], 8
+    cases = {
+        "lstm": [(6, 4 * hidden), (3, hidden), (3, hidden), (4 * hidden, hidden), None, (1, 3, hidden)],
+        "gru": [(6, 3 * hidden), (3, hidden), (3 * hidden, hidden), (3 * hidden,), (1, 3, 3, hidden)],
+    }
+    try:
+        for cell, shapes in cases.items():
+            values = [None if s is None else torch.rand(s, generator=generator) - 0.5 for s in shapes]
+            results = []
+            for name in ("triton", "autograd"):
+                args = [None if v is None else v.to(device).requires_grad_() for v in values]
+                with torch.enable_grad(), torch.autocast(device.type, enabled=False):
+                    outputs = get_kernel(name, cell)(args[0], sizes, *args[1:])
+                    loss = sum(((k + 1) * o).sum() for k, o in enumerate(outputs))
+                    grads = torch.autograd.grad(loss, [a for a in args if a is not None])
+                results.append([t.detach().cpu() for t in (*outputs, *grads)])
+            for ours, reference in zip(*results, strict=True):
+                if not torch.allclose(ours, reference, atol=1e-4, rtol=1e-4):
+                    gap = (ours - reference).abs().max()
+                    return f"its {cell.upper()} differs from the reference kernel by {gap:.3g}"
+    except Exception as error:  # whatever Triton's compiler or the driver raise
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        return f"{type(error).__name__}: {first_line}"
+    return None
+
+
+def passes_first_use_check(device: torch.device) -> bool:
+    """Whether ``kernel="auto"`` may run the kernel on ``device``: :func:`first_use_failure`, once
+    per device and process (not while a CUDA graph is being captured: then True, checked later).
+    A failure warns once, with the reason."""
+    key = str(device)
+    if key not in _checked:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return True
+        with _check_lock:
+            if key not in _checked:
+                _checked[key] = failure = first_use_failure(device)
+                if failure is not None:
+                    warnings.warn(
+                        f"rnndrop: the 'triton' loop kernel failed its first-use check on {key} ({failure}); "
+                        "kernel='auto' runs the 'manual' kernel there instead. Please report it, with "
+                        "`python -m pytest tests/test_triton_kernel.py` run on this machine.",
+                        RuntimeWarning, stacklevel=3)
+    return _checked[key] is None
