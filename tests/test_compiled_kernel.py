@@ -277,6 +277,33 @@ def test_a_compiler_that_fails_is_a_reason_to_fall_back_not_a_traceback(monkeypa
         compiled.build()
 
 
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_sources_changed_since_import_are_not_built_into_this_process(monkeypatch, tmp_path, when):
+    """A job that runs while rnndrop is upgraded or edited: its Python side (in memory) no longer
+    fits the C++ on disk. The build is refused (the layer falls back to 'manual' with one warning)
+    instead of loading a library whose functions take other arguments; a library compiled while the
+    sources changed is removed from the cache, where it would sit under the wrong name."""
+    build_dir = tmp_path / "build"
+    build_dir.mkdir()
+    sources_now = [compiled.NAME]
+
+    def load(*args, **kwargs):
+        sources_now[0] = "rnndrop_loop_kernels_edited"  # the edit lands while it compiles
+        return object()
+
+    for name, value in (("_extension", None), ("_failure", None), ("_warned", False)):
+        monkeypatch.setattr(compiled, name, value)
+    monkeypatch.setattr(compiled, "_missing_tool", lambda: None)
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda *a, **k: str(build_dir))
+    monkeypatch.setattr(cpp_extension, "load", load)
+    monkeypatch.setattr(compiled, "_build_name", lambda: sources_now[0])
+    if when == "before":
+        sources_now[0] = "rnndrop_loop_kernels_edited"
+    with pytest.warns(RuntimeWarning, match="sources changed on disk after rnndrop was imported.*restart"):
+        assert not compiled.is_available()
+    assert build_dir.exists() == (when == "before")
+
+
 def test_build_command_says_where_the_kernel_is_or_why_not(compiled_kernel):
     """``python -m rnndrop.kernels``: the cached build and its path, no runpy warning; without
     a kernel, one line and exit status 1."""

@@ -118,6 +118,7 @@ def _compile_or_load() -> ModuleType:
         raise RuntimeError(missing)
     import torch.utils.cpp_extension as cpp_extension
 
+    _check_sources_unchanged()
     try:  # a private helper of torch, used only to say whether a compilation is coming
         build_dir = cpp_extension._get_build_directory(NAME, verbose=False)
     except (AttributeError, TypeError, OSError):
@@ -127,7 +128,7 @@ def _compile_or_load() -> ModuleType:
                        "on a quiet 2-core CPU, minutes on a busy one; `python -m "
                        "rnndrop.kernels` builds it ahead)", build_dir)
     try:
-        return cpp_extension.load(
+        module = cpp_extension.load(
             name=NAME, sources=[str(p) for p in SOURCES], extra_cflags=["-O3"], verbose=False
         )
     # compiler errors, a broken cache, a compiler that fails its --version probe (SubprocessError)
@@ -135,6 +136,21 @@ def _compile_or_load() -> ModuleType:
         lines = ([line for line in str(error).splitlines() if "error" in line]
                  or [f"{type(error).__name__}: {str(error).strip()}"])
         raise RuntimeError(f"the build failed: {lines[0].strip()}") from error
+    try:
+        _check_sources_unchanged()
+    except RuntimeError:  # changed while compiling: the library may mix two versions
+        shutil.rmtree(build_dir, ignore_errors=True)
+        raise
+    return module
+
+
+def _check_sources_unchanged() -> None:
+    """RuntimeError when the C++ sources on disk are not those this process imported with (rnndrop
+    upgraded or edited while it ran): their library would not fit the Python side in memory, and
+    would be cached under the name of the sources it did not come from."""
+    if _build_name() != NAME:
+        raise RuntimeError("its C++ sources changed on disk after rnndrop was imported (rnndrop upgraded "
+                           "or edited while this process ran); restart the process to build them")
 
 
 def is_available() -> bool:
