@@ -1,7 +1,8 @@
 // The GRU recurrence, forward and backward, each one loop over time in C++. The
 // equations are those of rnndrop/kernels/gru.py. Per step: one matrix product
 // a = W_hh m + b_hh, then passes over the step's rows with two ATen σ calls (r and z;
-// n's tanh as 2σ(2x) - 1).
+// n's tanh as 2σ(2x) - 1). The passes over a step's rows are split over the threads
+// (over_rows in common.h).
 //
 // Without `keep` (inference: nothing will run backward) the buffers of the activations
 // and masked states hold one step's rows, reused from step to step.
@@ -36,22 +37,22 @@ void gru_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>& 
       b_hh.defined() ? a.copy_(b_hh.expand({b, 3 * H})) : a.zero_();
       add_recurrent_product(a, m, w_t, w_t_gates);
     }
-    for (int64_t k = 0; k < b; ++k) {  // pre-activations of r and z
+    over_rows(b, H, [&](int64_t k) {  // pre-activations of r and z
       rows::add<scalar_t>(2 * H, x_base + (s.offset + k) * 3 * H, a_ptr + k * 3 * H, act_base + (kept + k) * 3 * H);
-    }
+    });
     Tensor act_t = acts.narrow(0, kept, b);
     act_t.narrow(1, 0, 2 * H).sigmoid_();
-    for (int64_t k = 0; k < b; ++k) {  // 2 (x_n + r a_n), for tanh
+    over_rows(b, H, [&](int64_t k) {  // 2 (x_n + r a_n), for tanh
       const int64_t row = (kept + k) * 3 * H;
       rows::gru_candidate<scalar_t>(H, x_base + (s.offset + k) * 3 * H + 2 * H, act_base + row,
                                     a_ptr + k * 3 * H + 2 * H, an_base + (kept + k) * H, act_base + row + 2 * H);
-    }
+    });
     act_t.narrow(1, 2 * H, H).sigmoid_();
-    for (int64_t k = 0; k < b; ++k) {  // n = 2σ - 1, h = n + z (h_prev - n)
+    over_rows(b, H, [&](int64_t k) {  // n = 2σ - 1, h = n + z (h_prev - n)
       const int64_t row = (kept + k) * 3 * H;
       rows::gru_output<scalar_t>(H, act_base + row + H, act_base + row + 2 * H, out_base + (s.offset + k) * H,
                                  hs + k * H);
-    }
+    });
   }
 }
 
@@ -71,18 +72,18 @@ void gru_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>&
   const int64_t G = mask.data ? mask.row_size / H : 1;
   const Tensor w_gates = G > 1 ? w_hh.w.reshape({G, -1, H}) : Tensor();
   Tensor scratch = at::empty({G * dh_state.size(0) * H}, acts.options());
-  std::vector<scalar_t> dn_pre_row(dgx_base ? 0 : H);  // where dn_pre goes when dx̂ is not wanted
-  scalar_t* dn_scratch = dn_pre_row.data();
+  std::vector<scalar_t> dn_pre_rows(dgx_base ? 0 : dh_state.size(0) * H);  // dn_pre when dx̂ is not wanted
+  scalar_t* dn_scratch = dn_pre_rows.data();
   for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
     const Step& s = *it;
     const int64_t b = s.size;
-    for (int64_t k = 0; k < b; ++k) {
+    over_rows(b, H, [&](int64_t k) {
       const int64_t row = s.offset + k;
       const scalar_t* h_prev = k < s.carried ? out_base + (s.prev_offset + k) * H : h0_base + k * H;
-      scalar_t* dn_pre = dgx_base ? dgx_base + row * 3 * H + 2 * H : dn_scratch;
+      scalar_t* dn_pre = dgx_base ? dgx_base + row * 3 * H + 2 * H : dn_scratch + k * H;
       rows::gru_grad<scalar_t>(H, act_base + row * 3 * H, an_base + row * H, h_prev, dh_base + row * H, dhs + k * H,
                                da_base + row * 3 * H, dn_pre);
-    }
+    });
     add_state_grad(d_a.narrow(0, s.offset, b), w_hh, w_gates, mask, s, b, H, scratch, d_masked, true, dh_state);
   }
 }

@@ -3,7 +3,8 @@
 // the step's rows of the gate buffer (which already hold the input projection), σ
 // over the whole [b, 4H] row through ATen, then one pass over the row for g, c,
 // tanh(c) (as 2σ(2c) - 1, one more ATen σ) and h. tanh(z_g) is 2σ(2 z_g) - 1 too:
-// the g columns of the input projection and of W_hh are doubled once per call.
+// the g columns of the input projection and of W_hh are doubled once per call. The passes
+// over a step's rows are split over the threads (over_rows in common.h).
 //
 // Without `keep` (inference: nothing will run backward) the buffers of the gates, cells
 // and masked states hold one step's rows, reused from step to step, instead of every
@@ -37,23 +38,24 @@ void lstm_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>&
       mask_state(hs, mask, s.t, b, P, m.data_ptr<scalar_t>());
     }
     if (!keep)
-      for (int64_t k = 0; k < b; ++k)
+      over_rows(b, H, [&](int64_t k) {
         rows::copy_doubling_block<scalar_t>(4 * H, 2 * H, 3 * H, x_base + (s.offset + k) * 4 * H, a_base + k * 4 * H);
+      });
     Tensor z = acts.narrow(0, kept, b);
     add_recurrent_product(z, m, w_t, w_t_gates);
     z.sigmoid_();
-    for (int64_t k = 0; k < b; ++k) {  // g = 2σ - 1, c = f c_prev + i g; 2c for tanh(c)
+    over_rows(b, H, [&](int64_t k) {  // g = 2σ - 1, c = f c_prev + i g; 2c for tanh(c)
       scalar_t* a = a_base + (kept + k) * 4 * H;
       const int64_t row = (kept + k) * H;
       rows::lstm_cell<scalar_t>(H, a, a + H, a + 2 * H, cs + k * H, c_base + row, tc_base + row);
-    }
+    });
     tanh_cells.narrow(0, kept, b).sigmoid_();
-    for (int64_t k = 0; k < b; ++k) {  // tanh(c) = 2σ(2c) - 1, r = o tanh(c); the state moves on
+    over_rows(b, H, [&](int64_t k) {  // tanh(c) = 2σ(2c) - 1, r = o tanh(c); the state moves on
       const int64_t row = (kept + k) * H;
       scalar_t* r_row = proj ? r_base + row : out_base + (s.offset + k) * P;
       rows::lstm_output<scalar_t>(H, a_base + (kept + k) * 4 * H + 3 * H, c_base + row, tc_base + row, r_row,
                                   cs + k * H, proj ? nullptr : hs + k * H);
-    }
+    });
     if (proj) {
       Tensor out_t = out.narrow(0, s.offset, b);
       at::mm_out(out_t, r.narrow(0, kept, b), w_hr_t);
@@ -89,12 +91,12 @@ void lstm_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>
       at::mm_out(dr, dh, w_hr);
     }
     const scalar_t* dr_base = dr.data_ptr<scalar_t>();
-    for (int64_t k = 0; k < b; ++k) {
+    over_rows(b, H, [&](int64_t k) {
       const int64_t row = s.offset + k;
       const scalar_t* c_prev = k < s.carried ? c_base + (s.prev_offset + k) * H : c0_base + k * H;
       rows::lstm_grad<scalar_t>(H, a_base + row * 4 * H, tc_base + row * H, c_prev, dr_base + k * H, dcs + k * H,
                                 dz_base + row * 4 * H);
-    }
+    });
     add_state_grad(d_gates.narrow(0, s.offset, b), w_hh, w_gates, mask, s, b, P, scratch, d_masked, false,
                    dh_state);
   }
