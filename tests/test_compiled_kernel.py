@@ -94,6 +94,9 @@ def test_matches_reference_kernel_with_two_threads(kind):
                 ours = shared.run_kernel("compiled", kind, [12, 12, 9], args, reverse)
                 ref = shared.run_kernel("autograd", kind, [12, 12, 9], args, reverse)
                 assert_close(ours, ref, atol=1e-10, rtol=1e-8, msg=f"{mask_shape} reverse {reverse}")
+                with torch.no_grad():  # the inference forward, its rows split too
+                    inferred = get_kernel("compiled", kind)(args[0], [12, 12, 9], *args[1:], reverse)
+                assert_close(list(inferred), ours[0], atol=1e-10, rtol=1e-8, msg=f"no_grad {mask_shape}")
     finally:
         torch.set_num_threads(threads)
 
