@@ -27,6 +27,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
+from rnndrop.kernels import reference
 from rnndrop.kernels.optional import available_or_warn
 
 __all__ = [
@@ -113,8 +114,6 @@ def first_use_failure(device: torch.device | str) -> str | None:
 
     Uses its own generator (the global random state is left as it was) and runs outside any
     ``torch.autocast`` the caller is in."""
-    from rnndrop.kernels import get_kernel  # the registry imports this module
-
     device = torch.device(device)
     generator = torch.Generator().manual_seed(0)
     sizes, hidden = [3, 2, 1], 8
@@ -126,16 +125,18 @@ def first_use_failure(device: torch.device | str) -> str | None:
         for cell, shapes in cases.items():
             values = [None if s is None else torch.rand(s, generator=generator) - 0.5 for s in shapes]
             results = []
-            for name in ("triton", "autograd"):
+            kernels = {"lstm": (lstm_recurrence, reference.lstm_recurrence),
+                       "gru": (gru_recurrence, reference.gru_recurrence)}[cell]
+            for kernel in kernels:
                 args = [None if v is None else v.to(device).requires_grad_() for v in values]
                 with torch.enable_grad(), torch.autocast(device.type, enabled=False):
-                    outputs = get_kernel(name, cell)(args[0], sizes, *args[1:])
+                    outputs = kernel(args[0], sizes, *args[1:])
                     loss = sum(((k + 1) * o).sum() for k, o in enumerate(outputs))
                     grads = torch.autograd.grad(loss, [a for a in args if a is not None])
                 results.append([t.detach().cpu() for t in (*outputs, *grads)])
-            for ours, reference in zip(*results, strict=True):
-                if not torch.allclose(ours, reference, atol=1e-4, rtol=1e-4):
-                    gap = (ours - reference).abs().max()
+            for ours, expected in zip(*results, strict=True):
+                if not torch.allclose(ours, expected, atol=1e-4, rtol=1e-4):
+                    gap = (ours - expected).abs().max()
                     return f"its {cell.upper()} differs from the reference kernel by {gap:.3g}"
     except Exception as error:  # whatever Triton's compiler or the driver raise
         first_line = (str(error).strip().splitlines() or [""])[0]
