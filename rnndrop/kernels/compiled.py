@@ -189,12 +189,24 @@ def _differentiable(*tensors: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def _lstm_forward(gates_x, h0, c0, w_hh, w_hr, mask, batch_sizes, reverse, keep: bool) -> list[Tensor]:
+    """The extension's LSTM forward, W_hh packed where oneDNN runs the products (its g rows
+    doubled); ``keep``: whether the buffers backward reads are kept."""
+    H = c0.shape[1]
+    packed = _packed(w_hh, mask, (2 * H, 3 * H))
+    return build().lstm_forward(gates_x, h0, c0, w_hh, w_hr, mask, batch_sizes, reverse, packed, keep)
+
+
+def _gru_forward(gates_x, h0, w_hh, b_hh, mask, batch_sizes, reverse, keep: bool) -> list[Tensor]:
+    """The extension's GRU forward (see :func:`_lstm_forward`)."""
+    return build().gru_forward(gates_x, h0, w_hh, b_hh, mask, batch_sizes, reverse, _packed(w_hh, mask), keep)
+
+
 class _LSTMRecurrence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, gates_x, h0, c0, w_hh, w_hr, mask, batch_sizes, reverse):
-        H = c0.shape[1]
-        out, h_n, c_n, acts, cells, tanh_cells, r, masked = build().lstm_forward(
-            gates_x, h0, c0, w_hh, w_hr, mask, batch_sizes, reverse, _packed(w_hh, mask, (2 * H, 3 * H)), True
+        out, h_n, c_n, acts, cells, tanh_cells, r, masked = _lstm_forward(
+            gates_x, h0, c0, w_hh, w_hr, mask, batch_sizes, reverse, keep=True
         )
         ctx.save_for_backward(acts, cells, tanh_cells, out, r, masked, h0, c0, w_hh, w_hr, mask)
         ctx.schedule = (batch_sizes, reverse)
@@ -214,8 +226,8 @@ class _LSTMRecurrence(torch.autograd.Function):
 class _GRURecurrence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, gates_x, h0, w_hh, b_hh, mask, batch_sizes, reverse):
-        out, h_n, acts, a_n, masked = build().gru_forward(
-            gates_x, h0, w_hh, b_hh, mask, batch_sizes, reverse, _packed(w_hh, mask), True
+        out, h_n, acts, a_n, masked = _gru_forward(
+            gates_x, h0, w_hh, b_hh, mask, batch_sizes, reverse, keep=True
         )
         ctx.save_for_backward(acts, a_n, out, masked, h0, w_hh, mask)
         ctx.schedule = (batch_sizes, reverse)
@@ -245,10 +257,8 @@ def lstm_recurrence(
     """The LSTM recurrence of one layer and direction (contract in :mod:`rnndrop.kernels`)."""
     sizes, reverse = _sizes(batch_sizes), bool(reverse)
     if not _differentiable(gates_x, h0, c0, w_hh, w_hr, hidden_mask):
-        H = c0.shape[1]
-        packed = _packed(w_hh, hidden_mask, (2 * H, 3 * H))
-        out, h_n, c_n, *_ = build().lstm_forward(
-            gates_x, h0, c0, w_hh, w_hr, hidden_mask, sizes, reverse, packed, False
+        out, h_n, c_n, *_ = _lstm_forward(
+            gates_x, h0, c0, w_hh, w_hr, hidden_mask, sizes, reverse, keep=False
         )
         return out, h_n, c_n
     out, h_n, c_n = _LSTMRecurrence.apply(gates_x, h0, c0, w_hh, w_hr, hidden_mask, sizes, reverse)
@@ -267,9 +277,7 @@ def gru_recurrence(
     """The GRU recurrence of one layer and direction (contract in :mod:`rnndrop.kernels`)."""
     sizes, reverse = _sizes(batch_sizes), bool(reverse)
     if not _differentiable(gates_x, h0, w_hh, b_hh, hidden_mask):
-        out, h_n, *_ = build().gru_forward(
-            gates_x, h0, w_hh, b_hh, hidden_mask, sizes, reverse, _packed(w_hh, hidden_mask), False
-        )
+        out, h_n, *_ = _gru_forward(gates_x, h0, w_hh, b_hh, hidden_mask, sizes, reverse, keep=False)
         return out, h_n
     out, h_n = _GRURecurrence.apply(gates_x, h0, w_hh, b_hh, hidden_mask, sizes, reverse)
     return out, h_n

@@ -117,16 +117,16 @@ def first_use_failure(device: torch.device | str) -> str | None:
     device = torch.device(device)
     generator = torch.Generator().manual_seed(0)
     sizes, hidden = [3, 2, 1], 8
-    cases = {
-        "lstm": [(6, 4 * hidden), (3, hidden), (3, hidden), (4 * hidden, hidden), None, (1, 3, hidden)],
-        "gru": [(6, 3 * hidden), (3, hidden), (3 * hidden, hidden), (3 * hidden,), (1, 3, 3, hidden)],
+    cases = {  # cell: (the argument shapes after batch_sizes, this kernel and the reference)
+        "lstm": ([(6, 4 * hidden), (3, hidden), (3, hidden), (4 * hidden, hidden), None, (1, 3, hidden)],
+                 (lstm_recurrence, reference.lstm_recurrence)),
+        "gru": ([(6, 3 * hidden), (3, hidden), (3 * hidden, hidden), (3 * hidden,), (1, 3, 3, hidden)],
+                (gru_recurrence, reference.gru_recurrence)),
     }
     try:
-        for cell, shapes in cases.items():
+        for cell, (shapes, kernels) in cases.items():
             values = [None if s is None else torch.rand(s, generator=generator) - 0.5 for s in shapes]
             results = []
-            kernels = {"lstm": (lstm_recurrence, reference.lstm_recurrence),
-                       "gru": (gru_recurrence, reference.gru_recurrence)}[cell]
             for kernel in kernels:
                 args = [None if v is None else v.to(device).requires_grad_() for v in values]
                 with torch.enable_grad(), torch.autocast(device.type, enabled=False):

@@ -3,12 +3,13 @@
 // the step's rows of the gate buffer (which already hold the input projection), σ
 // over the whole [b, 4H] row through ATen, then one pass over the row for g, c,
 // tanh(c) (as 2σ(2c) - 1, one more ATen σ) and h. tanh(z_g) is 2σ(2 z_g) - 1 too:
-// the g columns of the input projection and of W_hh are doubled once per call. The passes
-// over a step's rows are split over the threads (over_rows in common.h).
+// the g columns of W_hh are doubled once per call, those of the input projection as each
+// step copies its rows into the gate buffer. The passes over a step's rows are split over
+// the threads (over_rows in common.h).
 //
 // Without `keep` (inference: nothing will run backward) the buffers of the gates, cells
 // and masked states hold one step's rows, reused from step to step, instead of every
-// row of the sequence: each step copies its rows of the input projection in.
+// row of the sequence.
 #include "common.h"
 
 namespace rnndrop {
@@ -37,10 +38,10 @@ void lstm_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>&
       m = masked.narrow(0, kept, b);
       mask_state(hs, mask, s.t, b, P, m.data_ptr<scalar_t>());
     }
-    if (!keep)
-      over_rows(b, H, [&](int64_t k) {
-        rows::copy_doubling_block<scalar_t>(4 * H, 2 * H, 3 * H, x_base + (s.offset + k) * 4 * H, a_base + k * 4 * H);
-      });
+    over_rows(b, H, [&](int64_t k) {  // the step's input projection, g doubled
+      rows::copy_doubling_block<scalar_t>(4 * H, 2 * H, 3 * H, x_base + (s.offset + k) * 4 * H,
+                                          a_base + (kept + k) * 4 * H);
+    });
     Tensor z = acts.narrow(0, kept, b);
     add_recurrent_product(z, m, w_t, w_t_gates);
     z.sigmoid_();
@@ -115,13 +116,7 @@ std::vector<Tensor> lstm_forward(const Tensor& gates_x, const Tensor& h0, const 
   const int64_t H = c0.size(1), P = h0.size(1);
   const int64_t N = keep ? gates_x.size(0) : h0.size(0);  // rows of the buffers a backward pass reads
   const Tensor x = gates_x.contiguous();
-  Tensor acts;
-  if (keep) {
-    acts = x.clone();
-    acts.narrow(1, 2 * H, H).mul_(2);
-  } else {
-    acts = at::empty({N, 4 * H}, x.options());
-  }
+  Tensor acts = at::empty({N, 4 * H}, x.options());
   Tensor w_t = w_hh.t().contiguous();  // [P, 4H], the g columns doubled
   w_t.narrow(1, 2 * H, H).mul_(2);
   Tensor w_hr_t = w_hr.defined() ? w_hr.t().contiguous() : Tensor();
