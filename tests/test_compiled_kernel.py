@@ -82,6 +82,26 @@ def test_matches_reference_kernel_in_float32(kind):
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_saturated_gates_match_reference_kernel_in_float32(kind):
+    """The kernel's own σ and tanh (a polynomial e^x, clamped where float32's e^x would leave
+    the normal range) against ATen's, where the pre-activations reach far into saturation:
+    every gate at 0, ±0.5, ±20, ±90, ±200 and ±1e4, outputs and gradients."""
+    levels = torch.tensor([0.0, 0.5, 20.0, 90.0, 200.0, 1e4])
+    levels = torch.cat([levels, -levels[1:]])
+    for batch_sizes, mask_shape in (([4, 3, 3, 1], (1, "B", "P")), ([3, 3, 2], None)):
+        args = shared.kernel_inputs(kind, batch_sizes, mask_shape, 0, dtype=torch.float32, H=40)
+        with torch.no_grad():
+            picks = torch.randint(len(levels), args[0].shape, generator=torch.Generator().manual_seed(0))
+            args[0].copy_(levels[picks])
+            weight = args[3] if kind == "lstm" else args[2]
+            weight /= weight.shape[1] ** 0.5
+        ours = shared.run_kernel("compiled", kind, batch_sizes, args, False)
+        ref = shared.run_kernel("autograd", kind, batch_sizes, args, False)
+        assert all(torch.isfinite(t).all() for t in ours[0] + ours[1])
+        assert_close(ours, ref, atol=1e-5, rtol=1e-5, msg=f"{batch_sizes} mask {mask_shape}")
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_matches_reference_kernel_with_two_threads(kind):
     """Wide rows (H 256) with two threads, where ATen may run the step's products and σ threaded
     and the kernel splits the rows of its passes over the threads (more than 2048 / 256 rows)."""

@@ -43,12 +43,17 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / f for f in ("module.cpp", "lstm.cpp", "gru.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / h for h in ("common.h", "rows.h")]
+#: -fno-trapping-math lets GCC turn the clamps of rows.h's e^x into vector min / max (no
+#: floating-point exception is ever unmasked here), so the row passes vectorise.
+CFLAGS = ["-O3", "-fno-trapping-math"]
 
 
 def _build_name() -> str:
-    """The extension's name, and so its build folder: one per source folder and source text, so
-    that two checkouts (or two versions) never rebuild over each other's cached library."""
+    """The extension's name, and so its build folder: one per source folder, source text and
+    compiler flags, so that two checkouts (or two versions) never rebuild over each other's
+    cached library."""
     digest = hashlib.sha256(str(SOURCES[0].parent.resolve()).encode())
+    digest.update(" ".join(CFLAGS).encode())
     for path in SOURCES + HEADERS:
         digest.update(path.read_bytes())
     return f"rnndrop_loop_kernels_{digest.hexdigest()[:12]}"
@@ -62,11 +67,12 @@ HOW_TO_GET_IT = (
 
 #: Recurrent weights with at least this many elements go through oneDNN's packed products
 #: (float32, where torch has oneDNN; not with per-gate masks), others through BLAS, whatever the
-#: thread count. Tied LSTM at hidden 650 (a 1.7 M-element W_hh), time over nn.LSTM: on an AMD EPYC
-#: Zen 3 (AVX2) with two threads 1.14 packed against 1.18 through BLAS, with one thread even; on a
-#: Zen 4 (AVX-512, where torch's MKL still runs AVX2 code and oneDNN AVX-512) with one thread 1.03
-#: packed against 1.15. At hidden 200 (160 k elements) BLAS is the faster on both.
-ONEDNN_MIN_WEIGHT = 1_000_000
+#: thread count. One step's product [20, H] x [H, 4H] on an AMD EPYC Zen 4 (AVX-512; torch's MKL
+#: runs its AVX2 code there, oneDNN AVX-512), 1 / 2 threads: H 200 (160 k elements) 75 / 56 µs
+#: through BLAS against 75 / 49 packed; H 400 (640 k) 308 / 213 against 242 / 136; H 650 (1.7 M)
+#: 883 / 584 against 618 / 325. Tied LSTM at 400, time over nn.LSTM: 1.02 / 1.18 through BLAS,
+#: 0.96 / 1.09 packed. On a Zen 3 (AVX2) BLAS was the faster at 200 and even at 650 with 1 thread.
+ONEDNN_MIN_WEIGHT = 250_000
 
 _lock = threading.Lock()
 _extension: ModuleType | None = None
@@ -129,7 +135,7 @@ def _compile_or_load() -> ModuleType:
                        "rnndrop.kernels` builds it ahead)", build_dir)
     try:
         module = cpp_extension.load(
-            name=NAME, sources=[str(p) for p in SOURCES], extra_cflags=["-O3"], verbose=False
+            name=NAME, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS, verbose=False
         )
     # compiler errors, a broken cache, a compiler that fails its --version probe (SubprocessError)
     except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as error:
@@ -169,17 +175,13 @@ def _sizes(batch_sizes: Sequence[int]) -> list[int]:
     return [int(b) for b in batch_sizes]
 
 
-def _packed(weight: Tensor, mask: Tensor | None, rows: tuple[int, int] | None = None) -> Tensor | None:
-    """``weight`` ``[out, in]`` packed for oneDNN's products of a step's rows, its ``rows``
-    doubled (the LSTM's g gate); None where the products go through BLAS."""
+def _packed(weight: Tensor, mask: Tensor | None) -> Tensor | None:
+    """``weight`` ``[out, in]`` packed for oneDNN's products of a step's rows; None where the
+    products go through BLAS."""
     per_gate = mask is not None and mask.dim() == 4
     if weight.numel() < ONEDNN_MIN_WEIGHT or per_gate or not onednn_enabled(weight):
         return None
-    weight = weight.detach()
-    if rows is not None:
-        weight = weight.clone()
-        weight[rows[0] : rows[1]] *= 2
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
 
 
 def _differentiable(*tensors: Tensor | None) -> bool:
@@ -190,10 +192,9 @@ def _differentiable(*tensors: Tensor | None) -> bool:
 
 
 def _lstm_forward(gates_x, h0, c0, w_hh, w_hr, mask, batch_sizes, reverse, keep: bool) -> list[Tensor]:
-    """The extension's LSTM forward, W_hh packed where oneDNN runs the products (its g rows
-    doubled); ``keep``: whether the buffers backward reads are kept."""
-    H = c0.shape[1]
-    packed = _packed(w_hh, mask, (2 * H, 3 * H))
+    """The extension's LSTM forward, W_hh packed where oneDNN runs the products; ``keep``:
+    whether the buffers backward reads are kept."""
+    packed = _packed(w_hh, mask)
     return build().lstm_forward(gates_x, h0, c0, w_hh, w_hr, mask, batch_sizes, reverse, packed, keep)
 
 

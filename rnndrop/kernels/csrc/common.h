@@ -99,6 +99,13 @@ struct StepWeight {
       at::mm_out(out, x, w);
     }
   }
+
+  // x @ w, in `out` or (oneDNN) in a tensor of its own, contiguous.
+  Tensor product(const Tensor& x, Tensor out) const {
+    if (packed.defined()) return onednn_linear(x, packed, Tensor(), Tensor());
+    at::mm_out(out, x, w);
+    return out;
+  }
 };
 
 // The hidden mask [T', B', (G,) P] (contiguous): where the mask of step t and row k starts.
@@ -227,15 +234,19 @@ inline Tensor weight_grad(const Tensor& d_z, const Tensor& m) {
   return d_w;
 }
 
-// z += m Wᵀ for one step: m [b, P] with w_t = Wᵀ [P, G * H], or per gate m [b, G, P]
-// with w_t_gates = the Wᵀ of every gate [G, P, H] (one batched product into z's gate blocks).
-inline void add_recurrent_product(Tensor z, const Tensor& m, const StepWeight& w_t, const Tensor& w_t_gates) {
+// m Wᵀ for one step, written into z (or, through oneDNN, a tensor of its own: the one returned)
+// or added to z (`accumulate`): m [b, P] with w_t = Wᵀ [P, G * H], or per gate m [b, G, P] with
+// w_t_gates = the Wᵀ of every gate [G, P, H] (one batched product into z's gate blocks).
+inline Tensor recurrent_product(Tensor z, const Tensor& m, const StepWeight& w_t, const Tensor& w_t_gates,
+                                bool accumulate) {
   if (m.dim() == 2) {
+    if (!accumulate) return w_t.product(m, z);
     w_t.into(z, m, true);
-    return;
+    return z;
   }
   const int64_t b = z.size(0), G = m.size(1);
-  z.view({b, G, -1}).transpose(0, 1).baddbmm_(m.transpose(0, 1), w_t_gates);
+  z.view({b, G, -1}).transpose(0, 1).baddbmm_(m.transpose(0, 1), w_t_gates, accumulate ? 1 : 0);
+  return z;
 }
 
 // Wᵀ of every gate, [G, P, H], from Wᵀ [P, G * H] (per-gate masks), else undefined.

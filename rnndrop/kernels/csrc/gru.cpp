@@ -1,8 +1,8 @@
 // The GRU recurrence, forward and backward, each one loop over time in C++. The
-// equations are those of rnndrop/kernels/gru.py. Per step: one matrix product
-// a = W_hh m + b_hh, then passes over the step's rows with two ATen σ calls (r and z;
-// n's tanh as 2σ(2x) - 1). The passes over a step's rows are split over the threads
-// (over_rows in common.h).
+// equations are those of rnndrop/kernels/gru.py. Per step forward: one matrix product
+// a = W_hh m + b_hh, then one pass over the step's rows (rows::gru_step) for r, z, n and h
+// in the kernel's own vectorised arithmetic. The passes over a step's rows are split over
+// the threads (over_rows in common.h).
 //
 // Without `keep` (inference: nothing will run backward) the buffers of the activations
 // and masked states hold one step's rows, reused from step to step.
@@ -35,23 +35,11 @@ void gru_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>& 
       w_t.into(a, m, false, b_hh);
     } else {
       b_hh.defined() ? a.copy_(b_hh.expand({b, 3 * H})) : a.zero_();
-      add_recurrent_product(a, m, w_t, w_t_gates);
+      recurrent_product(a, m, w_t, w_t_gates, true);
     }
-    over_rows(b, H, [&](int64_t k) {  // pre-activations of r and z
-      rows::add<scalar_t>(2 * H, x_base + (s.offset + k) * 3 * H, a_ptr + k * 3 * H, act_base + (kept + k) * 3 * H);
-    });
-    Tensor act_t = acts.narrow(0, kept, b);
-    act_t.narrow(1, 0, 2 * H).sigmoid_();
-    over_rows(b, H, [&](int64_t k) {  // 2 (x_n + r a_n), for tanh
-      const int64_t row = (kept + k) * 3 * H;
-      rows::gru_candidate<scalar_t>(H, x_base + (s.offset + k) * 3 * H + 2 * H, act_base + row,
-                                    a_ptr + k * 3 * H + 2 * H, an_base + (kept + k) * H, act_base + row + 2 * H);
-    });
-    act_t.narrow(1, 2 * H, H).sigmoid_();
-    over_rows(b, H, [&](int64_t k) {  // n = 2σ - 1, h = n + z (h_prev - n)
-      const int64_t row = (kept + k) * 3 * H;
-      rows::gru_output<scalar_t>(H, act_base + row + H, act_base + row + 2 * H, out_base + (s.offset + k) * H,
-                                 hs + k * H);
+    over_rows(b, H, [&](int64_t k) {
+      rows::gru_step<scalar_t>(H, x_base + (s.offset + k) * 3 * H, a_ptr + k * 3 * H, act_base + (kept + k) * 3 * H,
+                               an_base + (kept + k) * H, out_base + (s.offset + k) * H, hs + k * H);
     });
   }
 }

@@ -1,11 +1,9 @@
 // The LSTM recurrence, forward and backward, each one loop over time in C++. The
-// equations are those of rnndrop/kernels/lstm.py. Per step: one matrix product into
-// the step's rows of the gate buffer (which already hold the input projection), σ
-// over the whole [b, 4H] row through ATen, then one pass over the row for g, c,
-// tanh(c) (as 2σ(2c) - 1, one more ATen σ) and h. tanh(z_g) is 2σ(2 z_g) - 1 too:
-// the g columns of W_hh are doubled once per call, those of the input projection as each
-// step copies its rows into the gate buffer. The passes over a step's rows are split over
-// the threads (over_rows in common.h).
+// equations are those of rnndrop/kernels/lstm.py. Per step forward: one matrix product
+// zr = m W_hhᵀ into a step buffer, then one pass over the step's rows (rows::lstm_step):
+// z = x + zr, the four gates' nonlinearities, c, tanh(c) and h, all in the kernel's own
+// vectorised arithmetic. Per step backward: one pass for the gates' gradients, then one
+// product. The passes over a step's rows are split over the threads (over_rows in common.h).
 //
 // Without `keep` (inference: nothing will run backward) the buffers of the gates, cells
 // and masked states hold one step's rows, reused from step to step, instead of every
@@ -31,6 +29,7 @@ void lstm_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>&
   scalar_t* hs = h_state.data_ptr<scalar_t>();
   scalar_t* cs = c_state.data_ptr<scalar_t>();
   scalar_t* out_base = out.data_ptr<scalar_t>();
+  Tensor zr_buf = at::empty({h_state.size(0), 4 * H}, acts.options());
   for (const Step& s : steps) {
     const int64_t b = s.size, kept = keep ? s.offset : 0;  // kept: the step's first row in the buffers
     Tensor m = h_state.narrow(0, 0, b);
@@ -38,24 +37,14 @@ void lstm_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>&
       m = masked.narrow(0, kept, b);
       mask_state(hs, mask, s.t, b, P, m.data_ptr<scalar_t>());
     }
-    over_rows(b, H, [&](int64_t k) {  // the step's input projection, g doubled
-      rows::copy_doubling_block<scalar_t>(4 * H, 2 * H, 3 * H, x_base + (s.offset + k) * 4 * H,
-                                          a_base + (kept + k) * 4 * H);
-    });
-    Tensor z = acts.narrow(0, kept, b);
-    add_recurrent_product(z, m, w_t, w_t_gates);
-    z.sigmoid_();
-    over_rows(b, H, [&](int64_t k) {  // g = 2σ - 1, c = f c_prev + i g; 2c for tanh(c)
-      scalar_t* a = a_base + (kept + k) * 4 * H;
-      const int64_t row = (kept + k) * H;
-      rows::lstm_cell<scalar_t>(H, a, a + H, a + 2 * H, cs + k * H, c_base + row, tc_base + row);
-    });
-    tanh_cells.narrow(0, kept, b).sigmoid_();
-    over_rows(b, H, [&](int64_t k) {  // tanh(c) = 2σ(2c) - 1, r = o tanh(c); the state moves on
+    const Tensor zr_t = recurrent_product(zr_buf.narrow(0, 0, b), m, w_t, w_t_gates, false);  // held: oneDNN's own
+    const scalar_t* zr = zr_t.data_ptr<scalar_t>();
+    over_rows(b, H, [&](int64_t k) {
       const int64_t row = (kept + k) * H;
       scalar_t* r_row = proj ? r_base + row : out_base + (s.offset + k) * P;
-      rows::lstm_output<scalar_t>(H, a_base + (kept + k) * 4 * H + 3 * H, c_base + row, tc_base + row, r_row,
-                                  cs + k * H, proj ? nullptr : hs + k * H);
+      rows::lstm_step<scalar_t>(H, x_base + (s.offset + k) * 4 * H, zr + k * 4 * H, a_base + (kept + k) * 4 * H,
+                                cs + k * H, c_base + row, tc_base + row, r_row);
+      if (!proj) std::copy(r_row, r_row + H, hs + k * H);
     });
     if (proj) {
       Tensor out_t = out.narrow(0, s.offset, b);
@@ -117,8 +106,7 @@ std::vector<Tensor> lstm_forward(const Tensor& gates_x, const Tensor& h0, const 
   const int64_t N = keep ? gates_x.size(0) : h0.size(0);  // rows of the buffers a backward pass reads
   const Tensor x = gates_x.contiguous();
   Tensor acts = at::empty({N, 4 * H}, x.options());
-  Tensor w_t = w_hh.t().contiguous();  // [P, 4H], the g columns doubled
-  w_t.narrow(1, 2 * H, H).mul_(2);
+  Tensor w_t = w_hh.t().contiguous();  // [P, 4H]
   Tensor w_hr_t = w_hr.defined() ? w_hr.t().contiguous() : Tensor();
   Tensor cells = at::empty({N, H}, gates_x.options());
   Tensor tanh_cells = at::empty({N, H}, gates_x.options());

@@ -4,10 +4,11 @@
 // depend on the machine it runs on (no -march=native).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define RNNDROP_ROW __attribute__((noinline, target_clones("avx2", "default")))
+#define RNNDROP_ROW __attribute__((noinline, target_clones("avx512f", "avx2", "default")))
 #else
 #define RNNDROP_ROW __attribute__((noinline))
 #endif
@@ -16,33 +17,62 @@
 
 namespace rnndrop::rows {
 
-// LSTM forward, after σ over the gates (g holds σ(2 z_g)): g = 2σ - 1, c = f c_prev + i g,
-// tc = 2c (for tanh(c) = 2σ(2c) - 1).
+// e^x in float32 as arithmetic the compiler vectorises (no libm call in the loop): e^x =
+// 2^n e^r with n = round(x log2 e), r = x - n ln 2 in two parts, e^r by Cephes' expf
+// polynomial (relative error ~1e-7), 2^n written into the exponent bits. x is clamped to
+// [-87.3, 88.3], where 2^n stays a normal float: σ and tanh are saturated long before.
+// float64 calls std::exp (correctly rounded to 1e-16, the precision its tests ask).
+__attribute__((always_inline)) inline float exp_fast(float x) {
+  x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
+  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float n = (x * 1.44269504088896341f + shifter) - shifter;
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+__attribute__((always_inline)) inline double exp_fast(double x) { return std::exp(x); }
+
 template <typename T>
-RNNDROP_ROW void lstm_cell(int64_t n, const T* RNNDROP_R i, const T* RNNDROP_R f, T* RNNDROP_R g,
-                           const T* RNNDROP_R c_prev, T* RNNDROP_R c, T* RNNDROP_R tc) {
-  for (int64_t j = 0; j < n; ++j) {
-    const T gj = 2 * g[j] - 1;
-    const T cj = f[j] * c_prev[j] + i[j] * gj;
-    g[j] = gj;
-    c[j] = cj;
-    tc[j] = 2 * cj;
-  }
+__attribute__((always_inline)) inline T sigmoid(T x) {
+  return T(1) / (T(1) + exp_fast(-x));
+}
+template <typename T>
+__attribute__((always_inline)) inline T tanh(T x) {  // 2σ(2x) - 1
+  return T(2) / (T(1) + exp_fast(-2 * x)) - T(1);
 }
 
-// LSTM forward, after σ(2c): tc = tanh(c) = 2σ - 1, r = o tc; the state takes c (and r
-// when there is no projection: h_state may be null).
+// One LSTM row of a step, every gate at once: z = x + zr (input projection, recurrent
+// product), i, f, o = σ(z), g = tanh(z_g), c = f c_prev + i g, tc = tanh(c), r = o tc.
+// a: the activations [i, f, g, o] (4n); c_state holds c_prev and takes c, which c_saved
+// keeps too (for backward).
 template <typename T>
-RNNDROP_ROW void lstm_output(int64_t n, const T* RNNDROP_R o, const T* RNNDROP_R c, T* RNNDROP_R tc,
-                             T* RNNDROP_R r, T* RNNDROP_R c_state, T* RNNDROP_R h_state) {
+RNNDROP_ROW void lstm_step(int64_t n, const T* RNNDROP_R x, const T* RNNDROP_R zr, T* RNNDROP_R a,
+                           T* RNNDROP_R c_state, T* RNNDROP_R c_saved, T* RNNDROP_R tc, T* RNNDROP_R r) {
   for (int64_t j = 0; j < n; ++j) {
-    const T t = 2 * tc[j] - 1;
+    const T i = sigmoid(x[j] + zr[j]);
+    const T f = sigmoid(x[n + j] + zr[n + j]);
+    const T g = tanh(x[2 * n + j] + zr[2 * n + j]);
+    const T o = sigmoid(x[3 * n + j] + zr[3 * n + j]);
+    const T c = f * c_state[j] + i * g;
+    const T t = tanh(c);
+    a[j] = i;
+    a[n + j] = f;
+    a[2 * n + j] = g;
+    a[3 * n + j] = o;
+    c_state[j] = c;
+    c_saved[j] = c;
     tc[j] = t;
-    r[j] = o[j] * t;
-    c_state[j] = c[j];
+    r[j] = o * t;
   }
-  if (h_state)
-    for (int64_t j = 0; j < n; ++j) h_state[j] = r[j];
 }
 
 // LSTM backward: dz of the four gates from dr and the dc that later steps sent back
@@ -63,30 +93,22 @@ RNNDROP_ROW void lstm_grad(int64_t n, const T* RNNDROP_R a, const T* RNNDROP_R t
   }
 }
 
-// out = x + y (GRU: the pre-activations of r and z).
+// One GRU row of a step: r, z = σ(x + a), n = tanh(x_n + r a_n), h = n + z (h_prev - n),
+// with a = W_hh m + b_hh; act: [r, z, n] (3n); a_n_saved keeps a_n; h_state holds h_prev
+// and takes h, also written to h.
 template <typename T>
-RNNDROP_ROW void add(int64_t n, const T* RNNDROP_R x, const T* RNNDROP_R y, T* RNNDROP_R out) {
-  for (int64_t j = 0; j < n; ++j) out[j] = x[j] + y[j];
-}
-
-// GRU forward, after σ(r): keeps a_n, n_pre2 = 2 (x_n + r a_n) (for tanh).
-template <typename T>
-RNNDROP_ROW void gru_candidate(int64_t n, const T* RNNDROP_R x_n, const T* RNNDROP_R r, const T* RNNDROP_R a_n,
-                               T* RNNDROP_R a_n_saved, T* RNNDROP_R n_pre2) {
+RNNDROP_ROW void gru_step(int64_t n, const T* RNNDROP_R x, const T* RNNDROP_R a, T* RNNDROP_R act,
+                          T* RNNDROP_R a_n_saved, T* RNNDROP_R h, T* RNNDROP_R h_state) {
   for (int64_t j = 0; j < n; ++j) {
-    a_n_saved[j] = a_n[j];
-    n_pre2[j] = 2 * (x_n[j] + r[j] * a_n[j]);
-  }
-}
-
-// GRU forward, after σ(2 n_pre): n = 2σ - 1, h = n + z (h_prev - n) into out and the state.
-template <typename T>
-RNNDROP_ROW void gru_output(int64_t n, const T* RNNDROP_R z, T* RNNDROP_R n_act, T* RNNDROP_R h,
-                            T* RNNDROP_R h_state) {
-  for (int64_t j = 0; j < n; ++j) {
-    const T nj = 2 * n_act[j] - 1;
-    const T hj = nj + z[j] * (h_state[j] - nj);
-    n_act[j] = nj;
+    const T r = sigmoid(x[j] + a[j]);
+    const T z = sigmoid(x[n + j] + a[n + j]);
+    const T an = a[2 * n + j];
+    const T nj = tanh(x[2 * n + j] + r * an);
+    const T hj = nj + z * (h_state[j] - nj);
+    act[j] = r;
+    act[n + j] = z;
+    act[2 * n + j] = nj;
+    a_n_saved[j] = an;
     h[j] = hj;
     h_state[j] = hj;
   }
@@ -109,15 +131,6 @@ RNNDROP_ROW void gru_grad(int64_t n, const T* RNNDROP_R act, const T* RNNDROP_R 
     dn_pre_out[j] = dn_pre;
     dh_state[j] = dh * z;
   }
-}
-
-// out = x, with the elements lo..hi-1 doubled (a row of the LSTM's input projection, its g
-// gate scaled for tanh(z) = 2σ(2z) - 1).
-template <typename T>
-RNNDROP_ROW void copy_doubling_block(int64_t n, int64_t lo, int64_t hi, const T* RNNDROP_R x, T* RNNDROP_R out) {
-  for (int64_t j = 0; j < lo; ++j) out[j] = x[j];
-  for (int64_t j = lo; j < hi; ++j) out[j] = 2 * x[j];
-  for (int64_t j = hi; j < n; ++j) out[j] = x[j];
 }
 
 // out = x * y (the masked state of one gate), or out (+)= x * y.
