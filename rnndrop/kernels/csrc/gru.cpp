@@ -89,7 +89,7 @@ std::vector<Tensor> gru_forward(const Tensor& gates_x, const Tensor& h0, const T
   const int64_t H = h0.size(1), B = h0.size(0);
   const int64_t N = keep ? gates_x.size(0) : B;  // rows of the buffers a backward pass reads
   const Tensor x = gates_x.contiguous();
-  Tensor w_t = w_hh.t().contiguous();  // [H, 3H]
+  const StepWeight w_t = forward_weight(w_hh, w_packed);  // W_hhᵀ
   Tensor acts = at::empty({N, 3 * H}, x.options());
   Tensor a_n = at::empty({N, H}, x.options());
   Tensor out = at::empty({gates_x.size(0), H}, x.options());
@@ -102,8 +102,8 @@ std::vector<Tensor> gru_forward(const Tensor& gates_x, const Tensor& h0, const T
   }
   Tensor h_state = h0.contiguous().clone();
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gru_forward", [&] {
-    gru_forward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), x, StepWeight{w_t, w_packed.value_or(Tensor())},
-                               gate_weights_t(w_t, mask), b_hh, keep, a_buf,
+    gru_forward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), x, w_t,
+                               gate_weights_t(w_t.w, mask), b_hh, keep, a_buf,
                                acts, a_n, out, masked, h_state);
   });
   return {out, h_state, acts, a_n, masked};

@@ -106,7 +106,7 @@ std::vector<Tensor> lstm_forward(const Tensor& gates_x, const Tensor& h0, const 
   const int64_t N = keep ? gates_x.size(0) : h0.size(0);  // rows of the buffers a backward pass reads
   const Tensor x = gates_x.contiguous();
   Tensor acts = at::empty({N, 4 * H}, x.options());
-  Tensor w_t = w_hh.t().contiguous();  // [P, 4H]
+  const StepWeight w_t = forward_weight(w_hh, w_packed);  // W_hhᵀ
   Tensor w_hr_t = w_hr.defined() ? w_hr.t().contiguous() : Tensor();
   Tensor cells = at::empty({N, H}, gates_x.options());
   Tensor tanh_cells = at::empty({N, H}, gates_x.options());
@@ -121,8 +121,8 @@ std::vector<Tensor> lstm_forward(const Tensor& gates_x, const Tensor& h0, const 
   Tensor h_state = h0.contiguous().clone();
   Tensor c_state = c0.contiguous().clone();
   AT_DISPATCH_FLOATING_TYPES(gates_x.scalar_type(), "lstm_forward", [&] {
-    lstm_forward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), StepWeight{w_t, w_packed.value_or(Tensor())},
-                                gate_weights_t(w_t, mask), w_hr_t, x, keep, acts, cells, tanh_cells, r, out, masked,
+    lstm_forward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), w_t,
+                                gate_weights_t(w_t.w, mask), w_hr_t, x, keep, acts, cells, tanh_cells, r, out, masked,
                                 h_state, c_state);
   });
   return {out, h_state, c_state, acts, cells, tanh_cells, w_hr.defined() ? r : Tensor(), masked};
