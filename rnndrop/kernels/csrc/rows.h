@@ -1,7 +1,8 @@
 // The pointwise math of one row of one step (H elements), as small functions with
-// unaliased pointers that the compiler vectorises. On x86-64 with GCC each is also
-// compiled for AVX2 and picked at load time (target_clones), so the build does not
-// depend on the machine it runs on (no -march=native).
+// unaliased pointers that the compiler vectorises (the build passes -fno-trapping-math, so
+// that the clamps below become vector min / max). On x86-64 with GCC each is also compiled
+// for AVX-512 and AVX2 and the copy is picked at load time (target_clones), so the build
+// does not depend on the machine it runs on (no -march=native).
 #pragma once
 
 #include <cmath>
