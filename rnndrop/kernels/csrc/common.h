@@ -243,18 +243,13 @@ inline Tensor weight_grad(const Tensor& d_z, const Tensor& m) {
   return d_w;
 }
 
-// m Wᵀ for one step, written into z (or, through oneDNN, a tensor of its own: the one returned)
-// or added to z (`accumulate`): m [b, P] with w_t = Wᵀ [P, G * H], or per gate m [b, G, P] with
-// w_t_gates = the Wᵀ of every gate [G, P, H] (one batched product into z's gate blocks).
-inline Tensor recurrent_product(Tensor z, const Tensor& m, const StepWeight& w_t, const Tensor& w_t_gates,
-                                bool accumulate) {
-  if (m.dim() == 2) {
-    if (!accumulate) return w_t.product(m, z);
-    w_t.into(z, m, true);
-    return z;
-  }
+// m Wᵀ for one step, written into z (or, through oneDNN, a tensor of its own: the one returned):
+// m [b, P] with w_t = Wᵀ [P, G * H], or per gate m [b, G, P] with w_t_gates = the Wᵀ of every
+// gate [G, P, H] (one batched product into z's gate blocks).
+inline Tensor recurrent_product(Tensor z, const Tensor& m, const StepWeight& w_t, const Tensor& w_t_gates) {
+  if (m.dim() == 2) return w_t.product(m, z);
   const int64_t b = z.size(0), G = m.size(1);
-  z.view({b, G, -1}).transpose(0, 1).baddbmm_(m.transpose(0, 1), w_t_gates, accumulate ? 1 : 0);
+  z.view({b, G, -1}).transpose(0, 1).baddbmm_(m.transpose(0, 1), w_t_gates, 0);
   return z;
 }
 

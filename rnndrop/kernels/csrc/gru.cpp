@@ -34,8 +34,8 @@ void gru_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>& 
     if (m.dim() == 2) {
       w_t.into(a, m, false, b_hh);
     } else {
-      b_hh.defined() ? a.copy_(b_hh.expand({b, 3 * H})) : a.zero_();
-      recurrent_product(a, m, w_t, w_t_gates, true);
+      recurrent_product(a, m, w_t, w_t_gates);  // per gate: into a itself
+      if (b_hh.defined()) a.add_(b_hh);
     }
     over_rows(b, H, [&](int64_t k) {
       rows::gru_step<scalar_t>(H, x_base + (s.offset + k) * 3 * H, a_ptr + k * 3 * H, act_base + (kept + k) * 3 * H,

@@ -37,7 +37,7 @@ void lstm_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>&
       m = masked.narrow(0, kept, b);
       mask_state(hs, mask, s.t, b, P, m.data_ptr<scalar_t>());
     }
-    const Tensor zr_t = recurrent_product(zr_buf.narrow(0, 0, b), m, w_t, w_t_gates, false);  // held: oneDNN's own
+    const Tensor zr_t = recurrent_product(zr_buf.narrow(0, 0, b), m, w_t, w_t_gates);  // held: oneDNN's own
     const scalar_t* zr = zr_t.data_ptr<scalar_t>();
     over_rows(b, H, [&](int64_t k) {
       const int64_t row = (kept + k) * H;
