@@ -145,6 +145,20 @@ def test_inference_forward_equals_training_forward(kind, onednn, monkeypatch):
                         assert torch.equal(ours, ref.detach()), where
 
 
+def test_onednn_products_chosen_by_weight_size_and_rows():
+    """Packed oneDNN products for large weights at any batch, for mid-sized ones only with many
+    rows, never for small ones, per-gate masks or float64."""
+    def packed(h, rows, dtype=torch.float32, mask=None):
+        return compiled._packed(torch.randn(4 * h, h, dtype=dtype), mask, rows) is not None
+
+    onednn = onednn_enabled(torch.randn(2, 2))
+    assert packed(400, 1) == onednn and packed(400, 20) == onednn
+    assert not packed(200, 20) and packed(200, 64) == onednn
+    assert not packed(100, 1024)
+    assert not packed(400, 20, dtype=torch.float64)
+    assert not packed(400, 20, mask=torch.ones(1, 20, 4, 400))
+
+
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_onednn_products_match_reference_kernel(kind, monkeypatch):
     """The oneDNN path of the step products (large float32 weights; here every weight)."""
@@ -156,7 +170,7 @@ def test_onednn_products_match_reference_kernel(kind, monkeypatch):
             weight /= weight.shape[1] ** 0.5
         # With oneDNN the step products go through its packed weights; a torch without it
         # runs the same comparison through BLAS.
-        assert (compiled._packed(weight, None) is not None) == onednn_enabled(weight)
+        assert (compiled._packed(weight, None, batch_sizes[0]) is not None) == onednn_enabled(weight)
         ours = shared.run_kernel("compiled", kind, batch_sizes, args, reverse)
         ref = shared.run_kernel("autograd", kind, batch_sizes, args, reverse)
         assert_close(ours, ref, atol=1e-5, rtol=1e-5, msg=f"{batch_sizes} mask {mask_shape}")

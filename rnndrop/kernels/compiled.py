@@ -65,14 +65,23 @@ HOW_TO_GET_IT = (
     "`python -m rnndrop.kernels`"
 )
 
-#: Recurrent weights with at least this many elements go through oneDNN's packed products
-#: (float32, where torch has oneDNN; not with per-gate masks), others through BLAS, whatever the
-#: thread count. One step's product [20, H] x [H, 4H] on an AMD EPYC Zen 4 (AVX-512; torch's MKL
-#: runs its AVX2 code there, oneDNN AVX-512), 1 / 2 threads: H 200 (160 k elements) 75 / 56 µs
-#: through BLAS against 75 / 49 packed; H 400 (640 k) 308 / 213 against 242 / 136; H 650 (1.7 M)
-#: 883 / 584 against 618 / 325. Tied LSTM at 400, time over nn.LSTM: 1.02 / 1.18 through BLAS,
-#: 0.96 / 1.09 packed. On a Zen 3 (AVX2) BLAS was the faster at 200 and even at 650 with 1 thread.
+#: A recurrent weight goes through oneDNN's packed products (float32, where torch has oneDNN;
+#: not with per-gate masks) when it has at least ONEDNN_MIN_WEIGHT elements, or at least
+#: ONEDNN_MIN_WEIGHT_MANY_ROWS and the steps have ONEDNN_MANY_ROWS rows or more; else through
+#: BLAS, whatever the thread count. Packing costs about one step's product (208 µs at H 200, 1
+#: thread), once per call. Measured on an AMD EPYC Zen 4 (AVX-512; torch's MKL runs its AVX2
+#: code there, oneDNN AVX-512), one step's product [rows, H] x [H, 4H], 1 / 2 threads, BLAS
+#: against packed: H 400 (640 k elements), 20 rows 308 / 213 µs against 242 / 136; H 650 (1.7 M)
+#: 883 / 584 against 618 / 325; H 200 (160 k), 20 rows 93 / 56 against 91 / 50, 64 rows 263 /
+#: 157 against 216 / 114, 200 rows 752 / 445 against 633 / 317; H 100 (40 k), 64 rows 54 / 38
+#: against 75 / 39. Time over nn.LSTM, tied LSTM, BLAS against packed: at 400, batch 20, 1.02 /
+#: 1.18 against 0.96 / 1.09; at 200, batch 64, 0.99 / 1.23 against 0.90 / 1.07 (training), 1.39
+#: against 1.29 (2 threads, Monte-Carlo forward). The GRU at 200 (120 k elements), batch 64,
+#: trained 3-10% slower packed: hence 150 k. On a Zen 3 (AVX2) BLAS was the faster at 200 and
+#: even at 650 with 1 thread (batch 20).
 ONEDNN_MIN_WEIGHT = 250_000
+ONEDNN_MIN_WEIGHT_MANY_ROWS = 150_000
+ONEDNN_MANY_ROWS = 32
 
 _lock = threading.Lock()
 _extension: ModuleType | None = None
@@ -175,11 +184,13 @@ def _sizes(batch_sizes: Sequence[int]) -> list[int]:
     return [int(b) for b in batch_sizes]
 
 
-def _packed(weight: Tensor, mask: Tensor | None) -> Tensor | None:
-    """``weight`` ``[out, in]`` packed for oneDNN's products of a step's rows; None where the
-    products go through BLAS."""
+def _packed(weight: Tensor, mask: Tensor | None, rows: int) -> Tensor | None:
+    """``weight`` ``[out, in]`` packed for oneDNN's products of a step's rows (at most ``rows``);
+    None where the products go through BLAS."""
     per_gate = mask is not None and mask.dim() == 4
-    if weight.numel() < ONEDNN_MIN_WEIGHT or per_gate or not onednn_enabled(weight):
+    n = weight.numel()
+    worth_it = n >= ONEDNN_MIN_WEIGHT or (n >= ONEDNN_MIN_WEIGHT_MANY_ROWS and rows >= ONEDNN_MANY_ROWS)
+    if not worth_it or per_gate or not onednn_enabled(weight):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
 
@@ -194,13 +205,14 @@ def _differentiable(*tensors: Tensor | None) -> bool:
 def _lstm_forward(gates_x, h0, c0, w_hh, w_hr, mask, batch_sizes, reverse, keep: bool) -> list[Tensor]:
     """The extension's LSTM forward, W_hh packed where oneDNN runs the products; ``keep``:
     whether the buffers backward reads are kept."""
-    packed = _packed(w_hh, mask)
+    packed = _packed(w_hh, mask, batch_sizes[0])
     return build().lstm_forward(gates_x, h0, c0, w_hh, w_hr, mask, batch_sizes, reverse, packed, keep)
 
 
 def _gru_forward(gates_x, h0, w_hh, b_hh, mask, batch_sizes, reverse, keep: bool) -> list[Tensor]:
     """The extension's GRU forward (see :func:`_lstm_forward`)."""
-    return build().gru_forward(gates_x, h0, w_hh, b_hh, mask, batch_sizes, reverse, _packed(w_hh, mask), keep)
+    return build().gru_forward(gates_x, h0, w_hh, b_hh, mask, batch_sizes, reverse,
+                                 _packed(w_hh, mask, batch_sizes[0]), keep)
 
 
 class _LSTMRecurrence(torch.autograd.Function):
@@ -219,7 +231,7 @@ class _LSTMRecurrence(torch.autograd.Function):
     def backward(ctx, d_out, d_hn, d_cn):
         needs = list(ctx.needs_input_grad[:6])
         saved = ctx.saved_tensors
-        w_t_packed = _packed(saved[8].t(), saved[10])  # W_hhᵀ (the mask decides)
+        w_t_packed = _packed(saved[8].t(), saved[10], ctx.schedule[0][0])  # W_hhᵀ
         grads = build().lstm_backward(d_out, d_hn, d_cn, *saved, *ctx.schedule, needs, w_t_packed)
         return (*(g if need else None for g, need in zip(grads, needs)), None, None)
 
@@ -240,7 +252,7 @@ class _GRURecurrence(torch.autograd.Function):
     def backward(ctx, d_out, d_hn):
         needs = list(ctx.needs_input_grad[:5])
         saved = ctx.saved_tensors
-        w_t_packed = _packed(saved[5].t(), saved[6])  # W_hhᵀ (the mask decides)
+        w_t_packed = _packed(saved[5].t(), saved[6], ctx.schedule[0][0])  # W_hhᵀ
         grads = build().gru_backward(d_out, d_hn, *saved, *ctx.schedule, needs, w_t_packed)
         return (*(g if need else None for g, need in zip(grads, needs)), None, None)
 
