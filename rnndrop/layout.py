@@ -171,6 +171,21 @@ class SequenceLayout:
             out.append(state)
         return tuple(out)
 
+    def broadcastable(self, rows: Tensor, mask: Tensor, per_step: bool) -> tuple[Tensor, Tensor]:
+        """``rows`` ``[N, ...]`` and a mask ``[B, ...]`` (``per_step``: ``[T, B, ...]``) as a pair
+        that broadcasts row by row: for padded input ``[T, B, ...]`` and ``[1 or T, B, ...]``
+        (views: the mask is not copied to every step), for packed input ``rows`` and the mask's
+        rows ``[N, ...]``."""
+        if self.packed:
+            return rows, self.broadcast_to_rows(mask, per_step)
+        steps = rows.reshape(self.seq_len, self.batch_size, *rows.shape[1:])
+        return steps, mask if per_step else mask.unsqueeze(0)
+
+    def mask_rows(self, rows: Tensor, mask: Tensor, per_step: bool) -> Tensor:
+        """``rows * mask`` ``[N, ...]`` (a mask as for :meth:`broadcastable`)."""
+        steps, mask = self.broadcastable(rows, mask, per_step)
+        return (steps * mask).reshape(rows.shape)
+
     def broadcast_to_rows(self, mask: Tensor, per_step: bool) -> Tensor:
         """A mask ``[B, ...]`` (``per_step``: ``[T, B, ...]``), sorted batch order -> rows ``[N, ...]``."""
         T, B = self.seq_len, self.batch_size

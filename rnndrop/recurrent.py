@@ -146,7 +146,7 @@ class VariationalLSTM(VariationalRNNStack, nn.LSTM):
         for d, mask in enumerate(hidden):
             w = self._layer_weights(layer, d)
             bias = w["bias_ih"] + w["bias_hh"] if self.bias else None
-            gates_x = input_projection(x, in_rows, w["weight_ih"], bias)
+            gates_x = input_projection(x, in_rows, w["weight_ih"], bias).flatten(0, -2)  # [N, 4H]
             recurrence: LSTMRecurrence = KERNELS[self._loop_kernel(gates_x)]["lstm"]
             out, h, c = recurrence(
                 gates_x, layout.batch_sizes, h0[d], c0[d], w["weight_hh"], w.get("weight_hr"), mask, bool(d)
@@ -231,7 +231,7 @@ class VariationalGRU(VariationalRNNStack, nn.GRU):
         outs, finals = [], []
         for d, mask in enumerate(hidden):
             w = self._layer_weights(layer, d)
-            gates_x = input_projection(x, in_rows, w["weight_ih"], w.get("bias_ih"))
+            gates_x = input_projection(x, in_rows, w["weight_ih"], w.get("bias_ih")).flatten(0, -2)
             recurrence: GRURecurrence = KERNELS[self._loop_kernel(gates_x)]["gru"]
             out, h = recurrence(
                 gates_x, layout.batch_sizes, h0[d], w["weight_hh"], w.get("bias_hh"), mask, bool(d)

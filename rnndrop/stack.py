@@ -228,10 +228,12 @@ class VariationalRNNStack(StackSettings, ABC):
         finals: list[list[Tensor]] = [[] for _ in states]
         for layer in range(self.num_layers):
             in_mask = masks.inputs[layer] if masks is not None else None
-            in_rows = layout.broadcast_to_rows(in_mask, per_step) if in_mask is not None else None
-            per_gate_input = in_rows is not None and masks.per_gate
-            if in_rows is not None and not per_gate_input:
-                x, in_rows = x * in_rows, None
+            per_gate_input = in_mask is not None and masks.per_gate
+            x_in, in_rows = x, None
+            if per_gate_input:  # applied in the input projection
+                x_in, in_rows = layout.broadcastable(x, in_mask, per_step)
+            elif in_mask is not None:
+                x = x_in = layout.mask_rows(x, in_mask, per_step)
             indices = range(layer * D, (layer + 1) * D)
             layer_states = tuple(s[layer * D : (layer + 1) * D] for s in states)
             hidden = [masks.hidden[i] if masks is not None else None for i in indices]
@@ -245,13 +247,13 @@ class VariationalRNNStack(StackSettings, ABC):
             else:
                 # the kernels' form [T', B', (G,) P]: a time dimension of 1 unless per step
                 loop_masks = [m if m is None or per_step else m.unsqueeze(0) for m in hidden]
-                x, new_states = self._layer_loop(x, layout, layer, layer_states, in_rows, loop_masks)
+                x, new_states = self._layer_loop(x_in, layout, layer, layer_states, in_rows, loop_masks)
             for acc, s in zip(finals, new_states):
                 acc.append(s)
         if masks is not None and masks.output is not None:
             if raw is not None:
                 raw.append(x)
-            x = x * layout.broadcast_to_rows(masks.output, per_step)
+            x = layout.mask_rows(x, masks.output, per_step)
         return x, tuple(torch.cat(acc) for acc in finals)
 
     def _layer_folded_mask(
@@ -284,10 +286,10 @@ class VariationalRNNStack(StackSettings, ABC):
         in_rows: Tensor | None,
         hidden: list[Tensor | None],
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
-        """Path 3 for ``layer``: per direction, the input projection of every step at once (the
-        per-gate input mask ``in_rows`` ``[N, G, in]`` applied there) and the cell's loop kernel
-        with recurrent mask ``hidden[d]`` ``[T', B', (G,) P]``; returns the rows ``[N, D * P]``
-        and the final states ``[D, B, size]``. Written per cell in :mod:`rnndrop.recurrent`."""
+        """Path 3 for ``layer``, per direction: the input projection of every step at once (with
+        the per-gate input mask ``in_rows``, paired with ``x`` by ``SequenceLayout.broadcastable``),
+        then the loop kernel with recurrent mask ``hidden[d]`` ``[T', B', (G,) P]``. Returns the rows
+        ``[N, D * P]`` and the final states ``[D, B, size]``; written per cell in :mod:`rnndrop.recurrent`."""
 
     @staticmethod
     def _join_directions(
