@@ -16,7 +16,7 @@ import torch
 import torch.utils.cpp_extension as cpp_extension
 
 from rnndrop import VariationalGRU, VariationalLSTM
-from rnndrop.kernels import auto_loop_kernel, compiled, get_kernel
+from rnndrop.kernels import auto_loop_kernel, compiled, compiled_plan, get_kernel
 from rnndrop.kernels.matmul import onednn_enabled
 from tests import test_kernels as shared
 from tests.helpers import assert_close
@@ -121,6 +121,67 @@ def test_matches_reference_kernel_with_two_threads(kind):
         torch.set_num_threads(threads)
 
 
+def test_parallel_loops_run_on_every_thread():
+    """The extension's at::parallel_for is compiled into it: built without OpenMP it would run
+    every "parallel" loop on one thread whatever torch.get_num_threads() says."""
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            assert compiled.build().parallel_threads() == n
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("threads, H", [(2, 80), (3, 100)])
+def test_forward_split_by_units_matches_reference_kernel(threads, H, dtype):
+    """The LSTM's forward step split by hidden units over the threads (padded input, one mask
+    or none; uneven parts with 3 threads): outputs, final states and gradients, every direction,
+    the inference forward equal to the training forward bit for bit."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    try:
+        for batch_sizes in ([3, 3, 3, 3], [2]):
+            for mask_shape in (None, (1, 1, "P"), (1, "B", "P"), ("T", "B", "P"), ("T", 1, "P")):
+                args = shared.kernel_inputs("lstm", batch_sizes, mask_shape, 0, dtype=dtype, H=H)
+                with torch.no_grad():
+                    args[3] /= H**0.5
+                parts = compiled_plan.split_parts(args[3], None, args[5], None, batch_sizes)
+                assert parts == min(threads, H // 32)  # the split runs
+                for reverse in (False, True):
+                    where = f"{batch_sizes} mask {mask_shape} reverse {reverse}"
+                    ours = shared.run_kernel("compiled", "lstm", batch_sizes, args, reverse)
+                    ref = shared.run_kernel("autograd", "lstm", batch_sizes, args, reverse)
+                    assert_close(ours, ref, atol=tol, rtol=tol, msg=where)
+                    with torch.no_grad():
+                        inferred = get_kernel("compiled", "lstm")(args[0], batch_sizes, *args[1:], reverse)
+                    assert all(torch.equal(a, b) for a, b in zip(inferred, ours[0], strict=True)), where
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_forward_split_by_units_only_where_it_applies():
+    """Several threads, padded input, no projection, one mask or none, BLAS products, 32 units a part."""
+    w = torch.randn(4 * 200, 200)
+    with_threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert compiled_plan.split_parts(w, None, None, None, [20] * 5) == 0
+        torch.set_num_threads(2)
+        assert compiled_plan.split_parts(w, None, None, None, [20] * 5) == 2
+        assert compiled_plan.split_parts(w, None, torch.ones(1, 20, 200), None, [20] * 5) == 2
+        assert compiled_plan.split_parts(w, None, torch.ones(1, 20, 4, 200), None, [20] * 5) == 0  # per gate
+        assert compiled_plan.split_parts(w, torch.randn(200, 50), None, None, [20] * 5) == 0  # projection
+        assert compiled_plan.split_parts(w, None, None, torch.empty(0), [20] * 5) == 0  # oneDNN's products
+        assert compiled_plan.split_parts(w, None, None, None, [20, 20, 19]) == 0  # packed sequences
+        narrow = torch.randn(4 * 63, 63)  # under 32 units a part
+        assert compiled_plan.split_parts(narrow, None, None, None, [20] * 5) == 0
+    finally:
+        torch.set_num_threads(with_threads)
+
+
 @pytest.mark.parametrize("onednn", [False, True])
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_inference_forward_equals_training_forward(kind, onednn, monkeypatch):
@@ -128,7 +189,7 @@ def test_inference_forward_equals_training_forward(kind, onednn, monkeypatch):
     the same outputs and final states, bit for bit, in every layout, mask shape and projection
     (float32 with oneDNN's packed products too)."""
     if onednn:
-        monkeypatch.setattr(compiled, "ONEDNN_MIN_WEIGHT", 0)
+        monkeypatch.setattr(compiled_plan, "ONEDNN_MIN_WEIGHT", 0)
     dtype = torch.float32 if onednn else torch.float64
     kernel = get_kernel("compiled", kind)
     for batch_sizes in shared.BATCH_SIZES:
@@ -149,7 +210,7 @@ def test_onednn_products_chosen_by_weight_size_and_rows():
     """Packed oneDNN products for large weights at any batch, for mid-sized ones only with many
     rows, never for small ones, per-gate masks or float64."""
     def packed(h, rows, dtype=torch.float32, mask=None):
-        return compiled._packed(torch.randn(4 * h, h, dtype=dtype), mask, rows) is not None
+        return compiled_plan.packed_weight(torch.randn(4 * h, h, dtype=dtype), mask, rows) is not None
 
     onednn = onednn_enabled(torch.randn(2, 2))
     assert packed(400, 1) == onednn and packed(400, 20) == onednn
@@ -162,7 +223,7 @@ def test_onednn_products_chosen_by_weight_size_and_rows():
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_onednn_products_match_reference_kernel(kind, monkeypatch):
     """The oneDNN path of the step products (large float32 weights; here every weight)."""
-    monkeypatch.setattr(compiled, "ONEDNN_MIN_WEIGHT", 0)
+    monkeypatch.setattr(compiled_plan, "ONEDNN_MIN_WEIGHT", 0)
     for batch_sizes, mask_shape, reverse in [([4, 3, 3, 1], (1, "B", "P"), False), ([3, 3, 2], None, True)]:
         args = shared.kernel_inputs(kind, batch_sizes, mask_shape, 0, dtype=torch.float32, H=40)
         with torch.no_grad():
@@ -170,7 +231,8 @@ def test_onednn_products_match_reference_kernel(kind, monkeypatch):
             weight /= weight.shape[1] ** 0.5
         # With oneDNN the step products go through its packed weights; a torch without it
         # runs the same comparison through BLAS.
-        assert (compiled._packed(weight, None, batch_sizes[0]) is not None) == onednn_enabled(weight)
+        packed = compiled_plan.packed_weight(weight, None, batch_sizes[0])
+        assert (packed is not None) == onednn_enabled(weight)
         ours = shared.run_kernel("compiled", kind, batch_sizes, args, reverse)
         ref = shared.run_kernel("autograd", kind, batch_sizes, args, reverse)
         assert_close(ours, ref, atol=1e-5, rtol=1e-5, msg=f"{batch_sizes} mask {mask_shape}")

@@ -33,8 +33,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
+from rnndrop.kernels.compiled_plan import packed_weight, split_parts
 from rnndrop.kernels.first_order import first_order_backward
-from rnndrop.kernels.matmul import onednn_enabled
 from rnndrop.kernels.optional import available_or_warn
 
 __all__ = ["build", "gru_recurrence", "is_available", "lstm_recurrence"]
@@ -44,8 +44,12 @@ logger = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "csrc" / f for f in ("module.cpp", "lstm.cpp", "gru.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / h for h in ("common.h", "rows.h")]
 #: -fno-trapping-math lets GCC turn the clamps of rows.h's e^x into vector min / max (no
-#: floating-point exception is ever unmasked here), so the row passes vectorise.
-CFLAGS = ["-O3", "-fno-trapping-math"]
+#: floating-point exception is ever unmasked here), so the row passes vectorise. -fopenmp:
+#: at::parallel_for is a header template, compiled here; without it the pragma inside is ignored
+#: and every "parallel" loop runs on one thread. Linked the same way, the library names
+#: libgomp.so.1, which the loader resolves to the one torch has loaded: one thread pool.
+CFLAGS = ["-O3", "-fno-trapping-math", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 
 
 def _build_name() -> str:
@@ -53,7 +57,7 @@ def _build_name() -> str:
     compiler flags, so that two checkouts (or two versions) never rebuild over each other's
     cached library."""
     digest = hashlib.sha256(str(SOURCES[0].parent.resolve()).encode())
-    digest.update(" ".join(CFLAGS).encode())
+    digest.update(" ".join(CFLAGS + LDFLAGS).encode())
     for path in SOURCES + HEADERS:
         digest.update(path.read_bytes())
     return f"rnndrop_loop_kernels_{digest.hexdigest()[:12]}"
@@ -65,23 +69,6 @@ HOW_TO_GET_IT = (
     "`python -m rnndrop.kernels`"
 )
 
-#: A recurrent weight goes through oneDNN's packed products (float32, where torch has oneDNN;
-#: not with per-gate masks) when it has at least ONEDNN_MIN_WEIGHT elements, or at least
-#: ONEDNN_MIN_WEIGHT_MANY_ROWS and the steps have ONEDNN_MANY_ROWS rows or more; else through
-#: BLAS, whatever the thread count. Packing costs about one step's product (208 µs at H 200, 1
-#: thread), once per call. Measured on an AMD EPYC Zen 4 (AVX-512; torch's MKL runs its AVX2
-#: code there, oneDNN AVX-512), one step's product [rows, H] x [H, 4H], 1 / 2 threads, BLAS
-#: against packed: H 400 (640 k elements), 20 rows 308 / 213 µs against 242 / 136; H 650 (1.7 M)
-#: 883 / 584 against 618 / 325; H 200 (160 k), 20 rows 93 / 56 against 91 / 50, 64 rows 263 /
-#: 157 against 216 / 114, 200 rows 752 / 445 against 633 / 317; H 100 (40 k), 64 rows 54 / 38
-#: against 75 / 39. Time over nn.LSTM, tied LSTM, BLAS against packed: at 400, batch 20, 1.02 /
-#: 1.18 against 0.96 / 1.09; at 200, batch 64, 0.99 / 1.23 against 0.90 / 1.07 (training), 1.39
-#: against 1.29 (2 threads, Monte-Carlo forward). The GRU at 200 (120 k elements), batch 64,
-#: trained 3-10% slower packed: hence 150 k. On a Zen 3 (AVX2) BLAS was the faster at 200 and
-#: even at 650 with 1 thread (batch 20).
-ONEDNN_MIN_WEIGHT = 250_000
-ONEDNN_MIN_WEIGHT_MANY_ROWS = 150_000
-ONEDNN_MANY_ROWS = 32
 
 _lock = threading.Lock()
 _extension: ModuleType | None = None
@@ -143,8 +130,9 @@ def _compile_or_load() -> ModuleType:
                        "on a quiet 2-core CPU, minutes on a busy one; `python -m "
                        "rnndrop.kernels` builds it ahead)", build_dir)
     try:
-        module = cpp_extension.load(
-            name=NAME, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS, verbose=False
+        module = cpp_extension.load(  # copies of the flags: load() appends to its lists
+            name=NAME, sources=[str(p) for p in SOURCES], extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS), verbose=False,
         )
     # compiler errors, a broken cache, a compiler that fails its --version probe (SubprocessError)
     except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as error:
@@ -184,17 +172,6 @@ def _sizes(batch_sizes: Sequence[int]) -> list[int]:
     return [int(b) for b in batch_sizes]
 
 
-def _packed(weight: Tensor, mask: Tensor | None, rows: int) -> Tensor | None:
-    """``weight`` ``[out, in]`` packed for oneDNN's products of a step's rows (at most ``rows``);
-    None where the products go through BLAS."""
-    per_gate = mask is not None and mask.dim() == 4
-    n = weight.numel()
-    worth_it = n >= ONEDNN_MIN_WEIGHT or (n >= ONEDNN_MIN_WEIGHT_MANY_ROWS and rows >= ONEDNN_MANY_ROWS)
-    if not worth_it or per_gate or not onednn_enabled(weight):
-        return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
-
-
 def _differentiable(*tensors: Tensor | None) -> bool:
     """Whether autograd will want a backward pass through a recurrence of ``tensors``; where
     not (``torch.no_grad``, inference mode, nothing requires grad), the forward pass keeps none
@@ -205,14 +182,15 @@ def _differentiable(*tensors: Tensor | None) -> bool:
 def _lstm_forward(gates_x, h0, c0, w_hh, w_hr, mask, batch_sizes, reverse, keep: bool) -> list[Tensor]:
     """The extension's LSTM forward, W_hh packed where oneDNN runs the products; ``keep``:
     whether the buffers backward reads are kept."""
-    packed = _packed(w_hh, mask, batch_sizes[0])
-    return build().lstm_forward(gates_x, h0, c0, w_hh, w_hr, mask, batch_sizes, reverse, packed, keep)
+    packed = packed_weight(w_hh, mask, batch_sizes[0])
+    parts = split_parts(w_hh, w_hr, mask, packed, batch_sizes)
+    return build().lstm_forward(gates_x, h0, c0, w_hh, w_hr, mask, batch_sizes, reverse, packed, keep, parts)
 
 
 def _gru_forward(gates_x, h0, w_hh, b_hh, mask, batch_sizes, reverse, keep: bool) -> list[Tensor]:
     """The extension's GRU forward (see :func:`_lstm_forward`)."""
     return build().gru_forward(gates_x, h0, w_hh, b_hh, mask, batch_sizes, reverse,
-                                 _packed(w_hh, mask, batch_sizes[0]), keep)
+                                 packed_weight(w_hh, mask, batch_sizes[0]), keep)
 
 
 class _LSTMRecurrence(torch.autograd.Function):
@@ -231,7 +209,7 @@ class _LSTMRecurrence(torch.autograd.Function):
     def backward(ctx, d_out, d_hn, d_cn):
         needs = list(ctx.needs_input_grad[:6])
         saved = ctx.saved_tensors
-        w_t_packed = _packed(saved[8].t(), saved[10], ctx.schedule[0][0])  # W_hhᵀ
+        w_t_packed = packed_weight(saved[8].t(), saved[10], ctx.schedule[0][0])  # W_hhᵀ
         grads = build().lstm_backward(d_out, d_hn, d_cn, *saved, *ctx.schedule, needs, w_t_packed)
         return (*(g if need else None for g, need in zip(grads, needs)), None, None)
 
@@ -252,7 +230,7 @@ class _GRURecurrence(torch.autograd.Function):
     def backward(ctx, d_out, d_hn):
         needs = list(ctx.needs_input_grad[:5])
         saved = ctx.saved_tensors
-        w_t_packed = _packed(saved[5].t(), saved[6], ctx.schedule[0][0])  # W_hhᵀ
+        w_t_packed = packed_weight(saved[5].t(), saved[6], ctx.schedule[0][0])  # W_hhᵀ
         grads = build().gru_backward(d_out, d_hn, *saved, *ctx.schedule, needs, w_t_packed)
         return (*(g if need else None for g, need in zip(grads, needs)), None, None)
 

@@ -3,7 +3,9 @@
 // zr = m W_hhᵀ into a step buffer, then one pass over the step's rows (rows::lstm_step):
 // z = x + zr, the four gates' nonlinearities, c, tanh(c) and h, all in the kernel's own
 // vectorised arithmetic. Per step backward: one pass for the gates' gradients, then one
-// product. The passes over a step's rows are split over the threads (over_rows in common.h).
+// product. The passes over a step's rows are split over the threads (over_rows in common.h);
+// with several threads and padded input the forward step is split by hidden units instead
+// (lstm_forward_split: one parallel region a step).
 //
 // Without `keep` (inference: nothing will run backward) the buffers of the gates, cells
 // and masked states hold one step's rows, reused from step to step, instead of every
@@ -42,7 +44,7 @@ void lstm_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>&
     over_rows(b, H, [&](int64_t k) {
       const int64_t row = (kept + k) * H;
       scalar_t* r_row = proj ? r_base + row : out_base + (s.offset + k) * P;
-      rows::lstm_step<scalar_t>(H, x_base + (s.offset + k) * 4 * H, zr + k * 4 * H, a_base + (kept + k) * 4 * H,
+      rows::lstm_step<scalar_t>(H, H, H, x_base + (s.offset + k) * 4 * H, zr + k * 4 * H, a_base + (kept + k) * 4 * H,
                                 cs + k * H, c_base + row, tc_base + row, r_row);
       if (!proj) std::copy(r_row, r_row + H, hs + k * H);
     });
@@ -52,6 +54,68 @@ void lstm_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>&
       h_state.narrow(0, 0, b).copy_(out_t);
     }
   }
+}
+
+// The forward loop for several threads split by hidden units instead of rows (padded input:
+// every step has all B rows; no projection; one mask or none; products through BLAS; at least 32
+// units a part: the Python side decides, compiled.py's _split_parts). Part j owns
+// units [u0, u1) and the columns of W_hhᵀ its gates need, in a copy of its own [P, 4 n] that stays
+// in its core's cache: per step, in one parallel region instead of three (mask, product, rows),
+// each part runs its product zr_j = m W_jᵀ, the pointwise pass of its units, and its units of the
+// next step's masked state. A step's product reads every unit, so what a step writes for the next
+// one goes to another buffer than the one it reads (two alternate where one step's rows are kept).
+template <typename scalar_t>
+void lstm_forward_split(const std::vector<Step>& steps, const MaskView<scalar_t>& mask, const Tensor& w_hh,
+                        const Tensor& gates_x, bool keep, int64_t parts, Tensor acts, Tensor cells,
+                        Tensor tanh_cells, Tensor out, Tensor masked, const Tensor& h0, Tensor h_state,
+                        Tensor c_state) {
+  const int64_t H = cells.size(1), B = h0.size(0);  // P == H
+  std::vector<int64_t> first(parts + 1, H);  // part j: units first[j] .. first[j + 1] - 1
+  for (int64_t j = 0; j < parts; ++j) first[j] = j * H / parts / 8 * 8;  // aligned for the vector code
+  std::vector<Tensor> w_parts(parts), z_parts(parts);
+  for (int64_t j = 0; j < parts; ++j) {
+    const int64_t u0 = first[j], n = first[j + 1] - u0;
+    std::vector<Tensor> gates;
+    for (int64_t g = 0; g < 4; ++g) gates.push_back(w_hh.narrow(0, g * H + u0, n));
+    w_parts[j] = at::cat(gates, 0).t().contiguous();  // [P, 4 n]
+    z_parts[j] = at::empty({B, 4 * n}, acts.options());
+  }
+  Tensor m_bufs[2];
+  if (mask.data && !keep) m_bufs[0] = masked, m_bufs[1] = at::empty_like(masked);
+  auto masked_rows = [&](size_t i) { return keep ? masked.narrow(0, steps[i].offset, B) : m_bufs[i % 2]; };
+  const Tensor h0c = h0.contiguous();
+  if (mask.data) mask_state(h0c.data_ptr<scalar_t>(), mask, steps[0].t, B, H, masked_rows(0).template data_ptr<scalar_t>());
+  const scalar_t* x_base = gates_x.data_ptr<scalar_t>();
+  scalar_t* a_base = acts.data_ptr<scalar_t>();
+  scalar_t* c_base = cells.data_ptr<scalar_t>();
+  scalar_t* tc_base = tanh_cells.data_ptr<scalar_t>();
+  scalar_t* out_base = out.data_ptr<scalar_t>();
+  scalar_t* cs = c_state.data_ptr<scalar_t>();
+  const at::ThreadLocalState tls;  // grad and inference mode for the products on the other threads
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const Step& s = steps[i];
+    const bool last = i + 1 == steps.size();
+    const int64_t kept = keep ? s.offset : 0;
+    const Tensor m = mask.data ? masked_rows(i) : (i == 0 ? h0c : out.narrow(0, steps[i - 1].offset, B));
+    scalar_t* m_next = mask.data && !last ? masked_rows(i + 1).template data_ptr<scalar_t>() : nullptr;
+    const int64_t t_next = last ? 0 : steps[i + 1].t;
+    at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+      at::ThreadLocalStateGuard guard(tls);
+      for (int64_t j = begin; j < end; ++j) {
+        const int64_t u0 = first[j], n = first[j + 1] - u0;
+        at::mm_out(z_parts[j], m, w_parts[j]);
+        const scalar_t* z = z_parts[j].data_ptr<scalar_t>();
+        for (int64_t k = 0; k < B; ++k) {
+          const int64_t row = s.offset + k;
+          scalar_t* h = out_base + row * H + u0;
+          rows::lstm_step<scalar_t>(n, H, n, x_base + row * 4 * H + u0, z + k * 4 * n, a_base + (kept + k) * 4 * H + u0,
+                                    cs + k * H + u0, c_base + (kept + k) * H + u0, tc_base + (kept + k) * H + u0, h);
+          if (m_next) rows::mul<scalar_t>(n, h, mask.row(t_next, k) + u0, m_next + k * H + u0);
+        }
+      }
+    });
+  }
+  h_state.copy_(out.narrow(0, steps.back().offset, B));
 }
 
 template <typename scalar_t>
@@ -97,7 +161,7 @@ void lstm_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>
 std::vector<Tensor> lstm_forward(const Tensor& gates_x, const Tensor& h0, const Tensor& c0, const Tensor& w_hh,
                                  const c10::optional<Tensor>& w_hr_opt, const c10::optional<Tensor>& mask_opt,
                                  const std::vector<int64_t>& batch_sizes, bool reverse,
-                                 const c10::optional<Tensor>& w_packed, bool keep) {
+                                 const c10::optional<Tensor>& w_packed, bool keep, int64_t parts) {
   check_inputs(gates_x, "lstm_forward");
   const Tensor w_hr = w_hr_opt.has_value() ? *w_hr_opt : Tensor();
   const Tensor mask = mask_opt.has_value() ? mask_opt->contiguous() : Tensor();
@@ -106,7 +170,6 @@ std::vector<Tensor> lstm_forward(const Tensor& gates_x, const Tensor& h0, const 
   const int64_t N = keep ? gates_x.size(0) : h0.size(0);  // rows of the buffers a backward pass reads
   const Tensor x = gates_x.contiguous();
   Tensor acts = at::empty({N, 4 * H}, x.options());
-  const StepWeight w_t = forward_weight(w_hh, w_packed);  // W_hhᵀ
   Tensor w_hr_t = w_hr.defined() ? w_hr.t().contiguous() : Tensor();
   Tensor cells = at::empty({N, H}, gates_x.options());
   Tensor tanh_cells = at::empty({N, H}, gates_x.options());
@@ -120,7 +183,17 @@ std::vector<Tensor> lstm_forward(const Tensor& gates_x, const Tensor& h0, const 
   }
   Tensor h_state = h0.contiguous().clone();
   Tensor c_state = c0.contiguous().clone();
+  TORCH_CHECK(parts == 0 || (!w_hr.defined() && !w_packed.has_value() && (!mask.defined() || mask.dim() == 3) &&
+                             std::all_of(batch_sizes.begin(), batch_sizes.end(),
+                                         [&](int64_t b) { return b == batch_sizes[0]; }) && parts * 32 <= H),
+              "lstm_forward: no split by units here (", parts, " parts)");
+  const StepWeight w_t = parts ? StepWeight{w_hh.t(), Tensor()} : forward_weight(w_hh, w_packed);  // W_hhᵀ
   AT_DISPATCH_FLOATING_TYPES(gates_x.scalar_type(), "lstm_forward", [&] {
+    if (parts) {
+      lstm_forward_split<scalar_t>(steps, MaskView<scalar_t>(mask), w_hh, x, keep, parts, acts, cells, tanh_cells,
+                                   out, masked, h0, h_state, c_state);
+      return;
+    }
     lstm_forward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), w_t,
                                 gate_weights_t(w_t.w, mask), w_hr_t, x, keep, acts, cells, tanh_cells, r, out, masked,
                                 h_state, c_state);

@@ -51,24 +51,26 @@ __attribute__((always_inline)) inline T tanh(T x) {  // 2σ(2x) - 1
   return T(2) / (T(1) + exp_fast(-2 * x)) - T(1);
 }
 
-// One LSTM row of a step, every gate at once: z = x + zr (input projection, recurrent
-// product), i, f, o = σ(z), g = tanh(z_g), c = f c_prev + i g, tc = tanh(c), r = o tc.
-// a: the activations [i, f, g, o] (4n); c_state holds c_prev and takes c, which c_saved
+// n units of one LSTM row of a step, every gate at once: z = x + zr (input projection,
+// recurrent product), i, f, o = σ(z), g = tanh(z_g), c = f c_prev + i g, tc = tanh(c), r = o tc.
+// a: the activations [i, f, g, o]; gate k of unit j at x[k * xs + j], a[k * xs + j] and
+// zr[k * zs + j] (xs = zs = n for a whole row). c_state holds c_prev and takes c, which c_saved
 // keeps too (for backward).
 template <typename T>
-RNNDROP_ROW void lstm_step(int64_t n, const T* RNNDROP_R x, const T* RNNDROP_R zr, T* RNNDROP_R a,
-                           T* RNNDROP_R c_state, T* RNNDROP_R c_saved, T* RNNDROP_R tc, T* RNNDROP_R r) {
+RNNDROP_ROW void lstm_step(int64_t n, int64_t xs, int64_t zs, const T* RNNDROP_R x, const T* RNNDROP_R zr,
+                           T* RNNDROP_R a, T* RNNDROP_R c_state, T* RNNDROP_R c_saved, T* RNNDROP_R tc,
+                           T* RNNDROP_R r) {
   for (int64_t j = 0; j < n; ++j) {
     const T i = sigmoid(x[j] + zr[j]);
-    const T f = sigmoid(x[n + j] + zr[n + j]);
-    const T g = tanh(x[2 * n + j] + zr[2 * n + j]);
-    const T o = sigmoid(x[3 * n + j] + zr[3 * n + j]);
+    const T f = sigmoid(x[xs + j] + zr[zs + j]);
+    const T g = tanh(x[2 * xs + j] + zr[2 * zs + j]);
+    const T o = sigmoid(x[3 * xs + j] + zr[3 * zs + j]);
     const T c = f * c_state[j] + i * g;
     const T t = tanh(c);
     a[j] = i;
-    a[n + j] = f;
-    a[2 * n + j] = g;
-    a[3 * n + j] = o;
+    a[xs + j] = f;
+    a[2 * xs + j] = g;
+    a[3 * xs + j] = o;
     c_state[j] = c;
     c_saved[j] = c;
     tc[j] = t;
