@@ -148,7 +148,7 @@ def test_forward_split_by_units_matches_reference_kernel(threads, H, dtype):
                 args = shared.kernel_inputs("lstm", batch_sizes, mask_shape, 0, dtype=dtype, H=H)
                 with torch.no_grad():
                     args[3] /= H**0.5
-                parts = compiled_plan.split_parts(args[3], None, args[5], None, batch_sizes)
+                parts = compiled_plan.split_parts(args[3], None, args[5], [], batch_sizes)
                 assert parts == min(threads, H // 32)  # the split runs
                 for reverse in (False, True):
                     where = f"{batch_sizes} mask {mask_shape} reverse {reverse}"
@@ -168,16 +168,16 @@ def test_forward_split_by_units_only_where_it_applies():
     with_threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert compiled_plan.split_parts(w, None, None, None, [20] * 5) == 0
+        assert compiled_plan.split_parts(w, None, None, [], [20] * 5) == 0
         torch.set_num_threads(2)
-        assert compiled_plan.split_parts(w, None, None, None, [20] * 5) == 2
-        assert compiled_plan.split_parts(w, None, torch.ones(1, 20, 200), None, [20] * 5) == 2
-        assert compiled_plan.split_parts(w, None, torch.ones(1, 20, 4, 200), None, [20] * 5) == 0  # per gate
-        assert compiled_plan.split_parts(w, torch.randn(200, 50), None, None, [20] * 5) == 0  # projection
-        assert compiled_plan.split_parts(w, None, None, torch.empty(0), [20] * 5) == 0  # oneDNN's products
-        assert compiled_plan.split_parts(w, None, None, None, [20, 20, 19]) == 0  # packed sequences
+        assert compiled_plan.split_parts(w, None, None, [], [20] * 5) == 2
+        assert compiled_plan.split_parts(w, None, torch.ones(1, 20, 200), [], [20] * 5) == 2
+        assert compiled_plan.split_parts(w, None, torch.ones(1, 20, 4, 200), [], [20] * 5) == 0  # per gate
+        assert compiled_plan.split_parts(w, torch.randn(200, 50), None, [], [20] * 5) == 0  # projection
+        assert compiled_plan.split_parts(w, None, None, [torch.empty(0)], [20] * 5) == 0  # oneDNN's products
+        assert compiled_plan.split_parts(w, None, None, [], [20, 20, 19]) == 0  # packed sequences
         narrow = torch.randn(4 * 63, 63)  # under 32 units a part
-        assert compiled_plan.split_parts(narrow, None, None, None, [20] * 5) == 0
+        assert compiled_plan.split_parts(narrow, None, None, [], [20] * 5) == 0
     finally:
         torch.set_num_threads(with_threads)
 
@@ -208,31 +208,36 @@ def test_inference_forward_equals_training_forward(kind, onednn, monkeypatch):
 
 def test_onednn_products_chosen_by_weight_size_and_rows():
     """Packed oneDNN products for large weights at any batch, for mid-sized ones only with many
-    rows, never for small ones, per-gate masks or float64."""
+    rows, never for small ones or float64; with per-gate masks one a gate, judged by its size."""
     def packed(h, rows, dtype=torch.float32, mask=None):
-        return compiled_plan.packed_weight(torch.randn(4 * h, h, dtype=dtype), mask, rows) is not None
+        return len(compiled_plan.packed_weights(torch.randn(4 * h, h, dtype=dtype), mask, rows))
 
-    onednn = onednn_enabled(torch.randn(2, 2))
-    assert packed(400, 1) == onednn and packed(400, 20) == onednn
-    assert not packed(200, 20) and packed(200, 64) == onednn
-    assert not packed(100, 1024)
-    assert not packed(400, 20, dtype=torch.float64)
-    assert not packed(400, 20, mask=torch.ones(1, 20, 4, 400))
+    one = int(onednn_enabled(torch.randn(2, 2)))
+    assert packed(400, 1) == one and packed(400, 20) == one
+    assert packed(200, 20) == 0 and packed(200, 64) == one
+    assert packed(100, 1024) == 0
+    assert packed(400, 20, dtype=torch.float64) == 0
+    assert packed(650, 20, mask=torch.ones(1, 20, 4, 650)) == 4 * one  # 422 k a gate
+    assert packed(400, 20, mask=torch.ones(1, 20, 4, 400)) == 0  # 160 k a gate, 20 rows
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_onednn_products_match_reference_kernel(kind, monkeypatch):
-    """The oneDNN path of the step products (large float32 weights; here every weight)."""
+    """The oneDNN path of the step products (large float32 weights; here every weight), per-gate
+    masks with one packed weight a gate."""
     monkeypatch.setattr(compiled_plan, "ONEDNN_MIN_WEIGHT", 0)
-    for batch_sizes, mask_shape, reverse in [([4, 3, 3, 1], (1, "B", "P"), False), ([3, 3, 2], None, True)]:
+    cases = [([4, 3, 3, 1], (1, "B", "P"), False), ([3, 3, 2], None, True),
+             ([4, 3, 3, 1], ("T", "B", "G", "P"), True), ([3, 3, 2], (1, 1, "G", "P"), False)]
+    for batch_sizes, mask_shape, reverse in cases:
         args = shared.kernel_inputs(kind, batch_sizes, mask_shape, 0, dtype=torch.float32, H=40)
         with torch.no_grad():
             weight = args[3] if kind == "lstm" else args[2]
             weight /= weight.shape[1] ** 0.5
         # With oneDNN the step products go through its packed weights; a torch without it
         # runs the same comparison through BLAS.
-        packed = compiled_plan.packed_weight(weight, None, batch_sizes[0])
-        assert (packed is not None) == onednn_enabled(weight)
+        packed = compiled_plan.packed_weights(weight, args[-1], batch_sizes[0])
+        gates = 1 if mask_shape is None or len(mask_shape) == 3 else weight.shape[0] // 40
+        assert len(packed) == (gates if onednn_enabled(weight) else 0)
         ours = shared.run_kernel("compiled", kind, batch_sizes, args, reverse)
         ref = shared.run_kernel("autograd", kind, batch_sizes, args, reverse)
         assert_close(ours, ref, atol=1e-5, rtol=1e-5, msg=f"{batch_sizes} mask {mask_shape}")

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
-from rnndrop.kernels.compiled_plan import packed_weight, split_parts
+from rnndrop.kernels.compiled_plan import packed_weights, split_parts
 from rnndrop.kernels.first_order import first_order_backward
 from rnndrop.kernels.optional import available_or_warn
 
@@ -182,7 +182,7 @@ def _differentiable(*tensors: Tensor | None) -> bool:
 def _lstm_forward(gates_x, h0, c0, w_hh, w_hr, mask, batch_sizes, reverse, keep: bool) -> list[Tensor]:
     """The extension's LSTM forward, W_hh packed where oneDNN runs the products; ``keep``:
     whether the buffers backward reads are kept."""
-    packed = packed_weight(w_hh, mask, batch_sizes[0])
+    packed = packed_weights(w_hh, mask, batch_sizes[0])
     parts = split_parts(w_hh, w_hr, mask, packed, batch_sizes)
     return build().lstm_forward(gates_x, h0, c0, w_hh, w_hr, mask, batch_sizes, reverse, packed, keep, parts)
 
@@ -190,7 +190,7 @@ def _lstm_forward(gates_x, h0, c0, w_hh, w_hr, mask, batch_sizes, reverse, keep:
 def _gru_forward(gates_x, h0, w_hh, b_hh, mask, batch_sizes, reverse, keep: bool) -> list[Tensor]:
     """The extension's GRU forward (see :func:`_lstm_forward`)."""
     return build().gru_forward(gates_x, h0, w_hh, b_hh, mask, batch_sizes, reverse,
-                                 packed_weight(w_hh, mask, batch_sizes[0]), keep)
+                                 packed_weights(w_hh, mask, batch_sizes[0]), keep)
 
 
 class _LSTMRecurrence(torch.autograd.Function):
@@ -209,7 +209,7 @@ class _LSTMRecurrence(torch.autograd.Function):
     def backward(ctx, d_out, d_hn, d_cn):
         needs = list(ctx.needs_input_grad[:6])
         saved = ctx.saved_tensors
-        w_t_packed = packed_weight(saved[8].t(), saved[10], ctx.schedule[0][0])  # W_hhᵀ
+        w_t_packed = packed_weights(saved[8], saved[10], ctx.schedule[0][0], transposed=True)
         grads = build().lstm_backward(d_out, d_hn, d_cn, *saved, *ctx.schedule, needs, w_t_packed)
         return (*(g if need else None for g, need in zip(grads, needs)), None, None)
 
@@ -230,7 +230,7 @@ class _GRURecurrence(torch.autograd.Function):
     def backward(ctx, d_out, d_hn):
         needs = list(ctx.needs_input_grad[:5])
         saved = ctx.saved_tensors
-        w_t_packed = packed_weight(saved[5].t(), saved[6], ctx.schedule[0][0])  # W_hhᵀ
+        w_t_packed = packed_weights(saved[5], saved[6], ctx.schedule[0][0], transposed=True)
         grads = build().gru_backward(d_out, d_hn, *saved, *ctx.schedule, needs, w_t_packed)
         return (*(g if need else None for g, need in zip(grads, needs)), None, None)
 

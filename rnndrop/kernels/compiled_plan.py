@@ -11,10 +11,10 @@ from torch import Tensor
 
 from rnndrop.kernels.matmul import onednn_enabled
 
-__all__ = ["packed_weight", "split_parts"]
+__all__ = ["packed_weights", "split_parts"]
 
-#: A recurrent weight goes through oneDNN's packed products (float32, where torch has oneDNN;
-#: not with per-gate masks) when it has at least ONEDNN_MIN_WEIGHT elements, or at least
+#: A recurrent weight (with per-gate masks: each gate's block) goes through oneDNN's packed
+#: products (float32, where torch has oneDNN) when it has at least ONEDNN_MIN_WEIGHT elements, or at least
 #: ONEDNN_MIN_WEIGHT_MANY_ROWS and the steps have ONEDNN_MANY_ROWS rows or more; else through
 #: BLAS, whatever the thread count. Packing costs about one step's product (208 µs at H 200, 1
 #: thread), once per call. Measured on an AMD EPYC Zen 4 (AVX-512; torch's MKL runs its AVX2
@@ -32,18 +32,22 @@ ONEDNN_MIN_WEIGHT_MANY_ROWS = 150_000
 ONEDNN_MANY_ROWS = 32
 
 
-def packed_weight(weight: Tensor, mask: Tensor | None, rows: int) -> Tensor | None:
-    """``weight`` ``[out, in]`` packed for oneDNN's products of a step's rows (at most ``rows``);
-    None where the products go through BLAS."""
-    per_gate = mask is not None and mask.dim() == 4
-    n = weight.numel()
+def packed_weights(w_hh: Tensor, mask: Tensor | None, rows: int, transposed: bool = False) -> list[Tensor]:
+    """``W_hh`` ``[G * H, P]`` packed for oneDNN's products of a step's rows (at most ``rows``):
+    ``[]`` where they go through BLAS, one packed weight, or with per-gate masks one a gate
+    (``W_g``, rows ``g * H`` to ``(g + 1) * H``), each product judged on its own size.
+    ``transposed``: ``W_hhᵀ`` (``W_gᵀ``) packed instead, for the backward pass's ``dz W``."""
+    gates = mask.shape[-2] if mask is not None and mask.dim() == 4 else 1
+    blocks = w_hh.detach().chunk(gates, 0)
+    n = blocks[0].numel()
     worth_it = n >= ONEDNN_MIN_WEIGHT or (n >= ONEDNN_MIN_WEIGHT_MANY_ROWS and rows >= ONEDNN_MANY_ROWS)
-    if not worth_it or per_gate or not onednn_enabled(weight):
-        return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+    if not worth_it or not onednn_enabled(w_hh):
+        return []
+    pack = torch.ops.mkldnn._reorder_linear_weight
+    return [pack((b.t() if transposed else b).contiguous(), None) for b in blocks]
 
 
-def split_parts(w_hh: Tensor, w_hr: Tensor | None, mask: Tensor | None, packed: Tensor | None,
+def split_parts(w_hh: Tensor, w_hr: Tensor | None, mask: Tensor | None, packed: list[Tensor],
                 batch_sizes: list[int]) -> int:
     """Into how many parts of hidden units (one a thread) the LSTM's forward step is split, or 0
     for the loop split by rows. The split runs a step in one parallel region instead of three
@@ -52,6 +56,6 @@ def split_parts(w_hh: Tensor, w_hr: Tensor | None, mask: Tensor | None, packed: 
     through BLAS (oneDNN's packed products split their own work), and 32 units a part."""
     parts = min(torch.get_num_threads(), w_hh.shape[0] // 4 // 32)
     per_gate = mask is not None and mask.dim() == 4
-    if parts < 2 or w_hr is not None or packed is not None or per_gate or len(set(batch_sizes)) > 1:
+    if parts < 2 or w_hr is not None or packed or per_gate or len(set(batch_sizes)) > 1:
         return 0
     return parts

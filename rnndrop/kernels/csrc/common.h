@@ -85,13 +85,15 @@ inline Tensor onednn_linear(const Tensor& x, const Tensor& packed, const Tensor&
 // oneDNN when the Python side packed it (float32 and a large weight, where oneDNN's
 // packed products are faster, most of all with several threads).
 struct StepWeight {
-  Tensor w;       // [in, out]
-  Tensor packed;  // wᵀ packed by oneDNN, or undefined
+  Tensor w;                     // [in, out]
+  std::vector<Tensor> packed;  // wᵀ packed by oneDNN (per-gate masks: each gate's block), or none
+
+  bool per_gate_packed() const { return packed.size() > 1; }
 
   // out = x @ w, + out when `accumulate`, + bias when defined.
   void into(Tensor out, const Tensor& x, bool accumulate, const Tensor& bias = Tensor()) const {
-    if (packed.defined()) {
-      out.copy_(onednn_linear(x, packed, accumulate ? out : Tensor(), bias));
+    if (!packed.empty()) {
+      out.copy_(onednn_linear(x, packed[0], accumulate ? out : Tensor(), bias));
     } else if (accumulate) {
       out.addmm_(x, w);
     } else if (bias.defined()) {
@@ -103,7 +105,7 @@ struct StepWeight {
 
   // x @ w, in `out` or (oneDNN) in a tensor of its own, contiguous.
   Tensor product(const Tensor& x, Tensor out) const {
-    if (packed.defined()) return onednn_linear(x, packed, Tensor(), Tensor());
+    if (!packed.empty()) return onednn_linear(x, packed[0], Tensor(), Tensor());
     at::mm_out(out, x, w);
     return out;
   }
@@ -113,9 +115,9 @@ struct StepWeight {
 // products that read the transposed view cost each step more than one copy per call), or
 // oneDNN's packed W_hh, with Wᵀ left a view that no product reads (the copy took 1.2 ms a layer at
 // hidden 650).
-inline StepWeight forward_weight(const Tensor& w_hh, const c10::optional<Tensor>& packed) {
-  if (packed.has_value()) return StepWeight{w_hh.t(), *packed};
-  return StepWeight{w_hh.t().contiguous(), Tensor()};
+inline StepWeight forward_weight(const Tensor& w_hh, const std::vector<Tensor>& packed) {
+  if (!packed.empty()) return StepWeight{w_hh.t(), packed};
+  return StepWeight{w_hh.t().contiguous(), {}};
 }
 
 // The hidden mask [T', B', (G,) P] (contiguous): where the mask of step t and row k starts.
@@ -176,6 +178,10 @@ inline void masked_state_grad(const Tensor& d_z, const StepWeight& w, const Tens
   Tensor dm = G == 1 ? flat.view({b, P}) : flat.view({G, b, P});
   if (G == 1) {
     w.into(dm, d_z, false);
+  } else if (w.per_gate_packed()) {
+    const int64_t H = d_z.size(1) / G;
+    for (int64_t g = 0; g < G; ++g)
+      dm.select(0, g).copy_(onednn_linear(d_z.narrow(1, g * H, H).contiguous(), w.packed[g], Tensor(), Tensor()));
   } else {
     at::bmm_out(dm, d_z.view({b, G, -1}).transpose(0, 1), w_gates);
   }
@@ -250,15 +256,21 @@ inline Tensor weight_grad(const Tensor& d_z, const Tensor& m) {
 inline Tensor recurrent_product(Tensor z, const Tensor& m, const StepWeight& w_t, const Tensor& w_t_gates) {
   if (m.dim() == 2) return w_t.product(m, z);
   const int64_t b = z.size(0), G = m.size(1);
+  if (w_t.per_gate_packed()) {  // one oneDNN product a gate
+    const int64_t H = z.size(1) / G;
+    for (int64_t g = 0; g < G; ++g)
+      z.narrow(1, g * H, H).copy_(onednn_linear(m.select(1, g).contiguous(), w_t.packed[g], Tensor(), Tensor()));
+    return z;
+  }
   z.view({b, G, -1}).transpose(0, 1).baddbmm_(m.transpose(0, 1), w_t_gates, 0);
   return z;
 }
 
-// Wᵀ of every gate, [G, P, H], from Wᵀ [P, G * H] (per-gate masks), else undefined.
-inline Tensor gate_weights_t(const Tensor& w_t, const Tensor& mask) {
-  if (!mask.defined() || mask.dim() == 3) return Tensor();
-  const int64_t G = mask.size(2), P = w_t.size(0);
-  return w_t.reshape({P, G, -1}).permute({1, 0, 2}).contiguous();
+// Wᵀ of every gate, [G, P, H], from Wᵀ (per-gate masks with BLAS products), else undefined.
+inline Tensor gate_weights_t(const StepWeight& w_t, const Tensor& mask) {
+  if (!mask.defined() || mask.dim() == 3 || w_t.per_gate_packed()) return Tensor();
+  const int64_t G = mask.size(2), P = w_t.w.size(0);
+  return w_t.w.reshape({P, G, -1}).permute({1, 0, 2}).contiguous();
 }
 
 inline void check_inputs(const Tensor& x, const char* who) {

@@ -58,7 +58,7 @@ void gru_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>&
   scalar_t* dgx_base = d_gates_x.defined() ? d_gates_x.data_ptr<scalar_t>() : nullptr;
   scalar_t* dhs = dh_state.data_ptr<scalar_t>();
   const int64_t G = mask.data ? mask.row_size / H : 1;
-  const Tensor w_gates = G > 1 ? w_hh.w.reshape({G, -1, H}) : Tensor();
+  const Tensor w_gates = G > 1 && !w_hh.per_gate_packed() ? w_hh.w.reshape({G, -1, H}) : Tensor();
   Tensor scratch = at::empty({G * dh_state.size(0) * H}, acts.options());
   std::vector<scalar_t> dn_pre_rows(dgx_base ? 0 : dh_state.size(0) * H);  // dn_pre when dx̂ is not wanted
   scalar_t* dn_scratch = dn_pre_rows.data();
@@ -81,7 +81,7 @@ void gru_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>&
 std::vector<Tensor> gru_forward(const Tensor& gates_x, const Tensor& h0, const Tensor& w_hh,
                                 const c10::optional<Tensor>& b_hh_opt, const c10::optional<Tensor>& mask_opt,
                                 const std::vector<int64_t>& batch_sizes, bool reverse,
-                                const c10::optional<Tensor>& w_packed, bool keep) {
+                                const std::vector<Tensor>& w_packed, bool keep) {
   check_inputs(gates_x, "gru_forward");
   const Tensor b_hh = b_hh_opt.has_value() ? *b_hh_opt : Tensor();
   const Tensor mask = mask_opt.has_value() ? mask_opt->contiguous() : Tensor();
@@ -103,7 +103,7 @@ std::vector<Tensor> gru_forward(const Tensor& gates_x, const Tensor& h0, const T
   Tensor h_state = h0.contiguous().clone();
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gru_forward", [&] {
     gru_forward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), x, w_t,
-                               gate_weights_t(w_t.w, mask), b_hh, keep, a_buf,
+                               gate_weights_t(w_t, mask), b_hh, keep, a_buf,
                                acts, a_n, out, masked, h_state);
   });
   return {out, h_state, acts, a_n, masked};
@@ -114,7 +114,7 @@ std::vector<Tensor> gru_backward(const c10::optional<Tensor>& d_out, const c10::
                                  const Tensor& acts, const Tensor& a_n, const Tensor& out,
                                  const c10::optional<Tensor>& masked_opt, const Tensor& h0, const Tensor& w_hh,
                                  const c10::optional<Tensor>& mask_opt, const std::vector<int64_t>& batch_sizes,
-                                 bool reverse, std::vector<bool> needs, const c10::optional<Tensor>& w_t_packed) {
+                                 bool reverse, std::vector<bool> needs, const std::vector<Tensor>& w_t_packed) {
   const Tensor mask = mask_opt.has_value() ? mask_opt->contiguous() : Tensor();
   const Tensor masked = masked_opt.has_value() ? *masked_opt : Tensor();
   const auto steps = running_order(batch_sizes, reverse);
@@ -130,7 +130,7 @@ std::vector<Tensor> gru_backward(const c10::optional<Tensor>& d_out, const c10::
   }
   const Tensor h0c = h0.contiguous();
   AT_DISPATCH_FLOATING_TYPES(acts.scalar_type(), "gru_backward", [&] {
-    gru_backward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), StepWeight{w_hh, w_t_packed.value_or(Tensor())}, acts, a_n, out, h0c, d_h, d_a, d_gates_x,
+    gru_backward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), StepWeight{w_hh, w_t_packed}, acts, a_n, out, h0c, d_h, d_a, d_gates_x,
                                 d_masked, dh_state);
   });
   if (d_gates_x.defined()) d_gates_x.narrow(1, 0, 2 * H).copy_(d_a.narrow(1, 0, 2 * H));

@@ -132,7 +132,7 @@ void lstm_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>
   scalar_t* dz_base = d_gates.data_ptr<scalar_t>();
   scalar_t* dcs = dc_state.data_ptr<scalar_t>();
   const int64_t G = mask.data ? mask.row_size / P : 1;
-  const Tensor w_gates = G > 1 ? w_hh.w.reshape({G, -1, P}) : Tensor();
+  const Tensor w_gates = G > 1 && !w_hh.per_gate_packed() ? w_hh.w.reshape({G, -1, P}) : Tensor();
   Tensor scratch = at::empty({G * dh_state.size(0) * P}, acts.options());
   for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
     const Step& s = *it;
@@ -161,7 +161,7 @@ void lstm_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>
 std::vector<Tensor> lstm_forward(const Tensor& gates_x, const Tensor& h0, const Tensor& c0, const Tensor& w_hh,
                                  const c10::optional<Tensor>& w_hr_opt, const c10::optional<Tensor>& mask_opt,
                                  const std::vector<int64_t>& batch_sizes, bool reverse,
-                                 const c10::optional<Tensor>& w_packed, bool keep, int64_t parts) {
+                                 const std::vector<Tensor>& w_packed, bool keep, int64_t parts) {
   check_inputs(gates_x, "lstm_forward");
   const Tensor w_hr = w_hr_opt.has_value() ? *w_hr_opt : Tensor();
   const Tensor mask = mask_opt.has_value() ? mask_opt->contiguous() : Tensor();
@@ -183,11 +183,11 @@ std::vector<Tensor> lstm_forward(const Tensor& gates_x, const Tensor& h0, const 
   }
   Tensor h_state = h0.contiguous().clone();
   Tensor c_state = c0.contiguous().clone();
-  TORCH_CHECK(parts == 0 || (!w_hr.defined() && !w_packed.has_value() && (!mask.defined() || mask.dim() == 3) &&
+  TORCH_CHECK(parts == 0 || (!w_hr.defined() && w_packed.empty() && (!mask.defined() || mask.dim() == 3) &&
                              std::all_of(batch_sizes.begin(), batch_sizes.end(),
                                          [&](int64_t b) { return b == batch_sizes[0]; }) && parts * 32 <= H),
               "lstm_forward: no split by units here (", parts, " parts)");
-  const StepWeight w_t = parts ? StepWeight{w_hh.t(), Tensor()} : forward_weight(w_hh, w_packed);  // W_hhᵀ
+  const StepWeight w_t = parts ? StepWeight{w_hh.t(), {}} : forward_weight(w_hh, w_packed);  // W_hhᵀ
   AT_DISPATCH_FLOATING_TYPES(gates_x.scalar_type(), "lstm_forward", [&] {
     if (parts) {
       lstm_forward_split<scalar_t>(steps, MaskView<scalar_t>(mask), w_hh, x, keep, parts, acts, cells, tanh_cells,
@@ -195,7 +195,7 @@ std::vector<Tensor> lstm_forward(const Tensor& gates_x, const Tensor& h0, const 
       return;
     }
     lstm_forward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), w_t,
-                                gate_weights_t(w_t.w, mask), w_hr_t, x, keep, acts, cells, tanh_cells, r, out, masked,
+                                gate_weights_t(w_t, mask), w_hr_t, x, keep, acts, cells, tanh_cells, r, out, masked,
                                 h_state, c_state);
   });
   return {out, h_state, c_state, acts, cells, tanh_cells, w_hr.defined() ? r : Tensor(), masked};
@@ -208,7 +208,7 @@ std::vector<Tensor> lstm_backward(const c10::optional<Tensor>& d_out, const c10:
                                   const c10::optional<Tensor>& masked_opt, const Tensor& h0, const Tensor& c0,
                                   const Tensor& w_hh, const c10::optional<Tensor>& w_hr_opt,
                                   const c10::optional<Tensor>& mask_opt, const std::vector<int64_t>& batch_sizes,
-                                  bool reverse, std::vector<bool> needs, const c10::optional<Tensor>& w_t_packed) {
+                                  bool reverse, std::vector<bool> needs, const std::vector<Tensor>& w_t_packed) {
   const Tensor w_hr = w_hr_opt.has_value() ? *w_hr_opt : Tensor();
   const Tensor mask = mask_opt.has_value() ? mask_opt->contiguous() : Tensor();
   const Tensor masked = masked_opt.has_value() ? *masked_opt : Tensor();
@@ -226,7 +226,7 @@ std::vector<Tensor> lstm_backward(const c10::optional<Tensor>& d_out, const c10:
   Tensor dr_buf = w_hr.defined() ? at::empty({h0.size(0), H}, acts.options()) : Tensor();
   const Tensor c0c = c0.contiguous();
   AT_DISPATCH_FLOATING_TYPES(acts.scalar_type(), "lstm_backward", [&] {
-    lstm_backward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), StepWeight{w_hh, w_t_packed.value_or(Tensor())}, w_hr, acts, cells, tanh_cells, c0c, d_h,
+    lstm_backward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), StepWeight{w_hh, w_t_packed}, w_hr, acts, cells, tanh_cells, c0c, d_h,
                                  d_gates, d_masked, dr_buf, dh_state, dc_state);
   });
   Tensor d_w_hh, d_w_hr, d_mask;

@@ -8,18 +8,19 @@ namespace rnndrop {
 using at::Tensor;
 using OptTensor = c10::optional<Tensor>;
 using Sizes = std::vector<int64_t>;
+using Tensors = std::vector<Tensor>;
 
 std::vector<Tensor> lstm_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptTensor&,
-                                 const OptTensor&, const Sizes&, bool, const OptTensor&, bool, int64_t);
+                                 const OptTensor&, const Sizes&, bool, const Tensors&, bool, int64_t);
 std::vector<Tensor> lstm_backward(const OptTensor&, const OptTensor&, const OptTensor&, const Tensor&,
                                   const Tensor&, const Tensor&, const Tensor&, const OptTensor&, const OptTensor&,
                                   const Tensor&, const Tensor&, const Tensor&, const OptTensor&, const OptTensor&,
-                                  const Sizes&, bool, std::vector<bool>, const OptTensor&);
+                                  const Sizes&, bool, std::vector<bool>, const Tensors&);
 std::vector<Tensor> gru_forward(const Tensor&, const Tensor&, const Tensor&, const OptTensor&, const OptTensor&,
-                                const Sizes&, bool, const OptTensor&, bool);
+                                const Sizes&, bool, const Tensors&, bool);
 std::vector<Tensor> gru_backward(const OptTensor&, const OptTensor&, const Tensor&, const Tensor&, const Tensor&,
                                  const OptTensor&, const Tensor&, const Tensor&, const OptTensor&, const Sizes&,
-                                 bool, std::vector<bool>, const OptTensor&);
+                                 bool, std::vector<bool>, const Tensors&);
 
 // How many threads one of this library's parallel loops runs on (at::parallel_for is compiled
 // here: without OpenMP in the build it runs on one, whatever torch.get_num_threads() says).
