@@ -176,6 +176,7 @@ def test_forward_split_by_units_only_where_it_applies():
         assert compiled_plan.split_parts(w, torch.randn(200, 50), None, [], [20] * 5) == 0  # projection
         assert compiled_plan.split_parts(w, None, None, [torch.empty(0)], [20] * 5) == 0  # oneDNN's products
         assert compiled_plan.split_parts(w, None, None, [], [20, 20, 19]) == 0  # packed sequences
+        assert compiled_plan.split_parts(w, None, None, [], []) == 0  # no step
         narrow = torch.randn(4 * 63, 63)  # under 32 units a part
         assert compiled_plan.split_parts(narrow, None, None, [], [20] * 5) == 0
     finally:

@@ -56,6 +56,6 @@ def split_parts(w_hh: Tensor, w_hr: Tensor | None, mask: Tensor | None, packed: 
     through BLAS (oneDNN's packed products split their own work), and 32 units a part."""
     parts = min(torch.get_num_threads(), w_hh.shape[0] // 4 // 32)
     per_gate = mask is not None and mask.dim() == 4
-    if parts < 2 or w_hr is not None or packed or per_gate or len(set(batch_sizes)) > 1:
+    if parts < 2 or w_hr is not None or packed or per_gate or len(set(batch_sizes)) != 1:
         return 0
     return parts

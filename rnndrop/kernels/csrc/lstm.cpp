@@ -58,7 +58,7 @@ void lstm_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>&
 
 // The forward loop for several threads split by hidden units instead of rows (padded input:
 // every step has all B rows; no projection; one mask or none; products through BLAS; at least 32
-// units a part: the Python side decides, compiled.py's _split_parts). Part j owns
+// units a part: the Python side decides, compiled_plan.split_parts). Part j owns
 // units [u0, u1) and the columns of W_hhᵀ its gates need, in a copy of its own [P, 4 n] that stays
 // in its core's cache: per step, in one parallel region instead of three (mask, product, rows),
 // each part runs its product zr_j = m W_jᵀ, the pointwise pass of its units, and its units of the
@@ -184,6 +184,7 @@ std::vector<Tensor> lstm_forward(const Tensor& gates_x, const Tensor& h0, const 
   Tensor h_state = h0.contiguous().clone();
   Tensor c_state = c0.contiguous().clone();
   TORCH_CHECK(parts == 0 || (!w_hr.defined() && w_packed.empty() && (!mask.defined() || mask.dim() == 3) &&
+                             !batch_sizes.empty() &&
                              std::all_of(batch_sizes.begin(), batch_sizes.end(),
                                          [&](int64_t b) { return b == batch_sizes[0]; }) && parts * 32 <= H),
               "lstm_forward: no split by units here (", parts, " parts)");
