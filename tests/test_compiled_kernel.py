@@ -138,7 +138,7 @@ def test_parallel_loops_run_on_every_thread():
 def test_forward_split_by_units_matches_reference_kernel(threads, H, dtype):
     """The LSTM's forward step split by hidden units over the threads (padded input, one mask
     or none; uneven parts with 3 threads): outputs, final states and gradients, every direction,
-    the inference forward equal to the training forward bit for bit."""
+    the inference forward (no_grad, inference_mode) equal to the training forward bit for bit."""
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     tol = 1e-10 if dtype == torch.float64 else 1e-5
@@ -156,6 +156,9 @@ def test_forward_split_by_units_matches_reference_kernel(threads, H, dtype):
                     ref = shared.run_kernel("autograd", "lstm", batch_sizes, args, reverse)
                     assert_close(ours, ref, atol=tol, rtol=tol, msg=where)
                     with torch.no_grad():
+                        inferred = get_kernel("compiled", "lstm")(args[0], batch_sizes, *args[1:], reverse)
+                    assert all(torch.equal(a, b) for a, b in zip(inferred, ours[0], strict=True)), where
+                    with torch.inference_mode():  # the other threads' products run in it too
                         inferred = get_kernel("compiled", "lstm")(args[0], batch_sizes, *args[1:], reverse)
                     assert all(torch.equal(a, b) for a, b in zip(inferred, ours[0], strict=True)), where
     finally:
