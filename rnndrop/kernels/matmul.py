@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from rnndrop.kernels.gates import masked_linear
@@ -142,18 +141,10 @@ def input_projection(x: Tensor, mask: Tensor | None, weight: Tensor, bias: Tenso
     sequence (:func:`rnndrop.kernels.gates.masked_linear`, same arguments).
 
     Without a mask (or with one the caller already applied), forward and backward run
-    through oneDNN where :class:`StepWeight` uses it, else ``F.linear``. With one mask per
-    gate (``mask`` ``[..., gates, in]``), one ``F.linear`` per gate, written side by side:
-    a batched product over the gates would first copy ``x * mask`` gate-major and its
-    result back (1.3x the time at hidden 200, one thread, AMD EPYC Zen 4). Twice
+    through oneDNN where :class:`StepWeight` uses it, else ``F.linear``. Twice
     differentiable either way.
     """
     if (mask is None and x.dim() == 2 and onednn_enabled(x) and weight.dtype == x.dtype
             and not functorch_wrapped(x, weight)):
         return _Linear.apply(x.contiguous(), weight, bias)
-    if mask is not None and mask.dim() > x.dim():
-        gates = mask.shape[-2]
-        biases = bias.chunk(gates) if bias is not None else (None,) * gates
-        return torch.cat([F.linear(x * mask[..., g, :], w, b)
-                          for g, (w, b) in enumerate(zip(weight.chunk(gates), biases))], -1)
     return masked_linear(x, mask, weight, bias)

@@ -38,16 +38,15 @@ inline void over_rows(int64_t b, int64_t width, const F& f) {
   });
 }
 
-// f(g) for the gates g = 0..G-1 of a step, one product each, the gates split over the threads
-// (each product then runs on one thread: four small products split by gates take less time
-// than each split over the threads in turn). ATen ops on the other threads need the calling
-// thread's grad and inference mode.
+// f(j) for j = 0..count-1, split over the threads, each f(j) on one thread (an ATen product
+// inside then runs single-threaded: the gates' products of a step, or the parts of the step
+// split by units). The other threads get the caller's grad and inference mode for their ATen ops.
 template <typename F>
-inline void over_gates(int64_t G, const F& f) {
+inline void over_tasks(int64_t count, const F& f) {
   const at::ThreadLocalState tls;
-  at::parallel_for(0, G, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
     at::ThreadLocalStateGuard guard(tls);
-    for (int64_t g = begin; g < end; ++g) f(g);
+    for (int64_t j = begin; j < end; ++j) f(j);
   });
 }
 
@@ -193,7 +192,7 @@ inline void masked_state_grad(const Tensor& d_z, const StepWeight& w, const Tens
     w.into(dm, d_z, false);
   } else if (w.per_gate_packed()) {
     const int64_t H = d_z.size(1) / G;
-    over_gates(G, [&](int64_t g) {
+    over_tasks(G, [&](int64_t g) {  // four small products split by gates beat each threaded in turn
       dm.select(0, g).copy_(onednn_linear(d_z.narrow(1, g * H, H).contiguous(), w.packed[g], Tensor(), Tensor()));
     });
   } else {
@@ -272,7 +271,7 @@ inline Tensor recurrent_product(Tensor z, const Tensor& m, const StepWeight& w_t
   const int64_t b = z.size(0), G = m.size(1);
   if (w_t.per_gate_packed()) {  // one oneDNN product a gate
     const int64_t H = z.size(1) / G;
-    over_gates(G, [&](int64_t g) {
+    over_tasks(G, [&](int64_t g) {  // four small products split by gates beat each threaded in turn
       z.narrow(1, g * H, H).copy_(onednn_linear(m.select(1, g).contiguous(), w_t.packed[g], Tensor(), Tensor()));
     });
     return z;
@@ -286,6 +285,12 @@ inline Tensor gate_weights_t(const StepWeight& w_t, const Tensor& mask) {
   if (!mask.defined() || mask.dim() == 3 || w_t.per_gate_packed()) return Tensor();
   const int64_t G = mask.size(2), P = w_t.w.size(0);
   return w_t.w.reshape({P, G, -1}).permute({1, 0, 2}).contiguous();
+}
+
+// W of every gate, [G, H, P], a view of W [G * H, P] (backward, per-gate masks with BLAS
+// products), else undefined.
+inline Tensor gate_weights(const StepWeight& w, int64_t G, int64_t P) {
+  return G > 1 && !w.per_gate_packed() ? w.w.reshape({G, -1, P}) : Tensor();
 }
 
 inline void check_inputs(const Tensor& x, const char* who) {

@@ -58,7 +58,7 @@ void gru_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>&
   scalar_t* dgx_base = d_gates_x.defined() ? d_gates_x.data_ptr<scalar_t>() : nullptr;
   scalar_t* dhs = dh_state.data_ptr<scalar_t>();
   const int64_t G = mask.data ? mask.row_size / H : 1;
-  const Tensor w_gates = G > 1 && !w_hh.per_gate_packed() ? w_hh.w.reshape({G, -1, H}) : Tensor();
+  const Tensor w_gates = gate_weights(w_hh, G, H);
   Tensor scratch = at::empty({G * dh_state.size(0) * H}, acts.options());
   std::vector<scalar_t> dn_pre_rows(dgx_base ? 0 : dh_state.size(0) * H);  // dn_pre when dx̂ is not wanted
   scalar_t* dn_scratch = dn_pre_rows.data();

@@ -91,7 +91,6 @@ void lstm_forward_split(const std::vector<Step>& steps, const MaskView<scalar_t>
   scalar_t* tc_base = tanh_cells.data_ptr<scalar_t>();
   scalar_t* out_base = out.data_ptr<scalar_t>();
   scalar_t* cs = c_state.data_ptr<scalar_t>();
-  const at::ThreadLocalState tls;  // grad and inference mode for the products on the other threads
   for (size_t i = 0; i < steps.size(); ++i) {
     const Step& s = steps[i];
     const bool last = i + 1 == steps.size();
@@ -99,19 +98,16 @@ void lstm_forward_split(const std::vector<Step>& steps, const MaskView<scalar_t>
     const Tensor m = mask.data ? masked_rows(i) : (i == 0 ? h0c : out.narrow(0, steps[i - 1].offset, B));
     scalar_t* m_next = mask.data && !last ? masked_rows(i + 1).template data_ptr<scalar_t>() : nullptr;
     const int64_t t_next = last ? 0 : steps[i + 1].t;
-    at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
-      at::ThreadLocalStateGuard guard(tls);
-      for (int64_t j = begin; j < end; ++j) {
-        const int64_t u0 = first[j], n = first[j + 1] - u0;
-        at::mm_out(z_parts[j], m, w_parts[j]);
-        const scalar_t* z = z_parts[j].data_ptr<scalar_t>();
-        for (int64_t k = 0; k < B; ++k) {
-          const int64_t row = s.offset + k;
-          scalar_t* h = out_base + row * H + u0;
-          rows::lstm_step<scalar_t>(n, H, n, x_base + row * 4 * H + u0, z + k * 4 * n, a_base + (kept + k) * 4 * H + u0,
-                                    cs + k * H + u0, c_base + (kept + k) * H + u0, tc_base + (kept + k) * H + u0, h);
-          if (m_next) rows::mul<scalar_t>(n, h, mask.row(t_next, k) + u0, m_next + k * H + u0);
-        }
+    over_tasks(parts, [&](int64_t j) {
+      const int64_t u0 = first[j], n = first[j + 1] - u0;
+      at::mm_out(z_parts[j], m, w_parts[j]);
+      const scalar_t* z = z_parts[j].data_ptr<scalar_t>();
+      for (int64_t k = 0; k < B; ++k) {
+        const int64_t row = s.offset + k;
+        scalar_t* h = out_base + row * H + u0;
+        rows::lstm_step<scalar_t>(n, H, n, x_base + row * 4 * H + u0, z + k * 4 * n, a_base + (kept + k) * 4 * H + u0,
+                                  cs + k * H + u0, c_base + (kept + k) * H + u0, tc_base + (kept + k) * H + u0, h);
+        if (m_next) rows::mul<scalar_t>(n, h, mask.row(t_next, k) + u0, m_next + k * H + u0);
       }
     });
   }
@@ -132,7 +128,7 @@ void lstm_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>
   scalar_t* dz_base = d_gates.data_ptr<scalar_t>();
   scalar_t* dcs = dc_state.data_ptr<scalar_t>();
   const int64_t G = mask.data ? mask.row_size / P : 1;
-  const Tensor w_gates = G > 1 && !w_hh.per_gate_packed() ? w_hh.w.reshape({G, -1, P}) : Tensor();
+  const Tensor w_gates = gate_weights(w_hh, G, P);
   Tensor scratch = at::empty({G * dh_state.size(0) * P}, acts.options());
   for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
     const Step& s = *it;
@@ -188,13 +184,13 @@ std::vector<Tensor> lstm_forward(const Tensor& gates_x, const Tensor& h0, const 
                              std::all_of(batch_sizes.begin(), batch_sizes.end(),
                                          [&](int64_t b) { return b == batch_sizes[0]; }) && parts * 32 <= H),
               "lstm_forward: no split by units here (", parts, " parts)");
-  const StepWeight w_t = parts ? StepWeight{w_hh.t(), {}} : forward_weight(w_hh, w_packed);  // W_hhᵀ
   AT_DISPATCH_FLOATING_TYPES(gates_x.scalar_type(), "lstm_forward", [&] {
     if (parts) {
       lstm_forward_split<scalar_t>(steps, MaskView<scalar_t>(mask), w_hh, x, keep, parts, acts, cells, tanh_cells,
                                    out, masked, h0, h_state, c_state);
       return;
     }
+    const StepWeight w_t = forward_weight(w_hh, w_packed);  // W_hhᵀ
     lstm_forward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), w_t,
                                 gate_weights_t(w_t, mask), w_hr_t, x, keep, acts, cells, tanh_cells, r, out, masked,
                                 h_state, c_state);
