@@ -425,3 +425,44 @@ def test_build_command_says_where_the_kernel_is_or_why_not(compiled_kernel):
     assert refused.returncode == 1
     assert refused.stderr.strip().splitlines() == ["rnndrop: the compiled loop kernel is not available: "
                                                    "disabled by RNNDROP_NO_COMPILE"]
+
+
+# ------------------------------------------------ the build capped at AVX2 (RNNDROP_MAX_CPU_ISA)
+
+
+def _clone_symbols(library: str, isa: str) -> list[str]:
+    """The functions of ``library`` that GCC's target_clones compiled for ``isa``."""
+    symbols = subprocess.run(["nm", library], capture_output=True, text=True, check=True).stdout
+    return [line for line in symbols.splitlines() if line.endswith(f".{isa}")]
+
+
+@pytest.mark.slow
+def test_a_build_capped_at_avx2_has_no_avx512_code_and_matches_the_reference_kernel(tmp_path):
+    """RNNDROP_MAX_CPU_ISA=avx2 (what an AVX2-only CPU runs, for benchmarks/speed.py --max-isa):
+    a library of its own, whose row passes have AVX2 copies and no AVX-512 ones, and which passes
+    the oracle tests of this file in float32 and float64."""
+    env = {**os.environ, "RNNDROP_MAX_CPU_ISA": "avx2"}
+    where = "from rnndrop.kernels import compiled; print(compiled.NAME, compiled.build().__file__)"
+    done = subprocess.run([sys.executable, "-c", where], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr
+    name, library = done.stdout.split()
+    assert name != compiled.NAME
+    assert _clone_symbols(library, "avx2") and not _clone_symbols(library, "avx512f")
+    assert _clone_symbols(compiled.build().__file__, "avx512f")  # the default build has both
+    oracle = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
+              "-k", "matches_reference_kernel_in_float or saturated_gates"]
+    tests = subprocess.run(oracle, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert tests.returncode == 0, tests.stdout[-3000:]
+    assert " passed" in tests.stdout and "failed" not in tests.stdout
+
+
+def test_an_unknown_instruction_set_cap_is_a_reason_not_a_silent_default():
+    """RNNDROP_MAX_CPU_ISA with a value it does not know: the kernel is not built (one warning
+    naming the variable, what it takes and what came; "auto" runs "manual"), rather than built
+    for another instruction set than the one asked for."""
+    env = {**os.environ, "RNNDROP_MAX_CPU_ISA": "avx9"}
+    probe = "from rnndrop.kernels import compiled; print(compiled.is_available())"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
+    assert "RNNDROP_MAX_CPU_ISA: expected avx2 or nothing, got 'avx9'" in done.stderr
