@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rnndrop.kernels import compiled
 from rnndrop.validation import check_probability
 
 __all__ = ["NOISES", "MaskSite", "bernoulli_mask", "draw_mask", "gaussian_mask", "sample_mask"]
@@ -73,12 +74,25 @@ def _bernoulli(
         uniform = torch.rand(tuple(shape), dtype=torch.float64, device=device, generator=generator)
         keep = uniform >= p
     else:
+        threshold = round(p * 65536) - 32768  # in [-32512, 32512]: no int16 overflow
+        if _one_pass(device, dtype, generator):
+            return compiled.loaded().bernoulli_mask(list(shape), threshold, scale, generator, dtype)
         numel = math.prod(shape)
         words = torch.empty((numel + 3) // 4, dtype=torch.int64, device=device)
         words.random_(-(2**63), None, generator=generator)  # all 64 bits random
-        bits = words.view(torch.int16)[:numel].view(tuple(shape))
-        keep = bits >= round(p * 65536) - 32768  # in [-32512, 32512]: no int16 overflow
+        keep = words.view(torch.int16)[:numel].view(tuple(shape)) >= threshold
     return keep.to(dtype).mul_(scale)
+
+
+def _one_pass(
+    device: torch.device | str | None, dtype: torch.dtype, generator: torch.Generator | None
+) -> bool:
+    """Whether the compiled extension, loaded already, draws the mask: the same numbers in one
+    pass instead of four (``csrc/noise.cpp``), for float32 / float64 masks on the CPU."""
+    return (
+        device is not None and torch.device(device).type == "cpu" and dtype in (torch.float32, torch.float64)
+        and (generator is None or generator.device.type == "cpu") and compiled.loaded() is not None
+    )
 
 
 def _mask_dtype(dtype: torch.dtype | None) -> torch.dtype:

@@ -37,11 +37,11 @@ from rnndrop.kernels.compiled_plan import packed_weights, split_parts
 from rnndrop.kernels.first_order import first_order_backward
 from rnndrop.kernels.optional import available_or_warn
 
-__all__ = ["build", "gru_recurrence", "is_available", "lstm_recurrence"]
+__all__ = ["build", "gru_recurrence", "is_available", "loaded", "lstm_recurrence"]
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / f for f in ("module.cpp", "lstm.cpp", "gru.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / f for f in ("module.cpp", "lstm.cpp", "gru.cpp", "noise.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / h for h in ("common.h", "rows.h")]
 #: -fno-trapping-math lets GCC turn the clamps of rows.h's e^x into vector min / max (no
 #: floating-point exception is ever unmasked here), so the row passes vectorise. -fopenmp:
@@ -154,6 +154,13 @@ def _compile_or_load() -> ModuleType:
         shutil.rmtree(build_dir, ignore_errors=True)
         raise
     return module
+
+
+def loaded() -> ModuleType | None:
+    """The extension where this process has loaded it already, else None (nothing is built or
+    warned about: for helpers that only go faster with it, such as the mask draw of
+    :mod:`rnndrop.noise`)."""
+    return _extension
 
 
 def _check_sources_unchanged() -> None:
