@@ -88,10 +88,14 @@ def _one_pass(
     device: torch.device | str | None, dtype: torch.dtype, generator: torch.Generator | None
 ) -> bool:
     """Whether the compiled extension, loaded already, draws the mask: the same numbers in one
-    pass instead of four (``csrc/noise.cpp``), for float32 / float64 masks on the CPU."""
+    pass instead of four (``csrc/noise.cpp``), for float32 / float64 masks on the CPU. Only for
+    plain tensors: not while torch.compile traces, nor under a ``torch.func`` transform or a
+    dispatch mode (fake tensors, ...), whose tensors the extension cannot write into."""
     return (
         device is not None and torch.device(device).type == "cpu" and dtype in (torch.float32, torch.float64)
         and (generator is None or generator.device.type == "cpu") and compiled.loaded() is not None
+        and not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active()
+        and torch._C._len_torch_dispatch_stack() == 0
     )
 
 

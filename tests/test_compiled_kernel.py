@@ -463,6 +463,20 @@ def test_the_extensions_mask_draw_is_the_python_draw_bit_for_bit(dtype):
     assert torch.equal(bernoulli_mask((40, 30), 0.4, dtype=dtype, device="cpu"), expected)
 
 
+def test_masks_under_fake_tensors_and_torch_func_are_drawn_by_python():
+    """Tensors the extension cannot write into (a dispatch mode's, a torch.func transform's) get
+    the Python draw, as before: no error, and under vmap the same mask as outside it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        assert bernoulli_mask((3, 4), 0.5, device="cpu").shape == (3, 4)
+    expected = _python_draw((6,), 0.5, torch.Generator().manual_seed(2), torch.float32)
+    generator = torch.Generator().manual_seed(2)
+    drawn = torch.func.vmap(lambda x: x * bernoulli_mask((6,), 0.5, generator=generator, device="cpu"),
+                            randomness="same")(torch.ones(2, 6))
+    assert torch.equal(drawn, expected.expand(2, 6))
+
+
 def test_the_extensions_mask_draw_keeps_its_statistics():
     """A property check of the drawn mask itself: values 0 or 1 / (1 - p), kept at rate 1 - p."""
     mask = bernoulli_mask((400, 500), 0.3, generator=torch.Generator().manual_seed(0), device="cpu")
