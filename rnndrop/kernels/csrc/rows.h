@@ -10,10 +10,12 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(RNNDROP_MAX_ISA_AVX2)
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#ifdef RNNDROP_MAX_ISA_AVX2
 #define RNNDROP_ROW __attribute__((noinline, target_clones("avx2", "default")))
-#elif defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#else
 #define RNNDROP_ROW __attribute__((noinline, target_clones("avx512f", "avx2", "default")))
+#endif
 #else
 #define RNNDROP_ROW __attribute__((noinline))
 #endif
