@@ -137,15 +137,17 @@ def test_parallel_loops_run_on_every_thread():
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("threads, H", [(2, 80), (3, 100)])
 def test_forward_split_by_units_matches_reference_kernel(threads, H, dtype):
-    """The LSTM's forward step split by hidden units over the threads (padded input, one mask
-    or none; uneven parts with 3 threads): outputs, final states and gradients, every direction,
-    the inference forward (no_grad, inference_mode) equal to the training forward bit for bit."""
+    """The LSTM's forward step split by hidden units over the threads (padded input, one mask,
+    per-gate masks or none; uneven parts with 3 threads): outputs, final states and gradients,
+    every direction, the inference forward (no_grad, inference_mode) equal to the training
+    forward bit for bit."""
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     tol = 1e-10 if dtype == torch.float64 else 1e-5
     try:
         for batch_sizes in ([3, 3, 3, 3], [2]):
-            for mask_shape in (None, (1, 1, "P"), (1, "B", "P"), ("T", "B", "P"), ("T", 1, "P")):
+            for mask_shape in (None, (1, 1, "P"), (1, "B", "P"), ("T", "B", "P"), ("T", 1, "P"),
+                               (1, "B", "G", "P"), ("T", "B", "G", "P"), (1, 1, "G", "P")):
                 args = shared.kernel_inputs("lstm", batch_sizes, mask_shape, 0, dtype=dtype, H=H)
                 with torch.no_grad():
                     args[3] /= H**0.5
@@ -167,7 +169,7 @@ def test_forward_split_by_units_matches_reference_kernel(threads, H, dtype):
 
 
 def test_forward_split_by_units_only_where_it_applies():
-    """Several threads, padded input, no projection, one mask or none, BLAS products, 32 units a part."""
+    """Several threads, padded input, no projection, BLAS products, 32 units a part (any mask)."""
     w = torch.randn(4 * 200, 200)
     with_threads = torch.get_num_threads()
     try:
@@ -176,7 +178,7 @@ def test_forward_split_by_units_only_where_it_applies():
         torch.set_num_threads(2)
         assert compiled_plan.split_parts(w, None, None, [], [20] * 5) == 2
         assert compiled_plan.split_parts(w, None, torch.ones(1, 20, 200), [], [20] * 5) == 2
-        assert compiled_plan.split_parts(w, None, torch.ones(1, 20, 4, 200), [], [20] * 5) == 0  # per gate
+        assert compiled_plan.split_parts(w, None, torch.ones(1, 20, 4, 200), [], [20] * 5) == 2  # per gate
         assert compiled_plan.split_parts(w, torch.randn(200, 50), None, [], [20] * 5) == 0  # projection
         assert compiled_plan.split_parts(w, None, None, [torch.empty(0)], [20] * 5) == 0  # oneDNN's products
         assert compiled_plan.split_parts(w, None, None, [], [20, 20, 19]) == 0  # packed sequences

@@ -51,11 +51,11 @@ def split_parts(w_hh: Tensor, w_hr: Tensor | None, mask: Tensor | None, packed: 
                 batch_sizes: list[int]) -> int:
     """Into how many parts of hidden units (one a thread) the LSTM's forward step is split, or 0
     for the loop split by rows. The split runs a step in one parallel region instead of three
-    (mask, product, rows), each thread with its own units' columns of W_hh; it needs several
-    threads, padded input (every step all rows), no projection, one mask or none, products
-    through BLAS (oneDNN's packed products split their own work), and 32 units a part."""
+    (mask, product, rows), each thread with its own units' columns of W_hh (per-gate masks:
+    each gate's, in one batched product); it needs several threads, padded input (every step all
+    rows), no projection, products through BLAS (oneDNN's packed products split their own work),
+    and 32 units a part."""
     parts = min(torch.get_num_threads(), w_hh.shape[0] // 4 // 32)
-    per_gate = mask is not None and mask.dim() == 4
-    if parts < 2 or w_hr is not None or packed or per_gate or len(set(batch_sizes)) != 1:
+    if parts < 2 or w_hr is not None or packed or len(set(batch_sizes)) != 1:
         return 0
     return parts

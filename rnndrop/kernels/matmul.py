@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from rnndrop.kernels.gates import masked_linear
+from rnndrop.kernels.per_gate_projection import per_gate_projection
 
 
 @functools.cache
@@ -141,10 +142,16 @@ def input_projection(x: Tensor, mask: Tensor | None, weight: Tensor, bias: Tenso
     sequence (:func:`rnndrop.kernels.gates.masked_linear`, same arguments).
 
     Without a mask (or with one the caller already applied), forward and backward run
-    through oneDNN where :class:`StepWeight` uses it, else ``F.linear``. Twice
-    differentiable either way.
+    through oneDNN where :class:`StepWeight` uses it, else ``F.linear``; with a mask per gate
+    ``[..., G, in]`` (broadcasting against ``x`` ``[..., in]`` row by row), through
+    :func:`~rnndrop.kernels.per_gate_projection.per_gate_projection`. Twice differentiable
+    either way.
     """
-    if (mask is None and x.dim() == 2 and onednn_enabled(x) and weight.dtype == x.dtype
-            and not functorch_wrapped(x, weight)):
+    if functorch_wrapped(*(t for t in (x, mask, weight, bias) if t is not None)):
+        return masked_linear(x, mask, weight, bias)
+    if mask is None and x.dim() == 2 and onednn_enabled(x) and weight.dtype == x.dtype:
         return _Linear.apply(x.contiguous(), weight, bias)
+    if (mask is not None and mask.dim() == x.dim() + 1
+            and torch.broadcast_shapes(x.shape[:-1], mask.shape[:-2]) == x.shape[:-1]):
+        return per_gate_projection(x, mask, weight, bias)
     return masked_linear(x, mask, weight, bias)

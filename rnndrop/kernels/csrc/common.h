@@ -280,6 +280,17 @@ inline Tensor recurrent_product(Tensor z, const Tensor& m, const StepWeight& w_t
   return z;
 }
 
+// Per-gate masks with BLAS products: the gates' products m_g W_gᵀ (m [b, G, P], w_t_gates [G, P, H])
+// as one batched product, gate-major into the first G b H elements of `buf`: returns them as
+// [G, b, H]. Reading m's gates through strides costs less than writing z's gate blocks through
+// them (recurrent_product): 80 against 87 µs a step at H 200, 20 rows, one thread, AMD EPYC Zen 4.
+inline Tensor gate_major_product(const Tensor& buf, const Tensor& m, const Tensor& w_t_gates) {
+  const int64_t b = m.size(0), G = m.size(1), H = w_t_gates.size(2);
+  Tensor z = buf.view(-1).narrow(0, 0, G * b * H).view({G, b, H});
+  at::bmm_out(z, m.transpose(0, 1), w_t_gates);
+  return z;
+}
+
 // Wᵀ of every gate, [G, P, H], from Wᵀ (per-gate masks with BLAS products), else undefined.
 inline Tensor gate_weights_t(const StepWeight& w_t, const Tensor& mask) {
   if (!mask.defined() || mask.dim() == 3 || w_t.per_gate_packed()) return Tensor();

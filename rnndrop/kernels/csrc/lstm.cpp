@@ -39,13 +39,16 @@ void lstm_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>&
       m = masked.narrow(0, kept, b);
       mask_state(hs, mask, s.t, b, P, m.data_ptr<scalar_t>());
     }
-    const Tensor zr_t = recurrent_product(zr_buf.narrow(0, 0, b), m, w_t, w_t_gates);  // held: oneDNN's own
+    const bool gate_major = m.dim() == 3 && w_t_gates.defined();
+    const Tensor zr_t = gate_major ? gate_major_product(zr_buf, m, w_t_gates)
+                                   : recurrent_product(zr_buf.narrow(0, 0, b), m, w_t, w_t_gates);  // held: oneDNN's own
     const scalar_t* zr = zr_t.data_ptr<scalar_t>();
+    const int64_t z_row = gate_major ? H : 4 * H, z_gate = gate_major ? b * H : H;  // strides of zr
     over_rows(b, H, [&](int64_t k) {
       const int64_t row = (kept + k) * H;
       scalar_t* r_row = proj ? r_base + row : out_base + (s.offset + k) * P;
-      rows::lstm_step<scalar_t>(H, H, H, x_base + (s.offset + k) * 4 * H, zr + k * 4 * H, a_base + (kept + k) * 4 * H,
-                                cs + k * H, c_base + row, tc_base + row, r_row);
+      rows::lstm_step<scalar_t>(H, H, z_gate, x_base + (s.offset + k) * 4 * H, zr + k * z_row,
+                                a_base + (kept + k) * 4 * H, cs + k * H, c_base + row, tc_base + row, r_row);
       if (!proj) std::copy(r_row, r_row + H, hs + k * H);
     });
     if (proj) {
@@ -57,19 +60,22 @@ void lstm_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>&
 }
 
 // The forward loop for several threads split by hidden units instead of rows (padded input:
-// every step has all B rows; no projection; one mask or none; products through BLAS; at least 32
-// units a part: the Python side decides, compiled_plan.split_parts). Part j owns
-// units [u0, u1) and the columns of W_hhᵀ its gates need, in a copy of its own [P, 4 n] that stays
-// in its core's cache: per step, in one parallel region instead of three (mask, product, rows),
-// each part runs its product zr_j = m W_jᵀ, the pointwise pass of its units, and its units of the
-// next step's masked state. A step's product reads every unit, so what a step writes for the next
-// one goes to another buffer than the one it reads (two alternate where one step's rows are kept).
+// every step has all B rows; no projection; products through BLAS; at least 32 units a part: the
+// Python side decides, compiled_plan.split_parts). Part j owns units [u0, u1) and the columns of
+// W_hhᵀ its gates need, in a copy of its own that stays in its core's cache ([P, 4 n]; per-gate
+// masks: [G, P, n], gate g's product reading gate g's masked state): per step, in one parallel
+// region instead of three (mask, product, rows), each part runs its product zr_j = m W_jᵀ (per
+// gate: one batched product, gate-major [G, B, n]), the pointwise pass of its units, and its units
+// of the next step's masked state. A step's product reads every unit, so what a step writes for
+// the next one goes to another buffer than the one it reads (two alternate where one step's rows
+// are kept).
 template <typename scalar_t>
 void lstm_forward_split(const std::vector<Step>& steps, const MaskView<scalar_t>& mask, const Tensor& w_hh,
                         const Tensor& gates_x, bool keep, int64_t parts, Tensor acts, Tensor cells,
                         Tensor tanh_cells, Tensor out, Tensor masked, const Tensor& h0, Tensor h_state,
                         Tensor c_state) {
   const int64_t H = cells.size(1), B = h0.size(0);  // P == H
+  const int64_t G = mask.data ? mask.row_size / H : 1;  // masks a row: 4 per gate, else 1
   std::vector<int64_t> first(parts + 1, H);  // part j: units first[j] .. first[j + 1] - 1
   for (int64_t j = 0; j < parts; ++j) first[j] = j * H / parts / 8 * 8;  // aligned for the vector code
   std::vector<Tensor> w_parts(parts), z_parts(parts);
@@ -77,8 +83,9 @@ void lstm_forward_split(const std::vector<Step>& steps, const MaskView<scalar_t>
     const int64_t u0 = first[j], n = first[j + 1] - u0;
     std::vector<Tensor> gates;
     for (int64_t g = 0; g < 4; ++g) gates.push_back(w_hh.narrow(0, g * H + u0, n));
-    w_parts[j] = at::cat(gates, 0).t().contiguous();  // [P, 4 n]
-    z_parts[j] = at::empty({B, 4 * n}, acts.options());
+    w_parts[j] = G > 1 ? at::stack(gates, 0).transpose(1, 2).contiguous()  // [G, P, n]
+                       : at::cat(gates, 0).t().contiguous();              // [P, 4 n]
+    z_parts[j] = G > 1 ? at::empty({G, B, n}, acts.options()) : at::empty({B, 4 * n}, acts.options());
   }
   Tensor m_bufs[2];
   if (mask.data && !keep) m_bufs[0] = masked, m_bufs[1] = at::empty_like(masked);
@@ -100,14 +107,22 @@ void lstm_forward_split(const std::vector<Step>& steps, const MaskView<scalar_t>
     const int64_t t_next = last ? 0 : steps[i + 1].t;
     over_tasks(parts, [&](int64_t j) {
       const int64_t u0 = first[j], n = first[j + 1] - u0;
-      at::mm_out(z_parts[j], m, w_parts[j]);
+      if (G > 1) {
+        at::bmm_out(z_parts[j], m.transpose(0, 1), w_parts[j]);
+      } else {
+        at::mm_out(z_parts[j], m, w_parts[j]);
+      }
       const scalar_t* z = z_parts[j].data_ptr<scalar_t>();
+      const int64_t z_row = G > 1 ? n : 4 * n, z_gate = G > 1 ? B * n : n;  // strides of zr_j
       for (int64_t k = 0; k < B; ++k) {
         const int64_t row = s.offset + k;
         scalar_t* h = out_base + row * H + u0;
-        rows::lstm_step<scalar_t>(n, H, n, x_base + row * 4 * H + u0, z + k * 4 * n, a_base + (kept + k) * 4 * H + u0,
-                                  cs + k * H + u0, c_base + (kept + k) * H + u0, tc_base + (kept + k) * H + u0, h);
-        if (m_next) rows::mul<scalar_t>(n, h, mask.row(t_next, k) + u0, m_next + k * H + u0);
+        rows::lstm_step<scalar_t>(n, H, z_gate, x_base + row * 4 * H + u0, z + k * z_row,
+                                  a_base + (kept + k) * 4 * H + u0, cs + k * H + u0, c_base + (kept + k) * H + u0,
+                                  tc_base + (kept + k) * H + u0, h);
+        if (!m_next) continue;
+        for (int64_t g = 0; g < G; ++g)
+          rows::mul<scalar_t>(n, h, mask.row(t_next, k) + g * H + u0, m_next + (k * G + g) * H + u0);
       }
     });
   }
@@ -179,7 +194,7 @@ std::vector<Tensor> lstm_forward(const Tensor& gates_x, const Tensor& h0, const 
   }
   Tensor h_state = h0.contiguous().clone();
   Tensor c_state = c0.contiguous().clone();
-  TORCH_CHECK(parts == 0 || (!w_hr.defined() && w_packed.empty() && (!mask.defined() || mask.dim() == 3) &&
+  TORCH_CHECK(parts == 0 || (!w_hr.defined() && w_packed.empty() &&
                              !batch_sizes.empty() &&
                              std::all_of(batch_sizes.begin(), batch_sizes.end(),
                                          [&](int64_t b) { return b == batch_sizes[0]; }) && parts * 32 <= H),
