@@ -263,6 +263,38 @@ inline Tensor weight_grad(const Tensor& d_z, const Tensor& m) {
   return d_w;
 }
 
+// dW_hh = sum over rows of dz_g (h_prev * M_g)ᵀ for per-gate masks, from the unmasked previous
+// states h_prev [N, P]: each gate's masked states rebuilt in turn into one buffer [N, P] (a forward
+// pass that keeps them writes [N, G, P] of fresh memory, the slower way at hidden 200).
+template <typename scalar_t>
+inline Tensor per_gate_weight_grad(const Tensor& d_z, const Tensor& h_prev, const Tensor& mask,
+                                   const std::vector<Step>& steps) {
+  const MaskView<scalar_t> view(mask);
+  const int64_t P = h_prev.size(1), G = view.row_size / P, H = d_z.size(1) / G;
+  Tensor d_w = at::empty({G * H, P}, d_z.options());
+  Tensor m = at::empty_like(h_prev);
+  const scalar_t* h = h_prev.data_ptr<scalar_t>();
+  scalar_t* m_base = m.data_ptr<scalar_t>();
+  for (int64_t g = 0; g < G; ++g) {
+    for (const Step& s : steps) {
+      over_rows(s.size, P, [&](int64_t k) {
+        const int64_t row = s.offset + k;
+        rows::mul<scalar_t>(P, h + row * P, view.row(s.t, k) + g * P, m_base + row * P);
+      });
+    }
+    Tensor d_w_g = d_w.narrow(0, g * H, H);
+    at::mm_out(d_w_g, d_z.narrow(1, g * H, H).t(), m);
+  }
+  return d_w;
+}
+
+// The masked states of `rows` rows for a hidden mask [T', B', (G,) P]: [rows, (G,) P].
+inline std::vector<int64_t> masked_shape(int64_t rows, const Tensor& mask) {
+  std::vector<int64_t> shape{rows};
+  for (int64_t d = 2; d < mask.dim(); ++d) shape.push_back(mask.size(d));
+  return shape;
+}
+
 // m Wᵀ for one step, written into z (or, through oneDNN, a tensor of its own: the one returned):
 // m [b, P] with w_t = Wᵀ [P, G * H], or per gate m [b, G, P] with w_t_gates = the Wᵀ of every
 // gate [G, P, H] (one batched product into z's gate blocks).

@@ -94,12 +94,7 @@ std::vector<Tensor> gru_forward(const Tensor& gates_x, const Tensor& h0, const T
   Tensor a_n = at::empty({N, H}, x.options());
   Tensor out = at::empty({gates_x.size(0), H}, x.options());
   Tensor a_buf = at::empty({B, 3 * H}, x.options());
-  Tensor masked;
-  if (mask.defined()) {
-    std::vector<int64_t> shape{N};
-    for (int64_t d = 2; d < mask.dim(); ++d) shape.push_back(mask.size(d));
-    masked = at::empty(shape, x.options());
-  }
+  const Tensor masked = mask.defined() ? at::empty(masked_shape(N, mask), x.options()) : Tensor();
   Tensor h_state = h0.contiguous().clone();
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gru_forward", [&] {
     gru_forward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), x, w_t,

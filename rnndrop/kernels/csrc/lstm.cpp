@@ -9,7 +9,8 @@
 //
 // Without `keep` (inference: nothing will run backward) the buffers of the gates, cells
 // and masked states hold one step's rows, reused from step to step, instead of every
-// row of the sequence.
+// row of the sequence. Per-gate masked states ([N, G, P]: fresh memory on every call, four
+// times one mask's) are never kept: backward rebuilds them gate by gate (per_gate_weight_grad).
 #include "common.h"
 
 namespace rnndrop {
@@ -19,8 +20,8 @@ namespace {
 template <typename scalar_t>
 void lstm_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>& mask, const StepWeight& w_t,
                        const Tensor& w_t_gates, const Tensor& w_hr_t, const Tensor& gates_x, bool keep, Tensor acts,
-                       Tensor cells, Tensor tanh_cells, Tensor r, Tensor out, Tensor masked, Tensor h_state,
-                       Tensor c_state) {
+                       Tensor cells, Tensor tanh_cells, Tensor r, Tensor out, Tensor masked, bool keep_masked,
+                       Tensor h_state, Tensor c_state) {
   const int64_t H = cells.size(1), P = out.size(1);
   const bool proj = w_hr_t.defined();
   const scalar_t* x_base = gates_x.data_ptr<scalar_t>();
@@ -36,7 +37,7 @@ void lstm_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>&
     const int64_t b = s.size, kept = keep ? s.offset : 0;  // kept: the step's first row in the buffers
     Tensor m = h_state.narrow(0, 0, b);
     if (mask.data) {
-      m = masked.narrow(0, kept, b);
+      m = masked.narrow(0, keep_masked ? s.offset : 0, b);
       mask_state(hs, mask, s.t, b, P, m.data_ptr<scalar_t>());
     }
     const bool gate_major = m.dim() == 3 && w_t_gates.defined();
@@ -72,8 +73,8 @@ void lstm_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>&
 template <typename scalar_t>
 void lstm_forward_split(const std::vector<Step>& steps, const MaskView<scalar_t>& mask, const Tensor& w_hh,
                         const Tensor& gates_x, bool keep, int64_t parts, Tensor acts, Tensor cells,
-                        Tensor tanh_cells, Tensor out, Tensor masked, const Tensor& h0, Tensor h_state,
-                        Tensor c_state) {
+                        Tensor tanh_cells, Tensor out, Tensor masked, bool keep_masked, const Tensor& h0,
+                        Tensor h_state, Tensor c_state) {
   const int64_t H = cells.size(1), B = h0.size(0);  // P == H
   const int64_t G = mask.data ? mask.row_size / H : 1;  // masks a row: 4 per gate, else 1
   std::vector<int64_t> first(parts + 1, H);  // part j: units first[j] .. first[j + 1] - 1
@@ -88,8 +89,8 @@ void lstm_forward_split(const std::vector<Step>& steps, const MaskView<scalar_t>
     z_parts[j] = G > 1 ? at::empty({G, B, n}, acts.options()) : at::empty({B, 4 * n}, acts.options());
   }
   Tensor m_bufs[2];
-  if (mask.data && !keep) m_bufs[0] = masked, m_bufs[1] = at::empty_like(masked);
-  auto masked_rows = [&](size_t i) { return keep ? masked.narrow(0, steps[i].offset, B) : m_bufs[i % 2]; };
+  if (mask.data && !keep_masked) m_bufs[0] = masked, m_bufs[1] = at::empty_like(masked);
+  auto masked_rows = [&](size_t i) { return keep_masked ? masked.narrow(0, steps[i].offset, B) : m_bufs[i % 2]; };
   const Tensor h0c = h0.contiguous();
   if (mask.data) mask_state(h0c.data_ptr<scalar_t>(), mask, steps[0].t, B, H, masked_rows(0).template data_ptr<scalar_t>());
   const scalar_t* x_base = gates_x.data_ptr<scalar_t>();
@@ -186,12 +187,9 @@ std::vector<Tensor> lstm_forward(const Tensor& gates_x, const Tensor& h0, const 
   Tensor tanh_cells = at::empty({N, H}, gates_x.options());
   Tensor out = at::empty({gates_x.size(0), P}, gates_x.options());
   Tensor r = w_hr.defined() ? at::empty({N, H}, gates_x.options()) : out;
-  Tensor masked;
-  if (mask.defined()) {
-    std::vector<int64_t> shape{N};
-    for (int64_t d = 2; d < mask.dim(); ++d) shape.push_back(mask.size(d));
-    masked = at::empty(shape, gates_x.options());
-  }
+  const bool keep_masked = keep && (!mask.defined() || mask.dim() == 3);  // per gate: rebuilt by backward
+  const Tensor masked = mask.defined() ? at::empty(masked_shape(keep_masked ? N : h0.size(0), mask), x.options())
+                                       : Tensor();
   Tensor h_state = h0.contiguous().clone();
   Tensor c_state = c0.contiguous().clone();
   TORCH_CHECK(parts == 0 || (!w_hr.defined() && w_packed.empty() &&
@@ -202,15 +200,16 @@ std::vector<Tensor> lstm_forward(const Tensor& gates_x, const Tensor& h0, const 
   AT_DISPATCH_FLOATING_TYPES(gates_x.scalar_type(), "lstm_forward", [&] {
     if (parts) {
       lstm_forward_split<scalar_t>(steps, MaskView<scalar_t>(mask), w_hh, x, keep, parts, acts, cells, tanh_cells,
-                                   out, masked, h0, h_state, c_state);
+                                   out, masked, keep_masked, h0, h_state, c_state);
       return;
     }
     const StepWeight w_t = forward_weight(w_hh, w_packed);  // W_hhᵀ
     lstm_forward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), w_t,
                                 gate_weights_t(w_t, mask), w_hr_t, x, keep, acts, cells, tanh_cells, r, out, masked,
-                                h_state, c_state);
+                                keep_masked, h_state, c_state);
   });
-  return {out, h_state, c_state, acts, cells, tanh_cells, w_hr.defined() ? r : Tensor(), masked};
+  return {out, h_state, c_state, acts, cells, tanh_cells, w_hr.defined() ? r : Tensor(),
+          keep_masked ? masked : Tensor()};
 }
 
 // Gradients of (gates_x, h0, c0, w_hh, w_hr, mask); undefined where not wanted.
@@ -233,7 +232,7 @@ std::vector<Tensor> lstm_backward(const c10::optional<Tensor>& d_out, const c10:
   const bool need_mask = needs[5] && mask.defined();
   Tensor d_masked;  // dm of every row, when the mask's gradient is wanted
   if (mask.defined()) {
-    d_masked = need_mask ? at::empty_like(masked) : Tensor();
+    d_masked = need_mask ? at::empty(masked_shape(N, mask), acts.options()) : Tensor();
   }
   Tensor dr_buf = w_hr.defined() ? at::empty({h0.size(0), H}, acts.options()) : Tensor();
   const Tensor c0c = c0.contiguous();
@@ -243,8 +242,15 @@ std::vector<Tensor> lstm_backward(const c10::optional<Tensor>& d_out, const c10:
   });
   Tensor d_w_hh, d_w_hr, d_mask;
   Tensor h_prev;
-  if ((needs[3] && !mask.defined()) || need_mask) h_prev = gather_previous(out, h0.contiguous(), steps);
-  if (needs[3]) d_w_hh = weight_grad(d_gates, mask.defined() ? masked : h_prev);
+  const bool per_gate = mask.defined() && mask.dim() == 4;
+  if ((needs[3] && (!mask.defined() || per_gate)) || need_mask) h_prev = gather_previous(out, h0.contiguous(), steps);
+  if (needs[3] && per_gate) {
+    AT_DISPATCH_FLOATING_TYPES(acts.scalar_type(), "lstm_weight_grad", [&] {
+      d_w_hh = per_gate_weight_grad<scalar_t>(d_gates, h_prev, mask, steps);
+    });
+  } else if (needs[3]) {
+    d_w_hh = weight_grad(d_gates, mask.defined() ? masked : h_prev);
+  }
   if (needs[4] && w_hr.defined()) d_w_hr = at::mm(d_h.t(), *r_opt);
   if (need_mask) {
     AT_DISPATCH_FLOATING_TYPES(acts.scalar_type(), "lstm_mask_grad", [&] {
