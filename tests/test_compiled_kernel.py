@@ -168,6 +168,34 @@ def test_forward_split_by_units_matches_reference_kernel(threads, H, dtype):
         torch.set_num_threads(saved)
 
 
+HOOKS_WITH_THREADS = textwrap.dedent(
+    """
+    import torch
+    from rnndrop import VariationalLSTM
+    torch.set_num_threads(2)
+    x = torch.randn(6, 4, 64)
+    for per_gate in (False, True):  # the forward step split by units over the two threads
+        layer = VariationalLSTM(64, 64, dropout_hidden=0.3, per_gate_masks=per_gate, kernel="compiled")
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            layer(x)[0].sum().backward()
+        with torch.autograd.graph.save_on_cpu():
+            layer(x)[0].sum().backward()
+    print("done")
+    """
+)
+
+
+def test_several_threads_under_saved_tensor_hooks_do_not_deadlock():
+    """The threads of a step split by units used to copy the caller's whole thread-local state,
+    saved-tensor hooks (Python objects) included, and waited for the GIL the caller held: a
+    process that hung for good under saved_tensors_hooks / save_on_cpu. A subprocess, so that a
+    hang is a timeout, not a hung test run."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", HOOKS_WITH_THREADS], env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr[-2000:]
+
+
 def test_forward_split_by_units_only_where_it_applies():
     """Several threads, padded input, no projection, BLAS products, 32 units a part (any mask)."""
     w = torch.randn(4 * 200, 200)

@@ -13,7 +13,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <ATen/ThreadLocalState.h>
+#include <c10/core/InferenceMode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <algorithm>
@@ -40,12 +40,16 @@ inline void over_rows(int64_t b, int64_t width, const F& f) {
 
 // f(j) for j = 0..count-1, split over the threads, each f(j) on one thread (an ATen product
 // inside then runs single-threaded: the gates' products of a step, or the parts of the step
-// split by units). The other threads get the caller's grad and inference mode for their ATen ops.
+// split by units). The other threads get the caller's grad and inference mode for their ATen ops,
+// and nothing else: the whole at::ThreadLocalState holds Python objects (saved-tensor hooks), and
+// copying them on another thread waits for the GIL, which the caller holds (a deadlock under
+// torch.autograd.graph.saved_tensors_hooks).
 template <typename F>
 inline void over_tasks(int64_t count, const F& f) {
-  const at::ThreadLocalState tls;
+  const bool grad = at::GradMode::is_enabled(), inference = c10::InferenceMode::is_enabled();
   at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
-    at::ThreadLocalStateGuard guard(tls);
+    const c10::InferenceMode inference_guard(inference);
+    const at::AutoGradMode grad_guard(grad);
     for (int64_t j = begin; j < end; ++j) f(j);
   });
 }
