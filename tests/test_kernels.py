@@ -305,13 +305,17 @@ def test_step_weight_chooses_onednn_by_capability():
 
 def test_matmul_of_whole_sequences_matches_mm_for_every_operand_layout():
     """``matmul(a, b)`` = ``a @ b`` whether ``a`` is contiguous, a transposed view larger
-    than ``b`` (a weight gradient ``dzᵀ m``: computed as ``(bᵀ aᵀ)ᵀ``) or a transposed view
-    smaller than ``b``; on the oneDNN path and with oneDNN disabled."""
+    than ``b`` (a weight gradient ``dzᵀ m``: computed as ``(bᵀ aᵀ)ᵀ``), a transposed view
+    smaller than ``b``, or a slice of columns (copied); on the oneDNN path and with oneDNN
+    disabled."""
     m = torch.randn(30, 6)
     cases = {
         "contiguous a": (torch.randn(8, 30), m),
         "transposed a, larger": (torch.randn(30, 16).t(), m),
         "transposed a, smaller": (torch.randn(30, 2).t(), m),
+        "a a slice of columns, larger": (torch.randn(30, 40)[:, 3:19].t(), m),
+        "b a slice of columns": (torch.randn(8, 30), torch.randn(30, 12)[:, 2:8]),
+        "a expanded (the gradient of a sum)": (torch.ones(1, 1).expand(30, 16).t(), m),
     }
     for name, (a, b) in cases.items():
         expected = a.double() @ b.double()
