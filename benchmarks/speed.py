@@ -75,7 +75,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from rnndrop import VariationalGRU, VariationalLSTM
 from rnndrop.kernels import KERNELS, auto_loop_kernel, cuda_graphs, get_kernel
-from rnndrop.kernels.matmul import onednn_enabled
+from rnndrop.kernels.onednn import onednn_enabled
 
 try:
     from rnndrop.weight_drop import WeightDrop

@@ -16,8 +16,8 @@ import torch
 import torch.utils.cpp_extension as cpp_extension
 
 from rnndrop import VariationalGRU, VariationalLSTM
-from rnndrop.kernels import auto_loop_kernel, compiled, compiled_plan, get_kernel
-from rnndrop.kernels.matmul import onednn_enabled
+from rnndrop.kernels import auto_loop_kernel, compiled, compiled_plan, get_kernel, onednn
+from rnndrop.kernels.onednn import onednn_enabled
 from rnndrop.noise import bernoulli_mask
 from tests import test_kernels as shared
 from tests.helpers import assert_close
@@ -217,15 +217,15 @@ def test_forward_split_by_units_only_where_it_applies():
         torch.set_num_threads(with_threads)
 
 
-@pytest.mark.parametrize("onednn", [False, True])
+@pytest.mark.parametrize("through_onednn", [False, True])
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
-def test_inference_forward_equals_training_forward(kind, onednn, monkeypatch):
+def test_inference_forward_equals_training_forward(kind, through_onednn, monkeypatch):
     """Under no_grad the kernel keeps one step's rows instead of the buffers backward reads:
     the same outputs and final states, bit for bit, in every layout, mask shape and projection
     (float32 with oneDNN's packed products too)."""
-    if onednn:
-        monkeypatch.setattr(compiled_plan, "ONEDNN_MIN_WEIGHT", 0)
-    dtype = torch.float32 if onednn else torch.float64
+    if through_onednn:
+        monkeypatch.setattr(onednn, "ONEDNN_MIN_WEIGHT", 0)
+    dtype = torch.float32 if through_onednn else torch.float64
     kernel = get_kernel("compiled", kind)
     for batch_sizes in shared.BATCH_SIZES:
         for mask_shape in shared.MASK_SHAPES:
@@ -260,7 +260,7 @@ def test_onednn_products_chosen_by_weight_size_and_rows():
 def test_onednn_products_match_reference_kernel(kind, monkeypatch):
     """The oneDNN path of the step products (large float32 weights; here every weight), per-gate
     masks with one packed weight a gate."""
-    monkeypatch.setattr(compiled_plan, "ONEDNN_MIN_WEIGHT", 0)
+    monkeypatch.setattr(onednn, "ONEDNN_MIN_WEIGHT", 0)
     cases = [([4, 3, 3, 1], (1, "B", "P"), False), ([3, 3, 2], None, True),
              ([4, 3, 3, 1], ("T", "B", "G", "P"), True), ([3, 3, 2], (1, 1, "G", "P"), False)]
     for batch_sizes, mask_shape, reverse in cases:

@@ -9,51 +9,16 @@ disabled by ``torch.backends.mkldnn.flags(enabled=False)``) they go to
 ``torch.mm`` with a contiguous transposed weight. The choice is made by
 capability: whatever the CPU vendor, an op that is missing or fails on a tiny
 probe sends every product to the fallback.
-
-Why: torch's CPU BLAS (MKL) runs AVX2 code on AMD CPUs, while oneDNN, which
-torch's own fused ``nn.LSTM`` uses, picks AVX-512 wherever the CPU has it. On an
-AMD EPYC (Zen, AVX-512) the per-step product at hidden 650 takes 170 us through
-oneDNN against 540 us through ``torch.mm``; at hidden 200 30 us against 54 us.
-Results agree with ``torch.mm`` to float32 rounding.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 from torch import Tensor
 
 from rnndrop.kernels.gates import masked_linear
+from rnndrop.kernels.onednn import onednn_enabled
 from rnndrop.kernels.per_gate_projection import per_gate_projection
-
-
-@functools.cache
-def _onednn_ops_work() -> bool:
-    """Whether this torch build has the oneDNN linear ops and they compute ``x @ w.T``."""
-    ops = getattr(torch.ops, "mkldnn", None)
-    if not torch.backends.mkldnn.is_available() or ops is None:
-        return False
-    try:
-        x = torch.arange(6.0).view(2, 3)
-        w = torch.arange(12.0).view(4, 3) / 7
-        packed = ops._reorder_linear_weight(w, None)
-        y = ops._linear_pointwise(x, packed, None, "none", [], "")
-        y2 = ops._linear_pointwise.binary(x, y, packed, None, "add")
-    except (RuntimeError, AttributeError, NotImplementedError):
-        return False
-    expected = x @ w.t()
-    return torch.allclose(y, expected, atol=1e-5) and torch.allclose(y2, 2 * expected, atol=1e-5)
-
-
-def onednn_enabled(t: Tensor) -> bool:
-    """Whether products with ``t``'s dtype and device go through oneDNN."""
-    return (
-        t.device.type == "cpu"
-        and t.dtype == torch.float32
-        and torch.backends.mkldnn.enabled
-        and _onednn_ops_work()
-    )
 
 
 class StepWeight:

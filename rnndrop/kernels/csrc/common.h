@@ -154,16 +154,18 @@ struct MaskView {
   }
 };
 
-// m = h_prev * M for the rows of one step: [b, P] -> [b, (G,) P].
+// m = h_prev * M for the rows of one step: [b, P] -> [b, (G,) P]; with a `gate_stride`
+// (per-gate masks), gate-major: gate g of row k at m + g * gate_stride + k * P.
 template <typename scalar_t>
 inline void mask_state(const scalar_t* h, const MaskView<scalar_t>& mask, int64_t t, int64_t b, int64_t P,
-                       scalar_t* m) {
+                       scalar_t* m, int64_t gate_stride = 0) {
   const int64_t G = mask.row_size / P;
+  const int64_t row_stride = gate_stride ? P : G * P, g_stride = gate_stride ? gate_stride : P;
   over_rows(b, G * P, [&](int64_t k) {
     const scalar_t* mk = mask.row(t, k);
     const scalar_t* hk = h + k * P;
-    scalar_t* out = m + k * G * P;
-    for (int64_t g = 0; g < G; ++g) rows::mul<scalar_t>(P, hk, mk + g * P, out + g * P);
+    scalar_t* out = m + k * row_stride;
+    for (int64_t g = 0; g < G; ++g) rows::mul<scalar_t>(P, hk, mk + g * P, out + g * g_stride);
   });
 }
 
@@ -316,14 +318,23 @@ inline Tensor recurrent_product(Tensor z, const Tensor& m, const StepWeight& w_t
   return z;
 }
 
-// Per-gate masks with BLAS products: the gates' products m_g W_gᵀ (m [b, G, P], w_t_gates [G, P, H])
-// as one batched product, gate-major into the first G b H elements of `buf`: returns them as
-// [G, b, H]. Reading m's gates through strides costs less than writing z's gate blocks through
-// them (recurrent_product): 80 against 87 µs a step at H 200, 20 rows, one thread, AMD EPYC Zen 4.
-inline Tensor gate_major_product(const Tensor& buf, const Tensor& m, const Tensor& w_t_gates) {
-  const int64_t b = m.size(0), G = m.size(1), H = w_t_gates.size(2);
+// Per-gate masks, the LSTM's forward: the gates' products m_g W_gᵀ from gate-major masked states
+// m [G, b, P], gate-major into the first G b H elements of `buf`, returned as [G, b, H]: with BLAS
+// one batched product (w_t_gates = every gate's Wᵀ, [G, P, H]), with oneDNN one product a gate
+// (each gate's m_g contiguous: no copy in). Gate-major on both sides costs less than z's gate
+// blocks written through strides (recurrent_product): 80 against 87 µs a step at H 200, 20 rows,
+// one thread, AMD EPYC Zen 4.
+inline Tensor gate_major_product(const Tensor& buf, const Tensor& m, const StepWeight& w_t,
+                                 const Tensor& w_t_gates) {
+  const int64_t G = m.size(0), b = m.size(1), H = buf.size(1) / G;
   Tensor z = buf.view(-1).narrow(0, 0, G * b * H).view({G, b, H});
-  at::bmm_out(z, m.transpose(0, 1), w_t_gates);
+  if (!w_t.per_gate_packed()) {
+    at::bmm_out(z, m, w_t_gates);
+    return z;
+  }
+  over_tasks(G, [&](int64_t g) {  // four small products split by gates beat each threaded in turn
+    z.select(0, g).copy_(onednn_linear(m.select(0, g), w_t.packed[g], Tensor(), Tensor()));
+  });
   return z;
 }
 

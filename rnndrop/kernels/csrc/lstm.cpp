@@ -33,15 +33,18 @@ void lstm_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>&
   scalar_t* cs = c_state.data_ptr<scalar_t>();
   scalar_t* out_base = out.data_ptr<scalar_t>();
   Tensor zr_buf = at::empty({h_state.size(0), 4 * H}, acts.options());
+  const bool gate_major = masked.defined() && masked.dim() == 3;  // per-gate masks: [G, B, P]
   for (const Step& s : steps) {
     const int64_t b = s.size, kept = keep ? s.offset : 0;  // kept: the step's first row in the buffers
     Tensor m = h_state.narrow(0, 0, b);
-    if (mask.data) {
+    if (gate_major) {
+      m = masked.narrow(1, 0, b);
+      mask_state(hs, mask, s.t, b, P, m.data_ptr<scalar_t>(), masked.stride(0));
+    } else if (mask.data) {
       m = masked.narrow(0, keep_masked ? s.offset : 0, b);
       mask_state(hs, mask, s.t, b, P, m.data_ptr<scalar_t>());
     }
-    const bool gate_major = m.dim() == 3 && w_t_gates.defined();
-    const Tensor zr_t = gate_major ? gate_major_product(zr_buf, m, w_t_gates)
+    const Tensor zr_t = gate_major ? gate_major_product(zr_buf, m, w_t, w_t_gates)
                                    : recurrent_product(zr_buf.narrow(0, 0, b), m, w_t, w_t_gates);  // held: oneDNN's own
     const scalar_t* zr = zr_t.data_ptr<scalar_t>();
     const int64_t z_row = gate_major ? H : 4 * H, z_gate = gate_major ? b * H : H;  // strides of zr
@@ -92,7 +95,9 @@ void lstm_forward_split(const std::vector<Step>& steps, const MaskView<scalar_t>
   if (mask.data && !keep_masked) m_bufs[0] = masked, m_bufs[1] = at::empty_like(masked);
   auto masked_rows = [&](size_t i) { return keep_masked ? masked.narrow(0, steps[i].offset, B) : m_bufs[i % 2]; };
   const Tensor h0c = h0.contiguous();
-  if (mask.data) mask_state(h0c.data_ptr<scalar_t>(), mask, steps[0].t, B, H, masked_rows(0).template data_ptr<scalar_t>());
+  if (mask.data)
+    mask_state(h0c.data_ptr<scalar_t>(), mask, steps[0].t, B, H, masked_rows(0).template data_ptr<scalar_t>(),
+               G > 1 ? B * H : 0);
   const scalar_t* x_base = gates_x.data_ptr<scalar_t>();
   scalar_t* a_base = acts.data_ptr<scalar_t>();
   scalar_t* c_base = cells.data_ptr<scalar_t>();
@@ -109,7 +114,7 @@ void lstm_forward_split(const std::vector<Step>& steps, const MaskView<scalar_t>
     over_tasks(parts, [&](int64_t j) {
       const int64_t u0 = first[j], n = first[j + 1] - u0;
       if (G > 1) {
-        at::bmm_out(z_parts[j], m.transpose(0, 1), w_parts[j]);
+        at::bmm_out(z_parts[j], m, w_parts[j]);
       } else {
         at::mm_out(z_parts[j], m, w_parts[j]);
       }
@@ -123,7 +128,7 @@ void lstm_forward_split(const std::vector<Step>& steps, const MaskView<scalar_t>
                                   tc_base + (kept + k) * H + u0, h);
         if (!m_next) continue;
         for (int64_t g = 0; g < G; ++g)
-          rows::mul<scalar_t>(n, h, mask.row(t_next, k) + g * H + u0, m_next + (k * G + g) * H + u0);
+          rows::mul<scalar_t>(n, h, mask.row(t_next, k) + g * H + u0, m_next + (g * B + k) * H + u0);
       }
     });
   }
@@ -188,8 +193,13 @@ std::vector<Tensor> lstm_forward(const Tensor& gates_x, const Tensor& h0, const 
   Tensor out = at::empty({gates_x.size(0), P}, gates_x.options());
   Tensor r = w_hr.defined() ? at::empty({N, H}, gates_x.options()) : out;
   const bool keep_masked = keep && (!mask.defined() || mask.dim() == 3);  // per gate: rebuilt by backward
-  const Tensor masked = mask.defined() ? at::empty(masked_shape(keep_masked ? N : h0.size(0), mask), x.options())
-                                       : Tensor();
+  Tensor masked;  // the masked states: of every row where kept, else of one step ([B, P]; per gate [G, B, P])
+  if (mask.defined() && keep_masked) {
+    masked = at::empty(masked_shape(N, mask), x.options());
+  } else if (mask.defined()) {
+    masked = mask.dim() == 4 ? at::empty({mask.size(2), h0.size(0), P}, x.options())
+                             : at::empty({h0.size(0), P}, x.options());
+  }
   Tensor h_state = h0.contiguous().clone();
   Tensor c_state = c0.contiguous().clone();
   TORCH_CHECK(parts == 0 || (!w_hr.defined() && w_packed.empty() &&
