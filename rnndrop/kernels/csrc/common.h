@@ -257,14 +257,14 @@ inline Tensor mask_grad(const Tensor& mask, const Tensor& d_masked, const Tensor
   return d_mask;
 }
 
-// dW_hh = sum over rows of dz mᵀ: [N, G * H] and [N, P] (or per gate [N, G, P]) -> [G * H, P].
+// dW_hh = sum over rows of dz mᵀ: [N, G * H] and [N, P] (or per gate, gate-major, [G, N, P]) -> [G * H, P].
 inline Tensor weight_grad(const Tensor& d_z, const Tensor& m) {
   if (m.dim() == 2) return at::mm(d_z.t(), m);
-  const int64_t G = m.size(1), H = d_z.size(1) / G;
+  const int64_t G = m.size(0), H = d_z.size(1) / G;
   Tensor d_w = at::empty({G * H, m.size(2)}, d_z.options());
   for (int64_t g = 0; g < G; ++g) {
     Tensor d_w_g = d_w.narrow(0, g * H, H);
-    at::mm_out(d_w_g, d_z.narrow(1, g * H, H).t(), m.select(1, g));
+    at::mm_out(d_w_g, d_z.narrow(1, g * H, H).t(), m.select(0, g));
   }
   return d_w;
 }
@@ -301,28 +301,11 @@ inline std::vector<int64_t> masked_shape(int64_t rows, const Tensor& mask) {
   return shape;
 }
 
-// m Wᵀ for one step, written into z (or, through oneDNN, a tensor of its own: the one returned):
-// m [b, P] with w_t = Wᵀ [P, G * H], or per gate m [b, G, P] with w_t_gates = the Wᵀ of every
-// gate [G, P, H] (one batched product into z's gate blocks).
-inline Tensor recurrent_product(Tensor z, const Tensor& m, const StepWeight& w_t, const Tensor& w_t_gates) {
-  if (m.dim() == 2) return w_t.product(m, z);
-  const int64_t b = z.size(0), G = m.size(1);
-  if (w_t.per_gate_packed()) {  // one oneDNN product a gate
-    const int64_t H = z.size(1) / G;
-    over_tasks(G, [&](int64_t g) {  // four small products split by gates beat each threaded in turn
-      z.narrow(1, g * H, H).copy_(onednn_linear(m.select(1, g).contiguous(), w_t.packed[g], Tensor(), Tensor()));
-    });
-    return z;
-  }
-  z.view({b, G, -1}).transpose(0, 1).baddbmm_(m.transpose(0, 1), w_t_gates, 0);
-  return z;
-}
-
-// Per-gate masks, the LSTM's forward: the gates' products m_g W_gᵀ from gate-major masked states
+// Per-gate masks: the gates' products m_g W_gᵀ from gate-major masked states
 // m [G, b, P], gate-major into the first G b H elements of `buf`, returned as [G, b, H]: with BLAS
 // one batched product (w_t_gates = every gate's Wᵀ, [G, P, H]), with oneDNN one product a gate
 // (each gate's m_g contiguous: no copy in). Gate-major on both sides costs less than z's gate
-// blocks written through strides (recurrent_product): 80 against 87 µs a step at H 200, 20 rows,
+// blocks written through strides (a baddbmm into [b, G H]): 80 against 87 µs a step at H 200, 20 rows,
 // one thread, AMD EPYC Zen 4.
 inline Tensor gate_major_product(const Tensor& buf, const Tensor& m, const StepWeight& w_t,
                                  const Tensor& w_t_gates) {

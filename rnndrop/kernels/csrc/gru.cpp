@@ -22,24 +22,30 @@ void gru_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>& 
   scalar_t* an_base = a_n.data_ptr<scalar_t>();
   scalar_t* out_base = out.data_ptr<scalar_t>();
   scalar_t* hs = h_state.data_ptr<scalar_t>();
-  const scalar_t* a_ptr = a_buf.data_ptr<scalar_t>();
+  const bool gate_major = masked.defined() && masked.dim() == 3;  // per-gate masks: [G, N, P]
   for (const Step& s : steps) {
     const int64_t b = s.size, kept = keep ? s.offset : 0;  // kept: the step's first row in the buffers
     Tensor m = h_state.narrow(0, 0, b);
-    if (mask.data) {
+    if (gate_major) {
+      m = masked.narrow(1, kept, b);
+      mask_state(hs, mask, s.t, b, H, m.data_ptr<scalar_t>(), masked.stride(0));
+    } else if (mask.data) {
       m = masked.narrow(0, kept, b);
       mask_state(hs, mask, s.t, b, H, m.data_ptr<scalar_t>());
     }
-    Tensor a = a_buf.narrow(0, 0, b);  // W_hh m + b_hh
-    if (m.dim() == 2) {
-      w_t.into(a, m, false, b_hh);
+    Tensor a = a_buf.narrow(0, 0, b);  // W_hh m + b_hh: [b, 3H], per gate gate-major [3, b, H]
+    if (gate_major) {
+      a = gate_major_product(a_buf, m, w_t, w_t_gates);
+      if (b_hh.defined()) a.add_(b_hh.view({a.size(0), 1, H}));
     } else {
-      recurrent_product(a, m, w_t, w_t_gates);  // per gate: into a itself
-      if (b_hh.defined()) a.add_(b_hh);
+      w_t.into(a, m, false, b_hh);
     }
+    const scalar_t* a_ptr = a.data_ptr<scalar_t>();
+    const int64_t a_row = gate_major ? H : 3 * H, a_gate = gate_major ? b * H : H;  // strides of a
     over_rows(b, H, [&](int64_t k) {
-      rows::gru_step<scalar_t>(H, x_base + (s.offset + k) * 3 * H, a_ptr + k * 3 * H, act_base + (kept + k) * 3 * H,
-                               an_base + (kept + k) * H, out_base + (s.offset + k) * H, hs + k * H);
+      rows::gru_step<scalar_t>(H, a_gate, x_base + (s.offset + k) * 3 * H, a_ptr + k * a_row,
+                               act_base + (kept + k) * 3 * H, an_base + (kept + k) * H, out_base + (s.offset + k) * H,
+                               hs + k * H);
     });
   }
 }
@@ -94,7 +100,10 @@ std::vector<Tensor> gru_forward(const Tensor& gates_x, const Tensor& h0, const T
   Tensor a_n = at::empty({N, H}, x.options());
   Tensor out = at::empty({gates_x.size(0), H}, x.options());
   Tensor a_buf = at::empty({B, 3 * H}, x.options());
-  const Tensor masked = mask.defined() ? at::empty(masked_shape(N, mask), x.options()) : Tensor();
+  Tensor masked;  // the masked states [N, P]; per gate gate-major [G, N, P]
+  if (mask.defined()) {
+    masked = mask.dim() == 4 ? at::empty({mask.size(2), N, H}, x.options()) : at::empty({N, H}, x.options());
+  }
   Tensor h_state = h0.contiguous().clone();
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gru_forward", [&] {
     gru_forward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), x, w_t,
@@ -121,7 +130,7 @@ std::vector<Tensor> gru_backward(const c10::optional<Tensor>& d_out, const c10::
   const bool need_mask = needs[4] && mask.defined();
   Tensor d_masked;  // dm of every row, when the mask's gradient is wanted
   if (mask.defined()) {
-    d_masked = need_mask ? at::empty_like(masked) : Tensor();
+    d_masked = need_mask ? at::empty(masked_shape(N, mask), acts.options()) : Tensor();
   }
   const Tensor h0c = h0.contiguous();
   AT_DISPATCH_FLOATING_TYPES(acts.scalar_type(), "gru_backward", [&] {

@@ -45,7 +45,7 @@ void lstm_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>&
       mask_state(hs, mask, s.t, b, P, m.data_ptr<scalar_t>());
     }
     const Tensor zr_t = gate_major ? gate_major_product(zr_buf, m, w_t, w_t_gates)
-                                   : recurrent_product(zr_buf.narrow(0, 0, b), m, w_t, w_t_gates);  // held: oneDNN's own
+                                   : w_t.product(m, zr_buf.narrow(0, 0, b));  // held: oneDNN's own
     const scalar_t* zr = zr_t.data_ptr<scalar_t>();
     const int64_t z_row = gate_major ? H : 4 * H, z_gate = gate_major ? b * H : H;  // strides of zr
     over_rows(b, H, [&](int64_t k) {

@@ -103,15 +103,15 @@ RNNDROP_ROW void lstm_grad(int64_t n, const T* RNNDROP_R a, const T* RNNDROP_R t
 }
 
 // One GRU row of a step: r, z = σ(x + a), n = tanh(x_n + r a_n), h = n + z (h_prev - n),
-// with a = W_hh m + b_hh; act: [r, z, n] (3n); a_n_saved keeps a_n; h_state holds h_prev
-// and takes h, also written to h.
+// with a = W_hh m + b_hh (its gates `as` apart); act: [r, z, n] (3n); a_n_saved keeps a_n;
+// h_state holds h_prev and takes h, also written to h.
 template <typename T>
-RNNDROP_ROW void gru_step(int64_t n, const T* RNNDROP_R x, const T* RNNDROP_R a, T* RNNDROP_R act,
+RNNDROP_ROW void gru_step(int64_t n, int64_t as, const T* RNNDROP_R x, const T* RNNDROP_R a, T* RNNDROP_R act,
                           T* RNNDROP_R a_n_saved, T* RNNDROP_R h, T* RNNDROP_R h_state) {
   for (int64_t j = 0; j < n; ++j) {
     const T r = sigmoid(x[j] + a[j]);
-    const T z = sigmoid(x[n + j] + a[n + j]);
-    const T an = a[2 * n + j];
+    const T z = sigmoid(x[n + j] + a[as + j]);
+    const T an = a[2 * as + j];
     const T nj = tanh(x[2 * n + j] + r * an);
     const T hj = nj + z * (h_state[j] - nj);
     act[j] = r;
