@@ -5,6 +5,7 @@ The extension is built (or loaded from torch's cache) once per session by ``comp
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -281,6 +282,33 @@ def test_onednn_products_match_reference_kernel(kind, monkeypatch):
             ours = shared.run_kernel("compiled", kind, batch_sizes, args, reverse)
             ref = shared.run_kernel("autograd", kind, batch_sizes, args, reverse)
             assert_close(ours, ref, atol=1e-5, rtol=1e-5, msg=f"no bias {batch_sizes} mask {mask_shape}")
+
+
+@pytest.mark.parametrize("kind, threads", [("gru", 2), ("lstm", 3)])
+def test_per_gate_onednn_products_cut_to_share_the_threads_match_reference_kernel(kind, threads, monkeypatch):
+    """Where the gates do not divide the threads evenly (3 gates on 2 threads, 4 on 3), each
+    gate's packed product is cut into blocks of output rows (forward W_g, backward W_gᵀ):
+    the same outputs and gradients as the reference kernel, packed and padded steps."""
+    monkeypatch.setattr(onednn, "ONEDNN_MIN_WEIGHT", 0)
+    with_threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for batch_sizes in ([6, 6, 6, 6], [6, 5, 3, 1]):
+            args = shared.kernel_inputs(kind, batch_sizes, ("T", "B", "G", "P"), 0, dtype=torch.float32, H=96)
+            with torch.no_grad():
+                weight = args[3] if kind == "lstm" else args[2]
+                weight /= weight.shape[1] ** 0.5
+            gates = weight.shape[0] // 96
+            parts = compiled_plan.gate_parts(gates, 96)
+            assert parts == threads // math.gcd(gates, threads) > 1
+            packed = compiled_plan.packed_weights(weight, args[-1], batch_sizes[0])
+            assert len(packed) == (gates * parts if onednn_enabled(weight) else 0)
+            for reverse in (False, True):
+                ours = shared.run_kernel("compiled", kind, batch_sizes, args, reverse)
+                ref = shared.run_kernel("autograd", kind, batch_sizes, args, reverse)
+                assert_close(ours, ref, atol=1e-5, rtol=1e-5, msg=f"{batch_sizes} reverse {reverse}")
+    finally:
+        torch.set_num_threads(with_threads)
 
 
 def test_only_wanted_gradients_are_returned():

@@ -136,6 +136,20 @@ inline StepWeight forward_weight(const Tensor& w_hh, const std::vector<Tensor>& 
   return StepWeight{w_hh.t().contiguous(), {}};
 }
 
+// The per-gate oneDNN products of one step, one a thread: G gates cut into S blocks of output
+// columns each (w.packed holds G S packed blocks, gate-major; compiled_plan.gate_parts chose S so
+// that the threads share them evenly). f(g, task, c0, c1): gate g's columns c0..c1-1 of `out`
+// output columns, through w.packed[task]. Small products split over the threads beat each one
+// threaded in turn.
+template <typename F>
+inline void over_gate_parts(int64_t G, const StepWeight& w, int64_t out, const F& f) {
+  const int64_t S = static_cast<int64_t>(w.packed.size()) / G;
+  over_tasks(G * S, [&](int64_t task) {
+    const int64_t g = task / S, j = task % S;
+    f(g, task, j * out / S, (j + 1) * out / S);
+  });
+}
+
 // The hidden mask [T', B', (G,) P] (contiguous): where the mask of step t and row k starts.
 template <typename scalar_t>
 struct MaskView {
@@ -198,8 +212,9 @@ inline void masked_state_grad(const Tensor& d_z, const StepWeight& w, const Tens
     w.into(dm, d_z, false);
   } else if (w.per_gate_packed()) {
     const int64_t H = d_z.size(1) / G;
-    over_tasks(G, [&](int64_t g) {  // four small products split by gates beat each threaded in turn
-      dm.select(0, g).copy_(onednn_linear(d_z.narrow(1, g * H, H).contiguous(), w.packed[g], Tensor(), Tensor()));
+    over_gate_parts(G, w, P, [&](int64_t g, int64_t task, int64_t c0, int64_t c1) {
+      dm.select(0, g).narrow(1, c0, c1 - c0).copy_(
+          onednn_linear(d_z.narrow(1, g * H, H).contiguous(), w.packed[task], Tensor(), Tensor()));
     });
   } else {
     at::bmm_out(dm, d_z.view({b, G, -1}).transpose(0, 1), w_gates);
@@ -315,8 +330,8 @@ inline Tensor gate_major_product(const Tensor& buf, const Tensor& m, const StepW
     at::bmm_out(z, m, w_t_gates);
     return z;
   }
-  over_tasks(G, [&](int64_t g) {  // four small products split by gates beat each threaded in turn
-    z.select(0, g).copy_(onednn_linear(m.select(0, g), w_t.packed[g], Tensor(), Tensor()));
+  over_gate_parts(G, w_t, H, [&](int64_t g, int64_t task, int64_t c0, int64_t c1) {
+    z.select(0, g).narrow(1, c0, c1 - c0).copy_(onednn_linear(m.select(0, g), w_t.packed[task], Tensor(), Tensor()));
   });
   return z;
 }
