@@ -316,6 +316,13 @@ inline std::vector<int64_t> masked_shape(int64_t rows, const Tensor& mask) {
   return shape;
 }
 
+// The masked states of `rows` rows for a hidden mask [T', B', (G,) P], as the forward loops keep
+// them: [rows, P], per gate gate-major [G, rows, P] (each gate's rows contiguous for its product).
+inline Tensor masked_states(int64_t rows, const Tensor& mask, const at::TensorOptions& options) {
+  const int64_t P = mask.size(-1);
+  return mask.dim() == 4 ? at::empty({mask.size(2), rows, P}, options) : at::empty({rows, P}, options);
+}
+
 // Per-gate masks: the gates' products m_g W_gᵀ from gate-major masked states
 // m [G, b, P], gate-major into the first G b H elements of `buf`, returned as [G, b, H]: with BLAS
 // one batched product (w_t_gates = every gate's Wᵀ, [G, P, H]), with oneDNN one product a gate

@@ -100,10 +100,7 @@ std::vector<Tensor> gru_forward(const Tensor& gates_x, const Tensor& h0, const T
   Tensor a_n = at::empty({N, H}, x.options());
   Tensor out = at::empty({gates_x.size(0), H}, x.options());
   Tensor a_buf = at::empty({B, 3 * H}, x.options());
-  Tensor masked;  // the masked states [N, P]; per gate gate-major [G, N, P]
-  if (mask.defined()) {
-    masked = mask.dim() == 4 ? at::empty({mask.size(2), N, H}, x.options()) : at::empty({N, H}, x.options());
-  }
+  const Tensor masked = mask.defined() ? masked_states(N, mask, x.options()) : Tensor();
   Tensor h_state = h0.contiguous().clone();
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gru_forward", [&] {
     gru_forward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), x, w_t,

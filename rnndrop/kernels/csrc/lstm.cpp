@@ -193,13 +193,8 @@ std::vector<Tensor> lstm_forward(const Tensor& gates_x, const Tensor& h0, const 
   Tensor out = at::empty({gates_x.size(0), P}, gates_x.options());
   Tensor r = w_hr.defined() ? at::empty({N, H}, gates_x.options()) : out;
   const bool keep_masked = keep && (!mask.defined() || mask.dim() == 3);  // per gate: rebuilt by backward
-  Tensor masked;  // the masked states: of every row where kept, else of one step ([B, P]; per gate [G, B, P])
-  if (mask.defined() && keep_masked) {
-    masked = at::empty(masked_shape(N, mask), x.options());
-  } else if (mask.defined()) {
-    masked = mask.dim() == 4 ? at::empty({mask.size(2), h0.size(0), P}, x.options())
-                             : at::empty({h0.size(0), P}, x.options());
-  }
+  // the masked states: of every row where kept, else of one step's rows
+  const Tensor masked = mask.defined() ? masked_states(keep_masked ? N : h0.size(0), mask, x.options()) : Tensor();
   Tensor h_state = h0.contiguous().clone();
   Tensor c_state = c0.contiguous().clone();
   TORCH_CHECK(parts == 0 || (!w_hr.defined() && w_packed.empty() &&
