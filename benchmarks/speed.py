@@ -75,6 +75,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from rnndrop import VariationalGRU, VariationalLSTM
 from rnndrop.kernels import KERNELS, auto_loop_kernel, cuda_graphs, get_kernel
+from rnndrop.kernels.cuda_graphs import matmul_precision
 from rnndrop.kernels.onednn import onednn_enabled
 
 try:
@@ -347,6 +348,20 @@ def gpu_setup(device: torch.device) -> str:
     )
 
 
+def set_tf32(choice: str) -> None:
+    """``--tf32``: "on" / "off" set cuDNN's and cuBLAS's float32 products alike; "default" leaves them."""
+    if choice != "default":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = choice == "on"
+
+
+def float32_products() -> str:
+    """How float32 products run on CUDA: cuDNN's (``nn.LSTM``) and cuBLAS's (the loop kernels)."""
+    names = {"ieee": "IEEE float32", "tf32": "TF32"}
+    cudnn = names["tf32" if torch.backends.cudnn.allow_tf32 else "ieee"]
+    cublas = names.get(matmul_precision(), matmul_precision())
+    return f"float32 products: cuDNN (nn.LSTM / nn.GRU) {cudnn}, cuBLAS (the loop kernels) {cublas}"
+
+
 #: The goals of docs/gpu.md (issue 22), as (variant, largest ratio to the baseline): the per-sequence
 #: masks on the loop kernel (hidden 200: 2x), batch-shared masks and WeightDrop (1.05x).
 GOALS = {"sequence": 1.3, GRAPHED: 1.3, "batch/fused": 1.05, "weight_drop": 1.05}
@@ -510,6 +525,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-isa", default=None, choices=sorted(MAX_ISA_ENV),
                         help="run as a CPU with at most this instruction set would (restarts with "
                              "oneDNN's, ATen's, MKL's and rnndrop's caps set)")
+    parser.add_argument("--tf32", default="default", choices=["default", "on", "off"],
+                        help="CUDA float32 products: torch's defaults (cuDNN, so nn.LSTM, in TF32; "
+                             "cuBLAS, so the loop kernels, in IEEE float32), or both TF32, or both IEEE")
     parser.add_argument("--no-memory", dest="memory", action="store_false", help="skip memory")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument(
@@ -578,10 +596,11 @@ def _run(argv: list[str] | None = None) -> None:
     device = args.device
     if args.threads:
         torch.set_num_threads(args.threads)
+    set_tf32(args.tf32)
     auto = auto_loop_kernel(torch.ones(1, device=device))
     header = (
         f"{machine()}\n"
-        + (f"{gpu_setup(device)}\n" if device.type == "cuda" else "")
+        + (f"{gpu_setup(device)}\n{float32_products()}\n" if device.type == "cuda" else "")
         + f"device {device}, {torch.get_num_threads()} threads, {args.mode}, "
         f"batch {','.join(map(str, args.batch))}, seq {args.seq_len}, {args.layers} layers, p {args.p}, "
         f"{args.rounds} rounds, load average {os.getloadavg()[0]:.2f}\n"

@@ -4,6 +4,10 @@ keys, its bound, the copies in and out, and the eager fallback, on CPU with a st
 cache: tests/triton_checks.py."""
 
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +15,8 @@ import torch
 from rnndrop.kernels import cuda_graphs
 from rnndrop.kernels.cuda_graphs import GraphCache, capture_cuda_graph, set_max_graphs
 from tests.helpers import fake_capture
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class Counted:
@@ -58,6 +64,44 @@ def test_keys_tell_shapes_dtypes_absent_inputs_and_the_callers_key_apart():
     for args in variants * 2:
         loop(*args)
     assert loop.captures == len(variants) == len(loop.cache.graphs)
+
+
+def test_switching_tf32_is_a_new_key_not_a_replay_of_the_other_mode(monkeypatch):
+    """A graph replays the cuBLAS kernels it captured: after the float32 product mode changes, the
+    loop runs eagerly (then captures) in the new mode instead of replaying the old one."""
+    mode = ["ieee"]
+    monkeypatch.setattr(cuda_graphs, "matmul_precision", lambda: mode[0])
+    loop = Counted()
+    a = torch.randn(3, 4)
+    loop("k", a), loop("k", a)
+    assert loop.captures == 1
+    mode[0] = "tf32"
+    loop("k", a)
+    assert loop.captures == 1  # eager: the first call in this mode
+    loop("k", a)
+    assert loop.captures == 2 and len(loop.cache.graphs) == 2
+
+
+# each in a fresh process: once the new API was used, torch's legacy getters raise
+PRECISION_SETTINGS = [
+    ("pass", "ieee"),
+    ("torch.backends.cuda.matmul.allow_tf32 = True", "tf32"),
+    ("torch.set_float32_matmul_precision('high')", "tf32"),
+    ("torch.backends.cuda.matmul.fp32_precision = 'tf32'", "tf32"),
+    ("torch.backends.fp32_precision = 'tf32'", "tf32"),
+    ("torch.backends.fp32_precision = 'tf32'; torch.backends.cuda.matmul.fp32_precision = 'ieee'", "ieee"),
+]
+
+
+def test_matmul_precision_reads_every_way_of_setting_it():
+    """``matmul_precision`` reads the legacy switches and the new API alike, and never raises."""
+    for setting, expected in PRECISION_SETTINGS:
+        code = (f"import warnings, torch\nwarnings.simplefilter('ignore')\n{setting}\n"
+                "from rnndrop.kernels.cuda_graphs import matmul_precision\nprint(matmul_precision())")
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.split() == [expected], setting
 
 
 def test_at_most_max_graphs_are_kept_least_recently_used_dropped():

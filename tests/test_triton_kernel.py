@@ -147,3 +147,18 @@ def test_first_use_check_catches_a_kernel_that_fails_or_is_wrong(monkeypatch):
     assert len(caught) == 1
     assert "failed its first-use check on cpu (its GRU differs" in str(caught[0].message)
     assert "runs the 'manual' kernel there instead" in str(caught[0].message)
+
+
+def test_first_use_check_allows_tf32_rounding_but_not_a_wrong_kernel(monkeypatch):
+    """With TF32 products both kernels round their own way (an H200 measured 1.4e-4 apart):
+    1e-3 apart passes, 0.1 apart does not; in IEEE float32 1e-3 apart fails (above)."""
+    reference_lstm, reference_gru = get_kernel("autograd", "lstm"), get_kernel("autograd", "gru")
+
+    def off_by(gap):
+        return lambda *args: (lambda out, h_n: (out, h_n + gap))(*reference_gru(*args))
+
+    monkeypatch.setattr(gpu, "matmul_precision", lambda: "tf32")
+    _fake_triton(monkeypatch, reference_lstm, off_by(1e-3))
+    assert gpu.first_use_failure("cpu") is None
+    _fake_triton(monkeypatch, reference_lstm, off_by(0.1))
+    assert gpu.first_use_failure("cpu") == "its GRU differs from the reference kernel by 0.1"

@@ -52,7 +52,9 @@ def run(name, kind, batch_sizes, args, reverse):
     """Outputs and the gradients of a random functional of them, on CPU."""
     outputs = get_kernel(name, kind)(args[0], batch_sizes, *args[1:], reverse)
     g = torch.Generator().manual_seed(1)
-    loss = sum((o * torch.randn(o.shape, generator=g, dtype=o.dtype).to(o.device)).sum() for o in outputs)
+    # drawn in float32 whatever the outputs' dtype: CPU draws in bfloat16 / float16 follow another
+    # path and give other numbers, and the low-precision runs must see the reference's functional
+    loss = sum((o * torch.randn(o.shape, generator=g).to(o.device, o.dtype)).sum() for o in outputs)
     leaves = [a for a in args if a is not None and a.requires_grad]
     return [o.cpu() for o in outputs], [d.cpu() for d in torch.autograd.grad(loss, leaves)]
 

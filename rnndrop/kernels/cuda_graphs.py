@@ -1,10 +1,10 @@
 """CUDA-graph capture and replay of the Triton kernel's time loops (off unless asked for).
 
 A layer's loop, forward or backward, launches the same kernels with the same arguments whenever
-its *key* is the same: the cell, the pass, the batch sizes and direction, and the shape, dtype and
-device of every tensor input (None where absent); the hidden size, the mask's shape and the dtype
-follow from those. Noise is never drawn inside a loop (masks are inputs), and nothing in it reads
-a tensor's value on the host. Per key:
+its *key* is the same: the cell, the pass, the batch sizes and direction, cuBLAS's float32 mode
+(TF32 or not), and the shape, dtype and device of every tensor input (None where absent); the
+hidden size, the mask's shape and the dtype follow from those. Noise is never drawn inside a loop
+(masks are inputs), and nothing in it reads a tensor's value on the host. Per key:
 
 1. the first call runs eagerly (and compiles the Triton kernels for its shapes);
 2. the second copies its inputs into tensors the graph owns, runs the loop once on a side stream
@@ -50,6 +50,20 @@ class Captured(NamedTuple):
     graph: Any
     inputs: list[Tensor | None]
     outputs: Outputs
+
+
+def matmul_precision() -> str:
+    """How cuBLAS runs float32 products now: "ieee", "tf32" (``allow_tf32``,
+    ``set_float32_matmul_precision("high")``, ``fp32_precision = "tf32"``) or "bf16". Read through
+    ``fp32_precision`` where torch has it: the legacy getters raise once the new API was used."""
+    matmul = torch.backends.cuda.matmul
+    try:
+        mode = matmul.fp32_precision
+    except AttributeError:  # torch < 2.9: the legacy switch only
+        return "tf32" if matmul.allow_tf32 else "ieee"
+    if mode == "none":  # unset: the global default
+        mode = torch.backends.fp32_precision
+    return "ieee" if mode == "none" else mode
 
 
 def tensor_key(t: Tensor | None) -> Hashable:
@@ -104,7 +118,7 @@ class GraphCache:
         """``fn(*inputs)``, replayed from a graph where the key has been seen before."""
         if self.max_graphs <= 0 or not capturable or not self.can_capture(inputs):
             return tuple(fn(*inputs))
-        key = (key, *map(tensor_key, inputs))
+        key = (key, matmul_precision(), *map(tensor_key, inputs))
         with self._lock:  # the graph's own tensors are shared: one caller at a time
             captured = self.graphs.get(key)
             if captured is not None:

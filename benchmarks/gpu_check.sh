@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (docs/gpu.md, "How to measure"): the Triton kernel compiled and
+# checked against the reference kernel, then timed against cuDNN. Every step has its own time limit,
+# so a hang in one still leaves the others' numbers. Logs and JSON go to $OUT (default: gpu-out/).
+#
+#   bash benchmarks/gpu_check.sh                    # every section, about 9 minutes on an H200
+#   bash benchmarks/gpu_check.sh checks tf32 lms    # some of them: machine checks tests speed tf32 mc
+#                                                   # profile lms
+set -u
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+unset TRITON_INTERPRET
+PY=${PYTHON:-python3}
+
+step() { echo; echo "=== $1 ($(date +%T))"; }
+
+machine() {
+step "machine"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu \
+    --format=csv 2>&1
+$PY -c "import torch, triton, sys; print(sys.version.split()[0], torch.__version__, 'cuda', torch.version.cuda, \
+'cudnn', torch.backends.cudnn.version(), 'triton', triton.__version__, torch.cuda.get_device_name())"
+nproc
+}
+
+checks() {
+step "kernels against the reference kernel, compiled (tests/triton_checks.py)"
+timeout 200 $PY -m pytest -q -p no:cacheprovider -n 8 --timeout 150 tests/triton_checks.py 2>&1 \
+    | tee "$OUT/triton-checks.log" | tail -n 40
+}
+
+tests() {
+step "the layers on CUDA (auto picks triton), CUDA graphs"
+timeout 120 $PY -m pytest -q -p no:cacheprovider --timeout 100 tests/test_cuda_graphs.py \
+    tests/test_triton_kernel.py -k "not match_the_reference" 2>&1 | tee "$OUT/cuda-tests.log" | tail -n 30
+}
+
+speed() {
+step "training speed against cuDNN, torch's defaults (cuDNN TF32, cuBLAS IEEE)"
+timeout 170 $PY benchmarks/speed.py --device cuda --shapes small,medium,large --batch 20,64,128 \
+    --rounds ${ROUNDS:-8} --json "$OUT/gpu-speed-train.json" 2>>"$OUT/speed.err" >"$OUT/gpu-speed-train.txt"
+sed -n '/against the goals/,$p' "$OUT/gpu-speed-train.txt" | grep -E "graphs|batch|weight"
+}
+
+tf32() {
+for tf32 in on off; do
+    step "training speed, the Triton kernel, every float32 product in ${tf32/on/TF32}${tf32/off/IEEE}"
+    timeout 80 $PY benchmarks/speed.py --device cuda --shapes medium,large --batch 20,128 --kernels triton \
+        --tf32 $tf32 --rounds ${ROUNDS:-8} --no-memory --json "$OUT/gpu-speed-tf32-$tf32.json" \
+        2>>"$OUT/speed.err" | grep -E "^(lstm|gru) .*(nn\.|sequence/triton|batch|weight)"
+done
+}
+
+mc() {
+step "Monte-Carlo forward speed against cuDNN"
+timeout 60 $PY benchmarks/speed.py --device cuda --shapes small,medium --batch 20,64 --mode mc-eval \
+    --rounds ${ROUNDS:-8} --json "$OUT/gpu-speed-mc.json" 2>>"$OUT/speed.err" >"$OUT/gpu-speed-mc.txt"
+grep -E "^(lstm|gru) .*(sequence/triton|batch)" "$OUT/gpu-speed-mc.txt" | tail -n 4
+}
+
+profile() {
+step "where batch-shared masks and WeightDrop spend a training step (LSTM 650, batch 20)"
+timeout 60 $PY - <<'PROFILE' 2>&1 | tee "$OUT/profile.txt" | head -n 60
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+from rnndrop import VariationalLSTM
+from rnndrop.weight_drop import WeightDrop
+
+p = 0.5
+variants = {
+    "nn.LSTM": nn.LSTM(650, 650, 2),
+    "batch/fused": VariationalLSTM(650, 650, 2, mask_scope="batch", dropout=p, dropout_input=p,
+                                   dropout_hidden=p, dropout_output=p),
+    "weight_drop": WeightDrop(nn.LSTM(650, 650, 2), ["weight_hh_l0", "weight_hh_l1"], p=p),
+}
+x = torch.randn(35, 20, 650, device="cuda")
+for name, module in variants.items():
+    module.cuda().train()
+    for _ in range(5):
+        module(x)[0].sum().backward()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            module(x)[0].sum().backward()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    launches = sum(e.count for e in events if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel")))
+    print(f"== {name}: {launches / 10:.0f} kernel launches a step")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=44))
+PROFILE
+}
+
+lm() {  # words/s of rnndrop-lm's own training loop on CUDA (one epoch of the shipped PTB sample)
+    local out=runs/gpu-$1; shift
+    timeout 90 $PY -c "import sys; from rnndrop.lm.cli import main; sys.exit(main())" ptb --data sample --epochs 1 --mc-samples 0 --device cuda --no-progress \
+        --out "$out" "$@" >"$OUT/lm.log" 2>&1 || tail -n 3 "$OUT/lm.log"
+    $PY -c "import json, pathlib, sys
+for f in sorted(pathlib.Path(sys.argv[1]).glob('*/*/results.json')):
+    print(f'{sys.argv[1]:26} {f.parts[-3]:12} {json.loads(f.read_text())[\"words_per_second\"]:9.0f} words/s')" "$out"
+}
+lms() {
+step "rnndrop-lm on CUDA: words/s (zaremba-medium, AWD; CUDA graphs on where named)"
+lm medium --config zaremba-medium --regimes none,tied,batch,weight_drop
+RNNDROP_CUDA_GRAPHS=8 lm medium-graphs --config zaremba-medium --regimes tied
+lm awd --config awd --regimes tied,weight_drop
+RNNDROP_CUDA_GRAPHS=8 lm awd-graphs --config awd --regimes tied
+}
+
+for section in "${@:-machine checks tests speed tf32 mc profile lms}"; do
+    for name in $section; do "$name"; done
+done
+step "done"
