@@ -94,14 +94,16 @@ PROFILE
 
 lm() {  # words/s of rnndrop-lm's own training loop on CUDA (one epoch of the shipped PTB sample)
     local out=runs/gpu-$1; shift
-    timeout 90 $PY -c "import sys; from rnndrop.lm.cli import main; sys.exit(main())" ptb --data sample --epochs 1 --mc-samples 0 --device cuda --no-progress \
-        --out "$out" "$@" >"$OUT/lm.log" 2>&1 || tail -n 3 "$OUT/lm.log"
+    timeout 90 $PY -c "import sys; from rnndrop.lm.cli import main; sys.exit(main())" ptb --data sample \
+        --epochs 1 --mc-samples 0 --device cuda --no-progress --out "$out" "$@" >"$OUT/lm.log" 2>&1 \
+        || tail -n 3 "$OUT/lm.log"
     $PY -c "import json, pathlib, sys
 for f in sorted(pathlib.Path(sys.argv[1]).glob('*/*/results.json')):
-    print(f'{sys.argv[1]:26} {f.parts[-3]:12} {json.loads(f.read_text())[\"words_per_second\"]:9.0f} words/s')" "$out"
+    r = json.loads(f.read_text())
+    print(f'{sys.argv[1]:26} {f.parts[-3]:12} {r[\"words_per_second\"]:9.0f} words/s, valid {r[\"best_valid_ppl\"]:.2f}')" "$out"
 }
 lms() {
-step "rnndrop-lm on CUDA: words/s (zaremba-medium, AWD; CUDA graphs on where named)"
+step "rnndrop-lm on CUDA: words/s (zaremba-medium, AWD; CUDA graphs on where named: same valid ppl)"
 lm medium --config zaremba-medium --regimes none,tied,batch,weight_drop
 RNNDROP_CUDA_GRAPHS=8 lm medium-graphs --config zaremba-medium --regimes tied
 lm awd --config awd --regimes tied,weight_drop
