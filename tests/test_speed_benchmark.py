@@ -104,14 +104,19 @@ def test_the_gpu_line_names_gpu_driver_cuda_torch_and_triton(speed, monkeypatch)
 
 @pytest.mark.parametrize("choice, cudnn, cublas", [("default", True, False), ("on", True, True),
                                                    ("off", False, False)])
-def test_tf32_sets_cudnn_and_cublas_alike_and_the_header_says_so(speed, monkeypatch, choice, cudnn, cublas):
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    speed.set_tf32(speed.parse_args(["--tf32", choice]).tf32)
-    assert (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) == (cudnn, cublas)
-    mode = {True: "TF32", False: "IEEE float32"}
-    assert speed.float32_products() == (f"float32 products: cuDNN (nn.LSTM / nn.GRU) {mode[cudnn]}, "
-                                        f"cuBLAS (the loop kernels) {mode[cublas]}")
+def test_tf32_sets_cudnn_and_cublas_alike_and_the_header_says_so(speed, choice, cudnn, cublas):
+    # set and restored by assignment: torch's switch modules answer through __getattr__, which
+    # monkeypatch cannot restore
+    before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = True, False
+    try:
+        speed.set_tf32(speed.parse_args(["--tf32", choice]).tf32)
+        assert (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) == (cudnn, cublas)
+        mode = {True: "TF32", False: "IEEE float32"}
+        assert speed.float32_products() == (f"float32 products: cuDNN (nn.LSTM / nn.GRU) {mode[cudnn]}, "
+                                            f"cuBLAS (the loop kernels) {mode[cublas]}")
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
 
 
 def test_the_goal_table_checks_time_and_memory(speed):
