@@ -358,7 +358,8 @@ def float32_products() -> str:
     """How float32 products run on CUDA: cuDNN's (``nn.LSTM``) and cuBLAS's (the loop kernels)."""
     names = {"ieee": "IEEE float32", "tf32": "TF32"}
     cudnn = names["tf32" if torch.backends.cudnn.allow_tf32 else "ieee"]
-    cublas = names.get(matmul_precision(), matmul_precision())
+    cublas = matmul_precision()
+    cublas = names.get(cublas, cublas)
     return f"float32 products: cuDNN (nn.LSTM / nn.GRU) {cudnn}, cuBLAS (the loop kernels) {cublas}"
 
 

@@ -309,7 +309,8 @@ inline Tensor per_gate_weight_grad(const Tensor& d_z, const Tensor& h_prev, cons
   return d_w;
 }
 
-// The masked states of `rows` rows for a hidden mask [T', B', (G,) P]: [rows, (G,) P].
+// Rows of masked states for a hidden mask [T', B', (G,) P], row-major: [rows, (G,) P] (what the
+// backward passes' gradients of the masked states use; the forward's own are `masked_states`).
 inline std::vector<int64_t> masked_shape(int64_t rows, const Tensor& mask) {
   std::vector<int64_t> shape{rows};
   for (int64_t d = 2; d < mask.dim(); ++d) shape.push_back(mask.size(d));
