@@ -62,6 +62,24 @@ def test_the_plot_labels_values_inside_the_range_marks_the_best_epoch_and_names_
         plt.close(fig)
 
 
+def test_runs_of_different_configs_name_their_own_in_the_legend_not_the_first_in_the_title():
+    small, large = _result(2), _result(2, "none")
+    large["config"] = {**large["config"], "name": "awd", "num_layers": 3, "hidden_size": 400}
+    for runs, shared in (([small, _result(2, "none")], True), ([small, large], False)):
+        fig = learning_curve_figure(runs)
+        try:
+            ax = fig.axes[0]
+            legend = [t.get_text() for t in ax.get_legend().get_texts()]
+            assert ("2×200 GRU" in ax.get_title()) is shared
+            assert ("config mini" in legend[0]) is not shared
+            if not shared:
+                assert "configs in the legend" in ax.get_title()
+                awd_config = legend[1].split("\n")[0]
+                assert awd_config.startswith("config awd: 3×400 GRU") and "adam lr 0.002" in awd_config
+        finally:
+            plt.close(fig)
+
+
 def test_plot_file_is_written(tmp_path):
     path = plot_learning_curves([_result(3), _result(3, "none")], tmp_path / "curves.png")
     assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -147,6 +165,46 @@ def test_job_progress_counts_epochs_of_all_runs_and_drops_what_a_reused_run_save
     assert job.done_epochs == 1 and job.remaining_epochs() == 1 + 4 and job.eta_seconds() > 0
 
 
+def test_an_estimate_of_only_what_is_left_is_not_discounted_again():
+    job = JobProgress(3, 4, bar=False, estimate_seconds=60.0, estimate_epochs=2 + 4)  # a resumed job
+    job.run_done("run 1/3", _result(4), reused=True)
+    job.start_run("run 2/3", first_epoch=3)
+    assert job.eta_seconds() == pytest.approx(60.0)
+
+
+@pytest.mark.slow
+def test_a_resumed_job_estimates_only_the_runs_and_epochs_left_to_train(tmp_path, monkeypatch, caplog):
+    import logging
+    from dataclasses import replace
+
+    from rnndrop.lm.run import benchmark
+    from tests.lm_helpers import TINY, write_corpus
+
+    data, config, out = write_corpus(tmp_path / "data"), replace(TINY, mc_samples=0), tmp_path / "job"
+    benchmark.run_benchmark(data, "ptb", config, ["naive"], [1], out, progress=False, estimate=False)
+    finished = next(out.glob("naive/*-seed1"))
+    partial = finished.with_name(finished.name.replace("seed1", "seed2"))  # stopped after epoch 1
+    partial.mkdir()
+    EpochLog(partial, tensorboard=False)(1, {"epoch": 1, "lr": 8.0, "train_ppl": 9.0, "valid_ppl": 9.0,
+                                             "words_per_second": 1.0, "seconds": 1.0})
+    (partial / "checkpoint.pt").write_bytes(b"")  # epochs count as done only beside a checkpoint
+    counted = []
+    monkeypatch.setattr(benchmark, "estimate_seconds",
+                        lambda corpus, cfg, runs, mc, **kw: counted.append(kw["epochs_left"]) or 60.0)
+    job = benchmark._Job(str(data), "ptb", config, out, True, "cpu", 1, False, None)
+    plan = benchmark._plan(job, ["naive"], [1, 2, 3], 0, grid=False, dropout=None, dropout_by_regime=None)
+    with caplog.at_level(logging.INFO, logger="rnndrop.lm.run.benchmark"):
+        assert benchmark._estimate(job, plan, 1) == (60.0, 2 + 3)
+        assert "this job trains 2 runs (1 more finished earlier: reused) of up to 3 epochs" in caplog.text
+        assert benchmark._estimate(replace(job, resume=False), plan, 1) == (60.0, 9)  # all counted
+        seed1 = benchmark._plan(job, ["naive"], [1], 0, grid=False, dropout=None, dropout_by_regime=None)
+        assert benchmark._estimate(job, seed1, 1) is None
+        assert "all 1 run of this job finished earlier: reusing their results" in caplog.text
+    (partial / "checkpoint.pt").unlink()
+    assert benchmark._estimate(job, plan, 1) == (60.0, 3 + 3)  # no checkpoint: it starts over
+    assert counted == [[2, 3], [3, 3, 3], [3, 3]]
+
+
 def test_the_estimate_scales_the_timed_steps_to_the_job(tmp_path, monkeypatch):
     from rnndrop.lm.data.corpus import load_corpus
     from rnndrop.lm.run import estimate
@@ -222,9 +280,10 @@ def test_the_job_says_how_far_off_its_estimate_was(caplog):
     with caplog.at_level(logging.INFO, logger="rnndrop.lm.run.benchmark"):
         job.run_done("run 1/2", {"best_valid_ppl": 9.0, "test_ppl": 9.0}, reused=True)
         job.run_done("run 2/2", {"best_valid_ppl": 9.0, "test_ppl": 9.0})
-        _report_estimate(600.0, 480.0, job)  # a reused run: the estimate counted it, no comparison
-        assert not [r for r in caplog.records if r.name.endswith("benchmark")]
-        fresh = JobProgress(1, 3, bar=False, estimate_seconds=600.0)
-        fresh.run_done("run 1/1", {"best_valid_ppl": 9.0, "test_ppl": 9.0})
-        _report_estimate(600.0, 480.0, fresh)
-    assert caplog.records[-1].getMessage() == "the job took 8 min; its estimate was 10 min (25% too high)"
+        _report_estimate(600.0, 480.0, job)  # the estimate counted only the run it trained
+        assert caplog.records[-1].getMessage() == "the job took 8 min; its estimate was 10 min (25% too high)"
+        reused = JobProgress(1, 3, bar=False, estimate_seconds=None)
+        reused.run_done("run 1/1", {"best_valid_ppl": 9.0, "test_ppl": 9.0}, reused=True)
+        caplog.clear()
+        _report_estimate(600.0, 1.0, reused)  # nothing trained: no comparison
+    assert not [r for r in caplog.records if r.name.endswith("benchmark")]

@@ -34,7 +34,14 @@ from rnndrop.lm.run.pool import run_all
 from rnndrop.lm.run.process_group import current
 from rnndrop.lm.run.progress import JobProgress, format_duration
 from rnndrop.lm.run.result_file import write_json_atomic
-from rnndrop.lm.run.spec import JobInterrupted, RunSpec, cached_corpus, execute_mc
+from rnndrop.lm.run.spec import (
+    JobInterrupted,
+    RunSpec,
+    cached_corpus,
+    epochs_done,
+    execute_mc,
+    reusable_result,
+)
 from rnndrop.lm.run.tables import benchmark_markdown
 
 __all__ = ["JobInterrupted", "RunSpec", "chosen_dropout", "parse_dropout", "run_benchmark"]
@@ -101,24 +108,42 @@ def _plan(
     return _Plan(finals, len(finals), [(f.regime, f.dropout) for f in finals], mc)
 
 
-def _estimate(job: _Job, plan: _Plan, jobs: int) -> float:
-    """Log how long the job should take (:func:`estimate_seconds`); returns the seconds."""
+def _estimate(job: _Job, plan: _Plan, jobs: int) -> tuple[float, int] | None:
+    """Log how long the job should take (:func:`estimate_seconds`); returns the seconds and
+    the epochs they count (None when every run is reused).
+
+    With ``--resume`` the runs it will reuse count nothing and a run under way counts the
+    epochs it has not done yet (:func:`epochs_done`); the grid's later seeds, chosen after the
+    grid, count whole."""
     corpus = cached_corpus(job.corpus_dir)
-    eta = estimate_seconds(corpus, job.config, plan.planned, round(plan.mc_per_run), jobs=jobs,
-                           threads=job.threads, device=job.device)
+    epochs = job.config.epochs + job.config.finetune_epochs
+    left: list[int | None] = [epochs] * len(plan.planned)  # None: reused
+    if job.resume:
+        for i, spec in enumerate(plan.first):
+            left[i] = None if reusable_result(spec) is not None else max(0, epochs - epochs_done(spec.folder))
+    to_train = [(run, n) for run, n in zip(plan.planned, left) if n is not None]
+    n_reused = plan.total - len(to_train)
+    reused = f" ({n_reused} more finished earlier: reused)" if n_reused else ""
+    if not to_train:
+        log.info("all %d run%s of this job finished earlier: reusing their results", plan.total,
+                 "s" * (plan.total != 1))
+        return None
+    eta = estimate_seconds(corpus, job.config, [run for run, _ in to_train], round(plan.mc_per_run),
+                           jobs=jobs, threads=job.threads, device=job.device,
+                           epochs_left=[n for _, n in to_train])
     early = " if no run converges early" if job.config.min_lr > 0 else ""
-    log.info("this job trains %d run%s of up to %d epochs on %s training words; at the speed "
+    log.info("this job trains %d run%s%s of up to %d epochs on %s training words; at the speed "
              "measured on this machine just now it should take about %s%s%s. Ctrl-C stops it "
-             "(finished epochs are kept; rerun with --resume)", plan.total, "s" * (plan.total != 1),
-             job.config.epochs + job.config.finetune_epochs, f"{corpus.train.numel():,}",
-             format_duration(eta), f" ({jobs} runs at a time)" if jobs > 1 else "", early)
-    return eta
+             "(finished epochs are kept; rerun with --resume)", len(to_train), "s" * (len(to_train) != 1),
+             reused, epochs, f"{corpus.train.numel():,}", format_duration(eta),
+             f" ({jobs} runs at a time)" if jobs > 1 else "", early)
+    return eta, sum(n for _, n in to_train)
 
 
 def _report_estimate(eta: float | None, seconds: float, progress: JobProgress) -> None:
-    """Log how far the up-front estimate was from the time the job took (when it trained
-    every run itself: a resumed job's estimate counted the runs it reused)."""
-    if eta is None or progress.runs_trained < progress.total_runs:
+    """Log how far the up-front estimate was from the time the job took (when it trained a
+    run: the estimate counts what is left to train, see :func:`_estimate`)."""
+    if eta is None or not progress.runs_trained:
         return
     off = 100 * (eta - seconds) / max(seconds, 1e-9)
     log.info("the job took %s; its estimate was %s (%.0f%% too %s)", format_duration(seconds),
@@ -222,9 +247,9 @@ def run_benchmark(
     job = _Job(str(corpus_dir), dataset, config, Path(out_dir), resume, device, threads,
                progress and jobs <= 1, None if init_from is None else str(init_from))
     plan = _plan(job, regimes, seeds, mc, grid=grid, dropout=dropout, dropout_by_regime=dropout_by_regime)
-    eta = _estimate(job, plan, jobs) if estimate else None
+    eta, eta_epochs = (_estimate(job, plan, jobs) if estimate else None) or (None, None)
     job_progress = JobProgress(plan.total, config.epochs + config.finetune_epochs, bar=progress and jobs <= 1,
-                               estimate_seconds=eta)
+                               estimate_seconds=eta, estimate_epochs=eta_epochs)
     start = time.perf_counter()
     try:
         if grid:

@@ -26,14 +26,18 @@ __all__ = ["estimate_seconds"]
 def estimate_seconds(
     corpus: Corpus, config: TrainConfig, runs: Sequence[tuple[str, Mapping[str, float]]],
     mc_samples: int, *, jobs: int = 1, threads: int | None = None, device: str = "auto",
+    epochs_left: Sequence[int] | None = None,
 ) -> float:
     """Wall seconds a job of ``runs`` (regime, dropout) should take on this machine, at most.
 
     Times two training steps, two evaluation forwards and two dropout forwards of each
     distinct regime on the corpus's first batches, and scales them to ``config.epochs``
     (plus ``finetune_epochs``) epochs of the training split, a validation pass per epoch, a test pass and
-    ``mc_samples`` Monte-Carlo passes per run; ``jobs`` runs share the time.
+    ``mc_samples`` Monte-Carlo passes per run; ``jobs`` runs share the time. ``epochs_left``
+    (one per run) counts fewer epochs for runs that resume part-way.
     """
+    if epochs_left is not None and len(epochs_left) != len(runs):
+        raise ValueError(f"epochs_left: expected one count per run ({len(runs)}), got {len(epochs_left)}")
     device_obj = resolve_device(device)
     old_threads = torch.get_num_threads()
     if threads:
@@ -60,10 +64,10 @@ def estimate_seconds(
         torch.set_num_threads(old_threads)
     total = 0.0
     n_train, n_valid, n_test = (corpus.split(s).numel() for s in ("train", "valid", "test"))
-    for regime_name, probabilities in runs:
+    all_epochs = config.epochs + config.finetune_epochs
+    for (regime_name, probabilities), epochs in zip(runs, epochs_left or [all_epochs] * len(runs)):
         train_w, eval_w, sample_w = cost[json.dumps([regime_name, dict(probabilities)], sort_keys=True)]
         noisy = any(regime_probabilities(get_regime(regime_name), probabilities).values())
-        epochs = config.epochs + config.finetune_epochs
         total += epochs * (n_train * train_w + n_valid * eval_w) + n_test * eval_w
         total += mc_samples * n_test * sample_w if noisy else 0.0
     return total / max(1, min(jobs, len(runs)))

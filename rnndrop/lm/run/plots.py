@@ -16,27 +16,37 @@ __all__ = ["alpha_figure", "learning_curve_figure", "plot_alphas", "plot_learnin
 log = logging.getLogger(__name__)
 
 
-def _plot_title(results: Sequence[Mapping[str, Any]]) -> str:
-    first = results[0]
-    cfg = first.get("config", {})
-    corpus = first.get("corpus", {})
-    source = Path(str(corpus.get("source", ""))).name
-    what = first.get("dataset") or "corpus"
-    if source:
-        what += f" ({source})"
+def _config_text(cfg: Mapping[str, Any]) -> str:
     cell = str(cfg.get("cell", "lstm")).upper()
     model = (f"{cfg.get('num_layers', '?')}×{cfg.get('hidden_size', '?')} {cell}, "
              f"emb {cfg.get('embedding_size', '?')}")
     train = (f"{cfg.get('optimizer', 'sgd')} lr {cfg.get('lr', '?'):g}, batch {cfg.get('batch_size', '?')}, "
              f"bptt {cfg.get('bptt', '?')}") if isinstance(cfg.get("lr"), (int, float)) else ""
-    return f"{what}, config {cfg.get('name', '?')}: {model}" + (f"\n{train}" if train else "")
+    return f"config {cfg.get('name', '?')}: {model}" + (f"\n{train}" if train else "")
+
+
+def _shared_config(results: Sequence[Mapping[str, Any]]) -> bool:
+    return len({_config_text(r.get("config", {})) for r in results}) <= 1
+
+
+def _plot_title(results: Sequence[Mapping[str, Any]]) -> str:
+    """The corpus, and the config when every run has the same one (else each legend entry names its own)."""
+    first = results[0]
+    source = Path(str(first.get("corpus", {}).get("source", ""))).name
+    what = first.get("dataset") or "corpus"
+    if source:
+        what += f" ({source})"
+    if not _shared_config(results):
+        return f"{what}, configs in the legend"
+    return f"{what}, {_config_text(first.get('config', {}))}"
 
 
 def learning_curve_figure(results: Sequence[Mapping[str, Any]]):
     """A matplotlib figure of train (dashed, ×) and validation (solid, ●) perplexity per
     epoch of every run, the best epoch circled, the test perplexity in the legend, titled
-    with the corpus and the config (matplotlib required). The log axis is labelled at
-    round values inside the data's range, so 150 can be told from 185."""
+    with the corpus and the config (when the runs' configs differ, each legend entry names its
+    own; matplotlib required). The log axis is labelled at round values inside the data's
+    range, so 150 can be told from 185."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -44,11 +54,12 @@ def learning_curve_figure(results: Sequence[Mapping[str, Any]]):
     from matplotlib.ticker import FuncFormatter, MaxNLocator, NullLocator
 
     fig, ax = plt.subplots(figsize=(7, 4.8))
+    shared_config = _shared_config(results)
     for i, r in enumerate(results):
         color = f"C{i % 10}"
         epochs = [e["epoch"] for e in r["epochs"]]
         valid = [e["valid_ppl"] for e in r["epochs"]]
-        ax.plot(epochs, valid, color=color, marker="o", markersize=4, label=_legend_label(r))
+        ax.plot(epochs, valid, color=color, marker="o", markersize=4, label=_legend_label(r, shared_config))
         ax.plot(epochs, [e["train_ppl"] for e in r["epochs"]], color=color, marker="x",
                 markersize=4, linestyle="--")
         if r.get("best_epoch") in epochs:
@@ -75,8 +86,10 @@ def learning_curve_figure(results: Sequence[Mapping[str, Any]]):
     return fig
 
 
-def _legend_label(result: Mapping[str, Any]) -> str:
+def _legend_label(result: Mapping[str, Any], shared_config: bool = True) -> str:
     label = f"{result['regime']} ({format_dropout(result['dropout'])}, seed {result['seed']})"
+    if not shared_config:
+        label = _config_text(result.get("config", {})).replace("\n", " · ") + "\n" + label
     if isinstance(result.get("test_ppl"), (int, float)):
         label += f": test {result['test_ppl']:.1f}"
     return label

@@ -36,12 +36,13 @@ class JobProgress:
     The ETA is the job's remaining epochs times the wall time per epoch trained so far
     (evaluation and Monte-Carlo scoring included; runs trained side by side under
     ``--jobs`` count each of their epochs); before the first epoch it is
-    ``estimate_seconds`` scaled by the share of the job left. Runs in worker processes
-    report their epochs through an :class:`EpochRelay`.
+    ``estimate_seconds`` scaled by the share left of the ``estimate_epochs`` it counted
+    (default: every epoch of every run). Runs in worker processes report their epochs
+    through an :class:`EpochRelay`.
     """
 
     def __init__(self, total_runs: int, epochs: int, *, bar: bool,
-                 estimate_seconds: float | None = None) -> None:
+                 estimate_seconds: float | None = None, estimate_epochs: int | None = None) -> None:
         self.total_runs, self.epochs = total_runs, epochs
         self.done_epochs = 0  # epochs trained in this job
         self.runs_started = 0
@@ -52,6 +53,7 @@ class JobProgress:
         self.run_label = ""  # of the run this process trains
         self.start = time.perf_counter()
         self.estimate = estimate_seconds
+        self.estimate_epochs = max(1, epochs * total_runs if estimate_epochs is None else estimate_epochs)
         self.bar = None
         if bar and sys.stderr.isatty():
             try:
@@ -82,8 +84,7 @@ class JobProgress:
         if self.runs_trained:
             return (self.total_runs - self.runs_done) * elapsed / self.runs_trained
         if self.estimate is not None:
-            planned = max(1, self.epochs * self.total_runs)
-            return self.estimate * self.remaining_epochs() / planned
+            return self.estimate * min(1.0, self.remaining_epochs() / self.estimate_epochs)
         return None
 
     def _eta_text(self) -> str:

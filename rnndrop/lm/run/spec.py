@@ -18,7 +18,7 @@ import torch
 from rnndrop.lm.data.corpus import Corpus, load_corpus
 from rnndrop.lm.model.train_config import TrainConfig
 from rnndrop.lm.run.checkpoint import checkpoint_damage
-from rnndrop.lm.run.folder import BEST, RESULTS
+from rnndrop.lm.run.folder import BEST, CHECKPOINT, RESULTS, previous_path
 from rnndrop.lm.run.identity import finished_result, run_identity
 from rnndrop.lm.run.metrics import EpochLog
 from rnndrop.lm.run.process_group import current, run_on_main
@@ -74,12 +74,27 @@ def cached_corpus(data_dir: str) -> Corpus:
     return load_corpus(data_dir)
 
 
-def _finished(spec: RunSpec) -> dict[str, Any] | None:
+def reusable_result(spec: RunSpec) -> dict[str, Any] | None:
+    """The verified results.json that ``--resume`` reuses instead of training ``spec``
+    (:func:`rnndrop.lm.run.identity.finished_result`), or None."""
     if not (Path(spec.folder) / RESULTS).is_file():
         return None  # nothing to reuse: skip reading the corpus
     identity = run_identity(cached_corpus(spec.data_dir), spec.config, spec.regime, spec.dropout, spec.seed,
                             spec.init_from)  # a run started from other weights is another run
-    result = finished_result(spec.folder, identity, epochs=spec.config.epochs)
+    return finished_result(spec.folder, identity, epochs=spec.config.epochs)
+
+
+def epochs_done(folder: str | Path) -> int:
+    """The epochs a run in ``folder`` resumes after: the last one ``metrics.csv`` holds, when
+    a checkpoint is there to resume from (else 0). For estimates; resuming reads the checkpoint."""
+    folder = Path(folder)
+    if not any((folder / name).is_file() for name in (CHECKPOINT, previous_path(CHECKPOINT).name)):
+        return 0
+    return max((row["epoch"] for row in EpochLog(folder, tensorboard=False).rows), default=0)
+
+
+def _finished(spec: RunSpec) -> dict[str, Any] | None:
+    result = reusable_result(spec)
     damage = checkpoint_damage(Path(spec.folder) / BEST) if result is not None else None
     if damage is not None:  # the numbers stand; say that the weights behind them are gone
         log.warning("%s: %s %s; its results are reused, but the trained weights are gone (evaluate, "
