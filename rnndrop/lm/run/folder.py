@@ -41,6 +41,12 @@ def run_files(folder: str | Path) -> list[str]:
     return [name for name in names if (folder / name).exists()]
 
 
+def has_checkpoint(folder: str | Path) -> bool:
+    """Whether ``folder`` holds a checkpoint to resume from (the newest or the previous one)."""
+    path = Path(folder) / CHECKPOINT
+    return path.exists() or previous_path(path).exists()
+
+
 def previous_path(path: str | Path) -> Path:
     """Where a checkpoint's previous version is kept: ``checkpoint.pt`` -> ``checkpoint.prev.pt``."""
     path = Path(path)

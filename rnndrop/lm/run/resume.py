@@ -12,7 +12,7 @@ from torch import nn
 
 from rnndrop.lm.model.train_config import TrainConfig
 from rnndrop.lm.run.checkpoint import load_checkpoint, load_latest
-from rnndrop.lm.run.folder import BEST, CHECKPOINT, previous_path, run_files
+from rnndrop.lm.run.folder import BEST, CHECKPOINT, has_checkpoint, run_files
 from rnndrop.lm.run.identity import best_file, file_sha256, identity_differences
 from rnndrop.lm.run.process_group import Distributed
 from rnndrop.lm.run.state import RunState
@@ -31,15 +31,15 @@ def read_checkpoint(
     needs ``resume``, belongs to this run, has not trained past the epoch cap, was written
     by as many processes, and its ``best.pt`` verifies."""
     ckpt_path, best_path = out / CHECKPOINT, out / BEST
-    has_checkpoint = ckpt_path.exists() or previous_path(ckpt_path).exists()
-    if has_checkpoint and not resume:
+    resumable = has_checkpoint(out)
+    if resumable and not resume:
         raise FileExistsError(
             f"{str(out)!r} already holds a checkpoint; pass resume=True (--resume) to "
             "continue that run, or choose another output folder"
         )
-    if not has_checkpoint:
+    if not resumable:
         _refuse_to_overwrite(out, identity, resume)
-    ckpt = load_latest(ckpt_path) if has_checkpoint else None
+    ckpt = load_latest(ckpt_path) if resumable else None
     if ckpt is None:
         return None, None, None if init_from is None else load_initial_weights(model, init_from, vocab)
     differences = identity_differences(identity, ckpt.get("identity", {}))

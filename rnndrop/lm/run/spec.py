@@ -18,14 +18,17 @@ import torch
 from rnndrop.lm.data.corpus import Corpus, load_corpus
 from rnndrop.lm.model.train_config import TrainConfig
 from rnndrop.lm.run.checkpoint import checkpoint_damage
-from rnndrop.lm.run.folder import BEST, CHECKPOINT, RESULTS, previous_path
+from rnndrop.lm.run.folder import BEST, RESULTS, has_checkpoint
 from rnndrop.lm.run.identity import finished_result, run_identity
 from rnndrop.lm.run.metrics import EpochLog
 from rnndrop.lm.run.process_group import current, run_on_main
 from rnndrop.lm.run.progress import EpochRelay, JobProgress
 from rnndrop.lm.run.train import RunInterrupted, add_mc_result, train_run
 
-__all__ = ["JobInterrupted", "RunSpec", "cached_corpus", "execute", "execute_mc", "worker_logging"]
+__all__ = [
+    "JobInterrupted", "RunSpec", "cached_corpus", "epochs_done", "execute", "execute_mc", "reusable_result",
+    "worker_logging",
+]
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +90,7 @@ def reusable_result(spec: RunSpec) -> dict[str, Any] | None:
 def epochs_done(folder: str | Path) -> int:
     """The epochs a run in ``folder`` resumes after: the last one ``metrics.csv`` holds, when
     a checkpoint is there to resume from (else 0). For estimates; resuming reads the checkpoint."""
-    folder = Path(folder)
-    if not any((folder / name).is_file() for name in (CHECKPOINT, previous_path(CHECKPOINT).name)):
+    if not has_checkpoint(folder):
         return 0
     return max((row["epoch"] for row in EpochLog(folder, tensorboard=False).rows), default=0)
 
