@@ -38,9 +38,10 @@ timeout 120 $PY -m pytest -q -p no:cacheprovider --timeout 100 tests/test_cuda_g
 
 speed() {
 step "training speed against cuDNN, torch's defaults (cuDNN TF32, cuBLAS IEEE)"
-timeout 170 $PY benchmarks/speed.py --device cuda --shapes small,medium,large --batch 20,64,128 \
-    --rounds ${ROUNDS:-8} --json "$OUT/gpu-speed-train.json" 2>>"$OUT/speed.err" >"$OUT/gpu-speed-train.txt"
-sed -n '/against the goals/,$p' "$OUT/gpu-speed-train.txt" | grep -E "graphs|batch|weight"
+timeout 200 $PY benchmarks/speed.py --device cuda --shapes small,medium,large --batch 20,64,128 \
+    --kernels triton --rounds ${ROUNDS:-8} --json "$OUT/gpu-speed-train.json" 2>>"$OUT/speed.err" \
+    >"$OUT/gpu-speed-train.txt"
+grep -E "^(lstm|gru) " "$OUT/gpu-speed-train.txt" | grep -vE "^(lstm|gru) +[0-9]+ +[0-9]+ +nn\." | head -n 80
 }
 
 tf32() {
@@ -55,8 +56,9 @@ done
 mc() {
 step "Monte-Carlo forward speed against cuDNN"
 timeout 60 $PY benchmarks/speed.py --device cuda --shapes small,medium --batch 20,64 --mode mc-eval \
-    --rounds ${ROUNDS:-8} --json "$OUT/gpu-speed-mc.json" 2>>"$OUT/speed.err" >"$OUT/gpu-speed-mc.txt"
-grep -E "^(lstm|gru) .*(sequence/triton|batch)" "$OUT/gpu-speed-mc.txt" | tail -n 4
+    --kernels triton --rounds ${ROUNDS:-8} --json "$OUT/gpu-speed-mc.json" 2>>"$OUT/speed.err" \
+    >"$OUT/gpu-speed-mc.txt"
+grep -E "^(lstm|gru) .*(sequence/triton|batch)" "$OUT/gpu-speed-mc.txt"
 }
 
 profile() {
@@ -104,10 +106,8 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob('*/*/results.json')):
 }
 lms() {
 step "rnndrop-lm on CUDA: words/s (zaremba-medium, AWD; CUDA graphs on where named: same valid ppl)"
-lm medium --config zaremba-medium --regimes none,tied,batch,weight_drop
-RNNDROP_CUDA_GRAPHS=8 lm medium-graphs --config zaremba-medium --regimes tied
+lm medium --config zaremba-medium --regimes none,tied
 lm awd --config awd --regimes tied,weight_drop
-RNNDROP_CUDA_GRAPHS=8 lm awd-graphs --config awd --regimes tied
 }
 
 for section in "${@:-machine checks tests speed tf32 mc profile lms}"; do

@@ -113,6 +113,7 @@ def build_variants(
                 hidden, hidden, layers, kernel=kernel, **masks, **probs
             )
     if "triton" in kernels:
+        variants[STEP_KERNEL] = ours_cls(hidden, hidden, layers, kernel="triton", **probs)
         variants[GRAPHED] = ours_cls(hidden, hidden, layers, kernel="triton", **probs)
     variants["batch/fused"] = ours_cls(hidden, hidden, layers, mask_scope="batch", **probs)
     if WeightDrop is not None:
@@ -121,8 +122,11 @@ def build_variants(
     return variants
 
 
-#: The variant whose loops are replayed from CUDA graphs.
-GRAPHED = "sequence/triton+graphs"
+#: The variant whose loops are replayed from CUDA graphs (the step kernel's: the persistent loop
+#: is one launch already).
+GRAPHED = "sequence/triton-step+graphs"
+#: The per-sequence masks on the Triton kernel's per-step loop, the persistent loop turned off.
+STEP_KERNEL = "sequence/triton-step"
 
 
 def train_step(module: nn.Module, x: torch.Tensor) -> None:
@@ -150,6 +154,18 @@ def graphs_on(on: bool, max_graphs: int = 8):
         cuda_graphs.GRAPHS.max_graphs = before
 
 
+@contextlib.contextmanager
+def step_kernel_only(on: bool):
+    """The Triton kernel's per-step loop while ``on`` (the persistent loop turned off)."""
+    if not on:
+        yield
+        return
+    from rnndrop.kernels import persistent
+
+    with persistent.turned_off():
+        yield
+
+
 def graph_memory(device: torch.device) -> int:
     """Bytes the CUDA graphs of the Triton loops hold, returned to the device when they are dropped."""
     torch.cuda.synchronize(device)
@@ -165,7 +181,7 @@ def graphed(name: str, fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` with the Triton loops' CUDA graphs on for the graphed variant, off for the others."""
 
     def run():
-        with graphs_on(name == GRAPHED):
+        with graphs_on(name == GRAPHED), step_kernel_only(name in (GRAPHED, STEP_KERNEL)):
             return fn()
 
     return run

@@ -16,7 +16,7 @@ import torch
 from torch.nn.utils.rnn import pack_sequence
 
 from rnndrop import VariationalGRU, VariationalLSTM
-from rnndrop.kernels import get_kernel, gpu
+from rnndrop.kernels import get_kernel, gpu, persistent
 from rnndrop.kernels.cuda_graphs import GraphCache
 from rnndrop.kernels.first_order import SecondOrderGradientError
 from rnndrop.kernels.triton_plan import interpreted
@@ -34,6 +34,16 @@ def device():
         pytest.fail("without a GPU this file runs under TRITON_INTERPRET=1 (see tests/test_triton_kernel.py)")
     gpu.load()
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(autouse=True)
+def ieee_float32():
+    """Float32 products in IEEE float32 (cuDNN's switch, which the persistent loop follows, is on by
+    default: TF32 keeps 10 bits of mantissa), so that 1e-5 against the reference means something."""
+    before = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32 = before
 
 
 def inputs(kind, batch_sizes, mask_shape, proj, device, dtype=torch.float64, mask_grad=True, H=shared.H):
@@ -91,6 +101,79 @@ def test_every_mask_kind_and_layout_matches_reference_in_float32(kind, device):
         proj = 3 if kind == "lstm" and i % 3 == 0 else 0
         compare(kind, shared.BATCH_SIZES[(i + 1) % 4], mask_shape, proj, i % 2 == 0, device, torch.float32,
                 tol=1e-5)
+
+
+def persistent_calls(monkeypatch) -> list[str]:
+    """The names of the persistent loop's kernels launched from now on."""
+    calls: list[str] = []
+    launch = persistent._run
+
+    def spy(kernel, *args, **kwargs):
+        calls.append(kernel.__name__ if hasattr(kernel, "__name__") else str(kernel))
+        return launch(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(persistent, "_run", spy)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_persistent_loop_over_several_programs_matches_reference(kind, device, monkeypatch):
+    """Three programs of 16 hidden units (40 units: the last program's block runs past the end) for
+    every mask shape, both directions, with and without the mask's gradient, at 1e-5 in float32: on
+    a GPU one launch per pass with a grid barrier between steps, under the interpreter one launch
+    per step (programs run one after another there, so a barrier would wait for ever)."""
+    calls = persistent_calls(monkeypatch)
+    with persistent.launched_as(persistent.Launch(3, 16, per_step=device.type != "cuda")):
+        for i, mask_shape in enumerate(shared.MASK_SHAPES):
+            for reverse in (False, True):
+                batch_sizes = shared.BATCH_SIZES[(i + reverse) % 4]
+                args = inputs(kind, batch_sizes, mask_shape, 0, device, torch.float32, i % 3 != 2, H=40)
+                where = f"{kind} {batch_sizes} mask {mask_shape} reverse {reverse}"
+                ours = run("triton", kind, batch_sizes, args, reverse)
+                assert_close(ours, run("autograd", kind, batch_sizes, args, reverse), atol=1e-5, rtol=1e-5,
+                             msg=where)
+    assert calls.count(f"_{kind}_forward") == calls.count(f"_{kind}_backward") == 2 * len(shared.MASK_SHAPES)
+
+
+def test_persistent_loop_runs_where_it_can_and_the_step_kernel_elsewhere(device, monkeypatch):
+    """float32 and half types without a projection run persistent; float64 and a projection run the
+    step kernel; ``turned_off`` sends everything to the step kernel."""
+    calls = persistent_calls(monkeypatch)
+    for dtype, proj, expected in [(torch.float32, 0, 2), (torch.float16, 0, 2), (torch.float64, 0, 0),
+                                  (torch.float32, 3, 0)]:
+        calls.clear()
+        args = inputs("lstm", [3, 2], (1, "B", "P"), proj, device, dtype, H=16)
+        run("triton", "lstm", [3, 2], args, False)
+        assert len(calls) == expected, (dtype, proj, calls)
+    calls.clear()
+    with persistent.turned_off():
+        run("triton", "gru", [3, 2], inputs("gru", [3, 2], None, 0, device, torch.float32, H=16), False)
+    assert calls == []
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_a_barrier_that_gives_up_reruns_the_step_kernel_with_one_warning(kind, device, monkeypatch):
+    """A launch whose barrier gave up (simulated: the launch reports it) is rerun by the step kernel,
+    right, with one warning; later calls on the device go to the step kernel directly."""
+    monkeypatch.setattr(persistent, "_given_up", set())
+    monkeypatch.setattr(persistent, "_run", lambda *args, **kwargs: False)
+    args = inputs(kind, [4, 3, 3, 1], ("T", "B", "P"), 0, device, torch.float32, H=16)
+    with pytest.warns(RuntimeWarning, match="gave up waiting at a grid barrier"):
+        ours = run("triton", kind, [4, 3, 3, 1], args, True)
+    assert_close(ours, run("autograd", kind, [4, 3, 3, 1], args, True), atol=1e-5, rtol=1e-5)
+    assert not persistent.usable(device)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="TF32 is a GPU's")
+def test_persistent_loop_follows_cudnns_tf32_switch(device):
+    """With ``torch.backends.cudnn.allow_tf32`` on (torch's default, which nn.LSTM follows) the
+    products run in TF32: within 2e-2 of the reference, and not equal to the IEEE run."""
+    args = inputs("lstm", [20] * 8, (1, "B", "P"), 0, device, torch.float32, H=200)
+    ieee = run("triton", "lstm", [20] * 8, args, False)
+    torch.backends.cudnn.allow_tf32 = True
+    tf32 = run("triton", "lstm", [20] * 8, args, False)
+    assert_close(tf32, ieee, atol=2e-2, rtol=2e-2)
+    assert not torch.equal(tf32[0][0], ieee[0][0])
 
 
 @pytest.mark.parametrize("reverse", [False, True])

@@ -32,6 +32,7 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
 from rnndrop.kernels import masked_product as mp
+from rnndrop.kernels import persistent
 from rnndrop.kernels.cuda_graphs import GRAPHS
 from rnndrop.kernels.first_order import first_order_backward
 from rnndrop.kernels.schedule import Schedule, gather_previous
@@ -193,27 +194,53 @@ def _backward(schedule: Schedule, needs: Sequence[bool], *tensors):
     launch(state_grad, first.size * H, device, dh_state, dm, dm_row, dm_gate,
            *mask_rows(s.mask, first.t, dh_state), dh_state, dh_state, 0, first.size, H,
            **dict(flags, HAS_DOUT=False), HAS_NEXT=True)
+    return _all_grads(s, schedule, needs, d_a, d_n, dh_state, d_masked)
+
+
+def _all_grads(s: _Saved, schedule: Schedule, needs: Sequence[bool], d_a, d_n, dh0, d_masked):
+    """The gradients of ``(gates_x, h0, w_hh, b_hh, mask)`` from those of the loop: ``d_a`` ``[N, 3H]``
+    (of ``W_hh m + b_hh``), ``d_n`` ``[N, H]`` (of ``x̂_n``), ``dh_0`` and ``dm`` of every row."""
+    H = s.out.shape[1]
     h_prev = None
     if (needs[2] and s.masked is None) or d_masked is not None:
         h_prev = gather_previous(s.out, s.h0, schedule.previous_blocks())
     return (
         torch.cat([d_a[:, : 2 * H], d_n], 1) if needs[0] else None,
-        dh_state.to(s.h0.dtype) if needs[1] else None,
+        dh0.to(s.h0.dtype) if needs[1] else None,
         mp.weight_grad(d_a, h_prev if s.masked is None else s.masked) if needs[2] else None,
         d_a.sum(0).to(s.b_hh.dtype) if needs[3] and s.b_hh is not None else None,
         None if d_masked is None else mp.mask_grad(schedule, s.mask, d_masked, h_prev).to(s.mask.dtype),
     )
 
 
+def _persistent_backward(how: persistent.Launch, schedule: Schedule, needs: Sequence[bool], *tensors):
+    """:func:`_backward` by the persistent loop (:mod:`rnndrop.kernels.persistent`); None where a
+    barrier gave up (the device is then marked, and the step kernel runs)."""
+    s, (d_out, d_hn) = _Saved(*tensors[:-2]), tensors[-2:]
+    result = persistent.gru_backward(how, schedule, needs, s, d_out, d_hn)
+    if result is None:
+        persistent.gave_up(s.out.device)
+        return None
+    return _all_grads(s, schedule, needs, *result)
+
+
 class _GRURecurrence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, gates_x, h0, w_hh, b_hh, mask, schedule: Schedule):
         inputs = (gates_x, h0, w_hh, b_hh, mask)
+        how = persistent.plan(gates_x, h0.shape[1], h0.shape[0], False)
         with torch.autocast(gates_x.device.type, enabled=False):
-            out, h_n, acts, a_n, masked = GRAPHS(
-                ("gru forward", *loop_key(schedule)), functools.partial(_forward, schedule), inputs
-            )
-        ctx.schedule = schedule
+            result = None
+            if how is not None:
+                result = persistent.gru_forward(how, schedule, gates_x, h0, w_hh, b_hh, mask)
+            if how is not None and result is None:
+                persistent.gave_up(gates_x.device)
+            if result is None:
+                how = None
+                result = GRAPHS(("gru forward", *loop_key(schedule)), functools.partial(_forward, schedule),
+                                inputs)
+        out, h_n, acts, a_n, masked = result
+        ctx.schedule, ctx.how = schedule, how
         ctx.save_for_backward(*_Saved(acts, a_n, out, masked, h0, w_hh, b_hh, mask))
         ctx.set_materialize_grads(False)
         return out, h_n
@@ -224,10 +251,14 @@ class _GRURecurrence(torch.autograd.Function):
         needs, saved = tuple(ctx.needs_input_grad[:5]), ctx.saved_tensors
         run = functools.partial(_backward, ctx.schedule, needs)
         with torch.autocast(saved[0].device.type, enabled=False):
-            grads = GRAPHS(  # a mask's gradient copies an index from the host: not capturable
-                ("gru backward", *loop_key(ctx.schedule), needs), run, (*saved, d_out, d_hn),
-                capturable=not needs[4],
-            )
+            grads = None
+            if ctx.how is not None and persistent.usable(saved[0].device):
+                grads = _persistent_backward(ctx.how, ctx.schedule, needs, *saved, d_out, d_hn)
+            if grads is None:
+                grads = GRAPHS(  # a mask's gradient copies an index from the host: not capturable
+                    ("gru backward", *loop_key(ctx.schedule), needs), run, (*saved, d_out, d_hn),
+                    capturable=not needs[4],
+                )
         return (*grads, None)
 
 

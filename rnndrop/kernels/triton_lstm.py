@@ -35,6 +35,7 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
 from rnndrop.kernels import masked_product as mp
+from rnndrop.kernels import persistent
 from rnndrop.kernels.cuda_graphs import GRAPHS
 from rnndrop.kernels.first_order import first_order_backward
 from rnndrop.kernels.matmul import matmul
@@ -223,6 +224,20 @@ def _backward(schedule: Schedule, needs: Sequence[bool], *tensors):
                                                                                 schedule, needs))
 
 
+def _persistent_backward(how: persistent.Launch, schedule: Schedule, needs: Sequence[bool], *tensors):
+    """:func:`_backward` by the persistent loop (:mod:`rnndrop.kernels.persistent`); None where a
+    barrier gave up (the device is then marked, and the step kernel runs)."""
+    s, (d_out, d_hn, d_cn) = _Saved(*tensors[:-3]), tensors[-3:]
+    result = persistent.lstm_backward(how, schedule, needs, s, d_out, d_hn, d_cn)
+    if result is None:
+        persistent.gave_up(s.cells.device)
+        return None
+    d_gates, dh0, dc0, d_masked = result
+    return (d_gates if needs[0] else None, dh0.to(s.h0.dtype) if needs[1] else None,
+            dc0.to(s.c0.dtype) if needs[2] else None,
+            *_whole_sequence_grads(s, d_gates, None, d_masked, schedule, needs))
+
+
 def _whole_sequence_grads(s: _Saved, d_gates, d_h, d_masked, schedule: Schedule, needs: Sequence[bool]):
     """``dW_hh``, ``dW_hr`` and ``dM``: products over all steps (as the manual kernel)."""
     h_prev = None
@@ -240,11 +255,19 @@ class _LSTMRecurrence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, gates_x, h0, c0, w_hh, w_hr, mask, schedule: Schedule):
         inputs = (gates_x, h0, c0, w_hh, w_hr, mask)
+        how = persistent.plan(gates_x, c0.shape[1], c0.shape[0], w_hr is not None)
         with torch.autocast(gates_x.device.type, enabled=False):
-            out, h_n, c_n, acts, cells, r, masked = GRAPHS(
-                ("lstm forward", *loop_key(schedule)), functools.partial(_forward, schedule), inputs
-            )
-        ctx.schedule = schedule
+            result = None
+            if how is not None:
+                result = persistent.lstm_forward(how, schedule, gates_x, h0, c0, w_hh, mask)
+            if how is not None and result is None:
+                persistent.gave_up(gates_x.device)
+            if result is None:
+                how = None
+                result = GRAPHS(("lstm forward", *loop_key(schedule)), functools.partial(_forward, schedule),
+                                inputs)
+        out, h_n, c_n, acts, cells, r, masked = result
+        ctx.schedule, ctx.how = schedule, how
         ctx.save_for_backward(*_Saved(acts, cells, out, r, masked, h0, c0, w_hh, w_hr, mask))
         ctx.set_materialize_grads(False)
         return out, h_n, c_n
@@ -255,10 +278,14 @@ class _LSTMRecurrence(torch.autograd.Function):
         needs, saved = tuple(ctx.needs_input_grad[:6]), ctx.saved_tensors
         run = functools.partial(_backward, ctx.schedule, needs)
         with torch.autocast(saved[0].device.type, enabled=False):
-            grads = GRAPHS(  # a mask's gradient copies an index from the host: not capturable
-                ("lstm backward", *loop_key(ctx.schedule), needs), run, (*saved, d_out, d_hn, d_cn),
-                capturable=not needs[5],
-            )
+            grads = None
+            if ctx.how is not None and persistent.usable(saved[0].device):
+                grads = _persistent_backward(ctx.how, ctx.schedule, needs, *saved, d_out, d_hn, d_cn)
+            if grads is None:
+                grads = GRAPHS(  # a mask's gradient copies an index from the host: not capturable
+                    ("lstm backward", *loop_key(ctx.schedule), needs), run, (*saved, d_out, d_hn, d_cn),
+                    capturable=not needs[5],
+                )
         return (*grads, None)
 
 

@@ -1,0 +1,617 @@
+r"""The persistent loop of the "triton" kernel: one launch runs every time step of a layer and
+direction, forward, and one runs them all in reverse, backward.
+
+Each of the ``n_programs`` programs owns ``BH`` hidden units ``j`` (columns of the state) for the
+whole sequence and keeps their cell state in registers; the recurrent product is computed in the
+kernel with ``tl.dot`` over the rows of ``W_hh`` of its units (streamed from L2, where the whole
+matrix stays between steps). The programs meet at a grid barrier after every step, because the
+next step's product needs every column of the state. Running steps ``s = 1 .. S`` (step 0 is a
+virtual step with no rows, whose "next state" is the first real step's), rows ``k`` and
+``m_s = h_{s-1} * M_s`` as in :mod:`rnndrop.kernels.triton_common`::
+
+    LSTM forward   z_s[k, g·H + j] = x̂_s[k, g·H + j] + Σ_p m_s^g[k, p] W_hh[g·H + j, p]
+                   i, f, g, o = σ(z_i), σ(z_f), tanh(z_g), σ(z_o)
+                   c_s = f c_{s-1} + i g,   h_s = o tanh(c_s)
+                   m_{s+1}[k] = h'[k] * M_{s+1}[k]   (h' = h_s, or h_0 for rows joining at s+1)
+                   — barrier —
+    GRU forward    a = W_hh m_s + b_hh,  r = σ(x̂_r + a_r),  z = σ(x̂_z + a_z),  n = tanh(x̂_n + r a_n)
+                   h_s = n + z (h_{s-1} - n),  then m_{s+1} as above — barrier —
+    backward       dm_{s+1}^g[k, p] = Σ_h dz_{s+1}[k, g·H + h] W_hh[g·H + h, p]   (needs all of dz_{s+1})
+                   dh_s[k] = d_out_s[k] + carry[k] + Σ_g dm_{s+1}^g[k] M_{s+1}^g[k]
+                   then the gate gradients of :mod:`rnndrop.kernels.triton_lstm` /
+                   :mod:`rnndrop.kernels.triton_gru` into dz_s, and carry (GRU: dh_s z) — barrier —
+
+The backward loop runs from ``s = S`` down to the virtual step 0, whose rows are none: there it
+only gathers ``dh_0`` of the first step's rows. ``dW_hh``, ``db_hh`` and the mask's gradient are
+products over all steps after the loop, as in the step kernel, from the very tensors the step
+kernel saves: either kernel's backward runs on either kernel's forward.
+
+The barrier is an atomic counter: every program adds one after its step, then spins until the
+counter reaches ``n_programs`` times the number of steps done. All programs must be resident at
+once: the grid is at most one program per multiprocessor. A program that spins too long adds a
+large number to the counter (every later barrier then passes at once) and the host, reading the
+counter after the launch, reruns the call with the step kernel. With one program there is nothing
+to wait for, which is how Triton's interpreter (programs one after another) runs it on CPU;
+``per_step=True`` instead launches the same body once per step, several programs without a
+barrier, so that the slicing over programs is tested on CPU too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import warnings
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from rnndrop.kernels.schedule import Schedule
+from rnndrop.kernels.triton_common import sigmoid, tanh
+from rnndrop.kernels.triton_plan import accumulation_dtype, initial_grad, interpreted
+
+__all__ = [
+    "Launch", "gave_up", "gru_backward", "gru_forward", "launched_as", "lstm_backward", "lstm_forward",
+    "plan", "turned_off", "usable",
+]
+
+#: The counter value a program that gave up waiting adds (far above any step count times programs).
+GAVE_UP = 1 << 30
+#: Spins of the barrier before a program gives up (a step takes microseconds; this is about a second).
+SPIN_LIMIT = 1 << 21
+#: The largest batch kept in one block of rows, and the widest block of hidden units a program owns.
+MAX_BATCH = 256
+MAX_UNITS = 64
+#: Table columns of a step (:func:`_step_table`).
+_COLUMNS = 8
+
+
+@triton.jit
+def _grid_barrier(counter_ptr, target, SYNC: tl.constexpr):
+    """Wait until every program has reached ``target``; give up after :data:`SPIN_LIMIT` spins."""
+    if SYNC:
+        tl.debug_barrier()  # every thread's stores of this step before the release (one thread's)
+        tl.atomic_add(counter_ptr, 1, sem="release")
+        seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
+        spins = 0
+        while (seen < target) & (spins < 2097152):
+            seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
+            spins += 1
+        if seen < target:
+            tl.atomic_add(counter_ptr, 1073741824)
+        tl.debug_barrier()  # no thread reads the next step's data before the acquire
+
+
+@triton.jit
+def _step_row(table_ptr, s):
+    """``(b, off, carried, prev_off, nb, noff, nmoff)`` of step ``s`` (see :func:`_step_table`)."""
+    row = table_ptr + s * 8
+    return (tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3),
+            tl.load(row + 4), tl.load(row + 5), tl.load(row + 6))
+
+
+@triton.jit
+def _recurrent_product(m_ptr, m_row, m_gate, w_ptr, gate, off, b, ks, cols, H, P,
+                       MASK_GATES: tl.constexpr, PRECISION: tl.constexpr,
+                       UPCAST: tl.constexpr, BB: tl.constexpr,
+                       BH: tl.constexpr, BK: tl.constexpr):
+    """``[BB, BH]``: ``Σ_p m^g[k, p] W[g·H + j, p]`` over the rows ``k < b`` of the state at ``off``."""
+    acc = tl.zeros((BB, BH), dtype=tl.float32)
+    g_m = gate if MASK_GATES > 1 else 0
+    for k0 in range(0, P, BK):
+        p = k0 + tl.arange(0, BK)
+        m = tl.load(m_ptr + (off + ks)[:, None] * m_row + g_m * m_gate + p[None, :],
+                    mask=(ks < b)[:, None] & (p < P)[None, :], other=0.0, cache_modifier=".cg")
+        w = tl.load(w_ptr + (gate * H + cols)[None, :] * P + p[:, None],
+                    mask=(cols < H)[None, :] & (p < P)[:, None], other=0.0)
+        if UPCAST:
+            m, w = m.to(tl.float32), w.to(tl.float32)
+        acc += tl.dot(m, w, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _store_next_state(h, h0_ptr, mask_ptr, mask_row, mask_gate, m_ptr, m_row, m_gate, ks, cols, b, nb,
+                      noff, nmoff, H, MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr):
+    """``m_{s+1}[k] = h'[k] * M_{s+1}[k]`` for ``k < nb`` (``h'``: ``h`` for ``k < b``, else ``h_0``)."""
+    nxt = (ks < nb)[:, None] & (cols < H)[None, :]
+    h0 = tl.load(h0_ptr + ks[:, None] * H + cols[None, :], mask=nxt & (ks >= b)[:, None], other=0.0)
+    src = tl.where((ks < b)[:, None], h, h0.to(tl.float32))
+    for g in tl.static_range(MASK_GATES):
+        value = src
+        if HAS_MASK:
+            m = tl.load(mask_ptr + nmoff + ks[:, None] * mask_row + g * mask_gate + cols[None, :], mask=nxt,
+                        other=0.0)
+            value = src * m.to(tl.float32)
+        tl.store(m_ptr + (noff + ks)[:, None] * m_row + g * m_gate + cols[None, :],
+                 value.to(m_ptr.dtype.element_ty), mask=nxt)
+
+
+@triton.jit
+def _lstm_forward(
+    gx_ptr, w_ptr, h0_ptr, c0_ptr, mask_ptr, mask_row, mask_gate, table_ptr, m_ptr, m_row, m_gate,
+    acts_ptr, cells_ptr, out_ptr, h_state_ptr, c_state_ptr, counter_ptr, s_begin, s_end, B, H,
+    MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, SYNC: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
+):
+    ks = tl.arange(0, BB)
+    cols = tl.program_id(0) * BH + tl.arange(0, BH)
+    batch = (ks < B)[:, None] & (cols < H)[None, :]
+    state = ks[:, None] * H + cols[None, :]
+    h_reg = tl.load(h_state_ptr + state, mask=batch, other=0.0)
+    c_reg = tl.load(c_state_ptr + state, mask=batch, other=0.0)
+    for s in range(s_begin, s_end):
+        b, off, carried, _, nb, noff, nmoff = _step_row(table_ptr, s)
+        live = (ks < b)[:, None] & (cols < H)[None, :]
+        here = (off + ks)[:, None] * (4 * H) + cols[None, :]
+        z_i = _recurrent_product(m_ptr, m_row, m_gate, w_ptr, 0, off, b, ks, cols, H, H, MASK_GATES,
+                                 PRECISION, UPCAST, BB, BH, BK)
+        z_f = _recurrent_product(m_ptr, m_row, m_gate, w_ptr, 1, off, b, ks, cols, H, H, MASK_GATES,
+                                 PRECISION, UPCAST, BB, BH, BK)
+        z_g = _recurrent_product(m_ptr, m_row, m_gate, w_ptr, 2, off, b, ks, cols, H, H, MASK_GATES,
+                                 PRECISION, UPCAST, BB, BH, BK)
+        z_o = _recurrent_product(m_ptr, m_row, m_gate, w_ptr, 3, off, b, ks, cols, H, H, MASK_GATES,
+                                 PRECISION, UPCAST, BB, BH, BK)
+        i = sigmoid(z_i + tl.load(gx_ptr + here, mask=live, other=0.0).to(tl.float32))
+        f = sigmoid(z_f + tl.load(gx_ptr + here + H, mask=live, other=0.0).to(tl.float32))
+        g = tanh(z_g + tl.load(gx_ptr + here + 2 * H, mask=live, other=0.0).to(tl.float32))
+        o = sigmoid(z_o + tl.load(gx_ptr + here + 3 * H, mask=live, other=0.0).to(tl.float32))
+        c0 = tl.load(c0_ptr + state, mask=live & (ks >= carried)[:, None], other=0.0).to(tl.float32)
+        c = f * tl.where((ks < carried)[:, None], c_reg, c0) + i * g
+        h = o * tanh(c)
+        kind = acts_ptr.dtype.element_ty
+        tl.store(acts_ptr + here, i.to(kind), mask=live)
+        tl.store(acts_ptr + here + H, f.to(kind), mask=live)
+        tl.store(acts_ptr + here + 2 * H, g.to(kind), mask=live)
+        tl.store(acts_ptr + here + 3 * H, o.to(kind), mask=live)
+        tl.store(cells_ptr + (off + ks)[:, None] * H + cols[None, :], c, mask=live)
+        tl.store(out_ptr + (off + ks)[:, None] * H + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=live)
+        c_reg = tl.where(live, c, c_reg)
+        h_reg = tl.where(live, h, h_reg)
+        _store_next_state(h, h0_ptr, mask_ptr, mask_row, mask_gate, m_ptr, m_row, m_gate, ks, cols, b, nb,
+                          noff, nmoff, H, MASK_GATES, HAS_MASK)
+        _grid_barrier(counter_ptr, (s + 1 - s_begin) * tl.num_programs(0), SYNC)
+    tl.store(h_state_ptr + state, h_reg, mask=batch)
+    tl.store(c_state_ptr + state, c_reg, mask=batch)
+
+
+@triton.jit
+def _gru_forward(
+    gx_ptr, w_ptr, b_hh_ptr, h0_ptr, mask_ptr, mask_row, mask_gate, table_ptr, m_ptr, m_row, m_gate,
+    acts_ptr, a_n_ptr, out_ptr, h_state_ptr, counter_ptr, s_begin, s_end, B, H,
+    MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, SYNC: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
+):
+    ks = tl.arange(0, BB)
+    cols = tl.program_id(0) * BH + tl.arange(0, BH)
+    batch = (ks < B)[:, None] & (cols < H)[None, :]
+    state = ks[:, None] * H + cols[None, :]
+    h_reg = tl.load(h_state_ptr + state, mask=batch, other=0.0)
+    for s in range(s_begin, s_end):
+        b, off, carried, _, nb, noff, nmoff = _step_row(table_ptr, s)
+        live = (ks < b)[:, None] & (cols < H)[None, :]
+        here = (off + ks)[:, None] * (3 * H) + cols[None, :]
+        a_r = _recurrent_product(m_ptr, m_row, m_gate, w_ptr, 0, off, b, ks, cols, H, H, MASK_GATES,
+                                 PRECISION, UPCAST, BB, BH, BK)
+        a_z = _recurrent_product(m_ptr, m_row, m_gate, w_ptr, 1, off, b, ks, cols, H, H, MASK_GATES,
+                                 PRECISION, UPCAST, BB, BH, BK)
+        a_n = _recurrent_product(m_ptr, m_row, m_gate, w_ptr, 2, off, b, ks, cols, H, H, MASK_GATES,
+                                 PRECISION, UPCAST, BB, BH, BK)
+        if HAS_BIAS:
+            a_r += tl.load(b_hh_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
+            a_z += tl.load(b_hh_ptr + H + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
+            a_n += tl.load(b_hh_ptr + 2 * H + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
+        r = sigmoid(a_r + tl.load(gx_ptr + here, mask=live, other=0.0).to(tl.float32))
+        z = sigmoid(a_z + tl.load(gx_ptr + here + H, mask=live, other=0.0).to(tl.float32))
+        n = tanh(tl.load(gx_ptr + here + 2 * H, mask=live, other=0.0).to(tl.float32) + r * a_n)
+        h0 = tl.load(h0_ptr + state, mask=live & (ks >= carried)[:, None], other=0.0).to(tl.float32)
+        h = n + z * (tl.where((ks < carried)[:, None], h_reg, h0) - n)
+        kind = acts_ptr.dtype.element_ty
+        tl.store(acts_ptr + here, r.to(kind), mask=live)
+        tl.store(acts_ptr + here + H, z.to(kind), mask=live)
+        tl.store(acts_ptr + here + 2 * H, n.to(kind), mask=live)
+        tl.store(a_n_ptr + (off + ks)[:, None] * H + cols[None, :], a_n, mask=live)
+        tl.store(out_ptr + (off + ks)[:, None] * H + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=live)
+        h_reg = tl.where(live, h, h_reg)
+        _store_next_state(h, h0_ptr, mask_ptr, mask_row, mask_gate, m_ptr, m_row, m_gate, ks, cols, b, nb,
+                          noff, nmoff, H, MASK_GATES, HAS_MASK)
+        _grid_barrier(counter_ptr, (s + 1 - s_begin) * tl.num_programs(0), SYNC)
+    tl.store(h_state_ptr + state, h_reg, mask=batch)
+
+
+@triton.jit
+def _state_grad(dz_ptr, w_ptr, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row, dm_gate, carry,
+                ks, cols, nb, noff, nmoff, H,
+                CELL_GATES: tl.constexpr, MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr,
+                NEED_DMASK: tl.constexpr, PRECISION: tl.constexpr,
+                UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr,
+                BK: tl.constexpr):
+    """``carry + Σ_g dm_{s+1}^g M_{s+1}^g`` ``[BB, BH]`` for rows ``k < nb`` (``carry`` elsewhere),
+    with ``dm_{s+1}^g = Σ_h dz_{s+1}[k, g·H + h] W_hh[g·H + h, j]``; stores ``dm`` where asked."""
+    nxt = (ks < nb)[:, None] & (cols < H)[None, :]
+    total = carry
+    dm = tl.zeros((BB, BH), dtype=tl.float32)
+    for g in tl.static_range(CELL_GATES):
+        if MASK_GATES > 1:
+            dm = tl.zeros((BB, BH), dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            h = k0 + tl.arange(0, BK)
+            dz = tl.load(dz_ptr + (noff + ks)[:, None] * (CELL_GATES * H) + g * H + h[None, :],
+                         mask=(ks < nb)[:, None] & (h < H)[None, :], other=0.0, cache_modifier=".cg")
+            w = tl.load(w_ptr + (g * H + h)[:, None] * H + cols[None, :],
+                        mask=(h < H)[:, None] & (cols < H)[None, :], other=0.0)
+            if UPCAST:
+                dz, w = dz.to(tl.float32), w.to(tl.float32)
+            dm += tl.dot(dz, w, input_precision=PRECISION)
+        if MASK_GATES > 1 or g == CELL_GATES - 1:
+            gate = g if MASK_GATES > 1 else 0
+            if NEED_DMASK:
+                tl.store(d_masked_ptr + (noff + ks)[:, None] * dm_row + gate * dm_gate + cols[None, :],
+                         dm.to(d_masked_ptr.dtype.element_ty), mask=nxt)
+            part = dm
+            if HAS_MASK:
+                m = tl.load(mask_ptr + nmoff + ks[:, None] * mask_row + gate * mask_gate + cols[None, :],
+                            mask=nxt, other=0.0)
+                part = dm * m.to(tl.float32)
+            total += tl.where(nxt, part, 0.0)
+    return total
+
+
+@triton.jit
+def _lstm_backward(
+    d_out_ptr, w_ptr, c0_ptr, mask_ptr, mask_row, mask_gate, table_ptr, acts_ptr, cells_ptr,
+    dz_ptr, d_masked_ptr, dm_row, dm_gate, carry_ptr, dc_ptr, dh0_ptr, dc0_ptr, counter_ptr, s_begin, s_end,
+    B, H,
+    MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOUT: tl.constexpr, NEED_DMASK: tl.constexpr,
+    SYNC: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
+):
+    """Steps ``s_end - 1`` down to ``s_begin``."""
+    ks = tl.arange(0, BB)
+    cols = tl.program_id(0) * BH + tl.arange(0, BH)
+    batch = (ks < B)[:, None] & (cols < H)[None, :]
+    state = ks[:, None] * H + cols[None, :]
+    carry = tl.load(carry_ptr + state, mask=batch, other=0.0)
+    dc_reg = tl.load(dc_ptr + state, mask=batch, other=0.0)
+    for rs in range(s_begin, s_end):
+        s = s_end - 1 - (rs - s_begin)
+        b, off, carried, prev_off, nb, noff, nmoff = _step_row(table_ptr, s)
+        live = (ks < b)[:, None] & (cols < H)[None, :]
+        dh = _state_grad(dz_ptr, w_ptr, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row, dm_gate, carry,
+                         ks, cols, nb, noff, nmoff, H, 4, MASK_GATES, HAS_MASK, NEED_DMASK, PRECISION,
+                         UPCAST, BB, BH, BK)
+        tl.store(dh0_ptr + state, dh, mask=batch & ((ks >= b) & (ks < nb))[:, None])
+        if HAS_DOUT:
+            d_out = tl.load(d_out_ptr + (off + ks)[:, None] * H + cols[None, :], mask=live, other=0.0)
+            dh += d_out.to(tl.float32)
+        here = (off + ks)[:, None] * (4 * H) + cols[None, :]
+        i = tl.load(acts_ptr + here, mask=live, other=0.0).to(tl.float32)
+        f = tl.load(acts_ptr + here + H, mask=live, other=0.0).to(tl.float32)
+        g = tl.load(acts_ptr + here + 2 * H, mask=live, other=0.0).to(tl.float32)
+        o = tl.load(acts_ptr + here + 3 * H, mask=live, other=0.0).to(tl.float32)
+        tc = tanh(tl.load(cells_ptr + (off + ks)[:, None] * H + cols[None, :], mask=live, other=0.0))
+        joined = (ks >= carried)[:, None]
+        c_prev = tl.where(joined, tl.load(c0_ptr + state, mask=live & joined, other=0.0).to(tl.float32),
+                          tl.load(cells_ptr + (prev_off + ks)[:, None] * H + cols[None, :],
+                                  mask=live & (ks < carried)[:, None], other=0.0))
+        dc = dc_reg + dh * o * (1 - tc * tc)
+        kind = dz_ptr.dtype.element_ty
+        tl.store(dz_ptr + here, (dc * g * i * (1 - i)).to(kind), mask=live)
+        tl.store(dz_ptr + here + H, (dc * c_prev * f * (1 - f)).to(kind), mask=live)
+        tl.store(dz_ptr + here + 2 * H, (dc * i * (1 - g * g)).to(kind), mask=live)
+        tl.store(dz_ptr + here + 3 * H, (dh * tc * o * (1 - o)).to(kind), mask=live)
+        tl.store(dc0_ptr + state, dc * f, mask=live & joined)
+        dc_reg = tl.where(live, dc * f, dc_reg)
+        carry = tl.where(live, 0.0, dh)
+        _grid_barrier(counter_ptr, (rs + 1 - s_begin) * tl.num_programs(0), SYNC)
+    tl.store(carry_ptr + state, carry, mask=batch)
+    tl.store(dc_ptr + state, dc_reg, mask=batch)
+
+
+@triton.jit
+def _gru_backward(
+    d_out_ptr, w_ptr, h0_ptr, mask_ptr, mask_row, mask_gate, table_ptr, acts_ptr, a_n_ptr, out_ptr,
+    da_ptr, dn_ptr, d_masked_ptr, dm_row, dm_gate, carry_ptr, dh0_ptr, counter_ptr, s_begin, s_end, B, H,
+    MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOUT: tl.constexpr, NEED_DMASK: tl.constexpr,
+    SYNC: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
+):
+    """Steps ``s_end - 1`` down to ``s_begin``."""
+    ks = tl.arange(0, BB)
+    cols = tl.program_id(0) * BH + tl.arange(0, BH)
+    batch = (ks < B)[:, None] & (cols < H)[None, :]
+    state = ks[:, None] * H + cols[None, :]
+    carry = tl.load(carry_ptr + state, mask=batch, other=0.0)
+    for rs in range(s_begin, s_end):
+        s = s_end - 1 - (rs - s_begin)
+        b, off, carried, prev_off, nb, noff, nmoff = _step_row(table_ptr, s)
+        live = (ks < b)[:, None] & (cols < H)[None, :]
+        dh = _state_grad(da_ptr, w_ptr, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row, dm_gate, carry,
+                         ks, cols, nb, noff, nmoff, H, 3, MASK_GATES, HAS_MASK, NEED_DMASK, PRECISION,
+                         UPCAST, BB, BH, BK)
+        tl.store(dh0_ptr + state, dh, mask=batch & ((ks >= b) & (ks < nb))[:, None])
+        if HAS_DOUT:
+            d_out = tl.load(d_out_ptr + (off + ks)[:, None] * H + cols[None, :], mask=live, other=0.0)
+            dh += d_out.to(tl.float32)
+        here = (off + ks)[:, None] * (3 * H) + cols[None, :]
+        r = tl.load(acts_ptr + here, mask=live, other=0.0).to(tl.float32)
+        z = tl.load(acts_ptr + here + H, mask=live, other=0.0).to(tl.float32)
+        n = tl.load(acts_ptr + here + 2 * H, mask=live, other=0.0).to(tl.float32)
+        a_n = tl.load(a_n_ptr + (off + ks)[:, None] * H + cols[None, :], mask=live, other=0.0)
+        joined = (ks >= carried)[:, None]
+        h_prev = tl.where(joined, tl.load(h0_ptr + state, mask=live & joined, other=0.0).to(tl.float32),
+                          tl.load(out_ptr + (prev_off + ks)[:, None] * H + cols[None, :],
+                                  mask=live & (ks < carried)[:, None], other=0.0).to(tl.float32))
+        dn_pre = dh * (1 - z) * (1 - n * n)
+        kind = da_ptr.dtype.element_ty
+        tl.store(da_ptr + here, (dn_pre * a_n * r * (1 - r)).to(kind), mask=live)
+        tl.store(da_ptr + here + H, (dh * (h_prev - n) * z * (1 - z)).to(kind), mask=live)
+        tl.store(da_ptr + here + 2 * H, (dn_pre * r).to(kind), mask=live)
+        tl.store(dn_ptr + (off + ks)[:, None] * H + cols[None, :], dn_pre.to(kind), mask=live)
+        carry = tl.where(live, dh * z, dh)
+        _grid_barrier(counter_ptr, (rs + 1 - s_begin) * tl.num_programs(0), SYNC)
+    tl.store(carry_ptr + state, carry, mask=batch)
+
+
+class Launch(NamedTuple):
+    """How a call runs: ``programs`` programs of ``units`` hidden units each, ``per_step``: one
+    launch per step without a barrier (CPU tests of the slicing) instead of one persistent launch."""
+
+    programs: int
+    units: int
+    per_step: bool = False
+
+
+@functools.lru_cache(maxsize=16)
+def _multiprocessors(device: str) -> int:
+    return torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+
+
+_forced: Launch | None = None
+
+
+@contextlib.contextmanager
+def launched_as(how: Launch) -> Iterator[None]:
+    """Run every call that the persistent loop can take as ``how`` (tests: several programs, one
+    launch per step, on CPU under Triton's interpreter)."""
+    global _forced
+    _forced, before = how, _forced
+    try:
+        yield
+    finally:
+        _forced = before
+
+
+_off = False
+
+
+@contextlib.contextmanager
+def turned_off() -> Iterator[None]:
+    """Every call in the block runs the step kernel (benchmarks compare the two)."""
+    global _off
+    _off, before = True, _off
+    try:
+        yield
+    finally:
+        _off = before
+
+
+def disabled() -> bool:
+    """Whether every call runs the step kernel: in :func:`turned_off`, or with ``RNNDROP_PERSISTENT=0``
+    in the environment (to rule the persistent loop out when something looks wrong on a GPU)."""
+    return _off or os.environ.get("RNNDROP_PERSISTENT", "1") in ("0", "")
+
+
+def plan(gates_x: Tensor, hidden: int, batch: int, projected: bool) -> Launch | None:
+    """How the persistent loop runs a call, or None where it cannot and the step kernel runs:
+    float64 (``tl.dot`` keeps float32 at most), a projection (``h_t = W_hr r_t`` is a second
+    product per step), a batch over :data:`MAX_BATCH` rows, or more hidden units than
+    :data:`MAX_UNITS` times the multiprocessors (one program each, all resident)."""
+    if disabled() or projected or gates_x.dtype == torch.float64 or batch > MAX_BATCH:
+        return None
+    if _forced is not None:
+        return _forced
+    if gates_x.device.type != "cuda":  # Triton's interpreter: one program owns every unit
+        return Launch(1, max(16, triton.next_power_of_2(hidden))) if interpreted() else None
+    sms = _multiprocessors(str(gates_x.device))
+    units = 16
+    while units <= MAX_UNITS and -(-hidden // units) > sms:
+        units *= 2
+    if units > MAX_UNITS:
+        return None
+    return Launch(-(-hidden // units), units)
+
+
+def _precision(x: Tensor) -> str:
+    """``tl.dot``'s float32 mode: TF32 where cuDNN would use it (``torch.backends.cudnn.allow_tf32``,
+    the switch ``nn.LSTM`` follows), else IEEE; half types need none."""
+    if x.device.type == "cuda" and x.dtype == torch.float32 and torch.backends.cudnn.allow_tf32:
+        return "tf32"
+    return "ieee"
+
+
+_TABLES: OrderedDict[tuple, Tensor] = OrderedDict()
+
+
+def _step_table(schedule: Schedule, mask: Tensor | None, device: torch.device) -> Tensor:
+    """``[S + 1, 8]`` int32: per step in running order (row 0: a virtual step with no rows) ``b``,
+    its rows' offset, ``carried``, the previous step's offset, then the next step's ``b``, offset
+    and mask offset (zeros after the last). Cached by schedule and mask layout."""
+    step_stride = 0 if mask is None or mask.shape[0] == 1 else mask.stride(0)
+    key = (tuple(schedule.sizes), schedule.steps[0].t, step_stride, str(device))
+    table = _TABLES.get(key)
+    if table is not None:
+        _TABLES.move_to_end(key)
+        return table
+    rows = [[0, 0, 0, 0]]
+    for step in schedule.steps:
+        prev = schedule.offsets[step.prev] if step.prev >= 0 else 0
+        rows.append([step.size, schedule.offsets[step.t], step.carried, prev])
+    for k, step in enumerate(schedule.steps):
+        rows[k].extend([step.size, schedule.offsets[step.t], step.t * step_stride, 0])
+    rows[-1].extend([0, 0, 0, 0])
+    table = torch.tensor(rows, dtype=torch.int32).to(device, non_blocking=True)
+    _TABLES[key] = table
+    if len(_TABLES) > 256:
+        _TABLES.popitem(last=False)
+    return table
+
+
+def _mask_strides(mask: Tensor | None) -> tuple[int, int]:
+    """``(row stride, gate stride)`` of a contiguous ``[T', B', (G,) P]`` mask; 0 where shared."""
+    if mask is None:
+        return 0, 0
+    return (mask.stride(1) if mask.shape[1] > 1 else 0), (mask.stride(2) if mask.dim() == 4 else 0)
+
+
+def _run(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constexprs) -> bool:
+    """Launch ``kernel`` over steps ``0 .. steps - 1``; False where a barrier gave up."""
+    device = args[0].device
+    counter = torch.zeros(1, dtype=torch.int32, device=device)
+    warps = 8 if constexprs["BB"] >= 128 else 4
+    # Triton's interpreter multiplies bfloat16 tiles wrongly: it gets float32 ones (exact products)
+    upcast = interpreted()
+    if not how.per_step:
+        kernel[(how.programs,)](*args, counter, 0, steps, **constexprs, SYNC=how.programs > 1, UPCAST=upcast,
+                                num_warps=warps)
+        if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            return int(counter.item()) < GAVE_UP
+        return True
+    order = range(steps - 1, -1, -1) if backward else range(steps)
+    for s in order:
+        kernel[(how.programs,)](*args, counter, s, s + 1, **constexprs, SYNC=False, UPCAST=upcast,
+                                num_warps=warps)
+    return True
+
+
+_given_up: set[str] = set()
+
+
+def usable(device: torch.device) -> bool:
+    """False once a barrier gave up on ``device`` in this process."""
+    return str(device) not in _given_up
+
+
+def gave_up(device: torch.device) -> None:
+    """Record that a barrier gave up on ``device``: the call reruns with the step kernel, and so do
+    later ones there (one warning)."""
+    if str(device) not in _given_up:
+        _given_up.add(str(device))
+        warnings.warn(
+            f"rnndrop: the persistent 'triton' loop gave up waiting at a grid barrier on {device} (another "
+            "kernel held multiprocessors); this call and later ones there run the per-step Triton kernel",
+            RuntimeWarning, stacklevel=4)
+
+
+def _block_k(how: Launch, hidden: int) -> int:
+    return min(64, max(16, triton.next_power_of_2(hidden)))
+
+
+def _batch_block(batch: int) -> int:
+    return max(16, triton.next_power_of_2(batch))
+
+
+def lstm_forward(how: Launch, schedule: Schedule, gates_x, h0, c0, w_hh, mask):
+    """The step kernel's forward (:func:`rnndrop.kernels.triton_lstm._forward`, without a
+    projection) in one launch: ``(out, h_n, c_n, acts, cells, None, masked)``, or None where a
+    barrier gave up. ``masked`` is always written (``m_t = h_{t-1}`` without a mask)."""
+    N, (B, H), device = gates_x.shape[0], h0.shape, gates_x.device
+    G = mask.shape[2] if mask is not None and mask.dim() == 4 else 1
+    acts = gates_x.new_empty(N, 4 * H)
+    cells = torch.empty(N, H, dtype=accumulation_dtype(gates_x.dtype), device=device)
+    out = gates_x.new_empty(N, H)
+    masked = gates_x.new_empty(N, G, H) if G > 1 else gates_x.new_empty(N, H)
+    h_state = h0.to(torch.float32, copy=True)
+    c_state = c0.to(torch.float32, copy=True)
+    table = _step_table(schedule, mask, device)
+    mask_row, mask_gate = _mask_strides(mask)
+    m_row, m_gate = masked.stride(0), (masked.stride(1) if G > 1 else 0)
+    args = (gates_x, w_hh, h0, c0, h0 if mask is None else mask, mask_row, mask_gate, table, masked, m_row,
+            m_gate, acts, cells, out, h_state, c_state)
+    ok = _run(_lstm_forward, how, len(schedule.steps) + 1, args, False, B=B, H=H, MASK_GATES=G,
+              HAS_MASK=mask is not None, PRECISION=_precision(gates_x), BB=_batch_block(B), BH=how.units,
+              BK=_block_k(how, H))
+    if not ok:
+        return None
+    return out, h_state.to(out.dtype), c_state.to(c0.dtype), acts, cells, None, masked
+
+
+def lstm_backward(how: Launch, schedule: Schedule, needs: Sequence[bool], saved, d_out, d_hn, d_cn):
+    """``(d_gates_x, dh_0, dc_0)`` and the whole-sequence products, as the step kernel's backward,
+    from its saved tensors (:class:`rnndrop.kernels.triton_lstm._Saved`); None where a barrier gave up."""
+    s = saved
+    (N, H), (B, _), device = s.cells.shape, s.h0.shape, s.cells.device
+    G = s.mask.shape[2] if s.mask is not None and s.mask.dim() == 4 else 1
+    d_gates = s.acts.new_empty(N, 4 * H)
+    carry = initial_grad(d_hn, s.h0, torch.float32)
+    dc = initial_grad(d_cn, s.c0, torch.float32)
+    dh0, dc0 = torch.zeros(B, H, device=device), torch.zeros(B, H, device=device)
+    need_dmask = bool(needs[5]) and s.mask is not None
+    d_masked = s.masked.new_empty(s.masked.shape) if need_dmask else None
+    dm_target = d_masked if d_masked is not None else s.masked
+    d_out = None if d_out is None else d_out.contiguous()
+    mask_row, mask_gate = _mask_strides(s.mask)
+    args = (s.acts if d_out is None else d_out, s.w_hh, s.c0, s.h0 if s.mask is None else s.mask, mask_row,
+            mask_gate, _step_table(schedule, s.mask, device), s.acts, s.cells, d_gates, dm_target,
+            dm_target.stride(0), dm_target.stride(1) if G > 1 else 0, carry, dc, dh0, dc0)
+    ok = _run(_lstm_backward, how, len(schedule.steps) + 1, args, True, B=B, H=H, MASK_GATES=G,
+              HAS_MASK=s.mask is not None, HAS_DOUT=d_out is not None, NEED_DMASK=need_dmask,
+              PRECISION=_precision(s.acts), BB=_batch_block(B), BH=how.units, BK=_block_k(how, H))
+    if not ok:
+        return None
+    return d_gates, dh0, dc0, d_masked
+
+
+def gru_forward(how: Launch, schedule: Schedule, gates_x, h0, w_hh, b_hh, mask):
+    """The step kernel's forward (:func:`rnndrop.kernels.triton_gru._forward`) in one launch:
+    ``(out, h_n, acts, a_n, masked)``, or None where a barrier gave up."""
+    N, (B, H), device = gates_x.shape[0], h0.shape, gates_x.device
+    G = mask.shape[2] if mask is not None and mask.dim() == 4 else 1
+    acts = gates_x.new_empty(N, 3 * H)
+    a_n = torch.empty(N, H, dtype=accumulation_dtype(gates_x.dtype), device=device)
+    out = gates_x.new_empty(N, H)
+    masked = gates_x.new_empty(N, G, H) if G > 1 else gates_x.new_empty(N, H)
+    h_state = h0.to(torch.float32, copy=True)
+    mask_row, mask_gate = _mask_strides(mask)
+    args = (gates_x, w_hh, h0 if b_hh is None else b_hh, h0, h0 if mask is None else mask, mask_row,
+            mask_gate, _step_table(schedule, mask, device), masked, masked.stride(0),
+            masked.stride(1) if G > 1 else 0, acts, a_n, out, h_state)
+    ok = _run(_gru_forward, how, len(schedule.steps) + 1, args, False, B=B, H=H, MASK_GATES=G,
+              HAS_MASK=mask is not None, HAS_BIAS=b_hh is not None, PRECISION=_precision(gates_x),
+              BB=_batch_block(B), BH=how.units, BK=_block_k(how, H))
+    if not ok:
+        return None
+    return out, h_state.to(out.dtype), acts, a_n, masked
+
+
+def gru_backward(how: Launch, schedule: Schedule, needs: Sequence[bool], saved, d_out, d_hn):
+    """``(d_a, d_n, dh_0, d_masked)`` of the step kernel's backward from its saved tensors
+    (:class:`rnndrop.kernels.triton_gru._Saved`); None where a barrier gave up."""
+    s = saved
+    (N, H), device = s.out.shape, s.out.device
+    B = s.h0.shape[0]
+    G = s.mask.shape[2] if s.mask is not None and s.mask.dim() == 4 else 1
+    d_a = s.acts.new_empty(N, 3 * H)
+    d_n = s.acts.new_empty(N, H)
+    carry = initial_grad(d_hn, s.h0, torch.float32)
+    dh0 = torch.zeros(B, H, device=device)
+    need_dmask = bool(needs[4]) and s.mask is not None
+    d_masked = s.masked.new_empty(s.masked.shape) if need_dmask else None
+    dm_target = d_masked if d_masked is not None else s.masked
+    d_out = None if d_out is None else d_out.contiguous()
+    mask_row, mask_gate = _mask_strides(s.mask)
+    args = (s.acts if d_out is None else d_out, s.w_hh, s.h0, s.h0 if s.mask is None else s.mask, mask_row,
+            mask_gate, _step_table(schedule, s.mask, device), s.acts, s.a_n, s.out, d_a, d_n, dm_target,
+            dm_target.stride(0), dm_target.stride(1) if G > 1 else 0, carry, dh0)
+    ok = _run(_gru_backward, how, len(schedule.steps) + 1, args, True, B=B, H=H, MASK_GATES=G,
+              HAS_MASK=s.mask is not None, HAS_DOUT=d_out is not None, NEED_DMASK=need_dmask,
+              PRECISION=_precision(s.acts), BB=_batch_block(B), BH=how.units, BK=_block_k(how, H))
+    if not ok:
+        return None
+    return d_a, d_n, dh0, d_masked
