@@ -88,6 +88,21 @@ def _grid_barrier(counter_ptr, target, SYNC: tl.constexpr):
 
 
 @triton.jit
+def _poison_if_gave_up(counter_ptr, ptr, rows, width, ks, cols, H, GATES: tl.constexpr, SYNC: tl.constexpr,
+                       BB: tl.constexpr, BH: tl.constexpr):
+    """NaN into columns ``g·H + j`` (this program's units) of every row of ``ptr`` ``[rows, width]``
+    where a barrier gave up: nothing that ran without its barrier passes for a result."""
+    if SYNC:  # noqa: SIM102 (a compile-time test around a run-time one: Triton keeps them apart)
+        if tl.atomic_add(counter_ptr, 0) >= 1073741824:
+            nan = tl.zeros((BB, BH), dtype=tl.float32) + float("nan")
+            for r0 in range(0, rows, BB):
+                for g in tl.static_range(GATES):
+                    inside = ((r0 + ks) < rows)[:, None] & (cols < H)[None, :]
+                    tl.store(ptr + (r0 + ks)[:, None] * width + g * H + cols[None, :],
+                             nan.to(ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
 def _step_row(table_ptr, s):
     """``(b, off, carried, prev_off, nb, noff, nmoff)`` of step ``s`` (see :func:`_step_table`)."""
     row = table_ptr + s * 8
@@ -96,23 +111,41 @@ def _step_row(table_ptr, s):
 
 
 @triton.jit
-def _recurrent_product(m_ptr, m_row, m_gate, w_ptr, gate, off, b, ks, cols, H, P,
-                       MASK_GATES: tl.constexpr, PRECISION: tl.constexpr,
-                       UPCAST: tl.constexpr, BB: tl.constexpr,
-                       BH: tl.constexpr, BK: tl.constexpr):
-    """``[BB, BH]``: ``Σ_p m^g[k, p] W[g·H + j, p]`` over the rows ``k < b`` of the state at ``off``."""
-    acc = tl.zeros((BB, BH), dtype=tl.float32)
-    g_m = gate if MASK_GATES > 1 else 0
-    for k0 in range(0, P, BK):
+def _gate_products(m_ptr, m_row, m_gate, w_ptr, off, b, ks, cols, H,
+                   CELL_GATES: tl.constexpr, MASK_GATES: tl.constexpr, PRECISION: tl.constexpr,
+                   UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr):
+    """``[BB, BH]`` per gate ``g``: ``Σ_p m^g[k, p] W[g·H + j, p]`` over the rows ``k < b`` of the state
+    at ``off``, every gate in one pass over ``p`` (one load of ``m`` serves them all without per-gate
+    masks); the fourth is zeros for a cell of three gates."""
+    a0 = tl.zeros((BB, BH), dtype=tl.float32)
+    a1 = tl.zeros((BB, BH), dtype=tl.float32)
+    a2 = tl.zeros((BB, BH), dtype=tl.float32)
+    a3 = tl.zeros((BB, BH), dtype=tl.float32)
+    rows = (ks < b)[:, None]
+    for k0 in range(0, H, BK):
         p = k0 + tl.arange(0, BK)
-        m = tl.load(m_ptr + (off + ks)[:, None] * m_row + g_m * m_gate + p[None, :],
-                    mask=(ks < b)[:, None] & (p < P)[None, :], other=0.0, cache_modifier=".cg")
-        w = tl.load(w_ptr + (gate * H + cols)[None, :] * P + p[:, None],
-                    mask=(cols < H)[None, :] & (p < P)[:, None], other=0.0)
-        if UPCAST:
-            m, w = m.to(tl.float32), w.to(tl.float32)
-        acc += tl.dot(m, w, input_precision=PRECISION)
-    return acc
+        m_at = m_ptr + (off + ks)[:, None] * m_row + p[None, :]
+        m_in = rows & (p < H)[None, :]
+        w_at = w_ptr + cols[None, :] * H + p[:, None]
+        w_in = (cols < H)[None, :] & (p < H)[:, None]
+        m = tl.load(m_at, mask=m_in, other=0.0, cache_modifier=".cg")
+        for g in tl.static_range(CELL_GATES):
+            if MASK_GATES > 1 and g > 0:
+                m = tl.load(m_at + g * m_gate, mask=m_in, other=0.0, cache_modifier=".cg")
+            w = tl.load(w_at + g * H * H, mask=w_in, other=0.0)
+            if UPCAST:
+                part = tl.dot(m.to(tl.float32), w.to(tl.float32), input_precision=PRECISION)
+            else:
+                part = tl.dot(m, w, input_precision=PRECISION)
+            if g == 0:
+                a0 += part
+            elif g == 1:
+                a1 += part
+            elif g == 2:
+                a2 += part
+            else:
+                a3 += part
+    return a0, a1, a2, a3
 
 
 @triton.jit
@@ -135,7 +168,7 @@ def _store_next_state(h, h0_ptr, mask_ptr, mask_row, mask_gate, m_ptr, m_row, m_
 @triton.jit
 def _lstm_forward(
     gx_ptr, w_ptr, h0_ptr, c0_ptr, mask_ptr, mask_row, mask_gate, table_ptr, m_ptr, m_row, m_gate,
-    acts_ptr, cells_ptr, out_ptr, h_state_ptr, c_state_ptr, counter_ptr, s_begin, s_end, B, H,
+    acts_ptr, cells_ptr, out_ptr, h_state_ptr, c_state_ptr, counter_ptr, s_begin, s_end, B, H, N,
     MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, SYNC: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
@@ -150,14 +183,8 @@ def _lstm_forward(
         b, off, carried, _, nb, noff, nmoff = _step_row(table_ptr, s)
         live = (ks < b)[:, None] & (cols < H)[None, :]
         here = (off + ks)[:, None] * (4 * H) + cols[None, :]
-        z_i = _recurrent_product(m_ptr, m_row, m_gate, w_ptr, 0, off, b, ks, cols, H, H, MASK_GATES,
-                                 PRECISION, UPCAST, BB, BH, BK)
-        z_f = _recurrent_product(m_ptr, m_row, m_gate, w_ptr, 1, off, b, ks, cols, H, H, MASK_GATES,
-                                 PRECISION, UPCAST, BB, BH, BK)
-        z_g = _recurrent_product(m_ptr, m_row, m_gate, w_ptr, 2, off, b, ks, cols, H, H, MASK_GATES,
-                                 PRECISION, UPCAST, BB, BH, BK)
-        z_o = _recurrent_product(m_ptr, m_row, m_gate, w_ptr, 3, off, b, ks, cols, H, H, MASK_GATES,
-                                 PRECISION, UPCAST, BB, BH, BK)
+        z_i, z_f, z_g, z_o = _gate_products(m_ptr, m_row, m_gate, w_ptr, off, b, ks, cols, H, 4, MASK_GATES,
+                                            PRECISION, UPCAST, BB, BH, BK)
         i = sigmoid(z_i + tl.load(gx_ptr + here, mask=live, other=0.0).to(tl.float32))
         f = sigmoid(z_f + tl.load(gx_ptr + here + H, mask=live, other=0.0).to(tl.float32))
         g = tanh(z_g + tl.load(gx_ptr + here + 2 * H, mask=live, other=0.0).to(tl.float32))
@@ -179,12 +206,15 @@ def _lstm_forward(
         _grid_barrier(counter_ptr, (s + 1 - s_begin) * tl.num_programs(0), SYNC)
     tl.store(h_state_ptr + state, h_reg, mask=batch)
     tl.store(c_state_ptr + state, c_reg, mask=batch)
+    _poison_if_gave_up(counter_ptr, out_ptr, N, H, ks, cols, H, 1, SYNC, BB, BH)
+    _poison_if_gave_up(counter_ptr, h_state_ptr, B, H, ks, cols, H, 1, SYNC, BB, BH)
+    _poison_if_gave_up(counter_ptr, c_state_ptr, B, H, ks, cols, H, 1, SYNC, BB, BH)
 
 
 @triton.jit
 def _gru_forward(
     gx_ptr, w_ptr, b_hh_ptr, h0_ptr, mask_ptr, mask_row, mask_gate, table_ptr, m_ptr, m_row, m_gate,
-    acts_ptr, a_n_ptr, out_ptr, h_state_ptr, counter_ptr, s_begin, s_end, B, H,
+    acts_ptr, a_n_ptr, out_ptr, h_state_ptr, counter_ptr, s_begin, s_end, B, H, N,
     MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, SYNC: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
 ):
@@ -197,12 +227,8 @@ def _gru_forward(
         b, off, carried, _, nb, noff, nmoff = _step_row(table_ptr, s)
         live = (ks < b)[:, None] & (cols < H)[None, :]
         here = (off + ks)[:, None] * (3 * H) + cols[None, :]
-        a_r = _recurrent_product(m_ptr, m_row, m_gate, w_ptr, 0, off, b, ks, cols, H, H, MASK_GATES,
-                                 PRECISION, UPCAST, BB, BH, BK)
-        a_z = _recurrent_product(m_ptr, m_row, m_gate, w_ptr, 1, off, b, ks, cols, H, H, MASK_GATES,
-                                 PRECISION, UPCAST, BB, BH, BK)
-        a_n = _recurrent_product(m_ptr, m_row, m_gate, w_ptr, 2, off, b, ks, cols, H, H, MASK_GATES,
-                                 PRECISION, UPCAST, BB, BH, BK)
+        a_r, a_z, a_n, _ = _gate_products(m_ptr, m_row, m_gate, w_ptr, off, b, ks, cols, H, 3, MASK_GATES,
+                                          PRECISION, UPCAST, BB, BH, BK)
         if HAS_BIAS:
             a_r += tl.load(b_hh_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
             a_z += tl.load(b_hh_ptr + H + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
@@ -223,6 +249,23 @@ def _gru_forward(
                           noff, nmoff, H, MASK_GATES, HAS_MASK)
         _grid_barrier(counter_ptr, (s + 1 - s_begin) * tl.num_programs(0), SYNC)
     tl.store(h_state_ptr + state, h_reg, mask=batch)
+    _poison_if_gave_up(counter_ptr, out_ptr, N, H, ks, cols, H, 1, SYNC, BB, BH)
+    _poison_if_gave_up(counter_ptr, h_state_ptr, B, H, ks, cols, H, 1, SYNC, BB, BH)
+
+
+@triton.jit
+def _masked_state_grad(dm, gate, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row, dm_gate, ks, cols, nxt,
+                       noff, nmoff, HAS_MASK: tl.constexpr, NEED_DMASK: tl.constexpr):
+    """``dm^g * M^g`` on the rows ``nxt`` (zeros elsewhere); stores ``dm^g`` where asked."""
+    if NEED_DMASK:
+        tl.store(d_masked_ptr + (noff + ks)[:, None] * dm_row + gate * dm_gate + cols[None, :],
+                 dm.to(d_masked_ptr.dtype.element_ty), mask=nxt)
+    part = dm
+    if HAS_MASK:
+        m = tl.load(mask_ptr + nmoff + ks[:, None] * mask_row + gate * mask_gate + cols[None, :], mask=nxt,
+                    other=0.0)
+        part = dm * m.to(tl.float32)
+    return tl.where(nxt, part, 0.0)
 
 
 @triton.jit
@@ -237,29 +280,33 @@ def _state_grad(dz_ptr, w_ptr, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_r
     nxt = (ks < nb)[:, None] & (cols < H)[None, :]
     total = carry
     dm = tl.zeros((BB, BH), dtype=tl.float32)
-    for g in tl.static_range(CELL_GATES):
-        if MASK_GATES > 1:
-            dm = tl.zeros((BB, BH), dtype=tl.float32)
-        for k0 in range(0, H, BK):
+    if MASK_GATES == 1:  # one sum over all G·H rows of W_hh
+        for k0 in range(0, CELL_GATES * H, BK):
             h = k0 + tl.arange(0, BK)
-            dz = tl.load(dz_ptr + (noff + ks)[:, None] * (CELL_GATES * H) + g * H + h[None, :],
-                         mask=(ks < nb)[:, None] & (h < H)[None, :], other=0.0, cache_modifier=".cg")
-            w = tl.load(w_ptr + (g * H + h)[:, None] * H + cols[None, :],
-                        mask=(h < H)[:, None] & (cols < H)[None, :], other=0.0)
+            dz = tl.load(dz_ptr + (noff + ks)[:, None] * (CELL_GATES * H) + h[None, :],
+                         mask=(ks < nb)[:, None] & (h < CELL_GATES * H)[None, :], other=0.0,
+                         cache_modifier=".cg")
+            w = tl.load(w_ptr + h[:, None] * H + cols[None, :],
+                        mask=(h < CELL_GATES * H)[:, None] & (cols < H)[None, :], other=0.0)
             if UPCAST:
                 dz, w = dz.to(tl.float32), w.to(tl.float32)
             dm += tl.dot(dz, w, input_precision=PRECISION)
-        if MASK_GATES > 1 or g == CELL_GATES - 1:
-            gate = g if MASK_GATES > 1 else 0
-            if NEED_DMASK:
-                tl.store(d_masked_ptr + (noff + ks)[:, None] * dm_row + gate * dm_gate + cols[None, :],
-                         dm.to(d_masked_ptr.dtype.element_ty), mask=nxt)
-            part = dm
-            if HAS_MASK:
-                m = tl.load(mask_ptr + nmoff + ks[:, None] * mask_row + gate * mask_gate + cols[None, :],
-                            mask=nxt, other=0.0)
-                part = dm * m.to(tl.float32)
-            total += tl.where(nxt, part, 0.0)
+        total += _masked_state_grad(dm, 0, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row, dm_gate, ks,
+                                    cols, nxt, noff, nmoff, HAS_MASK, NEED_DMASK)
+    else:
+        for g in tl.static_range(CELL_GATES):  # one mask per gate: one sum per gate
+            dm = tl.zeros((BB, BH), dtype=tl.float32)
+            for k0 in range(0, H, BK):
+                h = k0 + tl.arange(0, BK)
+                dz = tl.load(dz_ptr + (noff + ks)[:, None] * (CELL_GATES * H) + g * H + h[None, :],
+                             mask=(ks < nb)[:, None] & (h < H)[None, :], other=0.0, cache_modifier=".cg")
+                w = tl.load(w_ptr + (g * H + h)[:, None] * H + cols[None, :],
+                            mask=(h < H)[:, None] & (cols < H)[None, :], other=0.0)
+                if UPCAST:
+                    dz, w = dz.to(tl.float32), w.to(tl.float32)
+                dm += tl.dot(dz, w, input_precision=PRECISION)
+            total += _masked_state_grad(dm, g, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row, dm_gate,
+                                        ks, cols, nxt, noff, nmoff, HAS_MASK, NEED_DMASK)
     return total
 
 
@@ -267,7 +314,7 @@ def _state_grad(dz_ptr, w_ptr, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_r
 def _lstm_backward(
     d_out_ptr, w_ptr, c0_ptr, mask_ptr, mask_row, mask_gate, table_ptr, acts_ptr, cells_ptr,
     dz_ptr, d_masked_ptr, dm_row, dm_gate, carry_ptr, dc_ptr, dh0_ptr, dc0_ptr, counter_ptr, s_begin, s_end,
-    B, H,
+    B, H, N,
     MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOUT: tl.constexpr, NEED_DMASK: tl.constexpr,
     SYNC: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
@@ -312,12 +359,15 @@ def _lstm_backward(
         _grid_barrier(counter_ptr, (rs + 1 - s_begin) * tl.num_programs(0), SYNC)
     tl.store(carry_ptr + state, carry, mask=batch)
     tl.store(dc_ptr + state, dc_reg, mask=batch)
+    _poison_if_gave_up(counter_ptr, dz_ptr, N, 4 * H, ks, cols, H, 4, SYNC, BB, BH)
+    _poison_if_gave_up(counter_ptr, dh0_ptr, B, H, ks, cols, H, 1, SYNC, BB, BH)
+    _poison_if_gave_up(counter_ptr, dc0_ptr, B, H, ks, cols, H, 1, SYNC, BB, BH)
 
 
 @triton.jit
 def _gru_backward(
     d_out_ptr, w_ptr, h0_ptr, mask_ptr, mask_row, mask_gate, table_ptr, acts_ptr, a_n_ptr, out_ptr,
-    da_ptr, dn_ptr, d_masked_ptr, dm_row, dm_gate, carry_ptr, dh0_ptr, counter_ptr, s_begin, s_end, B, H,
+    da_ptr, dn_ptr, d_masked_ptr, dm_row, dm_gate, carry_ptr, dh0_ptr, counter_ptr, s_begin, s_end, B, H, N,
     MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOUT: tl.constexpr, NEED_DMASK: tl.constexpr,
     SYNC: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
@@ -357,6 +407,8 @@ def _gru_backward(
         carry = tl.where(live, dh * z, dh)
         _grid_barrier(counter_ptr, (rs + 1 - s_begin) * tl.num_programs(0), SYNC)
     tl.store(carry_ptr + state, carry, mask=batch)
+    _poison_if_gave_up(counter_ptr, da_ptr, N, 3 * H, ks, cols, H, 3, SYNC, BB, BH)
+    _poison_if_gave_up(counter_ptr, dh0_ptr, B, H, ks, cols, H, 1, SYNC, BB, BH)
 
 
 class Launch(NamedTuple):
@@ -470,43 +522,97 @@ def _mask_strides(mask: Tensor | None) -> tuple[int, int]:
     return (mask.stride(1) if mask.shape[1] > 1 else 0), (mask.stride(2) if mask.dim() == 4 else 0)
 
 
-def _run(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constexprs) -> bool:
-    """Launch ``kernel`` over steps ``0 .. steps - 1``; False where a barrier gave up."""
+def _cooperative_launches() -> bool:
+    """Whether this Triton launches a grid cooperatively (CUDA then runs every program at once, or
+    refuses the launch): ``launch_cooperative_grid``, in Triton's NVIDIA options since 3.3."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_cooperative_grid" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+_COOPERATIVE = _cooperative_launches()
+#: Counters of cooperative launches still to be read: ``(event, pinned copy, device)``.
+_pending: list[tuple[torch.cuda.Event, Tensor, torch.device]] = []
+
+
+def _read_finished_counters() -> None:
+    """Read the counters of finished cooperative launches (no waiting): one that gave up marks its
+    device (:func:`gave_up`); its outputs were NaN."""
+    while _pending and _pending[0][0].query():
+        _, value, device = _pending.pop(0)
+        if int(value[0]) >= GAVE_UP:
+            gave_up(device, "a grid barrier gave up waiting; that call's results were NaN")
+
+
+def _run(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constexprs) -> str | None:
+    """Launch ``kernel`` over steps ``0 .. steps - 1``; None, or why the step kernel must run instead.
+
+    One persistent launch on CUDA. Launched cooperatively where Triton can (all programs resident,
+    or CUDA refuses the launch), its counter is read later without waiting, since a barrier cannot
+    then starve; else the host reads it after the launch (a synchronisation) and a barrier that gave
+    up sends the call to the step kernel."""
     device = args[0].device
     counter = torch.zeros(1, dtype=torch.int32, device=device)
     warps = 8 if constexprs["BB"] >= 128 else 4
     # Triton's interpreter multiplies bfloat16 tiles wrongly: it gets float32 ones (exact products)
     upcast = interpreted()
-    if not how.per_step:
+    if how.per_step:
+        order = range(steps - 1, -1, -1) if backward else range(steps)
+        for s in order:
+            kernel[(how.programs,)](*args, counter, s, s + 1, **constexprs, SYNC=False, UPCAST=upcast,
+                                    num_warps=warps)
+        return None
+    cuda = device.type == "cuda"
+    cooperative = cuda and _COOPERATIVE and how.programs > 1
+    options = dict(launch_cooperative_grid=True) if cooperative else {}
+    if cuda:
+        _read_finished_counters()
+    try:
         kernel[(how.programs,)](*args, counter, 0, steps, **constexprs, SYNC=how.programs > 1, UPCAST=upcast,
-                                num_warps=warps)
-        if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-            return int(counter.item()) < GAVE_UP
-        return True
-    order = range(steps - 1, -1, -1) if backward else range(steps)
-    for s in order:
-        kernel[(how.programs,)](*args, counter, s, s + 1, **constexprs, SYNC=False, UPCAST=upcast,
-                                num_warps=warps)
-    return True
+                                num_warps=warps, **options)
+    except RuntimeError as error:  # a cooperative grid CUDA cannot hold at once
+        if not cooperative:
+            raise
+        return f"the cooperative launch was refused ({str(error).strip().splitlines()[0]})"
+    if not cuda or torch.cuda.is_current_stream_capturing():
+        return None
+    if cooperative:
+        value = torch.empty(1, dtype=torch.int32, pin_memory=True)
+        value.copy_(counter, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        _pending.append((event, value, device))
+        return None
+    if int(counter.item()) >= GAVE_UP:
+        return "a grid barrier gave up waiting (another kernel held multiprocessors)"
+    return None
 
 
 _given_up: set[str] = set()
 
 
+def _key(device: torch.device) -> str:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(device)
+
+
 def usable(device: torch.device) -> bool:
-    """False once a barrier gave up on ``device`` in this process."""
-    return str(device) not in _given_up
+    """False once the persistent loop failed on ``device`` in this process."""
+    return _key(device) not in _given_up
 
 
-def gave_up(device: torch.device) -> None:
-    """Record that a barrier gave up on ``device``: the call reruns with the step kernel, and so do
-    later ones there (one warning)."""
-    if str(device) not in _given_up:
-        _given_up.add(str(device))
-        warnings.warn(
-            f"rnndrop: the persistent 'triton' loop gave up waiting at a grid barrier on {device} (another "
-            "kernel held multiprocessors); this call and later ones there run the per-step Triton kernel",
-            RuntimeWarning, stacklevel=4)
+def gave_up(device: torch.device, why: str) -> None:
+    """Record that the persistent loop failed on ``device`` (``why``): later calls there run the
+    per-step Triton kernel (one warning)."""
+    if _key(device) not in _given_up:
+        _given_up.add(_key(device))
+        warnings.warn(f"rnndrop: the persistent 'triton' loop failed on {device}: {why}; this call (where "
+                      "it can still be) and later ones there run the per-step Triton kernel",
+                      RuntimeWarning, stacklevel=4)
 
 
 def _block_k(how: Launch, hidden: int) -> int:
@@ -534,10 +640,11 @@ def lstm_forward(how: Launch, schedule: Schedule, gates_x, h0, c0, w_hh, mask):
     m_row, m_gate = masked.stride(0), (masked.stride(1) if G > 1 else 0)
     args = (gates_x, w_hh, h0, c0, h0 if mask is None else mask, mask_row, mask_gate, table, masked, m_row,
             m_gate, acts, cells, out, h_state, c_state)
-    ok = _run(_lstm_forward, how, len(schedule.steps) + 1, args, False, B=B, H=H, MASK_GATES=G,
+    failure = _run(_lstm_forward, how, len(schedule.steps) + 1, args, False, B=B, H=H, N=N, MASK_GATES=G,
               HAS_MASK=mask is not None, PRECISION=_precision(gates_x), BB=_batch_block(B), BH=how.units,
               BK=_block_k(how, H))
-    if not ok:
+    if failure is not None:
+        gave_up(device, failure)
         return None
     return out, h_state.to(out.dtype), c_state.to(c0.dtype), acts, cells, None, masked
 
@@ -560,10 +667,11 @@ def lstm_backward(how: Launch, schedule: Schedule, needs: Sequence[bool], saved,
     args = (s.acts if d_out is None else d_out, s.w_hh, s.c0, s.h0 if s.mask is None else s.mask, mask_row,
             mask_gate, _step_table(schedule, s.mask, device), s.acts, s.cells, d_gates, dm_target,
             dm_target.stride(0), dm_target.stride(1) if G > 1 else 0, carry, dc, dh0, dc0)
-    ok = _run(_lstm_backward, how, len(schedule.steps) + 1, args, True, B=B, H=H, MASK_GATES=G,
+    failure = _run(_lstm_backward, how, len(schedule.steps) + 1, args, True, B=B, H=H, N=N, MASK_GATES=G,
               HAS_MASK=s.mask is not None, HAS_DOUT=d_out is not None, NEED_DMASK=need_dmask,
               PRECISION=_precision(s.acts), BB=_batch_block(B), BH=how.units, BK=_block_k(how, H))
-    if not ok:
+    if failure is not None:
+        gave_up(device, failure)
         return None
     return d_gates, dh0, dc0, d_masked
 
@@ -582,10 +690,11 @@ def gru_forward(how: Launch, schedule: Schedule, gates_x, h0, w_hh, b_hh, mask):
     args = (gates_x, w_hh, h0 if b_hh is None else b_hh, h0, h0 if mask is None else mask, mask_row,
             mask_gate, _step_table(schedule, mask, device), masked, masked.stride(0),
             masked.stride(1) if G > 1 else 0, acts, a_n, out, h_state)
-    ok = _run(_gru_forward, how, len(schedule.steps) + 1, args, False, B=B, H=H, MASK_GATES=G,
+    failure = _run(_gru_forward, how, len(schedule.steps) + 1, args, False, B=B, H=H, N=N, MASK_GATES=G,
               HAS_MASK=mask is not None, HAS_BIAS=b_hh is not None, PRECISION=_precision(gates_x),
               BB=_batch_block(B), BH=how.units, BK=_block_k(how, H))
-    if not ok:
+    if failure is not None:
+        gave_up(device, failure)
         return None
     return out, h_state.to(out.dtype), acts, a_n, masked
 
@@ -609,9 +718,10 @@ def gru_backward(how: Launch, schedule: Schedule, needs: Sequence[bool], saved, 
     args = (s.acts if d_out is None else d_out, s.w_hh, s.h0, s.h0 if s.mask is None else s.mask, mask_row,
             mask_gate, _step_table(schedule, s.mask, device), s.acts, s.a_n, s.out, d_a, d_n, dm_target,
             dm_target.stride(0), dm_target.stride(1) if G > 1 else 0, carry, dh0)
-    ok = _run(_gru_backward, how, len(schedule.steps) + 1, args, True, B=B, H=H, MASK_GATES=G,
+    failure = _run(_gru_backward, how, len(schedule.steps) + 1, args, True, B=B, H=H, N=N, MASK_GATES=G,
               HAS_MASK=s.mask is not None, HAS_DOUT=d_out is not None, NEED_DMASK=need_dmask,
               PRECISION=_precision(s.acts), BB=_batch_block(B), BH=how.units, BK=_block_k(how, H))
-    if not ok:
+    if failure is not None:
+        gave_up(device, failure)
         return None
     return d_a, d_n, dh0, d_masked

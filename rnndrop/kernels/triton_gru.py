@@ -215,11 +215,10 @@ def _all_grads(s: _Saved, schedule: Schedule, needs: Sequence[bool], d_a, d_n, d
 
 def _persistent_backward(how: persistent.Launch, schedule: Schedule, needs: Sequence[bool], *tensors):
     """:func:`_backward` by the persistent loop (:mod:`rnndrop.kernels.persistent`); None where a
-    barrier gave up (the device is then marked, and the step kernel runs)."""
+    launch failed (the device is then marked, and the step kernel runs)."""
     s, (d_out, d_hn) = _Saved(*tensors[:-2]), tensors[-2:]
     result = persistent.gru_backward(how, schedule, needs, s, d_out, d_hn)
-    if result is None:
-        persistent.gave_up(s.out.device)
+    if result is None:  # the device is marked: the step kernel runs
         return None
     return _all_grads(s, schedule, needs, *result)
 
@@ -233,8 +232,6 @@ class _GRURecurrence(torch.autograd.Function):
             result = None
             if how is not None:
                 result = persistent.gru_forward(how, schedule, gates_x, h0, w_hh, b_hh, mask)
-            if how is not None and result is None:
-                persistent.gave_up(gates_x.device)
             if result is None:
                 how = None
                 result = GRAPHS(("gru forward", *loop_key(schedule)), functools.partial(_forward, schedule),

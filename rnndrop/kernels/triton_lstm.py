@@ -226,11 +226,10 @@ def _backward(schedule: Schedule, needs: Sequence[bool], *tensors):
 
 def _persistent_backward(how: persistent.Launch, schedule: Schedule, needs: Sequence[bool], *tensors):
     """:func:`_backward` by the persistent loop (:mod:`rnndrop.kernels.persistent`); None where a
-    barrier gave up (the device is then marked, and the step kernel runs)."""
+    launch failed (the device is then marked, and the step kernel runs)."""
     s, (d_out, d_hn, d_cn) = _Saved(*tensors[:-3]), tensors[-3:]
     result = persistent.lstm_backward(how, schedule, needs, s, d_out, d_hn, d_cn)
-    if result is None:
-        persistent.gave_up(s.cells.device)
+    if result is None:  # the device is marked: the step kernel runs
         return None
     d_gates, dh0, dc0, d_masked = result
     return (d_gates if needs[0] else None, dh0.to(s.h0.dtype) if needs[1] else None,
@@ -260,8 +259,6 @@ class _LSTMRecurrence(torch.autograd.Function):
             result = None
             if how is not None:
                 result = persistent.lstm_forward(how, schedule, gates_x, h0, c0, w_hh, mask)
-            if how is not None and result is None:
-                persistent.gave_up(gates_x.device)
             if result is None:
                 how = None
                 result = GRAPHS(("lstm forward", *loop_key(schedule)), functools.partial(_forward, schedule),
