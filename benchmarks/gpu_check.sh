@@ -5,7 +5,7 @@
 #
 #   bash benchmarks/gpu_check.sh                    # every section, about 9 minutes on an H200
 #   bash benchmarks/gpu_check.sh checks tf32 lms    # some of them: machine checks tests speed tf32 mc
-#                                                   # profile lms
+#                                                   # profile loop_profile lms
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -91,6 +91,32 @@ for name, module in variants.items():
     launches = sum(e.count for e in events if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel")))
     print(f"== {name}: {launches / 10:.0f} kernel launches a step")
     print(events.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=44))
+PROFILE
+}
+
+loop_profile() {
+step "where a tied-mask training step spends GPU time (LSTM, 2 layers, batch 20, the persistent loop)"
+timeout 90 $PY - <<'PROFILE' 2>&1 | tee "$OUT/loop-profile.txt" | head -n 40
+import torch
+from torch.profiler import ProfilerActivity, profile
+from rnndrop import VariationalLSTM
+
+for hidden in (200, 650, 1500):
+    layer = VariationalLSTM(hidden, hidden, 2, dropout=0.5, dropout_input=0.5, dropout_hidden=0.5,
+                            dropout_output=0.5).cuda()
+    x = torch.randn(35, 20, hidden, device="cuda")
+    for _ in range(3):
+        layer(x)[0].sum().backward()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            layer(x)[0].sum().backward()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.self_device_time_total for e in events) / 5 / 1e3
+    print(f"== hidden {hidden}: GPU busy {total:.2f} ms a step; by kernel (ms a step):")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:5]:
+        print(f"   {e.self_device_time_total / 5 / 1e3:7.3f}  x{e.count // 5:<3d} {e.key[:70]}")
 PROFILE
 }
 
