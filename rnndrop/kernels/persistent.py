@@ -50,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.runtime.errors import OutOfResources
 
 from rnndrop.kernels.schedule import Schedule
 from rnndrop.kernels.triton_common import sigmoid, tanh
@@ -533,6 +534,10 @@ def _cooperative_launches() -> bool:
 
 
 _COOPERATIVE = _cooperative_launches()
+#: Pipeline depths of the loops over ``W_hh``, deepest first; the first whose shared memory fits
+#: is kept per kernel and block shape.
+_STAGES = (3, 2, 1)
+_stages: dict[tuple, int] = {}
 #: Counters of cooperative launches still to be read: ``(event, pinned copy, device)``.
 _pending: list[tuple[torch.cuda.Event, Tensor, torch.device]] = []
 
@@ -569,13 +574,21 @@ def _run(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constex
     options = dict(launch_cooperative_grid=True) if cooperative else {}
     if cuda:
         _read_finished_counters()
-    try:
-        kernel[(how.programs,)](*args, counter, 0, steps, **constexprs, SYNC=how.programs > 1, UPCAST=upcast,
-                                num_warps=warps, **options)
-    except RuntimeError as error:  # a cooperative grid CUDA cannot hold at once
-        if not cooperative:
-            raise
-        return f"the cooperative launch was refused ({str(error).strip().splitlines()[0]})"
+    key = (kernel.__name__, constexprs["BB"], constexprs["BK"], constexprs["MASK_GATES"], args[0].dtype)
+    for stages in _STAGES[_STAGES.index(_stages.get(key, _STAGES[0])):]:
+        try:
+            kernel[(how.programs,)](*args, counter, 0, steps, **constexprs, SYNC=how.programs > 1,
+                                    UPCAST=upcast, num_warps=warps, num_stages=stages, **options)
+            _stages[key] = stages
+            break
+        except OutOfResources:  # the pipelined loads need more shared memory than there is
+            continue
+        except RuntimeError as error:  # a cooperative grid CUDA cannot hold at once
+            if not cooperative:
+                raise
+            return f"the cooperative launch was refused ({str(error).strip().splitlines()[0]})"
+    else:
+        return "its loads do not fit in shared memory even unpipelined"
     if not cuda or torch.cuda.is_current_stream_capturing():
         return None
     if cooperative:
