@@ -164,10 +164,22 @@ def test_a_barrier_that_gives_up_reruns_the_step_kernel_with_one_warning(kind, d
     assert not persistent.usable(device)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="TF32 is a GPU's")
 def test_persistent_loop_follows_cudnns_tf32_switch(device):
-    """With ``torch.backends.cudnn.allow_tf32`` on (torch's default, which nn.LSTM follows) the
-    products run in TF32: within 2e-2 of the reference, and not equal to the IEEE run."""
+    """Float32 products in TF32 on CUDA exactly when ``torch.backends.cudnn.allow_tf32`` is on (torch's
+    default, which nn.LSTM follows), IEEE otherwise and for other dtypes; on a GPU the TF32 run is
+    within 2e-2 of the IEEE one and not equal to it."""
+    from types import SimpleNamespace
+
+    cuda32 = SimpleNamespace(device=torch.device("cuda"), dtype=torch.float32)
+    cuda16 = SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16)
+    cpu32 = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32)
+    for allowed, expected in ((True, "tf32"), (False, "ieee")):
+        torch.backends.cudnn.allow_tf32 = allowed
+        assert persistent._precision(cuda32) == expected
+        assert persistent._precision(cuda16) == persistent._precision(cpu32) == "ieee"
+    torch.backends.cudnn.allow_tf32 = False
+    if device.type != "cuda":
+        return
     args = inputs("lstm", [20] * 8, (1, "B", "P"), 0, device, torch.float32, H=200)
     ieee = run("triton", "lstm", [20] * 8, args, False)
     torch.backends.cudnn.allow_tf32 = True

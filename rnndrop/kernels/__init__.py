@@ -24,7 +24,7 @@ a layer takes its kernel from :data:`KERNELS` (typed with them) and calls it.
 
 Kernels, by name:
 
-- ``"manual"`` (the default): a hand-written backward pass, :mod:`rnndrop.kernels.lstm`
+- ``"manual"``: a hand-written backward pass, :mod:`rnndrop.kernels.lstm`
   and :mod:`rnndrop.kernels.gru`, with the row bookkeeping in
   :mod:`rnndrop.kernels.schedule` and the matrix products in :mod:`rnndrop.kernels.matmul`;
 - ``"autograd"``: the reference loop differentiated by autograd,
@@ -32,9 +32,12 @@ Kernels, by name:
 - ``"compiled"``: the manual kernel's equations with the time loops in C++,
   :mod:`rnndrop.kernels.compiled` (CPU, float32 / float64; built on first use).
   ``kernel="auto"`` runs it where it can (:func:`auto_loop_kernel`);
-- ``"triton"``: per step one recurrent product (cuBLAS) and one fused Triton kernel, forward and
-  backward, :mod:`rnndrop.kernels.gpu` (CUDA; Triton imported on first use, never by
-  ``import rnndrop``). ``kernel="auto"`` runs it on CUDA tensors where Triton imports.
+- ``"triton"``: :mod:`rnndrop.kernels.gpu` (CUDA; Triton imported on first use, never by
+  ``import rnndrop``): the whole loop of a layer and direction in one persistent launch each way,
+  :mod:`rnndrop.kernels.persistent`, and where that cannot run (float64, ``proj_size``, a batch
+  over 256) per step one cuBLAS product and one fused Triton kernel,
+  :mod:`rnndrop.kernels.triton_lstm` / :mod:`rnndrop.kernels.triton_gru`. ``kernel="auto"`` runs
+  it on CUDA tensors where Triton imports.
 
 A new cell is one more file here, one more protocol and one more entry per kernel in
 :data:`KERNELS`; the step equations the cells share live in :mod:`rnndrop.kernels.gates`.

@@ -1,5 +1,7 @@
-r"""The LSTM recurrence of the "triton" kernel: per step one recurrent product (cuBLAS) and one
-fused Triton kernel, forward and backward, as cuDNN does.
+r"""The LSTM recurrence of the "triton" kernel. Each pass runs the persistent loop
+(:mod:`rnndrop.kernels.persistent`: every step in one launch) where :func:`~rnndrop.kernels.persistent.plan`
+allows, else the per-step loop below: per step one recurrent product (cuBLAS) and one fused Triton
+kernel, forward and backward, as cuDNN does. Both save the same tensors for backward.
 
 The equations are those of :mod:`rnndrop.kernels.lstm`; per step ``t`` (rows and the masked state
 ``m_t = h_{t-1} * M_t`` as in :mod:`rnndrop.kernels.triton_common`)::
