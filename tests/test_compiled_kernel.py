@@ -1,7 +1,7 @@
 """The "compiled" loop kernel (C++ time loops): against the reference kernel, nn.LSTM / nn.GRU
 and the autograd layer; kernel="auto" picks it on CPU; without it, "manual" runs after one warning.
 
-The extension is built (or loaded from torch's cache) once per session by ``compiled_kernel``.
+The extension is built (or loaded from torch's cache) once per session by ``tests/conftest.py``.
 """
 
 import json
@@ -23,18 +23,12 @@ from rnndrop.noise import bernoulli_mask
 from tests import helpers
 from tests.helpers import assert_close
 
-pytestmark = pytest.mark.filterwarnings("ignore:LSTM with projections is not supported")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:LSTM with projections is not supported"),
+    pytest.mark.usefixtures("needs_compiled_kernel"),  # CI has g++ and ninja: no kernel is a failure
+]
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compiled_kernel():
-    """Build or load the extension; CI has g++ and ninja, so not having it is a failure."""
-    try:
-        compiled.build()
-    except RuntimeError as error:
-        pytest.fail(f"the compiled kernel must build here: {error}")
 
 
 # ------------------------------------------------ the kernel against the reference kernel
