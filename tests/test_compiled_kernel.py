@@ -19,7 +19,6 @@ import torch.utils.cpp_extension as cpp_extension
 from rnndrop import VariationalGRU, VariationalLSTM
 from rnndrop.kernels import DEFAULT_LOOP_KERNEL, auto_loop_kernel, compiled, compiled_plan, get_kernel, onednn
 from rnndrop.kernels.onednn import onednn_enabled
-from rnndrop.noise import bernoulli_mask
 from tests import helpers
 from tests.helpers import assert_close
 
@@ -480,63 +479,6 @@ def test_build_command_says_where_the_kernel_is_or_why_not(compiled_kernel):
     assert refused.returncode == 1
     assert refused.stderr.strip().splitlines() == ["rnndrop: the compiled loop kernel is not available: "
                                                    "disabled by RNNDROP_NO_COMPILE"]
-
-
-# ------------------------------------------------ Bernoulli masks drawn by the extension (csrc/noise.cpp)
-
-
-def _python_draw(shape, p, generator, dtype):
-    """rnndrop.noise's draw without the extension (as in a process that has not loaded it)."""
-    extension = compiled._extension
-    compiled._extension = None
-    try:
-        return bernoulli_mask(shape, p, generator=generator, dtype=dtype, device="cpu")
-    finally:
-        compiled._extension = extension
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_the_extensions_mask_draw_is_the_python_draw_bit_for_bit(dtype):
-    """Once the extension is loaded, rnndrop.noise draws Bernoulli masks through it (one pass
-    instead of four): the same bits, from the same stream, leaving the generator where the
-    Python draw leaves it; for any size (whole blocks of 512 values and not, a word cut short)
-    and any p, the exact draw of extreme p included."""
-    assert compiled.loaded() is not None
-    as_bits = torch.int32 if dtype == torch.float32 else torch.int64
-    for shape in [(0, 4), (1,), (7,), (3, 5, 2), (512,), (1029, 3), (35, 20, 200)]:
-        for p in [0.5, 0.3, 0.1, 0.25 + 2**-17, 0.9, 0.003]:
-            python, ours = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
-            expected = _python_draw(shape, p, python, dtype)
-            got = bernoulli_mask(shape, p, generator=ours, dtype=dtype, device="cpu")
-            assert got.shape == expected.shape and got.dtype == expected.dtype
-            assert torch.equal(got.view(as_bits), expected.view(as_bits)), (shape, p)
-            assert torch.equal(torch.rand(9, generator=ours), torch.rand(9, generator=python))
-    torch.manual_seed(11)
-    expected = _python_draw((40, 30), 0.4, None, dtype)
-    torch.manual_seed(11)
-    assert torch.equal(bernoulli_mask((40, 30), 0.4, dtype=dtype, device="cpu"), expected)
-
-
-def test_masks_under_fake_tensors_and_torch_func_are_drawn_by_python():
-    """Tensors the extension cannot write into (a dispatch mode's, a torch.func transform's) get
-    the Python draw, as before: no error, and under vmap the same mask as outside it."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode():
-        assert bernoulli_mask((3, 4), 0.5, device="cpu").shape == (3, 4)
-    expected = _python_draw((6,), 0.5, torch.Generator().manual_seed(2), torch.float32)
-    generator = torch.Generator().manual_seed(2)
-    drawn = torch.func.vmap(lambda x: x * bernoulli_mask((6,), 0.5, generator=generator, device="cpu"),
-                            randomness="same")(torch.ones(2, 6))
-    assert torch.equal(drawn, expected.expand(2, 6))
-
-
-def test_the_extensions_mask_draw_keeps_its_statistics():
-    """A property check of the drawn mask itself: values 0 or 1 / (1 - p), kept at rate 1 - p."""
-    mask = bernoulli_mask((400, 500), 0.3, generator=torch.Generator().manual_seed(0), device="cpu")
-    kept = mask != 0
-    assert torch.all(mask[kept] == torch.tensor(1 / 0.7, dtype=torch.float32))
-    assert abs(kept.float().mean().item() - 0.7) < 0.005
 
 
 # ------------------------------------------------ the build capped at AVX2 (RNNDROP_MAX_CPU_ISA)

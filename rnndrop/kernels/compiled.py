@@ -34,14 +34,14 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
 from rnndrop.kernels.compiled_plan import packed_weights, split_parts
-from rnndrop.kernels.first_order import first_order_backward
+from rnndrop.kernels.first_order import first_order_backward, refuse_transforms
 from rnndrop.kernels.optional import available_or_warn
 
-__all__ = ["build", "gru_recurrence", "is_available", "loaded", "lstm_recurrence"]
+__all__ = ["build", "gru_recurrence", "is_available", "lstm_recurrence"]
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / f for f in ("module.cpp", "lstm.cpp", "gru.cpp", "noise.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / f for f in ("module.cpp", "lstm.cpp", "gru.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / h for h in ("common.h", "rows.h")]
 #: -fno-trapping-math lets GCC turn the clamps of rows.h's e^x into vector min / max (no
 #: floating-point exception is ever unmasked here), so the row passes vectorise. -fopenmp:
@@ -156,13 +156,6 @@ def _compile_or_load() -> ModuleType:
     return module
 
 
-def loaded() -> ModuleType | None:
-    """The extension where this process has loaded it already, else None (nothing is built or
-    warned about: for helpers that only go faster with it, such as the mask draw of
-    :mod:`rnndrop.noise`)."""
-    return _extension
-
-
 def _check_sources_unchanged() -> None:
     """RuntimeError when the C++ sources on disk are not those this process imported with (rnndrop
     upgraded or edited while it ran): their library would not fit the Python side in memory, and
@@ -262,6 +255,7 @@ def lstm_recurrence(
     reverse: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The LSTM recurrence of one layer and direction (contract in :mod:`rnndrop.kernels`)."""
+    refuse_transforms("compiled", gates_x)
     sizes, reverse = _sizes(batch_sizes), bool(reverse)
     if not _differentiable(gates_x, h0, c0, w_hh, w_hr, hidden_mask):
         out, h_n, c_n, *_ = _lstm_forward(
@@ -282,6 +276,7 @@ def gru_recurrence(
     reverse: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """The GRU recurrence of one layer and direction (contract in :mod:`rnndrop.kernels`)."""
+    refuse_transforms("compiled", gates_x)
     sizes, reverse = _sizes(batch_sizes), bool(reverse)
     if not _differentiable(gates_x, h0, w_hh, b_hh, hidden_mask):
         out, h_n, *_ = _gru_forward(gates_x, h0, w_hh, b_hh, hidden_mask, sizes, reverse, keep=False)

@@ -16,7 +16,6 @@ std::vector<Tensor> lstm_backward(const OptTensor&, const OptTensor&, const OptT
                                   const Tensor&, const Tensor&, const Tensor&, const OptTensor&, const OptTensor&,
                                   const Tensor&, const Tensor&, const Tensor&, const OptTensor&, const OptTensor&,
                                   const Sizes&, bool, std::vector<bool>, const Tensors&);
-Tensor bernoulli_mask(const Sizes&, int64_t, double, c10::optional<at::Generator>, at::ScalarType);
 std::vector<Tensor> gru_forward(const Tensor&, const Tensor&, const Tensor&, const OptTensor&, const OptTensor&,
                                 const Sizes&, bool, const Tensors&, bool);
 std::vector<Tensor> gru_backward(const OptTensor&, const OptTensor&, const Tensor&, const Tensor&, const Tensor&,
@@ -33,7 +32,7 @@ int64_t parallel_threads() {
 }  // namespace rnndrop
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "rnndrop's LSTM and GRU recurrences with their time loops in C++, and its Bernoulli masks";
+  m.doc() = "rnndrop's LSTM and GRU recurrences with their time loops in C++";
   m.def("lstm_forward", &rnndrop::lstm_forward,
         "(gates_x, h0, c0, w_hh, w_hr, mask, batch_sizes, reverse, w_packed, keep, parts) -> "
         "[out, h_n, c_n, acts, cells, tanh_cells, r, masked] (keep false: for inference, the last four "
@@ -43,8 +42,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "reverse, needs, w_t_packed) -> [d_gates_x, d_h0, d_c0, d_w_hh, d_w_hr, d_mask]");
   m.def("parallel_threads", &rnndrop::parallel_threads,
         "() -> how many threads one of the library's parallel loops runs on");
-  m.def("bernoulli_mask", &rnndrop::bernoulli_mask,
-        "(shape, threshold, scale, generator, dtype) -> the mask of rnndrop.noise's 16-bit draw, in one pass");
   m.def("gru_forward", &rnndrop::gru_forward,
         "(gates_x, h0, w_hh, b_hh, mask, batch_sizes, reverse, w_packed, keep) -> [out, h_n, acts, a_n, masked] "
         "(keep false: for inference, the last three hold the last step's rows only)");
