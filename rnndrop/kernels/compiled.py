@@ -50,13 +50,6 @@ HEADERS = [Path(__file__).parent / "csrc" / h for h in ("common.h", "rows.h")]
 #: libgomp.so.1, which the loader resolves to the one torch has loaded: one thread pool.
 CFLAGS = ["-O3", "-fno-trapping-math", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
-#: ``RNNDROP_MAX_CPU_ISA=avx2`` builds (and caches apart) a library whose row passes have no AVX-512
-#: copy, as on a CPU without it, the way ``ONEDNN_MAX_CPU_ISA`` and ``ATEN_CPU_CAPABILITY`` cap
-#: oneDNN and ATen: for measuring an AVX2-only CPU on an AVX-512 one (``benchmarks/speed.py
-#: --max-isa avx2``). Read once, at import.
-MAX_ISA_FLAGS = {"": [], "avx2": ["-DRNNDROP_MAX_ISA_AVX2"]}
-MAX_ISA = os.environ.get("RNNDROP_MAX_CPU_ISA", "").strip().lower()
-CFLAGS += MAX_ISA_FLAGS.get(MAX_ISA, [])
 
 
 def _build_name() -> str:
@@ -122,8 +115,6 @@ def _compile_or_load() -> ModuleType:
     """The extension module; RuntimeError with the reason when it cannot be had."""
     if os.environ.get("RNNDROP_NO_COMPILE", "") not in ("", "0"):
         raise RuntimeError("disabled by RNNDROP_NO_COMPILE")
-    if MAX_ISA not in MAX_ISA_FLAGS:
-        raise RuntimeError(f"RNNDROP_MAX_CPU_ISA: expected avx2 or nothing, got {MAX_ISA!r}")
     missing = _missing_tool()
     if missing is not None:
         raise RuntimeError(missing)
