@@ -479,3 +479,34 @@ def test_build_command_says_where_the_kernel_is_or_why_not(compiled_kernel):
     assert refused.returncode == 1
     assert refused.stderr.strip().splitlines() == ["rnndrop: the compiled loop kernel is not available: "
                                                    "disabled by RNNDROP_NO_COMPILE"]
+
+
+# ------------------------------------------------ the boundary with C++ (csrc/kernels.h)
+
+
+def test_every_struct_crossing_the_boundary_has_the_fields_of_its_python_side(needs_compiled_kernel):
+    """Each C++ struct that compiled.py fills or reads has exactly the fields of the NamedTuple
+    that names them in Python: the saved state, the inputs, and per input a need and a gradient."""
+    ext = needs_compiled_kernel
+    pairs = {
+        "LSTMSaved": compiled.LSTMSaved, "GRUSaved": compiled.GRUSaved,
+        "LSTMInputs": compiled.LSTMInputs, "LSTMNeeds": compiled.LSTMInputs, "LSTMGrads": compiled.LSTMInputs,
+        "GRUInputs": compiled.GRUInputs, "GRUNeeds": compiled.GRUInputs, "GRUGrads": compiled.GRUInputs,
+    }
+    for struct, fields in pairs.items():
+        assert compiled._fields(getattr(ext, struct)) == set(fields._fields), struct
+    assert compiled._fields(ext.LSTMOutputGrads) == {"out", "h_n", "c_n"}
+    assert compiled._fields(ext.GRUOutputGrads) == {"out", "h_n"}
+
+
+def test_a_struct_is_filled_by_name_or_refused(needs_compiled_kernel):
+    """A field left out or named wrong is an error naming the struct's fields, not a tensor
+    passed on to another parameter."""
+    ext = needs_compiled_kernel
+    schedule = compiled._struct(ext.Schedule, batch_sizes=[2, 1], reverse=True)
+    assert schedule.batch_sizes == [2, 1] and schedule.reverse is True
+    fields = r"Schedule has the fields \['batch_sizes', 'reverse'\], got \['batch_sizes'\]"
+    with pytest.raises(ValueError, match=fields):
+        compiled._struct(ext.Schedule, batch_sizes=[2, 1])
+    with pytest.raises(ValueError, match="LSTMOutputGrads has the fields"):
+        compiled._struct(ext.LSTMOutputGrads, out=None, h_n=None, c_n=None, d_out=None)
