@@ -426,8 +426,8 @@ def test_without_compiler_auto_warns_once_and_runs_manual():
 
 
 def test_a_compiler_that_fails_is_a_reason_to_fall_back_not_a_traceback(monkeypatch):
-    """Issue 25 probe: with CXX=/bin/false the build raised subprocess.CalledProcessError out of
-    the layer's forward (kernel='auto') instead of falling back to the 'manual' kernel."""
+    """A compiler that fails its own probe (CXX=/bin/false: subprocess.CalledProcessError) is a
+    reason the kernel is not available, so kernel='auto' falls back to 'manual', not a traceback."""
     def failing_load(*args, **kwargs):
         raise subprocess.CalledProcessError(1, ["/bin/false", "--version"])
 
