@@ -247,6 +247,7 @@ def _struct(cls: type, **fields: Any) -> Any:
 
 
 def _schedule(batch_sizes: list[int], reverse: bool) -> Any:
+    """The extension's ``Schedule``: the rows of each step, and the direction."""
     return _struct(build().Schedule, batch_sizes=batch_sizes, reverse=reverse)
 
 
@@ -286,7 +287,9 @@ class _LSTMRecurrence(torch.autograd.Function):
     """Differentiable in the :class:`LSTMInputs` that follow ``batch_sizes`` and ``reverse``."""
 
     @staticmethod
-    def forward(ctx: FunctionCtx, batch_sizes: list[int], reverse: bool, *tensors: Tensor | None):
+    def forward(
+        ctx: FunctionCtx, batch_sizes: list[int], reverse: bool, *tensors: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
         inputs = LSTMInputs(*tensors)
         result = _lstm_forward(inputs, batch_sizes, reverse, keep=True)
         saved = LSTMSaved(
@@ -301,7 +304,9 @@ class _LSTMRecurrence(torch.autograd.Function):
 
     @staticmethod
     @first_order_backward("compiled")
-    def backward(ctx, d_out, d_hn, d_cn):
+    def backward(
+        ctx: Any, d_out: Tensor | None, d_hn: Tensor | None, d_cn: Tensor | None
+    ) -> tuple[Tensor | None, ...]:
         needs = LSTMInputs._make(ctx.needs_input_grad[2:])._asdict()
         saved = LSTMSaved._make(ctx.saved_tensors)
         batch_sizes, reverse = ctx.schedule
@@ -319,7 +324,9 @@ class _GRURecurrence(torch.autograd.Function):
     """Differentiable in the :class:`GRUInputs` that follow ``batch_sizes`` and ``reverse``."""
 
     @staticmethod
-    def forward(ctx: FunctionCtx, batch_sizes: list[int], reverse: bool, *tensors: Tensor | None):
+    def forward(
+        ctx: FunctionCtx, batch_sizes: list[int], reverse: bool, *tensors: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
         inputs = GRUInputs(*tensors)
         result = _gru_forward(inputs, batch_sizes, reverse, keep=True)
         saved = GRUSaved(
@@ -333,7 +340,7 @@ class _GRURecurrence(torch.autograd.Function):
 
     @staticmethod
     @first_order_backward("compiled")
-    def backward(ctx, d_out, d_hn):
+    def backward(ctx: Any, d_out: Tensor | None, d_hn: Tensor | None) -> tuple[Tensor | None, ...]:
         needs = GRUInputs._make(ctx.needs_input_grad[2:])._asdict()
         saved = GRUSaved._make(ctx.saved_tensors)
         batch_sizes, reverse = ctx.schedule
