@@ -23,13 +23,6 @@ size = hidden size (small 200, medium 650, large 1500), float32. Variants, for t
 - ``weight_drop``: ``WeightDrop(nn.LSTM, every weight_hh, p)`` (DropConnect), when
   ``rnndrop.weight_drop`` is there.
 
-``--max-isa avx2`` runs the whole benchmark as an AVX2-only CPU would run it, on a CPU with
-AVX-512: it restarts itself with every library's own cap on its instruction set (oneDNN's
-``ONEDNN_MAX_CPU_ISA``, ATen's ``ATEN_CPU_CAPABILITY``, MKL's ``MKL_ENABLE_INSTRUCTIONS``, and
-``RNNDROP_MAX_CPU_ISA``, a build of the compiled kernel without its AVX-512 copies), named in the
-header. The caches, cores and clocks stay this CPU's: a check of how the ratios depend on the
-instruction set, not a measurement of another CPU.
-
 ``--mode mc-eval`` times what Monte-Carlo prediction runs instead: the forward pass alone under
 ``torch.no_grad()``, the dropout modules in training mode so that every call draws fresh masks,
 against the baseline's forward under ``no_grad``; memory is not measured then.
@@ -85,16 +78,6 @@ except ImportError:  # written by another part of the project; optional here
 
 SHAPES = {"small": 200, "medium": 650, "large": 1500}
 
-#: ``--max-isa``: the environment that caps each library's instruction set; read when the
-#: libraries load, so the benchmark restarts itself with it.
-MAX_ISA_ENV = {
-    "avx2": {
-        "ONEDNN_MAX_CPU_ISA": "AVX2",
-        "ATEN_CPU_CAPABILITY": "avx2",
-        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-        "RNNDROP_MAX_CPU_ISA": "avx2",
-    },
-}
 
 
 def build_variants(
@@ -334,12 +317,10 @@ def machine() -> str:
     if not torch.backends.mkldnn.is_available():
         onednn_text = "no oneDNN"
     used = "on" if onednn_enabled(torch.ones(1)) else "off"
-    capped = sorted({key for env in MAX_ISA_ENV.values() for key in env} & set(os.environ))
-    caps = " ".join(f"{key}={os.environ[key]}" for key in capped) or "none"
     return (
         f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, "
         f"BLAS {blas.group(1) if blas else '?'}, {onednn_text} (loop kernels' products: {used}), "
-        f"CPU capability {torch.backends.cpu.get_cpu_capability()}, instruction-set caps: {caps}"
+        f"CPU capability {torch.backends.cpu.get_cpu_capability()}"
         f"\n{memory_setup()}"
     )
 
@@ -539,9 +520,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="calls per variant before timing")
     parser.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
-    parser.add_argument("--max-isa", default=None, choices=sorted(MAX_ISA_ENV),
-                        help="run as a CPU with at most this instruction set would (restarts with "
-                             "oneDNN's, ATen's, MKL's and rnndrop's caps set)")
     parser.add_argument("--tf32", default="default", choices=["default", "on", "off"],
                         help="CUDA float32 products: torch's defaults (cuDNN, so nn.LSTM, in TF32; "
                              "cuBLAS, so the loop kernels, in IEEE float32), or both TF32, or both IEEE")
@@ -584,16 +562,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _restart_capped(caps: dict[str, str], argv: list[str]) -> None:
-    """Run this benchmark again with ``caps`` in its environment, unless they are there already
-    (the libraries read them when they load, before any flag is parsed)."""
-    if all(os.environ.get(key) == value for key, value in caps.items()):
-        return
-    note("restarting with " + " ".join(f"{key}={value}" for key, value in caps.items()))
-    sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *argv], {**os.environ, **caps})
-
-
 def main(argv: list[str] | None = None) -> None:
     try:
         _run(argv)
@@ -604,8 +572,6 @@ def main(argv: list[str] | None = None) -> None:
 
 def _run(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.max_isa:
-        _restart_capped(MAX_ISA_ENV[args.max_isa], sys.argv[1:] if argv is None else argv)
     if args.count_ops:
         print(machine())
         print_op_counts()

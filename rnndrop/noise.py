@@ -20,15 +20,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rnndrop.kernels import compiled
 from rnndrop.validation import check_probability
 
 __all__ = ["NOISES", "MaskSite", "bernoulli_mask", "draw_mask", "gaussian_mask", "sample_mask"]
 
 NOISES: tuple[str, ...] = ("bernoulli", "gaussian")
-
-#: Probabilities ``p`` with ``min(p, 1 - p)`` below this are drawn exactly (see :func:`bernoulli_mask`).
-_FAST_DRAW_MIN = 2.0**-8
 
 
 def bernoulli_mask(
@@ -41,14 +37,9 @@ def bernoulli_mask(
 ) -> Tensor:
     """A tensor of ``shape`` holding 0 with probability ``p`` and ``1 / (1 - p)`` otherwise.
 
-    For ``2**-8 <= p <= 1 - 2**-8`` (every usual dropout rate) ``p`` is resolved to a
-    multiple of 2**-16: each element compares 16 random bits with a threshold. Cutting
-    64-bit random integers into four 16-bit draws costs about half of
-    ``torch.rand(shape) >= p`` (and a fifth of ``bernoulli_``) on CPU, which matters for
-    weight-sized masks (DropConnect on ``W_hh``); the kept fraction is then off by at
-    most ``2**-17 / (1 - p) <= 2**-9`` of itself. Outside that range 16 bits cannot
-    express ``p`` well (``p`` just below 1 would round to 1, ``p`` below ``2**-17`` to 0),
-    so the element is drawn exactly as ``rand >= p`` with 53-bit uniforms instead.
+    An entry is kept where a float32 uniform from ``generator`` (default: torch's default
+    generator of ``device``) is at least ``p``: the mask depends on the seed alone, the same
+    entries are kept in every dtype, and ``p`` is resolved to ``2**-24``.
     """
     return _bernoulli(shape, check_probability("p", p), device, dtype, generator)
 
@@ -60,7 +51,13 @@ def _bernoulli(
     dtype: torch.dtype | None,
     generator: torch.Generator | None,
 ) -> Tensor:
-    """:func:`bernoulli_mask` for a ``p`` already checked."""
+    """:func:`bernoulli_mask` for a ``p`` already checked.
+
+    Uniforms compared with ``p`` rather than ``torch.bernoulli``: the same distribution from the
+    same generator, a factory that ``torch.export`` and ``vmap(randomness="different")`` handle,
+    and on the CPU torch fills uniforms several times faster than it draws Bernoulli values
+    (docs/speed.md, "Bernoulli masks").
+    """
     dtype = _mask_dtype(dtype)
     scale = 1.0 / (1.0 - p)
     if scale > torch.finfo(dtype).max:
@@ -70,33 +67,8 @@ def _bernoulli(
             f"({largest:.6g}): every kept value would be inf; "
             f"use p <= {1.0 - 1.0 / largest:.7f} or a wider dtype"
         )
-    if min(p, 1.0 - p) < _FAST_DRAW_MIN:
-        uniform = torch.rand(tuple(shape), dtype=torch.float64, device=device, generator=generator)
-        keep = uniform >= p
-    else:
-        threshold = round(p * 65536) - 32768  # in [-32512, 32512]: no int16 overflow
-        if _one_pass(device, dtype, generator):
-            return compiled.loaded().bernoulli_mask(list(shape), threshold, scale, generator, dtype)
-        numel = math.prod(shape)
-        words = torch.empty((numel + 3) // 4, dtype=torch.int64, device=device)
-        words.random_(-(2**63), None, generator=generator)  # all 64 bits random
-        keep = words.view(torch.int16)[:numel].view(tuple(shape)) >= threshold
-    return keep.to(dtype).mul_(scale)
-
-
-def _one_pass(
-    device: torch.device | str | None, dtype: torch.dtype, generator: torch.Generator | None
-) -> bool:
-    """Whether the compiled extension, loaded already, draws the mask: the same numbers in one
-    pass instead of four (``csrc/noise.cpp``), for float32 / float64 masks on the CPU. Only for
-    plain tensors: not while torch.compile traces, nor under a ``torch.func`` transform or a
-    dispatch mode (fake tensors, ...), whose tensors the extension cannot write into."""
-    return (
-        device is not None and torch.device(device).type == "cpu" and dtype in (torch.float32, torch.float64)
-        and (generator is None or generator.device.type == "cpu") and compiled.loaded() is not None
-        and not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active()
-        and torch._C._len_torch_dispatch_stack() == 0
-    )
+    uniform = torch.rand(tuple(shape), dtype=torch.float32, device=device, generator=generator)
+    return (uniform >= p).to(dtype).mul_(scale)
 
 
 def _mask_dtype(dtype: torch.dtype | None) -> torch.dtype:

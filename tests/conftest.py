@@ -1,5 +1,30 @@
+from types import ModuleType
+
 import pytest
 import torch
+
+from rnndrop.kernels import compiled
+
+
+@pytest.fixture(autouse=True, scope="session")
+def compiled_kernel() -> ModuleType | None:
+    """The compiled loop kernel's extension, built (or loaded from torch's cache) once, before the
+    first test: a build takes minutes, and ``kernel="auto"`` layers in most test modules run it.
+    None where it cannot be built (``RNNDROP_NO_COMPILE``, no compiler): the tests of the kernel
+    itself then fail with the reason (:func:`needs_compiled_kernel`), the others run "manual"."""
+    try:
+        return compiled.build()
+    except RuntimeError:
+        return None
+
+
+@pytest.fixture
+def needs_compiled_kernel(compiled_kernel: ModuleType | None) -> ModuleType:
+    """The extension, or a failure saying why it cannot be built (CI has g++ and ninja)."""
+    try:
+        return compiled_kernel or compiled.build()
+    except RuntimeError as error:
+        pytest.fail(f"the compiled kernel must build here: {error}")
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -1,5 +1,11 @@
 """The one mask sampler (every Bernoulli site draws through it) and the argument checks."""
 
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -7,12 +13,13 @@ from torch import nn
 from rnndrop import EmbeddingDropout, LockedDropout, VariationalLSTM, WeightDrop, bernoulli_mask
 from rnndrop.validation import check_bool, check_finite_float, check_positive_int, check_probability
 
+ROOT = Path(__file__).resolve().parents[1]
 NEAR_ONE = [0.999999, 1 - 2**-17, 1 - 2**-20, 1 - 2**-40]
 
 
 @pytest.mark.parametrize("p", NEAR_ONE, ids=lambda p: f"p=1-{1 - p:.1e}")
 def test_p_just_below_one_drops_nearly_everything(p):
-    """Issue 15.1: 16-bit thresholds wrapped for p >= 1 - 2**-17 and kept every entry."""
+    """p just below 1 keeps (almost) nothing, and every kept value is 1 / (1 - p)."""
     mask = bernoulli_mask((1_000_000,), p)
     kept = int((mask > 0).sum())
     assert kept <= 20, f"{kept} of 1e6 kept for p={p}"  # expected <= 1
@@ -49,14 +56,57 @@ def test_kept_fraction_is_one_minus_p_everywhere_in_range(p):
     assert torch.all((mask == 0) | (mask == 1 / (1 - p)))
 
 
-def test_ordinary_p_keeps_the_16_bit_draw_stream():
-    """For usual rates the draw is unchanged: 16-bit words compared with round(p * 65536)."""
-    g = torch.Generator().manual_seed(5)
-    mask = bernoulli_mask((3, 7), 0.3, generator=g)
-    same = torch.Generator().manual_seed(5)
-    words = torch.empty(6, dtype=torch.int64).random_(-(2**63), None, generator=same)
-    bits = words.view(torch.int16)[:21].view(3, 7)
-    assert torch.equal(mask, (bits >= round(0.3 * 65536) - 32768).float() / 0.7)
+def test_a_mask_keeps_the_entries_whose_float32_uniform_from_the_generator_is_at_least_p():
+    """The one draw: ``torch.rand`` in float32 from the generator given (or torch's default one),
+    compared with ``p``, times ``1 / (1 - p)``; the same entries kept in every dtype, and the
+    generator left where ``torch.rand`` leaves it."""
+    for shape, p in [((3, 7), 0.3), ((1029,), 0.5), ((0, 4), 0.1), ((2, 3, 5), 0.999)]:
+        theirs = torch.Generator().manual_seed(5)
+        keep = torch.rand(shape, generator=theirs) >= p
+        for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            ours = torch.Generator().manual_seed(5)
+            mask = bernoulli_mask(shape, p, generator=ours, dtype=dtype)
+            assert mask.dtype == dtype and torch.equal(mask, keep.to(dtype) * (1 / (1 - p)))
+            assert torch.equal(ours.get_state(), theirs.get_state())
+    torch.manual_seed(11)
+    expected = (torch.rand(40, 30) >= 0.4) / 0.6
+    torch.manual_seed(11)
+    assert torch.equal(bernoulli_mask((40, 30), 0.4), expected)
+
+
+LAYER_MASKS = """
+import torch
+from rnndrop import VariationalLSTM
+torch.manual_seed(3)
+layer = VariationalLSTM(3, 5, 2, dropout=0.3, dropout_input=0.2, dropout_hidden=0.5, dropout_output=0.1)
+masks = layer.sample_masks(4)
+print([m.flatten().tolist() for m in (*masks.inputs, *masks.hidden, masks.output)])
+"""
+
+
+def test_masks_depend_on_the_seed_not_on_the_compiled_extension(compiled_kernel):
+    """The same seed draws the same masks whether or not the process has the compiled kernel."""
+    assert compiled_kernel is not None
+    env = dict(os.environ, RNNDROP_NO_COMPILE="1", PYTHONPATH=str(ROOT))
+    without = subprocess.run([sys.executable, "-c", LAYER_MASKS], env=env, capture_output=True, text=True,
+                             timeout=300, check=True)
+    scope: dict = {}
+    exec(LAYER_MASKS.replace("print(", "drawn = ("), scope)
+    assert ast.literal_eval(without.stdout.strip()) == scope["drawn"]
+
+
+def test_masks_under_fake_tensors_and_vmap_with_the_same_randomness():
+    """Under a fake-tensor mode a mask has its shape; under ``vmap(randomness="same")`` every
+    sample gets the mask drawn outside vmap from the same generator state."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        assert bernoulli_mask((3, 4), 0.5, device="cpu").shape == (3, 4)
+    expected = bernoulli_mask((6,), 0.5, generator=torch.Generator().manual_seed(2))
+    generator = torch.Generator().manual_seed(2)
+    drawn = torch.func.vmap(lambda x: x * bernoulli_mask((6,), 0.5, generator=generator),
+                            randomness="same")(torch.ones(2, 6))
+    assert torch.equal(drawn, expected.expand(2, 6))
 
 
 def test_argument_checks_name_the_argument_what_was_expected_and_what_came():
@@ -97,13 +147,13 @@ def test_flags_must_be_bools(build):
     ids=["sample_masks(dtype=int64)", "LockedDropout(int tensor)", "bernoulli_mask(dtype=bool)"],
 )
 def test_masks_of_an_integer_dtype_are_refused_naming_the_dtype(draw):
-    """Issue 25 probe: torch's "result type Float can't be cast to the desired output type Long"."""
+    """An integer dtype is refused naming it, not with torch's message about a cast to Long."""
     with pytest.raises(TypeError, match="masks need a floating-point dtype .*, got torch"):
         draw()
 
 
 def test_p_whose_scale_overflows_the_dtype_is_refused_instead_of_inf_masks():
-    """Issue 25 probe: in float16, 1 / (1 - p) above 65504 made every kept value inf."""
+    """1 / (1 - p) beyond the dtype's largest value (65504 in float16) is an error, not inf masks."""
     with pytest.raises(ValueError, match=r"p=0.99999 scales the kept values by .* largest torch.float16"):
         LockedDropout(0.99999)(torch.ones(1, 1000, 4, dtype=torch.float16))
     with pytest.raises(ValueError, match="beyond the largest torch.float16"):

@@ -324,7 +324,7 @@ def test_bad_arguments_are_named():
 
 
 def test_a_negative_batch_dim_out_of_the_outputs_range_names_batch_dim_not_output_batch_dim():
-    """Issue 25 probe: the error named output_batch_dim, an argument the call did not give."""
+    """The error names batch_dim, the argument the call gave, and output_batch_dim as the way out."""
     model = Classifier()  # [B, T, F] -> [B, C]: batch_dim=-3 is the input's batch, not the output's
     with pytest.raises(ValueError, match=r"^batch_dim \(the output's batch dimension too: output_batch_dim "):
         mc_predict(model, torch.randn(2, 3, 3), n_samples=2, batch_dim=-3)
@@ -417,7 +417,7 @@ def test_mc_perplexity_checks_the_lm_protocol():
     with pytest.raises(ValueError, match="at least one"):
         mc_perplexity(lm, [], n_samples=2)
     tokens = torch.zeros(3, 2, dtype=torch.long)
-    for bad in (-1, 10_000):  # issue 25 probe: a bare "index ... is out of bounds" from gather
+    for bad in (-1, 10_000):  # named as word ids out of range, not gather's bare "index out of bounds"
         with pytest.raises(ValueError, match=rf"targets must be word ids in \[0, \d+\) .*got id {bad}"):
             mc_perplexity(lm, [(tokens, torch.full((3, 2), bad))], n_samples=2)
     with pytest.raises(TypeError, match=r"\(logits \[T, B, V\], hidden\)"):

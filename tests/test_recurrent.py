@@ -358,7 +358,7 @@ def test_bad_masks_name_the_mask_and_the_shapes():
         step.sample_masks(B, 0)
 
 
-# ------------------------------------------------- accepted silently before (issue 15)
+# ------------------------------------------------- arguments checked: refused or warned about
 
 
 def test_per_gate_masks_must_be_a_bool():

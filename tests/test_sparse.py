@@ -144,7 +144,7 @@ def test_sparse_embedding_ties_a_word_within_the_batch():
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("bad", [-1, 10])
 def test_sparse_embedding_refuses_ids_outside_the_vocabulary(training, bad):
-    """Issue 25 probe: in training id -1 silently took the last word's row (weight[types])."""
+    """An id outside the vocabulary is an error, not a wrap-around: id -1 would take the last word's row."""
     embedding = SparseEmbedding(10, 4).train(training)
     with pytest.raises(ValueError, match=rf"input must be word ids in \[0, 10\) .*got id {bad}"):
         embedding(torch.tensor([[3, bad]]))
@@ -196,7 +196,7 @@ def test_state_dict_and_reset():
 
 
 def test_sparsity_report_of_a_model_without_sparse_layers_claims_no_compression():
-    """Issue 25 probe: it reported compression inf (0 / 0 taken as "every weight removed")."""
+    """No sparse layer: compression 1, not 0 / 0 read as "every weight removed" (inf)."""
     report = sparsity_report(nn.Sequential(nn.Linear(3, 3), nn.LSTM(3, 4)))
     assert report.total == 0 and report.sparsity == 0.0
     assert report.compression == 1.0 and report.model_compression == 1.0

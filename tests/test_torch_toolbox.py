@@ -113,6 +113,55 @@ def test_torch_func_grad_of_a_layer_with_masks_runs_the_autograd_kernel_and_equa
         torch.testing.assert_close(got[name], parameter.grad, msg=name)
 
 
+DROPPING = [
+    pytest.param(lambda: VariationalLSTM(3, 4, num_layers=2, dropout=0.2, dropout_input=0.3,
+                                         dropout_hidden=0.3, dropout_output=0.1), id="lstm"),
+    pytest.param(lambda: VariationalGRU(3, 4, num_layers=2, dropout_hidden=0.3, dropout_input=0.2), id="gru"),
+]
+
+
+@pytest.mark.parametrize("make", DROPPING)
+def test_torch_export_in_training_draws_fresh_masks_the_eager_ones_of_the_same_seed(make):
+    """A layer exported in training mode draws its masks at each call of the exported program,
+    through torch's generator: the seed that gives eager mode its masks gives the program the same."""
+    layer = make()
+    x = torch.randn(5, 2, 3)
+    program = torch.export.export(layer, (x,)).module()
+    torch.manual_seed(1)
+    exported = program(x)
+    torch.manual_seed(1)
+    eager = layer(x)
+    torch.testing.assert_close(exported, eager)
+    assert not torch.equal(program(x)[0], exported[0])
+
+
+@pytest.mark.parametrize("make", DROPPING)
+def test_torch_func_vmap_gives_each_sample_its_own_masks_with_different_randomness(make):
+    """``vmap(randomness="different")``: each sample of the same input gets masks of its own;
+    ``randomness="same"``: every sample gets the masks eager mode draws from the same seed."""
+    layer = make()
+    x = torch.randn(5, 2, 3)
+    xs = x.expand(4, 5, 2, 3)
+    different = torch.func.vmap(lambda x: layer(x)[0], randomness="different")(xs)
+    assert all(not torch.equal(different[i], different[j]) for i in range(4) for j in range(i))
+    torch.manual_seed(2)
+    same = torch.func.vmap(lambda x: layer(x)[0], randomness="same")(xs)
+    torch.manual_seed(2)
+    torch.testing.assert_close(same, layer(x)[0].expand(4, 5, 2, 4))
+
+
+@pytest.mark.parametrize("kernel", ["manual", "compiled"])
+@pytest.mark.parametrize("cls", [VariationalLSTM, VariationalGRU])
+def test_hand_written_kernels_refuse_vmap_and_export_in_one_line_naming_the_way_out(cls, kernel):
+    layer = cls(3, 4, dropout_hidden=0.3, kernel=kernel)
+    x = torch.randn(5, 2, 3)
+    refusal = rf"^the '{kernel}' loop kernel cannot run under torch.func .* or kernel='autograd'$"
+    with pytest.raises(RuntimeError, match=refusal):
+        torch.func.vmap(lambda x: layer(x)[0], randomness="different")(x.expand(2, 5, 2, 3))
+    with pytest.raises(RuntimeError, match=refusal):
+        torch.export.export(layer, (x,))
+
+
 def test_import_leaves_torch_dynamo_to_torch_compile():
     """torch._dynamo (and through it triton, when installed) costs seconds to import; only
     torch.compile needs it, so ``import rnndrop`` and a forward pass do not load it."""

@@ -17,7 +17,7 @@ import torch
 
 from rnndrop import VariationalGRU, VariationalLSTM
 from rnndrop.kernels import auto_loop_kernel, get_kernel, gpu
-from tests import test_kernels as shared
+from tests import helpers
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available()
@@ -41,7 +41,7 @@ def test_the_kernels_match_the_reference_kernel():
 
 def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    args = shared.kernel_inputs("gru", [2, 2], None, 0)
+    args = helpers.kernel_inputs("gru", [2, 2], None, 0)
     with pytest.raises(RuntimeError, match="runs on CUDA tensors .*got gates_x on cpu"):
         get_kernel("triton", "gru")(args[0], [2, 2], *args[1:])
 
@@ -60,7 +60,7 @@ def test_the_switch_turns_it_off_with_one_warning(monkeypatch):
         assert [gpu.is_available(), gpu.is_available()] == [False, False]
     assert len(caught) == 1 and "unset RNNDROP_NO_TRITON" in str(caught[0].message)
     assert "'manual' kernel on CUDA" in str(caught[0].message)
-    args = shared.kernel_inputs("lstm", [1], None, 0)
+    args = helpers.kernel_inputs("lstm", [1], None, 0)
     with pytest.raises(RuntimeError, match="not available: disabled by RNNDROP_NO_TRITON"):
         get_kernel("triton", "lstm")(args[0], [1], *args[1:])
 

@@ -20,7 +20,7 @@ from rnndrop.kernels import get_kernel, gpu, persistent
 from rnndrop.kernels.cuda_graphs import GraphCache
 from rnndrop.kernels.first_order import SecondOrderGradientError
 from rnndrop.kernels.triton_plan import interpreted
-from tests import test_kernels as shared
+from tests import helpers
 from tests.helpers import assert_close, fake_capture
 
 pytestmark = pytest.mark.filterwarnings("ignore:LSTM with projections is not supported")
@@ -46,10 +46,10 @@ def ieee_float32():
     torch.backends.cudnn.allow_tf32 = before
 
 
-def inputs(kind, batch_sizes, mask_shape, proj, device, dtype=torch.float64, mask_grad=True, H=shared.H):
-    """``shared.kernel_inputs`` on ``device``; float32 weights on nn.LSTM's scale (1 / sqrt(size)):
+def inputs(kind, batch_sizes, mask_shape, proj, device, dtype=torch.float64, mask_grad=True, H=helpers.H):
+    """``helpers.kernel_inputs`` on ``device``; float32 weights on nn.LSTM's scale (1 / sqrt(size)):
     unscaled random weights saturate the gates and amplify float32 rounding beyond 1e-5."""
-    args = shared.kernel_inputs(kind, batch_sizes, mask_shape, proj, dtype=dtype, mask_grad=mask_grad, H=H)
+    args = helpers.kernel_inputs(kind, batch_sizes, mask_shape, proj, dtype=dtype, mask_grad=mask_grad, H=H)
     if dtype == torch.float32:
         with torch.no_grad():
             for weight in args[3:5] if kind == "lstm" else args[2:3]:
@@ -87,8 +87,8 @@ def test_every_mask_kind_and_layout_matches_reference_in_float64(kind, reverse, 
     """Every mask shape (shared / per gate, T' and B' in {1, full}) on two packed layouts, with a
     projection on every other case, with and without the mask's gradient; outputs, final states
     and the gradients of every input."""
-    for i, mask_shape in enumerate(shared.MASK_SHAPES):
-        for batch_sizes in (shared.BATCH_SIZES[i % 4], shared.BATCH_SIZES[(i + 1) % 4]):
+    for i, mask_shape in enumerate(helpers.MASK_SHAPES):
+        for batch_sizes in (helpers.BATCH_SIZES[i % 4], helpers.BATCH_SIZES[(i + 1) % 4]):
             proj = 3 if kind == "lstm" and i % 2 else 0
             compare(kind, batch_sizes, mask_shape, proj, reverse, device, torch.float64, mask_grad=i % 3 != 2)
 
@@ -97,9 +97,9 @@ def test_every_mask_kind_and_layout_matches_reference_in_float64(kind, reverse, 
 def test_every_mask_kind_and_layout_matches_reference_in_float32(kind, device):
     """The same at 1e-5 in float32, each mask shape with another layout and direction (the first:
     no mask, a projection, sequences joining in reverse direction)."""
-    for i, mask_shape in enumerate(shared.MASK_SHAPES):
+    for i, mask_shape in enumerate(helpers.MASK_SHAPES):
         proj = 3 if kind == "lstm" and i % 3 == 0 else 0
-        compare(kind, shared.BATCH_SIZES[(i + 1) % 4], mask_shape, proj, i % 2 == 0, device, torch.float32,
+        compare(kind, helpers.BATCH_SIZES[(i + 1) % 4], mask_shape, proj, i % 2 == 0, device, torch.float32,
                 tol=1e-5)
 
 
@@ -124,15 +124,15 @@ def test_persistent_loop_over_several_programs_matches_reference(kind, device, m
     per step (programs run one after another there, so a barrier would wait for ever)."""
     calls = persistent_calls(monkeypatch)
     with persistent.launched_as(persistent.Launch(3, 16, per_step=device.type != "cuda")):
-        for i, mask_shape in enumerate(shared.MASK_SHAPES):
+        for i, mask_shape in enumerate(helpers.MASK_SHAPES):
             for reverse in (False, True):
-                batch_sizes = shared.BATCH_SIZES[(i + reverse) % 4]
+                batch_sizes = helpers.BATCH_SIZES[(i + reverse) % 4]
                 args = inputs(kind, batch_sizes, mask_shape, 0, device, torch.float32, i % 3 != 2, H=40)
                 where = f"{kind} {batch_sizes} mask {mask_shape} reverse {reverse}"
                 ours = run("triton", kind, batch_sizes, args, reverse)
                 assert_close(ours, run("autograd", kind, batch_sizes, args, reverse), atol=1e-5, rtol=1e-5,
                              msg=where)
-    assert calls.count(f"_{kind}_forward") == calls.count(f"_{kind}_backward") == 2 * len(shared.MASK_SHAPES)
+    assert calls.count(f"_{kind}_forward") == calls.count(f"_{kind}_backward") == 2 * len(helpers.MASK_SHAPES)
 
 
 def test_persistent_loop_runs_where_it_can_and_the_step_kernel_elsewhere(device, monkeypatch):
@@ -276,23 +276,23 @@ def test_layer_with_masks_matches_autograd_kernel(kind, device):
     proj = dict(proj_size=3) if kind == "lstm" else {}
     for scope, per_gate, packed in [("sequence", False, True), ("step", True, False), ("batch", True, True)]:
         ref, ours = (
-            cls(shared.I, shared.H, num_layers=2, bidirectional=True, mask_scope=scope,
+            cls(helpers.I, helpers.H, num_layers=2, bidirectional=True, mask_scope=scope,
                 per_gate_masks=per_gate, dropout=0.4, dropout_input=0.3, dropout_hidden=0.5,
                 dropout_output=0.2, kernel=kernel, device=device, **proj)
             for kernel in ("autograd", "triton")
         )
         ours.load_state_dict(ref.state_dict())
-        lengths = [3, shared.T, 1, 5] if packed else [shared.T] * 4
-        masks = ref.sample_masks(len(lengths), shared.T)
-        hx = shared.initial_state(kind, ours, len(lengths))
+        lengths = [3, helpers.T, 1, 5] if packed else [helpers.T] * 4
+        masks = ref.sample_masks(len(lengths), helpers.T)
+        hx = helpers.initial_state(kind, ours, len(lengths))
         hx = tuple(h.detach().to(device).requires_grad_() for h in hx) if kind == "lstm" else (
             hx.detach().to(device).requires_grad_())
         if packed:
-            x = pack_sequence([torch.randn(n, shared.I, device=device) for n in lengths],
+            x = pack_sequence([torch.randn(n, helpers.I, device=device) for n in lengths],
                               enforce_sorted=False)
             x.data.requires_grad_()
         else:
-            x = torch.randn(shared.T, len(lengths), shared.I, device=device, requires_grad=True)
+            x = torch.randn(helpers.T, len(lengths), helpers.I, device=device, requires_grad=True)
         assert_close(forward_and_grads(ours, x, hx, masks), forward_and_grads(ref, x, hx, masks),
                      msg=f"scope {scope} per_gate {per_gate} packed {packed}")
 

@@ -119,11 +119,12 @@ DEFAULT_LOOP_KERNEL = "manual"
 def auto_loop_kernel(x: Tensor) -> str:
     """The loop kernel ``kernel="auto"`` runs on tensors like ``x``: ``"autograd"`` inside a
     ``torch.func`` transform (``grad``, ``vmap``, ...: the hand-written backward passes are
-    autograd Functions those transforms cannot run), ``"compiled"`` on CPU in float32 /
+    autograd Functions those transforms cannot run) and while ``torch.export`` traces (it
+    cannot trace into the C++ loop nor the manual kernel's ``out=`` calls), ``"compiled"`` on CPU in float32 /
     float64 where it can be built (the first call builds it), ``"triton"`` on CUDA where Triton
     imports (the first call imports it) and passes its first-use check on the device, else
     :data:`DEFAULT_LOOP_KERNEL`."""
-    if functorch_wrapped(x):
+    if functorch_wrapped(x) or torch.compiler.is_exporting():
         return "autograd"
     if x.device.type == "cuda" and gpu.is_available() and gpu.passes_first_use_check(x.device):
         return "triton"

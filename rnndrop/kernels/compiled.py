@@ -15,10 +15,16 @@ of time, and see where it lives, with::
 
 ``RNNDROP_NO_COMPILE=1`` turns it off: :func:`is_available` is then False and
 ``kernel="auto"`` runs the "manual" kernel.
+
+What crosses to C++ is named (``csrc/kernels.h``): each call takes and returns structs whose
+fields are set and read by name, from the NamedTuples :class:`LSTMInputs`, :class:`LSTMSaved`,
+:class:`GRUInputs` and :class:`GRUSaved`; a field missing or misnamed on either side is an error
+(:func:`_struct`), so no reordering can hand a tensor to the wrong parameter.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -28,21 +34,23 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
 from rnndrop.kernels.compiled_plan import packed_weights, split_parts
-from rnndrop.kernels.first_order import first_order_backward
+from rnndrop.kernels.first_order import first_order_backward, refuse_transforms
 from rnndrop.kernels.optional import available_or_warn
 
-__all__ = ["build", "gru_recurrence", "is_available", "loaded", "lstm_recurrence"]
+__all__ = ["GRUInputs", "GRUSaved", "LSTMInputs", "LSTMSaved", "build", "gru_recurrence", "is_available",
+           "lstm_recurrence"]
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / f for f in ("module.cpp", "lstm.cpp", "gru.cpp", "noise.cpp")]
-HEADERS = [Path(__file__).parent / "csrc" / h for h in ("common.h", "rows.h")]
+SOURCES = [Path(__file__).parent / "csrc" / f for f in ("module.cpp", "lstm.cpp", "gru.cpp")]
+HEADERS = [Path(__file__).parent / "csrc" / h for h in ("kernels.h", "common.h", "rows.h")]
 #: -fno-trapping-math lets GCC turn the clamps of rows.h's e^x into vector min / max (no
 #: floating-point exception is ever unmasked here), so the row passes vectorise. -fopenmp:
 #: at::parallel_for is a header template, compiled here; without it the pragma inside is ignored
@@ -50,13 +58,6 @@ HEADERS = [Path(__file__).parent / "csrc" / h for h in ("common.h", "rows.h")]
 #: libgomp.so.1, which the loader resolves to the one torch has loaded: one thread pool.
 CFLAGS = ["-O3", "-fno-trapping-math", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
-#: ``RNNDROP_MAX_CPU_ISA=avx2`` builds (and caches apart) a library whose row passes have no AVX-512
-#: copy, as on a CPU without it, the way ``ONEDNN_MAX_CPU_ISA`` and ``ATEN_CPU_CAPABILITY`` cap
-#: oneDNN and ATen: for measuring an AVX2-only CPU on an AVX-512 one (``benchmarks/speed.py
-#: --max-isa avx2``). Read once, at import.
-MAX_ISA_FLAGS = {"": [], "avx2": ["-DRNNDROP_MAX_ISA_AVX2"]}
-MAX_ISA = os.environ.get("RNNDROP_MAX_CPU_ISA", "").strip().lower()
-CFLAGS += MAX_ISA_FLAGS.get(MAX_ISA, [])
 
 
 def _build_name() -> str:
@@ -122,8 +123,6 @@ def _compile_or_load() -> ModuleType:
     """The extension module; RuntimeError with the reason when it cannot be had."""
     if os.environ.get("RNNDROP_NO_COMPILE", "") not in ("", "0"):
         raise RuntimeError("disabled by RNNDROP_NO_COMPILE")
-    if MAX_ISA not in MAX_ISA_FLAGS:
-        raise RuntimeError(f"RNNDROP_MAX_CPU_ISA: expected avx2 or nothing, got {MAX_ISA!r}")
     missing = _missing_tool()
     if missing is not None:
         raise RuntimeError(missing)
@@ -156,13 +155,6 @@ def _compile_or_load() -> ModuleType:
     return module
 
 
-def loaded() -> ModuleType | None:
-    """The extension where this process has loaded it already, else None (nothing is built or
-    warned about: for helpers that only go faster with it, such as the mask draw of
-    :mod:`rnndrop.noise`)."""
-    return _extension
-
-
 def _check_sources_unchanged() -> None:
     """RuntimeError when the C++ sources on disk are not those this process imported with (rnndrop
     upgraded or edited while it ran): their library would not fit the Python side in memory, and
@@ -184,6 +176,81 @@ def is_available() -> bool:
     return available
 
 
+# ------------------------------------------------ the boundary with the C++ side (csrc/kernels.h)
+
+
+class LSTMInputs(NamedTuple):
+    """The differentiable inputs of an LSTM recurrence (``N`` rows, ``B`` sequences, ``H`` units,
+    ``P = proj_size or H``); also the names of their gradients and of ``needs_input_grad``."""
+
+    gates_x: Tensor  # [N, 4H]
+    h0: Tensor  # [B, P]
+    c0: Tensor  # [B, H]
+    w_hh: Tensor  # [4H, P]
+    w_hr: Tensor | None  # [P, H]
+    mask: Tensor | None  # [T', B', P] or per gate [T', B', 4, P]
+
+
+class LSTMSaved(NamedTuple):
+    """What the LSTM's backward pass reads (``csrc/kernels.h``'s ``LSTMSaved``, field by field)."""
+
+    acts: Tensor  # [N, 4H]: i, f, g, o after their nonlinearities
+    cells: Tensor  # [N, H]: c_t
+    tanh_cells: Tensor  # [N, H]
+    out: Tensor  # [N, P]: h_t
+    r: Tensor | None  # [N, H]: o * tanh(c_t) before the projection
+    masked: Tensor | None  # masked states (shared masks; per-gate ones are rebuilt)
+    h0: Tensor
+    c0: Tensor
+    w_hh: Tensor
+    w_hr: Tensor | None
+    mask: Tensor | None
+
+
+class GRUInputs(NamedTuple):
+    """The differentiable inputs of a GRU recurrence (shapes as for :class:`LSTMInputs`)."""
+
+    gates_x: Tensor  # [N, 3H]
+    h0: Tensor  # [B, H]
+    w_hh: Tensor  # [3H, H]
+    b_hh: Tensor | None  # [3H]
+    mask: Tensor | None  # [T', B', H] or per gate [T', B', 3, H]
+
+
+class GRUSaved(NamedTuple):
+    """What the GRU's backward pass reads (``csrc/kernels.h``'s ``GRUSaved``, field by field)."""
+
+    acts: Tensor  # [N, 3H]: r, z, n
+    a_n: Tensor  # [N, H]: the n part of W_hh m + b_hh
+    out: Tensor  # [N, H]: h_t
+    masked: Tensor | None  # masked states
+    h0: Tensor
+    w_hh: Tensor
+    mask: Tensor | None
+
+
+@functools.cache
+def _fields(cls: type) -> frozenset[str]:
+    """The fields of one of the extension's structs (properties of its Python class)."""
+    return frozenset(name for name, value in vars(cls).items() if isinstance(value, property))
+
+
+def _struct(cls: type, **fields: Any) -> Any:
+    """An instance of the extension's struct ``cls`` with every field set by name: a field it
+    lacks, or one left unset, is a ValueError, never a value passed to the wrong parameter."""
+    if set(fields) != _fields(cls):
+        raise ValueError(f"{cls.__name__} has the fields {sorted(_fields(cls))}, got {sorted(fields)}")
+    struct = cls()
+    for name, value in fields.items():
+        setattr(struct, name, value)
+    return struct
+
+
+def _schedule(batch_sizes: list[int], reverse: bool) -> Any:
+    """The extension's ``Schedule``: the rows of each step, and the direction."""
+    return _struct(build().Schedule, batch_sizes=batch_sizes, reverse=reverse)
+
+
 def _sizes(batch_sizes: Sequence[int]) -> list[int]:
     return [int(b) for b in batch_sizes]
 
@@ -195,60 +262,96 @@ def _differentiable(*tensors: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _lstm_forward(gates_x, h0, c0, w_hh, w_hr, mask, batch_sizes, reverse, keep: bool) -> list[Tensor]:
-    """The extension's LSTM forward, W_hh packed where oneDNN runs the products; ``keep``:
+def _lstm_forward(inputs: LSTMInputs, batch_sizes: list[int], reverse: bool, keep: bool) -> Any:
+    """The extension's ``LSTMForward``, W_hh packed where oneDNN runs the products; ``keep``:
     whether the buffers backward reads are kept."""
-    packed = packed_weights(w_hh, mask, batch_sizes[0])
-    parts = split_parts(w_hh, w_hr, mask, packed, batch_sizes)
-    return build().lstm_forward(gates_x, h0, c0, w_hh, w_hr, mask, batch_sizes, reverse, packed, keep, parts)
+    packed = packed_weights(inputs.w_hh, inputs.mask, batch_sizes[0])
+    parts = split_parts(inputs.w_hh, inputs.w_hr, inputs.mask, packed, batch_sizes)
+    extension = build()
+    return extension.lstm_forward(
+        inputs=_struct(extension.LSTMInputs, **inputs._asdict()), schedule=_schedule(batch_sizes, reverse),
+        w_packed=packed, keep=keep, parts=parts,
+    )
 
 
-def _gru_forward(gates_x, h0, w_hh, b_hh, mask, batch_sizes, reverse, keep: bool) -> list[Tensor]:
-    """The extension's GRU forward (see :func:`_lstm_forward`)."""
-    return build().gru_forward(gates_x, h0, w_hh, b_hh, mask, batch_sizes, reverse,
-                                 packed_weights(w_hh, mask, batch_sizes[0]), keep)
+def _gru_forward(inputs: GRUInputs, batch_sizes: list[int], reverse: bool, keep: bool) -> Any:
+    """The extension's ``GRUForward`` (see :func:`_lstm_forward`)."""
+    extension = build()
+    return extension.gru_forward(
+        inputs=_struct(extension.GRUInputs, **inputs._asdict()), schedule=_schedule(batch_sizes, reverse),
+        w_packed=packed_weights(inputs.w_hh, inputs.mask, batch_sizes[0]), keep=keep,
+    )
 
 
 class _LSTMRecurrence(torch.autograd.Function):
+    """Differentiable in the :class:`LSTMInputs` that follow ``batch_sizes`` and ``reverse``."""
+
     @staticmethod
-    def forward(ctx: FunctionCtx, gates_x, h0, c0, w_hh, w_hr, mask, batch_sizes, reverse):
-        out, h_n, c_n, acts, cells, tanh_cells, r, masked = _lstm_forward(
-            gates_x, h0, c0, w_hh, w_hr, mask, batch_sizes, reverse, keep=True
+    def forward(
+        ctx: FunctionCtx, batch_sizes: list[int], reverse: bool, *tensors: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        inputs = LSTMInputs(*tensors)
+        result = _lstm_forward(inputs, batch_sizes, reverse, keep=True)
+        saved = LSTMSaved(
+            acts=result.acts, cells=result.cells, tanh_cells=result.tanh_cells, out=result.out, r=result.r,
+            masked=result.masked, h0=inputs.h0, c0=inputs.c0, w_hh=inputs.w_hh, w_hr=inputs.w_hr,
+            mask=inputs.mask,
         )
-        ctx.save_for_backward(acts, cells, tanh_cells, out, r, masked, h0, c0, w_hh, w_hr, mask)
+        ctx.save_for_backward(*saved)
         ctx.schedule = (batch_sizes, reverse)
         ctx.set_materialize_grads(False)
-        return out, h_n, c_n
+        return result.out, result.h_n, result.c_n
 
     @staticmethod
     @first_order_backward("compiled")
-    def backward(ctx, d_out, d_hn, d_cn):
-        needs = list(ctx.needs_input_grad[:6])
-        saved = ctx.saved_tensors
-        w_t_packed = packed_weights(saved[8], saved[10], ctx.schedule[0][0], transposed=True)
-        grads = build().lstm_backward(d_out, d_hn, d_cn, *saved, *ctx.schedule, needs, w_t_packed)
-        return (*(g if need else None for g, need in zip(grads, needs)), None, None)
+    def backward(
+        ctx: Any, d_out: Tensor | None, d_hn: Tensor | None, d_cn: Tensor | None
+    ) -> tuple[Tensor | None, ...]:
+        needs = LSTMInputs._make(ctx.needs_input_grad[2:])._asdict()
+        saved = LSTMSaved._make(ctx.saved_tensors)
+        batch_sizes, reverse = ctx.schedule
+        extension = build()
+        grads = extension.lstm_backward(
+            grads=_struct(extension.LSTMOutputGrads, out=d_out, h_n=d_hn, c_n=d_cn),
+            saved=_struct(extension.LSTMSaved, **saved._asdict()), schedule=_schedule(batch_sizes, reverse),
+            needs=_struct(extension.LSTMNeeds, **needs),
+            w_t_packed=packed_weights(saved.w_hh, saved.mask, batch_sizes[0], transposed=True),
+        )
+        return (None, None, *(getattr(grads, name) if need else None for name, need in needs.items()))
 
 
 class _GRURecurrence(torch.autograd.Function):
+    """Differentiable in the :class:`GRUInputs` that follow ``batch_sizes`` and ``reverse``."""
+
     @staticmethod
-    def forward(ctx: FunctionCtx, gates_x, h0, w_hh, b_hh, mask, batch_sizes, reverse):
-        out, h_n, acts, a_n, masked = _gru_forward(
-            gates_x, h0, w_hh, b_hh, mask, batch_sizes, reverse, keep=True
+    def forward(
+        ctx: FunctionCtx, batch_sizes: list[int], reverse: bool, *tensors: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        inputs = GRUInputs(*tensors)
+        result = _gru_forward(inputs, batch_sizes, reverse, keep=True)
+        saved = GRUSaved(
+            acts=result.acts, a_n=result.a_n, out=result.out, masked=result.masked, h0=inputs.h0,
+            w_hh=inputs.w_hh, mask=inputs.mask,
         )
-        ctx.save_for_backward(acts, a_n, out, masked, h0, w_hh, mask)
+        ctx.save_for_backward(*saved)
         ctx.schedule = (batch_sizes, reverse)
         ctx.set_materialize_grads(False)
-        return out, h_n
+        return result.out, result.h_n
 
     @staticmethod
     @first_order_backward("compiled")
-    def backward(ctx, d_out, d_hn):
-        needs = list(ctx.needs_input_grad[:5])
-        saved = ctx.saved_tensors
-        w_t_packed = packed_weights(saved[5], saved[6], ctx.schedule[0][0], transposed=True)
-        grads = build().gru_backward(d_out, d_hn, *saved, *ctx.schedule, needs, w_t_packed)
-        return (*(g if need else None for g, need in zip(grads, needs)), None, None)
+    def backward(ctx: Any, d_out: Tensor | None, d_hn: Tensor | None) -> tuple[Tensor | None, ...]:
+        needs = GRUInputs._make(ctx.needs_input_grad[2:])._asdict()
+        saved = GRUSaved._make(ctx.saved_tensors)
+        batch_sizes, reverse = ctx.schedule
+        extension = build()
+        grads = extension.gru_backward(
+            grads=_struct(extension.GRUOutputGrads, out=d_out, h_n=d_hn),
+            saved=_struct(extension.GRUSaved, **saved._asdict()), schedule=_schedule(batch_sizes, reverse),
+            needs=_struct(extension.GRUNeeds, **needs),
+            w_t_packed=packed_weights(saved.w_hh, saved.mask, batch_sizes[0], transposed=True),
+        )
+        return (None, None, *(getattr(grads, name) if need else None for name, need in needs.items()))
 
 
 def lstm_recurrence(
@@ -262,13 +365,13 @@ def lstm_recurrence(
     reverse: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The LSTM recurrence of one layer and direction (contract in :mod:`rnndrop.kernels`)."""
+    refuse_transforms("compiled", gates_x)
+    inputs = LSTMInputs(gates_x=gates_x, h0=h0, c0=c0, w_hh=w_hh, w_hr=w_hr, mask=hidden_mask)
     sizes, reverse = _sizes(batch_sizes), bool(reverse)
-    if not _differentiable(gates_x, h0, c0, w_hh, w_hr, hidden_mask):
-        out, h_n, c_n, *_ = _lstm_forward(
-            gates_x, h0, c0, w_hh, w_hr, hidden_mask, sizes, reverse, keep=False
-        )
-        return out, h_n, c_n
-    out, h_n, c_n = _LSTMRecurrence.apply(gates_x, h0, c0, w_hh, w_hr, hidden_mask, sizes, reverse)
+    if not _differentiable(*inputs):
+        result = _lstm_forward(inputs, sizes, reverse, keep=False)
+        return result.out, result.h_n, result.c_n
+    out, h_n, c_n = _LSTMRecurrence.apply(sizes, reverse, *inputs)
     return out, h_n, c_n
 
 
@@ -282,9 +385,11 @@ def gru_recurrence(
     reverse: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """The GRU recurrence of one layer and direction (contract in :mod:`rnndrop.kernels`)."""
+    refuse_transforms("compiled", gates_x)
+    inputs = GRUInputs(gates_x=gates_x, h0=h0, w_hh=w_hh, b_hh=b_hh, mask=hidden_mask)
     sizes, reverse = _sizes(batch_sizes), bool(reverse)
-    if not _differentiable(gates_x, h0, w_hh, b_hh, hidden_mask):
-        out, h_n, *_ = _gru_forward(gates_x, h0, w_hh, b_hh, hidden_mask, sizes, reverse, keep=False)
-        return out, h_n
-    out, h_n = _GRURecurrence.apply(gates_x, h0, w_hh, b_hh, hidden_mask, sizes, reverse)
+    if not _differentiable(*inputs):
+        result = _gru_forward(inputs, sizes, reverse, keep=False)
+        return result.out, result.h_n
+    out, h_n = _GRURecurrence.apply(sizes, reverse, *inputs)
     return out, h_n

@@ -1,4 +1,5 @@
-"""The backward passes of the hand-written kernels are first-order only, and say so.
+"""The backward passes of the hand-written kernels are first-order only, and say so; nor do those
+kernels run under torch.func or torch.export, and they say that too (:func:`refuse_transforms`).
 
 ``torch.autograd.function.once_differentiable`` alone is not enough: asked for a graph
 (``create_graph=True``, as a gradient penalty ``d/dW ||dy/dx||²`` or a Hessian-vector
@@ -13,7 +14,21 @@ import functools
 from collections.abc import Callable
 
 import torch
+from torch import Tensor
 from torch.autograd.function import once_differentiable
+
+from rnndrop.kernels.matmul import functorch_wrapped
+
+
+def refuse_transforms(kernel: str, gates_x: Tensor) -> None:
+    """A one-line RuntimeError instead of an error from deep inside torch where kernel ``kernel``
+    cannot run: under a ``torch.func`` transform (its autograd Function has no ``setup_context``)
+    or while ``torch.export`` traces (it cannot trace the C++ loop nor ``out=`` calls)."""
+    if functorch_wrapped(gates_x) or torch.compiler.is_exporting():
+        raise RuntimeError(
+            f"the {kernel!r} loop kernel cannot run under torch.func transforms (vmap, grad, ...) nor "
+            "torch.export; build the layer with kernel='auto' or kernel='autograd'"
+        )
 
 
 class SecondOrderGradientError(RuntimeError):

@@ -40,7 +40,7 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
 from rnndrop.kernels import masked_product as mp
-from rnndrop.kernels.first_order import first_order_backward
+from rnndrop.kernels.first_order import first_order_backward, refuse_transforms
 from rnndrop.kernels.matmul import StepWeight
 from rnndrop.kernels.pointwise import tanh
 from rnndrop.kernels.schedule import Schedule, add_product, gather_previous, previous, previous_targets
@@ -174,6 +174,7 @@ def gru_recurrence(
     reverse: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """The GRU recurrence of one layer and direction (contract in :mod:`rnndrop.kernels`)."""
+    refuse_transforms("manual", gates_x)
     out, h_n = _GRURecurrence.apply(
         gates_x.contiguous(), h0.contiguous(), w_hh, b_hh, hidden_mask, Schedule(batch_sizes, reverse)
     )

@@ -44,7 +44,7 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
 from rnndrop.kernels import masked_product as mp
-from rnndrop.kernels.first_order import first_order_backward
+from rnndrop.kernels.first_order import first_order_backward, refuse_transforms
 from rnndrop.kernels.matmul import StepWeight, matmul
 from rnndrop.kernels.pointwise import sigmoid_tanh_, tanh
 from rnndrop.kernels.schedule import (
@@ -212,6 +212,7 @@ def lstm_recurrence(
     reverse: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The LSTM recurrence of one layer and direction (contract in :mod:`rnndrop.kernels`)."""
+    refuse_transforms("manual", gates_x)
     out, h_n, c_n = _LSTMRecurrence.apply(
         gates_x.contiguous(), h0.contiguous(), c0.contiguous(), w_hh, w_hr, hidden_mask,
         Schedule(batch_sizes, reverse),

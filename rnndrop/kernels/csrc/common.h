@@ -20,6 +20,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels.h"
 #include "rows.h"
 
 namespace rnndrop {

@@ -84,18 +84,18 @@ void gru_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>&
 
 }  // namespace
 
-std::vector<Tensor> gru_forward(const Tensor& gates_x, const Tensor& h0, const Tensor& w_hh,
-                                const c10::optional<Tensor>& b_hh_opt, const c10::optional<Tensor>& mask_opt,
-                                const std::vector<int64_t>& batch_sizes, bool reverse,
-                                const std::vector<Tensor>& w_packed, bool keep) {
+GRUForward gru_forward(const GRUInputs& inputs, const Schedule& schedule, const std::vector<Tensor>& w_packed,
+                       bool keep) {
+  const Tensor& gates_x = inputs.gates_x;
+  const Tensor& h0 = inputs.h0;
   check_inputs(gates_x, "gru_forward");
-  const Tensor b_hh = b_hh_opt.has_value() ? *b_hh_opt : Tensor();
-  const Tensor mask = mask_opt.has_value() ? mask_opt->contiguous() : Tensor();
-  const auto steps = running_order(batch_sizes, reverse);
+  const Tensor b_hh = inputs.b_hh.value_or(Tensor());
+  const Tensor mask = inputs.mask.has_value() ? inputs.mask->contiguous() : Tensor();
+  const auto steps = running_order(schedule.batch_sizes, schedule.reverse);
   const int64_t H = h0.size(1), B = h0.size(0);
   const int64_t N = keep ? gates_x.size(0) : B;  // rows of the buffers a backward pass reads
   const Tensor x = gates_x.contiguous();
-  const StepWeight w_t = forward_weight(w_hh, w_packed);  // W_hhᵀ
+  const StepWeight w_t = forward_weight(inputs.w_hh, w_packed);  // W_hhᵀ
   Tensor acts = at::empty({N, 3 * H}, x.options());
   Tensor a_n = at::empty({N, H}, x.options());
   Tensor out = at::empty({gates_x.size(0), H}, x.options());
@@ -107,44 +107,53 @@ std::vector<Tensor> gru_forward(const Tensor& gates_x, const Tensor& h0, const T
                                gate_weights_t(w_t, mask), b_hh, keep, a_buf,
                                acts, a_n, out, masked, h_state);
   });
-  return {out, h_state, acts, a_n, masked};
+  GRUForward result;
+  result.out = out;
+  result.h_n = h_state;
+  result.acts = acts;
+  result.a_n = a_n;
+  if (masked.defined()) result.masked = masked;
+  return result;
 }
 
-// Gradients of (gates_x, h0, w_hh, b_hh, mask); undefined where not wanted.
-std::vector<Tensor> gru_backward(const c10::optional<Tensor>& d_out, const c10::optional<Tensor>& d_hn,
-                                 const Tensor& acts, const Tensor& a_n, const Tensor& out,
-                                 const c10::optional<Tensor>& masked_opt, const Tensor& h0, const Tensor& w_hh,
-                                 const c10::optional<Tensor>& mask_opt, const std::vector<int64_t>& batch_sizes,
-                                 bool reverse, std::vector<bool> needs, const std::vector<Tensor>& w_t_packed) {
-  const Tensor mask = mask_opt.has_value() ? mask_opt->contiguous() : Tensor();
-  const Tensor masked = masked_opt.has_value() ? *masked_opt : Tensor();
-  const auto steps = running_order(batch_sizes, reverse);
+GRUGrads gru_backward(const GRUOutputGrads& grads, const GRUSaved& saved, const Schedule& schedule,
+                      const GRUNeeds& needs, const std::vector<Tensor>& w_t_packed) {
+  const Tensor& acts = saved.acts;
+  const Tensor& out = saved.out;
+  const Tensor mask = saved.mask.has_value() ? saved.mask->contiguous() : Tensor();
+  const Tensor masked = saved.masked.value_or(Tensor());
+  const auto steps = running_order(schedule.batch_sizes, schedule.reverse);
   const int64_t N = acts.size(0), H = out.size(1);
-  Tensor d_h = d_out.has_value() ? d_out->contiguous() : at::zeros_like(out);
-  Tensor dh_state = d_hn.has_value() ? d_hn->contiguous().clone() : at::zeros_like(h0);
+  Tensor d_h = grads.out.has_value() ? grads.out->contiguous() : at::zeros_like(out);
+  Tensor dh_state = grads.h_n.has_value() ? grads.h_n->contiguous().clone() : at::zeros_like(saved.h0);
   Tensor d_a = at::empty({N, 3 * H}, acts.options());
-  Tensor d_gates_x = needs[0] ? at::empty({N, 3 * H}, acts.options()) : Tensor();
-  const bool need_mask = needs[4] && mask.defined();
+  Tensor d_gates_x = needs.gates_x ? at::empty({N, 3 * H}, acts.options()) : Tensor();
+  const bool need_mask = needs.mask && mask.defined();
   Tensor d_masked;  // dm of every row, when the mask's gradient is wanted
   if (mask.defined()) {
     d_masked = need_mask ? at::empty(masked_shape(N, mask), acts.options()) : Tensor();
   }
-  const Tensor h0c = h0.contiguous();
+  const Tensor h0c = saved.h0.contiguous();
   AT_DISPATCH_FLOATING_TYPES(acts.scalar_type(), "gru_backward", [&] {
-    gru_backward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), StepWeight{w_hh, w_t_packed}, acts, a_n, out, h0c, d_h, d_a, d_gates_x,
-                                d_masked, dh_state);
+    gru_backward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), StepWeight{saved.w_hh, w_t_packed}, acts, saved.a_n,
+                                out, h0c, d_h, d_a, d_gates_x, d_masked, dh_state);
   });
-  if (d_gates_x.defined()) d_gates_x.narrow(1, 0, 2 * H).copy_(d_a.narrow(1, 0, 2 * H));
-  Tensor d_w_hh, d_b_hh, d_mask, h_prev;
-  if ((needs[2] && !mask.defined()) || need_mask) h_prev = gather_previous(out, h0c, steps);
-  if (needs[2]) d_w_hh = weight_grad(d_a, mask.defined() ? masked : h_prev);
-  if (needs[3]) d_b_hh = d_a.sum(0);
+  GRUGrads result;
+  if (d_gates_x.defined()) {
+    d_gates_x.narrow(1, 0, 2 * H).copy_(d_a.narrow(1, 0, 2 * H));
+    result.gates_x = d_gates_x;
+  }
+  if (needs.h0) result.h0 = dh_state;
+  Tensor h_prev;
+  if ((needs.w_hh && !mask.defined()) || need_mask) h_prev = gather_previous(out, h0c, steps);
+  if (needs.w_hh) result.w_hh = weight_grad(d_a, mask.defined() ? masked : h_prev);
+  if (needs.b_hh) result.b_hh = d_a.sum(0);
   if (need_mask) {
     AT_DISPATCH_FLOATING_TYPES(acts.scalar_type(), "gru_mask_grad", [&] {
-      d_mask = mask_grad<scalar_t>(mask, d_masked, h_prev, steps);
+      result.mask = mask_grad<scalar_t>(mask, d_masked, h_prev, steps);
     });
   }
-  return {d_gates_x, dh_state, d_w_hh, d_b_hh, d_mask};
+  return result;
 }
 
 }  // namespace rnndrop

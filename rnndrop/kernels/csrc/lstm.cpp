@@ -175,14 +175,16 @@ void lstm_backward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>
 
 }  // namespace
 
-std::vector<Tensor> lstm_forward(const Tensor& gates_x, const Tensor& h0, const Tensor& c0, const Tensor& w_hh,
-                                 const c10::optional<Tensor>& w_hr_opt, const c10::optional<Tensor>& mask_opt,
-                                 const std::vector<int64_t>& batch_sizes, bool reverse,
-                                 const std::vector<Tensor>& w_packed, bool keep, int64_t parts) {
+LSTMForward lstm_forward(const LSTMInputs& inputs, const Schedule& schedule, const std::vector<Tensor>& w_packed,
+                         bool keep, int64_t parts) {
+  const Tensor& gates_x = inputs.gates_x;
+  const Tensor& h0 = inputs.h0;
+  const Tensor& c0 = inputs.c0;
+  const std::vector<int64_t>& batch_sizes = schedule.batch_sizes;
   check_inputs(gates_x, "lstm_forward");
-  const Tensor w_hr = w_hr_opt.has_value() ? *w_hr_opt : Tensor();
-  const Tensor mask = mask_opt.has_value() ? mask_opt->contiguous() : Tensor();
-  const auto steps = running_order(batch_sizes, reverse);
+  const Tensor w_hr = inputs.w_hr.value_or(Tensor());
+  const Tensor mask = inputs.mask.has_value() ? inputs.mask->contiguous() : Tensor();
+  const auto steps = running_order(batch_sizes, schedule.reverse);
   const int64_t H = c0.size(1), P = h0.size(1);
   const int64_t N = keep ? gates_x.size(0) : h0.size(0);  // rows of the buffers a backward pass reads
   const Tensor x = gates_x.contiguous();
@@ -204,37 +206,44 @@ std::vector<Tensor> lstm_forward(const Tensor& gates_x, const Tensor& h0, const 
               "lstm_forward: no split by units here (", parts, " parts)");
   AT_DISPATCH_FLOATING_TYPES(gates_x.scalar_type(), "lstm_forward", [&] {
     if (parts) {
-      lstm_forward_split<scalar_t>(steps, MaskView<scalar_t>(mask), w_hh, x, keep, parts, acts, cells, tanh_cells,
-                                   out, masked, keep_masked, h0, h_state, c_state);
+      lstm_forward_split<scalar_t>(steps, MaskView<scalar_t>(mask), inputs.w_hh, x, keep, parts, acts, cells,
+                                   tanh_cells, out, masked, keep_masked, h0, h_state, c_state);
       return;
     }
-    const StepWeight w_t = forward_weight(w_hh, w_packed);  // W_hhᵀ
+    const StepWeight w_t = forward_weight(inputs.w_hh, w_packed);  // W_hhᵀ
     lstm_forward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), w_t,
                                 gate_weights_t(w_t, mask), w_hr_t, x, keep, acts, cells, tanh_cells, r, out, masked,
                                 keep_masked, h_state, c_state);
   });
-  return {out, h_state, c_state, acts, cells, tanh_cells, w_hr.defined() ? r : Tensor(),
-          keep_masked ? masked : Tensor()};
+  LSTMForward result;
+  result.out = out;
+  result.h_n = h_state;
+  result.c_n = c_state;
+  result.acts = acts;
+  result.cells = cells;
+  result.tanh_cells = tanh_cells;
+  if (w_hr.defined()) result.r = r;
+  if (keep_masked && masked.defined()) result.masked = masked;
+  return result;
 }
 
-// Gradients of (gates_x, h0, c0, w_hh, w_hr, mask); undefined where not wanted.
-std::vector<Tensor> lstm_backward(const c10::optional<Tensor>& d_out, const c10::optional<Tensor>& d_hn,
-                                  const c10::optional<Tensor>& d_cn, const Tensor& acts, const Tensor& cells,
-                                  const Tensor& tanh_cells, const Tensor& out, const c10::optional<Tensor>& r_opt,
-                                  const c10::optional<Tensor>& masked_opt, const Tensor& h0, const Tensor& c0,
-                                  const Tensor& w_hh, const c10::optional<Tensor>& w_hr_opt,
-                                  const c10::optional<Tensor>& mask_opt, const std::vector<int64_t>& batch_sizes,
-                                  bool reverse, std::vector<bool> needs, const std::vector<Tensor>& w_t_packed) {
-  const Tensor w_hr = w_hr_opt.has_value() ? *w_hr_opt : Tensor();
-  const Tensor mask = mask_opt.has_value() ? mask_opt->contiguous() : Tensor();
-  const Tensor masked = masked_opt.has_value() ? *masked_opt : Tensor();
-  const auto steps = running_order(batch_sizes, reverse);
+LSTMGrads lstm_backward(const LSTMOutputGrads& grads, const LSTMSaved& saved, const Schedule& schedule,
+                        const LSTMNeeds& needs, const std::vector<Tensor>& w_t_packed) {
+  const Tensor& acts = saved.acts;
+  const Tensor& cells = saved.cells;
+  const Tensor& out = saved.out;
+  const Tensor& h0 = saved.h0;
+  const Tensor& c0 = saved.c0;
+  const Tensor w_hr = saved.w_hr.value_or(Tensor());
+  const Tensor mask = saved.mask.has_value() ? saved.mask->contiguous() : Tensor();
+  const Tensor masked = saved.masked.value_or(Tensor());
+  const auto steps = running_order(schedule.batch_sizes, schedule.reverse);
   const int64_t N = acts.size(0), H = cells.size(1);
-  Tensor d_h = d_out.has_value() ? d_out->contiguous().clone() : at::zeros_like(out);
-  Tensor dh_state = d_hn.has_value() ? d_hn->contiguous().clone() : at::zeros_like(h0);
-  Tensor dc_state = d_cn.has_value() ? d_cn->contiguous().clone() : at::zeros_like(c0);
+  Tensor d_h = grads.out.has_value() ? grads.out->contiguous().clone() : at::zeros_like(out);
+  Tensor dh_state = grads.h_n.has_value() ? grads.h_n->contiguous().clone() : at::zeros_like(h0);
+  Tensor dc_state = grads.c_n.has_value() ? grads.c_n->contiguous().clone() : at::zeros_like(c0);
   Tensor d_gates = at::empty({N, 4 * H}, acts.options());
-  const bool need_mask = needs[5] && mask.defined();
+  const bool need_mask = needs.mask && mask.defined();
   Tensor d_masked;  // dm of every row, when the mask's gradient is wanted
   if (mask.defined()) {
     d_masked = need_mask ? at::empty(masked_shape(N, mask), acts.options()) : Tensor();
@@ -242,27 +251,30 @@ std::vector<Tensor> lstm_backward(const c10::optional<Tensor>& d_out, const c10:
   Tensor dr_buf = w_hr.defined() ? at::empty({h0.size(0), H}, acts.options()) : Tensor();
   const Tensor c0c = c0.contiguous();
   AT_DISPATCH_FLOATING_TYPES(acts.scalar_type(), "lstm_backward", [&] {
-    lstm_backward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), StepWeight{w_hh, w_t_packed}, w_hr, acts, cells, tanh_cells, c0c, d_h,
-                                 d_gates, d_masked, dr_buf, dh_state, dc_state);
+    lstm_backward_loop<scalar_t>(steps, MaskView<scalar_t>(mask), StepWeight{saved.w_hh, w_t_packed}, w_hr, acts,
+                                 cells, saved.tanh_cells, c0c, d_h, d_gates, d_masked, dr_buf, dh_state, dc_state);
   });
-  Tensor d_w_hh, d_w_hr, d_mask;
+  LSTMGrads result;
+  if (needs.gates_x) result.gates_x = d_gates;
+  if (needs.h0) result.h0 = dh_state;
+  if (needs.c0) result.c0 = dc_state;
   Tensor h_prev;
   const bool per_gate = mask.defined() && mask.dim() == 4;
-  if ((needs[3] && (!mask.defined() || per_gate)) || need_mask) h_prev = gather_previous(out, h0.contiguous(), steps);
-  if (needs[3] && per_gate) {
+  if ((needs.w_hh && (!mask.defined() || per_gate)) || need_mask) h_prev = gather_previous(out, h0.contiguous(), steps);
+  if (needs.w_hh && per_gate) {
     AT_DISPATCH_FLOATING_TYPES(acts.scalar_type(), "lstm_weight_grad", [&] {
-      d_w_hh = per_gate_weight_grad<scalar_t>(d_gates, h_prev, mask, steps);
+      result.w_hh = per_gate_weight_grad<scalar_t>(d_gates, h_prev, mask, steps);
     });
-  } else if (needs[3]) {
-    d_w_hh = weight_grad(d_gates, mask.defined() ? masked : h_prev);
+  } else if (needs.w_hh) {
+    result.w_hh = weight_grad(d_gates, mask.defined() ? masked : h_prev);
   }
-  if (needs[4] && w_hr.defined()) d_w_hr = at::mm(d_h.t(), *r_opt);
+  if (needs.w_hr && w_hr.defined()) result.w_hr = at::mm(d_h.t(), *saved.r);
   if (need_mask) {
     AT_DISPATCH_FLOATING_TYPES(acts.scalar_type(), "lstm_mask_grad", [&] {
-      d_mask = mask_grad<scalar_t>(mask, d_masked, h_prev, steps);
+      result.mask = mask_grad<scalar_t>(mask, d_masked, h_prev, steps);
     });
   }
-  return {d_gates, dh_state, dc_state, d_w_hh, d_w_hr, d_mask};
+  return result;
 }
 
 }  // namespace rnndrop

@@ -1,27 +1,12 @@
-// The Python module of the compiled loop kernels (built by rnndrop/kernels/compiled.py).
+// The Python module of the compiled loop kernels (built by rnndrop/kernels/compiled.py): the
+// functions and structs of kernels.h, every field bound under its own C++ name (FIELD).
 #include <torch/extension.h>
 
 #include <atomic>
-#include <vector>
+
+#include "kernels.h"
 
 namespace rnndrop {
-using at::Tensor;
-using OptTensor = c10::optional<Tensor>;
-using Sizes = std::vector<int64_t>;
-using Tensors = std::vector<Tensor>;
-
-std::vector<Tensor> lstm_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptTensor&,
-                                 const OptTensor&, const Sizes&, bool, const Tensors&, bool, int64_t);
-std::vector<Tensor> lstm_backward(const OptTensor&, const OptTensor&, const OptTensor&, const Tensor&,
-                                  const Tensor&, const Tensor&, const Tensor&, const OptTensor&, const OptTensor&,
-                                  const Tensor&, const Tensor&, const Tensor&, const OptTensor&, const OptTensor&,
-                                  const Sizes&, bool, std::vector<bool>, const Tensors&);
-Tensor bernoulli_mask(const Sizes&, int64_t, double, c10::optional<at::Generator>, at::ScalarType);
-std::vector<Tensor> gru_forward(const Tensor&, const Tensor&, const Tensor&, const OptTensor&, const OptTensor&,
-                                const Sizes&, bool, const Tensors&, bool);
-std::vector<Tensor> gru_backward(const OptTensor&, const OptTensor&, const Tensor&, const Tensor&, const Tensor&,
-                                 const OptTensor&, const Tensor&, const Tensor&, const OptTensor&, const Sizes&,
-                                 bool, std::vector<bool>, const Tensors&);
 
 // How many threads one of this library's parallel loops runs on (at::parallel_for is compiled
 // here: without OpenMP in the build it runs on one, whatever torch.get_num_threads() says).
@@ -30,25 +15,76 @@ int64_t parallel_threads() {
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) { seen.fetch_add(1); });
   return seen.load();
 }
+
 }  // namespace rnndrop
 
+namespace {
+
+namespace py = pybind11;
+
+// A struct of kernels.h as a Python class: made empty, its fields then set and read by name.
+template <typename T>
+py::class_<T> bind_struct(py::module_& m, const char* name, const char* doc) {
+  return py::class_<T>(m, name, doc).def(py::init<>());
+}
+
+}  // namespace
+
+#define FIELD(Struct, name) def_readwrite(#name, &Struct::name)
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "rnndrop's LSTM and GRU recurrences with their time loops in C++, and its Bernoulli masks";
-  m.def("lstm_forward", &rnndrop::lstm_forward,
-        "(gates_x, h0, c0, w_hh, w_hr, mask, batch_sizes, reverse, w_packed, keep, parts) -> "
-        "[out, h_n, c_n, acts, cells, tanh_cells, r, masked] (keep false: for inference, the last four "
-        "hold the last step's rows only; parts > 0: the step split by hidden units, one part a thread)");
-  m.def("lstm_backward", &rnndrop::lstm_backward,
-        "(d_out, d_hn, d_cn, acts, cells, tanh_cells, out, r, masked, h0, c0, w_hh, w_hr, mask, batch_sizes, "
-        "reverse, needs, w_t_packed) -> [d_gates_x, d_h0, d_c0, d_w_hh, d_w_hr, d_mask]");
-  m.def("parallel_threads", &rnndrop::parallel_threads,
-        "() -> how many threads one of the library's parallel loops runs on");
-  m.def("bernoulli_mask", &rnndrop::bernoulli_mask,
-        "(shape, threshold, scale, generator, dtype) -> the mask of rnndrop.noise's 16-bit draw, in one pass");
-  m.def("gru_forward", &rnndrop::gru_forward,
-        "(gates_x, h0, w_hh, b_hh, mask, batch_sizes, reverse, w_packed, keep) -> [out, h_n, acts, a_n, masked] "
-        "(keep false: for inference, the last three hold the last step's rows only)");
-  m.def("gru_backward", &rnndrop::gru_backward,
-        "(d_out, d_hn, acts, a_n, out, masked, h0, w_hh, mask, batch_sizes, reverse, needs, w_t_packed) -> "
-        "[d_gates_x, d_h0, d_w_hh, d_b_hh, d_mask]");
+  using namespace rnndrop;
+  m.doc() = "rnndrop's LSTM and GRU recurrences with their time loops in C++ (declared in csrc/kernels.h)";
+
+  bind_struct<Schedule>(m, "Schedule", "the order of a call's steps over the packed rows")
+      .FIELD(Schedule, batch_sizes).FIELD(Schedule, reverse);
+
+  bind_struct<LSTMInputs>(m, "LSTMInputs", "the inputs of an LSTM recurrence")
+      .FIELD(LSTMInputs, gates_x).FIELD(LSTMInputs, h0).FIELD(LSTMInputs, c0).FIELD(LSTMInputs, w_hh)
+      .FIELD(LSTMInputs, w_hr).FIELD(LSTMInputs, mask);
+  bind_struct<LSTMNeeds>(m, "LSTMNeeds", "which of an LSTM recurrence's inputs want a gradient")
+      .FIELD(LSTMNeeds, gates_x).FIELD(LSTMNeeds, h0).FIELD(LSTMNeeds, c0).FIELD(LSTMNeeds, w_hh)
+      .FIELD(LSTMNeeds, w_hr).FIELD(LSTMNeeds, mask);
+  bind_struct<LSTMGrads>(m, "LSTMGrads", "the gradients of an LSTM recurrence's inputs (None: not wanted)")
+      .FIELD(LSTMGrads, gates_x).FIELD(LSTMGrads, h0).FIELD(LSTMGrads, c0).FIELD(LSTMGrads, w_hh)
+      .FIELD(LSTMGrads, w_hr).FIELD(LSTMGrads, mask);
+  bind_struct<LSTMForward>(m, "LSTMForward", "an LSTM forward pass's outputs and buffers")
+      .FIELD(LSTMForward, out).FIELD(LSTMForward, h_n).FIELD(LSTMForward, c_n).FIELD(LSTMForward, acts)
+      .FIELD(LSTMForward, cells).FIELD(LSTMForward, tanh_cells).FIELD(LSTMForward, r).FIELD(LSTMForward, masked);
+  bind_struct<LSTMSaved>(m, "LSTMSaved", "what the LSTM's backward pass reads")
+      .FIELD(LSTMSaved, acts).FIELD(LSTMSaved, cells).FIELD(LSTMSaved, tanh_cells).FIELD(LSTMSaved, out)
+      .FIELD(LSTMSaved, r).FIELD(LSTMSaved, masked).FIELD(LSTMSaved, h0).FIELD(LSTMSaved, c0)
+      .FIELD(LSTMSaved, w_hh).FIELD(LSTMSaved, w_hr).FIELD(LSTMSaved, mask);
+  bind_struct<LSTMOutputGrads>(m, "LSTMOutputGrads", "the gradients of an LSTM recurrence's outputs")
+      .FIELD(LSTMOutputGrads, out).FIELD(LSTMOutputGrads, h_n).FIELD(LSTMOutputGrads, c_n);
+  m.def("lstm_forward", &lstm_forward, py::arg("inputs"), py::arg("schedule"), py::arg("w_packed"),
+        py::arg("keep"), py::arg("parts"),
+        "LSTMForward of one layer and direction (keep false, for inference: buffers of the last step only; "
+        "parts > 0: the step split by hidden units, one part a thread)");
+  m.def("lstm_backward", &lstm_backward, py::arg("grads"), py::arg("saved"), py::arg("schedule"),
+        py::arg("needs"), py::arg("w_t_packed"), "LSTMGrads of the inputs that need them");
+
+  bind_struct<GRUInputs>(m, "GRUInputs", "the inputs of a GRU recurrence")
+      .FIELD(GRUInputs, gates_x).FIELD(GRUInputs, h0).FIELD(GRUInputs, w_hh).FIELD(GRUInputs, b_hh)
+      .FIELD(GRUInputs, mask);
+  bind_struct<GRUNeeds>(m, "GRUNeeds", "which of a GRU recurrence's inputs want a gradient")
+      .FIELD(GRUNeeds, gates_x).FIELD(GRUNeeds, h0).FIELD(GRUNeeds, w_hh).FIELD(GRUNeeds, b_hh)
+      .FIELD(GRUNeeds, mask);
+  bind_struct<GRUGrads>(m, "GRUGrads", "the gradients of a GRU recurrence's inputs (None: not wanted)")
+      .FIELD(GRUGrads, gates_x).FIELD(GRUGrads, h0).FIELD(GRUGrads, w_hh).FIELD(GRUGrads, b_hh)
+      .FIELD(GRUGrads, mask);
+  bind_struct<GRUForward>(m, "GRUForward", "a GRU forward pass's outputs and buffers")
+      .FIELD(GRUForward, out).FIELD(GRUForward, h_n).FIELD(GRUForward, acts).FIELD(GRUForward, a_n)
+      .FIELD(GRUForward, masked);
+  bind_struct<GRUSaved>(m, "GRUSaved", "what the GRU's backward pass reads")
+      .FIELD(GRUSaved, acts).FIELD(GRUSaved, a_n).FIELD(GRUSaved, out).FIELD(GRUSaved, masked)
+      .FIELD(GRUSaved, h0).FIELD(GRUSaved, w_hh).FIELD(GRUSaved, mask);
+  bind_struct<GRUOutputGrads>(m, "GRUOutputGrads", "the gradients of a GRU recurrence's outputs")
+      .FIELD(GRUOutputGrads, out).FIELD(GRUOutputGrads, h_n);
+  m.def("gru_forward", &gru_forward, py::arg("inputs"), py::arg("schedule"), py::arg("w_packed"),
+        py::arg("keep"), "GRUForward of one layer and direction (keep false: buffers of the last step only)");
+  m.def("gru_backward", &gru_backward, py::arg("grads"), py::arg("saved"), py::arg("schedule"),
+        py::arg("needs"), py::arg("w_t_packed"), "GRUGrads of the inputs that need them");
+
+  m.def("parallel_threads", &parallel_threads, "how many threads one of the library's parallel loops runs on");
 }

@@ -2,20 +2,14 @@
 // unaliased pointers that the compiler vectorises (the build passes -fno-trapping-math, so
 // that the clamps below become vector min / max). On x86-64 with GCC each is also compiled
 // for AVX-512 and AVX2 and the copy is picked at load time (target_clones), so the build
-// does not depend on the machine it runs on (no -march=native). RNNDROP_MAX_ISA_AVX2 (set by
-// RNNDROP_MAX_CPU_ISA=avx2, a build of its own) leaves the AVX-512 copy out, as on a CPU without
-// it: benchmarks/speed.py --max-isa avx2.
+// does not depend on the machine it runs on (no -march=native).
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#ifdef RNNDROP_MAX_ISA_AVX2
-#define RNNDROP_ROW __attribute__((noinline, target_clones("avx2", "default")))
-#else
 #define RNNDROP_ROW __attribute__((noinline, target_clones("avx512f", "avx2", "default")))
-#endif
 #else
 #define RNNDROP_ROW __attribute__((noinline))
 #endif
