@@ -17,7 +17,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from rnndrop.kernels.gates import GRU_GATES, LSTM_GATES, gru_pointwise, lstm_pointwise, masked_linear
-from rnndrop.scripting import NotScriptable
+from rnndrop.scripting import refuse_torchscript
 from rnndrop.validation import check_tensor_like
 
 __all__ = [
@@ -70,7 +70,7 @@ def _check_cell_state(cell: nn.Module, name: str, state: Tensor, input: Tensor) 
     check_tensor_like(f"{type(cell).__name__}: {name}", state, (*input.shape[:-1], cell.hidden_size), input)
 
 
-class VariationalLSTMCell(NotScriptable, nn.LSTMCell):
+class VariationalLSTMCell(nn.LSTMCell):
     """An ``nn.LSTMCell`` that takes dropout masks.
 
     Parameters, their names, shapes and initialisation are those of ``nn.LSTMCell``,
@@ -83,6 +83,8 @@ class VariationalLSTMCell(NotScriptable, nn.LSTMCell):
         hidden_mask: ``[batch, hidden_size]`` or per gate ``[batch, 4, hidden_size]``.
         returns: ``(h', c')``, each like ``h``.
     """
+
+    __prepare_scriptable__ = refuse_torchscript
 
     def forward(  # type: ignore[override]
         self,
@@ -106,7 +108,7 @@ class VariationalLSTMCell(NotScriptable, nn.LSTMCell):
         return lstm_pointwise(gates, c)
 
 
-class VariationalGRUCell(NotScriptable, nn.GRUCell):
+class VariationalGRUCell(nn.GRUCell):
     """An ``nn.GRUCell`` that takes dropout masks.
 
     The hidden mask multiplies ``h_{t-1}`` inside ``W_hh h_{t-1}`` only; the
@@ -119,6 +121,8 @@ class VariationalGRUCell(NotScriptable, nn.GRUCell):
         hidden_mask: ``[batch, hidden_size]`` or per gate ``[batch, 3, hidden_size]``.
         returns: ``h'`` like ``hx``.
     """
+
+    __prepare_scriptable__ = refuse_torchscript
 
     def forward(  # type: ignore[override]
         self,
