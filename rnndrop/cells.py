@@ -8,8 +8,9 @@ gate its own mask (Gal's "untied" variant). No mask means no dropout.
 
 The gate arithmetic (:func:`~rnndrop.kernels.gates.masked_linear`,
 :func:`~rnndrop.kernels.gates.lstm_pointwise`, :func:`~rnndrop.kernels.gates.gru_pointwise`)
-lives in :mod:`rnndrop.kernels.gates`, so that the cells and the layers' time loops
-compute the very same thing.
+lives in :mod:`rnndrop.kernels.gates`, which the reference loop kernel also runs; the other loop
+kernels are held to it. A layer (:mod:`rnndrop.recurrent`) computes at every step what these
+cells compute with the same weights and masks (``tests/test_recurrent.py``, stack against cells).
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ class VariationalLSTMCell(nn.LSTMCell):
         input_mask: ``[batch, input_size]`` or per gate ``[batch, 4, input_size]``.
         hidden_mask: ``[batch, hidden_size]`` or per gate ``[batch, 4, hidden_size]``.
         returns: ``(h', c')``, each like ``h``.
+
+    Its step is the one :class:`~rnndrop.VariationalLSTM` runs at every step of every layer,
+    whichever loop kernel runs it (the class docstring there has the equations).
     """
 
     __prepare_scriptable__ = refuse_torchscript
@@ -120,6 +124,9 @@ class VariationalGRUCell(nn.GRUCell):
         input_mask: ``[batch, input_size]`` or per gate ``[batch, 3, input_size]``.
         hidden_mask: ``[batch, hidden_size]`` or per gate ``[batch, 3, hidden_size]``.
         returns: ``h'`` like ``hx``.
+
+    Its step is the one :class:`~rnndrop.VariationalGRU` runs at every step of every layer,
+    whichever loop kernel runs it (the class docstring there has the equations).
     """
 
     __prepare_scriptable__ = refuse_torchscript
