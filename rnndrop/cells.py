@@ -8,8 +8,9 @@ gate its own mask (Gal's "untied" variant). No mask means no dropout.
 
 The gate arithmetic (:func:`~rnndrop.kernels.gates.masked_linear`,
 :func:`~rnndrop.kernels.gates.lstm_pointwise`, :func:`~rnndrop.kernels.gates.gru_pointwise`)
-lives in :mod:`rnndrop.kernels.gates`, so that the cells and the layers' time loops
-compute the very same thing.
+lives in :mod:`rnndrop.kernels.gates`, which the reference loop kernel also runs; the other loop
+kernels are held to it. A layer (:mod:`rnndrop.recurrent`) computes at every step what these
+cells compute with the same weights and masks (``tests/test_recurrent.py``, stack against cells).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from rnndrop.kernels.gates import GRU_GATES, LSTM_GATES, gru_pointwise, lstm_pointwise, masked_linear
-from rnndrop.scripting import NotScriptable
+from rnndrop.scripting import refuse_torchscript
 from rnndrop.validation import check_tensor_like
 
 __all__ = [
@@ -70,7 +71,7 @@ def _check_cell_state(cell: nn.Module, name: str, state: Tensor, input: Tensor) 
     check_tensor_like(f"{type(cell).__name__}: {name}", state, (*input.shape[:-1], cell.hidden_size), input)
 
 
-class VariationalLSTMCell(NotScriptable, nn.LSTMCell):
+class VariationalLSTMCell(nn.LSTMCell):
     """An ``nn.LSTMCell`` that takes dropout masks.
 
     Parameters, their names, shapes and initialisation are those of ``nn.LSTMCell``,
@@ -82,7 +83,12 @@ class VariationalLSTMCell(NotScriptable, nn.LSTMCell):
         input_mask: ``[batch, input_size]`` or per gate ``[batch, 4, input_size]``.
         hidden_mask: ``[batch, hidden_size]`` or per gate ``[batch, 4, hidden_size]``.
         returns: ``(h', c')``, each like ``h``.
+
+    Its step is the one :class:`~rnndrop.VariationalLSTM` runs at every step of every layer,
+    whichever loop kernel runs it (the class docstring there has the equations).
     """
+
+    __prepare_scriptable__ = refuse_torchscript
 
     def forward(  # type: ignore[override]
         self,
@@ -106,7 +112,7 @@ class VariationalLSTMCell(NotScriptable, nn.LSTMCell):
         return lstm_pointwise(gates, c)
 
 
-class VariationalGRUCell(NotScriptable, nn.GRUCell):
+class VariationalGRUCell(nn.GRUCell):
     """An ``nn.GRUCell`` that takes dropout masks.
 
     The hidden mask multiplies ``h_{t-1}`` inside ``W_hh h_{t-1}`` only; the
@@ -118,7 +124,12 @@ class VariationalGRUCell(NotScriptable, nn.GRUCell):
         input_mask: ``[batch, input_size]`` or per gate ``[batch, 3, input_size]``.
         hidden_mask: ``[batch, hidden_size]`` or per gate ``[batch, 3, hidden_size]``.
         returns: ``h'`` like ``hx``.
+
+    Its step is the one :class:`~rnndrop.VariationalGRU` runs at every step of every layer,
+    whichever loop kernel runs it (the class docstring there has the equations).
     """
+
+    __prepare_scriptable__ = refuse_torchscript
 
     def forward(  # type: ignore[override]
         self,

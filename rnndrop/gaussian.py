@@ -166,7 +166,8 @@ class _LearnedAlphaMixin(KLRegularized):
         dtype: torch.dtype,
         generator: torch.Generator | None,
     ) -> Tensor | None:
-        """``1 + e^(log_alpha / 2) * eps`` with the site's learned ``alpha``, differentiable in
+        """The layer's mask-draw hook (:class:`~rnndrop.recurrent.VariationalRNNStack`):
+        ``1 + e^(log_alpha / 2) * eps`` with the site's learned ``alpha``, differentiable in
         ``log_alpha`` (``noise`` is always ``"gaussian"``); shapes and scopes are those of
         :meth:`VariationalLSTM.sample_masks`."""
         log_alpha = self._log_alpha(f"log_alpha_{site.name}")

@@ -1,42 +1,536 @@
-"""VariationalLSTM and VariationalGRU: nn.LSTM / nn.GRU with tied (variational) dropout.
+"""VariationalLSTM and VariationalGRU: ``nn.LSTM`` / ``nn.GRU`` with tied (variational) dropout.
 
-The layers subclass ``nn.LSTM`` / ``nn.GRU``: same constructor, parameters,
-parameter names, initialisation, ``state_dict`` and forward contract (``hx``,
-``batch_first``, unbatched input, ``PackedSequence``), plus dropout on
+The layers subclass ``nn.LSTM`` / ``nn.GRU``: same constructor, parameters, parameter
+names, initialisation, ``state_dict`` and forward contract (``hx``, ``batch_first``,
+unbatched input, ``PackedSequence``), plus dropout on
 
 - the first layer's input (``dropout_input``),
 - the input of every later layer (``dropout``, nn.LSTM's meaning: "between layers"),
 - the recurrent state ``h_{t-1}`` of every layer and direction (``dropout_hidden``),
 - the last layer's output (``dropout_output``).
 
-How long a mask lives is ``mask_scope`` (see :mod:`rnndrop.masks`). Input masks
-are shared by both directions of a layer; each direction has its own recurrent
-mask. Dropout never touches the returned final states except through the
-recurrence itself.
+The whole layer is this file, top to bottom:
 
-The shared machinery (masks, the three execution paths) is
-:class:`rnndrop.stack.VariationalRNNStack`; what differs between the two cells is
-their :class:`~rnndrop.cell_specs.CellSpec` and their loop path, ``_layer_loop``
-here: the input projection and the cell's loop kernel, typed by
-:class:`~rnndrop.kernels.LSTMRecurrence` / :class:`~rnndrop.kernels.GRURecurrence`.
+1. :class:`CellSpec`, and :data:`LSTM_CELL` / :data:`GRU_CELL`: what differs between the two
+   layers, as data (gates, states, torch's fused op, and the function that runs one layer
+   and direction on a loop kernel of :mod:`rnndrop.kernels`);
+2. :class:`VariationalRNNStack`: the dropout settings, checked once in the constructor, and
+   the forward pass, written once for both cells;
+3. :class:`VariationalLSTM` / :class:`VariationalGRU`: the constructors and typed ``forward``
+   of ``nn.LSTM`` / ``nn.GRU``, and the equations in their docstrings.
+
+It builds on the input's layout (:class:`rnndrop.layout.SequenceLayout`: padded, packed,
+batch_first, unbatched -> rows and back), the mask sites and shapes (:mod:`rnndrop.masks`),
+the one draw of a mask (:func:`rnndrop.noise.draw_mask`) and the loop kernels.
+
+Execution, three paths (:meth:`VariationalRNNStack._forward`):
+
+``fused``        no mask at all: torch's fused op (oneDNN on CPU, cuDNN on GPU) runs
+                 every layer in one call.
+``folded-mask``  per layer, when its recurrent mask is one for the whole batch
+                 (``mask_scope="batch"``, not per gate): the mask is folded into the
+                 columns of ``W_hh`` and the fused op runs that layer.
+``loop``         otherwise: the input projection of all steps is hoisted out of the
+                 loop and a loop kernel (:mod:`rnndrop.kernels`) runs the recurrence.
+
+Site names: ``masks.inputs[k]`` / site ``input_l{k}`` is the input of layer ``k``;
+for ``k = 0`` its probability is ``dropout_input``, for ``k >= 1`` it is nn.LSTM's
+``dropout`` (the dropout *between* layers). ``masks.hidden[i]`` / ``hidden_l{k}[_reverse]``
+is ``h_{t-1}`` of layer ``k`` (``i = k * num_directions + direction``), ``output`` the
+last layer's output. Input masks are shared by both directions of a layer; each direction
+has its own recurrent mask. How long a mask lives is ``mask_scope`` (:mod:`rnndrop.masks`).
 """
 
 from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import ClassVar, Literal, TypeVar, overload
 
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from rnndrop.cell_specs import GRU_CELL, LSTM_CELL
-from rnndrop.kernels import KERNELS, GRURecurrence, LSTMRecurrence, input_projection
+from rnndrop.kernels import KERNELS, GRURecurrence, LSTMRecurrence, auto_loop_kernel, input_projection
+from rnndrop.kernels.gates import GRU_GATES, LSTM_GATES
 from rnndrop.layout import SequenceLayout
-from rnndrop.masks import RecurrentMasks
-from rnndrop.stack import VariationalRNNStack
+from rnndrop.masks import MASK_SCOPES, RecurrentMasks, StackGeometry, check_seq_len, mask_sites
+from rnndrop.noise import NOISES, draw_mask
+from rnndrop.scripting import run_eagerly
+from rnndrop.stochastic import Stochastic
+from rnndrop.validation import check_bool, check_choice, check_positive_int, check_probability
 
-__all__ = ["VariationalGRU", "VariationalLSTM"]
+__all__ = ["GRU_CELL", "LSTM_CELL", "CellSpec", "VariationalGRU", "VariationalLSTM", "VariationalRNNStack"]
+
+#: One layer's and direction's weights by their nn.LSTM names without the ``_l{k}[_reverse]``
+#: suffix: ``weight_ih``, ``weight_hh``, and where the layer has them ``bias_ih``, ``bias_hh``,
+#: ``weight_hr``.
+LayerWeights = dict[str, Tensor]
+
+#: ``loop(kernel, x, in_rows, weights, batch_sizes, states, hidden_mask, reverse)
+#: -> (rows [N, P], final states)``: one layer and direction on a loop kernel (see
+#: :meth:`VariationalRNNStack._layer_loop` for the arguments).
+LayerLoop = Callable[
+    [str, Tensor, Tensor | None, LayerWeights, list[int], tuple[Tensor, ...], Tensor | None, bool],
+    tuple[Tensor, tuple[Tensor, ...]],
+]
 
 
-_EXTRA_ARGS_DOC = """
+def _kernel_name(kernel: str, gates_x: Tensor) -> str:
+    """The entry of :data:`~rnndrop.kernels.KERNELS` a layer set to ``kernel`` runs on ``gates_x``:
+    the one named, or for ``"auto"`` :func:`~rnndrop.kernels.auto_loop_kernel`'s choice."""
+    return auto_loop_kernel(gates_x) if kernel == "auto" else kernel
+
+
+def _lstm_loop(
+    kernel: str,
+    x: Tensor,
+    in_rows: Tensor | None,
+    w: LayerWeights,
+    batch_sizes: list[int],
+    states: tuple[Tensor, ...],
+    hidden_mask: Tensor | None,
+    reverse: bool,
+) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """``gates_x = W_ih x + b_ih + b_hh`` of every step in one product, then the LSTM kernel."""
+    bias = w["bias_ih"] + w["bias_hh"] if "bias_ih" in w else None
+    gates_x = input_projection(x, in_rows, w["weight_ih"], bias).flatten(0, -2)  # [N, 4H]
+    recurrence: LSTMRecurrence = KERNELS[_kernel_name(kernel, gates_x)]["lstm"]
+    h0, c0 = states
+    out, h, c = recurrence(
+        gates_x, batch_sizes, h0, c0, w["weight_hh"], w.get("weight_hr"), hidden_mask, reverse
+    )
+    return out, (h, c)
+
+
+def _gru_loop(
+    kernel: str,
+    x: Tensor,
+    in_rows: Tensor | None,
+    w: LayerWeights,
+    batch_sizes: list[int],
+    states: tuple[Tensor, ...],
+    hidden_mask: Tensor | None,
+    reverse: bool,
+) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """``gates_x = W_ih x + b_ih`` of every step in one product (``b_hh`` sits inside
+    ``r * (W_hn h + b_hn)``), then the GRU kernel."""
+    gates_x = input_projection(x, in_rows, w["weight_ih"], w.get("bias_ih")).flatten(0, -2)  # [N, 3H]
+    recurrence: GRURecurrence = KERNELS[_kernel_name(kernel, gates_x)]["gru"]
+    (h0,) = states
+    out, h = recurrence(gates_x, batch_sizes, h0, w["weight_hh"], w.get("bias_hh"), hidden_mask, reverse)
+    return out, (h,)
+
+
+@dataclass(frozen=True)
+class CellSpec:
+    """A recurrent cell as the layers see it: everything that differs between LSTM and GRU.
+
+    Attributes:
+        mode: ``nn.RNNBase.mode`` of the torch module with this cell (``"LSTM"``, ``"GRU"``);
+            ``from_module`` takes only modules of this mode.
+        gates: gate blocks in ``W_ih`` / ``W_hh`` (4 LSTM: i, f, g, o; 3 GRU: r, z, n).
+        num_states: states in ``hx``: 2 (``h``, ``c``) or 1 (``h``).
+        fused: torch's op for whole sequences and stacks of layers (``torch.lstm`` / ``torch.gru``).
+        loop: one layer and direction on a loop kernel (:data:`LayerLoop`).
+    """
+
+    mode: str
+    gates: int
+    num_states: int
+    fused: Callable[..., tuple[Tensor, ...]]
+    loop: LayerLoop
+
+
+LSTM_CELL = CellSpec("LSTM", LSTM_GATES, 2, torch.lstm, _lstm_loop)
+GRU_CELL = CellSpec("GRU", GRU_GATES, 1, torch.gru, _gru_loop)
+
+_COMPACTION_WARNING = "RNN module weights are not part of single contiguous chunk of memory"
+
+
+@contextmanager
+def quiet_weight_compaction(device: torch.device) -> Iterator[None]:
+    """Silence cuDNN's warning about weights outside the module's flat buffer.
+
+    A weight computed in forward (a masked ``W_hh``) can never live in that buffer,
+    so cuDNN copies it at every call by design; the warning would only tell the user
+    to call ``flatten_parameters()``, which cannot help. Other warnings pass.
+    """
+    if device.type != "cuda":
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_COMPACTION_WARNING)
+        yield
+
+
+_Stack = TypeVar("_Stack", bound="VariationalRNNStack")
+
+
+class VariationalRNNStack(Stochastic):
+    """The settings and forward pass of VariationalLSTM and VariationalGRU; placed before
+    ``nn.LSTM`` / ``nn.GRU``.
+
+    A subclass sets ``_cell`` (a :class:`CellSpec`), calls the torch constructor with
+    ``dropout=0`` (the masks are the dropout) and then :meth:`_init_dropout`, and implements
+    the typed ``forward`` of its torch class by calling :meth:`_forward`.
+
+    Hooks for subclasses (:class:`~rnndrop.GaussianLSTM` and :class:`~rnndrop.SparseLSTM`
+    override them; plain methods, overridden the usual way):
+
+    ``_draw_mask(site, noise, *, device, dtype, generator) -> Tensor | None``
+        the mask of one :class:`~rnndrop.noise.MaskSite` (name, shape, probability), or None
+        for no mask there; :func:`rnndrop.noise.draw_mask` unless overridden (GaussianLSTM
+        draws its learned-variance noise). :meth:`sample_masks` calls it for every site, and
+        the forward pass checks what it returns like masks passed in.
+    ``_layer_weights(layer, direction) -> LayerWeights``
+        the weights one layer and direction computes with, asked once per layer and direction
+        in every forward call: the module's parameters unless overridden (SparseLSTM samples
+        or prunes them).
+    """
+
+    _cell: ClassVar[CellSpec]
+    _draw_mask = staticmethod(draw_mask)
+
+    # Attributes of nn.RNNBase, which a subclass also derives from.
+    input_size: int
+    hidden_size: int
+    num_layers: int
+    bias: bool
+    batch_first: bool
+    bidirectional: bool
+    training: bool
+    weight_ih_l0: Tensor
+
+    # ------------------------------------------------------------------ settings
+
+    def _init_dropout(
+        self,
+        dropout: float,
+        dropout_input: float,
+        dropout_hidden: float,
+        dropout_output: float,
+        mask_scope: str,
+        per_gate_masks: bool,
+        noise: str,
+        kernel: str,
+    ) -> None:
+        """Check and keep the dropout arguments; everything after the constructor trusts them."""
+        self.dropout = check_probability("dropout", dropout)  # the input of layers 1..L-1
+        if self.dropout > 0 and self.num_layers == 1:  # nn.RNNBase's warning, word for word
+            warnings.warn(
+                "dropout option adds dropout after all but last recurrent layer, so non-zero dropout "
+                f"expects num_layers greater than 1, but got dropout={dropout} and "
+                f"num_layers={self.num_layers}",
+                stacklevel=3,
+            )
+        self.dropout_input = check_probability("dropout_input", dropout_input)
+        self.dropout_hidden = check_probability("dropout_hidden", dropout_hidden)
+        self.dropout_output = check_probability("dropout_output", dropout_output)
+        self.mask_scope = check_choice("mask_scope", mask_scope, MASK_SCOPES)
+        self.per_gate_masks = check_bool("per_gate_masks", per_gate_masks)
+        self.noise = check_choice("noise", noise, NOISES)
+        self.kernel = check_choice("kernel", kernel, ("auto", *KERNELS))
+
+    @classmethod
+    def from_module(cls: type[_Stack], module: nn.RNNBase, **dropout_kwargs) -> _Stack:
+        """A layer of this class with ``module``'s configuration, device, dtype and weights.
+
+        ``module`` is an ``nn.LSTM`` (for VariationalLSTM) or ``nn.GRU`` (for VariationalGRU),
+        or a subclass with the same cell (``module.mode``); ``dropout_kwargs`` are this
+        class's keyword arguments (``dropout_hidden=0.3``, ...). ``dropout`` defaults to
+        ``module.dropout``. Example::
+
+            model.rnn = VariationalLSTM.from_module(model.rnn, dropout_hidden=0.3)
+        """
+        mode = cls._cell.mode
+        if not isinstance(module, nn.RNNBase) or module.mode != mode:
+            got = type(module).__name__
+            if isinstance(module, nn.RNNBase):
+                got += f" (mode {module.mode!r})"
+            raise TypeError(f"{cls.__name__}.from_module: module must be an {mode}, got {got}")
+        config = dict(
+            num_layers=module.num_layers,
+            bias=module.bias,
+            batch_first=module.batch_first,
+            bidirectional=module.bidirectional,
+            device=module.weight_ih_l0.device,
+            dtype=module.weight_ih_l0.dtype,
+        )
+        if module.proj_size:
+            config["proj_size"] = module.proj_size
+        dropout_kwargs.setdefault("dropout", module.dropout)
+        layer = cls(module.input_size, module.hidden_size, **config, **dropout_kwargs)  # type: ignore[call-arg]
+        layer.load_state_dict(module.state_dict())  # type: ignore[attr-defined]
+        layer.train(module.training)  # type: ignore[attr-defined]
+        return layer
+
+    @property
+    def _num_directions(self) -> int:
+        return 2 if self.bidirectional else 1
+
+    @property
+    def _out_size(self) -> int:
+        return getattr(self, "proj_size", 0) or self.hidden_size
+
+    @property
+    def _geometry(self) -> StackGeometry:
+        return StackGeometry(
+            self.input_size, self._out_size, self.num_layers, self._num_directions, self._cell.gates
+        )
+
+    def _has_dropout(self) -> bool:
+        between = self.dropout if self.num_layers > 1 else 0.0
+        return any(p > 0 for p in (self.dropout_input, between, self.dropout_hidden, self.dropout_output))
+
+    def is_stochastic(self) -> bool:
+        return self._has_dropout()
+
+    def shares_noise_across_batch(self) -> bool:
+        return self.mask_scope == "batch" and self.dropout_hidden > 0
+
+    def extra_repr(self) -> str:
+        s = super().extra_repr()  # type: ignore[misc]
+        for name in ("dropout_input", "dropout_hidden", "dropout_output"):
+            if getattr(self, name):
+                s += f", {name}={getattr(self, name)}"
+        if self.mask_scope != "sequence":
+            s += f", mask_scope={self.mask_scope!r}"
+        if self.per_gate_masks:
+            s += ", per_gate_masks=True"
+        if self.noise != "bernoulli":
+            s += f", noise={self.noise!r}"
+        if self.kernel != "auto":
+            s += f", kernel={self.kernel!r}"
+        return s
+
+    # --------------------------------------------------------------------- masks
+
+    def sample_masks(
+        self,
+        batch_size: int,
+        seq_len: int | None = None,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        generator: torch.Generator | None = None,
+    ) -> RecurrentMasks:
+        """Draw one set of masks for ``batch_size`` sequences, whatever the mode.
+
+        ``seq_len`` is needed for ``mask_scope="step"``. Pass the result as
+        ``forward(..., masks=...)`` to use the same masks for several calls
+        (truncated BPTT, Monte-Carlo evaluation). For unbatched input use
+        ``batch_size=1``. Device and dtype default to the weights'. In training,
+        ``forward`` draws its fresh masks here.
+        """
+        check_positive_int("batch_size", batch_size)
+        check_seq_len(self.mask_scope, seq_len)
+        weight = self.weight_ih_l0
+        device = weight.device if device is None else device
+        dtype = weight.dtype if dtype is None else dtype
+        sites = mask_sites(
+            self._geometry,
+            batch_size,
+            seq_len,
+            self.mask_scope,
+            self.per_gate_masks,
+            input_p=[self.dropout_input] + [self.dropout] * (self.num_layers - 1),
+            hidden_p=self.dropout_hidden,
+            output_p=self.dropout_output,
+        )
+        drawn = [self._draw_mask(site, self.noise, device=device, dtype=dtype, generator=generator)
+                 for site in sites]
+        L = self.num_layers
+        return RecurrentMasks(
+            tuple(drawn[:L]), tuple(drawn[L:-1]), drawn[-1], self.mask_scope, self.per_gate_masks
+        )
+
+    def _layer_weights(self, layer: int, direction: int) -> LayerWeights:
+        """One layer's and direction's weights by their names without the ``_l{k}`` suffix."""
+        suffix = f"_l{layer}" + ("_reverse" if direction else "")
+        names = ["weight_ih", "weight_hh"]
+        if self.bias:
+            names += ["bias_ih", "bias_hh"]
+        if getattr(self, "proj_size", 0):
+            names.append("weight_hr")
+        return {n: getattr(self, n + suffix) for n in names}
+
+    # ------------------------------------------------------------------- forward
+
+    def _forward(
+        self,
+        input: Tensor | PackedSequence,
+        hx: Tensor | tuple[Tensor, ...] | None,
+        masks: RecurrentMasks | None,
+        return_raw_output: bool,
+    ) -> tuple:
+        """The forward pass of both cells; ``forward`` of each layer class documents it.
+
+        Returns ``(output, h_n)`` for one state, ``(output, (h_n, c_n))`` for two, and the
+        output before the output mask as a third element with ``return_raw_output``.
+        """
+        if torch.compiler.is_compiling():
+            # torch.compile runs the layer eagerly, as it runs nn.LSTM: a graph break, not an error.
+            return run_eagerly(VariationalRNNStack._forward)(self, input, hx, masks, return_raw_output)
+        owner = type(self).__name__
+        x, layout = SequenceLayout.from_input(
+            input, batch_first=self.batch_first, input_size=self.input_size, weight=self.weight_ih_l0,
+            owner=owner,
+        )
+        sizes = (self._out_size, self.hidden_size)[: self._cell.num_states]
+        states = layout.initial_states(hx, sizes, self.num_layers * self._num_directions, x, owner)
+        if masks is not None:
+            masks = self._given_masks(masks, layout, x)
+        elif self.training and self._has_dropout():
+            # Fresh masks are i.i.d. over the batch: they need no sorting. They are checked like
+            # given ones, so that a _draw_mask hook that draws a wrong shape fails here.
+            masks = self.sample_masks(layout.batch_size, layout.seq_len, device=x.device, dtype=x.dtype)
+            masks.check(self._geometry, layout.batch_size, layout.seq_len, x)
+        if masks is not None and masks.is_empty():
+            masks = None
+        raw: list[Tensor] = []
+        if masks is None and self.kernel == "auto":
+            out, states = self._forward_fused(x, layout, states)
+        else:
+            out, states = self._forward_by_layer(x, layout, states, masks, raw if return_raw_output else None)
+        output, states = layout.restore(out, states)
+        final = states if self._cell.num_states > 1 else states[0]
+        if not return_raw_output:
+            return output, final
+        return output, final, layout.restore(raw[0], ())[0] if raw else output
+
+    def _given_masks(self, masks: RecurrentMasks, layout: SequenceLayout, x: Tensor) -> RecurrentMasks:
+        """Masks passed to ``forward``, checked (the kernels rely on it) and in sorted batch order."""
+        if not isinstance(masks, RecurrentMasks):
+            raise TypeError(f"masks must be a RecurrentMasks or None, got {type(masks).__name__}")
+        masks.check(self._geometry, layout.batch_size, layout.seq_len, x)
+        return masks.in_sorted_order(layout.sorted_indices)
+
+    def _run_fused(
+        self,
+        x: Tensor,
+        layout: SequenceLayout,
+        states: tuple[Tensor, ...],
+        weights: list[Tensor],
+        num_layers: int,
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """``num_layers`` layers in torch's fused op: rows ``[N, in]`` -> ``[N, D * out]``.
+
+        ``weights`` are the flat weights of every layer and direction in nn.LSTM's order;
+        the op's own dropout is always 0 (the layers apply theirs as masks).
+        """
+        hx = states if self._cell.num_states > 1 else states[0]
+        common = (weights, self.bias, num_layers, 0.0, self.training, self.bidirectional)
+        if layout.packed:
+            out, *new_states = self._cell.fused(x, layout.packed_batch_sizes, hx, *common)
+        else:
+            T, B = layout.seq_len, layout.batch_size
+            out, *new_states = self._cell.fused(x.view(T, B, -1), hx, *common, False)
+            out = out.reshape(T * B, -1)
+        return out, tuple(new_states)
+
+    def _forward_fused(
+        self, x: Tensor, layout: SequenceLayout, states: tuple[Tensor, ...]
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """Path 1, no mask: every layer in one call of torch's fused op."""
+        weights = [
+            w
+            for layer in range(self.num_layers)
+            for d in range(self._num_directions)
+            for w in self._layer_weights(layer, d).values()
+        ]
+        return self._run_fused(x, layout, states, weights, self.num_layers)
+
+    def _forward_by_layer(
+        self, x: Tensor, layout: SequenceLayout, states: tuple[Tensor, ...], masks: RecurrentMasks | None,
+        raw: list[Tensor] | None = None,
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """Layer by layer with masks: each layer takes path 2 (folded-mask) or 3 (loop). With
+        ``raw`` (a list), the last layer's rows before the output mask are appended to it."""
+        D = self._num_directions
+        scope = masks.scope if masks is not None else None
+        per_step, per_gate = scope == "step", masks is not None and masks.per_gate
+        finals: list[list[Tensor]] = [[] for _ in states]
+        for layer in range(self.num_layers):
+            in_mask = masks.inputs[layer] if masks is not None else None
+            x_in, in_rows = x, None
+            if in_mask is not None and per_gate:  # applied in the input projection
+                x_in, in_rows = layout.broadcastable(x, in_mask, per_step)
+            elif in_mask is not None:
+                x = x_in = layout.mask_rows(x, in_mask, per_step)
+            indices = range(layer * D, (layer + 1) * D)
+            layer_states = tuple(s[layer * D : (layer + 1) * D] for s in states)
+            hidden = [masks.hidden[i] if masks is not None else None for i in indices]
+            foldable = (
+                self.kernel == "auto"
+                and in_rows is None
+                and all(m is None or (scope == "batch" and not per_gate) for m in hidden)
+            )
+            if foldable:
+                x, new_states = self._layer_folded_mask(x, layout, layer, layer_states, hidden)
+            else:
+                # the kernels' form [T', B', (G,) P]: a time dimension of 1 unless per step
+                loop_masks = [m if m is None or per_step else m.unsqueeze(0) for m in hidden]
+                x, new_states = self._layer_loop(x_in, layout, layer, layer_states, in_rows, loop_masks)
+            for acc, s in zip(finals, new_states):
+                acc.append(s)
+        if masks is not None and masks.output is not None:
+            if raw is not None:
+                raw.append(x)
+            x = layout.mask_rows(x, masks.output, per_step)
+        return x, tuple(torch.cat(acc) for acc in finals)
+
+    def _layer_folded_mask(
+        self,
+        x: Tensor,
+        layout: SequenceLayout,
+        layer: int,
+        states: tuple[Tensor, ...],
+        hidden: list[Tensor | None],
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """Path 2: one recurrent mask ``[1, P]`` for the batch per direction, folded into
+        ``W_hh``'s columns (``W_hh (m * h) = (W_hh * m) h``), then the fused op."""
+        weights: list[Tensor] = []
+        for d, mask in enumerate(hidden):
+            w = self._layer_weights(layer, d)
+            if mask is not None:
+                w["weight_hh"] = w["weight_hh"] * mask
+            weights.extend(w.values())
+        with quiet_weight_compaction(x.device):
+            return self._run_fused(x, layout, states, weights, 1)
+
+    def _layer_loop(
+        self,
+        x: Tensor,
+        layout: SequenceLayout,
+        layer: int,
+        states: tuple[Tensor, ...],
+        in_rows: Tensor | None,
+        hidden: list[Tensor | None],
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """Path 3: each direction through the cell's loop (:attr:`CellSpec.loop`): the input
+        projection of every step at once, with the per-gate input mask ``in_rows`` (paired with
+        ``x`` by :meth:`SequenceLayout.broadcastable`), then the loop kernel with the recurrent
+        mask ``hidden[d]`` ``[T', B', (G,) P]``. Returns the rows of both directions side by
+        side ``[N, D * P]`` and the final states ``[D, B, size]``."""
+        outs, finals = [], []
+        for d, mask in enumerate(hidden):
+            out, final = self._cell.loop(
+                self.kernel, x, in_rows, self._layer_weights(layer, d), layout.batch_sizes,
+                tuple(s[d] for s in states), mask, bool(d),
+            )
+            outs.append(out)
+            finals.append(final)
+        out = torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
+        return out, tuple(torch.stack(parts) for parts in zip(*finals))
+
+
+#: A Tensor in gives a Tensor out, a PackedSequence in a PackedSequence out.
+_Sequence = TypeVar("_Sequence", Tensor, PackedSequence)
+
+_DROPOUT_ARGS_DOC = """
     Dropout arguments (keyword-only, probabilities in [0, 1)):
         dropout_input: on the first layer's input.
         dropout_hidden: on the recurrent state ``h_{t-1}`` of every layer and direction.
@@ -62,13 +556,58 @@ _EXTRA_ARGS_DOC = """
 
 
 class VariationalLSTM(VariationalRNNStack, nn.LSTM):
-    __doc__ = (
-        """``nn.LSTM`` with Gal & Ghahramani's tied dropout.
+    """``nn.LSTM`` with Gal & Ghahramani's tied dropout.
 
     Same constructor (``input_size, hidden_size, num_layers, bias, batch_first,
     dropout, bidirectional, proj_size, device, dtype``), parameters and forward
     contract as ``nn.LSTM``: ``output, (h_n, c_n) = lstm(input, (h_0, c_0))``.
     ``dropout`` keeps its meaning (the input of every layer but the first).
+
+    Each layer computes, at every step ``t``, with its input mask ``M_x`` and its recurrent
+    mask ``M_h`` (one per direction)::
+
+        x̃_t = x_t ∘ M_x,    h̃_{t-1} = h_{t-1} ∘ M_h
+        i_t = σ(W_ii x̃_t + b_ii + W_hi h̃_{t-1} + b_hi)
+        f_t = σ(W_if x̃_t + b_if + W_hf h̃_{t-1} + b_hf)
+        g_t = tanh(W_ig x̃_t + b_ig + W_hg h̃_{t-1} + b_hg)
+        o_t = σ(W_io x̃_t + b_io + W_ho h̃_{t-1} + b_ho)
+        c_t = f_t ∘ c_{t-1} + i_t ∘ g_t
+        h_t = o_t ∘ tanh(c_t)                  (W_hr h_t with proj_size > 0)
+
+    and the output of the last layer is ``y_t = h_t ∘ M_y``. ``M_x`` has probability
+    ``dropout_input`` on the first layer and ``dropout`` on the others, ``M_h``
+    ``dropout_hidden``, ``M_y`` ``dropout_output``. With ``mask_scope="sequence"`` a mask
+    is drawn per sequence and call and is the same at every step; with
+    ``per_gate_masks=True`` each gate has its own ``M_x`` and ``M_h`` (``W_hi (h_{t-1} ∘
+    M_h^i)``, ...). The cell state ``c_t`` is never masked. This is the step of
+    :class:`~rnndrop.VariationalLSTMCell` called with ``input_mask=M_x, hidden_mask=M_h``;
+    the tests hold every loop kernel to the cell.
+
+    Inputs: input, (h_0, c_0), masks
+        * **input**: ``(L, N, H_in)``, ``(N, L, H_in)`` with ``batch_first=True``,
+          ``(L, H_in)`` unbatched, or a ``PackedSequence``.
+        * **h_0**: ``(D * num_layers, N, H_out)`` (``(D * num_layers, H_out)`` unbatched);
+          zeros when ``(h_0, c_0)`` is not given.
+        * **c_0**: ``(D * num_layers, N, H_cell)`` (``(D * num_layers, H_cell)`` unbatched).
+        * **masks** (optional): a :class:`~rnndrop.RecurrentMasks` from :meth:`sample_masks`,
+          used instead of fresh masks, in eval mode too (truncated BPTT, Monte-Carlo
+          prediction). Its batch order is that of ``input`` (also for a ``PackedSequence``
+          with ``enforce_sorted=False``).
+        * **return_raw_output** (keyword, default False): also return the last layer's
+          output before ``M_y`` (for TAR, :mod:`rnndrop.activation_regularization`).
+
+    Outputs: output, (h_n, c_n)[, raw_output]
+        * **output**: ``(L, N, D * H_out)``, ``(N, L, D * H_out)`` with ``batch_first=True``,
+          ``(L, D * H_out)`` unbatched, or a ``PackedSequence`` for a ``PackedSequence`` input.
+        * **h_n**: ``(D * num_layers, N, H_out)``: the final hidden state of every layer and
+          direction (unbatched: without ``N``); no output mask on it.
+        * **c_n**: ``(D * num_layers, N, H_cell)``: the final cell state.
+        * **raw_output** (with ``return_raw_output=True``): laid out as ``output``; ``output``
+          itself when there is no output mask.
+
+    where ``L`` is the sequence length, ``N`` the batch size, ``D`` 2 if ``bidirectional``
+    else 1, ``H_in = input_size``, ``H_cell = hidden_size``, ``H_out = proj_size`` if
+    ``proj_size > 0`` else ``hidden_size``.
 
     Example::
 
@@ -76,10 +615,9 @@ class VariationalLSTM(VariationalRNNStack, nn.LSTM):
                                dropout_input=0.5, dropout_hidden=0.3)
         lstm.load_state_dict(nn_lstm.state_dict())
         out, (h_n, c_n) = lstm(x)
-"""
-        + _EXTRA_ARGS_DOC
-    )
+    """
 
+    __doc__ += _DROPOUT_ARGS_DOC
     _cell = LSTM_CELL
 
     def __init__(
@@ -120,55 +658,89 @@ class VariationalLSTM(VariationalRNNStack, nn.LSTM):
             dropout, dropout_input, dropout_hidden, dropout_output, mask_scope, per_gate_masks, noise, kernel
         )
 
-    def forward(  # type: ignore[override]
+    @overload
+    def forward(
+        self,
+        input: _Sequence,
+        hx: tuple[Tensor, Tensor] | None = None,
+        masks: RecurrentMasks | None = None,
+        *,
+        return_raw_output: Literal[False] = False,
+    ) -> tuple[_Sequence, tuple[Tensor, Tensor]]: ...
+
+    @overload
+    def forward(
+        self,
+        input: _Sequence,
+        hx: tuple[Tensor, Tensor] | None = None,
+        masks: RecurrentMasks | None = None,
+        *,
+        return_raw_output: Literal[True],
+    ) -> tuple[_Sequence, tuple[Tensor, Tensor], _Sequence]: ...
+
+    def forward(
         self,
         input: Tensor | PackedSequence,
         hx: tuple[Tensor, Tensor] | None = None,
         masks: RecurrentMasks | None = None,
         *,
         return_raw_output: bool = False,
-    ) -> tuple[Tensor | PackedSequence, tuple[Tensor, Tensor]]:
-        return super().forward(input, hx, masks, return_raw_output=return_raw_output)
-
-    def _layer_loop(
-        self,
-        x: Tensor,
-        layout: SequenceLayout,
-        layer: int,
-        states: tuple[Tensor, ...],
-        in_rows: Tensor | None,
-        hidden: list[Tensor | None],
-    ) -> tuple[Tensor, tuple[Tensor, ...]]:
-        """Path 3 (:meth:`VariationalRNNStack._layer_loop`): ``gates_x = W_ih x + b_ih + b_hh``
-        for every step, then the LSTM kernel per direction."""
-        h0, c0 = states
-        outs, finals = [], []
-        for d, mask in enumerate(hidden):
-            w = self._layer_weights(layer, d)
-            bias = w["bias_ih"] + w["bias_hh"] if self.bias else None
-            gates_x = input_projection(x, in_rows, w["weight_ih"], bias).flatten(0, -2)  # [N, 4H]
-            recurrence: LSTMRecurrence = KERNELS[self._loop_kernel(gates_x)]["lstm"]
-            out, h, c = recurrence(
-                gates_x, layout.batch_sizes, h0[d], c0[d], w["weight_hh"], w.get("weight_hr"), mask, bool(d)
-            )
-            outs.append(out)
-            finals.append((h, c))
-        return self._join_directions(outs, finals)
+    ) -> tuple:
+        """``output, (h_n, c_n) = lstm(input, (h_0, c_0), masks)``; shapes in the class docstring."""
+        return self._forward(input, hx, masks, return_raw_output)
 
 
 class VariationalGRU(VariationalRNNStack, nn.GRU):
-    __doc__ = (
-        """``nn.GRU`` with Gal & Ghahramani's tied dropout.
+    """``nn.GRU`` with Gal & Ghahramani's tied dropout.
 
     Same constructor (``input_size, hidden_size, num_layers, bias, batch_first,
     dropout, bidirectional, device, dtype``), parameters and forward contract as
-    ``nn.GRU``: ``output, h_n = gru(input, h_0)``. The recurrent mask multiplies
-    ``h_{t-1}`` inside ``W_hh h_{t-1}``; the update ``z * h_{t-1}`` uses the
-    unmasked state.
-"""
-        + _EXTRA_ARGS_DOC
-    )
+    ``nn.GRU``: ``output, h_n = gru(input, h_0)``. ``dropout`` keeps its meaning (the
+    input of every layer but the first).
 
+    Each layer computes, at every step ``t``, with its input mask ``M_x`` and its recurrent
+    mask ``M_h`` (one per direction)::
+
+        x̃_t = x_t ∘ M_x,    h̃_{t-1} = h_{t-1} ∘ M_h
+        r_t = σ(W_ir x̃_t + b_ir + W_hr h̃_{t-1} + b_hr)
+        z_t = σ(W_iz x̃_t + b_iz + W_hz h̃_{t-1} + b_hz)
+        n_t = tanh(W_in x̃_t + b_in + r_t ∘ (W_hn h̃_{t-1} + b_hn))
+        h_t = (1 - z_t) ∘ n_t + z_t ∘ h_{t-1}
+
+    and the output of the last layer is ``y_t = h_t ∘ M_y``. The recurrent mask acts inside
+    ``W_hh h_{t-1}`` only: the update ``z_t ∘ h_{t-1}`` uses the unmasked state. Masks,
+    scopes and per-gate masks as for :class:`VariationalLSTM`. This is the step of
+    :class:`~rnndrop.VariationalGRUCell` called with ``input_mask=M_x, hidden_mask=M_h``;
+    the tests hold every loop kernel to the cell.
+
+    Inputs: input, h_0, masks
+        * **input**: ``(L, N, H_in)``, ``(N, L, H_in)`` with ``batch_first=True``,
+          ``(L, H_in)`` unbatched, or a ``PackedSequence``.
+        * **h_0**: ``(D * num_layers, N, H_out)`` (``(D * num_layers, H_out)`` unbatched);
+          zeros when not given.
+        * **masks** (optional): a :class:`~rnndrop.RecurrentMasks` from :meth:`sample_masks`,
+          used instead of fresh masks, in eval mode too. Its batch order is that of ``input``.
+        * **return_raw_output** (keyword, default False): also return the last layer's
+          output before ``M_y``.
+
+    Outputs: output, h_n[, raw_output]
+        * **output**: ``(L, N, D * H_out)``, ``(N, L, D * H_out)`` with ``batch_first=True``,
+          ``(L, D * H_out)`` unbatched, or a ``PackedSequence`` for a ``PackedSequence`` input.
+        * **h_n**: ``(D * num_layers, N, H_out)``: the final hidden state of every layer and
+          direction (unbatched: without ``N``); no output mask on it.
+        * **raw_output** (with ``return_raw_output=True``): laid out as ``output``; ``output``
+          itself when there is no output mask.
+
+    where ``L`` is the sequence length, ``N`` the batch size, ``D`` 2 if ``bidirectional``
+    else 1, ``H_in = input_size``, ``H_out = hidden_size``.
+
+    Example::
+
+        gru = VariationalGRU(200, 200, num_layers=2, dropout=0.3, dropout_hidden=0.2)
+        out, h_n = gru(x)
+    """
+
+    __doc__ += _DROPOUT_ARGS_DOC
     _cell = GRU_CELL
 
     def __init__(
@@ -191,6 +763,7 @@ class VariationalGRU(VariationalRNNStack, nn.GRU):
         noise: str = "bernoulli",
         kernel: str = "auto",
     ) -> None:
+        # nn.GRU gets dropout=0: it never applies it, and _init_dropout gives its warning.
         super().__init__(
             input_size,
             hidden_size,
@@ -206,36 +779,33 @@ class VariationalGRU(VariationalRNNStack, nn.GRU):
             dropout, dropout_input, dropout_hidden, dropout_output, mask_scope, per_gate_masks, noise, kernel
         )
 
-    def forward(  # type: ignore[override]
+    @overload
+    def forward(
+        self,
+        input: _Sequence,
+        hx: Tensor | None = None,
+        masks: RecurrentMasks | None = None,
+        *,
+        return_raw_output: Literal[False] = False,
+    ) -> tuple[_Sequence, Tensor]: ...
+
+    @overload
+    def forward(
+        self,
+        input: _Sequence,
+        hx: Tensor | None = None,
+        masks: RecurrentMasks | None = None,
+        *,
+        return_raw_output: Literal[True],
+    ) -> tuple[_Sequence, Tensor, _Sequence]: ...
+
+    def forward(
         self,
         input: Tensor | PackedSequence,
         hx: Tensor | None = None,
         masks: RecurrentMasks | None = None,
         *,
         return_raw_output: bool = False,
-    ) -> tuple[Tensor | PackedSequence, Tensor]:
-        return super().forward(input, hx, masks, return_raw_output=return_raw_output)
-
-    def _layer_loop(
-        self,
-        x: Tensor,
-        layout: SequenceLayout,
-        layer: int,
-        states: tuple[Tensor, ...],
-        in_rows: Tensor | None,
-        hidden: list[Tensor | None],
-    ) -> tuple[Tensor, tuple[Tensor, ...]]:
-        """Path 3 (:meth:`VariationalRNNStack._layer_loop`): ``gates_x = W_ih x + b_ih`` for every
-        step (``b_hh`` sits inside ``r * (W_hn h + b_hn)``), then the GRU kernel per direction."""
-        (h0,) = states
-        outs, finals = [], []
-        for d, mask in enumerate(hidden):
-            w = self._layer_weights(layer, d)
-            gates_x = input_projection(x, in_rows, w["weight_ih"], w.get("bias_ih")).flatten(0, -2)
-            recurrence: GRURecurrence = KERNELS[self._loop_kernel(gates_x)]["gru"]
-            out, h = recurrence(
-                gates_x, layout.batch_sizes, h0[d], w["weight_hh"], w.get("bias_hh"), mask, bool(d)
-            )
-            outs.append(out)
-            finals.append((h,))
-        return self._join_directions(outs, finals)
+    ) -> tuple:
+        """``output, h_n = gru(input, h_0, masks)``; shapes in the class docstring."""
+        return self._forward(input, hx, masks, return_raw_output)

@@ -4,7 +4,7 @@ parser error, and run eagerly inside ``torch.compile`` (a graph break, not an er
 TorchScript (deprecated in current torch) cannot express what these modules do: masks
 drawn per call and passed around as dataclasses, loop kernels that are autograd
 Functions, keyword-only arguments. ``torch.jit.script`` calls ``__prepare_scriptable__``
-on a module and each of its submodules first; :class:`NotScriptable` answers there with a
+on a module and each of its submodules first; :func:`refuse_torchscript` answers there with a
 one-line :class:`TypeError` that names the module and the ways that work.
 """
 
@@ -17,14 +17,15 @@ from typing import Any, NoReturn
 import torch
 
 
-class NotScriptable:
-    """Mixin: ``torch.jit.script(module)`` (or of a model holding it) raises a clear TypeError."""
-
-    def __prepare_scriptable__(self) -> NoReturn:
-        raise TypeError(
-            f"{type(self).__name__} cannot be compiled by torch.jit.script (TorchScript cannot express "
-            "its per-call masks and loop kernels); use torch.compile, which runs it, or the module as it is"
-        )
+def refuse_torchscript(module: object) -> NoReturn:
+    """``__prepare_scriptable__`` of rnndrop's modules: ``torch.jit.script(module)`` (or of a model
+    holding it) raises a one-line TypeError. A class takes it as an attribute,
+    ``__prepare_scriptable__ = refuse_torchscript``, rather than from a base class, so that it
+    adds nothing to the class's MRO."""
+    raise TypeError(
+        f"{type(module).__name__} cannot be compiled by torch.jit.script (TorchScript cannot express "
+        "its per-call masks and loop kernels); use torch.compile, which runs it, or the module as it is"
+    )
 
 
 @functools.cache

@@ -140,7 +140,8 @@ class _SparseRNNMixin(_SparseWeightsMixin):
         self._init_sparse(names, threshold)
 
     def _layer_weights(self, layer: int, direction: int) -> dict[str, Tensor]:
-        # The forward asks for each layer's weights once per call: one sample per call.
+        # The layer's weights hook (VariationalRNNStack): the forward asks for each layer's
+        # weights once per call, so each weight is sampled once per call.
         weights = super()._layer_weights(layer, direction)
         suffix = f"_l{layer}" + ("_reverse" if direction else "")
         for key in weights:

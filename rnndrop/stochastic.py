@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from rnndrop.scripting import NotScriptable
+from rnndrop.scripting import refuse_torchscript
 
 
-class Stochastic(NotScriptable):
+class Stochastic:
     """Mixin for modules that draw noise in training mode (dropout masks, Gaussian noise).
 
     :func:`rnndrop.mc.mc_dropout` switches exactly these modules (and ``nn.Dropout``
     and its siblings) to training mode. A subclass overrides :meth:`is_stochastic`
     to say whether it would draw any noise at all with its present settings.
+    ``torch.jit.script`` refuses these modules with a reason (:mod:`rnndrop.scripting`).
     """
+
+    __prepare_scriptable__ = refuse_torchscript
 
     def is_stochastic(self) -> bool:
         """True when a forward call in training mode draws noise."""

@@ -24,8 +24,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from rnndrop.cell_specs import quiet_weight_compaction
 from rnndrop.noise import bernoulli_mask
+from rnndrop.recurrent import quiet_weight_compaction
 from rnndrop.stochastic import Stochastic
 from rnndrop.validation import check_bool, check_instance, check_probability, check_tensor_like
 

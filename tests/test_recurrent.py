@@ -132,7 +132,7 @@ def test_from_module_swaps_an_existing_layer_in_a_model():
 
 def _cell_for(kind, layer, suffix="_l0"):
     cell_cls = VariationalLSTMCell if kind == "lstm" else VariationalGRUCell
-    cell = cell_cls(layer.input_size, layer.hidden_size, bias=layer.bias)
+    cell = cell_cls(getattr(layer, "weight_ih" + suffix).shape[1], layer.hidden_size, bias=layer.bias)
     for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
         getattr(cell, name).data.copy_(getattr(layer, name + suffix))
     return cell
@@ -173,6 +173,46 @@ def test_masks_passed_in_are_the_masks_used(kind, scope, per_gate, kernel):
         kind, _cell_for(kind, layer), x, masks.inputs[0], masks.hidden[0], masks.output, scope == "step"
     )
     assert_close(out, expected)
+
+
+def _stack_by_hand(kind, layer, x, masks):
+    """A whole stack step by step with the public cells, one per layer and direction, each
+    given its masks: what the layer computes. Returns the output and the final states."""
+    step = masks.scope == "step"
+    D = 2 if layer.bidirectional else 1
+    finals = []
+    for k in range(layer.num_layers):
+        outs = []
+        for d in range(D):
+            cell = _cell_for(kind, layer, f"_l{k}" + ("_reverse" if d else ""))
+            h = x.new_zeros(x.shape[1], layer.hidden_size)
+            state = h if kind == "gru" else (h, h.clone())
+            in_mask, hid_mask = masks.inputs[k], masks.hidden[k * D + d]
+            by_t = [None] * x.shape[0]
+            for t in reversed(range(x.shape[0])) if d else range(x.shape[0]):
+                state = cell(x[t], state, input_mask=in_mask[t] if step else in_mask,
+                             hidden_mask=hid_mask[t] if step else hid_mask)
+                by_t[t] = state if kind == "gru" else state[0]
+            outs.append(torch.stack(by_t))
+            finals.append(state)
+        x = torch.cat(outs, -1)
+    if kind == "gru":
+        return x * masks.output, torch.stack(finals)
+    return x * masks.output, (torch.stack([h for h, _ in finals]), torch.stack([c for _, c in finals]))
+
+
+@pytest.mark.parametrize("kernel", KERNEL_NAMES)
+@pytest.mark.parametrize("per_gate", [False, True], ids=["shared-mask", "per-gate"])
+@pytest.mark.parametrize("scope", ["sequence", "step"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_layer_computes_the_public_cells_step_in_every_layer_and_direction(kind, scope, per_gate, kernel):
+    """VariationalLSTM / VariationalGRU equal VariationalLSTMCell / VariationalGRUCell run by
+    hand over every step, layer and direction with the same weights and masks."""
+    _, layer = make_pair(kind, kernel=kernel, num_layers=2, bidirectional=True, mask_scope=scope,
+                         per_gate_masks=per_gate, **ALL_P)
+    masks = layer.sample_masks(B, T)
+    x = torch.randn(T, B, I)
+    assert_close(layer(x, masks=masks), _stack_by_hand(kind, layer, x, masks))
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
