@@ -17,9 +17,8 @@ from rnndrop.lm.model.build import build_model
 from rnndrop.lm.model.presets import get_config
 from rnndrop.lm.model.regimes import REGIMES
 from rnndrop.lm.model.train_config import TrainConfig
-from rnndrop.lm.run.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from rnndrop.lm.run.checkpoint import CheckpointError, load_checkpoint, run_identity, save_checkpoint
 from rnndrop.lm.run.evaluate import score
-from rnndrop.lm.run.identity import run_identity
 from rnndrop.lm.run.recipe import epoch_segments, lengths_seed
 from rnndrop.lm.run.train import train_run
 from tests.lm_helpers import TINY, Killed, one_thread, run_cli, write_corpus  # noqa: F401 (fixture)

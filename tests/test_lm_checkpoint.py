@@ -224,7 +224,7 @@ def test_config_rejects_non_positive_clip_and_lr(field, value):
 
 @pytest.mark.slow
 def test_a_second_writer_is_refused_naming_the_holder(corpus, tmp_path):
-    from rnndrop.lm.run.lock import RunLocked
+    from rnndrop.lm.run.checkpoint import RunLocked
 
     refused = []
 
@@ -270,7 +270,7 @@ def test_resume_refuses_another_corpus_and_names_only_the_differing_fields(corpu
 
 @pytest.mark.slow
 def test_tampered_or_truncated_results_are_not_reused_and_resume_rewrites_them(corpus, tmp_path, caplog):
-    from rnndrop.lm.run.identity import finished_result, run_identity
+    from rnndrop.lm.run.checkpoint import finished_result, run_identity
 
     result = train_run(corpus, ONE, "tied", tmp_path / "run", seed=3, progress=False)
     identity = run_identity(corpus, ONE, "tied", None, 3)
@@ -321,12 +321,12 @@ def test_stale_temporaries_are_removed_and_files_honour_the_umask(corpus, tmp_pa
 
 def test_an_unwritable_output_folder_fails_before_training(corpus, tmp_path, monkeypatch):
     # Permission bits do not stop root, so the refusal of the first write is simulated.
-    from rnndrop.lm.run import lock
+    from rnndrop.lm.run import checkpoint
 
     def refuse(path, flags, mode=0o777):
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(lock.os, "open", refuse)
+    monkeypatch.setattr(checkpoint.os, "open", refuse)
     epochs = []
     with pytest.raises(PermissionError, match=r"output folder '.*run' is not writable"):
         train_run(corpus, ONE, "none", tmp_path / "run", progress=False,

@@ -19,7 +19,7 @@ from torch.utils.cpp_extension import get_default_build_root
 
 from rnndrop.lm import cli
 from rnndrop.lm.data.corpus import batchify, load_corpus, sample_dir
-from rnndrop.lm.run import benchmark
+from rnndrop.lm.run import job
 from rnndrop.lm.run.checkpoint import load_model
 from rnndrop.lm.run.evaluate import score
 from tests.lm_helpers import ctrl_c_reaches, run_cli, write_corpus
@@ -67,7 +67,7 @@ def test_console_script_and_module_entry_point_offer_data_and_resume(tmp_path, c
         script = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{corpus}.py"), "--help"],
                                 env=_env(tmp_path), capture_output=True, text=True)
         assert script.returncode == 0 and script.stdout == _help([corpus, "--help"], capsys)
-    assert not hasattr(benchmark, "main")  # one entry point: the job module is no command of its own
+    assert not hasattr(job, "main")  # one entry point: the job module is no command of its own
 
 
 @pytest.mark.slow

@@ -13,10 +13,9 @@ from rnndrop.lm import cli
 from rnndrop.lm.atomic import atomic_write
 from rnndrop.lm.data.corpus import Vocabulary
 from rnndrop.lm.model.language_model import RNNLanguageModel
-from rnndrop.lm.run import finish
-from rnndrop.lm.run.generate import generate
-from rnndrop.lm.run.setup import resolve_device
-from rnndrop.lm.run.train import train_run
+from rnndrop.lm.run import train
+from rnndrop.lm.run.evaluate import generate
+from rnndrop.lm.run.train import resolve_device, train_run
 from tests.lm_helpers import TINY, one_thread, run_cli, write_corpus  # noqa: F401 (autouse fixture)
 
 ONE = replace(TINY, epochs=1, mc_samples=0)
@@ -246,11 +245,15 @@ def test_ctrl_c_while_the_test_split_is_scored_is_not_called_an_epoch(tmp_path, 
     epoch of a 1-epoch run said "interrupted in epoch 2"."""
     data, out = write_corpus(tmp_path / "data"), tmp_path / "out"
 
-    def ctrl_c(*args, **kwargs):
+    validate = train.score_split
+
+    def ctrl_c_when_testing(model, batched, bptt, calibration_bins, *args, **kwargs):
+        if calibration_bins is None:  # validation, inside the epoch loop
+            return validate(model, batched, bptt, calibration_bins, *args, **kwargs)
         raise KeyboardInterrupt
 
     with monkeypatch.context() as patch:
-        patch.setattr(finish, "score_split", ctrl_c)
+        patch.setattr(train, "score_split", ctrl_c_when_testing)
         assert _job(data, out, "--mc-samples", "0") == 130
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "after the last epoch of run 1/1 tied" in err, err

@@ -15,9 +15,8 @@ from rnndrop.lm.data.corpus import batchify
 from rnndrop.lm.model.build import build_model
 from rnndrop.lm.model.presets import get_config
 from rnndrop.lm.model.regimes import REGIMES, get_hook
-from rnndrop.lm.run.checkpoint import load_checkpoint, load_model
+from rnndrop.lm.run.checkpoint import load_checkpoint, load_model, read_verified_result
 from rnndrop.lm.run.evaluate import score
-from rnndrop.lm.run.identity import read_verified_result
 from rnndrop.lm.run.train import train_run
 from rnndrop.sparse import SparseLSTM
 from rnndrop.sparsity import prune, sparsity_report
