@@ -33,7 +33,9 @@ from rnndrop.lm.model.build import build_model  # noqa: E402
 from rnndrop.lm.model.regimes import REGIMES, get_hook, get_regime, registered  # noqa: E402
 from rnndrop.lm.run.checkpoint import load_checkpoint, read_verified_result  # noqa: E402
 from rnndrop.lm.run.train import TrainingDiverged, add_mc_result, train_run  # noqa: E402
-from tests.lm_helpers import TINY, one_thread, write_corpus  # noqa: E402, F401 (autouse fixture)
+from tests.lm_helpers import TINY, write_corpus  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 WORLD = 2
 LAUNCH_TIMEOUT = 150

@@ -21,7 +21,9 @@ from rnndrop.lm.run.checkpoint import CheckpointError, load_checkpoint, run_iden
 from rnndrop.lm.run.evaluate import score
 from rnndrop.lm.run.recipe import epoch_segments, lengths_seed
 from rnndrop.lm.run.train import train_run
-from tests.lm_helpers import TINY, Killed, one_thread, run_cli, write_corpus  # noqa: F401 (fixture)
+from tests.lm_helpers import TINY, Killed, run_cli, write_corpus
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 #: TINY with the whole recipe; lr 16 makes validation stall early: with seed 1 the switch to
 #: averaging comes after epoch 5 of 8, then 3 epochs of fine-tuning.

@@ -1,5 +1,6 @@
-"""Checkpoints that prove they are intact, run identity, locks, interrupts, load_model
-(issue 15 findings 2, 3, 4, 5, 8 and the checkpoint parts of 6)."""
+"""Checkpoints that prove they are intact, run identity, locks, interrupts, load_model: a
+corrupted checkpoint is refused, a huge loss is a divergence, one writer per run folder, resume
+checks what makes the run the same run, and nothing a killed write left behind survives."""
 
 import json
 import math
@@ -15,7 +16,7 @@ import torch
 from rnndrop.lm.data.corpus import load_corpus
 from rnndrop.lm.run.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint
 from rnndrop.lm.run.train import train_run
-from tests.lm_helpers import TINY, ctrl_c_reaches, one_thread, write_corpus  # noqa: F401 (autouse fixture)
+from tests.lm_helpers import TINY, ctrl_c_reaches, write_corpus
 
 ONE = replace(TINY, epochs=1, mc_samples=0)
 
@@ -56,7 +57,7 @@ def _weights_equal(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-# -- finding 2: corrupted checkpoints are refused, the previous one takes over ---------------
+# -- corrupted checkpoints are refused, the previous one takes over ----------------------------
 
 @pytest.mark.slow
 def test_corrupt_checkpoint_is_refused_with_the_file_named(corpus, tmp_path):
@@ -188,7 +189,7 @@ def test_divergence_message_does_not_vouch_for_a_corrupt_checkpoint(corpus, tmp_
     assert "was verified" not in str(info.value)
 
 
-# -- finding 3: a huge finite loss is a divergence; clip and lr must be positive ------------
+# -- a huge finite loss is a divergence; clip and lr must be positive -------------------------
 
 class _Loud(torch.nn.Module):
     """An LSTM whose output is scaled so far that the cross-entropy is in the thousands."""
@@ -220,7 +221,7 @@ def test_config_rejects_non_positive_clip_and_lr(field, value):
         replace(TINY, **{field: value}, min_lr=0.0)
 
 
-# -- finding 4: one writer per run folder -----------------------------------------------------
+# -- one writer per run folder ----------------------------------------------------------------
 
 @pytest.mark.slow
 def test_a_second_writer_is_refused_naming_the_holder(corpus, tmp_path):
@@ -252,7 +253,7 @@ def test_a_stale_lock_of_a_dead_process_is_taken_over(corpus, tmp_path, caplog):
     assert "removing a stale lock" in caplog.text and result["epochs_run"] == 1
 
 
-# -- finding 5: resume checks the corpus, the whole config, results and the epoch cap --------
+# -- resume checks the corpus, the whole config, results and the epoch cap ---------------------
 
 @pytest.mark.slow
 def test_resume_refuses_another_corpus_and_names_only_the_differing_fields(corpus, tmp_path):
@@ -301,7 +302,7 @@ def test_resume_with_fewer_epochs_than_already_run_is_an_error(corpus, tmp_path)
     assert (tmp_path / "run" / "results.json").read_bytes() == before
 
 
-# -- finding 8: leftovers, permissions, a read-only folder ------------------------------------
+# -- leftovers, permissions, a read-only folder -------------------------------------------------
 
 @pytest.mark.slow
 def test_stale_temporaries_are_removed_and_files_honour_the_umask(corpus, tmp_path):
@@ -363,6 +364,8 @@ import torch
 from rnndrop.lm.data.corpus import load_corpus
 from rnndrop.lm.run.train import RunInterrupted, train_run
 from tests.lm_helpers import TINY
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 torch.set_num_threads(1)
 data, out, marker = sys.argv[1:4]

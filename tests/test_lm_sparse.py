@@ -20,13 +20,14 @@ from rnndrop.lm.run.evaluate import score
 from rnndrop.lm.run.train import train_run
 from rnndrop.sparse import SparseLSTM
 from rnndrop.sparsity import prune, sparsity_report
-from tests.lm_helpers import (  # noqa: F401 (fixtures)
+from tests.lm_helpers import (
     TINY,
     Killed,
     kill_after_first_epoch,
-    one_thread,
     write_corpus,
 )
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 SPARSE = replace(TINY, optimizer="adam", lr=0.01, clip=5.0, epochs=2, mc_samples=0,
                  schedule="fixed", lr_decay=1.0, select="objective", kl_weight=0.5)

@@ -13,7 +13,9 @@ from rnndrop.lm.run import job
 from rnndrop.lm.run.checkpoint import load_checkpoint, read_result, validate_result
 from rnndrop.lm.run.report import markdown_table
 from rnndrop.lm.run.train import TrainingDiverged, train_run
-from tests.lm_helpers import TINY, Killed, one_thread, write_corpus  # noqa: F401 (fixtures)
+from tests.lm_helpers import TINY, Killed, write_corpus
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.slow
