@@ -198,17 +198,17 @@ def test_a_resumed_job_estimates_only_the_runs_and_epochs_left_to_train(tmp_path
     counted = []
     monkeypatch.setattr(job, "estimate_seconds",
                         lambda corpus, cfg, runs, mc, **kw: counted.append(kw["epochs_left"]) or 60.0)
-    job = job._Job(str(data), "ptb", config, out, True, "cpu", 1, False, None)
-    plan = job._plan(job, ["naive"], [1, 2, 3], 0, grid=False, dropout=None, dropout_by_regime=None)
+    planned = job._Job(str(data), "ptb", config, out, True, "cpu", 1, False, None)
+    plan = job._plan(planned, ["naive"], [1, 2, 3], 0, grid=False, dropout=None, dropout_by_regime=None)
     with caplog.at_level(logging.INFO, logger="rnndrop.lm.run.job"):
-        assert job._estimate(job, plan, 1) == (60.0, 2 + 3)
+        assert job._estimate(planned, plan, 1) == (60.0, 2 + 3)
         assert "this job trains 2 runs (1 more finished earlier: reused) of up to 3 epochs" in caplog.text
-        assert job._estimate(replace(job, resume=False), plan, 1) == (60.0, 9)  # all counted
-        seed1 = job._plan(job, ["naive"], [1], 0, grid=False, dropout=None, dropout_by_regime=None)
-        assert job._estimate(job, seed1, 1) is None
+        assert job._estimate(replace(planned, resume=False), plan, 1) == (60.0, 9)  # all counted
+        seed1 = job._plan(planned, ["naive"], [1], 0, grid=False, dropout=None, dropout_by_regime=None)
+        assert job._estimate(planned, seed1, 1) is None
         assert "all 1 run of this job finished earlier: reusing their results" in caplog.text
     (partial / "checkpoint.pt").unlink()
-    assert job._estimate(job, plan, 1) == (60.0, 3 + 3)  # no checkpoint: it starts over
+    assert job._estimate(planned, plan, 1) == (60.0, 3 + 3)  # no checkpoint: it starts over
     assert counted == [[2, 3], [3, 3, 3], [3, 3]]
 
 

@@ -124,7 +124,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-# -- the files of a run folder and a job folder ------------------------------------------------
+# -- the files of a run folder and a job folder ----------------------------------------------------
 
 CHECKPOINT = "checkpoint.pt"
 BEST = "best.pt"
@@ -161,7 +161,7 @@ def previous_path(path: str | Path) -> Path:
     return path.with_name(f"{path.stem}.prev{path.suffix}")
 
 
-# -- the checkpoint format ------------------------------------------------------------------
+# -- the checkpoint format -------------------------------------------------------------------------
 
 #: Bumped whenever the header or the payload's keys change; part of a run's identity.
 FORMAT_VERSION = 2
@@ -407,7 +407,7 @@ def load_state(target: Any, state: Any, path: str | Path, what: str = "model") -
         ) from None
 
 
-# -- the progress a checkpoint holds -----------------------------------------------------------
+# -- the progress a checkpoint holds ---------------------------------------------------------------
 
 #: Fields every checkpoint of format 2 holds; the others were added later and get their
 #: default when absent (``best_criterion`` then falls back to ``best_valid_ppl``; the
@@ -516,7 +516,7 @@ class RunState:
         return cls(**values)
 
 
-# -- what makes two runs the same run; results.json, signed -----------------------------------
+# -- what makes two runs the same run; results.json, signed ----------------------------------------
 
 class ResultsError(ValueError):
     """A results.json that cannot be read or whose checksum does not match its content."""
@@ -705,7 +705,7 @@ def validate_result(result: Mapping[str, Any]) -> dict[str, Any]:
     return dict(result)
 
 
-# -- one writer per run folder ---------------------------------------------------------------
+# -- one writer per run folder ---------------------------------------------------------------------
 
 class RunLocked(RuntimeError):
     """Another process is writing into the run folder."""
@@ -824,7 +824,7 @@ def _claim_folder(out: Path, stack: ExitStack) -> None:
                     ", ".join(p.name for p in removed))
 
 
-# -- where a run starts from: its own checkpoint, another run's weights, or its initialisation --
+# -- where a run starts from: its own checkpoint, another run's weights, or its initialisation -----
 
 def read_checkpoint(
     out: Path, identity: dict[str, Any], config: TrainConfig, model: nn.Module, *, resume: bool,
@@ -940,7 +940,7 @@ def _check_same_vocabulary(best: Path, theirs: Sequence[str] | None, ours: Seque
 
 
 
-# -- rank 0 reads and writes, every rank gets the answer -----------------------------------------
+# -- rank 0 reads and writes, every rank gets the answer -------------------------------------------
 
 def read_best_weights(path: Path, ctx: Distributed) -> dict[str, Tensor]:
     """The model state of the ``best.pt`` at ``path``, verified (rank 0 reads it, every rank gets it)."""

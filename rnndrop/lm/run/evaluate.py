@@ -191,7 +191,7 @@ def has_noise(model: nn.Module) -> bool:
     return bool(sampling_modules(model))
 
 
-# -- sampling text -----------------------------------------------------------------------------
+# -- sampling text ---------------------------------------------------------------------------------
 
 @torch.no_grad()
 def generate(

@@ -91,7 +91,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-# -- the job -------------------------------------------------------------------------------------
+# -- the job ---------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class _Job:
@@ -314,7 +314,7 @@ def run_benchmark(
     return _summary(job, regimes, seeds, grid, command, final_results, grid_results)
 
 
-# -- one run of a job ---------------------------------------------------------------------------
+# -- one run of a job ------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class RunSpec:
@@ -454,7 +454,7 @@ def _with_mc(spec: RunSpec, done: dict[str, Any]) -> dict[str, Any]:
 
 
 
-# -- several runs at once, in worker processes (--jobs N) ---------------------------------------
+# -- several runs at once, in worker processes (--jobs N) ------------------------------------------
 
 class WorkerDied(RuntimeError):
     """A worker process of ``--jobs`` ended without a result (killed, out of memory)."""
@@ -569,7 +569,7 @@ def _stop(pool: ProcessPoolExecutor) -> None:
         process.terminate()
 
 
-# -- how long a job should take on this machine, from a few timed steps ------------------------
+# -- how long a job should take on this machine, from a few timed steps ----------------------------
 
 def estimate_seconds(
     corpus: Corpus, config: TrainConfig, runs: Sequence[tuple[str, Mapping[str, float]]],
@@ -645,7 +645,7 @@ def _seconds_per_word(step: Callable[[], None], batched: torch.Tensor) -> float:
     return (time.perf_counter() - start) / (2 * (batched.shape[0] - 1) * batched.shape[1])
 
 
-# -- which dropout a job's runs get, as text --------------------------------------------------
+# -- which dropout a job's runs get, as text -------------------------------------------------------
 
 _SHORT = {"embedding": "emb", "input": "in", "between": "mid", "hidden": "rec", "output": "out"}
 

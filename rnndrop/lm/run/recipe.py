@@ -82,7 +82,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-# -- the rate of every epoch, and when a stage stops ---------------------------------------------
+# -- the rate of every epoch, and when a stage stops -----------------------------------------------
 
 LR_FLOOR = "lr_floor"
 EPOCH_CAP = "epoch_cap"
@@ -136,7 +136,7 @@ class LRSchedule:
         return state.stopped or EPOCH_CAP
 
 
-# -- the steps of an epoch, and the AR / TAR penalty of a step ---------------------------------
+# -- the steps of an epoch, and the AR / TAR penalty of a step -------------------------------------
 
 @dataclass(frozen=True)
 class Segment:
@@ -204,7 +204,7 @@ def forward_with_penalty(
     return logits, hidden, regularizer(outputs.raw, outputs.dropped)
 
 
-# -- NT-ASGD and the fine-tuning stage ----------------------------------------------------------
+# -- NT-ASGD and the fine-tuning stage -------------------------------------------------------------
 
 #: Where the checkpoint keeps :meth:`RunAveraging.state_dict`.
 AVERAGING_KEY = "averaging"

@@ -54,7 +54,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-# -- progress ----------------------------------------------------------------------------------
+# -- progress --------------------------------------------------------------------------------------
 
 def format_duration(seconds: float) -> str:
     """``"45 s"``, ``"12 min"``, ``"1 h 05 min"``."""
@@ -256,7 +256,7 @@ class EpochProgress:
             self.bar.close()
 
 
-# -- metrics.csv -------------------------------------------------------------------------------
+# -- metrics.csv -----------------------------------------------------------------------------------
 
 #: Its columns; ``elapsed_seconds`` is the training time so far (the sum of the epochs'
 #: ``seconds``, evaluation excluded), so it survives an interrupted and resumed run.
@@ -338,7 +338,7 @@ class EpochLog:
             self._writer = None
 
 
-# -- tables ------------------------------------------------------------------------------------
+# -- tables ----------------------------------------------------------------------------------------
 
 def format_dropout(probabilities: Mapping[str, float]) -> str:
     """``"emb 0.1 · in 0.5 · ..."`` for the sites with p > 0, or ``"—"``."""
@@ -497,7 +497,7 @@ def benchmark_markdown(
     return "\n".join(lines)
 
 
-# -- plots -------------------------------------------------------------------------------------
+# -- plots -----------------------------------------------------------------------------------------
 
 def noise_series(epochs: list[dict[str, Any]], key: str = "alpha") -> dict[str, list[tuple[int, float]]]:
     """Per site, ``(epoch, value)`` of ``key`` (``"alpha"`` or ``"kl"``) over a run's epochs."""

@@ -229,7 +229,7 @@ def train_run(
         # It ends at the epoch cap or when the schedule stops the run; NT-ASGD's fine-tuning
         # stage then goes on through the same loop (_stages). Ctrl-C becomes RunInterrupted
         # (the epochs before it are in the checkpoint).
-        config, state, schedule = run.config, run.state, LRSchedule(run.config)
+        state, schedule = run.state, LRSchedule(config)
         epoch = state.epoch + 1
         try:
             for epoch in _stages(run, schedule):
@@ -349,7 +349,7 @@ def _train_epoch(
     return perplexity(total / words), words, time.perf_counter() - start
 
 
-# -- what a run trains with, built before its first epoch ----------------------------------------
+# -- what a run trains with, built before its first epoch ------------------------------------------
 
 ExtraLoss = Callable[[float], Tensor]
 
@@ -513,7 +513,7 @@ def _extra_loss(model: nn.Module, config: TrainConfig, regime: Regime, train_tok
     return lambda progress: config.kl_weight * hook(model, progress, train_tokens)
 
 
-# -- what an epoch leaves behind ------------------------------------------------------------------
+# -- what an epoch leaves behind -------------------------------------------------------------------
 
 def selection_criterion(config: TrainConfig, valid: Score, extra_loss: ExtraLoss | None) -> float:
     """What the best epoch minimises: the validation perplexity, or (``select="objective"``)
@@ -584,7 +584,7 @@ def _site(prefix: str, name: str) -> str:
     return f"{prefix}.{site}" if prefix else site
 
 
-# -- the one divergence check ---------------------------------------------------------------------
+# -- the one divergence check ----------------------------------------------------------------------
 
 class TrainingDiverged(RuntimeError):
     """The loss or the gradient became NaN or infinite (or the perplexity overflowed)."""
@@ -654,7 +654,7 @@ class DivergenceCheck:
                 "verified (SHA-256) and is kept")
 
 
-# -- the end of a run: test scores of the best epoch, the signed results.json ------------------------
+# -- the end of a run: test scores of the best epoch, the signed results.json ----------------------
 
 def finish_run(run: Training, bar: bool = False) -> dict[str, Any]:
     """Test the best epoch's weights, then write and return the run's result; the
