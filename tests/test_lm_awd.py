@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from rnndrop import WeightDrop
+from rnndrop.lm.cli.checks import config_from_args
 from rnndrop.lm.cli.errors import UsageError
-from rnndrop.lm.cli.job import config_from_args
 from rnndrop.lm.cli.parser import build_parser
 from rnndrop.lm.data.corpus import batchify, bptt_batches
 from rnndrop.lm.model.build import build_model

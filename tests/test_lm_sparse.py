@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rnndrop.kl import MOLCHANOV_COEFFICIENTS
+from rnndrop.lm.cli.checks import config_from_args
 from rnndrop.lm.cli.errors import UsageError
-from rnndrop.lm.cli.job import config_from_args
 from rnndrop.lm.cli.parser import corpus_parser
 from rnndrop.lm.data.corpus import batchify
 from rnndrop.lm.model.build import build_model

@@ -13,7 +13,7 @@ problem, 3 training diverged, 130 interrupted (Ctrl-C or SIGTERM); the reason is
 stderr, never a traceback.
 
 The parsers are in :mod:`~rnndrop.lm.cli.parser`, the checks of a training job in
-:mod:`~rnndrop.lm.cli.job`, one function per sub-command in
+:mod:`~rnndrop.lm.cli.checks`, one function per sub-command in
 :mod:`~rnndrop.lm.cli.commands`, and the exit statuses in :mod:`~rnndrop.lm.cli.errors`.
 """
 

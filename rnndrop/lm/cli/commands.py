@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from rnndrop.lm.cli.checks import checked_job
 from rnndrop.lm.cli.errors import (
     EXIT_DATA,
     EXIT_DIVERGED,
@@ -24,7 +25,6 @@ from rnndrop.lm.cli.errors import (
     fail,
     positive,
 )
-from rnndrop.lm.cli.job import checked_job
 from rnndrop.lm.cli.parser import CORPORA, corpus_parser
 from rnndrop.lm.cli.terminal import markdown_for_terminal
 from rnndrop.lm.data.carve import CarveError
