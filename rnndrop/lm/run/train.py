@@ -26,11 +26,13 @@ alone reads and writes the run's files (the functions of :mod:`rnndrop.lm.run.ch
 that take a ``ctx``). The checkpoint holds every rank's RNG state; it resumes with the same
 N only.
 
-The order of this module is the order of a run: :func:`train_run` claims the folder,
-prepares the run (:func:`prepare`: seeds, model, data, optimiser, resumed state), runs the
-epoch loop and finishes it (:func:`finish_run`: test scores, results.json); what the loop
-calls follows: one epoch's pass (:func:`_train_epoch`), the divergence check
-(:class:`DivergenceCheck`), what an epoch leaves behind (``best.pt``, ``checkpoint.pt``).
+The module reads top to bottom: :func:`train_run` claims the folder, prepares the run, runs
+the epoch loop (inline: set the rate, train an epoch, validate, keep the best, checkpoint) and
+finishes it; then, in that order, the stages of the loop and one epoch's pass
+(:func:`_train_epoch`), what a run trains with (:func:`prepare`: seeds, model, data,
+optimiser, resumed state), what an epoch leaves behind (``best.pt``, ``checkpoint.pt``), the
+divergence check (:class:`DivergenceCheck`) and the end of a run (:func:`finish_run`: test
+scores, results.json; :func:`add_mc_result`).
 """
 
 from __future__ import annotations
