@@ -18,6 +18,8 @@ from rnndrop.lm.run.checkpoint import CheckpointError, load_checkpoint, load_mod
 from rnndrop.lm.run.train import train_run
 from tests.lm_helpers import TINY, ctrl_c_reaches, write_corpus
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 ONE = replace(TINY, epochs=1, mc_samples=0)
 
 
@@ -364,8 +366,6 @@ import torch
 from rnndrop.lm.data.corpus import load_corpus
 from rnndrop.lm.run.train import RunInterrupted, train_run
 from tests.lm_helpers import TINY
-
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 torch.set_num_threads(1)
 data, out, marker = sys.argv[1:4]
