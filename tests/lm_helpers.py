@@ -1,4 +1,5 @@
-"""Tiny corpora and configs for the language-model tests (written into tmp_path)."""
+"""Tiny corpora and configs for the language-model tests (written into tmp_path), and running
+the command line in-process. A plain module: its fixtures are in ``tests/conftest.py``."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import random
 import signal
 from pathlib import Path
 
-import pytest
 import torch
 
 from rnndrop.lm import cli
@@ -41,16 +41,6 @@ TINY = TrainConfig(
     grid={"naive": ({"input": 0.1, "between": 0.1, "output": 0.1},
                     {"input": 0.3, "between": 0.3, "output": 0.3})},
 )
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Language-model tests run on one thread: the suite shares 2 cores and tiny models
-    gain nothing from more. Import it into a test module to apply it there."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class Killed(Exception):

@@ -31,10 +31,11 @@ if str(ROOT) not in sys.path:  # run as a script by torchrun
 from rnndrop.lm.data.corpus import load_corpus  # noqa: E402
 from rnndrop.lm.model.build import build_model  # noqa: E402
 from rnndrop.lm.model.regimes import REGIMES, get_hook, get_regime, registered  # noqa: E402
-from rnndrop.lm.run.checkpoint import load_checkpoint  # noqa: E402
-from rnndrop.lm.run.identity import read_verified_result  # noqa: E402
+from rnndrop.lm.run.checkpoint import load_checkpoint, read_verified_result  # noqa: E402
 from rnndrop.lm.run.train import TrainingDiverged, add_mc_result, train_run  # noqa: E402
-from tests.lm_helpers import TINY, one_thread, write_corpus  # noqa: E402, F401 (autouse fixture)
+from tests.lm_helpers import TINY, write_corpus  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 WORLD = 2
 LAUNCH_TIMEOUT = 150

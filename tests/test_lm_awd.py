@@ -9,20 +9,21 @@ import pytest
 import torch
 
 from rnndrop import WeightDrop
+from rnndrop.lm.cli.checks import config_from_args
 from rnndrop.lm.cli.errors import UsageError
-from rnndrop.lm.cli.job import config_from_args
 from rnndrop.lm.cli.parser import build_parser
 from rnndrop.lm.data.corpus import batchify, bptt_batches
 from rnndrop.lm.model.build import build_model
 from rnndrop.lm.model.presets import get_config
 from rnndrop.lm.model.regimes import REGIMES
 from rnndrop.lm.model.train_config import TrainConfig
-from rnndrop.lm.run.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from rnndrop.lm.run.checkpoint import CheckpointError, load_checkpoint, run_identity, save_checkpoint
 from rnndrop.lm.run.evaluate import score
-from rnndrop.lm.run.identity import run_identity
 from rnndrop.lm.run.recipe import epoch_segments, lengths_seed
 from rnndrop.lm.run.train import train_run
-from tests.lm_helpers import TINY, Killed, one_thread, run_cli, write_corpus  # noqa: F401 (fixture)
+from tests.lm_helpers import TINY, Killed, run_cli, write_corpus
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 #: TINY with the whole recipe; lr 16 makes validation stall early: with seed 1 the switch to
 #: averaging comes after epoch 5 of 8, then 3 epochs of fine-tuning.

@@ -1,5 +1,6 @@
-"""Checkpoints that prove they are intact, run identity, locks, interrupts, load_model
-(issue 15 findings 2, 3, 4, 5, 8 and the checkpoint parts of 6)."""
+"""Checkpoints that prove they are intact, run identity, locks, interrupts, load_model: a
+corrupted checkpoint is refused, a huge loss is a divergence, one writer per run folder, resume
+checks what makes the run the same run, and nothing a killed write left behind survives."""
 
 import json
 import math
@@ -15,7 +16,9 @@ import torch
 from rnndrop.lm.data.corpus import load_corpus
 from rnndrop.lm.run.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint
 from rnndrop.lm.run.train import train_run
-from tests.lm_helpers import TINY, ctrl_c_reaches, one_thread, write_corpus  # noqa: F401 (autouse fixture)
+from tests.lm_helpers import TINY, ctrl_c_reaches, write_corpus
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 ONE = replace(TINY, epochs=1, mc_samples=0)
 
@@ -56,7 +59,7 @@ def _weights_equal(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-# -- finding 2: corrupted checkpoints are refused, the previous one takes over ---------------
+# -- corrupted checkpoints are refused, the previous one takes over ----------------------------
 
 @pytest.mark.slow
 def test_corrupt_checkpoint_is_refused_with_the_file_named(corpus, tmp_path):
@@ -188,7 +191,7 @@ def test_divergence_message_does_not_vouch_for_a_corrupt_checkpoint(corpus, tmp_
     assert "was verified" not in str(info.value)
 
 
-# -- finding 3: a huge finite loss is a divergence; clip and lr must be positive ------------
+# -- a huge finite loss is a divergence; clip and lr must be positive -------------------------
 
 class _Loud(torch.nn.Module):
     """An LSTM whose output is scaled so far that the cross-entropy is in the thousands."""
@@ -220,11 +223,11 @@ def test_config_rejects_non_positive_clip_and_lr(field, value):
         replace(TINY, **{field: value}, min_lr=0.0)
 
 
-# -- finding 4: one writer per run folder -----------------------------------------------------
+# -- one writer per run folder ----------------------------------------------------------------
 
 @pytest.mark.slow
 def test_a_second_writer_is_refused_naming_the_holder(corpus, tmp_path):
-    from rnndrop.lm.run.lock import RunLocked
+    from rnndrop.lm.run.checkpoint import RunLocked
 
     refused = []
 
@@ -252,7 +255,7 @@ def test_a_stale_lock_of_a_dead_process_is_taken_over(corpus, tmp_path, caplog):
     assert "removing a stale lock" in caplog.text and result["epochs_run"] == 1
 
 
-# -- finding 5: resume checks the corpus, the whole config, results and the epoch cap --------
+# -- resume checks the corpus, the whole config, results and the epoch cap ---------------------
 
 @pytest.mark.slow
 def test_resume_refuses_another_corpus_and_names_only_the_differing_fields(corpus, tmp_path):
@@ -270,7 +273,7 @@ def test_resume_refuses_another_corpus_and_names_only_the_differing_fields(corpu
 
 @pytest.mark.slow
 def test_tampered_or_truncated_results_are_not_reused_and_resume_rewrites_them(corpus, tmp_path, caplog):
-    from rnndrop.lm.run.identity import finished_result, run_identity
+    from rnndrop.lm.run.checkpoint import finished_result, run_identity
 
     result = train_run(corpus, ONE, "tied", tmp_path / "run", seed=3, progress=False)
     identity = run_identity(corpus, ONE, "tied", None, 3)
@@ -301,7 +304,7 @@ def test_resume_with_fewer_epochs_than_already_run_is_an_error(corpus, tmp_path)
     assert (tmp_path / "run" / "results.json").read_bytes() == before
 
 
-# -- finding 8: leftovers, permissions, a read-only folder ------------------------------------
+# -- leftovers, permissions, a read-only folder -------------------------------------------------
 
 @pytest.mark.slow
 def test_stale_temporaries_are_removed_and_files_honour_the_umask(corpus, tmp_path):
@@ -321,12 +324,12 @@ def test_stale_temporaries_are_removed_and_files_honour_the_umask(corpus, tmp_pa
 
 def test_an_unwritable_output_folder_fails_before_training(corpus, tmp_path, monkeypatch):
     # Permission bits do not stop root, so the refusal of the first write is simulated.
-    from rnndrop.lm.run import lock
+    from rnndrop.lm.run import checkpoint
 
     def refuse(path, flags, mode=0o777):
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(lock.os, "open", refuse)
+    monkeypatch.setattr(checkpoint.os, "open", refuse)
     epochs = []
     with pytest.raises(PermissionError, match=r"output folder '.*run' is not writable"):
         train_run(corpus, ONE, "none", tmp_path / "run", progress=False,

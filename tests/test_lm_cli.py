@@ -19,7 +19,7 @@ from torch.utils.cpp_extension import get_default_build_root
 
 from rnndrop.lm import cli
 from rnndrop.lm.data.corpus import batchify, load_corpus, sample_dir
-from rnndrop.lm.run import benchmark
+from rnndrop.lm.run import job
 from rnndrop.lm.run.checkpoint import load_model
 from rnndrop.lm.run.evaluate import score
 from tests.lm_helpers import ctrl_c_reaches, run_cli, write_corpus
@@ -67,7 +67,7 @@ def test_console_script_and_module_entry_point_offer_data_and_resume(tmp_path, c
         script = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{corpus}.py"), "--help"],
                                 env=_env(tmp_path), capture_output=True, text=True)
         assert script.returncode == 0 and script.stdout == _help([corpus, "--help"], capsys)
-    assert not hasattr(benchmark, "main")  # one entry point: the job module is no command of its own
+    assert not hasattr(job, "main")  # one entry point: the job module is no command of its own
 
 
 @pytest.mark.slow
@@ -225,8 +225,8 @@ def test_ctrl_c_under_jobs_leaves_no_lock_behind(tmp_path):
 
 @pytest.mark.slow
 def test_workers_end_when_their_main_process_is_killed(tmp_path):
-    """Issue 25 probe: after kill -9 of the main process of --jobs 2 the workers lived on
-    forever, waiting for work; they now unwind their runs (no lock left) and end."""
+    """After kill -9 of the main process of --jobs 2 the workers unwind their runs (no lock
+    left) and end, rather than wait for work forever."""
     process, workers, out = _job_with_two_workers(tmp_path)
     process.kill()
     process.communicate(timeout=120)
@@ -272,8 +272,8 @@ def _write_non_utf8(folder: Path) -> Path:
     return folder
 
 
-def _probe_files(folder: Path) -> dict[str, Path]:
-    """Files the issue-25 probe passed: a JSON list as --dropout-from, a grid summary that chose
+def _awkward_files(folder: Path) -> dict[str, Path]:
+    """Awkward inputs a user may pass: a JSON list as --dropout-from, a grid summary that chose
     for regime none only, a symbolic link to nowhere as --out."""
     (folder / "list.json").write_text("[1, 2]")
     (folder / "grid.json").write_text(json.dumps({"grid": True, "runs": [{"regime": "none", "dropout": {}}]}))
@@ -296,7 +296,7 @@ def _probe_files(folder: Path) -> dict[str, Path]:
     (["--init-from", "{missing}"], "--init-from: expected a finished run's folder (holding best.pt)"),
     (["--kl-weight", "-1"], "kl_weight must be a finite number >= 0, got -1.0"),
     (["--data", "{latin1}"], "ptb.valid.txt' is not UTF-8 text: byte 0xe9 on line 2"),
-    # issue 25 probe: a repeated seed or regime trained the first, then failed on its folder
+    # a repeated seed or regime is refused before anything trains (not a failure on its folder)
     (["--seeds", "1,2,1", "--epochs", "1"], "--seeds names 1 more than once, got '1,2,1'"),
     (["--regimes", "tied,none,tied", "--epochs", "1"], "--regimes names tied more than once"),
     (["--seeds", str(2**70)], "--seeds must be seeds in ["),  # was torch's "Overflow when unpacking"
@@ -309,7 +309,7 @@ def _probe_files(folder: Path) -> dict[str, Path]:
 ])
 def test_usage_and_data_errors_are_one_line_with_exit_2(tmp_path, capsys, args, message):
     data = write_corpus(tmp_path / "data")
-    files = _probe_files(tmp_path)
+    files = _awkward_files(tmp_path)
     args = [a.format(missing=tmp_path / "missing", latin1=_write_non_utf8(tmp_path / "latin1"), **files)
             for a in args]
     argv = ["ptb", "--data", str(data), "--out", str(tmp_path / "out"), "--no-progress", *args]
@@ -331,19 +331,19 @@ def test_evaluate_and_generate_errors_are_one_line(tmp_path, capsys):
     assert cli.main(["generate", str(tmp_path / "nothing"), "--words", "-1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 2 and "nothing" in err and "--words must be >= 0" in err
-    text = tmp_path / "ptb.train.txt"  # issue 25 probe: the error advised --resume, a training flag
+    text = tmp_path / "ptb.train.txt"  # the error names no training flag (such as --resume)
     text.write_text("the cat sees the dog .\n")
     assert cli.main(["evaluate", str(text)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is not an rnndrop checkpoint" in err and "resume" not in err, err
-    for command in ("evaluate", "generate"):  # issue 25 probe: torch's overflow as a traceback
+    for command in ("evaluate", "generate"):  # one line, not torch's overflow as a traceback
         assert cli.main([command, str(tmp_path / "nothing"), "--seed", str(2**70)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "--seed must be seeds in [" in err, err
 
 
 def test_a_malformed_world_size_is_one_line(tmp_path, capsys, monkeypatch):
-    """Issue 25 probe: WORLD_SIZE=abc was a traceback from the SIGTERM handler's set-up."""
+    """WORLD_SIZE=abc is one line, not a traceback from the SIGTERM handler's set-up."""
     monkeypatch.setenv("WORLD_SIZE", "abc")
     argv = ["ptb", "--data", str(write_corpus(tmp_path / "data")), "--out", str(tmp_path / "out")]
     assert cli.main(argv) == 2

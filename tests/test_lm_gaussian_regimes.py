@@ -12,11 +12,12 @@ from rnndrop.gaussian import GaussianLSTM
 from rnndrop.lm.model.build import build_model
 from rnndrop.lm.model.presets import CONFIGS
 from rnndrop.lm.model.regimes import REGIMES
-from rnndrop.lm.run.noise_trace import learned_noise, noise_series
-from rnndrop.lm.run.plots import plot_alphas
-from rnndrop.lm.run.result_file import read_result
-from rnndrop.lm.run.train import train_run
-from tests.lm_helpers import TINY, one_thread  # noqa: F401 (fixtures)
+from rnndrop.lm.run.checkpoint import read_result
+from rnndrop.lm.run.report import noise_series, plot_alphas
+from rnndrop.lm.run.train import learned_noise, train_run
+from tests.lm_helpers import TINY
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 P = {"embedding": 0.1, "input": 0.3, "between": 0.3, "hidden": 0.2, "output": 0.3}
 

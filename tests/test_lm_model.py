@@ -7,7 +7,9 @@ from rnndrop.lm.model.language_model import RNNLanguageModel, detach_hidden
 from rnndrop.lm.model.regimes import REGIMES, Regime, regime_probabilities, registered
 from rnndrop.mc import sampling_modules
 from rnndrop.recurrent import VariationalLSTM
-from tests.lm_helpers import TINY, one_thread  # noqa: F401 (autouse fixture)
+from tests.lm_helpers import TINY
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 V = 30
 

@@ -1,5 +1,5 @@
-"""Issue 25 (reliability, second round), the language-model half: no finished work lost, no
-result reported that was not computed, one line for every user error."""
+"""Reliability of the language-model command: no finished work lost, no result reported that
+was not computed, one line for every user error."""
 
 import errno
 import json
@@ -13,11 +13,12 @@ from rnndrop.lm import cli
 from rnndrop.lm.atomic import atomic_write
 from rnndrop.lm.data.corpus import Vocabulary
 from rnndrop.lm.model.language_model import RNNLanguageModel
-from rnndrop.lm.run import finish
-from rnndrop.lm.run.generate import generate
-from rnndrop.lm.run.setup import resolve_device
-from rnndrop.lm.run.train import train_run
-from tests.lm_helpers import TINY, one_thread, run_cli, write_corpus  # noqa: F401 (autouse fixture)
+from rnndrop.lm.run import train
+from rnndrop.lm.run.evaluate import generate
+from rnndrop.lm.run.train import resolve_device, train_run
+from tests.lm_helpers import TINY, run_cli, write_corpus
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 ONE = replace(TINY, epochs=1, mc_samples=0)
 
@@ -184,8 +185,8 @@ def test_generate_says_which_prompt_words_the_model_does_not_know(tmp_path, caps
 
 @pytest.mark.parametrize("temperature", [1e-30, 1e-320, float("inf")])
 def test_generate_at_an_extreme_temperature_samples_instead_of_failing(temperature):
-    """Issue 25 probe: --temperature 1e-320 made logits / T overflow, softmax NaN and
-    torch.multinomial a traceback; a tiny temperature is the greedy choice."""
+    """Any temperature > 0 samples words, a tiny one the greedy choice (logits / T must not
+    overflow into NaN probabilities and a traceback from torch.multinomial)."""
     torch.manual_seed(0)
     vocab = Vocabulary.from_words(["a", "b", "c", "d", "e", "f"])
     model = RNNLanguageModel(len(vocab), 8, 8, 1)
@@ -201,8 +202,8 @@ def test_generate_at_an_extreme_temperature_samples_instead_of_failing(temperatu
 
 @pytest.mark.slow
 def test_resume_with_init_from_never_reuses_a_run_that_did_not_start_from_those_weights(tmp_path, capsys):
-    """Issue 25 probe: the reuse check left init_from out of the identity, so `--resume
-    --init-from RUN` reported a run trained from scratch as if fine-tuned from RUN."""
+    """``init_from`` is part of a run's identity: ``--resume --init-from RUN`` never reports a
+    run trained from scratch as if fine-tuned from RUN."""
     data = write_corpus(tmp_path / "data")
     assert _job(data, tmp_path / "dense", "--mc-samples", "0") == 0
     (dense,) = (tmp_path / "dense").glob("tied/*/")
@@ -224,8 +225,8 @@ def test_resume_with_init_from_never_reuses_a_run_that_did_not_start_from_those_
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncated", "deleted"])
 def test_resume_says_when_a_reused_run_has_lost_its_weights(tmp_path, capsys, caplog, damage):
-    """Issue 25 probe: a finished run whose best.pt was damaged or deleted was reused in
-    silence; the job reported success and `evaluate` failed later."""
+    """A finished run whose best.pt is damaged or deleted is reused with a warning that its
+    weights are gone, not in silence (the job would report success and `evaluate` fail later)."""
     data, out = write_corpus(tmp_path / "data"), tmp_path / "out"
     assert _job(data, out, "--mc-samples", "0") == 0
     (best,) = out.glob("tied/*/best.pt")
@@ -242,15 +243,19 @@ def test_resume_says_when_a_reused_run_has_lost_its_weights(tmp_path, capsys, ca
 
 @pytest.mark.slow
 def test_ctrl_c_while_the_test_split_is_scored_is_not_called_an_epoch(tmp_path, capsys, monkeypatch):
-    """Issue 25 probe: Ctrl-C / SIGTERM during the test (or Monte-Carlo) scoring after the last
-    epoch of a 1-epoch run said "interrupted in epoch 2"."""
+    """Ctrl-C / SIGTERM during the test (or Monte-Carlo) scoring after the last epoch of a
+    1-epoch run says so, not "interrupted in epoch 2"."""
     data, out = write_corpus(tmp_path / "data"), tmp_path / "out"
 
-    def ctrl_c(*args, **kwargs):
+    validate = train.score_split
+
+    def ctrl_c_when_testing(model, batched, bptt, calibration_bins, *args, **kwargs):
+        if calibration_bins is None:  # validation, inside the epoch loop
+            return validate(model, batched, bptt, calibration_bins, *args, **kwargs)
         raise KeyboardInterrupt
 
     with monkeypatch.context() as patch:
-        patch.setattr(finish, "score_split", ctrl_c)
+        patch.setattr(train, "score_split", ctrl_c_when_testing)
         assert _job(data, out, "--mc-samples", "0") == 130
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "after the last epoch of run 1/1 tied" in err, err

@@ -7,10 +7,17 @@ import types
 import matplotlib.pyplot as plt
 import pytest
 
-from rnndrop.lm.run.metrics import METRICS_COLUMNS, EpochLog
-from rnndrop.lm.run.plots import learning_curve_figure, plot_learning_curves
-from rnndrop.lm.run.progress import JobProgress, format_duration
-from rnndrop.lm.run.tables import benchmark_markdown, comparison_table, paired_differences
+from rnndrop.lm.run.report import (
+    METRICS_COLUMNS,
+    EpochLog,
+    JobProgress,
+    benchmark_markdown,
+    comparison_table,
+    format_duration,
+    learning_curve_figure,
+    paired_differences,
+    plot_learning_curves,
+)
 
 
 def _result(epochs: int, regime: str = "tied", seed: int = 1) -> dict:
@@ -177,11 +184,11 @@ def test_a_resumed_job_estimates_only_the_runs_and_epochs_left_to_train(tmp_path
     import logging
     from dataclasses import replace
 
-    from rnndrop.lm.run import benchmark
+    from rnndrop.lm.run import job
     from tests.lm_helpers import TINY, write_corpus
 
     data, config, out = write_corpus(tmp_path / "data"), replace(TINY, mc_samples=0), tmp_path / "job"
-    benchmark.run_benchmark(data, "ptb", config, ["naive"], [1], out, progress=False, estimate=False)
+    job.run_benchmark(data, "ptb", config, ["naive"], [1], out, progress=False, estimate=False)
     finished = next(out.glob("naive/*-seed1"))
     partial = finished.with_name(finished.name.replace("seed1", "seed2"))  # stopped after epoch 1
     partial.mkdir()
@@ -189,40 +196,40 @@ def test_a_resumed_job_estimates_only_the_runs_and_epochs_left_to_train(tmp_path
                                              "words_per_second": 1.0, "seconds": 1.0})
     (partial / "checkpoint.pt").write_bytes(b"")  # epochs count as done only beside a checkpoint
     counted = []
-    monkeypatch.setattr(benchmark, "estimate_seconds",
+    monkeypatch.setattr(job, "estimate_seconds",
                         lambda corpus, cfg, runs, mc, **kw: counted.append(kw["epochs_left"]) or 60.0)
-    job = benchmark._Job(str(data), "ptb", config, out, True, "cpu", 1, False, None)
-    plan = benchmark._plan(job, ["naive"], [1, 2, 3], 0, grid=False, dropout=None, dropout_by_regime=None)
-    with caplog.at_level(logging.INFO, logger="rnndrop.lm.run.benchmark"):
-        assert benchmark._estimate(job, plan, 1) == (60.0, 2 + 3)
+    planned = job._Job(str(data), "ptb", config, out, True, "cpu", 1, False, None)
+    plan = job._plan(planned, ["naive"], [1, 2, 3], 0, grid=False, dropout=None, dropout_by_regime=None)
+    with caplog.at_level(logging.INFO, logger="rnndrop.lm.run.job"):
+        assert job._estimate(planned, plan, 1) == (60.0, 2 + 3)
         assert "this job trains 2 runs (1 more finished earlier: reused) of up to 3 epochs" in caplog.text
-        assert benchmark._estimate(replace(job, resume=False), plan, 1) == (60.0, 9)  # all counted
-        seed1 = benchmark._plan(job, ["naive"], [1], 0, grid=False, dropout=None, dropout_by_regime=None)
-        assert benchmark._estimate(job, seed1, 1) is None
+        assert job._estimate(replace(planned, resume=False), plan, 1) == (60.0, 9)  # all counted
+        seed1 = job._plan(planned, ["naive"], [1], 0, grid=False, dropout=None, dropout_by_regime=None)
+        assert job._estimate(planned, seed1, 1) is None
         assert "all 1 run of this job finished earlier: reusing their results" in caplog.text
     (partial / "checkpoint.pt").unlink()
-    assert benchmark._estimate(job, plan, 1) == (60.0, 3 + 3)  # no checkpoint: it starts over
+    assert job._estimate(planned, plan, 1) == (60.0, 3 + 3)  # no checkpoint: it starts over
     assert counted == [[2, 3], [3, 3, 3], [3, 3]]
 
 
 def test_the_estimate_scales_the_timed_steps_to_the_job(tmp_path, monkeypatch):
     from rnndrop.lm.data.corpus import load_corpus
-    from rnndrop.lm.run import estimate
+    from rnndrop.lm.run import job
     from tests.lm_helpers import TINY, write_corpus
 
     corpus = load_corpus(write_corpus(tmp_path))
     timed = []
-    monkeypatch.setattr(estimate, "_seconds_per_word", lambda step, batched: timed.append(step) or 1e-3)
+    monkeypatch.setattr(job, "_seconds_per_word", lambda step, batched: timed.append(step) or 1e-3)
     none, tied = ("none", {}), ("tied", TINY.dropout)
     n_train, n_valid, n_test = (corpus.split(s).numel() for s in ("train", "valid", "test"))
     one_run = TINY.epochs * (n_train + n_valid) * 1e-3 + n_test * 1e-3
-    assert estimate.estimate_seconds(corpus, TINY, [none], 10) == pytest.approx(one_run)  # nothing to sample
+    assert job.estimate_seconds(corpus, TINY, [none], 10) == pytest.approx(one_run)  # nothing to sample
     assert len(timed) == 3  # a training step, an evaluation and a dropout forward, timed once per regime
     with_mc = one_run + 10 * n_test * 1e-3
-    assert estimate.estimate_seconds(corpus, TINY, [none, tied, tied], 10) == pytest.approx(
+    assert job.estimate_seconds(corpus, TINY, [none, tied, tied], 10) == pytest.approx(
         one_run + 2 * with_mc)
     assert len(timed) == 3 + 6  # "tied" twice is timed once
-    assert estimate.estimate_seconds(corpus, TINY, [none, tied], 10, jobs=2) == pytest.approx(
+    assert job.estimate_seconds(corpus, TINY, [none, tied], 10, jobs=2) == pytest.approx(
         (one_run + with_mc) / 2)
 
 
@@ -259,7 +266,7 @@ def test_the_monte_carlo_passes_show_progress_lines(caplog):
     torch.manual_seed(0)
     model = RNNLanguageModel(30, 8, 8, 1, dropout_output=0.5)
     stream = torch.randint(30, (41, 2))  # 40 predictions per column: 10 segments of 4
-    with caplog.at_level(logging.INFO, logger="rnndrop.lm.run.progress"):
+    with caplog.at_level(logging.INFO, logger="rnndrop.lm.run.report"):
         quiet = score_mc(model, stream, 4, 3)
         assert not caplog.records
         torch.manual_seed(0)
@@ -274,10 +281,10 @@ def test_the_monte_carlo_passes_show_progress_lines(caplog):
 def test_the_job_says_how_far_off_its_estimate_was(caplog):
     import logging
 
-    from rnndrop.lm.run.benchmark import _report_estimate
+    from rnndrop.lm.run.job import _report_estimate
 
     job = JobProgress(2, 3, bar=False, estimate_seconds=600.0)
-    with caplog.at_level(logging.INFO, logger="rnndrop.lm.run.benchmark"):
+    with caplog.at_level(logging.INFO, logger="rnndrop.lm.run.job"):
         job.run_done("run 1/2", {"best_valid_ppl": 9.0, "test_ppl": 9.0}, reused=True)
         job.run_done("run 2/2", {"best_valid_ppl": 9.0, "test_ppl": 9.0})
         _report_estimate(600.0, 480.0, job)  # the estimate counted only the run it trained

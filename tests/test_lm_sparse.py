@@ -8,26 +8,26 @@ import pytest
 import torch
 
 from rnndrop.kl import MOLCHANOV_COEFFICIENTS
+from rnndrop.lm.cli.checks import config_from_args
 from rnndrop.lm.cli.errors import UsageError
-from rnndrop.lm.cli.job import config_from_args
 from rnndrop.lm.cli.parser import corpus_parser
 from rnndrop.lm.data.corpus import batchify
 from rnndrop.lm.model.build import build_model
 from rnndrop.lm.model.presets import get_config
 from rnndrop.lm.model.regimes import REGIMES, get_hook
-from rnndrop.lm.run.checkpoint import load_checkpoint, load_model
+from rnndrop.lm.run.checkpoint import load_checkpoint, load_model, read_verified_result
 from rnndrop.lm.run.evaluate import score
-from rnndrop.lm.run.identity import read_verified_result
 from rnndrop.lm.run.train import train_run
 from rnndrop.sparse import SparseLSTM
 from rnndrop.sparsity import prune, sparsity_report
-from tests.lm_helpers import (  # noqa: F401 (fixtures)
+from tests.lm_helpers import (
     TINY,
     Killed,
     kill_after_first_epoch,
-    one_thread,
     write_corpus,
 )
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 SPARSE = replace(TINY, optimizer="adam", lr=0.01, clip=5.0, epochs=2, mc_samples=0,
                  schedule="fixed", lr_decay=1.0, select="objective", kl_weight=0.5)

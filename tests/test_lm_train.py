@@ -9,12 +9,13 @@ import torch
 from rnndrop.lm.cli import train_main
 from rnndrop.lm.model.presets import CONFIGS
 from rnndrop.lm.model.regimes import Regime, registered
-from rnndrop.lm.run import benchmark
-from rnndrop.lm.run.checkpoint import load_checkpoint
-from rnndrop.lm.run.result_file import read_result, validate_result
-from rnndrop.lm.run.tables import markdown_table
+from rnndrop.lm.run import job
+from rnndrop.lm.run.checkpoint import load_checkpoint, read_result, validate_result
+from rnndrop.lm.run.report import markdown_table
 from rnndrop.lm.run.train import TrainingDiverged, train_run
-from tests.lm_helpers import TINY, Killed, one_thread, write_corpus  # noqa: F401 (fixtures)
+from tests.lm_helpers import TINY, Killed, write_corpus
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.slow
@@ -180,14 +181,14 @@ def test_min_lr_stops_a_converged_run_and_resume_keeps_it_stopped(corpus, tmp_pa
 
 
 def test_schedule_holds_the_rate_rules_and_the_stopping_rule():
-    from rnndrop.lm.run.schedule import Schedule
-    from rnndrop.lm.run.state import RunState
+    from rnndrop.lm.run.checkpoint import RunState
+    from rnndrop.lm.run.recipe import LRSchedule
 
-    fixed = Schedule(replace(TINY, schedule="fixed", lr=8.0, lr_decay=2.0, decay_after=2, min_lr=1.5))
+    fixed = LRSchedule(replace(TINY, schedule="fixed", lr=8.0, lr_decay=2.0, decay_after=2, min_lr=1.5))
     assert [fixed.rate(epoch, carried=123.0) for epoch in (1, 2, 3, 4)] == [8.0, 8.0, 4.0, 2.0]
     assert fixed.after_epoch(2.0, improved=False) == (2.0, None)  # fixed: no plateau decay
     assert fixed.after_epoch(1.0, improved=True) == (1.0, "lr_floor")
-    plateau = Schedule(replace(TINY, lr=8.0, lr_decay=4.0, min_lr=1.0))
+    plateau = LRSchedule(replace(TINY, lr=8.0, lr_decay=4.0, min_lr=1.0))
     assert plateau.rate(5, carried=2.0) == 2.0
     assert plateau.after_epoch(8.0, improved=True) == (8.0, None)
     assert plateau.after_epoch(8.0, improved=False) == (2.0, None)
@@ -197,8 +198,8 @@ def test_schedule_holds_the_rate_rules_and_the_stopping_rule():
     for epoch in plateau.epochs(state):
         seen.append(epoch)
         state.stopped = "lr_floor" if epoch == 2 else None
-    assert seen == [1, 2] and Schedule.stop_reason(state) == "lr_floor"
-    assert Schedule.stop_reason(RunState()) == "epoch_cap"
+    assert seen == [1, 2] and LRSchedule.stop_reason(state) == "lr_floor"
+    assert LRSchedule.stop_reason(RunState()) == "epoch_cap"
 
 
 @pytest.mark.slow
@@ -221,15 +222,15 @@ def test_results_hold_test_nll_and_calibration_standard_and_mc(corpus, tmp_path)
 @pytest.mark.slow
 def test_dropout_from_a_grid_summary_sets_each_regimes_dropout(corpus, tmp_path):
     data = write_corpus(tmp_path / "data2")
-    grid = benchmark.run_benchmark(data, "ptb", TINY, ["naive"], [1], tmp_path / "grid", grid=True,
+    grid = job.run_benchmark(data, "ptb", TINY, ["naive"], [1], tmp_path / "grid", grid=True,
                                    mc_samples=0, progress=False)
-    chosen = benchmark.chosen_dropout(tmp_path / "grid" / "summary.json")
+    chosen = job.chosen_dropout(tmp_path / "grid" / "summary.json")
     assert chosen["naive"] == grid["runs"][0]["dropout"]
-    summary = benchmark.run_benchmark(data, "ptb", TINY, ["naive"], [2], tmp_path / "final",
+    summary = job.run_benchmark(data, "ptb", TINY, ["naive"], [2], tmp_path / "final",
                                       dropout_by_regime=chosen, mc_samples=0, progress=False)
     assert summary["runs"][0]["dropout"] == chosen["naive"]
     with pytest.raises(ValueError, match="--dropout-from .*not the summary of a --grid run"):
-        benchmark.chosen_dropout(tmp_path / "final" / "summary.json")
+        job.chosen_dropout(tmp_path / "final" / "summary.json")
 
 
 @pytest.mark.slow
@@ -264,7 +265,7 @@ def test_adam_and_gru_train_through_the_one_loop_and_resume_bit_for_bit(corpus, 
 def test_init_from_starts_sparse_vd_from_a_dense_run_and_records_what_it_loaded(corpus, tmp_path):
     from rnndrop.lm.model.build import build_model
     from rnndrop.lm.model.regimes import REGIMES
-    from rnndrop.lm.run.resume import load_initial_weights
+    from rnndrop.lm.run.checkpoint import load_initial_weights
 
     config = replace(TINY, epochs=1, mc_samples=0)
     train_run(corpus, config, "tied", tmp_path / "dense", seed=1, progress=False)

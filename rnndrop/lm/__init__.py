@@ -25,8 +25,7 @@ from rnndrop.lm.model.presets import CONFIGS, get_config
 from rnndrop.lm.model.regimes import REGIMES, Regime
 from rnndrop.lm.model.train_config import TrainConfig
 from rnndrop.lm.run.checkpoint import LoadedModel, load_model
-from rnndrop.lm.run.evaluate import evaluate, evaluate_mc
-from rnndrop.lm.run.generate import generate
+from rnndrop.lm.run.evaluate import evaluate, evaluate_mc, generate
 from rnndrop.lm.run.train import TrainingDiverged, train_run
 
 __all__ = [

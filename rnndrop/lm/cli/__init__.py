@@ -13,7 +13,7 @@ problem, 3 training diverged, 130 interrupted (Ctrl-C or SIGTERM); the reason is
 stderr, never a traceback.
 
 The parsers are in :mod:`~rnndrop.lm.cli.parser`, the checks of a training job in
-:mod:`~rnndrop.lm.cli.job`, one function per sub-command in
+:mod:`~rnndrop.lm.cli.checks`, one function per sub-command in
 :mod:`~rnndrop.lm.cli.commands`, and the exit statuses in :mod:`~rnndrop.lm.cli.errors`.
 """
 
@@ -44,10 +44,27 @@ __all__ = [
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``rnndrop-lm`` and ``python -m rnndrop.lm``; returns the exit status
-    (under torchrun, a worker that joined the process group exits with it instead)."""
+    """Entry point of ``rnndrop-lm`` and ``python -m rnndrop.lm``: one sub-command, its output
+    on stdout; returns the exit status (under torchrun, a worker that joined the process group
+    exits with it instead)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    code = 0
     with _sigterm_as_ctrl_c():
-        code = _main(argv)
+        try:
+            if args.command in ("ptb", "wikitext2"):
+                sys.stdout.write(train(args, CORPORA[args.command], argv[1:]))
+            elif args.command == "evaluate":
+                sys.stdout.write(evaluate(args))
+            elif args.command == "carve":
+                sys.stdout.write(carve(args))
+            else:
+                sys.stdout.write(generate(args))
+        except SystemExit as e:
+            code = int(e.code or 0)
+        except KeyboardInterrupt:  # outside training (reading data, scoring, sampling)
+            sys.stderr.write("error: interrupted\n")
+            code = EXIT_INTERRUPTED
     if dist.is_available() and dist.is_initialized():
         end_worker(code)
     return code
@@ -75,24 +92,3 @@ def _sigterm_as_ctrl_c() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def _main(argv: Sequence[str] | None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        if args.command in ("ptb", "wikitext2"):
-            sys.stdout.write(train(args, CORPORA[args.command], argv[1:]))
-        elif args.command == "evaluate":
-            sys.stdout.write(evaluate(args))
-        elif args.command == "carve":
-            sys.stdout.write(carve(args))
-        else:
-            sys.stdout.write(generate(args))
-    except SystemExit as e:
-        return int(e.code or 0)
-    except KeyboardInterrupt:  # outside training (reading data, scoring, sampling)
-        sys.stderr.write("error: interrupted\n")
-        return EXIT_INTERRUPTED
-    return 0

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from rnndrop.lm.cli.checks import checked_job
 from rnndrop.lm.cli.errors import (
     EXIT_DATA,
     EXIT_DIVERGED,
@@ -24,24 +25,26 @@ from rnndrop.lm.cli.errors import (
     fail,
     positive,
 )
-from rnndrop.lm.cli.job import checked_job
 from rnndrop.lm.cli.parser import CORPORA, corpus_parser
 from rnndrop.lm.cli.terminal import markdown_for_terminal
 from rnndrop.lm.data.carve import CarveError
 from rnndrop.lm.data.carve import carve as carve_corpus
 from rnndrop.lm.data.corpus import CorpusError, batchify, encode_split, load_corpus, sample_dir
 from rnndrop.lm.data.download import DownloadError
-from rnndrop.lm.run.benchmark import JobInterrupted, run_benchmark
-from rnndrop.lm.run.checkpoint import CheckpointError, LoadedModel, load_model
-from rnndrop.lm.run.evaluate import CALIBRATION_BINS, has_noise, score, score_mc
-from rnndrop.lm.run.finish import MC_PROGRESS
-from rnndrop.lm.run.folder import LEARNING_CURVES, RESULTS
-from rnndrop.lm.run.generate import generate as generate_words
-from rnndrop.lm.run.generate import words_to_text
-from rnndrop.lm.run.identity import corpus_fingerprint
-from rnndrop.lm.run.lock import RunLocked
-from rnndrop.lm.run.pool import WorkerDied
-from rnndrop.lm.run.process_group import RankFailed, init_from_env, run_on_main, torchrun_world_size
+from rnndrop.lm.run.checkpoint import (
+    LEARNING_CURVES,
+    RESULTS,
+    CheckpointError,
+    LoadedModel,
+    RunLocked,
+    corpus_fingerprint,
+    files_on_main,
+    load_model,
+)
+from rnndrop.lm.run.evaluate import CALIBRATION_BINS, MC_PROGRESS, has_noise, score, score_mc, words_to_text
+from rnndrop.lm.run.evaluate import generate as generate_words
+from rnndrop.lm.run.job import JobInterrupted, WorkerDied, run_benchmark
+from rnndrop.lm.run.process_group import RankFailed, init_from_env, torchrun_world_size
 from rnndrop.lm.run.train import TrainingDiverged, resolve_device
 
 __all__ = ["evaluate", "generate", "train", "train_main"]
@@ -76,7 +79,7 @@ def train(args: argparse.Namespace, dataset: str, given: list[str]) -> str:
                         format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     try:
         # Rank 0 checks the data and the output folder (and downloads); the others get its answer.
-        config, regimes, seeds, dropout, by_regime, data_dir, out = run_on_main(
+        config, regimes, seeds, dropout, by_regime, data_dir, out = files_on_main(
             lambda: checked_job(args, dataset), ctx, "checking the command line and the data")
     except RankFailed:
         raise fail("", EXIT_DATA) from None

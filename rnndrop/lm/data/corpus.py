@@ -18,6 +18,7 @@ so the hidden state at the end of one segment is the right start for the next.
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 from collections import Counter
@@ -38,6 +39,7 @@ __all__ = [
     "Vocabulary",
     "batchify",
     "bptt_batches",
+    "cached_corpus",
     "encode_split",
     "find_split_files",
     "load_corpus",
@@ -216,6 +218,13 @@ def load_corpus(directory: str | Path) -> Corpus:
         source=str(Path(directory).expanduser().resolve()),  # absolute: readable from anywhere
         unseen=unseen,
     )
+
+
+@functools.lru_cache(maxsize=2)
+def cached_corpus(data_dir: str) -> Corpus:
+    """:func:`load_corpus` of ``data_dir``, read once per process: the command line checks the
+    corpus with it before a job starts, and the job's runs then find it read."""
+    return load_corpus(data_dir)
 
 
 def _warn_if_mostly_unknown(path: Path, words: Sequence[str], vocab: Vocabulary, unseen: int) -> None:

@@ -1,9 +1,20 @@
-"""The checkpoint file format of a training run, verified on load.
+"""What a training run reads and writes: its folder, checkpoints, progress, identity and results.
 
-``checkpoint.pt`` (everything needed to resume) and ``best.pt`` (the weights of the
-best validation epoch, with the config, regime, dropout and vocabulary that rebuild
-the model) share one format: a short text header, then the payload written by
-``torch.save``::
+A run folder (one regime, one seed) holds::
+
+    checkpoint.pt        the newest training state (model, optimizer, RNG, progress)
+    checkpoint.prev.pt   the state before it, kept while the newest is written
+    best.pt              the weights of the best validation epoch, with what rebuilds the model
+    results.json         the finished run's numbers, signed (SHA-256 of the content)
+    metrics.csv          one row per epoch
+    curve.png            the run's learning curve (alphas.png: learned noise, when there is some)
+    run.lock             held while a process trains in the folder
+
+A job folder (``rnndrop-lm ptb``: several regimes and seeds) holds the run folders and
+``summary.json``, ``results.md`` and ``learning_curves.png``.
+
+``checkpoint.pt`` and ``best.pt`` share one format: a short text header, then the payload
+written by ``torch.save``::
 
     RNNDROP-CHECKPOINT
     format 2
@@ -11,51 +22,146 @@ the model) share one format: a short text header, then the payload written by
     size <bytes of the payload>
     <payload>
 
-:func:`load_checkpoint` checks the header, the size and the SHA-256 before it
-unpickles anything, then loads with ``weights_only=True`` (state dicts and plain
-data only, never pickled code). A zero-byte, truncated, corrupted or foreign file is
-a :class:`CheckpointError` that names the file. :func:`save_checkpoint` writes through
-a temporary file, reads it back and verifies it, and only then moves the previous
-version aside (``checkpoint.prev.pt``) and the new one into place, so a verified
-checkpoint exists at every moment.
+:func:`load_checkpoint` checks the header, the size and the SHA-256 before it unpickles
+anything, then loads with ``weights_only=True`` (state dicts and plain data only, never
+pickled code). A zero-byte, truncated, corrupted or foreign file is a
+:class:`CheckpointError` that names the file. :func:`save_checkpoint` writes through a
+temporary file, reads it back and verifies it, and only then moves the previous version
+aside (``checkpoint.prev.pt``) and the new one into place, so a verified checkpoint exists
+at every moment.
+
+What makes two runs the same run is :func:`run_identity`: a checkpoint resumes
+(:func:`read_checkpoint`), and a results.json is reused (:func:`finished_result`), only
+under an equal identity. One writer per folder: :class:`RunLock` (a lock file created with
+``O_EXCL``; a stale one, left by a dead process on this host, is taken over with a warning).
+
+Under ``torchrun`` rank 0 alone touches the files: the functions that take a ``ctx``
+(:func:`claim_folder`, :func:`read_checkpoint`, :func:`read_best_weights`,
+:func:`save_checkpoint`, :func:`files_on_main`) are the seam where the other ranks receive
+what rank 0 read, or the error it met (:func:`rnndrop.lm.run.process_group.run_on_main`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import json
 import logging
+import math
 import os
 import random
-from dataclasses import dataclass
+import socket
+import time
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field, fields
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from rnndrop.lm.atomic import atomic_write, fsync_folder
-from rnndrop.lm.data.corpus import Vocabulary
+from rnndrop.lm.atomic import atomic_write, fsync_folder, remove_stale_temporaries
+from rnndrop.lm.data.corpus import Corpus, Vocabulary
 from rnndrop.lm.model.build import build_model
-from rnndrop.lm.model.regimes import Regime
+from rnndrop.lm.model.regimes import Regime, get_regime, regime_probabilities
 from rnndrop.lm.model.train_config import TrainConfig
-from rnndrop.lm.run.folder import BEST, previous_path
+from rnndrop.lm.run.process_group import ONE_PROCESS, Distributed, run_on_main
 
 __all__ = [
+    "ALPHAS",
+    "BEST",
+    "CHECKPOINT",
+    "CURVE",
     "FORMAT_VERSION",
+    "LEARNING_CURVES",
+    "LOCK",
+    "METRICS",
+    "REQUIRED_KEYS",
+    "RESULTS",
+    "RESULTS_TABLE",
+    "RUN_OUTPUTS",
+    "SCHEMA",
+    "SUMMARY",
     "CheckpointError",
     "LoadedModel",
+    "ResultsError",
+    "RunLock",
+    "RunLocked",
+    "RunState",
+    "best_file",
     "checkpoint_damage",
+    "claim_folder",
+    "corpus_fingerprint",
+    "file_sha256",
+    "files_on_main",
+    "finished_result",
     "get_rng_state",
+    "has_checkpoint",
+    "identity_differences",
     "load_checkpoint",
+    "load_initial_weights",
     "load_latest",
     "load_model",
     "load_state",
+    "previous_path",
+    "read_best_weights",
+    "read_checkpoint",
+    "read_result",
+    "read_verified_result",
+    "run_files",
+    "run_identity",
     "save_checkpoint",
     "set_rng_state",
+    "validate_result",
+    "write_json_atomic",
+    "write_signed_result",
 ]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+# -- the files of a run folder and a job folder ----------------------------------------------------
+
+CHECKPOINT = "checkpoint.pt"
+BEST = "best.pt"
+RESULTS = "results.json"
+METRICS = "metrics.csv"
+CURVE = "curve.png"
+ALPHAS = "alphas.png"
+LOCK = "run.lock"
+
+#: What a run leaves besides its checkpoints: a folder holding any of these holds a run.
+RUN_OUTPUTS = (BEST, RESULTS, METRICS, CURVE, ALPHAS)
+
+SUMMARY = "summary.json"
+RESULTS_TABLE = "results.md"
+LEARNING_CURVES = "learning_curves.png"
+
+
+def run_files(folder: str | Path) -> list[str]:
+    """The names of the files a run wrote that are in ``folder`` (checkpoints included)."""
+    folder = Path(folder)
+    names = (CHECKPOINT, previous_path(CHECKPOINT).name, *RUN_OUTPUTS)
+    return [name for name in names if (folder / name).exists()]
+
+
+def has_checkpoint(folder: str | Path) -> bool:
+    """Whether ``folder`` holds a checkpoint to resume from (the newest or the previous one)."""
+    path = Path(folder) / CHECKPOINT
+    return path.exists() or previous_path(path).exists()
+
+
+def previous_path(path: str | Path) -> Path:
+    """Where a checkpoint's previous version is kept: ``checkpoint.pt`` -> ``checkpoint.prev.pt``."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.prev{path.suffix}")
+
+
+# -- the checkpoint format -------------------------------------------------------------------------
 
 #: Bumped whenever the header or the payload's keys change; part of a run's identity.
 FORMAT_VERSION = 2
@@ -72,8 +178,6 @@ class CheckpointError(ValueError):
     says which, after the file's name."""
 
     what: str = ""
-
-
 
 
 def _encode(obj: Any) -> bytes:
@@ -150,14 +254,21 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     return obj
 
 
-def save_checkpoint(obj: dict[str, Any], path: str | Path, *, keep_previous: bool = False) -> None:
+def save_checkpoint(
+    obj: dict[str, Any], path: str | Path, *, keep_previous: bool = False, ctx: Distributed = ONE_PROCESS
+) -> None:
     """Write ``obj`` to ``path`` in the checkpoint format, atomically, and verify it.
 
     The file is written beside ``path``, read back and checked; only then is it moved
     into place. With ``keep_previous`` the file it replaces is first moved to
     :func:`previous_path` (``checkpoint.prev.pt``), so a verified older state survives
-    until the new one is known good.
+    until the new one is known good. Under DDP (``ctx``) rank 0 alone writes; every rank
+    learns whether it could.
     """
+    if ctx.enabled:
+        run_on_main(partial(save_checkpoint, obj, path, keep_previous=keep_previous), ctx,
+                    f"writing {Path(path).name}")
+        return
     path = Path(path)
     staged = path.with_name(f".{path.name}.new.tmp")
     with atomic_write(staged) as f:
@@ -294,3 +405,549 @@ def load_state(target: Any, state: Any, path: str | Path, what: str = "model") -
             f"checkpoint {str(path)!r} is intact but its {what} state does not fit this model ({detail}): "
             "it was written for another model"
         ) from None
+
+
+# -- the progress a checkpoint holds ---------------------------------------------------------------
+
+#: Fields every checkpoint of format 2 holds; the others were added later and get their
+#: default when absent (``best_criterion`` then falls back to ``best_valid_ppl``; the
+#: NT-ASGD fields are None).
+_REQUIRED = ("epoch", "lr", "best_valid_ppl", "best_epoch", "history")
+_NUMBER = (int, float)
+_TYPES: dict[str, tuple[type, ...]] = {
+    "epoch": (int,), "lr": _NUMBER, "best_valid_ppl": _NUMBER, "best_epoch": (int,),
+    "best_criterion": _NUMBER, "history": (list,), "train_seconds": _NUMBER, "train_words": (int,),
+    "wall_seconds": _NUMBER, "stopped": (str, type(None)), "init_from": (dict, type(None)),
+    "averaging_since": (int, type(None)), "finetune_from": (int, type(None)),
+    "finetune_stopped": (str, type(None)),
+}
+
+
+@dataclass
+class RunState:
+    """Where a run stands after its last finished epoch.
+
+    Attributes:
+        epoch: epochs finished (0 before the first).
+        lr: the learning rate the next epoch starts from (the plateau rule's carry).
+        best_valid_ppl: validation perplexity of the best epoch; ``best_epoch`` its number
+            (0: none yet); ``best_criterion`` what the selection minimised there.
+        history: one record per finished epoch (lr, train and validation perplexity, speed).
+        train_seconds, train_words: time and words of the training passes, all epochs.
+        wall_seconds: wall-clock time of the run, setup and evaluation included.
+        stopped: why training stopped before the epoch cap (``"lr_floor"``), or None.
+        init_from: what ``init_from`` loaded into the model (path, SHA-256, tensors), or None.
+        averaging_since: NT-ASGD (:mod:`rnndrop.lm.run.recipe`): the epoch after which the
+            weights are averaged, or None.
+        finetune_from: the epoch after which the fine-tuning stage began, or None;
+            ``finetune_stopped`` why it stopped before its cap, or None.
+    """
+
+    epoch: int = 0
+    lr: float = 0.0
+    best_valid_ppl: float = math.inf
+    best_epoch: int = 0
+    best_criterion: float = math.inf
+    history: list[dict[str, Any]] = field(default_factory=list)
+    train_seconds: float = 0.0
+    train_words: int = 0
+    wall_seconds: float = 0.0
+    stopped: str | None = None
+    init_from: dict[str, Any] | None = None
+    averaging_since: int | None = None
+    finetune_from: int | None = None
+    finetune_stopped: str | None = None
+
+    def keep_if_best(self, epoch: int, valid_ppl: float, criterion: float) -> bool:
+        """Make ``epoch`` the best one when its ``criterion`` is below the best so far;
+        returns whether it was."""
+        if not criterion < self.best_criterion:
+            return False
+        self.best_valid_ppl, self.best_epoch, self.best_criterion = valid_ppl, epoch, criterion
+        return True
+
+    def end_epoch(self, record: dict[str, Any], next_lr: float, seconds: float, words: int) -> None:
+        """Count the epoch of ``record`` as finished; the next one starts from ``next_lr``."""
+        self.history = [*self.history, record]
+        self.epoch = record["epoch"]
+        self.lr = next_lr
+        self.train_seconds += seconds
+        self.train_words += words
+
+    def stop_stage(self, reason: str) -> None:
+        """End the stage the run is in (training, or fine-tuning once it began) for ``reason``."""
+        if self.finetune_from is None:
+            self.stopped = reason
+        else:
+            self.finetune_stopped = reason
+
+    def add_wall_time(self, since: float) -> float:
+        """Add the wall-clock time since ``since`` (a ``time.perf_counter()``); returns now."""
+        now = time.perf_counter()
+        self.wall_seconds += now - since
+        return now
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for the checkpoint (``torch.load(weights_only=True)`` reads it back)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, progress: Any, where: str) -> RunState:
+        """The state a checkpoint's ``progress`` entry holds, verified; ``where`` names the
+        checkpoint in the error.
+
+        Raises:
+            CheckpointError: not a dict, a required field missing, an unknown field, or a
+                field of the wrong type.
+        """
+        if not isinstance(progress, Mapping):
+            raise CheckpointError(f"{where}: its progress is a {type(progress).__name__}, expected a dict")
+        missing = [k for k in _REQUIRED if k not in progress]
+        unknown = sorted(set(progress) - {f.name for f in fields(cls)})
+        if missing or unknown:
+            raise CheckpointError(f"{where}: its progress lacks {missing or 'nothing'} and has unknown "
+                                  f"fields {unknown or 'none'}")
+        for key, value in progress.items():
+            if isinstance(value, bool) or not isinstance(value, _TYPES[key]):
+                raise CheckpointError(f"{where}: progress field {key} must be of type "
+                                      f"{' or '.join(t.__name__ for t in _TYPES[key])}, got {value!r}")
+        values = dict(progress)
+        values.setdefault("best_criterion", values["best_valid_ppl"])
+        return cls(**values)
+
+
+# -- what makes two runs the same run; results.json, signed ----------------------------------------
+
+class ResultsError(ValueError):
+    """A results.json that cannot be read or whose checksum does not match its content."""
+
+
+def corpus_fingerprint(corpus: Corpus) -> str:
+    """SHA-256 of the vocabulary (in id order) and the three token streams: two corpora
+    with the same fingerprint train the same model."""
+    digest = hashlib.sha256()
+    digest.update("\n".join(corpus.vocab.itos).encode("utf-8"))
+    for split in (corpus.train, corpus.valid, corpus.test):
+        digest.update(b"\0split\0")
+        digest.update(split.to(torch.int64).contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def best_file(path: str | Path) -> Path:
+    path = Path(path)
+    return path / BEST if path.is_dir() else path
+
+
+def run_identity(
+    corpus: Corpus,
+    config: TrainConfig,
+    regime: str,
+    dropout: Mapping[str, float] | None = None,
+    seed: int = 1,
+    init_from: str | Path | None = None,
+) -> dict[str, Any]:
+    """What makes two runs the same run: a checkpoint resumes, and a finished result is
+    reused, only under an equal identity.
+
+    It holds the format version of the files, the corpus fingerprint, the full config
+    but the epoch cap, the grid and ``mc_samples``, the regime (name and settings), the
+    dropout probability of every site (``dropout`` default ``config.dropout``), the seed
+    and the SHA-256 of the ``best.pt`` the run started from (``init_from``).
+    """
+    regime_obj = get_regime(regime)
+    probabilities = regime_probabilities(regime_obj, config.dropout if dropout is None else dropout)
+    cfg = config.to_dict()
+    for key in ("epochs", "grid", "mc_samples"):
+        cfg.pop(key)
+    for key, default in _LATER_FIELDS.items():
+        if cfg.get(key) == default:  # runs made before the field existed keep their identity
+            cfg.pop(key)
+    start = None
+    if init_from is not None:
+        best = best_file(init_from)
+        if not best.is_file():
+            raise FileNotFoundError(f"init_from: {str(best)!r} does not exist (expected a run folder "
+                                    "holding best.pt, or a best.pt file)")
+        start = file_sha256(best)
+    return json.loads(json.dumps({
+        "format": FORMAT_VERSION, "corpus": corpus_fingerprint(corpus), "config": cfg,
+        "regime": regime, "regime_settings": regime_obj.settings(), "dropout": probabilities,
+        "seed": seed, "init_from": start,
+    }))
+
+
+#: TrainConfig fields added after FORMAT_VERSION, with the value they had in effect before.
+_LATER_FIELDS: dict[str, Any] = {
+    "kl_weight": 1.0, "select": "perplexity", "freeze": [],
+    "ar": 0.0, "tar": 0.0, "variable_bptt": False, "nt_asgd": False, "nonmono": 5, "finetune_epochs": 0,
+}
+
+
+def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(data, Mapping):
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+        return out if out or not prefix else {prefix: {}}
+    return {prefix: data}
+
+
+def identity_differences(mine: Mapping[str, Any], theirs: Mapping[str, Any]) -> list[str]:
+    """The fields where two identities differ, as ``"field: mine vs theirs"`` lines
+    (empty when they are the same run)."""
+    a, b = _flatten(mine), _flatten(theirs)
+    missing = object()
+    return [f"{key}: {a.get(key, '(absent)')!r} here vs {b.get(key, '(absent)')!r} there"
+            for key in sorted(set(a) | set(b)) if a.get(key, missing) != b.get(key, missing)]
+
+
+def _result_checksum(result: Mapping[str, Any]) -> str:
+    body = {k: v for k, v in result.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, allow_nan=False).encode("utf-8")).hexdigest()
+
+
+def write_signed_result(result: dict[str, Any], path: Path) -> None:
+    """Add ``result["checksum"]`` (SHA-256 of the rest) and write it atomically."""
+    result["checksum"] = _result_checksum(result)
+    write_json_atomic(result, path)
+
+
+def read_verified_result(path: Path) -> dict[str, Any]:
+    """results.json, verified against its checksum (written by :func:`write_signed_result`).
+
+    Raises:
+        ResultsError: unreadable, not JSON, no checksum, or a checksum that does not match.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            result = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ResultsError(f"results {str(path)!r} cannot be read ({type(e).__name__}: {e})") from None
+    if not isinstance(result, dict) or "checksum" not in result:
+        raise ResultsError(f"results {str(path)!r} carry no checksum (written by an older version "
+                           "or by hand)")
+    if result["checksum"] != _result_checksum(result):
+        raise ResultsError(f"results {str(path)!r} do not match their checksum: the file was "
+                           "changed after the run wrote it")
+    return result
+
+
+def finished_result(
+    folder: str | Path, identity: Mapping[str, Any], *, epochs: int | None = None
+) -> dict[str, Any] | None:
+    """The verified results.json of the finished run ``identity`` (see :func:`run_identity`)
+    in ``folder``, or None when there is none to reuse.
+
+    None when the folder has no results.json, when the file is damaged or does not
+    match its checksum (logged as a warning: resuming the run rewrites it from the
+    checkpoints), when it belongs to another run, or when ``epochs`` is given and the
+    run was made with another epoch cap.
+    """
+    path = Path(folder) / RESULTS
+    if not path.is_file():
+        return None
+    try:
+        result = read_verified_result(path)
+    except ResultsError as e:
+        log.warning("%s; not reusing it (resume rewrites it from the run's checkpoints)", e)
+        return None
+    if result.get("identity") != json.loads(json.dumps(identity)):
+        return None
+    if epochs is not None and result.get("config", {}).get("epochs") != epochs:
+        return None
+    return result
+
+
+SCHEMA = "rnndrop.lm.result/1"
+
+#: Keys every results.json has.
+REQUIRED_KEYS: tuple[str, ...] = (
+    "schema", "dataset", "config", "regime", "dropout", "seed", "epochs", "best_epoch",
+    "best_valid_ppl", "test_ppl", "test_ppl_mc", "mc_samples", "words_per_second",
+    "wall_seconds", "peak_memory_bytes", "versions",
+)
+
+
+def write_json_atomic(obj: Any, path: str | Path) -> None:
+    """Write ``obj`` as JSON through a temporary file and ``os.replace``."""
+    with atomic_write(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=False, allow_nan=False)
+        f.write("\n")
+
+
+def read_result(path: str | Path) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        return validate_result(json.load(f))
+
+
+def validate_result(result: Mapping[str, Any]) -> dict[str, Any]:
+    """Check the shape of a run's result; return it as a dict or raise ValueError."""
+    missing = [k for k in REQUIRED_KEYS if k not in result]
+    if missing:
+        raise ValueError(f"result lacks {', '.join(missing)}")
+    if result["schema"] != SCHEMA:
+        raise ValueError(f"result schema must be {SCHEMA!r}, got {result['schema']!r}")
+    epochs = result["epochs"]
+    if not isinstance(epochs, list) or not epochs:
+        raise ValueError("result['epochs'] must be a non-empty list of per-epoch records")
+    for record in epochs:
+        for key in ("epoch", "lr", "train_ppl", "valid_ppl"):
+            if key not in record:
+                raise ValueError(f"epoch record lacks {key!r}: {record}")
+    for key in ("best_valid_ppl", "test_ppl", "words_per_second"):
+        value = result[key]
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(f"result[{key!r}] must be a positive finite number, got {value!r}")
+    return dict(result)
+
+
+# -- one writer per run folder ---------------------------------------------------------------------
+
+class RunLocked(RuntimeError):
+    """Another process is writing into the run folder."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+#: An unreadable lock younger than this may be one whose writer has not yet filled it in.
+_UNREADABLE_GRACE_SECONDS = 10.0
+
+
+def _age(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _read_holder(path: Path) -> dict[str, Any] | None:
+    try:
+        holder = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(holder, dict) or not isinstance(holder.get("pid"), int):
+        return None
+    return holder
+
+
+class RunLock:
+    """``with RunLock(folder):`` holds ``folder/run.lock`` for the block.
+
+    Acquiring it also proves the folder is writable before any work starts.
+
+    Raises:
+        RunLocked: a live process (or one on another host) holds the lock.
+        PermissionError: the folder cannot be written.
+    """
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        self.path = self.folder / LOCK
+        self.held = False
+
+    def _try_create(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+        except FileExistsError:
+            return False
+        except OSError as e:  # read-only folder or file system, full disk...
+            raise PermissionError(
+                f"output folder {str(self.folder)!r} is not writable ({e.strerror}); "
+                "choose another folder or fix its permissions"
+            ) from None
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump({"pid": os.getpid(), "host": socket.gethostname(),
+                       "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, f)
+        return True
+
+    def acquire(self) -> None:
+        for _ in range(2):
+            if self._try_create():
+                self.held = True
+                return
+            holder = _read_holder(self.path)
+            same_host = holder is not None and holder.get("host") == socket.gethostname()
+            if holder is None and _age(self.path) < _UNREADABLE_GRACE_SECONDS:
+                holder = {"pid": "(starting)", "host": "?", "since": "a moment ago"}
+            elif holder is None or (same_host and not _alive(holder["pid"])):
+                log.warning("%s: removing a stale lock %s", self.folder, holder or "(unreadable)")
+                self.path.unlink(missing_ok=True)
+                continue
+            raise RunLocked(
+                f"run folder {str(self.folder)!r} is in use by pid {holder['pid']} on "
+                f"{holder.get('host')} since {holder.get('since')} ({self.path}); wait for that "
+                "run to end, or choose another output folder (delete the lock file only if "
+                "that process is really gone)"
+            )
+        raise RunLocked(f"run folder {str(self.folder)!r}: could not take {self.path}")
+
+    def release(self) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def claim_folder(out: Path, stack: ExitStack, ctx: Distributed) -> None:
+    """Create ``out``, lock it until ``stack`` closes, and remove what a killed write left
+    (rank 0 alone; the others learn whether it could)."""
+    run_on_main(partial(_claim_folder, out, stack), ctx, f"taking the run folder {str(out)!r}")
+
+
+def _claim_folder(out: Path, stack: ExitStack) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except PermissionError as e:
+        raise PermissionError(f"output folder {str(out)!r} cannot be created ({e.strerror})") from None
+    stack.enter_context(RunLock(out))
+    removed = remove_stale_temporaries(out)
+    if removed:
+        log.warning("%s: removed %d temporary files left by a killed write: %s", out, len(removed),
+                    ", ".join(p.name for p in removed))
+
+
+# -- where a run starts from: its own checkpoint, another run's weights, or its initialisation -----
+
+def read_checkpoint(
+    out: Path, identity: dict[str, Any], config: TrainConfig, model: nn.Module, *, resume: bool,
+    init_from: str | Path | None, vocab: Sequence[str], ctx: Distributed,
+) -> tuple[dict[str, Any] | None, RunState | None, dict[str, Any] | None]:
+    """(the checkpoint in ``out`` to resume from and its verified progress, or None, None;
+    what ``init_from`` loaded into ``model``, or None), every check done: a checkpoint there
+    needs ``resume``, belongs to this run, has not trained past the epoch cap, was written
+    by as many processes, and its ``best.pt`` verifies. Rank 0 reads; every rank gets the
+    checkpoint (``init_from`` weights reach the other ranks through DDP's broadcast of rank
+    0's parameters)."""
+    return run_on_main(
+        partial(_read_checkpoint, out, identity, config, model, resume=resume, init_from=init_from,
+                vocab=vocab, ctx=ctx),
+        ctx, f"reading the checkpoint in {str(out)!r}",
+    )
+
+
+def _read_checkpoint(
+    out: Path, identity: dict[str, Any], config: TrainConfig, model: nn.Module, *, resume: bool,
+    init_from: str | Path | None, vocab: Sequence[str], ctx: Distributed,
+) -> tuple[dict[str, Any] | None, RunState | None, dict[str, Any] | None]:
+    ckpt_path, best_path = out / CHECKPOINT, out / BEST
+    resumable = has_checkpoint(out)
+    if resumable and not resume:
+        raise FileExistsError(
+            f"{str(out)!r} already holds a checkpoint; pass resume=True (--resume) to "
+            "continue that run, or choose another output folder"
+        )
+    if not resumable:
+        _refuse_to_overwrite(out, identity, resume)
+    ckpt = load_latest(ckpt_path) if resumable else None
+    if ckpt is None:
+        return None, None, None if init_from is None else load_initial_weights(model, init_from, vocab)
+    differences = identity_differences(identity, ckpt.get("identity", {}))
+    if differences:
+        raise ValueError(
+            f"the checkpoint in {str(out)!r} belongs to another run; what differs (this "
+            f"call vs the checkpoint): {'; '.join(differences)}. Choose another output folder"
+        )
+    state = RunState.from_dict(ckpt.get("progress"), f"the checkpoint in {str(out)!r}")
+    trained = state.epoch if state.finetune_from is None else state.finetune_from  # fine-tuning aside
+    if trained > config.epochs:
+        raise ValueError(
+            f"epochs must be >= {trained}, the epochs the run in {str(out)!r} "
+            f"has already trained, got {config.epochs} (the epoch cap of a run may grow, not shrink)"
+        )
+    world_size = int(ckpt.get("distributed", {}).get("world_size", 1))
+    if world_size != ctx.world_size:
+        raise ValueError(
+            f"the checkpoint in {str(out)!r} was written by {world_size} "
+            f"process(es); resume it with as many (torchrun --nproc_per_node), got {ctx.world_size}"
+        )
+    if state.best_epoch:
+        load_checkpoint(best_path)  # verify it now rather than after training
+    return ckpt, state, None
+
+
+def _refuse_to_overwrite(out: Path, identity: dict[str, Any], resume: bool) -> None:
+    """A folder without a checkpoint may still hold a run (its checkpoints deleted to free
+    disk, or another run's): training there would overwrite it, so refuse. The one folder
+    let through is this very run stopped between its first ``best.pt`` and its first
+    checkpoint, with ``resume``: it starts again."""
+    present = run_files(out)
+    if not present:
+        return
+    best_identity = load_checkpoint(out / BEST).get("identity", {}) if present == [BEST] else None
+    if resume and best_identity is not None and not identity_differences(identity, best_identity):
+        log.warning("%s holds this run's best.pt but no checkpoint (stopped while writing its first "
+                    "one): starting the run again", out)
+        return
+    raise FileExistsError(
+        f"{str(out)!r} holds files of a run ({', '.join(present)}) but no checkpoint to continue "
+        "it from; nothing there is overwritten: choose another output folder"
+    )
+
+
+def load_initial_weights(model: nn.Module, init_from: str | Path, vocab: Sequence[str]) -> dict[str, Any]:
+    """Copy into ``model`` every tensor of another run's best.pt that it has (same name and
+    shape); the others keep their initialisation. Returns what was loaded, for the results.
+    That run's vocabulary must be ``vocab`` word for word: its embedding and decoder rows
+    belong to its words, in its order."""
+    best = best_file(init_from)
+    checkpoint = load_checkpoint(best)
+    _check_same_vocabulary(best, checkpoint.get("vocab"), vocab)
+    source = checkpoint["model"]
+    own = model.state_dict()
+    mismatched = [f"{k}: {list(v.shape)} there vs {list(own[k].shape)} here"
+                  for k, v in source.items() if k in own and v.shape != own[k].shape]
+    if mismatched:
+        raise ValueError(f"init_from {str(best)!r}: tensors of other shapes: {'; '.join(mismatched)}")
+    loaded = sorted(k for k in source if k in own)
+    kept = sorted(k for k in own if k not in source)
+    ignored = sorted(k for k in source if k not in own)
+    model.load_state_dict({k: source[k] for k in loaded}, strict=False)
+    log.info("init_from %s: loaded %d tensors (%s); kept the initialisation of %s; ignored %s",
+             best, len(loaded), ", ".join(loaded), ", ".join(kept) or "none", ", ".join(ignored) or "none")
+    return {"path": str(best), "sha256": file_sha256(best), "loaded": loaded, "kept_init": kept,
+            "ignored": ignored}
+
+
+def _check_same_vocabulary(best: Path, theirs: Sequence[str] | None, ours: Sequence[str]) -> None:
+    if theirs is None or list(theirs) == list(ours):
+        return
+    if sorted(theirs) == sorted(ours):
+        what = "the same words in another order"
+    else:
+        what = f"{len(set(theirs) ^ set(ours))} words that only one of them has"
+    raise ValueError(
+        f"init_from {str(best)!r}: its vocabulary is not this corpus' ({what}), so its embedding and "
+        "decoder rows would belong to other words; start from a run trained on this corpus"
+    )
+
+
+
+# -- rank 0 reads and writes, every rank gets the answer -------------------------------------------
+
+def read_best_weights(path: Path, ctx: Distributed) -> dict[str, Tensor]:
+    """The model state of the ``best.pt`` at ``path``, verified (rank 0 reads it, every rank gets it)."""
+    return run_on_main(lambda: load_checkpoint(path)["model"], ctx, "reading best.pt")
+
+
+def files_on_main(work: Callable[[], T], ctx: Distributed, what: str) -> T:
+    """``work()``, which reads or writes a run's or a job's files, on rank 0 alone; its value
+    on every rank. ``what`` names it in the error the other ranks raise when it fails there."""
+    return run_on_main(work, ctx, what)

@@ -1,4 +1,5 @@
-"""Scoring a language model: NLL, perplexity and next-word calibration, standard or Monte-Carlo.
+"""Using a language model: scoring it (NLL, perplexity, next-word calibration, standard or
+Monte-Carlo) and sampling text from it.
 
 ``score`` runs the model in eval mode (dropout off: the weight-scaling approximation);
 ``score_mc`` keeps dropout on and averages every word's probability over ``S`` draws
@@ -6,12 +7,16 @@
 truncated-BPTT segments of a batched stream ``[N, B]`` and return a :class:`Score`.
 ``score_split`` scores a whole split under DistributedDataParallel: each rank scores its
 share of the streams and the sums are added over the ranks.
+
+``generate(model, vocab, prompt, n_words)`` feeds the prompt, then draws one word at a
+time from ``softmax(logits / temperature)`` and feeds it back, carrying the recurrent
+state; dropout is off (eval mode).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,17 +24,19 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rnndrop.calibration import ReliabilityDiagram, reliability_from_predictions
-from rnndrop.lm.data.corpus import bptt_batches
+from rnndrop.lm.data.corpus import EOS, Vocabulary, bptt_batches
 from rnndrop.lm.run.process_group import Distributed, all_reduce_reliability, all_reduce_sums, shard_columns
-from rnndrop.lm.run.progress import EpochProgress
+from rnndrop.lm.run.report import EpochProgress
 from rnndrop.mc import mc_language_model_loss, sampling_modules
 
 __all__ = [
     "CALIBRATION_BINS",
     "MAX_NLL",
+    "MC_PROGRESS",
     "Score",
     "evaluate",
     "evaluate_mc",
+    "generate",
     "has_noise",
     "perplexity",
     "score",
@@ -37,7 +44,11 @@ __all__ = [
     "score_split",
     "score_sums",
     "token_loss",
+    "words_to_text",
 ]
+
+#: how the Monte-Carlo passes are labelled in bars and log lines
+MC_PROGRESS = "MC test, {} samples"
 
 #: Confidence bins of the next-word calibration measured on the test split.
 CALIBRATION_BINS = 15
@@ -178,3 +189,61 @@ def evaluate_mc(model: nn.Module, batched: Tensor, bptt: int, n_samples: int) ->
 def has_noise(model: nn.Module) -> bool:
     """Whether any module of ``model`` samples noise (a Monte-Carlo evaluation is possible)."""
     return bool(sampling_modules(model))
+
+
+# -- sampling text ---------------------------------------------------------------------------------
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    vocab: Vocabulary,
+    prompt: Sequence[str] = (),
+    n_words: int = 50,
+    *,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> list[str]:
+    """``n_words`` words sampled after ``prompt`` (words the vocabulary lacks become
+    ``<unk>``; an empty prompt starts after ``<eos>``, i.e. at a sentence start).
+
+    Args:
+        model: a language model of the :mod:`rnndrop.lm` protocol (``[T, B]`` ids in,
+            ``([T, B, V]`` logits, hidden) out).
+        vocab: its vocabulary.
+        temperature: > 0; below 1 favours likely words, above 1 flattens the distribution.
+        generator: for reproducible samples.
+    """
+    if isinstance(n_words, bool) or not isinstance(n_words, int) or n_words < 0:
+        raise ValueError(f"n_words must be an int >= 0, got {n_words!r}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    try:
+        ids = vocab.encode(list(prompt) or [EOS]).to(device)[:, None]  # [T, 1]
+        logits, hidden = model(ids)
+        words: list[str] = []
+        for _ in range(n_words):
+            # shifted so the largest is 0: a tiny temperature then gives the greedy choice,
+            # not inf / inf = NaN probabilities
+            scores = logits[-1, 0].double()
+            probs = torch.softmax((scores - scores.max()) / temperature, dim=-1).cpu()
+            word = int(torch.multinomial(probs, 1, generator=generator))
+            words.append(vocab.itos[word])
+            logits, hidden = model(torch.tensor([[word]], device=device), hidden)
+    finally:
+        model.train(was_training)
+    return words
+
+
+def words_to_text(words: Sequence[str]) -> str:
+    """Words joined by spaces, one line per sentence (``<eos>`` ends a line)."""
+    lines, current = [], []
+    for word in words:
+        if word == EOS:
+            lines.append(" ".join(current))
+            current = []
+        else:
+            current.append(word)
+    return "\n".join([*lines, " ".join(current)] if current else lines)

@@ -1,76 +1,142 @@
-"""Training and evaluation of one language-model run, with verified checkpoints and resume.
+"""Training one language-model run, read top to bottom: :func:`train_run` and its epoch loop.
 
-One run = (corpus, config, regime, dropout probabilities, seed) written to a folder of
-its own (:mod:`rnndrop.lm.run.folder`): ``checkpoint.pt`` after every epoch (model,
-optimizer, RNG states, progress) and the one before it, ``best.pt`` (the weights of the
-best validation epoch with what rebuilds the model, :func:`rnndrop.lm.load_model`),
+One run = (corpus, config, regime, dropout probabilities, seed) written to a folder of its
+own (:mod:`rnndrop.lm.run.checkpoint` names the files): ``checkpoint.pt`` after every epoch
+(model, optimizer, RNG states, progress) and the one before it, ``best.pt`` (the weights of
+the best validation epoch with what rebuilds the model, :func:`rnndrop.lm.load_model`),
 ``results.json`` and ``curve.png`` when the run has finished, ``run.lock`` meanwhile.
 
-Checkpoints are verified on load (:mod:`rnndrop.lm.run.checkpoint`); what makes two runs
-the same run is :mod:`rnndrop.lm.run.identity`. ``train_run(..., resume=True)``
-continues from ``checkpoint.pt`` (or, with a logged warning, from ``checkpoint.prev.pt``
-when the newest is corrupt) into the very state (bit for bit) an uninterrupted run with
-the same seed reaches, and no finished epoch is lost. A run resumes only into the same
-run (:func:`rnndrop.lm.run.identity.run_identity`); the epoch cap may grow but not shrink
-below the epochs already run (an error).
+``train_run(..., resume=True)`` continues from ``checkpoint.pt`` (or, with a logged warning,
+from ``checkpoint.prev.pt`` when the newest is corrupt) into the very state (bit for bit) an
+uninterrupted run with the same seed reaches, and no finished epoch is lost. A run resumes
+only into the same run (:func:`rnndrop.lm.run.checkpoint.run_identity`); the epoch cap may
+grow but not shrink below the epochs already run (an error).
 
 Training follows Zaremba et al.: contiguous batches, truncated BPTT with the state carried
 (detached) across segments and reset every epoch, gradient-norm clipping, SGD or Adam.
-AWD-LSTM's recipe is optional, field by field: AR / TAR and variable-length BPTT
-(:mod:`rnndrop.lm.run.recipe`), NT-ASGD and fine-tuning (:mod:`rnndrop.lm.run.averaging`).
+AWD-LSTM's recipe is optional, field by field: AR / TAR, variable-length BPTT, NT-ASGD and
+fine-tuning (:mod:`rnndrop.lm.run.recipe`, which also holds the rate schedule).
 
 Under ``torchrun`` (a default process group of N > 1 ranks, see
 :mod:`rnndrop.lm.run.process_group`) the same call on every rank trains one model with
 DistributedDataParallel: each rank takes ``batch_size / N`` contiguous streams, DDP
 averages the gradients before they are clipped, validation and test sums are added over
 the ranks, each rank draws its own dropout noise (:mod:`rnndrop.distributed`), and rank 0
-alone reads and writes the run's files. The checkpoint holds every rank's RNG state; it
-resumes with the same N only.
+alone reads and writes the run's files (the functions of :mod:`rnndrop.lm.run.checkpoint`
+that take a ``ctx``). The checkpoint holds every rank's RNG state; it resumes with the same
+N only.
 
-This module reads top to bottom: :func:`train_run` claims the folder, prepares the run
-(:mod:`rnndrop.lm.run.setup`: seeds, model, data, optimiser, resumed state), runs the
-epoch loop (:func:`_train_epochs`) and finishes it (:mod:`rnndrop.lm.run.finish`: test
-scores, results.json); the helpers follow in the order the loop calls them. The rate
-and stopping rules are :mod:`rnndrop.lm.run.schedule`, the divergence check
-:mod:`rnndrop.lm.run.divergence`, the progress a checkpoint holds :mod:`rnndrop.lm.run.state`.
+The module reads top to bottom: :func:`train_run` claims the folder, prepares the run, runs
+the epoch loop (inline: set the rate, train an epoch, validate, keep the best, checkpoint) and
+finishes it; then, in that order, the stages of the loop and one epoch's pass
+(:func:`_train_epoch`), what a run trains with (:func:`prepare`: seeds, model, data,
+optimiser, resumed state), what an epoch leaves behind (``best.pt``, ``checkpoint.pt``), the
+divergence check (:class:`DivergenceCheck`) and the end of a run (:func:`finish_run`: test
+scores, results.json; :func:`add_mc_result`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import platform
+import random
+import resource
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
+import rnndrop
+from rnndrop.activation_regularization import ActivationRegularization
 from rnndrop.bptt import scaled_learning_rate
-from rnndrop.lm.data.corpus import Corpus
+from rnndrop.distributed import check_parameters_agree, seed_noise_per_rank
+from rnndrop.lm.data.corpus import Corpus, batchify
+from rnndrop.lm.model.build import build_model, build_optimizer, trainable_parameters
 from rnndrop.lm.model.language_model import detach_hidden
+from rnndrop.lm.model.regimes import Regime, get_hook, get_regime, regime_probabilities
 from rnndrop.lm.model.train_config import TrainConfig
-from rnndrop.lm.run.divergence import DivergenceCheck, TrainingDiverged
-from rnndrop.lm.run.epoch_end import save_best, save_checkpoint, selection_criterion, stop_message
-from rnndrop.lm.run.evaluate import perplexity, score_split, token_loss
-from rnndrop.lm.run.finish import add_mc_result, finish_run
-from rnndrop.lm.run.lock import claim_folder
-from rnndrop.lm.run.noise_trace import learned_noise
-from rnndrop.lm.run.process_group import all_reduce_sums, current, run_on_main
-from rnndrop.lm.run.progress import EpochProgress
-from rnndrop.lm.run.recipe import EpochSegments, epoch_segments, forward_with_penalty
-from rnndrop.lm.run.schedule import Schedule
-from rnndrop.lm.run.setup import Training, prepare, resolve_device
+from rnndrop.lm.run.checkpoint import (
+    ALPHAS,
+    BEST,
+    CHECKPOINT,
+    CURVE,
+    RESULTS,
+    SCHEMA,
+    CheckpointError,
+    RunLock,
+    RunState,
+    best_file,
+    claim_folder,
+    files_on_main,
+    get_rng_state,
+    load_checkpoint,
+    load_model,
+    load_state,
+    read_best_weights,
+    read_checkpoint,
+    read_verified_result,
+    run_identity,
+    save_checkpoint,
+    set_rng_state,
+    write_signed_result,
+)
+from rnndrop.lm.run.evaluate import (
+    CALIBRATION_BINS,
+    MAX_NLL,
+    MC_PROGRESS,
+    Score,
+    has_noise,
+    perplexity,
+    score_split,
+    token_loss,
+)
+from rnndrop.lm.run.process_group import (
+    ONE_PROCESS,
+    Distributed,
+    all_gather_floats,
+    all_gather_objects,
+    all_reduce_sums,
+    check_batch_split,
+    current,
+    shard_columns,
+)
+from rnndrop.lm.run.recipe import (
+    AVERAGING_KEY,
+    CONVERGED,
+    EPOCH_CAP,
+    LR_FLOOR,
+    EpochSegments,
+    LRSchedule,
+    RunAveraging,
+    activation_regularizer,
+    epoch_segments,
+    forward_with_penalty,
+)
+from rnndrop.lm.run.report import EpochProgress, format_duration, plot_alphas, plot_learning_curves
 
 __all__ = [
     "EpochCallback",
     "RunInterrupted",
+    "Training",
     "TrainingDiverged",
     "add_mc_result",
+    "finish_run",
+    "learned_noise",
+    "peak_memory",
+    "prepare",
+    "rank_device",
     "resolve_device",
     "train_run",
+    "versions",
 ]
 
 log = logging.getLogger(__name__)
@@ -158,11 +224,60 @@ def train_run(
     out = Path(out_dir)
     ctx = current()
     with ExitStack() as stack:
-        run_on_main(partial(claim_folder, out, stack), ctx, f"taking the run folder {str(out)!r}")
+        claim_folder(out, stack, ctx)
         run = prepare(corpus, config, regime, out, dropout=dropout, seed=seed, resume=resume, device=device,
                       mc_samples=mc_samples, init_from=init_from, dataset=dataset, ctx=ctx)
+        # The epoch loop: set the rate, train an epoch, validate, keep the best, checkpoint.
+        # It ends at the epoch cap or when the schedule stops the run; NT-ASGD's fine-tuning
+        # stage then goes on through the same loop (_stages). Ctrl-C becomes RunInterrupted
+        # (the epochs before it are in the checkpoint).
+        state, schedule = run.state, LRSchedule(config)
+        epoch = state.epoch + 1
         try:
-            _train_epochs(run, progress, on_epoch_end)
+            for epoch in _stages(run, schedule):
+                lr = schedule.rate(epoch, state.lr)
+                for group in run.optimizer.param_groups:
+                    group["lr"] = lr
+                segments = epoch_segments(run.train_stream, config, run.seed, epoch)
+                check = DivergenceCheck(epoch, segments.count, lr, run.checkpoint_path, state.epoch, run.ctx)
+                train_ppl, words, seconds = _train_epoch(run, epoch, segments, check, progress)
+
+                evaluated = run.evaluation_model  # the averaged weights once NT-ASGD averages
+                valid = score_split(evaluated, run.valid_data, config.bptt, None, run.ctx)
+                check.validation(valid.perplexity)
+                criterion = selection_criterion(config, valid, run.extra_loss)
+                improved = state.keep_if_best(epoch, valid.perplexity, criterion)
+                if improved:
+                    _save_best(run, epoch, evaluated)
+
+                record = {
+                    "epoch": epoch, "lr": lr, "train_ppl": train_ppl, "valid_ppl": valid.perplexity,
+                    "seconds": seconds, "words_per_second": words / seconds,
+                }
+                if config.select == "objective":
+                    record["valid_objective"] = criterion
+                noise = learned_noise(run.model)
+                if noise:
+                    record["noise"] = noise
+                next_lr, stop = schedule.after_epoch(lr, improved)
+                if run.averaging is not None:
+                    record.update(run.averaging.after_validation(state, epoch, valid.perplexity, run.regime))
+                    stop = stop or run.averaging.stop_reason()
+                state.end_epoch(record, next_lr, seconds, words)
+                if stop:
+                    state.stop_stage(stop)
+                    log.info(stop_message(run, epoch, stop, next_lr))
+                log.info("%s epoch %d: lr %g, train ppl %.2f, valid ppl %.2f, %.0f words/s",
+                         run.regime, epoch, lr, train_ppl, valid.perplexity, words / seconds)
+
+                run.wall_start = state.add_wall_time(run.wall_start)
+                _save_progress(run)
+                if on_epoch_end is not None:
+                    on_epoch_end(epoch, record)
+        except KeyboardInterrupt as e:
+            if isinstance(e, RunInterrupted):
+                raise
+            raise RunInterrupted(epoch, run.out) from e
         finally:
             # Free the DDP wrapper (its reducer holds gradient buckets and the process group)
             # now, not whenever a reference cycle through a frame is collected: torch aborts
@@ -174,66 +289,10 @@ def train_run(
             raise RunInterrupted(None, run.out) from e
 
 
-def _train_epochs(run: Training, progress: bool, on_epoch_end: EpochCallback | None) -> None:
-    """The epoch loop: set the rate, train an epoch, validate, keep the best, checkpoint.
-
-    It ends at the epoch cap or when the schedule stops the run (:mod:`rnndrop.lm.run.schedule`);
-    NT-ASGD's fine-tuning stage then goes on through the same loop (:func:`_stages`). Ctrl-C
-    becomes :class:`RunInterrupted` (the epochs before it are in the checkpoint).
-    """
-    config, state, schedule = run.config, run.state, Schedule(run.config)
-    epoch = state.epoch + 1
-    try:
-        for epoch in _stages(run, schedule):
-            lr = schedule.rate(epoch, state.lr)
-            for group in run.optimizer.param_groups:
-                group["lr"] = lr
-            segments = epoch_segments(run.train_stream, config, run.seed, epoch)
-            check = DivergenceCheck(epoch, segments.count, lr, run.checkpoint_path, state.epoch, run.ctx)
-            train_ppl, words, seconds = _train_epoch(run, epoch, segments, check, progress)
-
-            evaluated = run.evaluation_model  # the averaged weights once NT-ASGD averages
-            valid = score_split(evaluated, run.valid_data, config.bptt, None, run.ctx)
-            check.validation(valid.perplexity)
-            criterion = selection_criterion(config, valid, run.extra_loss)
-            improved = state.keep_if_best(epoch, valid.perplexity, criterion)
-            if improved:
-                save_best(run, epoch, evaluated)
-
-            record = {
-                "epoch": epoch, "lr": lr, "train_ppl": train_ppl, "valid_ppl": valid.perplexity,
-                "seconds": seconds, "words_per_second": words / seconds,
-            }
-            if config.select == "objective":
-                record["valid_objective"] = criterion
-            noise = learned_noise(run.model)
-            if noise:
-                record["noise"] = noise
-            next_lr, stop = schedule.after_epoch(lr, improved)
-            if run.averaging is not None:
-                record.update(run.averaging.after_validation(state, epoch, valid.perplexity, run.regime))
-                stop = stop or run.averaging.stop_reason()
-            state.end_epoch(record, next_lr, seconds, words)
-            if stop:
-                state.stop_stage(stop)
-                log.info(stop_message(run, epoch, stop, next_lr))
-            log.info("%s epoch %d: lr %g, train ppl %.2f, valid ppl %.2f, %.0f words/s",
-                     run.regime, epoch, lr, train_ppl, valid.perplexity, words / seconds)
-
-            run.wall_start = state.add_wall_time(run.wall_start)
-            save_checkpoint(run)
-            if on_epoch_end is not None:
-                on_epoch_end(epoch, record)
-    except KeyboardInterrupt as e:
-        if isinstance(e, RunInterrupted):
-            raise
-        raise RunInterrupted(epoch, run.out) from e
-
-
-def _stages(run: Training, schedule: Schedule) -> Iterator[int]:
+def _stages(run: Training, schedule: LRSchedule) -> Iterator[int]:
     """The epochs to train: the training stage's, then (``finetune_epochs``) the fine-tuning
     stage's, which begins here once the training stage is over (a resumed run already in it
-    goes on); see :mod:`rnndrop.lm.run.averaging`."""
+    goes on); see :mod:`rnndrop.lm.run.recipe`."""
     yield from schedule.epochs(run.state)
     if not run.config.finetune_epochs:
         return
@@ -290,3 +349,478 @@ def _train_epoch(
         total, all_words = all_reduce_sums([total, words], ctx)
         words = round(all_words)
     return perplexity(total / words), words, time.perf_counter() - start
+
+
+# -- what a run trains with, built before its first epoch ------------------------------------------
+
+ExtraLoss = Callable[[float], Tensor]
+
+
+@dataclass
+class Training:
+    """One run as the epoch loop and the end of the run see it.
+
+    Attributes:
+        corpus, config, regime, seed, out, dataset: as passed to
+            :func:`rnndrop.lm.run.train.train_run`;
+            ``rules`` the regime itself, ``dropout`` its probability per site.
+        identity: :func:`rnndrop.lm.run.checkpoint.run_identity` of the run.
+        device, ctx: where it trains, and its process group.
+        mc_samples: samples of the Monte-Carlo test perplexity (0: none).
+        model: the language model; ``net`` what is called in training (``model`` or its
+            DDP wrapper; ``model`` again once training is over).
+        optimizer: the config's optimiser over the trainable parameters.
+        extra_loss: ``progress -> tensor`` the regime adds to the loss, or None.
+        train_stream: this rank's training streams ``[N, B]``; ``valid_data``,
+            ``test_data`` the evaluation streams ``[N, eval_batch_size]``.
+        state: the progress (:class:`RunState`, resumed from the checkpoint).
+        wall_start: ``time.perf_counter()`` when wall time was last added to ``state``.
+        activation_reg: AR / TAR at the config's weights, or None (:mod:`rnndrop.lm.run.recipe`).
+        averaging: NT-ASGD (:class:`~rnndrop.lm.run.recipe.RunAveraging`), or None.
+    """
+
+    corpus: Corpus
+    config: TrainConfig
+    regime: str
+    rules: Regime
+    dropout: dict[str, float]
+    seed: int
+    out: Path
+    dataset: str
+    identity: dict[str, Any]
+    device: torch.device
+    ctx: Distributed
+    mc_samples: int
+    model: nn.Module
+    net: nn.Module
+    optimizer: torch.optim.Optimizer
+    extra_loss: ExtraLoss | None
+    train_stream: Tensor
+    valid_data: Tensor
+    test_data: Tensor
+    state: RunState
+    wall_start: float
+    activation_reg: ActivationRegularization | None = None
+    averaging: RunAveraging | None = None
+
+    @property
+    def evaluation_model(self) -> nn.Module:
+        """What is validated, saved as best and tested: the averaged weights once NT-ASGD
+        averages, else the model."""
+        return self.model if self.averaging is None else self.averaging.evaluation_model
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.out / CHECKPOINT
+
+    @property
+    def best_path(self) -> Path:
+        return self.out / BEST
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """``"auto"``: CUDA when available, else the CPU. A device this machine does not have is a
+    ValueError that says so (torch would fail later with an AssertionError deep inside)."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is a CPU-only build" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ValueError(f"device {str(device)!r}: {why}; use --device cpu (or auto)")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            count = torch.cuda.device_count()
+            raise ValueError(f"device {str(device)!r}: this machine has {count} CUDA GPU(s)")
+    elif resolved.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {str(device)!r}: MPS is not available here; use --device cpu (or auto)")
+    return resolved
+
+
+def rank_device(device: str | torch.device, ctx: Distributed) -> torch.device:
+    """:func:`resolve_device`; under DDP a bare ``cuda`` is this rank's GPU (the current
+    device, which :func:`rnndrop.lm.run.process_group.init_from_env` set to ``LOCAL_RANK``)."""
+    device = resolve_device(device)
+    if ctx.enabled and device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def prepare(
+    corpus: Corpus, config: TrainConfig, regime: str, out: Path, *, dropout: Mapping[str, float] | None,
+    seed: int, resume: bool, device: str | torch.device, mc_samples: int | None,
+    init_from: str | Path | None, dataset: str, ctx: Distributed,
+) -> Training:
+    """Check the arguments, seed, build the model, the data and the optimiser, and restore
+    the checkpoint in ``out`` when resuming (see :func:`rnndrop.lm.run.checkpoint.read_checkpoint`)."""
+    wall_start = time.perf_counter()
+    rules = get_regime(regime)
+    probabilities = regime_probabilities(rules, config.dropout if dropout is None else dropout)
+    # rank 0 reads init_from's best.pt for its checksum
+    identity = files_on_main(partial(run_identity, corpus, config, regime, probabilities, seed, init_from),
+                            ctx, "making the run's identity")
+    device = rank_device(device, ctx)
+    mc_samples = config.mc_samples if mc_samples is None else mc_samples
+    if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 0:
+        raise ValueError(f"mc_samples must be an int >= 0, got {mc_samples!r}")
+    check_batch_split(config.batch_size, config.eval_batch_size, ctx)
+
+    torch.manual_seed(seed)
+    random.seed(seed)
+    model = build_model(len(corpus.vocab), config, rules, probabilities).to(device)
+    train_data = batchify(corpus.train, config.batch_size).to(device)
+    # The KL of an ELBO is divided by the whole training stream, not by one rank's shard.
+    extra_loss = _extra_loss(model, config, rules, train_data.numel())
+    valid_data = batchify(corpus.valid, config.eval_batch_size).to(device)
+    test_data = batchify(corpus.test, config.eval_batch_size).to(device)
+
+    ckpt, state, loaded_init = read_checkpoint(out, identity, config, model, resume=resume,
+                                               init_from=init_from, vocab=corpus.vocab.itos, ctx=ctx)
+    optimizer = build_optimizer(trainable_parameters(model, config), config)
+    averaging = RunAveraging(model, config) if config.nt_asgd else None
+    if ckpt is not None and state is not None:
+        load_state(model, ckpt["model"], out / CHECKPOINT)
+        load_state(optimizer, ckpt["optimizer"], out / CHECKPOINT, "optimizer")
+        if averaging is not None:
+            averaging.load_state_dict(ckpt.get(AVERAGING_KEY), f"the checkpoint in {str(out)!r}")
+        set_rng_state(ckpt["distributed"]["rng"][ctx.rank] if ctx.enabled else ckpt["rng"])
+        log.info("%s: resumed after epoch %d", out, state.epoch)
+    else:
+        state = RunState(lr=config.lr, init_from=loaded_init)
+        if ctx.enabled:
+            seed_noise_per_rank(seed, ctx.rank)  # the weights came from `seed`; each rank its own masks
+    net: nn.Module = model
+    train_stream = train_data
+    if ctx.enabled:
+        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        train_stream = shard_columns(train_data, ctx.rank, ctx.world_size)
+    return Training(
+        corpus=corpus, config=config, regime=regime, rules=rules, dropout=probabilities, seed=seed,
+        out=out, dataset=dataset, identity=identity, device=device, ctx=ctx, mc_samples=mc_samples,
+        model=model, net=net, optimizer=optimizer, extra_loss=extra_loss, train_stream=train_stream,
+        valid_data=valid_data, test_data=test_data, state=state, wall_start=wall_start,
+        activation_reg=activation_regularizer(config), averaging=averaging,
+    )
+
+
+def _extra_loss(model: nn.Module, config: TrainConfig, regime: Regime, train_tokens: int) -> ExtraLoss | None:
+    """``progress -> kl_weight * regularizer(model, progress, train_tokens)``, the term the
+    regime adds to the loss; None without a regularizer or with ``kl_weight`` 0 (then the
+    KL is not computed at all)."""
+    if regime.regularizer is None or not config.kl_weight:
+        return None
+    hook = get_hook(regime.regularizer)
+    return lambda progress: config.kl_weight * hook(model, progress, train_tokens)
+
+
+# -- what an epoch leaves behind -------------------------------------------------------------------
+
+def selection_criterion(config: TrainConfig, valid: Score, extra_loss: ExtraLoss | None) -> float:
+    """What the best epoch minimises: the validation perplexity, or (``select="objective"``)
+    the validation NLL per word plus the extra loss at the end of training (full weight)."""
+    if config.select == "perplexity":
+        return valid.perplexity
+    if extra_loss is None:
+        return valid.nll
+    with torch.no_grad():
+        return valid.nll + float(extra_loss(1.0))
+
+
+def _save_best(run: Training, epoch: int, evaluated: nn.Module) -> None:
+    """best.pt: the weights of ``epoch`` that were validated (``evaluated``: the model, or the
+    average of NT-ASGD) with what rebuilds the model (:func:`rnndrop.lm.load_model`)."""
+    best = {
+        "model": evaluated.state_dict(), "epoch": epoch, "config": run.config.to_dict(),
+        "regime": run.regime, "regime_settings": run.rules.settings(), "dropout": run.dropout,
+        "vocab": list(run.corpus.vocab.itos), "identity": run.identity,
+    }
+    save_checkpoint(best, run.best_path, ctx=run.ctx)
+
+
+def _save_progress(run: Training) -> None:
+    """checkpoint.pt: model, optimiser, progress, NT-ASGD's averaging state (when on) and every
+    rank's RNG state (the one before it is kept as checkpoint.prev.pt until this one is verified)."""
+    checkpoint = {"identity": run.identity, "model": run.model.state_dict(),
+                  "optimizer": run.optimizer.state_dict(), "progress": run.state.to_dict(),
+                  "rng": get_rng_state()}
+    if run.averaging is not None:
+        checkpoint[AVERAGING_KEY] = run.averaging.state_dict()
+    if run.ctx.enabled:
+        check_parameters_agree(run.model)
+        checkpoint["distributed"] = {"world_size": run.ctx.world_size, "backend": run.ctx.backend,
+                                     "rng": all_gather_objects(get_rng_state(), run.ctx)}
+    save_checkpoint(checkpoint, run.checkpoint_path, keep_previous=True, ctx=run.ctx)
+
+
+def stop_message(run: Training, epoch: int, stop: str, next_lr: float) -> str:
+    """Why the stage the run is in stopped after ``epoch``, in one line."""
+    stage = "fine-tuning" if run.state.finetune_from is not None else "training"
+    if stop == LR_FLOOR:
+        return (f"{run.regime}: {stage} converged after epoch {epoch} (the next learning rate "
+                f"{next_lr:g} is below min_lr {run.config.min_lr:g})")
+    return (f"{run.regime}: {stage} converged after epoch {epoch} (the averaged weights' validation "
+            f"perplexity has not improved for {run.config.nonmono} epochs)")
+
+
+def learned_noise(model: nn.Module) -> dict[str, dict[str, float]]:
+    """``{"alpha": {site: mean alpha}, "kl": {site: KL term}}`` over the modules of ``model``
+    that have ``alphas()`` and ``site_kl()``; sites are named ``<module>.<site>`` (e.g.
+    ``rnn.hidden_l0``), without the ``log_alpha_`` prefix. Empty for a model without them."""
+    alphas: dict[str, float] = {}
+    kls: dict[str, float] = {}
+    with torch.no_grad():
+        for prefix, module in model.named_modules():
+            if not (callable(getattr(module, "alphas", None)) and callable(getattr(module, "site_kl", None))):
+                continue
+            for name, alpha in module.alphas().items():
+                alphas[_site(prefix, name)] = float(alpha.float().mean())
+            for name, kl in module.site_kl().items():
+                kls[_site(prefix, name)] = float(kl)
+    return {"alpha": alphas, "kl": kls} if alphas else {}
+
+
+def _site(prefix: str, name: str) -> str:
+    site = name.removeprefix("log_alpha_")
+    return f"{prefix}.{site}" if prefix else site
+
+
+# -- the one divergence check ----------------------------------------------------------------------
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient became NaN or infinite (or the perplexity overflowed)."""
+
+
+class DivergenceCheck:
+    """The checks of one epoch.
+
+    Args:
+        epoch: the epoch being trained; ``n_batches`` its truncated-BPTT segments and
+            ``lr`` its learning rate (for the message).
+        checkpoint_path: the run's ``checkpoint.pt``; ``last_good_epoch`` the epoch it
+            holds (0: none yet).
+        ctx: the process group (the loss check is decided over every rank).
+    """
+
+    def __init__(self, epoch: int, n_batches: int, lr: float, checkpoint_path: Path,
+                 last_good_epoch: int, ctx: Distributed = ONE_PROCESS) -> None:
+        self.epoch, self.n_batches, self.lr = epoch, n_batches, lr
+        self.checkpoint_path, self.last_good_epoch, self.ctx = checkpoint_path, last_good_epoch, ctx
+
+    def losses(self, objective: Tensor, loss: Tensor, batch: int) -> None:
+        """The step's objective (NLL + extra term) must be finite and its NLL per word at most
+        :data:`MAX_NLL`, on every rank."""
+        if not self.ctx.enabled:
+            self._check_loss(objective.item(), loss.item(), "", batch)
+            return
+        values = all_gather_floats([objective.item(), loss.item()], self.ctx)
+        for rank, (rank_objective, rank_loss) in enumerate(values):
+            self._check_loss(rank_objective, rank_loss, f" on rank {rank}", batch)
+
+    def gradient_norm(self, norm: Tensor, batch: int) -> None:
+        """The clipped gradient's norm (before clipping) must be finite."""
+        if not math.isfinite(norm.item()):
+            self.stop(f"the gradient norm is {norm.item()}", batch)
+
+    def validation(self, perplexity: float) -> None:
+        """The epoch's validation perplexity must be finite."""
+        if not math.isfinite(perplexity):
+            self.stop(f"the validation perplexity is {perplexity}", self.n_batches - 1)
+
+    def _check_loss(self, objective: float, loss: float, on_rank: str, batch: int) -> None:
+        if not math.isfinite(objective):
+            self.stop(f"the training loss is {objective}{on_rank}", batch)
+        if loss > MAX_NLL:
+            self.stop(f"the training loss is {loss:.4g} nats per word{on_rank} (the perplexity "
+                      "overflows)", batch)
+
+    def stop(self, what: str, batch: int) -> None:
+        """Raise :class:`TrainingDiverged`: ``what`` happened at ``batch`` (0-based)."""
+        raise TrainingDiverged(
+            f"training stopped: {what} at epoch {self.epoch}, batch {batch + 1}/{self.n_batches} "
+            f"(lr {self.lr:g}); {self._checkpoint_note()}. Lower the learning rate or the clipping "
+            "threshold and start again."
+        )
+
+    def _checkpoint_note(self) -> str:
+        if not self.last_good_epoch:
+            return "no epoch had finished, so there is no checkpoint"
+        if not self.ctx.is_main:
+            return f"rank 0 keeps the checkpoint of epoch {self.last_good_epoch}"
+        try:
+            load_checkpoint(self.checkpoint_path)
+        except (OSError, CheckpointError) as e:
+            return f"the checkpoint of epoch {self.last_good_epoch} failed verification: {e}"
+        return (f"the checkpoint {str(self.checkpoint_path)!r} of epoch {self.last_good_epoch} was "
+                "verified (SHA-256) and is kept")
+
+
+# -- the end of a run: test scores of the best epoch, the signed results.json ----------------------
+
+def finish_run(run: Training, bar: bool = False) -> dict[str, Any]:
+    """Test the best epoch's weights, then write and return the run's result; the
+    Monte-Carlo passes show their progress (a bar on a terminal when ``bar``, else log lines)."""
+    config, ctx = run.config, run.ctx
+    best = read_best_weights(run.best_path, ctx)
+    load_state(run.model, best, run.best_path)
+    start = time.perf_counter()
+    test = score_split(run.model, run.test_data, config.bptt, CALIBRATION_BINS, ctx)
+    test_mc = None
+    if run.mc_samples > 0 and has_noise(run.model):
+        one_pass = time.perf_counter() - start
+        if ctx.is_main:  # the phase after the last epoch's bar: say what runs and for how long
+            log.info("%s: Monte-Carlo test perplexity, %d dropout samples (up to about %s)", run.out,
+                     run.mc_samples, format_duration(one_pass * run.mc_samples))
+        seed_noise(run.seed, ctx)
+        test_mc = score_split(run.model, run.test_data, config.bptt, CALIBRATION_BINS, ctx, run.mc_samples,
+                              progress=MC_PROGRESS.format(run.mc_samples), bar=bar)
+    run.state.add_wall_time(run.wall_start)
+    result = _result(run, test, test_mc)
+
+    def write_result() -> dict[str, Any]:
+        write_signed_result(result, run.out / RESULTS)
+        plot_learning_curves([result], run.out / CURVE)
+        plot_alphas([result], run.out / ALPHAS)
+        return result
+
+    return files_on_main(write_result, ctx, "writing results.json")
+
+
+def seed_noise(seed: int, ctx: Distributed) -> None:
+    """Seed the dropout noise of an evaluation: ``seed`` itself in one process, each rank
+    its own stream under DDP."""
+    if ctx.enabled:
+        seed_noise_per_rank(seed, ctx.rank)
+    else:
+        torch.manual_seed(seed)
+
+
+def _result(run: Training, test: Score, test_mc: Score | None) -> dict[str, Any]:
+    """The content of results.json (schema :data:`rnndrop.lm.run.checkpoint.SCHEMA`)."""
+    state = run.state
+    stop_reason = LRSchedule.stop_reason(state)
+    memory, memory_kind = peak_memory(run.device)
+    return {
+        "schema": SCHEMA,
+        "dataset": run.dataset,
+        "corpus": run.corpus.summary(),
+        "config": run.config.to_dict(),
+        "regime": run.regime,
+        "regime_settings": run.rules.settings(),
+        "dropout": run.dropout,
+        "seed": run.seed,
+        "init_from": state.init_from,
+        "epochs": state.history,
+        "best_epoch": state.best_epoch,
+        "best_valid_ppl": state.best_valid_ppl,
+        "epochs_run": state.epoch,
+        "stop_reason": stop_reason,
+        # Not converged: validation was still improving when the epoch cap ended the run (or
+        # its fine-tuning stage).
+        "converged": _last_stop(state, stop_reason) in CONVERGED or state.best_epoch < state.epoch,
+        "test_ppl": test.perplexity,
+        "test_nll": test.nll,
+        "test_ece": test.ece,
+        "test_ppl_mc": None if test_mc is None else test_mc.perplexity,
+        "test_nll_mc": None if test_mc is None else test_mc.nll,
+        "test_ece_mc": None if test_mc is None else test_mc.ece,
+        "mc_samples": run.mc_samples if test_mc is not None else 0,
+        "words_per_second": state.train_words / state.train_seconds,
+        "train_seconds": state.train_seconds,
+        "wall_seconds": state.wall_seconds,
+        "peak_memory_bytes": memory,
+        "peak_memory_kind": memory_kind,
+        "parameters": sum(p.numel() for p in run.model.parameters()),
+        "device": str(run.device),
+        "threads": torch.get_num_threads(),
+        # Processes that trained the model together (DDP) and their backend (None: one process).
+        "world_size": run.ctx.world_size,
+        "backend": run.ctx.backend,
+        "versions": versions(),
+        "identity": run.identity,
+        **_averaging_result(run),
+    }
+
+
+def _last_stop(state: RunState, stop_reason: str) -> str:
+    """Why the last stage of the run ended: training's reason, or fine-tuning's once it ran."""
+    if state.finetune_from is None:
+        return stop_reason
+    return state.finetune_stopped or EPOCH_CAP
+
+
+def _averaging_result(run: Training) -> dict[str, Any]:
+    """NT-ASGD's stages (only in runs that use it): when averaging began, when fine-tuning
+    began and why it ended."""
+    if run.averaging is None:
+        return {}
+    state = run.state
+    finetune = None
+    if state.finetune_from is not None:
+        finetune = {"from_epoch": state.finetune_from, "epochs_run": state.epoch - state.finetune_from,
+                    "stop_reason": state.finetune_stopped or EPOCH_CAP}
+    return {"nt_asgd": {"averaging_after_epoch": state.averaging_since, "finetune": finetune}}
+
+
+def add_mc_result(
+    corpus: Corpus, config: TrainConfig, out_dir: str | Path, n_samples: int,
+    device: str | torch.device = "auto",
+) -> dict[str, Any]:
+    """Add the Monte-Carlo test perplexity to a finished run's results.json (verified
+    before, re-signed after). ``config`` gives the evaluation batch size and BPTT; the
+    model is rebuilt from ``best.pt``. Under DDP (call it on every rank) rank 0 reads and
+    writes the files and every rank scores its share of the test streams."""
+    out = Path(out_dir)
+    ctx = current()
+    with ExitStack() as stack:
+
+        def read() -> tuple[dict[str, Any], dict[str, Tensor] | None]:
+            stack.enter_context(RunLock(out))
+            result = read_verified_result(out / RESULTS)
+            return result, load_checkpoint(best_file(out))["model"] if ctx.enabled else None
+
+        result, best_state = files_on_main(read, ctx, f"reading the results in {str(out)!r}")
+        device = rank_device(device, ctx)
+        if ctx.enabled:
+            model = build_model(len(corpus.vocab), TrainConfig.from_dict(result["config"]),
+                                Regime.from_settings(result["regime_settings"]), result["dropout"])
+            load_state(model, best_state, best_file(out))
+            model.to(device).eval()
+        else:
+            model = load_model(out, device).model
+        if n_samples > 0 and has_noise(model):
+            seed_noise(result["seed"], ctx)
+            start = time.perf_counter()
+            test_data = batchify(corpus.test, config.eval_batch_size).to(device)
+            test_mc = score_split(model, test_data, config.bptt, CALIBRATION_BINS, ctx, n_samples,
+                                  progress=MC_PROGRESS.format(n_samples))
+            result.update(test_ppl_mc=test_mc.perplexity, test_nll_mc=test_mc.nll, test_ece_mc=test_mc.ece)
+            result["mc_samples"] = n_samples
+            result["mc_seconds"] = time.perf_counter() - start
+
+            def write() -> dict[str, Any]:
+                write_signed_result(result, out / RESULTS)
+                return result
+
+            result = files_on_main(write, ctx, "writing results.json")
+    return result
+
+
+def versions() -> dict[str, str]:
+    return {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "rnndrop": rnndrop.__version__,
+        "platform": platform.platform(),
+        "processor": platform.machine(),
+    }
+
+
+def peak_memory(device: torch.device) -> tuple[int, str]:
+    """Peak memory in bytes and what it measures (CUDA allocations, or the process's RSS)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "torch.cuda.max_memory_allocated"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+    return int(rss * scale), "peak resident set size of the process (ru_maxrss)"

@@ -12,15 +12,13 @@ from typing import Any
 
 from rnndrop.lm.cli.errors import UsageError, check_seed, positive
 from rnndrop.lm.cli.parser import CONFIG_FLAGS
-from rnndrop.lm.data.corpus import sample_dir
+from rnndrop.lm.data.corpus import cached_corpus, sample_dir
 from rnndrop.lm.data.download import download_corpus
 from rnndrop.lm.model.presets import get_config
 from rnndrop.lm.model.regimes import get_regime
 from rnndrop.lm.model.train_config import TrainConfig
-from rnndrop.lm.run.dropout_choice import chosen_dropout, parse_dropout
-from rnndrop.lm.run.folder import run_files
-from rnndrop.lm.run.identity import best_file
-from rnndrop.lm.run.spec import cached_corpus
+from rnndrop.lm.run.checkpoint import best_file, run_files
+from rnndrop.lm.run.job import chosen_dropout, parse_dropout
 
 __all__ = ["check_writable", "checked_job", "config_from_args", "resolve_data"]
 

@@ -1,0 +1,693 @@
+"""A job of runs: the language-model benchmark, planned, run (here or in worker processes),
+timed in advance and summarised.
+
+``rnndrop-lm ptb --data sample`` (:mod:`rnndrop.lm.cli`) trains each regime once with
+the config's dropout probabilities; ``--grid`` first searches each regime's small
+grid (``TrainConfig.grid``) with the first seed, keeps the candidate with the best
+*validation* perplexity, trains it again with the other ``--seeds``, and adds the
+Monte-Carlo test perplexity of the chosen runs. The test split plays no part in any
+choice.
+
+Outputs in ``--out``: one folder per run (checkpoint, best model, results.json,
+metrics.csv, curve.png), ``results.md`` (tables, :func:`rnndrop.lm.run.report.benchmark_markdown`),
+``summary.json`` and ``learning_curves.png``.
+
+In this module, in order: the job (:func:`run_benchmark`: plan, estimate, run, summary);
+one run of it (:class:`RunSpec`, :func:`execute`: reuse a finished run, resume an
+interrupted one, or train it with :func:`rnndrop.lm.run.train.train_run`); several runs at
+once in worker processes (:func:`run_all`, ``--jobs N``: Ctrl-C reaches the main process
+alone, which stops the workers); how long a job should take (:func:`estimate_seconds`);
+and which dropout a run gets, as text (``--dropout``, ``--dropout-from``, run folder names).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rnndrop.lm.atomic import atomic_write
+from rnndrop.lm.data.corpus import Corpus, batchify, cached_corpus
+from rnndrop.lm.model.build import build_model
+from rnndrop.lm.model.regimes import SITES, get_regime, regime_probabilities
+from rnndrop.lm.model.train_config import TrainConfig
+from rnndrop.lm.run.checkpoint import (
+    BEST,
+    LEARNING_CURVES,
+    RESULTS,
+    RESULTS_TABLE,
+    SUMMARY,
+    checkpoint_damage,
+    files_on_main,
+    finished_result,
+    has_checkpoint,
+    run_identity,
+    write_json_atomic,
+)
+from rnndrop.lm.run.process_group import current
+from rnndrop.lm.run.report import (
+    EpochLog,
+    EpochRelay,
+    JobProgress,
+    benchmark_markdown,
+    format_duration,
+    plot_learning_curves,
+    relay_events,
+)
+from rnndrop.lm.run.train import RunInterrupted, add_mc_result, resolve_device, train_run
+
+__all__ = [
+    "JobInterrupted",
+    "RunSpec",
+    "WorkerDied",
+    "chosen_dropout",
+    "epochs_done",
+    "estimate_seconds",
+    "execute",
+    "execute_mc",
+    "format_tag",
+    "parse_dropout",
+    "reusable_result",
+    "run_all",
+    "run_benchmark",
+    "run_tag",
+    "worker_logging",
+]
+
+log = logging.getLogger(__name__)
+
+
+# -- the job ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Job:
+    """What every run of a job shares; :meth:`spec` makes one run of it."""
+
+    corpus_dir: str
+    dataset: str
+    config: TrainConfig
+    out: Path
+    resume: bool
+    device: str
+    threads: int | None
+    #: per-epoch bars of the runs (only when one run trains at a time)
+    progress: bool
+    init_from: str | None
+
+    def spec(self, regime: str, probabilities: Mapping[str, float], seed: int, mc_samples: int) -> RunSpec:
+        p = regime_probabilities(get_regime(regime), probabilities)
+        folder = self.out / regime / f"{run_tag(p)}-seed{seed}"
+        return RunSpec(self.corpus_dir, self.dataset, self.config, regime, p, seed, str(folder), mc_samples,
+                       self.resume, self.device, self.threads, self.progress, init_from=self.init_from)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The runs a job trains first (the grid's candidates, or every run without a grid),
+    how many runs it trains in all, the (regime, dropout) of each (for the estimate) and
+    the Monte-Carlo samples per run on average."""
+
+    first: list[RunSpec]
+    total: int
+    planned: list[tuple[str, Mapping[str, float]]]
+    mc_per_run: float
+
+
+def _numbered(specs: list[RunSpec], first: int, total: int) -> list[RunSpec]:
+    return [replace(s, label=f"run {first + i}/{total} {s.regime} ({format_tag(s.dropout)}) "
+                    f"seed {s.seed}") for i, s in enumerate(specs)]
+
+
+def _plan(
+    job: _Job, regimes: Sequence[str], seeds: Sequence[int], mc: int, *, grid: bool,
+    dropout: Mapping[str, float] | None, dropout_by_regime: Mapping[str, Mapping[str, float]] | None,
+) -> _Plan:
+    config = job.config
+    if grid:
+        candidates = [job.spec(r, p, seeds[0], 0)
+                      for r in regimes for p in config.grid.get(r, (config.dropout,))]
+        # One candidate per distinct effective setting (e.g. "none" ignores probabilities).
+        candidates = list({c.folder: c for c in candidates}.values())
+        total = len(candidates) + len(regimes) * (len(seeds) - 1)
+        planned = [(c.regime, c.dropout) for c in candidates]
+        planned += [(c.regime, c.dropout) for c in candidates[: len(regimes)]] * (len(seeds) - 1)
+        return _Plan(candidates, total, planned, mc * len(regimes) * len(seeds) / max(1, total))
+    default = config.dropout if dropout is None else dropout
+    by_regime = dict(dropout_by_regime or {})
+    finals = [job.spec(r, by_regime.get(r, default), s, mc) for r in regimes for s in seeds]
+    return _Plan(finals, len(finals), [(f.regime, f.dropout) for f in finals], mc)
+
+
+def _estimate(job: _Job, plan: _Plan, jobs: int) -> tuple[float, int] | None:
+    """Log how long the job should take (:func:`estimate_seconds`); returns the seconds and
+    the epochs they count (None when every run is reused).
+
+    With ``--resume`` the runs it will reuse count nothing and a run under way counts the
+    epochs it has not done yet (:func:`epochs_done`); the grid's later seeds, chosen after the
+    grid, count whole."""
+    corpus = cached_corpus(job.corpus_dir)
+    epochs = job.config.epochs + job.config.finetune_epochs
+    left: list[int | None] = [epochs] * len(plan.planned)  # None: reused
+    if job.resume:
+        for i, spec in enumerate(plan.first):
+            left[i] = None if reusable_result(spec) is not None else max(0, epochs - epochs_done(spec.folder))
+    to_train = [(run, n) for run, n in zip(plan.planned, left) if n is not None]
+    n_reused = plan.total - len(to_train)
+    reused = f" ({n_reused} more finished earlier: reused)" if n_reused else ""
+    if not to_train:
+        log.info("all %d run%s of this job finished earlier: reusing their results", plan.total,
+                 "s" * (plan.total != 1))
+        return None
+    eta = estimate_seconds(corpus, job.config, [run for run, _ in to_train], round(plan.mc_per_run),
+                           jobs=jobs, threads=job.threads, device=job.device,
+                           epochs_left=[n for _, n in to_train])
+    early = " if no run converges early" if job.config.min_lr > 0 else ""
+    log.info("this job trains %d run%s%s of up to %d epochs on %s training words; at the speed "
+             "measured on this machine just now it should take about %s%s%s. Ctrl-C stops it "
+             "(finished epochs are kept; rerun with --resume)", len(to_train), "s" * (len(to_train) != 1),
+             reused, epochs, f"{corpus.train.numel():,}", format_duration(eta),
+             f" ({jobs} runs at a time)" if jobs > 1 else "", early)
+    return eta, sum(n for _, n in to_train)
+
+
+def _report_estimate(eta: float | None, seconds: float, progress: JobProgress) -> None:
+    """Log how far the up-front estimate was from the time the job took (when it trained a
+    run: the estimate counts what is left to train, see :func:`_estimate`)."""
+    if eta is None or not progress.runs_trained:
+        return
+    off = 100 * (eta - seconds) / max(seconds, 1e-9)
+    log.info("the job took %s; its estimate was %s (%.0f%% too %s)", format_duration(seconds),
+             format_duration(eta), abs(off), "high" if off > 0 else "low")
+
+
+def _run_grid(
+    job: _Job, plan: _Plan, regimes: Sequence[str], seeds: Sequence[int], mc: int, jobs: int,
+    progress: JobProgress,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The grid with the first seed, its choice (best validation perplexity) with the other
+    seeds, then the Monte-Carlo test perplexity of the chosen runs; returns (final results,
+    grid results)."""
+    grid_results = run_all(_numbered(plan.first, 1, plan.total), jobs, progress)
+    chosen: dict[str, dict[str, Any]] = {}
+    for r in grid_results:
+        best = chosen.get(r["regime"])
+        if best is None or r["best_valid_ppl"] < best["best_valid_ppl"]:
+            chosen[r["regime"]] = r
+    more = [job.spec(r, chosen[r]["dropout"], s, 0) for r in regimes for s in seeds[1:]]
+    run_all(_numbered(more, len(plan.first) + 1, plan.total), jobs, progress)
+    finals = [job.spec(r, chosen[r]["dropout"], s, mc) for r in regimes for s in seeds]
+    return run_all(finals, jobs, progress, execute_mc), grid_results
+
+
+def _summary(
+    job: _Job, regimes: Sequence[str], seeds: Sequence[int], grid: bool, command: str,
+    final_results: list[dict[str, Any]], grid_results: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The job's summary; rank 0 writes results.md, learning_curves.png and summary.json."""
+    markdown = benchmark_markdown(job.dataset, job.config.name, final_results, grid_results,
+                                  command=command, grid_seed=seeds[0])
+    first_seed = [r for r in final_results if r["seed"] == seeds[0]]
+
+    def write_files() -> Path | None:
+        with atomic_write(job.out / RESULTS_TABLE, "w", encoding="utf-8") as f:
+            f.write(markdown)
+        return plot_learning_curves(first_seed, job.out / LEARNING_CURVES)
+
+    ctx = current()
+    plot = files_on_main(write_files, ctx, "writing results.md")
+    summary = {
+        "dataset": job.dataset, "config": job.config.name, "regimes": list(regimes), "seeds": list(seeds),
+        "grid": grid, "command": command,
+        "runs": [{"regime": r["regime"], "dropout": r["dropout"], "seed": r["seed"],
+                  "best_valid_ppl": r["best_valid_ppl"], "test_ppl": r["test_ppl"],
+                  "test_ppl_mc": r["test_ppl_mc"], "words_per_second": r["words_per_second"]}
+                 for r in final_results],
+        "grid_runs": [{"regime": r["regime"], "dropout": r["dropout"], "seed": r["seed"],
+                       "best_valid_ppl": r["best_valid_ppl"]} for r in grid_results],
+        "markdown": markdown,
+        "files": [RESULTS_TABLE, SUMMARY] + ([plot.name] if plot is not None else []),
+    }
+    files_on_main(functools.partial(write_json_atomic, summary, job.out / SUMMARY), ctx,
+                  "writing summary.json")
+    return summary
+
+
+def run_benchmark(
+    corpus_dir: str | Path,
+    dataset: str,
+    config: TrainConfig,
+    regimes: Sequence[str],
+    seeds: Sequence[int],
+    out_dir: str | Path,
+    *,
+    grid: bool = False,
+    dropout: Mapping[str, float] | None = None,
+    dropout_by_regime: Mapping[str, Mapping[str, float]] | None = None,
+    mc_samples: int | None = None,
+    resume: bool = False,
+    jobs: int = 1,
+    threads: int | None = None,
+    device: str = "auto",
+    progress: bool = True,
+    estimate: bool = False,
+    command: str = "",
+    init_from: str | Path | None = None,
+) -> dict[str, Any]:
+    """Run the benchmark and write its summary files; returns the summary.
+
+    Args:
+        grid: search ``config.grid[regime]`` (default: ``config.dropout`` alone) with
+            ``seeds[0]``, choose on validation perplexity, then run the choice with
+            the other seeds and add the Monte-Carlo test perplexity.
+        dropout: without ``grid``: the probabilities of every regime (default
+            ``config.dropout``).
+        dropout_by_regime: without ``grid``: the probabilities of each regime, e.g. the
+            ones a grid on another corpus chose (:func:`chosen_dropout`); overrides
+            ``dropout`` for the regimes it names.
+        progress: progress bars (one for the job, one per epoch) when one run trains at a
+            time; log lines in any case.
+        estimate: log up front how long the job should take (:func:`estimate_seconds`).
+        init_from: a finished run (its folder or ``best.pt``) every run starts from, e.g.
+            a dense ``tied`` run that regime ``sparse_vd`` fine-tunes.
+    """
+    if not regimes:
+        raise ValueError("regimes must name at least one regime, got none")
+    for r in regimes:
+        get_regime(r)
+    if not seeds:
+        raise ValueError("seeds must name at least one seed, got none")
+    mc = config.mc_samples if mc_samples is None else mc_samples
+    job = _Job(str(corpus_dir), dataset, config, Path(out_dir), resume, device, threads,
+               progress and jobs <= 1, None if init_from is None else str(init_from))
+    plan = _plan(job, regimes, seeds, mc, grid=grid, dropout=dropout, dropout_by_regime=dropout_by_regime)
+    eta, eta_epochs = (_estimate(job, plan, jobs) if estimate else None) or (None, None)
+    job_progress = JobProgress(plan.total, config.epochs + config.finetune_epochs, bar=progress and jobs <= 1,
+                               estimate_seconds=eta, estimate_epochs=eta_epochs)
+    start = time.perf_counter()
+    try:
+        if grid:
+            final_results, grid_results = _run_grid(job, plan, regimes, seeds, mc, jobs, job_progress)
+        else:
+            specs = _numbered(plan.first, 1, plan.total)
+            if jobs <= 1:  # one run after the other, in this process
+                final_results = [execute(spec, job_progress) for spec in specs]
+            else:
+                final_results = run_all(specs, jobs, job_progress)
+            grid_results = []
+    finally:
+        job_progress.close()
+    _report_estimate(eta, time.perf_counter() - start, job_progress)
+    return _summary(job, regimes, seeds, grid, command, final_results, grid_results)
+
+
+# -- one run of a job ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run of the benchmark (picklable, for worker processes)."""
+
+    data_dir: str
+    dataset: str
+    config: TrainConfig
+    regime: str
+    dropout: Mapping[str, float]
+    seed: int
+    folder: str
+    mc_samples: int
+    resume: bool
+    device: str
+    threads: int | None
+    progress: bool = True
+    #: how logs and progress name the run, e.g. ``"run 2/3 tied seed 1"``
+    label: str = ""
+    #: a finished run (folder or best.pt) whose weights the run starts from
+    init_from: str | None = None
+
+
+class JobInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped the job; every finished epoch is in its run's checkpoint.
+
+    Attributes:
+        epoch: the epoch that was running (None when several runs were, or after the last one).
+        folder: that run's folder (None when several runs were).
+        label: that run's name in the job (``"run 2/3 tied ... seed 1"``).
+        testing: it stopped after the run's last epoch, while its test split was scored.
+    """
+
+    def __init__(self, epoch: int | None, folder: str | None, label: str = "", testing: bool = False) -> None:
+        super().__init__(epoch, folder, label, testing)
+        self.epoch, self.folder, self.label, self.testing = epoch, folder, label, testing
+
+
+def reusable_result(spec: RunSpec) -> dict[str, Any] | None:
+    """The verified results.json that ``--resume`` reuses instead of training ``spec``
+    (:func:`rnndrop.lm.run.checkpoint.finished_result`), or None."""
+    if not (Path(spec.folder) / RESULTS).is_file():
+        return None  # nothing to reuse: skip reading the corpus
+    identity = run_identity(cached_corpus(spec.data_dir), spec.config, spec.regime, spec.dropout, spec.seed,
+                            spec.init_from)  # a run started from other weights is another run
+    return finished_result(spec.folder, identity, epochs=spec.config.epochs)
+
+
+def epochs_done(folder: str | Path) -> int:
+    """The epochs a run in ``folder`` resumes after: the last one ``metrics.csv`` holds, when
+    a checkpoint is there to resume from (else 0). For estimates; resuming reads the checkpoint."""
+    if not has_checkpoint(folder):
+        return 0
+    return max((row["epoch"] for row in EpochLog(folder, tensorboard=False).rows), default=0)
+
+
+def _finished(spec: RunSpec) -> dict[str, Any] | None:
+    result = reusable_result(spec)
+    damage = checkpoint_damage(Path(spec.folder) / BEST) if result is not None else None
+    if damage is not None:  # the numbers stand; say that the weights behind them are gone
+        log.warning("%s: %s %s; its results are reused, but the trained weights are gone (evaluate, "
+                    "generate and --init-from need them): to have them again, train the run anew "
+                    "with another --out", spec.folder, BEST, damage)
+    return result
+
+
+def worker_logging(label: str) -> None:
+    """Log lines of a worker process, each prefixed with the run it trains."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{label}] %(message)s", datefmt="%H:%M:%S",
+                        force=True)
+
+
+def execute(spec: RunSpec, progress: JobProgress | EpochRelay | None = None) -> dict[str, Any]:
+    """Run (or reuse, or resume) one spec; top-level so worker processes can call it."""
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    ctx = current()
+    if spec.resume:
+        # Under torchrun rank 0 reads the folder and tells the others (who never touch it).
+        done = files_on_main(functools.partial(_finished, spec), ctx, f"reading {spec.folder!r}")
+        if done is not None:
+            log.info("%s: finished earlier, reusing its results", spec.folder)
+            done = _with_mc(spec, done)
+            if progress is not None:
+                progress.run_done(spec.label, done, reused=True)
+            return done
+    epoch_log = EpochLog(spec.folder) if ctx.is_main else None
+
+    def on_epoch_end(epoch: int, record: Mapping[str, Any]) -> None:
+        if epoch_log is not None:
+            epoch_log(epoch, record)
+        if progress is not None:
+            progress.epoch_done(epoch, record)
+
+    rows = epoch_log.rows if epoch_log is not None else []
+    first = 1 + max((r["epoch"] for r in rows), default=0) if spec.resume else 1
+    if progress is not None:
+        progress.start_run(spec.label, first)
+    try:
+        result = train_run(
+            cached_corpus(spec.data_dir), spec.config, spec.regime, spec.folder, dropout=spec.dropout,
+            seed=spec.seed, resume=spec.resume, device=spec.device, mc_samples=spec.mc_samples,
+            progress=spec.progress, dataset=spec.dataset, on_epoch_end=on_epoch_end,
+            init_from=spec.init_from,
+        )
+    except KeyboardInterrupt as e:
+        if isinstance(e, RunInterrupted) and e.epoch is None:  # not "epoch N + 1" of N epochs
+            raise JobInterrupted(None, spec.folder, spec.label, testing=True) from None
+        epoch = getattr(e, "epoch", None)
+        if epoch is None:
+            epoch = progress.next_epoch if progress is not None and progress.next_epoch else first
+        raise JobInterrupted(epoch, spec.folder, spec.label) from None
+    if epoch_log is not None:
+        epoch_log.finish(result)
+    if progress is not None:
+        progress.run_done(spec.label, result)
+    return result
+
+
+def execute_mc(spec: RunSpec, progress: JobProgress | EpochRelay | None = None) -> dict[str, Any]:
+    """Add the Monte-Carlo test perplexity to a finished run (the grid's chosen ones)."""
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    done = files_on_main(functools.partial(_finished, spec), current(), f"reading {spec.folder!r}")
+    if done is None:
+        done = {"test_ppl_mc": None, "mc_samples": 0}  # unreadable results: add_mc_result says why
+    return _with_mc(spec, done)
+
+
+def _with_mc(spec: RunSpec, done: dict[str, Any]) -> dict[str, Any]:
+    """A finished run's result with the Monte-Carlo test perplexity of ``spec.mc_samples``
+    samples: reused when it has it, added when it was made without it or with another count."""
+    if spec.mc_samples == 0 or done.get("mc_samples") == spec.mc_samples:
+        return done
+    log.info("%s: Monte-Carlo test perplexity (%d samples)", spec.label or spec.folder, spec.mc_samples)
+    return add_mc_result(cached_corpus(spec.data_dir), spec.config, spec.folder, spec.mc_samples, spec.device)
+
+
+
+# -- several runs at once, in worker processes (--jobs N) ------------------------------------------
+
+class WorkerDied(RuntimeError):
+    """A worker process of ``--jobs`` ended without a result (killed, out of memory)."""
+
+    def __init__(self, label: str) -> None:
+        super().__init__(
+            f"a worker process died while it ran {label} (killed, or out of memory); every finished "
+            "epoch is saved: run the same command with --resume to continue"
+        )
+
+
+#: in a worker process: the queue its runs report their epochs on (see :class:`EpochRelay`)
+_events: Any = None
+
+
+def _worker_init(events: Any) -> None:
+    """Workers leave Ctrl-C to the main process, which stops them with SIGTERM; SIGTERM then
+    unwinds the worker's run, so its run folder's lock is released and no half-written
+    file is left (checkpoints are atomic either way). Their runs report to ``events``. A
+    worker whose main process dies without stopping it (kill -9) sends itself SIGTERM: it
+    would otherwise wait for work forever."""
+    global _events
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    _events = events
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=_end_with_parent, args=(parent.sentinel,), daemon=True,
+                         name="rnndrop-parent-watch").start()
+
+
+def _end_with_parent(sentinel: int) -> None:
+    multiprocessing.connection.wait([sentinel])  # ready once the main process is gone
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+class _Terminated(BaseException):
+    """SIGTERM in a worker: unwinds the run (its lock released), then the worker ends."""
+
+
+_running = False  # whether this worker is inside a run (SIGTERM unwinds it) or waiting for one
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    if not _running:
+        os._exit(128 + signal.SIGTERM)  # between runs: nothing to unwind
+    raise _Terminated
+
+
+def _in_worker(fn: Callable[[RunSpec, Any], dict[str, Any]], spec: RunSpec) -> dict[str, Any]:
+    global _running
+    _running = True
+    worker_logging(spec.label)
+    try:
+        return fn(spec, EpochRelay(_events))
+    except _Terminated:
+        os._exit(128 + signal.SIGTERM)  # unwound: the run folder is released; nothing to report
+    finally:
+        _running = False
+
+
+def run_all(
+    specs: Sequence[RunSpec], jobs: int, progress: JobProgress | None,
+    fn: Callable[[RunSpec, JobProgress | None], dict[str, Any]] = execute,
+) -> list[dict[str, Any]]:
+    """``fn`` on every spec, ``jobs`` at a time; the results in the order of ``specs``.
+    Ctrl-C stops every worker and raises :class:`JobInterrupted`."""
+    if jobs <= 1 or len(specs) <= 1:
+        return [fn(s, progress) for s in specs]
+    context = multiprocessing.get_context("spawn")
+    events = context.Queue()
+    pool = ProcessPoolExecutor(max_workers=min(jobs, len(specs)), mp_context=context,
+                               initializer=_worker_init, initargs=(events,))
+    try:
+        # Workers start while SIGINT is ignored, and keep ignoring it (the disposition is
+        # inherited): a Ctrl-C at the terminal reaches the main process alone, which stops them.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            futures = {pool.submit(_in_worker, fn, s): i for i, s in enumerate(specs)}
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        results: dict[int, dict[str, Any]] = {}
+        pending, reused = set(futures), set()
+        while pending:
+            done, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
+            if progress is not None:
+                relay_events(events, progress, reused)
+            for future in done:
+                i = futures[future]
+                try:
+                    results[i] = future.result()
+                except BrokenProcessPool:
+                    raise WorkerDied(specs[i].label or specs[i].folder) from None
+                if progress is not None and fn is execute:
+                    progress.run_done(specs[i].label, results[i], reused=specs[i].label in reused)
+        return [results[i] for i in range(len(specs))]
+    except KeyboardInterrupt:
+        _stop(pool)
+        raise JobInterrupted(None, None) from None
+    except BaseException:
+        _stop(pool)
+        raise
+    finally:
+        pool.shutdown(wait=True)
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """Cancel what has not started and end the running workers (checkpoints are atomic)."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        process.terminate()
+
+
+# -- how long a job should take on this machine, from a few timed steps ----------------------------
+
+def estimate_seconds(
+    corpus: Corpus, config: TrainConfig, runs: Sequence[tuple[str, Mapping[str, float]]],
+    mc_samples: int, *, jobs: int = 1, threads: int | None = None, device: str = "auto",
+    epochs_left: Sequence[int] | None = None,
+) -> float:
+    """Wall seconds a job of ``runs`` (regime, dropout) should take on this machine, at most.
+
+    Times two training steps, two evaluation forwards and two dropout forwards of each
+    distinct regime on the corpus's first batches, and scales them to ``config.epochs``
+    (plus ``finetune_epochs``) epochs of the training split, a validation pass per epoch, a test pass and
+    ``mc_samples`` Monte-Carlo passes per run; ``jobs`` runs share the time. ``epochs_left``
+    (one per run) counts fewer epochs for runs that resume part-way.
+    """
+    if epochs_left is not None and len(epochs_left) != len(runs):
+        raise ValueError(f"epochs_left: expected one count per run ({len(runs)}), got {len(epochs_left)}")
+    device_obj = resolve_device(device)
+    old_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    rng = torch.get_rng_state()
+    cost: dict[str, tuple[float, float, float]] = {}
+    try:
+        train = batchify(corpus.train, config.batch_size)[: config.bptt + 1].to(device_obj)
+        valid = batchify(corpus.valid, config.eval_batch_size)[: config.bptt + 1].to(device_obj)
+        for regime_name, probabilities in runs:
+            key = json.dumps([regime_name, dict(probabilities)], sort_keys=True)
+            if key in cost:
+                continue
+            regime = get_regime(regime_name)
+            model = build_model(len(corpus.vocab), config, regime, probabilities).to(device_obj)
+            optimizer = torch.optim.SGD(model.parameters(), lr=1e-9)
+            cost[key] = (
+                _seconds_per_word(lambda m=model, o=optimizer: _train_step(m, o, train), train),
+                _seconds_per_word(lambda m=model: _forward(m, valid, training=False), valid),
+                _seconds_per_word(lambda m=model: _forward(m, valid, training=True), valid),
+            )
+    finally:
+        torch.set_rng_state(rng)
+        torch.set_num_threads(old_threads)
+    total = 0.0
+    n_train, n_valid, n_test = (corpus.split(s).numel() for s in ("train", "valid", "test"))
+    all_epochs = config.epochs + config.finetune_epochs
+    for (regime_name, probabilities), epochs in zip(runs, epochs_left or [all_epochs] * len(runs)):
+        train_w, eval_w, sample_w = cost[json.dumps([regime_name, dict(probabilities)], sort_keys=True)]
+        noisy = any(regime_probabilities(get_regime(regime_name), probabilities).values())
+        total += epochs * (n_train * train_w + n_valid * eval_w) + n_test * eval_w
+        total += mc_samples * n_test * sample_w if noisy else 0.0
+    return total / max(1, min(jobs, len(runs)))
+
+
+def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batched: torch.Tensor) -> None:
+    model.train()
+    logits, _ = model(batched[:-1])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batched[1:].flatten())
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+
+
+@torch.no_grad()
+def _forward(model: torch.nn.Module, batched: torch.Tensor, *, training: bool) -> None:
+    model.train(training)
+    model(batched[:-1])
+    model.train()
+
+
+def _seconds_per_word(step: Callable[[], None], batched: torch.Tensor) -> float:
+    step()  # warm-up: allocations, kernel selection
+    start = time.perf_counter()
+    for _ in range(2):
+        step()
+    return (time.perf_counter() - start) / (2 * (batched.shape[0] - 1) * batched.shape[1])
+
+
+# -- which dropout a job's runs get, as text -------------------------------------------------------
+
+_SHORT = {"embedding": "emb", "input": "in", "between": "mid", "hidden": "rec", "output": "out"}
+
+
+def run_tag(probabilities: Mapping[str, float]) -> str:
+    """A folder name for dropout probabilities, e.g. ``in0.5-mid0.5-out0.5``."""
+    parts = [f"{_SHORT[s]}{probabilities[s]:g}" for s in SITES if probabilities.get(s)]
+    return "-".join(parts) or "p0"
+
+
+def format_tag(probabilities: Mapping[str, float]) -> str:
+    """``"in 0.5, rec 0.2"`` for logs, or ``"no dropout"``."""
+    parts = [f"{_SHORT[s]} {probabilities[s]:g}" for s in SITES if probabilities.get(s)]
+    return ", ".join(parts) or "no dropout"
+
+
+def parse_dropout(text: str) -> dict[str, float]:
+    """``"input=0.5,hidden=0.2"`` -> ``{"input": 0.5, "hidden": 0.2}``."""
+    out: dict[str, float] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        site, sep, value = item.partition("=")
+        if not sep or site not in SITES:
+            raise ValueError(
+                f"--dropout takes site=p pairs with sites among {', '.join(SITES)}, got {item!r}"
+            )
+        if site in out:
+            raise ValueError(f"--dropout names site {site!r} more than once, got {text!r}")
+        try:
+            out[site] = float(value)
+        except ValueError:
+            raise ValueError(f"--dropout takes site=p pairs with p a number, got {item!r}") from None
+    return out
+
+
+def chosen_dropout(summary_path: str | Path) -> dict[str, dict[str, float]]:
+    """The dropout each regime's grid chose, from a grid run's ``summary.json``."""
+    path = Path(summary_path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            summary = json.load(f)
+        if not isinstance(summary, dict) or not summary.get("grid"):
+            raise ValueError("it is not the summary of a --grid run")
+        return {run["regime"]: dict(run["dropout"]) for run in summary["runs"]}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--dropout-from {str(path)!r}: cannot read the grid's choices ({e})") from None

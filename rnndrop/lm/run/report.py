@@ -1,0 +1,649 @@
+"""What a job shows and leaves for people to read: progress, metrics.csv, tables and plots.
+
+- **Progress** of a job (run k of n, epoch e of E, ETA; :class:`JobProgress`) and of a loop
+  (:class:`EpochProgress`). With one run at a time, tqdm installed and a terminal, the job's
+  bar is drawn above the per-epoch bar of the training loop; otherwise (``--jobs > 1``, no
+  tqdm, stderr to a file, ``--no-progress``) one log line per event (an epoch or a run
+  finished), so lines of parallel runs never interleave on one terminal line. Worker
+  processes report through an :class:`EpochRelay`.
+- **Metrics** of a run, per epoch: ``metrics.csv`` and, when the optional ``tensorboard``
+  package is installed, TensorBoard scalars in ``tensorboard/`` (:class:`EpochLog`).
+- **Tables**: a job's results as Markdown: the run table, the paired comparison, the grid
+  (:func:`benchmark_markdown`).
+- **Plots**: learning curves and learned alphas as PNGs (matplotlib, optional: imported
+  where used).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import queue
+import statistics
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from rnndrop.lm.atomic import atomic_write
+from rnndrop.lm.run.checkpoint import METRICS
+
+__all__ = [
+    "METRICS_COLUMNS",
+    "EpochLog",
+    "EpochProgress",
+    "EpochRelay",
+    "JobProgress",
+    "alpha_figure",
+    "benchmark_markdown",
+    "comparison_table",
+    "format_dropout",
+    "format_duration",
+    "learning_curve_figure",
+    "markdown_table",
+    "noise_series",
+    "paired_differences",
+    "plot_alphas",
+    "plot_learning_curves",
+    "relay_events",
+]
+
+log = logging.getLogger(__name__)
+
+
+# -- progress --------------------------------------------------------------------------------------
+
+def format_duration(seconds: float) -> str:
+    """``"45 s"``, ``"12 min"``, ``"1 h 05 min"``."""
+    if seconds < 90:
+        return f"{max(0, round(seconds))} s"
+    minutes = round(seconds / 60)
+    if minutes < 60:
+        return f"{minutes} min"
+    return f"{minutes // 60} h {minutes % 60:02d} min"
+
+
+class JobProgress:
+    """Counts the epochs of a job of ``total_runs`` runs of up to ``epochs`` epochs each.
+
+    The ETA is the job's remaining epochs times the wall time per epoch trained so far
+    (evaluation and Monte-Carlo scoring included; runs trained side by side under
+    ``--jobs`` count each of their epochs); before the first epoch it is
+    ``estimate_seconds`` scaled by the share left of the ``estimate_epochs`` it counted
+    (default: every epoch of every run). Runs in worker processes report their epochs
+    through an :class:`EpochRelay`.
+    """
+
+    def __init__(self, total_runs: int, epochs: int, *, bar: bool,
+                 estimate_seconds: float | None = None, estimate_epochs: int | None = None) -> None:
+        self.total_runs, self.epochs = total_runs, epochs
+        self.done_epochs = 0  # epochs trained in this job
+        self.runs_started = 0
+        self.runs_done = 0
+        self.runs_trained = 0  # runs that trained (not reused)
+        self.active: dict[str, int] = {}  # label of a running run -> its next epoch
+        self.finished: set[str] = set()  # labels of the runs done
+        self.run_label = ""  # of the run this process trains
+        self.start = time.perf_counter()
+        self.estimate = estimate_seconds
+        self.estimate_epochs = max(1, epochs * total_runs if estimate_epochs is None else estimate_epochs)
+        self.bar = None
+        if bar and sys.stderr.isatty():
+            try:
+                from tqdm.auto import tqdm
+
+                self.bar = tqdm(total=self.total_epochs(), position=0, leave=True, dynamic_ncols=True,
+                                bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
+                                "epochs{postfix}")
+            except ImportError:
+                pass
+
+    @property
+    def next_epoch(self) -> int | None:
+        """The next epoch of the run this process trains (None between runs)."""
+        return self.active.get(self.run_label)
+
+    def remaining_epochs(self) -> int:
+        active = sum(max(0, self.epochs - n + 1) for n in self.active.values())
+        return active + self.epochs * (self.total_runs - self.runs_started)
+
+    def total_epochs(self) -> int:
+        return max(1, self.done_epochs + self.remaining_epochs())
+
+    def eta_seconds(self) -> float | None:
+        elapsed = time.perf_counter() - self.start
+        if self.done_epochs:
+            return self.remaining_epochs() * elapsed / self.done_epochs
+        if self.runs_trained:
+            return (self.total_runs - self.runs_done) * elapsed / self.runs_trained
+        if self.estimate is not None:
+            return self.estimate * min(1.0, self.remaining_epochs() / self.estimate_epochs)
+        return None
+
+    def _eta_text(self) -> str:
+        eta = self.eta_seconds()
+        return "ETA unknown" if eta is None else f"job ETA {format_duration(eta)}"
+
+    def _refresh(self) -> None:
+        if self.bar is None:
+            return
+        epoch = min(self.next_epoch or self.epochs, self.epochs)
+        self.bar.set_description_str(
+            f"{self.run_label} · epoch {epoch}/{self.epochs}",
+            refresh=False)
+        self.bar.set_postfix_str(self._eta_text(), refresh=False)
+        self.bar.total = self.total_epochs()
+        self.bar.n = self.done_epochs
+        self.bar.refresh()
+
+    def start_run(self, label: str, first_epoch: int = 1) -> None:
+        """A run begins (or resumes at ``first_epoch``); ``label`` names it
+        (``"run 2/3 tied ... seed 1"``)."""
+        self.runs_started += 1
+        self.run_label = label
+        self.active[label] = first_epoch
+        self._refresh()
+
+    def epoch_done(self, epoch: int, record: Mapping[str, Any], label: str | None = None) -> None:
+        """``epoch`` of the run ``label`` (default: the one this process trains) ended."""
+        label = self.run_label if label is None else label
+        self.done_epochs += 1
+        self.active[label] = epoch + 1
+        if self.bar is not None:
+            self._refresh()
+        else:
+            log.info("%s: epoch %d/%d done (valid ppl %.2f); job %d%%, %s",
+                     label, epoch, self.epochs,
+                     record["valid_ppl"], 100 * self.done_epochs // self.total_epochs(), self._eta_text())
+
+    def run_done(self, label: str, result: Mapping[str, Any], *, reused: bool = False) -> None:
+        """A run ended: trained (here or in a worker), or ``reused`` from an earlier job."""
+        if self.active.pop(label, None) is None:  # not announced by start_run
+            self.runs_started += 1
+        self.finished.add(label)
+        self.runs_done += 1
+        self.runs_trained += not reused
+        if self.bar is not None:
+            self._refresh()
+        else:
+            what = "reused (finished earlier)" if reused else "finished"
+            log.info("%s %s: best valid ppl %.2f, test ppl %.2f; %d of %d runs done, %s",
+                     label, what, result["best_valid_ppl"], result["test_ppl"], self.runs_done,
+                     self.total_runs, self._eta_text())
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class EpochRelay:
+    """What a worker process of ``--jobs`` has in place of the :class:`JobProgress` of the
+    main process: it puts the run's events on ``events`` (a multiprocessing queue), which
+    the main process passes on with :func:`relay_events`."""
+
+    def __init__(self, events: Any) -> None:
+        self.events = events
+        self.run_label = ""
+        self.next_epoch: int | None = None
+
+    def start_run(self, label: str, first_epoch: int = 1) -> None:
+        self.run_label, self.next_epoch = label, first_epoch
+        self.events.put(("start", label, first_epoch))
+
+    def epoch_done(self, epoch: int, record: Mapping[str, Any]) -> None:
+        self.next_epoch = epoch + 1
+        self.events.put(("epoch", self.run_label, epoch, {"valid_ppl": record["valid_ppl"]}))
+
+    def run_done(self, label: str, result: Mapping[str, Any], *, reused: bool = False) -> None:
+        # The main process counts the run when its result arrives; it only needs to know this.
+        if reused:
+            self.events.put(("reused", label))
+
+
+def relay_events(events: Any, progress: JobProgress, reused: set[str]) -> None:
+    """Pass the events waiting on ``events`` to ``progress``; labels of reused runs go to
+    ``reused``."""
+    while True:
+        try:
+            event = events.get_nowait()
+        except queue.Empty:
+            return
+        if event[1] in progress.finished:
+            continue  # a late event of a run whose result has arrived
+        if event[0] == "start":
+            progress.start_run(event[1], event[2])
+        elif event[0] == "epoch":
+            progress.epoch_done(event[2], event[3], label=event[1])
+        else:
+            reused.add(event[1])
+
+
+class EpochProgress:
+    """A tqdm bar on a terminal when tqdm is installed and ``bar`` (below the job's bar of
+    :class:`rnndrop.lm.run.report.JobProgress`, if one is drawn), else a log line every
+    tenth of the loop (e.g. when stderr goes to a file, or in a worker process of ``--jobs``
+    whose bars would overwrite each other)."""
+
+    def __init__(self, total: int, desc: str, enabled: bool, *, bar: bool = True) -> None:
+        self.total, self.desc, self.count = total, desc, 0
+        self.bar = None
+        self.enabled = enabled
+        if enabled and bar and sys.stderr.isatty():
+            try:
+                from tqdm.auto import tqdm
+
+                self.bar = tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
+            except ImportError:
+                pass
+        self.every = max(1, total // 10)
+
+    def update(self, **stats: float) -> None:
+        self.count += 1
+        text = {k: f"{v:,.0f}" if v >= 100 else f"{v:.2f}" for k, v in stats.items()}
+        if self.bar is not None:
+            self.bar.set_postfix(text, refresh=False)
+            self.bar.update(1)
+        elif self.enabled and (self.count % self.every == 0 or self.count == self.total):
+            log.info("%s %d/%d %s", self.desc, self.count, self.total,
+                     " ".join(f"{k}={v}" for k, v in text.items()))
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# -- metrics.csv -----------------------------------------------------------------------------------
+
+#: Its columns; ``elapsed_seconds`` is the training time so far (the sum of the epochs'
+#: ``seconds``, evaluation excluded), so it survives an interrupted and resumed run.
+METRICS_COLUMNS: tuple[str, ...] = (
+    "epoch", "lr", "train_ppl", "valid_ppl", "words_per_second", "seconds", "elapsed_seconds",
+)
+
+
+def _metrics_row(record: Mapping[str, Any], elapsed: float) -> dict[str, Any]:
+    return {
+        "epoch": record["epoch"], "lr": record["lr"], "train_ppl": record["train_ppl"],
+        "valid_ppl": record["valid_ppl"], "words_per_second": record["words_per_second"],
+        "seconds": record["seconds"], "elapsed_seconds": elapsed,
+    }
+
+
+def _write_metrics(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=METRICS_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    with atomic_write(path, "w", encoding="utf-8") as f:
+        f.write(buffer.getvalue())
+
+
+class EpochLog:
+    """Per-epoch metrics of one run: ``metrics.csv`` (rewritten atomically after every
+    epoch) and TensorBoard scalars (``tensorboard/``) when ``tensorboard`` is installed.
+
+    Use it as ``train_run(..., on_epoch_end=log)``; after the run, :meth:`finish` with
+    the result rewrites the CSV from the result's history (the authority after a resume).
+    """
+
+    def __init__(self, folder: str | Path, *, tensorboard: bool = True) -> None:
+        self.folder = Path(folder)
+        self.path = self.folder / METRICS
+        self.rows: list[dict[str, Any]] = []
+        if self.path.is_file():
+            try:
+                with open(self.path, encoding="utf-8", newline="") as f:
+                    self.rows = [{k: float(v) if k != "epoch" else int(v) for k, v in row.items()}
+                                 for row in csv.DictReader(f)]
+            except (ValueError, TypeError, OSError):
+                self.rows = []  # rebuilt from the result's history when the run ends
+        self._tensorboard = tensorboard
+        self._writer: Any = None
+
+    def __call__(self, epoch: int, record: Mapping[str, Any]) -> None:
+        rows = [r for r in self.rows if r["epoch"] < epoch]
+        elapsed = sum(r["seconds"] for r in rows) + record["seconds"]
+        self.rows = [*rows, _metrics_row(record, elapsed)]
+        _write_metrics(self.rows, self.path)
+        if self._tensorboard:
+            self._scalars(epoch, record)
+
+    def _scalars(self, epoch: int, record: Mapping[str, Any]) -> None:
+        if self._writer is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard is optional: no scalars, no message
+                self._tensorboard = False
+                return
+            self._writer = SummaryWriter(log_dir=str(self.folder / "tensorboard"))
+        self._writer.add_scalar("perplexity/train", record["train_ppl"], epoch)
+        self._writer.add_scalar("perplexity/valid", record["valid_ppl"], epoch)
+        self._writer.add_scalar("lr", record["lr"], epoch)
+        self._writer.add_scalar("words_per_second", record["words_per_second"], epoch)
+        self._writer.flush()
+
+    def finish(self, result: Mapping[str, Any]) -> None:
+        elapsed, rows = 0.0, []
+        for record in result["epochs"]:
+            elapsed += record["seconds"]
+            rows.append(_metrics_row(record, elapsed))
+        self.rows = rows
+        _write_metrics(rows, self.path)
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+# -- tables ----------------------------------------------------------------------------------------
+
+def format_dropout(probabilities: Mapping[str, float]) -> str:
+    """``"emb 0.1 · in 0.5 · ..."`` for the sites with p > 0, or ``"—"``."""
+    short = {"embedding": "emb", "input": "in", "between": "mid", "hidden": "rec", "output": "out"}
+    parts = [f"{short.get(k, k)} {v:g}" for k, v in probabilities.items() if v]
+    return " · ".join(parts) if parts else "—"
+
+
+def _mean_sd(values: Sequence[float], digits: int = 1, *, signed: bool = False) -> str:
+    sign = "+" if signed else ""
+    if len(values) == 1:
+        return f"{values[0]:{sign}.{digits}f}"
+    return f"{statistics.mean(values):{sign}.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
+def markdown_table(results: Sequence[Mapping[str, Any]], *, group: bool = True) -> str:
+    """A Markdown table comparing runs.
+
+    With ``group`` runs of the same regime and dropout probabilities (different seeds)
+    share a row: perplexities are ``mean ± sd`` over the seeds, which are listed.
+    """
+    groups: dict[tuple, list[Mapping[str, Any]]] = {}
+    for r in results:
+        key = (r["regime"], json.dumps(r["dropout"], sort_keys=True)) if group else (id(r),)
+        groups.setdefault(key, []).append(r)
+    lines = [
+        "| regime | dropout | seeds | best epoch | valid ppl | test ppl | test ppl, MC | words/s "
+        "| wall (min) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for runs in groups.values():
+        first = runs[0]
+        mc = [r["test_ppl_mc"] for r in runs if r.get("test_ppl_mc") is not None]
+        mc_text = f"{_mean_sd(mc)} (S={first['mc_samples']})" if len(mc) == len(runs) else "—"
+        lines.append(
+            "| {regime} | {dropout} | {seeds} | {epoch} | {valid} | {test} | {mc} | {wps} | {wall} |".format(
+                regime=first["regime"],
+                dropout=format_dropout(first["dropout"]),
+                seeds=", ".join(str(r["seed"]) for r in runs),
+                epoch=", ".join(str(r["best_epoch"]) for r in runs),
+                valid=_mean_sd([r["best_valid_ppl"] for r in runs]),
+                test=_mean_sd([r["test_ppl"] for r in runs]),
+                mc=mc_text,
+                wps=f"{statistics.mean(r['words_per_second'] for r in runs):,.0f}",
+                wall=f"{statistics.mean(r['wall_seconds'] for r in runs) / 60:.1f}",
+            )
+        )
+    return "\n".join(lines) + "\n"
+
+
+def paired_differences(
+    results: Sequence[Mapping[str, Any]], baseline: str, key: str = "test_ppl"
+) -> dict[str, list[float]]:
+    """Per regime, ``run[key] - baseline_run[key]`` over the seeds both ran.
+
+    Runs of one seed share the initialisation seed and the order of the data, so the
+    paired difference removes what the seed does to both and shows what the regime does.
+    """
+    base = {r["seed"]: r[key] for r in results if r["regime"] == baseline and r.get(key) is not None}
+    out: dict[str, list[float]] = {}
+    for r in results:
+        if r["regime"] != baseline and r["seed"] in base and r.get(key) is not None:
+            out.setdefault(r["regime"], []).append(r[key] - base[r["seed"]])
+    return out
+
+
+def comparison_table(results: Sequence[Mapping[str, Any]], baseline: str = "naive") -> str:
+    """One row per regime: test perplexity and its paired difference to ``baseline``
+    (standard and Monte-Carlo), next-word calibration (ECE, NLL per token), and each
+    seed's best epoch out of the epochs it ran ("cap" marks a run stopped by the epoch
+    cap while validation was still improving: not converged). Values are mean ± sd."""
+    by_regime: dict[str, list[Mapping[str, Any]]] = {}
+    for r in results:
+        by_regime.setdefault(r["regime"], []).append(r)
+    diff = paired_differences(results, baseline)
+    diff_mc = paired_differences(results, baseline, "test_ppl_mc")
+    lines = [
+        f"| regime | best epoch / run | test ppl | Δ vs {baseline} | test ppl, MC | Δ MC vs {baseline} "
+        "| ECE % | ECE %, MC | NLL | NLL, MC |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for regime, runs in by_regime.items():
+        runs = sorted(runs, key=lambda r: r["seed"])
+
+        def column(key: str, scale: float = 1.0, digits: int = 1, runs=runs) -> str:
+            values = [r[key] * scale for r in runs if r.get(key) is not None]
+            return _mean_sd(values, digits) if values and len(values) == len(runs) else "—"
+
+        def delta(diffs: dict[str, list[float]], regime: str = regime) -> str:
+            if regime == baseline:
+                return "0"
+            return _mean_sd(diffs[regime], signed=True) if regime in diffs else "—"
+
+        epochs = ", ".join(
+            f"{r['best_epoch']}/{r.get('epochs_run', len(r['epochs']))}"
+            + ("" if r.get("converged", True) else " cap")
+            for r in runs
+        )
+        lines.append(
+            f"| {regime} | {epochs} | {column('test_ppl')} | {delta(diff)} | {column('test_ppl_mc')} | "
+            f"{delta(diff_mc)} | {column('test_ece', 100, 2)} | {column('test_ece_mc', 100, 2)} | "
+            f"{column('test_nll', 1, 3)} | {column('test_nll_mc', 1, 3)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+def benchmark_markdown(
+    dataset: str,
+    config_name: str,
+    final_results: Sequence[Mapping[str, Any]],
+    grid_results: Sequence[Mapping[str, Any]] = (),
+    *,
+    command: str = "",
+    grid_seed: int | None = None,
+) -> str:
+    """The benchmark's report: command, corpus, the comparison table and the grid."""
+    lines = [f"# {dataset} language-model benchmark, config `{config_name}`", ""]
+    if command:
+        lines += ["Command:", "", "```bash", command, "```", ""]
+    corpus_info = final_results[0].get("corpus", {}) if final_results else {}
+    lines += [
+        f"Corpus: `{corpus_info.get('source', '?')}` "
+        f"({corpus_info.get('train_tokens', '?')} / {corpus_info.get('valid_tokens', '?')} / "
+        f"{corpus_info.get('test_tokens', '?')} train / valid / test tokens with `<eos>`, "
+        f"vocabulary {corpus_info.get('vocab_size', '?')}).",
+        "",
+        "Perplexities are mean ± sd over seeds; test perplexity uses the parameters of the "
+        "best validation epoch; MC = Monte-Carlo dropout with S samples.",
+        "",
+        markdown_table(final_results),
+    ]
+    regimes = {r["regime"] for r in final_results}
+    if len(regimes) > 1:
+        baseline = "naive" if "naive" in regimes else final_results[0]["regime"]
+        lines += [
+            f"Paired against `{baseline}` (same seed: same initialisation seed and data order), "
+            "next-word calibration on the test split (ECE with 15 bins, NLL in nats per token), "
+            "and convergence (best epoch / epochs run; `cap`: stopped by the epoch cap while "
+            "validation was still improving):",
+            "",
+            comparison_table(final_results, baseline),
+        ]
+    if grid_results:
+        lines += [
+            f"Grid (seed {grid_seed}); the dropout of each regime was chosen by validation "
+            "perplexity only:",
+            "",
+            "| regime | dropout | best epoch | valid ppl | chosen |",
+            "|---|---|---|---|---|",
+        ]
+        chosen = {f["regime"]: f["dropout"] for f in final_results}
+        for r in sorted(grid_results, key=lambda r: (r["regime"], r["best_valid_ppl"])):
+            mark = "✓" if r["dropout"] == chosen.get(r["regime"]) else ""
+            lines.append(f"| {r['regime']} | {format_dropout(r['dropout'])} | {r['best_epoch']} | "
+                         f"{r['best_valid_ppl']:.1f} | {mark} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+# -- plots -----------------------------------------------------------------------------------------
+
+def noise_series(epochs: list[dict[str, Any]], key: str = "alpha") -> dict[str, list[tuple[int, float]]]:
+    """Per site, ``(epoch, value)`` of ``key`` (``"alpha"`` or ``"kl"``) over a run's epochs."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    for record in epochs:
+        for site, value in record.get("noise", {}).get(key, {}).items():
+            series.setdefault(site, []).append((record["epoch"], value))
+    return series
+
+
+def _config_text(cfg: Mapping[str, Any]) -> str:
+    cell = str(cfg.get("cell", "lstm")).upper()
+    model = (f"{cfg.get('num_layers', '?')}×{cfg.get('hidden_size', '?')} {cell}, "
+             f"emb {cfg.get('embedding_size', '?')}")
+    train = (f"{cfg.get('optimizer', 'sgd')} lr {cfg.get('lr', '?'):g}, batch {cfg.get('batch_size', '?')}, "
+             f"bptt {cfg.get('bptt', '?')}") if isinstance(cfg.get("lr"), (int, float)) else ""
+    return f"config {cfg.get('name', '?')}: {model}" + (f"\n{train}" if train else "")
+
+
+def _shared_config(results: Sequence[Mapping[str, Any]]) -> bool:
+    return len({_config_text(r.get("config", {})) for r in results}) <= 1
+
+
+def _plot_title(results: Sequence[Mapping[str, Any]]) -> str:
+    """The corpus, and the config when every run has the same one (else each legend entry names its own)."""
+    first = results[0]
+    source = Path(str(first.get("corpus", {}).get("source", ""))).name
+    what = first.get("dataset") or "corpus"
+    if source:
+        what += f" ({source})"
+    if not _shared_config(results):
+        return f"{what}, configs in the legend"
+    return f"{what}, {_config_text(first.get('config', {}))}"
+
+
+def learning_curve_figure(results: Sequence[Mapping[str, Any]]):
+    """A matplotlib figure of train (dashed, ×) and validation (solid, ●) perplexity per
+    epoch of every run, the best epoch circled, the test perplexity in the legend, titled
+    with the corpus and the config (when the runs' configs differ, each legend entry names its
+    own; matplotlib required). The log axis is labelled at round values inside the data's
+    range, so 150 can be told from 185."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, MaxNLocator, NullLocator
+
+    fig, ax = plt.subplots(figsize=(7, 4.8))
+    shared_config = _shared_config(results)
+    for i, r in enumerate(results):
+        color = f"C{i % 10}"
+        epochs = [e["epoch"] for e in r["epochs"]]
+        valid = [e["valid_ppl"] for e in r["epochs"]]
+        ax.plot(epochs, valid, color=color, marker="o", markersize=4, label=_legend_label(r, shared_config))
+        ax.plot(epochs, [e["train_ppl"] for e in r["epochs"]], color=color, marker="x",
+                markersize=4, linestyle="--")
+        if r.get("best_epoch") in epochs:
+            best = epochs.index(r["best_epoch"])
+            ax.plot([epochs[best]], [valid[best]], color=color, marker="o", markersize=11,
+                    fillstyle="none", markeredgewidth=1.5)
+    ax.set_xlabel("epoch")
+    last = max((e["epoch"] for r in results for e in r["epochs"]), default=1)
+    ax.set_xlim(0.5, last + 0.5)  # a range of at least one epoch, so every tick is an epoch
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+    ax.set_ylabel("perplexity (solid ●: valid, dashed ×: train; ○ best epoch)")
+    ax.set_yscale("log")
+    values = [e[k] for r in results for e in r["epochs"] for k in ("valid_ppl", "train_ppl")]
+    finite = [v for v in values if isinstance(v, (int, float)) and 0 < v < float("inf")]
+    if finite:
+        ticks = [t for t in MaxNLocator(nbins=8).tick_values(min(finite), max(finite)) if t > 0]
+        ax.set_yticks(ticks)
+        ax.yaxis.set_minor_locator(NullLocator())
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.set_title(_plot_title(results), fontsize=9)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def _legend_label(result: Mapping[str, Any], shared_config: bool = True) -> str:
+    label = f"{result['regime']} ({format_dropout(result['dropout'])}, seed {result['seed']})"
+    if not shared_config:
+        label = _config_text(result.get("config", {})).replace("\n", " · ") + "\n" + label
+    if isinstance(result.get("test_ppl"), (int, float)):
+        label += f": test {result['test_ppl']:.1f}"
+    return label
+
+
+def plot_learning_curves(results: Sequence[Mapping[str, Any]], path: str | Path) -> Path | None:
+    """:func:`learning_curve_figure` as a PNG at ``path`` (written atomically); every epoch
+    is a marker, so a one-epoch run shows too.
+
+    Returns the path, or None when matplotlib is not installed or there is nothing to plot.
+    """
+    return _save_png(learning_curve_figure, results, path) if results else None
+
+
+def alpha_figure(results: Sequence[Mapping[str, Any]]):
+    """A matplotlib figure of the mean learned ``alpha`` of every site per epoch (log axis;
+    one colour per site, one line style per run), with ``p = alpha / (1 + alpha)``, the
+    Bernoulli dropout of the same variance, on the right axis."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.8))
+    styles = ("-", "--", ":", "-.")
+    for i, r in enumerate(results):
+        for j, (site, points) in enumerate(sorted(noise_series(r["epochs"]).items())):
+            ax.plot([e for e, _ in points], [a for _, a in points], color=f"C{j % 10}",
+                    linestyle=styles[i % len(styles)], marker="o", markersize=3,
+                    label=f"{site} (seed {r['seed']})" if len(results) > 1 else site)
+    ax.set_yscale("log")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("mean alpha of the site (noise variance)")
+    right = ax.secondary_yaxis("right", functions=(lambda a: a / (1 + a), lambda p: p / (1 - p).clip(1e-9)))
+    right.set_ylabel("p of the same variance")
+    ax.set_title(_plot_title(results) + f"\nregime {results[0]['regime']}: learned alpha per site",
+                 fontsize=9)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def plot_alphas(results: Sequence[Mapping[str, Any]], path: str | Path) -> Path | None:
+    """:func:`alpha_figure` as a PNG at ``path`` (written atomically); None when no run
+    learned its noise or matplotlib is not installed."""
+    if not any(noise_series(r["epochs"]) for r in results):
+        return None
+    return _save_png(alpha_figure, results, path)
+
+
+def _save_png(figure: Any, results: Sequence[Mapping[str, Any]], path: str | Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: no plot at %s (pip install 'rnndrop[bench]')", path)
+        return None
+    fig = figure(results)
+    path = Path(path)
+    try:
+        with atomic_write(path) as f:
+            fig.savefig(f, format="png", dpi=110)
+    finally:
+        plt.close(fig)
+    return path
