@@ -20,8 +20,7 @@ from torch import Tensor, nn
 
 from rnndrop.activation_regularization import RecurrentOutputs
 from rnndrop.embedding_dropout import EmbeddingDropout
-from rnndrop.recurrent import VariationalGRU, VariationalLSTM
-from rnndrop.stack import VariationalRNNStack
+from rnndrop.recurrent import VariationalGRU, VariationalLSTM, VariationalRNNStack
 from rnndrop.validation import check_probability
 from rnndrop.weight_drop import WeightDrop
 
@@ -186,5 +185,5 @@ class RNNLanguageModel(nn.Module):
         raise TypeError(
             f"return_outputs=True needs the last layer's output before its dropout, which a "
             f"{type(core).__name__} does not give: use a VariationalLSTM / VariationalGRU (or a stack "
-            "built on rnndrop.stack.VariationalRNNStack), or an nn.LSTM / nn.GRU without output dropout"
+            "built on rnndrop.recurrent.VariationalRNNStack), or an nn.LSTM / nn.GRU without output dropout"
         )
