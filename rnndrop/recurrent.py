@@ -373,7 +373,18 @@ class VariationalRNNStack(Stochastic):
         """
         if torch.compiler.is_compiling():
             # torch.compile runs the layer eagerly, as it runs nn.LSTM: a graph break, not an error.
-            return run_eagerly(VariationalRNNStack._forward)(self, input, hx, masks, return_raw_output)
+            eager = run_eagerly(VariationalRNNStack._forward_eagerly)
+            return eager(self, input, hx, masks, return_raw_output)
+        return self._forward_eagerly(input, hx, masks, return_raw_output)
+
+    def _forward_eagerly(
+        self,
+        input: Tensor | PackedSequence,
+        hx: Tensor | tuple[Tensor, ...] | None,
+        masks: RecurrentMasks | None,
+        return_raw_output: bool,
+    ) -> tuple:
+        """:meth:`_forward` without the check for torch.compile (it calls this one eagerly)."""
         owner = type(self).__name__
         x, layout = SequenceLayout.from_input(
             input, batch_first=self.batch_first, input_size=self.input_size, weight=self.weight_ih_l0,
