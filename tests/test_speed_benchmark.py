@@ -117,21 +117,25 @@ def test_tf32_sets_cudnn_and_cublas_alike_and_the_header_says_so(speed, choice, 
 
 
 def test_the_goal_table_checks_time_and_memory(speed):
+    """Issue 41's goals: tied masks within 0.5x cuDNN (1.0x at hidden 1500) and no more memory,
+    per-gate masks within 10% of tied in the same case, batch-shared masks within 1.05x."""
     def row(variant, hidden, ratio, memory):
         return dict(model="lstm", hidden=hidden, batch=20, variant=variant, ratio=ratio, memory_ratio=memory)
 
     rows = [
         row("nn.LSTM", 650, 1.0, 1.0),
-        row("sequence/triton*", 650, 1.25, 1.4),  # met
-        row("sequence/triton*", 200, 1.9, 1.2),  # met: 2x at hidden 200
-        row("sequence/triton*", 1500, 1.2, 1.6),  # memory over 1.5x
+        row("sequence/triton*", 650, 0.45, 0.9),  # met
+        row("sequence/triton*", 200, 0.6, 0.5),  # over 0.5x
+        row("sequence/triton*", 1500, 0.9, 1.2),  # time met (1.0x at 1500), memory over cuDNN's
+        row("gates/triton*", 650, 0.54, None),  # 1.2x tied's 0.45: over 10%
+        row("gates/triton*", 1500, 0.95, None),  # 1.06x tied's 0.9: met
         row("sequence/manual", 650, 5.0, 1.0),  # not the auto kernel: no goal
         row("batch/fused", 650, 1.07, 1.0),  # over 1.05x
     ]
     lines = speed.goal_rows(rows, "triton")
-    assert len(lines) == 5  # the header and the four rows with a goal
-    assert [line.split()[-1] for line in lines[1:]] == ["yes", "yes", "NO", "NO"]
-    assert "2.00" in lines[2]
+    assert len(lines) == 7  # the header and the six rows with a goal
+    assert [line.split()[-1] for line in lines[1:]] == ["yes", "NO", "NO", "NO", "yes", "NO"]
+    assert "1.00" in lines[3] and "1.20" in lines[4]
 
 
 def test_the_graphed_variant_runs_the_triton_kernel_with_graphs_on_for_it_only(speed, monkeypatch):
