@@ -136,15 +136,18 @@ def test_persistent_loop_over_several_programs_matches_reference(kind, device, m
 
 
 def test_persistent_loop_runs_where_it_can_and_the_step_kernel_elsewhere(device, monkeypatch):
-    """float32 and half types without a projection run persistent; float64 and a projection run the
-    step kernel; ``turned_off`` sends everything to the step kernel."""
+    """float32 and half types without a projection run persistent; float64, a projection and a batch
+    over ``MAX_BATCH`` run the step kernel; ``turned_off`` sends everything to the step kernel."""
     calls = persistent_calls(monkeypatch)
-    for dtype, proj, expected in [(torch.float32, 0, 2), (torch.float16, 0, 2), (torch.float64, 0, 0),
-                                  (torch.float32, 3, 0)]:
+    big = persistent.MAX_BATCH + 1
+    for dtype, proj, sizes, expected in [
+        (torch.float32, 0, [3, 2], 2), (torch.float16, 0, [3, 2], 2), (torch.float64, 0, [3, 2], 0),
+        (torch.float32, 3, [3, 2], 0), (torch.float32, 0, [big, 1], 0),
+    ]:
         calls.clear()
-        args = inputs("lstm", [3, 2], (1, "B", "P"), proj, device, dtype, H=16)
-        run("triton", "lstm", [3, 2], args, False)
-        assert len(calls) == expected, (dtype, proj, calls)
+        args = inputs("lstm", sizes, (1, "B", "P"), proj, device, dtype, H=16)
+        run("triton", "lstm", sizes, args, False)
+        assert len(calls) == expected, (dtype, proj, sizes, calls)
     calls.clear()
     with persistent.turned_off():
         run("triton", "gru", [3, 2], inputs("gru", [3, 2], None, 0, device, torch.float32, H=16), False)

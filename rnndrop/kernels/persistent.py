@@ -572,7 +572,8 @@ def _run(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constex
     cuda = device.type == "cuda"
     cooperative = cuda and _COOPERATIVE and how.programs > 1
     options = dict(launch_cooperative_grid=True) if cooperative else {}
-    if cuda:
+    capturing = cuda and torch.cuda.is_current_stream_capturing()
+    if cuda and not capturing:
         _read_finished_counters()
     key = (kernel.__name__, constexprs["BB"], constexprs["BK"], constexprs["MASK_GATES"], args[0].dtype)
     for stages in _STAGES[_STAGES.index(_stages.get(key, _STAGES[0])):]:
@@ -589,7 +590,7 @@ def _run(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constex
             return f"the cooperative launch was refused ({str(error).strip().splitlines()[0]})"
     else:
         return "its loads do not fit in shared memory even unpipelined"
-    if not cuda or torch.cuda.is_current_stream_capturing():
+    if not cuda or capturing:
         return None
     if cooperative:
         value = torch.empty(1, dtype=torch.int32, pin_memory=True)
@@ -671,7 +672,8 @@ def lstm_backward(how: Launch, schedule: Schedule, needs: Sequence[bool], saved,
     d_gates = s.acts.new_empty(N, 4 * H)
     carry = initial_grad(d_hn, s.h0, torch.float32)
     dc = initial_grad(d_cn, s.c0, torch.float32)
-    dh0, dc0 = torch.zeros(B, H, device=device), torch.zeros(B, H, device=device)
+    # every row starts once, so the loop writes every row of dh_0 and dc_0 (at the step it starts)
+    dh0, dc0 = torch.empty(B, H, device=device), torch.empty(B, H, device=device)
     need_dmask = bool(needs[5]) and s.mask is not None
     d_masked = s.masked.new_empty(s.masked.shape) if need_dmask else None
     dm_target = d_masked if d_masked is not None else s.masked
@@ -722,7 +724,7 @@ def gru_backward(how: Launch, schedule: Schedule, needs: Sequence[bool], saved, 
     d_a = s.acts.new_empty(N, 3 * H)
     d_n = s.acts.new_empty(N, H)
     carry = initial_grad(d_hn, s.h0, torch.float32)
-    dh0 = torch.zeros(B, H, device=device)
+    dh0 = torch.empty(B, H, device=device)  # every row written at the step it starts
     need_dmask = bool(needs[4]) and s.mask is not None
     d_masked = s.masked.new_empty(s.masked.shape) if need_dmask else None
     dm_target = d_masked if d_masked is not None else s.masked
