@@ -12,6 +12,7 @@ views and indices and do the arithmetic themselves.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -66,6 +67,12 @@ class Schedule:
                 prev_size = self.sizes[prev]
                 self.steps.append(Step(t, size, prev, prev_size, min(size, prev_size)))
             prev = t
+
+    @staticmethod
+    def of(batch_sizes: Sequence[int], reverse: bool) -> Schedule:
+        """The schedule of ``batch_sizes`` and direction, built once and shared (a schedule is
+        never changed after it is built): a GPU loop's host time is the cost to cut there."""
+        return _cached_schedule(tuple(int(b) for b in batch_sizes), bool(reverse))
 
     def by_step(self, x: Tensor) -> tuple[Tensor, ...]:
         """Views of the rows of every time step of ``x`` ``[N, ...]``, indexed by ``t``."""
@@ -139,6 +146,11 @@ class Schedule:
             m = mask[t] if shared is None else shared
             out.append(m[:size] if m.shape[0] > size else m)
         return out
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_schedule(batch_sizes: tuple[int, ...], reverse: bool) -> Schedule:
+    return Schedule(batch_sizes, reverse)
 
 
 def _arange_segments(segments: list[tuple[int, int]], device: torch.device) -> Tensor:

@@ -278,6 +278,6 @@ def gru_recurrence(
     out, h_n = _GRURecurrence.apply(
         gates_x.to(dtype).contiguous(), h0.contiguous(), w_hh.to(dtype).contiguous(),
         None if b_hh is None else b_hh.contiguous(),
-        None if hidden_mask is None else hidden_mask.contiguous(), Schedule(batch_sizes, reverse),
+        None if hidden_mask is None else hidden_mask.contiguous(), Schedule.of(batch_sizes, reverse),
     )
     return out, h_n

@@ -307,6 +307,6 @@ def lstm_recurrence(
     out, h_n, c_n = _LSTMRecurrence.apply(
         gates_x.to(dtype).contiguous(), h0.contiguous(), c0.contiguous(), w_hh.to(dtype).contiguous(),
         None if w_hr is None else w_hr.to(dtype).contiguous(),
-        None if hidden_mask is None else hidden_mask.contiguous(), Schedule(batch_sizes, reverse),
+        None if hidden_mask is None else hidden_mask.contiguous(), Schedule.of(batch_sizes, reverse),
     )
     return out, h_n, c_n
