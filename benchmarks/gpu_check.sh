@@ -22,6 +22,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,tem
 $PY -c "import torch, triton, sys; print(sys.version.split()[0], torch.__version__, 'cuda', torch.version.cuda, \
 'cudnn', torch.backends.cudnn.version(), 'triton', triton.__version__, torch.cuda.get_device_name())"
 nproc
+$PY -c "from rnndrop.kernels import persistent as p; print('persistent loop: cooperative launches', p._COOPERATIVE)"
 }
 
 checks() {
