@@ -525,7 +525,7 @@ def _mask_strides(mask: Tensor | None) -> tuple[int, int]:
 
 def _cooperative_launches() -> bool:
     """Whether this Triton launches a grid cooperatively (CUDA then runs every program at once, or
-    refuses the launch): ``launch_cooperative_grid``, in Triton's NVIDIA options since 3.3."""
+    refuses the launch): ``launch_cooperative_grid`` among Triton's NVIDIA options."""
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
     except ImportError:
