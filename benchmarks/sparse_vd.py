@@ -16,7 +16,7 @@ that a finished run of regime ``gaussian`` learned.
 
     python benchmarks/sparse_vd.py --data ../shared/data/ptb-144k \\
         --dense runs/ptb144k/tied/emb0.1-in0.5-mid0.5-rec0.2-out0.5-seed1 \\
-        --kl-weights 1,0.3,0.1 --runs runs/sparse-vd --resume --out docs/sparse-vd
+        --kl-weights 1,0.3,0.1 --runs runs/sparse-vd --resume --out results/sparse-vd
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ Kernels, by name:
   and :mod:`rnndrop.kernels.gru`, with the row bookkeeping in
   :mod:`rnndrop.kernels.schedule` and the matrix products in :mod:`rnndrop.kernels.matmul`;
 - ``"autograd"``: the reference loop differentiated by autograd,
-  :mod:`rnndrop.kernels.reference` (about 2x slower on CPU; twice differentiable);
+  :mod:`rnndrop.kernels.reference` (the slowest; twice differentiable);
 - ``"compiled"``: the manual kernel's equations with the time loops in C++,
   :mod:`rnndrop.kernels.compiled` (CPU, float32 / float64; built on first use).
   ``kernel="auto"`` runs it where it can (:func:`auto_loop_kernel`);

@@ -38,8 +38,7 @@ def masked_linear(x: Tensor, mask: Tensor | None, weight: Tensor, bias: Tensor |
     if mask.dim() <= x.dim():
         return F.linear(x * mask, weight, bias)
     # One product per gate, side by side: a batched product over the gates would first copy
-    # x * mask gate-major and its result back (1.3x the time of a layer's input projection at
-    # hidden 200, one thread, AMD EPYC Zen 4).
+    # x * mask gate-major and its result back, the slower way (docs/speed.md, "Per-gate masks").
     gates = mask.shape[-2]
     biases = bias.chunk(gates) if bias is not None else (None,) * gates
     return torch.cat([F.linear(x * mask[..., g, :], w, b)

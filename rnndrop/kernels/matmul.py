@@ -73,8 +73,9 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
 
 def _dense(t: Tensor) -> bool:
     """Whether oneDNN reads ``t`` as a weight without a reorder of its own: contiguous or a
-    transposed contiguous view. Other strides (a slice of columns) took it 1-30 s a product of
-    [700, 200] (AMD EPYC Zen 4), so such an operand is copied first."""
+    transposed contiguous view. Other strides (a slice of columns) make it reorder the operand on
+    every product, far slower than a copy (docs/speed.md, "Operands oneDNN reads without a copy"),
+    so such an operand is copied first."""
     return t.is_contiguous() or t.t().is_contiguous()
 
 
@@ -124,7 +125,7 @@ def input_projection(x: Tensor, mask: Tensor | None, weight: Tensor, bias: Tenso
         return masked_linear(x, mask, weight, bias)
     if mask is None and x.dim() == 2 and onednn_enabled(x) and weight.dtype == x.dtype:
         return _Linear.apply(x.contiguous(), weight, bias)
-    # (not torch.broadcast_shapes: its first call imports torch._refs, 0.4 s)
+    # (not torch.broadcast_shapes: its first call imports torch._refs; docs/speed.md, "Per-gate masks")
     if (mask is not None and mask.dim() == x.dim() + 1
             and all(m in (1, n) for m, n in zip(mask.shape[:-2], x.shape[:-1]))):
         return per_gate_projection(x, mask, weight, bias)

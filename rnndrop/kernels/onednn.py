@@ -1,13 +1,12 @@
 """Whether and when a product goes through oneDNN instead of torch's CPU BLAS.
 
 Whether: by capability. Whatever the CPU vendor, an op that is missing or fails on a tiny probe
-sends every product to BLAS. When: by the weight's size and the rows a product has (measured).
+sends every product to BLAS. When: by the weight's size and the rows a product has.
 
 Why: torch's CPU BLAS (MKL) runs AVX2 code on AMD CPUs, while oneDNN, which
-torch's own fused ``nn.LSTM`` uses, picks AVX-512 wherever the CPU has it. On an
-AMD EPYC (Zen, AVX-512) the per-step product at hidden 650 takes 170 us through
-oneDNN against 540 us through ``torch.mm``; at hidden 200 30 us against 54 us.
-Results agree with ``torch.mm`` to float32 rounding.
+torch's own fused ``nn.LSTM`` uses, picks AVX-512 wherever the CPU has it, and
+is then the faster for large weights. Results agree with ``torch.mm`` to float32
+rounding. The measurements behind the rule: docs/speed.md, "oneDNN or BLAS for a product".
 """
 
 from __future__ import annotations
@@ -22,17 +21,10 @@ __all__ = ["onednn_enabled", "worth_onednn"]
 #: A weight (with per-gate masks: each gate's block) goes through oneDNN's products (float32,
 #: where torch has oneDNN) when it has at least ONEDNN_MIN_WEIGHT elements, or at least
 #: ONEDNN_MIN_WEIGHT_MANY_ROWS and the products have ONEDNN_MANY_ROWS rows or more; else through
-#: BLAS, whatever the thread count. Packing costs about one step's product (208 µs at H 200, 1
-#: thread), once per call. Measured on an AMD EPYC Zen 4 (AVX-512; torch's MKL runs its AVX2
-#: code there, oneDNN AVX-512), one step's product [rows, H] x [H, 4H], 1 / 2 threads, BLAS
-#: against packed: H 400 (640 k elements), 20 rows 308 / 213 µs against 242 / 136; H 650 (1.7 M)
-#: 883 / 584 against 618 / 325; H 200 (160 k), 20 rows 93 / 56 against 91 / 50, 64 rows 263 /
-#: 157 against 216 / 114, 200 rows 752 / 445 against 633 / 317; H 100 (40 k), 64 rows 54 / 38
-#: against 75 / 39. Time over nn.LSTM, tied LSTM, BLAS against packed: at 400, batch 20, 1.02 /
-#: 1.18 against 0.96 / 1.09; at 200, batch 64, 0.99 / 1.23 against 0.90 / 1.07 (training), 1.39
-#: against 1.29 (2 threads, Monte-Carlo forward). The GRU at 200 (120 k elements), batch 64,
-#: trained 3-10% slower packed: hence 150 k. On a Zen 3 (AVX2) BLAS was the faster at 200 and
-#: even at 650 with 1 thread (batch 20).
+#: BLAS, whatever the thread count. Packing costs about one step's product, once per call: the
+#: packed product gains from hidden 400 at any rows and at hidden 200 from 32 rows; the 150 k floor
+#: keeps the GRU at hidden 200 (120 k elements) on BLAS, where packed it trained slower. Measured
+#: on a Zen 4 (AVX-512) and a Zen 3 (AVX2): docs/speed.md, "oneDNN or BLAS for a product".
 ONEDNN_MIN_WEIGHT = 250_000
 ONEDNN_MIN_WEIGHT_MANY_ROWS = 150_000
 ONEDNN_MANY_ROWS = 32

@@ -8,15 +8,12 @@ where ``W_g`` and ``b_g`` are gate ``g``'s rows of ``W_ih`` and of the bias. The
 copy and concatenates: four masked copies kept for backward, four outputs and their
 concatenation, all fresh memory on every call. Here each gate's product writes its columns of
 the output directly, the masked input goes through one reused buffer, and backward keeps only
-``x`` and the mask. The fresh pages were what made per-gate masks slow on a CPU: a training step
-of a 2 x 200 LSTM, one thread, spent 14-20% more time than with one mask, and 6% more with glibc
-told to keep freed memory (AMD EPYC Zen 4).
+``x`` and the mask. The fresh pages, not the arithmetic, were what made per-gate masks slow on a
+CPU (docs/speed.md, "Per-gate masks").
 
 A gate's forward product goes through oneDNN where :func:`~rnndrop.kernels.onednn.worth_onednn`
-says so (its result copied into the gate's columns), else BLAS writes the columns itself. At
-hidden 650, 700 rows, a projection took 24.5 ms against 26.7 through BLAS (1 thread; 12.3
-against 13.4 with 2; AMD EPYC Zen 4), where one mask's projection through oneDNN takes 23.6;
-at hidden 200 BLAS was the faster (2.45 against 2.61 ms).
+says so (its result copied into the gate's columns), else BLAS writes the columns itself: the
+faster of the two at hidden 650 and at hidden 200 respectively (same section).
 """
 
 from __future__ import annotations

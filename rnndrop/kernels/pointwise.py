@@ -1,7 +1,7 @@
 """Gate nonlinearities for the loop kernels, written for what is fast on each device.
 
 On CPU, ATen's float32 ``sigmoid`` is several times faster per element than its
-``tanh`` (torch 2.13 with AVX-512: 20 x 650 elements, 3.8 us against 30 us), so
+``tanh`` (docs/speed.md, "tanh through sigmoid"), so
 ``tanh(x) = 2 σ(2x) - 1`` pays for its two extra cheap ops; the identity holds to
 float rounding (2e-7 in float32, 4e-16 in float64). On other devices ``tanh`` is
 called directly.

@@ -136,13 +136,13 @@ CONFIGS: dict[str, TrainConfig] = {
         "Chirkova & Vetrov 2017: Adam, KL warm-up), sized as cpu-200",
     ),
     # AWD-LSTM's recipe (docs/language-models.md#the-awd-lstm-recipe) at a size whose ptb-144k
-    # run fits about 2 h on one CPU core: 3 x 400 LSTM, embedding 400 tied to the decoder, SGD
+    # run fits a few hours on one CPU core: 3 x 400 LSTM, embedding 400 tied to the decoder, SGD
     # at lr 30 until validation stalls for 5 epochs, then the average of the weights (NT-ASGD),
-    # up to 60 epochs, then up to 20 epochs of fine-tuning (about 100 min at most on ptb-144k).
+    # up to 60 epochs, then up to 20 epochs of fine-tuning.
     # Train it with regime weight_drop (DropConnect on W_hh, the paper's) or tied (Gal's
     # recurrent masks), the rest equal.
-    # BPTT 35, not the paper's 70: on 144k words an epoch at 70 has 108 steps, and at equal
-    # words 35 learns faster (ptb-mini, weight_drop, 6 epochs: validation 226 against 284).
+    # BPTT 35, not the paper's 70: on 144k words an epoch at 70 has few steps, and at equal
+    # words 35 learned faster on ptb-mini (measured: the same page, "BPTT 35").
     "awd": TrainConfig(
         name="awd", embedding_size=400, hidden_size=400, num_layers=3, batch_size=20, bptt=35,
         epochs=60, lr=30.0, lr_decay=1.0, decay_after=0, clip=0.25, init_scale=0.1,

@@ -123,7 +123,8 @@ _HOOKS: dict[str, Callable[..., Any]] = {
     "learned_alpha": learned_gaussian("unit"),
     "learned_alpha_kingma": learned_gaussian("unit", max_alpha=1.0, kl_approximation="kingma"),
     "learned_alpha_kingma_layer": learned_gaussian("layer", max_alpha=1.0, kl_approximation="kingma"),
-    # As run before 2026-11-24 (output KL once per unit): the regimes of those runs name them.
+    # The output KL counted once per unit: kept so that the regimes of the Gaussian runs trained
+    # that way (results/gaussian/, docs/gaussian-results.md) still build, evaluate and resume.
     "gaussian_rnn": learned_gaussian("unit", decoder_kl=False),
     "gaussian_kingma_rnn": learned_gaussian("unit", max_alpha=1.0, kl_approximation="kingma",
                                             decoder_kl=False),

@@ -28,7 +28,7 @@ def learned_gaussian(granularity: str, max_alpha: float | None = None,
     """A builder of GaussianLSTM / GaussianGRU: learned alpha at ``granularity`` on every site,
     initialised at p / (1 - p) (at most ``max_alpha``). ``decoder_kl``: the output site's KL
     counts the decoder weights each unit scales (``output_fan_out``); False counts it once
-    per unit, as runs made before 2026-11-24 did."""
+    per unit, as the kept Gaussian runs of docs/gaussian-results.md did."""
 
     def build(input_size: int, hidden_size: int, num_layers: int, p: Mapping[str, float],
               cell: str = "lstm", output_fan_out: int = 1) -> nn.Module:
