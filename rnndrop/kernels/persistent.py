@@ -104,6 +104,15 @@ def _poison_if_gave_up(counter_ptr, ptr, rows, width, ks, cols, H, GATES: tl.con
 
 
 @triton.jit
+def _block(B, H, BB: tl.constexpr, BH: tl.constexpr):
+    """This program's rows ``ks``, units ``cols``, which of them exist, and their offsets in a
+    ``[B, H]`` state."""
+    ks = tl.arange(0, BB)
+    cols = tl.program_id(0) * BH + tl.arange(0, BH)
+    return ks, cols, (ks < B)[:, None] & (cols < H)[None, :], ks[:, None] * H + cols[None, :]
+
+
+@triton.jit
 def _step_row(table_ptr, s):
     """``(b, off, carried, prev_off, nb, noff, nmoff)`` of step ``s`` (see :func:`_step_table`)."""
     row = table_ptr + s * 8
@@ -174,10 +183,7 @@ def _lstm_forward(
     UPCAST: tl.constexpr,
     BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
 ):
-    ks = tl.arange(0, BB)
-    cols = tl.program_id(0) * BH + tl.arange(0, BH)
-    batch = (ks < B)[:, None] & (cols < H)[None, :]
-    state = ks[:, None] * H + cols[None, :]
+    ks, cols, batch, state = _block(B, H, BB, BH)
     h_reg = tl.load(h_state_ptr + state, mask=batch, other=0.0)
     c_reg = tl.load(c_state_ptr + state, mask=batch, other=0.0)
     for s in range(s_begin, s_end):
@@ -219,10 +225,7 @@ def _gru_forward(
     MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, SYNC: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
 ):
-    ks = tl.arange(0, BB)
-    cols = tl.program_id(0) * BH + tl.arange(0, BH)
-    batch = (ks < B)[:, None] & (cols < H)[None, :]
-    state = ks[:, None] * H + cols[None, :]
+    ks, cols, batch, state = _block(B, H, BB, BH)
     h_reg = tl.load(h_state_ptr + state, mask=batch, other=0.0)
     for s in range(s_begin, s_end):
         b, off, carried, _, nb, noff, nmoff = _step_row(table_ptr, s)
@@ -312,6 +315,24 @@ def _state_grad(dz_ptr, w_ptr, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_r
 
 
 @triton.jit
+def _step_state_grad(dz_ptr, w_ptr, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row, dm_gate, carry,
+                     d_out_ptr, dh0_ptr, ks, cols, batch, state, live, b, off, nb, noff, nmoff, H,
+                     CELL_GATES: tl.constexpr, MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr,
+                     NEED_DMASK: tl.constexpr, HAS_DOUT: tl.constexpr, PRECISION: tl.constexpr,
+                     UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr):
+    """``dh_s`` of this step's rows (:func:`_state_grad` plus ``d_out_s``); stores ``dh_0`` of the rows
+    that joined at the step after (``b <= k < nb``)."""
+    dh = _state_grad(dz_ptr, w_ptr, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row, dm_gate, carry,
+                     ks, cols, nb, noff, nmoff, H, CELL_GATES, MASK_GATES, HAS_MASK, NEED_DMASK, PRECISION,
+                     UPCAST, BB, BH, BK)
+    tl.store(dh0_ptr + state, dh, mask=batch & ((ks >= b) & (ks < nb))[:, None])
+    if HAS_DOUT:
+        d_out = tl.load(d_out_ptr + (off + ks)[:, None] * H + cols[None, :], mask=live, other=0.0)
+        dh += d_out.to(tl.float32)
+    return dh
+
+
+@triton.jit
 def _lstm_backward(
     d_out_ptr, w_ptr, c0_ptr, mask_ptr, mask_row, mask_gate, table_ptr, acts_ptr, cells_ptr,
     dz_ptr, d_masked_ptr, dm_row, dm_gate, carry_ptr, dc_ptr, dh0_ptr, dc0_ptr, counter_ptr, s_begin, s_end,
@@ -321,23 +342,17 @@ def _lstm_backward(
     UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
 ):
     """Steps ``s_end - 1`` down to ``s_begin``."""
-    ks = tl.arange(0, BB)
-    cols = tl.program_id(0) * BH + tl.arange(0, BH)
-    batch = (ks < B)[:, None] & (cols < H)[None, :]
-    state = ks[:, None] * H + cols[None, :]
+    ks, cols, batch, state = _block(B, H, BB, BH)
     carry = tl.load(carry_ptr + state, mask=batch, other=0.0)
     dc_reg = tl.load(dc_ptr + state, mask=batch, other=0.0)
     for rs in range(s_begin, s_end):
         s = s_end - 1 - (rs - s_begin)
         b, off, carried, prev_off, nb, noff, nmoff = _step_row(table_ptr, s)
         live = (ks < b)[:, None] & (cols < H)[None, :]
-        dh = _state_grad(dz_ptr, w_ptr, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row, dm_gate, carry,
-                         ks, cols, nb, noff, nmoff, H, 4, MASK_GATES, HAS_MASK, NEED_DMASK, PRECISION,
-                         UPCAST, BB, BH, BK)
-        tl.store(dh0_ptr + state, dh, mask=batch & ((ks >= b) & (ks < nb))[:, None])
-        if HAS_DOUT:
-            d_out = tl.load(d_out_ptr + (off + ks)[:, None] * H + cols[None, :], mask=live, other=0.0)
-            dh += d_out.to(tl.float32)
+        dh = _step_state_grad(dz_ptr, w_ptr, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row, dm_gate,
+                              carry, d_out_ptr, dh0_ptr, ks, cols, batch, state, live, b, off, nb, noff,
+                              nmoff, H, 4, MASK_GATES, HAS_MASK, NEED_DMASK, HAS_DOUT, PRECISION, UPCAST,
+                              BB, BH, BK)
         here = (off + ks)[:, None] * (4 * H) + cols[None, :]
         i = tl.load(acts_ptr + here, mask=live, other=0.0).to(tl.float32)
         f = tl.load(acts_ptr + here + H, mask=live, other=0.0).to(tl.float32)
@@ -374,22 +389,16 @@ def _gru_backward(
     UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
 ):
     """Steps ``s_end - 1`` down to ``s_begin``."""
-    ks = tl.arange(0, BB)
-    cols = tl.program_id(0) * BH + tl.arange(0, BH)
-    batch = (ks < B)[:, None] & (cols < H)[None, :]
-    state = ks[:, None] * H + cols[None, :]
+    ks, cols, batch, state = _block(B, H, BB, BH)
     carry = tl.load(carry_ptr + state, mask=batch, other=0.0)
     for rs in range(s_begin, s_end):
         s = s_end - 1 - (rs - s_begin)
         b, off, carried, prev_off, nb, noff, nmoff = _step_row(table_ptr, s)
         live = (ks < b)[:, None] & (cols < H)[None, :]
-        dh = _state_grad(da_ptr, w_ptr, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row, dm_gate, carry,
-                         ks, cols, nb, noff, nmoff, H, 3, MASK_GATES, HAS_MASK, NEED_DMASK, PRECISION,
-                         UPCAST, BB, BH, BK)
-        tl.store(dh0_ptr + state, dh, mask=batch & ((ks >= b) & (ks < nb))[:, None])
-        if HAS_DOUT:
-            d_out = tl.load(d_out_ptr + (off + ks)[:, None] * H + cols[None, :], mask=live, other=0.0)
-            dh += d_out.to(tl.float32)
+        dh = _step_state_grad(da_ptr, w_ptr, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row, dm_gate,
+                              carry, d_out_ptr, dh0_ptr, ks, cols, batch, state, live, b, off, nb, noff,
+                              nmoff, H, 3, MASK_GATES, HAS_MASK, NEED_DMASK, HAS_DOUT, PRECISION, UPCAST,
+                              BB, BH, BK)
         here = (off + ks)[:, None] * (3 * H) + cols[None, :]
         r = tl.load(acts_ptr + here, mask=live, other=0.0).to(tl.float32)
         z = tl.load(acts_ptr + here + H, mask=live, other=0.0).to(tl.float32)
