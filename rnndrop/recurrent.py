@@ -43,6 +43,7 @@ has its own recurrent mask. How long a mask lives is ``mask_scope`` (:mod:`rnndr
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -166,6 +167,43 @@ def quiet_weight_compaction(device: torch.device) -> Iterator[None]:
         yield
 
 
+@functools.cache
+def _autocast_result_dtype(
+    cell: CellSpec, device_type: str, weight_dtype: torch.dtype, autocast_dtype: torch.dtype
+) -> torch.dtype:
+    """The dtype ``nn.LSTM`` / ``nn.GRU`` (torch's fused op) computes in under autocast to
+    ``autocast_dtype`` on ``device_type``, with weights and input of ``weight_dtype``.
+
+    Asked of torch on a one-unit probe, not hard-coded: on the CPU torch 2.13 runs ``torch.lstm``
+    in bfloat16 but ``torch.gru`` in float32; on CUDA both in the autocast dtype. A probe that
+    fails leaves the layer in its own dtype.
+    """
+    try:
+        with torch.autocast(device_type, dtype=autocast_dtype):
+            device = torch.device(device_type)
+            x = torch.zeros(1, 1, 1, device=device, dtype=weight_dtype)
+            h = torch.zeros(1, 1, 1, device=device, dtype=weight_dtype)
+            weights = [torch.zeros(cell.gates, 1, device=device, dtype=weight_dtype) for _ in range(2)]
+            weights += [torch.zeros(cell.gates, device=device, dtype=weight_dtype) for _ in range(2)]
+            hx = (h, h) if cell.num_states > 1 else h
+            out = cell.fused(x, hx, weights, True, 1, 0.0, False, False, False)[0]
+        return out.dtype
+    except (RuntimeError, NotImplementedError):
+        return weight_dtype
+
+
+def _autocast_device_type(input: object) -> str | None:
+    """The device type of ``input``'s data when autocast is enabled for it, else None."""
+    data = input.data if isinstance(input, PackedSequence) else input
+    if not isinstance(data, Tensor):
+        return None
+    device_type = data.device.type
+    try:
+        return device_type if torch.is_autocast_enabled(device_type) else None
+    except (RuntimeError, ValueError):  # a device type autocast does not know
+        return None
+
+
 _Stack = TypeVar("_Stack", bound="VariationalRNNStack")
 
 
@@ -193,6 +231,12 @@ class VariationalRNNStack(Stochastic):
 
     _cell: ClassVar[CellSpec]
     _draw_mask = staticmethod(draw_mask)
+    #: Set while a forward pass runs under autocast: the dtype it computes in (see
+    #: :meth:`_forward_autocast`); None otherwise.
+    _compute_dtype: torch.dtype | None = None
+    #: Set with ``_compute_dtype``: the caller's autocast (device type, dtype), which the fused
+    #: op runs under again, as in ``nn.LSTM``.
+    _caller_autocast: tuple[str, torch.dtype] | None = None
 
     # Attributes of nn.RNNBase, which a subclass also derives from.
     input_size: int
@@ -371,13 +415,19 @@ class VariationalRNNStack(Stochastic):
         Returns ``(output, h_n)`` for one state, ``(output, (h_n, c_n))`` for two, and the
         output before the output mask as a third element with ``return_raw_output``.
         """
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
             # torch.compile runs the layer eagerly, as it runs nn.LSTM: a graph break, not an error.
+            # torch.export (also "compiling") traces it: it cannot run anything eagerly.
             return run_eagerly(VariationalRNNStack._forward)(self, input, hx, masks, return_raw_output)
+        device_type = _autocast_device_type(input)
+        if device_type is not None:
+            return self._forward_autocast(input, hx, masks, return_raw_output, device_type)
         owner = type(self).__name__
+        weight = self.weight_ih_l0
+        if self._compute_dtype is not None:
+            weight = weight.new_empty(0, dtype=self._compute_dtype)
         x, layout = SequenceLayout.from_input(
-            input, batch_first=self.batch_first, input_size=self.input_size, weight=self.weight_ih_l0,
-            owner=owner,
+            input, batch_first=self.batch_first, input_size=self.input_size, weight=weight, owner=owner,
         )
         sizes = (self._out_size, self.hidden_size)[: self._cell.num_states]
         states = layout.initial_states(hx, sizes, self.num_layers * self._num_directions, x, owner)
@@ -401,6 +451,53 @@ class VariationalRNNStack(Stochastic):
             return output, final
         return output, final, layout.restore(raw[0], ())[0] if raw else output
 
+    def _forward_autocast(
+        self,
+        input: Tensor | PackedSequence,
+        hx: Tensor | tuple[Tensor, ...] | None,
+        masks: RecurrentMasks | None,
+        return_raw_output: bool,
+        device_type: str,
+    ) -> tuple:
+        """:meth:`_forward` under autocast, computing what ``nn.LSTM`` / ``nn.GRU`` compute there.
+
+        Autocast casts the fused op's input, states and weights to one dtype
+        (:func:`_autocast_result_dtype`); so does this method, then runs the forward pass with
+        autocast off, so that the loop kernels see one dtype throughout. The fused op itself runs
+        under the caller's autocast again (:meth:`_run_fused`): on the CPU ``torch.gru`` stays in
+        float32 there but its products run in bfloat16, and eval mode stays ``nn.GRU``'s function
+        bit for bit. The casts are differentiable: gradients reach the float32 parameters.
+        """
+        dtype = _autocast_result_dtype(
+            self._cell, device_type, self.weight_ih_l0.dtype, torch.get_autocast_dtype(device_type)
+        )
+
+        def cast(t: Tensor) -> Tensor:
+            return t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t
+
+        input = input.to(dtype)
+        if isinstance(hx, (tuple, list)):
+            hx = tuple(cast(s) for s in hx)
+        elif hx is not None:
+            hx = cast(hx)
+        if isinstance(masks, RecurrentMasks):
+            masks = masks.map(cast)
+        previous = self._compute_dtype, self._caller_autocast
+        self._compute_dtype = dtype
+        self._caller_autocast = (device_type, torch.get_autocast_dtype(device_type))
+        try:
+            with torch.autocast(device_type, enabled=False):
+                return self._forward(input, hx, masks, return_raw_output)
+        finally:
+            self._compute_dtype, self._caller_autocast = previous
+
+    def _weights(self, layer: int, direction: int) -> LayerWeights:
+        """:meth:`_layer_weights`, cast to the dtype the layer computes in under autocast."""
+        weights = self._layer_weights(layer, direction)
+        if self._compute_dtype is not None:
+            weights = {name: w.to(self._compute_dtype) for name, w in weights.items()}
+        return weights
+
     def _given_masks(self, masks: RecurrentMasks, layout: SequenceLayout, x: Tensor) -> RecurrentMasks:
         """Masks passed to ``forward``, checked (the kernels rely on it) and in sorted batch order."""
         if not isinstance(masks, RecurrentMasks):
@@ -423,6 +520,15 @@ class VariationalRNNStack(Stochastic):
         """
         hx = states if self._cell.num_states > 1 else states[0]
         common = (weights, self.bias, num_layers, 0.0, self.training, self.bidirectional)
+        if self._caller_autocast is not None:
+            device_type, dtype = self._caller_autocast
+            with torch.autocast(device_type, dtype=dtype):
+                return self._run_fused_op(x, layout, hx, common)
+        return self._run_fused_op(x, layout, hx, common)
+
+    def _run_fused_op(
+        self, x: Tensor, layout: SequenceLayout, hx: Tensor | tuple[Tensor, ...], common: tuple
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
         if layout.packed:
             out, *new_states = self._cell.fused(x, layout.packed_batch_sizes, hx, *common)
         else:
@@ -439,7 +545,7 @@ class VariationalRNNStack(Stochastic):
             w
             for layer in range(self.num_layers)
             for d in range(self._num_directions)
-            for w in self._layer_weights(layer, d).values()
+            for w in self._weights(layer, d).values()
         ]
         return self._run_fused(x, layout, states, weights, self.num_layers)
 
@@ -494,7 +600,7 @@ class VariationalRNNStack(Stochastic):
         ``W_hh``'s columns (``W_hh (m * h) = (W_hh * m) h``), then the fused op."""
         weights: list[Tensor] = []
         for d, mask in enumerate(hidden):
-            w = self._layer_weights(layer, d)
+            w = self._weights(layer, d)
             if mask is not None:
                 w["weight_hh"] = w["weight_hh"] * mask
             weights.extend(w.values())
@@ -518,7 +624,7 @@ class VariationalRNNStack(Stochastic):
         outs, finals = [], []
         for d, mask in enumerate(hidden):
             out, final = self._cell.loop(
-                self.kernel, x, in_rows, self._layer_weights(layer, d), layout.batch_sizes,
+                self.kernel, x, in_rows, self._weights(layer, d), layout.batch_sizes,
                 tuple(s[d] for s in states), mask, bool(d),
             )
             outs.append(out)
