@@ -311,6 +311,47 @@ class VariationalRNNStack(Stochastic):
         layer.train(module.training)  # type: ignore[attr-defined]
         return layer
 
+    def to_plain(self) -> nn.RNNBase:
+        """A plain ``nn.LSTM`` / ``nn.GRU`` computing this layer's eval-mode function, for deployment.
+
+        Same configuration, device and dtype; its weights are the ones this layer computes with
+        in eval mode (its parameters; the pruned weights of a :class:`~rnndrop.SparseLSTM`), so
+        in eval mode its outputs equal this layer's. Learned Gaussian noise, like every mask, is
+        not drawn in eval mode, so a :class:`~rnndrop.GaussianLSTM` converts too. What the plain
+        module cannot do is the stochastic part: it has no dropout masks and no ``masks`` argument
+        (Monte-Carlo prediction needs this layer). Tools made for ``nn.LSTM`` then apply:
+        ``torch.ao.quantization.quantize_dynamic``, ``torch.export`` with dynamic shapes, the
+        legacy ONNX exporter. The copy is in eval mode and shares no tensor with this layer.
+        :func:`rnndrop.to_torch` converts every such layer of a model.
+        """
+        if type(self)._forward is not VariationalRNNStack._forward:
+            raise TypeError(
+                f"{type(self).__name__}.to_plain: the class overrides the forward pass, so its "
+                f"eval-mode function may not be an nn.{self._cell.mode}'s; convert it by hand"
+            )
+        plain_cls = nn.LSTM if self._cell.mode == "LSTM" else nn.GRU
+        proj_size = getattr(self, "proj_size", 0)
+        weight = self.weight_ih_l0
+        plain = plain_cls(  # type: ignore[call-overload]
+            self.input_size, self.hidden_size, self.num_layers, bias=self.bias,
+            batch_first=self.batch_first, bidirectional=self.bidirectional,
+            device=weight.device, dtype=weight.dtype, **({"proj_size": proj_size} if proj_size else {}),
+        )
+        training = self.training
+        self.training = False  # the weights of eval mode (this module only: no child computes them)
+        try:
+            with torch.no_grad():
+                state = {
+                    name + f"_l{layer}" + ("_reverse" if d else ""): w.detach().clone()
+                    for layer in range(self.num_layers)
+                    for d in range(self._num_directions)
+                    for name, w in self._layer_weights(layer, d).items()
+                }
+        finally:
+            self.training = training
+        plain.load_state_dict(state)
+        return plain.eval()
+
     @property
     def _num_directions(self) -> int:
         return 2 if self.bidirectional else 1
@@ -415,10 +456,16 @@ class VariationalRNNStack(Stochastic):
         Returns ``(output, h_n)`` for one state, ``(output, (h_n, c_n))`` for two, and the
         output before the output mask as a third element with ``return_raw_output``.
         """
-        if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
-            # torch.compile runs the layer eagerly, as it runs nn.LSTM: a graph break, not an error.
-            # torch.export (also "compiling") traces it: it cannot run anything eagerly.
-            return run_eagerly(VariationalRNNStack._forward)(self, input, hx, masks, return_raw_output)
+        if torch.compiler.is_compiling():
+            if not torch.compiler.is_exporting():
+                # torch.compile runs the layer eagerly, as it runs nn.LSTM: a graph break, not an error.
+                return run_eagerly(VariationalRNNStack._forward)(self, input, hx, masks, return_raw_output)
+            if self._computes_as_torch(masks):
+                # torch.export (which cannot run anything eagerly) of the eval-mode layer: nn.LSTM's
+                # own forward, the same function, which exports with dynamic shapes.
+                torch_forward = (nn.LSTM if self._cell.mode == "LSTM" else nn.GRU).forward
+                output, final = torch_forward(self, input, hx)  # type: ignore[arg-type]
+                return (output, final, output) if return_raw_output else (output, final)
         device_type = _autocast_device_type(input)
         if device_type is not None:
             return self._forward_autocast(input, hx, masks, return_raw_output, device_type)
@@ -450,6 +497,16 @@ class VariationalRNNStack(Stochastic):
         if not return_raw_output:
             return output, final
         return output, final, layout.restore(raw[0], ())[0] if raw else output
+
+    def _computes_as_torch(self, masks: RecurrentMasks | None) -> bool:
+        """Whether this call computes exactly ``nn.LSTM.forward`` with the module's parameters:
+        eval mode, no masks, the fused kernel and the parameters as they are."""
+        return (
+            not self.training
+            and masks is None
+            and self.kernel == "auto"
+            and type(self)._layer_weights is VariationalRNNStack._layer_weights
+        )
 
     def _forward_autocast(
         self,
@@ -789,8 +846,7 @@ class VariationalLSTM(VariationalRNNStack, nn.LSTM):
         input: Tensor | PackedSequence,
         hx: tuple[Tensor, Tensor] | None = None,
         masks: RecurrentMasks | None = None,
-        *,
-        return_raw_output: bool = False,
+        return_raw_output: bool = False,  # keyword-only in the typed overloads; see _forward
     ) -> tuple:
         """``output, (h_n, c_n) = lstm(input, (h_0, c_0), masks)``; shapes in the class docstring."""
         return self._forward(input, hx, masks, return_raw_output)
@@ -910,8 +966,7 @@ class VariationalGRU(VariationalRNNStack, nn.GRU):
         input: Tensor | PackedSequence,
         hx: Tensor | None = None,
         masks: RecurrentMasks | None = None,
-        *,
-        return_raw_output: bool = False,
+        return_raw_output: bool = False,  # keyword-only in the typed overloads; see _forward
     ) -> tuple:
         """``output, h_n = gru(input, h_0, masks)``; shapes in the class docstring."""
         return self._forward(input, hx, masks, return_raw_output)
