@@ -464,7 +464,7 @@ class VariationalRNNStack(Stochastic):
                 # torch.export (which cannot run anything eagerly) of the eval-mode layer: nn.LSTM's
                 # own forward, the same function, which exports with dynamic shapes.
                 torch_forward = (nn.LSTM if self._cell.mode == "LSTM" else nn.GRU).forward
-                output, final = torch_forward(self, input, hx)  # type: ignore[arg-type]
+                output, final = torch_forward(self, input, hx)  # type: ignore[call-overload]
                 return (output, final, output) if return_raw_output else (output, final)
         device_type = _autocast_device_type(input)
         if device_type is not None:

@@ -57,11 +57,9 @@ def _onednn_ops_work() -> bool:
             y = ops._linear_pointwise(x, packed, None, "none", [], "")
             y2 = ops._linear_pointwise.binary(x, y, packed, None, "add")
             expected = x @ w.t()
-            return bool(
-                y.dtype == y2.dtype == torch.float32
-                and torch.allclose(y, expected, atol=1e-5)
-                and torch.allclose(y2, 2 * expected, atol=1e-5)
-            )
+            if y.dtype != torch.float32 or y2.dtype != torch.float32:
+                return False
+            return torch.allclose(y, expected, atol=1e-5) and torch.allclose(y2, 2 * expected, atol=1e-5)
     except Exception:  # any failure of the probe means: not usable here
         return False
 
@@ -71,7 +69,7 @@ def onednn_enabled(t: Tensor) -> bool:
     return (
         t.device.type == "cpu"
         and t.dtype == torch.float32
-        and torch.backends.mkldnn.enabled
+        and bool(torch.backends.mkldnn.enabled)
         and _onednn_ops_work()
     )
 

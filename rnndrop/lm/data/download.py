@@ -117,10 +117,10 @@ def _extract(archive: Path, name: str, members: dict[str, str]) -> dict[str, byt
     try:
         if name.endswith(".zip"):
             with zipfile.ZipFile(archive) as zf:
-                for info in zf.infolist():
-                    split = wanted.get(_normalise(info.filename))
+                for zinfo in zf.infolist():
+                    split = wanted.get(_normalise(zinfo.filename))
                     if split is not None:
-                        found[split] = zf.read(info)
+                        found[split] = zf.read(zinfo)
         else:
             with tarfile.open(archive, mode="r:*") as tf:
                 for info in tf:
