@@ -324,7 +324,8 @@ class VariationalRNNStack(Stochastic):
         legacy ONNX exporter. The copy is in eval mode and shares no tensor with this layer.
         :func:`rnndrop.to_torch` converts every such layer of a model.
         """
-        if type(self)._forward is not VariationalRNNStack._forward:
+        forward_methods = ("_forward", "_forward_eagerly")
+        if any(getattr(type(self), f) is not getattr(VariationalRNNStack, f) for f in forward_methods):
             raise TypeError(
                 f"{type(self).__name__}.to_plain: the class overrides the forward pass, so its "
                 f"eval-mode function may not be an nn.{self._cell.mode}'s; convert it by hand"
@@ -457,15 +458,25 @@ class VariationalRNNStack(Stochastic):
         output before the output mask as a third element with ``return_raw_output``.
         """
         if torch.compiler.is_compiling():
-            if not torch.compiler.is_exporting():
-                # torch.compile runs the layer eagerly, as it runs nn.LSTM: a graph break, not an error.
-                return run_eagerly(VariationalRNNStack._forward)(self, input, hx, masks, return_raw_output)
-            if self._computes_as_torch(masks):
-                # torch.export (which cannot run anything eagerly) of the eval-mode layer: nn.LSTM's
-                # own forward, the same function, which exports with dynamic shapes.
-                torch_forward = (nn.LSTM if self._cell.mode == "LSTM" else nn.GRU).forward
-                output, final = torch_forward(self, input, hx)  # type: ignore[call-overload]
-                return (output, final, output) if return_raw_output else (output, final)
+            # torch.compile runs the layer eagerly, as it runs nn.LSTM: a graph break, not an error.
+            eager = run_eagerly(VariationalRNNStack._forward_eagerly)
+            return eager(self, input, hx, masks, return_raw_output)
+        return self._forward_eagerly(input, hx, masks, return_raw_output)
+
+    def _forward_eagerly(
+        self,
+        input: Tensor | PackedSequence,
+        hx: Tensor | tuple[Tensor, ...] | None,
+        masks: RecurrentMasks | None,
+        return_raw_output: bool,
+    ) -> tuple:
+        """:meth:`_forward` without the check for torch.compile (it calls this one eagerly)."""
+        if torch.compiler.is_exporting() and self._computes_as_torch(masks):
+            # torch.export of the eval-mode layer: nn.LSTM's own forward, the same function, which
+            # exports with dynamic shapes (the row layout below would specialise the batch size).
+            torch_forward = (nn.LSTM if self._cell.mode == "LSTM" else nn.GRU).forward
+            output, final = torch_forward(self, input, hx)  # type: ignore[call-overload]
+            return (output, final, output) if return_raw_output else (output, final)
         device_type = _autocast_device_type(input)
         if device_type is not None:
             return self._forward_autocast(input, hx, masks, return_raw_output, device_type)
@@ -544,7 +555,7 @@ class VariationalRNNStack(Stochastic):
         self._caller_autocast = (device_type, torch.get_autocast_dtype(device_type))
         try:
             with torch.autocast(device_type, enabled=False):
-                return self._forward(input, hx, masks, return_raw_output)
+                return self._forward_eagerly(input, hx, masks, return_raw_output)
         finally:
             self._compute_dtype, self._caller_autocast = previous
 
