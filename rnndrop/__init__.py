@@ -10,6 +10,7 @@ from rnndrop.averaging import NonMonotoneTrigger, NTAveraging
 from rnndrop.bptt import VariableBPTT, scaled_learning_rate
 from rnndrop.calibration import ReliabilityDiagram, expected_calibration_error, reliability_diagram
 from rnndrop.cells import VariationalGRUCell, VariationalLSTMCell
+from rnndrop.deploy import to_torch
 from rnndrop.embedding_dropout import EmbeddingDropout
 from rnndrop.gaussian import GaussianGRU, GaussianLSTM
 from rnndrop.gaussian_locked_dropout import GaussianLockedDropout
@@ -74,4 +75,5 @@ __all__ = [
     "scaled_learning_rate",
     "sparsity_report",
     "temporal_activation_regularization",
+    "to_torch",
 ]

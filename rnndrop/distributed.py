@@ -17,6 +17,19 @@ noise stream of its own::
 Gradients are averaged by DDP, so the parameters stay identical on every rank
 (:func:`check_parameters_agree` verifies it, bit for bit).
 
+**The default: per-rank noise whenever a process group is initialised.** Scripts that seed every
+rank alike and never call :func:`seed_noise_per_rank` (Lightning's ``seed_everything``, most DDP
+scripts) are caught at rnndrop's first draw of noise from torch's global generator in a process
+whose default process group is initialised with two ranks or more: every rank hashes its CPU
+generator state and the ranks compare the hashes (one ``all_gather_object``, once per process;
+under DDP every rank reaches its first draw in the same step). If any two ranks hold the same
+state, every rank calls ``seed_noise_per_rank(torch.initial_seed())``, the recipe above, and
+warns once: the masks are then reproducible from the seed and the rank
+(:func:`rank_seed`). If the states already differ (each rank seeded its own way, or a resumed run
+restored each rank's state) nothing changes. After :func:`seed_noise_per_rank` no check is made;
+``auto_noise_per_rank(False)`` turns the check off (identical masks on every rank, if wanted).
+Noise drawn from a ``generator=`` of the caller's is not the global generator's and is not checked.
+
 What "shared by the batch" means under DDP: the batch a mask is shared by is each rank's
 shard. ``mask_scope="batch"`` draws one recurrent mask per rank and call,
 :class:`~rnndrop.WeightDrop` one ``W_hh`` mask per rank and call, the sparse layers one
@@ -31,11 +44,25 @@ one rank).
 from __future__ import annotations
 
 import hashlib
+import warnings
 
 import torch
 from torch import nn
 
-__all__ = ["check_noise_independent", "check_parameters_agree", "rank_seed", "seed_noise_per_rank"]
+__all__ = [
+    "auto_noise_per_rank",
+    "check_noise_independent",
+    "check_parameters_agree",
+    "ensure_noise_per_rank",
+    "rank_seed",
+    "seed_noise_per_rank",
+]
+
+#: Whether :func:`ensure_noise_per_rank` checks (see the module docstring).
+_auto = True
+#: Whether this process's noise stream is settled: checked at the first draw under a process
+#: group, or seeded by :func:`seed_noise_per_rank`.
+_settled = False
 
 
 def rank_seed(seed: int, rank: int) -> int:
@@ -74,9 +101,54 @@ def seed_noise_per_rank(seed: int, rank: int | None = None) -> int:
     Returns:
         The seed given to ``torch.manual_seed``.
     """
+    global _settled
     chosen = rank_seed(seed, _rank(rank))
     torch.manual_seed(chosen)
+    _settled = True
     return chosen
+
+
+def auto_noise_per_rank(enabled: bool = True) -> None:
+    """Turn on (the default) or off the check of :func:`ensure_noise_per_rank`."""
+    global _auto
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    _auto = enabled
+
+
+def ensure_noise_per_rank() -> None:
+    """Give each rank its own noise stream if the ranks share one (see the module docstring).
+
+    rnndrop calls it before it draws noise from torch's global generator; it returns at once
+    except at the first draw in a process with an initialised process group of two ranks or
+    more, where it is a collective (all ranks reach their first draw together under DDP).
+    """
+    global _settled
+    if _settled or not _auto:
+        return
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or torch.compiler.is_compiling():
+        return
+    _settled = True
+    if dist.get_world_size() == 1:
+        return
+    digests = _gather_digests(_rng_digest())
+    if len(set(digests)) == len(digests):
+        return
+    seed = torch.initial_seed()
+    chosen = seed_noise_per_rank(seed)
+    warnings.warn(
+        f"rnndrop: the {len(digests)} ranks of the process group held the same random generator "
+        f"state, so they would have drawn the same dropout masks; each rank now draws its own "
+        f"(torch.manual_seed(rnndrop.distributed.rank_seed({seed}, rank)), here {chosen}). Call "
+        "rnndrop.distributed.seed_noise_per_rank(seed) after building the model to choose the "
+        "point yourself, or auto_noise_per_rank(False) to keep the shared stream",
+        stacklevel=2,
+    )
+
+
+def _rng_digest() -> str:
+    return hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()
 
 
 def _gather_digests(digest: str) -> list[str]:
@@ -91,7 +163,7 @@ def _gather_digests(digest: str) -> list[str]:
 def check_noise_independent() -> None:
     """Raise ``RuntimeError`` if two ranks hold the same state of torch's CPU generator
     (they would draw the same masks). A collective: call it on every rank."""
-    digests = _gather_digests(hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest())
+    digests = _gather_digests(_rng_digest())
     seen: dict[str, int] = {}
     for rank, digest in enumerate(digests):
         if digest in seen:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rnndrop.distributed import ensure_noise_per_rank
 from rnndrop.validation import check_probability
 
 __all__ = ["NOISES", "MaskSite", "bernoulli_mask", "draw_mask", "gaussian_mask", "sample_mask"]
@@ -67,6 +68,8 @@ def _bernoulli(
             f"({largest:.6g}): every kept value would be inf; "
             f"use p <= {1.0 - 1.0 / largest:.7f} or a wider dtype"
         )
+    if generator is None:
+        ensure_noise_per_rank()
     uniform = torch.rand(tuple(shape), dtype=torch.float32, device=device, generator=generator)
     return (uniform >= p).to(dtype).mul_(scale)
 
@@ -98,6 +101,8 @@ def gaussian_mask(
         device = device or alpha.device
         dtype = dtype or alpha.dtype
     dtype = _mask_dtype(dtype)
+    if generator is None:
+        ensure_noise_per_rank()
     eps = torch.randn(tuple(shape), device=device, dtype=dtype, generator=generator)
     if isinstance(alpha, Tensor):
         return 1.0 + alpha.sqrt() * eps
@@ -127,6 +132,8 @@ def learned_gaussian_mask(
     device = device or log_alpha.device
     dtype = dtype or log_alpha.dtype
     std = (0.5 * log_alpha.clamp(max=MAX_NOISE_LOG_ALPHA)).exp().to(device=device, dtype=dtype)
+    if generator is None:
+        ensure_noise_per_rank()
     eps = torch.randn(tuple(shape), device=device, dtype=dtype, generator=generator)
     return 1.0 + std * eps
 

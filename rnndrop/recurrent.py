@@ -43,6 +43,7 @@ has its own recurrent mask. How long a mask lives is ``mask_scope`` (:mod:`rnndr
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -166,6 +167,43 @@ def quiet_weight_compaction(device: torch.device) -> Iterator[None]:
         yield
 
 
+@functools.cache
+def _autocast_result_dtype(
+    cell: CellSpec, device_type: str, weight_dtype: torch.dtype, autocast_dtype: torch.dtype
+) -> torch.dtype:
+    """The dtype ``nn.LSTM`` / ``nn.GRU`` (torch's fused op) computes in under autocast to
+    ``autocast_dtype`` on ``device_type``, with weights and input of ``weight_dtype``.
+
+    Asked of torch on a one-unit probe, not hard-coded: on the CPU torch 2.13 runs ``torch.lstm``
+    in bfloat16 but ``torch.gru`` in float32; on CUDA both in the autocast dtype. A probe that
+    fails leaves the layer in its own dtype.
+    """
+    try:
+        with torch.autocast(device_type, dtype=autocast_dtype):
+            device = torch.device(device_type)
+            x = torch.zeros(1, 1, 1, device=device, dtype=weight_dtype)
+            h = torch.zeros(1, 1, 1, device=device, dtype=weight_dtype)
+            weights = [torch.zeros(cell.gates, 1, device=device, dtype=weight_dtype) for _ in range(2)]
+            weights += [torch.zeros(cell.gates, device=device, dtype=weight_dtype) for _ in range(2)]
+            hx = (h, h) if cell.num_states > 1 else h
+            out = cell.fused(x, hx, weights, True, 1, 0.0, False, False, False)[0]
+        return out.dtype
+    except (RuntimeError, NotImplementedError):
+        return weight_dtype
+
+
+def _autocast_device_type(input: object) -> str | None:
+    """The device type of ``input``'s data when autocast is enabled for it, else None."""
+    data = input.data if isinstance(input, PackedSequence) else input
+    if not isinstance(data, Tensor):
+        return None
+    device_type = data.device.type
+    try:
+        return device_type if torch.is_autocast_enabled(device_type) else None
+    except (RuntimeError, ValueError):  # a device type autocast does not know
+        return None
+
+
 _Stack = TypeVar("_Stack", bound="VariationalRNNStack")
 
 
@@ -193,6 +231,12 @@ class VariationalRNNStack(Stochastic):
 
     _cell: ClassVar[CellSpec]
     _draw_mask = staticmethod(draw_mask)
+    #: Set while a forward pass runs under autocast: the dtype it computes in (see
+    #: :meth:`_forward_autocast`); None otherwise.
+    _compute_dtype: torch.dtype | None = None
+    #: Set with ``_compute_dtype``: the caller's autocast (device type, dtype), which the fused
+    #: op runs under again, as in ``nn.LSTM``.
+    _caller_autocast: tuple[str, torch.dtype] | None = None
 
     # Attributes of nn.RNNBase, which a subclass also derives from.
     input_size: int
@@ -266,6 +310,48 @@ class VariationalRNNStack(Stochastic):
         layer.load_state_dict(module.state_dict())  # type: ignore[attr-defined]
         layer.train(module.training)  # type: ignore[attr-defined]
         return layer
+
+    def to_plain(self) -> nn.RNNBase:
+        """A plain ``nn.LSTM`` / ``nn.GRU`` computing this layer's eval-mode function, for deployment.
+
+        Same configuration, device and dtype; its weights are the ones this layer computes with
+        in eval mode (its parameters; the pruned weights of a :class:`~rnndrop.SparseLSTM`), so
+        in eval mode its outputs equal this layer's. Learned Gaussian noise, like every mask, is
+        not drawn in eval mode, so a :class:`~rnndrop.GaussianLSTM` converts too. What the plain
+        module cannot do is the stochastic part: it has no dropout masks and no ``masks`` argument
+        (Monte-Carlo prediction needs this layer). Tools made for ``nn.LSTM`` then apply:
+        ``torch.ao.quantization.quantize_dynamic``, ``torch.export`` with dynamic shapes, the
+        legacy ONNX exporter. The copy is in eval mode and shares no tensor with this layer.
+        :func:`rnndrop.to_torch` converts every such layer of a model.
+        """
+        forward_methods = ("_forward", "_forward_eagerly")
+        if any(getattr(type(self), f) is not getattr(VariationalRNNStack, f) for f in forward_methods):
+            raise TypeError(
+                f"{type(self).__name__}.to_plain: the class overrides the forward pass, so its "
+                f"eval-mode function may not be an nn.{self._cell.mode}'s; convert it by hand"
+            )
+        plain_cls = nn.LSTM if self._cell.mode == "LSTM" else nn.GRU
+        proj_size = getattr(self, "proj_size", 0)
+        weight = self.weight_ih_l0
+        plain = plain_cls(  # type: ignore[call-overload]
+            self.input_size, self.hidden_size, self.num_layers, bias=self.bias,
+            batch_first=self.batch_first, bidirectional=self.bidirectional,
+            device=weight.device, dtype=weight.dtype, **({"proj_size": proj_size} if proj_size else {}),
+        )
+        training = self.training
+        self.training = False  # the weights of eval mode (this module only: no child computes them)
+        try:
+            with torch.no_grad():
+                state = {
+                    name + f"_l{layer}" + ("_reverse" if d else ""): w.detach().clone()
+                    for layer in range(self.num_layers)
+                    for d in range(self._num_directions)
+                    for name, w in self._layer_weights(layer, d).items()
+                }
+        finally:
+            self.training = training
+        plain.load_state_dict(state)
+        return plain.eval()
 
     @property
     def _num_directions(self) -> int:
@@ -385,10 +471,21 @@ class VariationalRNNStack(Stochastic):
         return_raw_output: bool,
     ) -> tuple:
         """:meth:`_forward` without the check for torch.compile (it calls this one eagerly)."""
+        if torch.compiler.is_exporting() and self._computes_as_torch(masks):
+            # torch.export of the eval-mode layer: nn.LSTM's own forward, the same function, which
+            # exports with dynamic shapes (the row layout below would specialise the batch size).
+            torch_forward = (nn.LSTM if self._cell.mode == "LSTM" else nn.GRU).forward
+            output, final = torch_forward(self, input, hx)  # type: ignore[call-overload]
+            return (output, final, output) if return_raw_output else (output, final)
+        device_type = _autocast_device_type(input)
+        if device_type is not None:
+            return self._forward_autocast(input, hx, masks, return_raw_output, device_type)
         owner = type(self).__name__
+        weight = self.weight_ih_l0
+        if self._compute_dtype is not None:
+            weight = weight.new_empty(0, dtype=self._compute_dtype)
         x, layout = SequenceLayout.from_input(
-            input, batch_first=self.batch_first, input_size=self.input_size, weight=self.weight_ih_l0,
-            owner=owner,
+            input, batch_first=self.batch_first, input_size=self.input_size, weight=weight, owner=owner,
         )
         sizes = (self._out_size, self.hidden_size)[: self._cell.num_states]
         states = layout.initial_states(hx, sizes, self.num_layers * self._num_directions, x, owner)
@@ -412,6 +509,63 @@ class VariationalRNNStack(Stochastic):
             return output, final
         return output, final, layout.restore(raw[0], ())[0] if raw else output
 
+    def _computes_as_torch(self, masks: RecurrentMasks | None) -> bool:
+        """Whether this call computes exactly ``nn.LSTM.forward`` with the module's parameters:
+        eval mode, no masks, the fused kernel and the parameters as they are."""
+        return (
+            not self.training
+            and masks is None
+            and self.kernel == "auto"
+            and type(self)._layer_weights is VariationalRNNStack._layer_weights
+        )
+
+    def _forward_autocast(
+        self,
+        input: Tensor | PackedSequence,
+        hx: Tensor | tuple[Tensor, ...] | None,
+        masks: RecurrentMasks | None,
+        return_raw_output: bool,
+        device_type: str,
+    ) -> tuple:
+        """:meth:`_forward` under autocast, computing what ``nn.LSTM`` / ``nn.GRU`` compute there.
+
+        Autocast casts the fused op's input, states and weights to one dtype
+        (:func:`_autocast_result_dtype`); so does this method, then runs the forward pass with
+        autocast off, so that the loop kernels see one dtype throughout. The fused op itself runs
+        under the caller's autocast again (:meth:`_run_fused`): on the CPU ``torch.gru`` stays in
+        float32 there but its products run in bfloat16, and eval mode stays ``nn.GRU``'s function
+        bit for bit. The casts are differentiable: gradients reach the float32 parameters.
+        """
+        dtype = _autocast_result_dtype(
+            self._cell, device_type, self.weight_ih_l0.dtype, torch.get_autocast_dtype(device_type)
+        )
+
+        def cast(t: Tensor) -> Tensor:
+            return t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t
+
+        input = input.to(dtype)
+        if isinstance(hx, (tuple, list)):
+            hx = tuple(cast(s) for s in hx)
+        elif hx is not None:
+            hx = cast(hx)
+        if isinstance(masks, RecurrentMasks):
+            masks = masks.map(cast)
+        previous = self._compute_dtype, self._caller_autocast
+        self._compute_dtype = dtype
+        self._caller_autocast = (device_type, torch.get_autocast_dtype(device_type))
+        try:
+            with torch.autocast(device_type, enabled=False):
+                return self._forward_eagerly(input, hx, masks, return_raw_output)
+        finally:
+            self._compute_dtype, self._caller_autocast = previous
+
+    def _weights(self, layer: int, direction: int) -> LayerWeights:
+        """:meth:`_layer_weights`, cast to the dtype the layer computes in under autocast."""
+        weights = self._layer_weights(layer, direction)
+        if self._compute_dtype is not None:
+            weights = {name: w.to(self._compute_dtype) for name, w in weights.items()}
+        return weights
+
     def _given_masks(self, masks: RecurrentMasks, layout: SequenceLayout, x: Tensor) -> RecurrentMasks:
         """Masks passed to ``forward``, checked (the kernels rely on it) and in sorted batch order."""
         if not isinstance(masks, RecurrentMasks):
@@ -434,6 +588,15 @@ class VariationalRNNStack(Stochastic):
         """
         hx = states if self._cell.num_states > 1 else states[0]
         common = (weights, self.bias, num_layers, 0.0, self.training, self.bidirectional)
+        if self._caller_autocast is not None:
+            device_type, dtype = self._caller_autocast
+            with torch.autocast(device_type, dtype=dtype):
+                return self._run_fused_op(x, layout, hx, common)
+        return self._run_fused_op(x, layout, hx, common)
+
+    def _run_fused_op(
+        self, x: Tensor, layout: SequenceLayout, hx: Tensor | tuple[Tensor, ...], common: tuple
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
         if layout.packed:
             out, *new_states = self._cell.fused(x, layout.packed_batch_sizes, hx, *common)
         else:
@@ -450,7 +613,7 @@ class VariationalRNNStack(Stochastic):
             w
             for layer in range(self.num_layers)
             for d in range(self._num_directions)
-            for w in self._layer_weights(layer, d).values()
+            for w in self._weights(layer, d).values()
         ]
         return self._run_fused(x, layout, states, weights, self.num_layers)
 
@@ -505,7 +668,7 @@ class VariationalRNNStack(Stochastic):
         ``W_hh``'s columns (``W_hh (m * h) = (W_hh * m) h``), then the fused op."""
         weights: list[Tensor] = []
         for d, mask in enumerate(hidden):
-            w = self._layer_weights(layer, d)
+            w = self._weights(layer, d)
             if mask is not None:
                 w["weight_hh"] = w["weight_hh"] * mask
             weights.extend(w.values())
@@ -529,7 +692,7 @@ class VariationalRNNStack(Stochastic):
         outs, finals = [], []
         for d, mask in enumerate(hidden):
             out, final = self._cell.loop(
-                self.kernel, x, in_rows, self._layer_weights(layer, d), layout.batch_sizes,
+                self.kernel, x, in_rows, self._weights(layer, d), layout.batch_sizes,
                 tuple(s[d] for s in states), mask, bool(d),
             )
             outs.append(out)
@@ -694,8 +857,7 @@ class VariationalLSTM(VariationalRNNStack, nn.LSTM):
         input: Tensor | PackedSequence,
         hx: tuple[Tensor, Tensor] | None = None,
         masks: RecurrentMasks | None = None,
-        *,
-        return_raw_output: bool = False,
+        return_raw_output: bool = False,  # keyword-only in the typed overloads; see _forward
     ) -> tuple:
         """``output, (h_n, c_n) = lstm(input, (h_0, c_0), masks)``; shapes in the class docstring."""
         return self._forward(input, hx, masks, return_raw_output)
@@ -815,8 +977,7 @@ class VariationalGRU(VariationalRNNStack, nn.GRU):
         input: Tensor | PackedSequence,
         hx: Tensor | None = None,
         masks: RecurrentMasks | None = None,
-        *,
-        return_raw_output: bool = False,
+        return_raw_output: bool = False,  # keyword-only in the typed overloads; see _forward
     ) -> tuple:
         """``output, h_n = gru(input, h_0, masks)``; shapes in the class docstring."""
         return self._forward(input, hx, masks, return_raw_output)

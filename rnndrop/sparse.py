@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rnndrop.distributed import ensure_noise_per_rank
 from rnndrop.kl import KLRegularized, kl_molchanov
 from rnndrop.recurrent import VariationalGRU, VariationalLSTM
 from rnndrop.sparsity import Sparsified
@@ -114,6 +115,7 @@ class _SparseWeightsMixin(KLRegularized, Stochastic, Sparsified):
         """One draw ``θ + σ ε`` of the weight ``name``."""
         theta = getattr(self, name)
         sigma = torch.exp(0.5 * getattr(self, "log_sigma2_" + name))
+        ensure_noise_per_rank()
         return theta + sigma * torch.randn_like(theta)
 
     def kl(self) -> Tensor:
@@ -237,6 +239,7 @@ class SparseLinear(_SparseWeightsMixin, nn.Linear):
             return F.linear(input, self.sampled_weight("weight"), self.bias)
         mean = F.linear(input, self.weight, self.bias)
         var = F.linear(input * input, self.log_sigma2_weight.exp())
+        ensure_noise_per_rank()
         return mean + torch.sqrt(var + _EPS) * torch.randn_like(mean)
 
     def to_dense(self) -> nn.Linear:
@@ -283,6 +286,7 @@ class SparseEmbedding(_SparseWeightsMixin, nn.Embedding):
             return F.embedding(input, self.pruned_weight("weight"))
         types, where = torch.unique(input, return_inverse=True)
         theta = self.weight[types]
+        ensure_noise_per_rank()
         rows = theta + torch.exp(0.5 * self.log_sigma2_weight[types]) * torch.randn_like(theta)
         return F.embedding(where, rows)
 

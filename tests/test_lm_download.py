@@ -1,5 +1,8 @@
+import dataclasses
+import hashlib
 import http.server
 import io
+import logging
 import socket
 import tarfile
 import threading
@@ -8,10 +11,25 @@ from functools import partial
 
 import pytest
 
+from rnndrop.lm.data import download
 from rnndrop.lm.data.corpus import load_corpus
-from rnndrop.lm.data.download import MIRROR_ENV, DownloadError, download_corpus
+from rnndrop.lm.data.download import DATASETS, MIRROR_ENV, DownloadError, download_corpus
 
 TEXT = {"train": "a b c\nb c a\n", "valid": "a b\n", "test": "c a\n"}
+PINNED = dict(DATASETS)  # as shipped
+
+
+@pytest.fixture(autouse=True)
+def _unpinned(monkeypatch):
+    """The archives served here are fakes: the tests run without the real pins unless they pin."""
+    for name, remote in PINNED.items():
+        monkeypatch.setitem(DATASETS, name, dataclasses.replace(remote, digests={}))
+
+
+def _pin(monkeypatch, name, path, **override):
+    data = path.read_bytes()
+    digests = {"sha256": hashlib.sha256(data).hexdigest(), "md5": hashlib.md5(data).hexdigest(), **override}
+    monkeypatch.setitem(DATASETS, name, dataclasses.replace(PINNED[name], digests=digests))
 
 
 def _tgz(path):
@@ -124,3 +142,56 @@ def test_bad_arguments():
         download_corpus("ptb2")
     with pytest.raises(ValueError, match="source must be"):
         download_corpus("ptb", source="ftp")
+
+
+def test_every_archive_has_a_pinned_digest():
+    for name, remote in PINNED.items():
+        assert remote.digests, name
+        for algorithm, digest in remote.digests.items():
+            assert algorithm in ("md5", "sha256") and len(digest) == hashlib.new(algorithm).digest_size * 2
+            assert int(digest, 16) >= 0
+
+
+def test_a_pinned_archive_is_streamed_in_chunks_verified_and_used(server, tmp_path, monkeypatch):
+    base, root, _ = server
+    (root / "mirror").mkdir()
+    _tgz(root / "mirror" / "simple-examples.tgz")
+    _pin(monkeypatch, "ptb", root / "mirror" / "simple-examples.tgz")
+    reads = []
+    fetch = download._fetch_url
+
+    def spy(url, dest, timeout, algorithms):
+        result = fetch(url, dest, timeout, algorithms)
+        reads.append(dest.stat().st_size)  # the archive went to a file, not to memory
+        return result
+
+    monkeypatch.setattr(download, "CHUNK", 16)  # many chunks for a small archive
+    monkeypatch.setattr(download, "_fetch_url", spy)
+    folder = download_corpus("ptb", tmp_path / "cache", base_url=base, source="url")
+    assert (folder / "ptb.train.txt").read_text() == TEXT["train"]
+    assert reads == [(root / "mirror" / "simple-examples.tgz").stat().st_size]
+    assert not list((tmp_path / "cache").glob(".*part"))
+
+
+@pytest.mark.parametrize("algorithm", ["sha256", "md5"])
+def test_an_archive_that_does_not_match_its_pin_is_refused(server, tmp_path, monkeypatch, algorithm):
+    base, root, _ = server
+    (root / "mirror").mkdir()
+    _zip(root / "mirror" / "wikitext-2-v1.zip")
+    wrong = "0" * (64 if algorithm == "sha256" else 32)
+    _pin(monkeypatch, "wikitext-2", root / "mirror" / "wikitext-2-v1.zip", **{algorithm: wrong})
+    message = rf"is not the archive rnndrop knows: its {algorithm} is [0-9a-f]+, expected {wrong}"
+    with pytest.raises(DownloadError, match=message):
+        download_corpus("wikitext-2", tmp_path / "cache", base_url=base, source="url")
+    assert not (tmp_path / "cache" / "wikitext-2").exists()
+    assert not list((tmp_path / "cache").glob(".*part"))
+
+
+def test_an_unpinned_archive_is_used_with_a_warning_giving_its_sha256(server, tmp_path, caplog):
+    base, root, _ = server
+    (root / "mirror").mkdir()
+    _zip(root / "mirror" / "wikitext-2-v1.zip")
+    sha256 = hashlib.sha256((root / "mirror" / "wikitext-2-v1.zip").read_bytes()).hexdigest()
+    with caplog.at_level(logging.WARNING, logger=download.__name__):
+        download_corpus("wikitext-2", tmp_path / "cache", base_url=base, source="url")
+    assert f"no pinned digest: not verified (sha256 {sha256})" in caplog.text

@@ -32,20 +32,28 @@ ONEDNN_MANY_ROWS = 32
 
 @functools.cache
 def _onednn_ops_work() -> bool:
-    """Whether this torch build has the oneDNN linear ops and they compute ``x @ w.T``."""
+    """Whether this torch build has the oneDNN linear ops and they compute ``x @ w.T``.
+
+    Cached, so it runs once, inside whatever context the first caller has: autocast is
+    switched off for it (the probe checks float32 products), and it never raises: any failure
+    means "no" and sends every product to BLAS.
+    """
     ops = getattr(torch.ops, "mkldnn", None)
     if not torch.backends.mkldnn.is_available() or ops is None:
         return False
     try:
-        x = torch.arange(6.0).view(2, 3)
-        w = torch.arange(12.0).view(4, 3) / 7
-        packed = ops._reorder_linear_weight(w, None)
-        y = ops._linear_pointwise(x, packed, None, "none", [], "")
-        y2 = ops._linear_pointwise.binary(x, y, packed, None, "add")
-    except (RuntimeError, AttributeError, NotImplementedError):
+        with torch.autocast("cpu", enabled=False), torch.no_grad():
+            x = torch.arange(6.0).view(2, 3)
+            w = torch.arange(12.0).view(4, 3) / 7
+            packed = ops._reorder_linear_weight(w, None)
+            y = ops._linear_pointwise(x, packed, None, "none", [], "")
+            y2 = ops._linear_pointwise.binary(x, y, packed, None, "add")
+            expected = x @ w.t()
+            if y.dtype != torch.float32 or y2.dtype != torch.float32:
+                return False
+            return torch.allclose(y, expected, atol=1e-5) and torch.allclose(y2, 2 * expected, atol=1e-5)
+    except Exception:  # any failure of the probe means: not usable here
         return False
-    expected = x @ w.t()
-    return torch.allclose(y, expected, atol=1e-5) and torch.allclose(y2, 2 * expected, atol=1e-5)
 
 
 def onednn_enabled(t: Tensor) -> bool:
@@ -53,7 +61,7 @@ def onednn_enabled(t: Tensor) -> bool:
     return (
         t.device.type == "cpu"
         and t.dtype == torch.float32
-        and torch.backends.mkldnn.enabled
+        and bool(torch.backends.mkldnn.enabled)
         and _onednn_ops_work()
     )
 

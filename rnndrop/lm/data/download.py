@@ -11,12 +11,20 @@ Sources, in the order tried by ``source="auto"``:
 
 The three split files land in ``cache_dir/<name>/`` (default ``~/.cache/rnndrop``,
 or ``RNNDROP_CACHE``), written atomically, and are reused by later calls.
+
+Integrity: the archive streams to a temporary file beside the cache in chunks, hashed as it
+arrives, and is refused unless it has every digest pinned in :data:`DATASETS`
+(:attr:`RemoteCorpus.digests`), whatever the source (official, mirror). The pins are the MD5s
+published for these archives (PaddlePaddle's and torchtext's dataset loaders, which download the
+same files); their SHA-256s were not known when the pins were written (no network): a download
+logs the archive's SHA-256, and adding it as ``"sha256"`` in :data:`DATASETS` verifies it too. An
+archive without any pin is used with a warning that gives its SHA-256.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
-import io
 import logging
 import os
 import shutil
@@ -25,7 +33,7 @@ import urllib.error
 import urllib.request
 import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rnndrop.lm.atomic import atomic_write
@@ -53,6 +61,8 @@ class RemoteCorpus:
         members: archive member path -> split name (``train`` / ``valid`` / ``test``).
         file_pattern: local file name of a split, with ``{split}``.
         hub: ``(dataset path, config name or None, text field)`` on the Hugging Face hub.
+        digests: the archive's pinned digests, ``hashlib`` algorithm name -> hex digest
+            (``{"md5": ..., "sha256": ...}``); a downloaded archive must match every one.
     """
 
     base_url: str
@@ -60,6 +70,7 @@ class RemoteCorpus:
     members: dict[str, str]
     file_pattern: str
     hub: tuple[str, str | None, str]
+    digests: dict[str, str] = field(default_factory=dict)
 
     def files(self) -> dict[str, str]:
         return {split: self.file_pattern.format(split=split) for split in SPLITS}
@@ -72,6 +83,7 @@ DATASETS: dict[str, RemoteCorpus] = {
         members={f"./simple-examples/data/ptb.{s}.txt": s for s in SPLITS},
         file_pattern="ptb.{split}.txt",
         hub=("ptb-text-only/ptb_text_only", None, "sentence"),
+        digests={"md5": "30177ea32e27c525793142b6bf2c8e2d"},  # as published by PaddlePaddle's loader
     ),
     "wikitext-2": RemoteCorpus(
         base_url="https://wikitext.smerity.com/",
@@ -79,6 +91,7 @@ DATASETS: dict[str, RemoteCorpus] = {
         members={f"wikitext-2/wiki.{s}.tokens": s for s in SPLITS},
         file_pattern="{split}.txt",
         hub=("Salesforce/wikitext", "wikitext-2-v1", "text"),
+        digests={"md5": "542ccefacc6c27f945fb54453812b3cd"},  # as published by torchtext's loader
     ),
 }
 
@@ -97,19 +110,19 @@ def _normalise(member: str) -> str:
     return member[2:] if member.startswith("./") else member
 
 
-def _extract(archive: bytes, name: str, members: dict[str, str]) -> dict[str, bytes]:
-    """The bytes of each wanted member of a ``.tgz`` / ``.zip`` archive, by split."""
+def _extract(archive: Path, name: str, members: dict[str, str]) -> dict[str, bytes]:
+    """The bytes of each wanted member of a ``.tgz`` / ``.zip`` archive file, by split."""
     wanted = {_normalise(m): split for m, split in members.items()}
     found: dict[str, bytes] = {}
     try:
         if name.endswith(".zip"):
-            with zipfile.ZipFile(io.BytesIO(archive)) as zf:
-                for info in zf.infolist():
-                    split = wanted.get(_normalise(info.filename))
+            with zipfile.ZipFile(archive) as zf:
+                for zinfo in zf.infolist():
+                    split = wanted.get(_normalise(zinfo.filename))
                     if split is not None:
-                        found[split] = zf.read(info)
+                        found[split] = zf.read(zinfo)
         else:
-            with tarfile.open(fileobj=io.BytesIO(archive), mode="r:*") as tf:
+            with tarfile.open(archive, mode="r:*") as tf:
                 for info in tf:
                     split = wanted.get(_normalise(info.name))
                     if split is not None and info.isfile():
@@ -124,19 +137,50 @@ def _extract(archive: bytes, name: str, members: dict[str, str]) -> dict[str, by
     return found
 
 
-def _fetch_url(url: str, timeout: float) -> bytes:
+CHUNK = 1 << 20  # bytes read from the connection and written at a time
+
+
+def _fetch_url(url: str, dest: Path, timeout: float, algorithms: list[str]) -> dict[str, str]:
+    """Stream ``url`` into ``dest`` in chunks; return the hex digest of each of ``algorithms``."""
     log.info("downloading %s", url)
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        return response.read()
+    hashes = {a: hashlib.new(a) for a in algorithms}
+    with urllib.request.urlopen(url, timeout=timeout) as response, open(dest, "wb") as f:
+        while chunk := response.read(CHUNK):
+            f.write(chunk)
+            for h in hashes.values():
+                h.update(chunk)
+    return {a: h.hexdigest() for a, h in hashes.items()}
 
 
-def _from_archive(remote: RemoteCorpus, base_url: str, timeout: float) -> dict[str, bytes]:
+def _verify(remote: RemoteCorpus, url: str, got: dict[str, str]) -> None:
+    """Raise DownloadError unless the archive has every pinned digest; warn when none is pinned."""
+    if not remote.digests:
+        log.warning("%s has no pinned digest: not verified (sha256 %s)", remote.archive, got["sha256"])
+        return
+    for algorithm, expected in remote.digests.items():
+        if got[algorithm] != expected.lower():
+            raise DownloadError(
+                f"{url} is not the archive rnndrop knows: its {algorithm} is {got[algorithm]}, "
+                f"expected {expected} (a corrupted or altered download, or another file under that "
+                "name); it was not used"
+            )
+    log.info("%s verified (%s); sha256 %s", remote.archive, ", ".join(remote.digests), got["sha256"])
+
+
+def _from_archive(remote: RemoteCorpus, base_url: str, timeout: float, scratch: Path) -> dict[str, bytes]:
+    """Download the archive to a temporary file in ``scratch``, verify it, extract the splits."""
     url = base_url.rstrip("/") + "/" + remote.archive
+    scratch.mkdir(parents=True, exist_ok=True)
+    part = scratch / f".{remote.archive}.{os.getpid()}.part"
     try:
-        data = _fetch_url(url, timeout)
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        raise DownloadError(f"could not download {url}: {e}") from e
-    return _extract(data, remote.archive, remote.members)
+        try:
+            got = _fetch_url(url, part, timeout, sorted({"sha256", *remote.digests}))
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            raise DownloadError(f"could not download {url}: {e}") from e
+        _verify(remote, url, got)
+        return _extract(part, remote.archive, remote.members)
+    finally:
+        part.unlink(missing_ok=True)
 
 
 def _from_hub(remote: RemoteCorpus) -> dict[str, bytes]:
@@ -198,7 +242,7 @@ def download_corpus(
     attempts: list[tuple[str, Callable[[], dict[str, bytes]]]] = []
     if source in ("auto", "url"):
         url = f"{base.rstrip('/')}/{remote.archive}"
-        attempts.append((url, lambda: _from_archive(remote, base, timeout)))
+        attempts.append((url, lambda: _from_archive(remote, base, timeout, target.parent)))
     if source == "hub" or (source == "auto" and _datasets_installed()):
         attempts.append((f"the Hugging Face hub ({remote.hub[0]})", lambda: _from_hub(remote)))
     errors: list[str] = []

@@ -158,7 +158,7 @@ class RNNLanguageModel(nn.Module):
                 for p in module.parameters():
                     p.uniform_(-init_scale, init_scale)
 
-    def forward(self, tokens: Tensor, hidden: Any = None, *, return_outputs: bool = False) -> tuple[Any, ...]:
+    def forward(self, tokens: Tensor, hidden: Any = None, return_outputs: bool = False) -> tuple[Any, ...]:
         """``(logits [T, B, V], hidden)``; with ``return_outputs`` also the last recurrent
         layer's output before and after its dropout, ``RecurrentOutputs(raw, dropped)``
         (``[T, B, H]`` each, ``dropped`` is what the decoder reads): what activation and

@@ -1,0 +1,67 @@
+"""Deployment: a model with rnndrop's layers as the plain torch model it computes in eval mode.
+
+In eval mode no mask is drawn, so a :class:`~rnndrop.VariationalLSTM` computes exactly its
+``nn.LSTM``'s function. :func:`to_torch` makes that explicit: a copy of the model in which every
+rnndrop recurrent layer is an ``nn.LSTM`` / ``nn.GRU`` (:meth:`VariationalRNNStack.to_plain`),
+every sparse layer its pruned plain module, and every :class:`~rnndrop.WeightDrop` the module it
+wraps. Tools that recognise ``nn.LSTM`` by type then apply to the copy:
+``torch.ao.quantization.quantize_dynamic`` (which leaves rnndrop's layers in float: it maps types
+and refuses subclasses), the legacy ONNX exporter, and anything else written for torch's modules.
+
+The copy is for inference: it draws no noise, takes no ``masks`` and keeps no KL terms. Train and
+run Monte-Carlo prediction with the original.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from torch import nn
+
+from rnndrop.recurrent import VariationalRNNStack
+from rnndrop.sparsity import Sparsified
+from rnndrop.validation import check_instance
+from rnndrop.weight_drop import WeightDrop
+
+__all__ = ["to_torch"]
+
+
+def _plain(module: nn.Module) -> nn.Module | None:
+    """The plain module replacing ``module``, or None to keep it (and convert its children)."""
+    if isinstance(module, WeightDrop):  # in eval mode exactly module(*args): the wrapped module
+        inner = module.module
+        return _plain(inner) or inner
+    if isinstance(module, VariationalRNNStack):
+        return module.to_plain()
+    if isinstance(module, Sparsified):
+        return module.to_dense()
+    return None
+
+
+def to_torch(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` in eval mode with rnndrop's layers replaced by the torch modules
+    computing their eval-mode function.
+
+    ``VariationalLSTM`` / ``GaussianLSTM`` / ``SparseLSTM`` -> ``nn.LSTM`` (GRUs -> ``nn.GRU``),
+    ``SparseLinear`` -> ``nn.Linear``, ``SparseEmbedding`` -> ``nn.Embedding``, ``WeightDrop(m)``
+    -> ``m``. Other modules are copied as they are (``LockedDropout`` and ``EmbeddingDropout``
+    are the identity in eval mode and export as such). In eval mode the copy's outputs equal
+    ``model``'s; ``model`` itself is not changed. Raises ``TypeError`` for a layer whose class
+    overrides the forward pass (see :meth:`~rnndrop.VariationalLSTM.to_plain`).
+
+    Example::
+
+        deployed = rnndrop.to_torch(model)
+        quantized = torch.ao.quantization.quantize_dynamic(deployed, {nn.LSTM, nn.Linear})
+    """
+    check_instance("model", model, nn.Module, "an nn.Module")
+    converted = copy.deepcopy(model)
+    plain = _plain(converted)
+    if plain is not None:
+        return plain.eval()
+    for module in list(converted.modules()):
+        for name, child in list(module.named_children()):
+            replacement = _plain(child)
+            if replacement is not None:
+                setattr(module, name, replacement)
+    return converted.eval()

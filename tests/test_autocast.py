@@ -1,0 +1,99 @@
+"""Mixed precision: the layers under ``torch.autocast`` return what ``nn.LSTM`` / ``nn.GRU`` return
+there (the dtype torch's fused op computes in), in training and eval, and the cached oneDNN probe
+neither raises nor caches a wrong answer when autocast is on at its first call."""
+
+import pytest
+import torch
+from torch import nn
+
+from rnndrop import GaussianLSTM, SparseLSTM, VariationalGRU, VariationalLSTM
+from rnndrop.kernels import onednn
+
+BF16 = torch.bfloat16
+
+
+def _reference(layer: nn.Module) -> nn.Module:
+    plain = (nn.LSTM if isinstance(layer, nn.LSTM) else nn.GRU)(
+        layer.input_size, layer.hidden_size, num_layers=layer.num_layers,
+        bidirectional=layer.bidirectional,
+    )
+    plain.load_state_dict(layer.state_dict(), strict=False)
+    return plain.eval()
+
+
+def _dtypes(result) -> list[torch.dtype]:
+    out, states = result[0], result[1]
+    states = states if isinstance(states, tuple) else (states,)
+    return [out.dtype, *(s.dtype for s in states)]
+
+
+LAYERS = [
+    pytest.param(lambda: VariationalLSTM(4, 8, num_layers=2, dropout=0.2, dropout_hidden=0.3),
+                 id="lstm-loop"),
+    pytest.param(lambda: VariationalLSTM(4, 8, dropout_hidden=0.3, mask_scope="batch"), id="lstm-folded"),
+    pytest.param(lambda: VariationalLSTM(4, 8, dropout_hidden=0.3, per_gate_masks=True, dropout_input=0.2),
+                 id="lstm-per-gate"),
+    pytest.param(lambda: VariationalLSTM(4, 8, bidirectional=True, dropout_output=0.3), id="lstm-bidir"),
+    pytest.param(lambda: VariationalGRU(4, 8, dropout_hidden=0.3, dropout_input=0.2), id="gru"),
+    pytest.param(lambda: GaussianLSTM(4, 8, dropout_hidden=0.3), id="gaussian"),
+    pytest.param(lambda: SparseLSTM(4, 8), id="sparse"),
+]
+
+
+def test_onednn_probe_under_autocast_does_not_raise_and_answers_as_without():
+    onednn._onednn_ops_work.cache_clear()
+    try:
+        with torch.autocast("cpu", dtype=BF16):
+            under = onednn._onednn_ops_work()
+        onednn._onednn_ops_work.cache_clear()
+        assert under == onednn._onednn_ops_work()
+    finally:
+        onednn._onednn_ops_work.cache_clear()
+
+
+@pytest.mark.parametrize("make", LAYERS)
+@pytest.mark.parametrize("warm_up", [False, True], ids=["cold", "after-float32"])
+def test_training_under_bf16_autocast_returns_nn_lstm_dtypes(make, warm_up):
+    onednn._onednn_ops_work.cache_clear()  # the first call of the probe under autocast (the crash)
+    layer = make().train()
+    x = torch.randn(5, 3, 4)
+    if warm_up:
+        layer(x)
+    with torch.autocast("cpu", dtype=BF16):
+        result = layer(x)
+        expected = _reference(layer)(x)
+    assert _dtypes(result) == _dtypes(expected)
+    result[0].float().sum().backward()
+    assert layer.weight_hh_l0.grad is not None and layer.weight_hh_l0.grad.dtype == torch.float32
+
+
+def test_autocast_dtypes_are_torchs():
+    """The dtype is asked of torch, not assumed: on the CPU torch 2.13 runs the LSTM in bfloat16
+    and the GRU in float32, and the layers follow."""
+    x = torch.randn(5, 3, 4)
+    with torch.autocast("cpu", dtype=BF16):
+        assert VariationalLSTM(4, 8, dropout_hidden=0.3)(x)[0].dtype == nn.LSTM(4, 8)(x)[0].dtype
+        assert VariationalGRU(4, 8, dropout_hidden=0.3)(x)[0].dtype == nn.GRU(4, 8)(x)[0].dtype
+
+
+@pytest.mark.parametrize("cls", [VariationalLSTM, VariationalGRU])
+def test_eval_under_autocast_equals_nn_lstm_under_autocast(cls):
+    layer = cls(4, 8, num_layers=2, dropout=0.3, dropout_hidden=0.3).eval()
+    plain = _reference(layer)
+    x = torch.randn(5, 3, 4)
+    with torch.autocast("cpu", dtype=BF16):
+        got, expected = layer(x), plain(x)
+    assert torch.equal(got[0], expected[0])
+
+
+def test_given_float32_masks_and_states_under_autocast():
+    layer = VariationalLSTM(4, 8, dropout_hidden=0.3).train()
+    x = torch.randn(5, 3, 4)
+    masks = layer.sample_masks(3)
+    hx = (torch.zeros(1, 3, 8), torch.zeros(1, 3, 8))
+    with torch.autocast("cpu", dtype=BF16):
+        out, (h, c) = layer(x, hx, masks)
+    assert out.dtype == h.dtype == c.dtype == BF16
+    assert layer._compute_dtype is None  # reset after the call
+    out32, _ = layer(x, hx, masks)
+    torch.testing.assert_close(out.float(), out32, atol=0.05, rtol=0.05)

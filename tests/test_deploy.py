@@ -1,0 +1,156 @@
+"""Deployment: the eval-mode layers as plain nn.LSTM / nn.GRU (``to_plain``, ``rnndrop.to_torch``),
+dynamic quantization of the converted model, ``torch.export`` with a dynamic batch dimension of the
+layers and the language model, and the legacy (TorchScript-based) ONNX exporter."""
+
+import io
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import rnndrop
+from rnndrop import (
+    GaussianGRU,
+    GaussianLSTM,
+    SparseGRU,
+    SparseLSTM,
+    VariationalGRU,
+    VariationalLSTM,
+    WeightDrop,
+)
+from rnndrop.lm import RNNLanguageModel
+
+LAYERS = [
+    pytest.param(lambda: VariationalLSTM(4, 6, num_layers=2, dropout=0.3, dropout_hidden=0.3,
+                                         dropout_input=0.2, dropout_output=0.2), id="lstm"),
+    pytest.param(lambda: VariationalLSTM(4, 6, bidirectional=True, proj_size=3, batch_first=True,
+                                         dropout_hidden=0.3), id="lstm-proj-bidir-batch-first"),
+    pytest.param(lambda: VariationalLSTM(4, 6, bias=False, dropout_hidden=0.3, kernel="manual"),
+                 id="lstm-no-bias-manual"),
+    pytest.param(lambda: VariationalGRU(4, 6, num_layers=2, dropout_hidden=0.3, per_gate_masks=True),
+                 id="gru"),
+    pytest.param(lambda: GaussianLSTM(4, 6, dropout_hidden=0.3, dropout_input=0.2), id="gaussian-lstm"),
+    pytest.param(lambda: GaussianGRU(4, 6, dropout_hidden=0.3), id="gaussian-gru"),
+    pytest.param(lambda: SparseLSTM(4, 6, num_layers=2), id="sparse-lstm"),
+    pytest.param(lambda: SparseGRU(4, 6), id="sparse-gru"),
+]
+
+
+def _input(layer: nn.Module, batch: int = 3) -> torch.Tensor:
+    x = torch.randn(5, batch, 4)
+    return x.transpose(0, 1) if layer.batch_first else x
+
+
+def _sparsify(layer: nn.Module) -> None:
+    if isinstance(layer, (SparseLSTM, SparseGRU)):  # prune some weights, so that it shows
+        with torch.no_grad():
+            for name in layer.sparse_weight_names():
+                getattr(layer, "log_sigma2_" + name).uniform_(-10, 10)
+
+
+@pytest.mark.parametrize("make", LAYERS)
+def test_to_plain_is_an_nn_rnn_with_the_eval_function(make):
+    layer = make()
+    _sparsify(layer)
+    plain = layer.to_plain()
+    assert type(plain) is (nn.LSTM if isinstance(layer, nn.LSTM) else nn.GRU)
+    assert not plain.training and layer.training  # the layer keeps its mode
+    x = _input(layer)
+    expected = layer.eval()(x)
+    got = plain(x)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    assert not any(p.data_ptr() == q.data_ptr() for p in plain.parameters() for q in layer.parameters())
+
+
+def test_to_plain_refuses_a_class_that_overrides_the_forward_pass():
+    class Custom(VariationalLSTM):
+        def _forward(self, *args):
+            return super()._forward(*args)
+
+    with pytest.raises(TypeError, match="Custom.to_plain: the class overrides the forward pass"):
+        Custom(4, 6).to_plain()
+
+
+def _language_model() -> RNNLanguageModel:
+    return RNNLanguageModel(30, 8, 8, 2, dropout_embedding=0.1, dropout_input=0.3, dropout_hidden=0.3,
+                            dropout_output=0.3, weight_drop=0.2, tie_weights=True)
+
+
+def test_to_torch_converts_every_layer_and_keeps_the_model_and_its_outputs():
+    model = _language_model()
+    converted = rnndrop.to_torch(model)
+    kinds = {type(m) for m in converted.modules()}
+    assert not any(issubclass(k, (rnndrop.VariationalLSTM, WeightDrop)) for k in kinds)
+    assert nn.LSTM in kinds and model.training  # the original is unchanged
+    tokens = torch.randint(0, 30, (6, 3))
+    logits, _ = model.eval()(tokens)
+    torch.testing.assert_close(converted(tokens)[0], logits, rtol=0, atol=1e-6)
+    assert isinstance(rnndrop.to_torch(WeightDrop(nn.LSTM(3, 4), ["weight_hh_l0"], p=0.3)), nn.LSTM)
+    assert isinstance(rnndrop.to_torch(VariationalGRU(3, 4)), nn.GRU)
+
+
+def test_quantize_dynamic_quantizes_the_converted_layers():
+    """quantize_dynamic swaps modules by exact type: it leaves rnndrop's layers in float, and
+    quantizes the nn.LSTM of the converted model."""
+    quantize_dynamic = torch.ao.quantization.quantize_dynamic
+    model = RNNLanguageModel(30, 16, 16, 2, dropout_hidden=0.3, dropout_output=0.3).eval()
+    tokens = torch.randint(0, 30, (7, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # quantize_dynamic points at torchao
+        untouched = quantize_dynamic(model, {nn.LSTM}, dtype=torch.qint8)
+        quantized = quantize_dynamic(rnndrop.to_torch(model), {nn.LSTM, nn.Linear}, dtype=torch.qint8)
+    assert type(untouched.rnn) is VariationalLSTM  # why the conversion exists
+    assert type(quantized.rnn) is torch.ao.nn.quantized.dynamic.LSTM
+    torch.testing.assert_close(quantized(tokens)[0], model(tokens)[0], atol=0.05, rtol=0.05)
+
+
+EXPORTED = [
+    pytest.param(lambda: VariationalLSTM(4, 6, num_layers=2, dropout_hidden=0.3, dropout=0.2), id="lstm"),
+    pytest.param(lambda: VariationalLSTM(4, 6, bidirectional=True, proj_size=3, dropout_hidden=0.3),
+                 id="lstm-proj-bidir"),
+    pytest.param(lambda: VariationalGRU(4, 6, dropout_hidden=0.3), id="gru"),
+    pytest.param(lambda: GaussianLSTM(4, 6, dropout_hidden=0.3), id="gaussian"),
+]
+
+
+@pytest.mark.parametrize("make", EXPORTED)
+def test_torch_export_of_the_eval_layer_with_a_dynamic_batch(make):
+    layer = make().eval()
+    batch = torch.export.Dim("batch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's own, about nn.RNNBase._flat_weights
+        program = torch.export.export(layer, (torch.randn(5, 3, 4),), dynamic_shapes=({1: batch},))
+    for b in (1, 2, 9):
+        x = torch.randn(5, b, 4)
+        torch.testing.assert_close(program.module()(x), layer(x), rtol=0, atol=1e-6)
+
+
+def test_torch_export_of_the_language_model_with_a_dynamic_batch():
+    model = _language_model().eval()
+    batch = torch.export.Dim("batch")
+    tokens = torch.randint(0, 30, (6, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        program = torch.export.export(model, (tokens,), dynamic_shapes=({1: batch},))
+    for b in (1, 5):
+        tokens = torch.randint(0, 30, (6, b))
+        torch.testing.assert_close(program.module()(tokens)[0], model(tokens)[0], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("make", [lambda: VariationalLSTM(4, 6, num_layers=2, dropout_hidden=0.3),
+                                  _language_model], ids=["lstm", "language-model"])
+def test_legacy_onnx_export(make):
+    """``torch.onnx.export(dynamo=False)`` passes every parameter with a default positionally: the
+    extra ones are positional-or-keyword."""
+    pytest.importorskip("onnx")  # the legacy exporter needs it
+    model = make().eval()
+    args = (torch.randint(0, 30, (6, 3)),) if isinstance(model, RNNLanguageModel) else (torch.randn(5, 3, 4),)
+    f = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, args, f, dynamo=False, input_names=["input"], output_names=["output"])
+    ort = pytest.importorskip("onnxruntime")
+    session = ort.InferenceSession(f.getvalue(), providers=["CPUExecutionProvider"])
+    (got, *_) = session.run(["output"], {"input": args[0].numpy()})
+    torch.testing.assert_close(torch.from_numpy(got), model(*args)[0], rtol=1e-4, atol=1e-5)
