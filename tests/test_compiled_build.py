@@ -199,6 +199,26 @@ def test_a_live_build_is_waited_on_for_a_bounded_time_then_named(tmp_path, monke
         pass
 
 
+def test_auto_under_a_build_that_never_ends_runs_manual_then_warns_once_what_to_delete(tmp_path, monkeypatch):
+    """kernel="auto" while a live process holds the lock and never finishes: "manual" runs from the
+    first call; after the bounded wait, one warning naming the lock file to delete."""
+    for name, value in (("_extension", None), ("_failure", None), ("_warned", False), ("_background", None)):
+        monkeypatch.setattr(compiled, name, value)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.delenv("RNNDROP_COMPILE_WAIT", raising=False)
+    monkeypatch.setattr(compiled_cache, "WAIT_FOR_OTHER_BUILD_S", 0.5)
+    monkeypatch.setattr(compiled, "_missing_tool", lambda: None)
+    cache = compiled._cache()
+    with cache.build_lock(1):
+        assert not compiled.is_available()
+        compiled._background.join(30)
+        with pytest.warns(RuntimeWarning) as caught:
+            answers = [compiled.is_available(), compiled.is_available()]
+    assert answers == [False, False]
+    assert len(caught) == 1 and f"delete {cache.lock_file}" in str(caught[0].message)
+    assert "'manual'" in str(caught[0].message)
+
+
 def test_a_lock_kept_by_a_dead_builders_forked_child_is_taken_over(tmp_path, monkeypatch):
     """The builder died but a process it forked (a DataLoader worker) still holds the flock: the lock
     names a dead process of this host, so it is taken over at once, not waited on."""

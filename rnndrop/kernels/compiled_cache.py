@@ -216,7 +216,8 @@ class Cache:
         owner = self._owner()
         if not owner:
             return "another process"
-        since = time.strftime("%H:%M:%S", time.localtime(float(owner.get("since", 0))))  # type: ignore[arg-type]
+        since_s = owner.get("since")
+        since = time.strftime("%H:%M:%S", time.localtime(since_s if isinstance(since_s, (int, float)) else 0))
         return f"process {owner.get('pid')} on {owner.get('host')} (since {since})"
 
     def _owner_is_dead(self) -> bool:
