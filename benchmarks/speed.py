@@ -587,6 +587,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def _run(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    # kernel="auto" would time "manual" while the compiled kernel builds in the background: build first
+    os.environ.setdefault("RNNDROP_COMPILE_WAIT", "1")
     if args.count_ops:
         print(machine())
         print_op_counts()

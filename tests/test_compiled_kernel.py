@@ -14,10 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.utils.cpp_extension as cpp_extension
 
 from rnndrop import VariationalGRU, VariationalLSTM
-from rnndrop.kernels import DEFAULT_LOOP_KERNEL, auto_loop_kernel, compiled, compiled_plan, get_kernel, onednn
+from rnndrop.kernels import (
+    DEFAULT_LOOP_KERNEL,
+    auto_loop_kernel,
+    compiled,
+    compiled_cache,
+    compiled_plan,
+    get_kernel,
+    onednn,
+)
 from rnndrop.kernels.onednn import onednn_enabled
 from tests import helpers
 from tests.helpers import assert_close
@@ -425,19 +432,20 @@ def test_without_compiler_auto_warns_once_and_runs_manual():
     assert "RNNDROP_NO_COMPILE" in result["warnings"][0] and "'manual'" in result["warnings"][0]
 
 
-def test_a_compiler_that_fails_is_a_reason_to_fall_back_not_a_traceback(monkeypatch):
-    """A compiler that fails its own probe (CXX=/bin/false: subprocess.CalledProcessError) is a
-    reason the kernel is not available, so kernel='auto' falls back to 'manual', not a traceback."""
-    def failing_load(*args, **kwargs):
-        raise subprocess.CalledProcessError(1, ["/bin/false", "--version"])
-
-    monkeypatch.setattr(compiled, "_extension", None)
-    monkeypatch.setattr(compiled, "_failure", None)
+def test_a_compiler_that_fails_is_a_reason_to_fall_back_not_a_traceback(monkeypatch, tmp_path):
+    """A compiler that fails (CXX=/bin/false, a compile error) is a reason the kernel is not
+    available, with the first error line, so kernel='auto' falls back to 'manual', not a traceback;
+    nothing is left in the cache folder."""
+    for name, value in (("_extension", None), ("_failure", None), ("_warned", False), ("_background", None)):
+        monkeypatch.setattr(compiled, name, value)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setattr(compiled, "_missing_tool", lambda: None)
-    monkeypatch.setattr(compiled, "_is_cached", lambda build_dir: True)
-    monkeypatch.setattr(cpp_extension, "load", failing_load)
-    with pytest.raises(RuntimeError, match="the compiled loop kernel is not available: the build failed"):
+    monkeypatch.setattr(compiled_cache, "_COMPILE", "raise SystemExit('c++: error: /bin/false failed')")
+    with pytest.raises(RuntimeError, match="the compiled loop kernel is not available: the build failed: "
+                                           "c\\+\\+: error: /bin/false failed"):
         compiled.build()
+    assert not list((tmp_path / compiled.NAME).glob("build-*"))
+    assert not (tmp_path / compiled.NAME / f"{compiled.NAME}.so").exists()
 
 
 @pytest.mark.parametrize("when", ["before", "during"])
@@ -445,26 +453,29 @@ def test_sources_changed_since_import_are_not_built_into_this_process(monkeypatc
     """A job that runs while rnndrop is upgraded or edited: its Python side (in memory) no longer
     fits the C++ on disk. The build is refused (the layer falls back to 'manual' with one warning)
     instead of loading a library whose functions take other arguments; a library compiled while the
-    sources changed is removed from the cache, where it would sit under the wrong name."""
-    build_dir = tmp_path / "build"
-    build_dir.mkdir()
+    sources changed is never put in the cache, where it would sit under the wrong name."""
     sources_now = [compiled.NAME]
 
-    def load(*args, **kwargs):
+    def compile(self, *args, **kwargs):
         sources_now[0] = "rnndrop_loop_kernels_edited"  # the edit lands while it compiles
-        return object()
+        work = self.folder / "build-here"
+        work.mkdir()
+        (work / f"{self.name}.so").write_bytes(b"built")
+        return work / f"{self.name}.so"
 
-    for name, value in (("_extension", None), ("_failure", None), ("_warned", False)):
+    for name, value in (("_extension", None), ("_failure", None), ("_warned", False), ("_background", None)):
         monkeypatch.setattr(compiled, name, value)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("RNNDROP_COMPILE_WAIT", "1")
     monkeypatch.setattr(compiled, "_missing_tool", lambda: None)
-    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda *a, **k: str(build_dir))
-    monkeypatch.setattr(cpp_extension, "load", load)
+    monkeypatch.setattr(compiled_cache.Cache, "compile", compile)
     monkeypatch.setattr(compiled, "_build_name", lambda: sources_now[0])
     if when == "before":
         sources_now[0] = "rnndrop_loop_kernels_edited"
     with pytest.warns(RuntimeWarning, match="sources changed on disk after rnndrop was imported.*restart"):
         assert not compiled.is_available()
-    assert build_dir.exists() == (when == "before")
+    folder = tmp_path / compiled.NAME
+    assert not (folder / f"{compiled.NAME}.so").exists() and not (folder / "build-here").exists()
 
 
 def test_build_command_says_where_the_kernel_is_or_why_not(compiled_kernel):

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.cpp_extension import get_default_build_root
 
+from rnndrop.kernels.compiled_cache import extensions_root
 from rnndrop.lm import cli
 from rnndrop.lm.data.corpus import batchify, load_corpus, sample_dir
 from rnndrop.lm.run import job
@@ -36,7 +36,7 @@ def _env(tmp_path: Path) -> dict[str, str]:
     env.update(HOME=str(home), PYTHONPATH=str(ROOT), RNNDROP_DATA_MIRROR="http://127.0.0.1:9/",
                http_proxy="http://127.0.0.1:9", https_proxy="http://127.0.0.1:9",
                HTTP_PROXY="http://127.0.0.1:9", HTTPS_PROXY="http://127.0.0.1:9", OMP_NUM_THREADS="1",
-               TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+               TORCH_EXTENSIONS_DIR=str(extensions_root()))
     return env
 
 

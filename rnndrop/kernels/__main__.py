@@ -1,5 +1,6 @@
 """``python -m rnndrop.kernels``: build the compiled loop kernel ahead of its first use (or load
-it from torch's extension cache) and say where it lives."""
+it from torch's extension cache) and say where it lives; while it compiles, a progress line every
+few seconds."""
 
 import logging
 import sys
@@ -11,5 +12,6 @@ if __name__ == "__main__":
     try:
         module = compiled.build()
     except RuntimeError as error:
-        sys.exit(f"rnndrop: {error}")
+        how = getattr(error, "how", None)
+        sys.exit(f"rnndrop: {error}" + (f". To get it: {how}." if how else ""))
     print(f"the compiled loop kernel is built and cached: {module.__file__}")

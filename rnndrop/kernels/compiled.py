@@ -6,15 +6,19 @@ backward, one matrix product through ATen and passes over the step's rows in C++
 instead of a dozen ATen calls from Python; ``dW_hh`` and ``dW_hr`` are one product
 each over all steps after the loop. CPU only, float32 and float64; once differentiable.
 
-The extension is compiled on first use with ``torch.utils.cpp_extension.load`` (needs a
-C++ compiler and ninja) and cached in torch's extension directory
-(``TORCH_EXTENSIONS_DIR``); a cached build loads in well under a second. Build it ahead
-of time, and see where it lives, with::
+The extension is compiled with ``torch.utils.cpp_extension`` (needs a C++ compiler and ninja)
+and cached in torch's extension directory (``TORCH_EXTENSIONS_DIR``), in a folder keyed by
+everything that changes the binary, with a record of what the build wrote that is checked before
+the library is loaded (:mod:`rnndrop.kernels.compiled_cache`); a cached build loads in well under
+a second. ``kernel="auto"`` never waits for a compilation: its first call starts the build in a
+background thread and runs the "manual" kernel until it is done (:func:`is_available`).
+Build it ahead of time, with progress lines, and see where it lives, with::
 
     python -m rnndrop.kernels
 
 ``RNNDROP_NO_COMPILE=1`` turns it off: :func:`is_available` is then False and
-``kernel="auto"`` runs the "manual" kernel.
+``kernel="auto"`` runs the "manual" kernel. ``RNNDROP_COMPILE_WAIT=1`` makes ``kernel="auto"``
+build it in its first call instead of in the background.
 
 What crosses to C++ is named (``csrc/kernels.h``): each call takes and returns structs whose
 fields are set and read by name, from the NamedTuples :class:`LSTMInputs`, :class:`LSTMSaved`,
@@ -24,14 +28,14 @@ fields are set and read by name, from the NamedTuples :class:`LSTMInputs`, :clas
 
 from __future__ import annotations
 
+import atexit
 import functools
-import hashlib
 import logging
 import os
 import shutil
-import subprocess
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -40,6 +44,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
+from rnndrop.kernels import compiled_cache
+from rnndrop.kernels.compiled_cache import Cache, Unavailable, build_key, extensions_root
 from rnndrop.kernels.compiled_plan import packed_weights, split_parts
 from rnndrop.kernels.first_order import first_order_backward, refuse_transforms
 from rnndrop.kernels.optional import available_or_warn
@@ -61,14 +67,11 @@ LDFLAGS = ["-fopenmp"]
 
 
 def _build_name() -> str:
-    """The extension's name, and so its build folder: one per source folder, source text and
-    compiler flags, so that two checkouts (or two versions) never rebuild over each other's
-    cached library."""
-    digest = hashlib.sha256(str(SOURCES[0].parent.resolve()).encode())
-    digest.update(" ".join(CFLAGS + LDFLAGS).encode())
-    for path in SOURCES + HEADERS:
-        digest.update(path.read_bytes())
-    return f"rnndrop_loop_kernels_{digest.hexdigest()[:12]}"
+    """The extension's name, and so its build folder: a hash of everything that changes the binary
+    (:func:`rnndrop.kernels.compiled_cache.build_key`: sources, flags, torch, Python, compiler,
+    include paths), so that two checkouts, versions or environments never rebuild over each
+    other's cached library."""
+    return f"rnndrop_loop_kernels_{build_key(SOURCES, HEADERS, CFLAGS + LDFLAGS)[:16]}"
 
 
 NAME = _build_name()
@@ -76,12 +79,18 @@ HOW_TO_GET_IT = (
     "install a C++ compiler (g++) and ninja (`pip install ninja`), then build it with "
     "`python -m rnndrop.kernels`"
 )
+#: What a first build usually takes (measured: 40-52 s on a quiet 2-core CPU, 2-4 min on a busy one).
+USUAL_BUILD_TIME = "about 1-4 min"
 
-
-_lock = threading.Lock()
+_lock = threading.Lock()  # one build or load at a time in this process
 _extension: ModuleType | None = None
-_failure: str | None = None  # why it cannot be built, once known
+_failure: Unavailable | None = None  # why it cannot be had, once known
+_background: threading.Thread | None = None  # the build kernel="auto" started, if any
 _warned = False
+
+
+class _NeedsBuild(Exception):
+    """Raised by :func:`_obtain` when the library must be compiled and compiling was not allowed."""
 
 
 def _missing_tool() -> str | None:
@@ -96,80 +105,139 @@ def _missing_tool() -> str | None:
     return None
 
 
-def _is_cached(build_dir: str) -> bool:
-    """Whether ``build_dir`` holds a library newer than every source (no compilation to wait for)."""
-    newest_source = max(p.stat().st_mtime for p in SOURCES + HEADERS)
-    libraries = list(Path(build_dir).glob(f"{NAME}*.so")) if os.path.isdir(build_dir) else []
-    return any(lib.stat().st_mtime >= newest_source for lib in libraries)
+def _cache() -> Cache:
+    return Cache(NAME, extensions_root() / NAME)
 
 
 def build() -> ModuleType:
-    """Compile (first time) or load (cached) the extension; raise RuntimeError saying why it cannot."""
+    """The extension, loaded from the cache or compiled now (waiting for it, with progress lines
+    logged at INFO); RuntimeError (:class:`~rnndrop.kernels.compiled_cache.Unavailable`) saying why
+    it cannot be had. Waits for a build this process started in the background."""
     global _extension, _failure
     if _extension is not None:  # every call of the kernel asks: no lock once it is loaded
         return _extension
     with _lock:
         if _extension is None and _failure is None:
             try:
-                _extension = _compile_or_load()
-            except RuntimeError as error:
-                _failure = str(error)
+                _extension = _obtain(compile=True, report=logger.info)
+            except Unavailable as error:
+                _failure = error
         if _extension is None:
-            raise RuntimeError(f"the compiled loop kernel is not available: {_failure}")
+            assert _failure is not None
+            raise Unavailable(f"the compiled loop kernel is not available: {_failure}", how=_failure.how)
         return _extension
 
 
-def _compile_or_load() -> ModuleType:
-    """The extension module; RuntimeError with the reason when it cannot be had."""
+def _obtain(compile: bool, report: Callable[[str], None] | None) -> ModuleType:
+    """The extension: the cached library when it is what its build wrote, else (``compile``) one
+    compiled now, under the folder's build lock; :class:`_NeedsBuild` when it must be compiled and
+    ``compile`` is False; Unavailable with the reason when it cannot be had."""
     if os.environ.get("RNNDROP_NO_COMPILE", "") not in ("", "0"):
-        raise RuntimeError("disabled by RNNDROP_NO_COMPILE")
+        raise Unavailable("disabled by RNNDROP_NO_COMPILE")
+    _check_sources_unchanged()
+    cache = _cache()
+    damage = cache.check()
+    if damage is None:  # a complete build: loaded as it is, even read-only, even with no compiler
+        return cache.load()
     missing = _missing_tool()
     if missing is not None:
-        raise RuntimeError(missing)
-    import torch.utils.cpp_extension as cpp_extension
-
-    _check_sources_unchanged()
-    try:  # a private helper of torch, used only to say whether a compilation is coming
-        build_dir = cpp_extension._get_build_directory(NAME, verbose=False)
-    except (AttributeError, TypeError, OSError):
-        build_dir = "torch's extension directory"
-    if not _is_cached(build_dir):
-        logger.warning("rnndrop: compiling the C++ loop kernel into %s (first use only: about 40 s "
-                       "on a quiet 2-core CPU, minutes on a busy one; `python -m "
-                       "rnndrop.kernels` builds it ahead)", build_dir)
-    try:
-        module = cpp_extension.load(  # copies of the flags: load() appends to its lists
-            name=NAME, sources=[str(p) for p in SOURCES], extra_cflags=list(CFLAGS),
-            extra_ldflags=list(LDFLAGS), verbose=False,
-        )
-    # compiler errors, a broken cache, a compiler that fails its --version probe (SubprocessError)
-    except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as error:
-        lines = ([line for line in str(error).splitlines() if "error" in line]
-                 or [f"{type(error).__name__}: {str(error).strip()}"])
-        raise RuntimeError(f"the build failed: {lines[0].strip()}") from error
-    try:
-        _check_sources_unchanged()
-    except RuntimeError:  # changed while compiling: the library may mix two versions
-        shutil.rmtree(build_dir, ignore_errors=True)
-        raise
-    return module
+        if damage == "missing":
+            raise Unavailable(missing)
+        raise Unavailable(f"{damage}, and it cannot be rebuilt: {missing}",
+                          how=f"delete {cache.folder}, then {HOW_TO_GET_IT}")
+    if not compile:
+        raise _NeedsBuild(damage)
+    with cache.build_lock(compiled_cache.WAIT_FOR_OTHER_BUILD_S, report):
+        damage = cache.check()  # built by another process while this one waited?
+        if damage is not None:
+            if damage != "missing":
+                logger.warning("rnndrop: %s; rebuilding it", damage)
+                cache.remove_library()
+            started = time.monotonic()
+            if report is not None:  # (a background build said so when it started)
+                logger.warning("rnndrop: compiling the C++ loop kernel into %s (first use only: %s; "
+                               "`python -m rnndrop.kernels` builds it ahead)", cache.folder, USUAL_BUILD_TIME)
+            built = cache.compile(SOURCES, CFLAGS, LDFLAGS, report)
+            try:
+                _check_sources_unchanged()
+            except RuntimeError:  # changed while compiling: the library may mix two versions
+                shutil.rmtree(built.parent, ignore_errors=True)
+                raise
+            cache.publish(built)
+            if report is not None:
+                report(f"compiled in {time.monotonic() - started:.0f} s: {cache.library}")
+        return cache.load()
 
 
 def _check_sources_unchanged() -> None:
-    """RuntimeError when the C++ sources on disk are not those this process imported with (rnndrop
+    """Unavailable when the C++ sources on disk are not those this process imported with (rnndrop
     upgraded or edited while it ran): their library would not fit the Python side in memory, and
     would be cached under the name of the sources it did not come from."""
     if _build_name() != NAME:
-        raise RuntimeError("its C++ sources changed on disk after rnndrop was imported (rnndrop upgraded "
-                           "or edited while this process ran); restart the process to build them")
+        raise Unavailable("its C++ sources changed on disk after rnndrop was imported (rnndrop upgraded "
+                          "or edited while this process ran, or its compiler or environment changed); "
+                          "restart the process to build them", how="restart the process")
+
+
+def _build_in_background() -> None:
+    """The body of the thread kernel="auto" starts: compile, then later calls run the kernel."""
+    global _extension, _failure
+    with _lock:
+        if _extension is not None or _failure is not None:
+            return
+        started = time.monotonic()
+        try:
+            _extension = _obtain(compile=True, report=None)
+        except Unavailable as error:
+            _failure = error
+        except Exception as error:  # a thread's error would be lost: say it once instead
+            _failure = Unavailable(f"the build failed: {type(error).__name__}: {error}")
+        else:
+            logger.warning("rnndrop: the compiled loop kernel is built (%.0f s); kernel='auto' runs it from "
+                           "now on", time.monotonic() - started)
+
+
+@atexit.register
+def _stop_background_build() -> None:
+    """A build kernel="auto" started does not outlive its process (nor leave a compiler running)."""
+    if compiled_cache.stop_children() or (_background is not None and _background.is_alive()):
+        logger.warning("rnndrop: the compiled loop kernel's background build was stopped as the process "
+                       "exited; `python -m rnndrop.kernels` builds it ahead of time")
 
 
 def is_available() -> bool:
-    """Whether the compiled kernel can run (builds it on the first call; the answer is cached).
+    """Whether the compiled kernel can run now: what kernel="auto" asks. Never waits for a
+    compilation: where the library must be compiled, it starts the build in a background thread,
+    logs one warning saying so, and answers False (the "manual" kernel runs) until the build is
+    done; later calls then answer True. ``RNNDROP_COMPILE_WAIT=1`` builds it in the call instead.
 
-    When it cannot, warns once per process saying why and how to get it.
+    When it cannot be had, warns once per process saying why and how to get it.
     """
-    global _warned
+    global _warned, _extension, _failure, _background
+    if _extension is not None:
+        return True
+    if os.environ.get("RNNDROP_COMPILE_WAIT", "") in ("", "0") and _failure is None:
+        if _background is not None or not _lock.acquire(blocking=False):
+            return False  # being built (here in the background, or by another thread)
+        try:
+            if _extension is None and _failure is None:
+                try:
+                    _extension = _obtain(compile=False, report=None)
+                except _NeedsBuild as need:
+                    damage = "" if str(need) == "missing" else f"{need}; "
+                    logger.warning(
+                        "rnndrop: %sbuilding the compiled C++ loop kernel in the background into %s (first "
+                        "use only: %s); kernel='auto' runs the 'manual' kernel until it is ready, then "
+                        "the compiled one. `python -m rnndrop.kernels` builds it ahead of time.",
+                        damage, _cache().folder, USUAL_BUILD_TIME)
+                    _background = threading.Thread(target=_build_in_background, name="rnndrop-kernel-build",
+                                                   daemon=True)
+                    _background.start()
+                    return False
+                except Unavailable as error:
+                    _failure = error
+        finally:
+            _lock.release()
     available, _warned = available_or_warn(
         build, _warned, "RNNDROP_NO_COMPILE", HOW_TO_GET_IT, "the 'manual' kernel"
     )

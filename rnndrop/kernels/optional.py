@@ -16,13 +16,14 @@ def available_or_warn(
 
     ``load`` raises RuntimeError when the kernel cannot run; the first such failure (while
     ``warned`` is False) warns: the reason, that ``kernel="auto"`` runs ``instead``, and how
-    to get the kernel (``unset <switch>`` when the environment variable ``switch`` turned it off).
+    to get the kernel (``unset <switch>`` when the environment variable ``switch`` turned it off;
+    the error's own ``how`` where it has one, e.g. a read-only cache folder).
     """
     try:
         load()
     except RuntimeError as error:
         if not warned:
-            how = f"unset {switch}" if switch in str(error) else how_to_get
+            how = f"unset {switch}" if switch in str(error) else getattr(error, "how", None) or how_to_get
             warnings.warn(f"rnndrop: {error}; kernel='auto' runs {instead} instead. To get it: {how}.",
                           RuntimeWarning, stacklevel=3)
         return False, True
