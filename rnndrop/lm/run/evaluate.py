@@ -9,7 +9,8 @@ truncated-BPTT segments of a batched stream ``[N, B]`` and return a :class:`Scor
 share of the streams and the sums are added over the ranks.
 
 ``generate(model, vocab, prompt, n_words)`` feeds the prompt, then draws one word at a
-time from ``softmax(logits / temperature)`` and feeds it back, carrying the recurrent
+time from ``softmax(logits / temperature)`` (optionally cut to the ``top_k`` likeliest words,
+or to the nucleus of probability ``top_p``) and feeds it back, carrying the recurrent
 state; dropout is off (eval mode).
 """
 
@@ -34,6 +35,7 @@ __all__ = [
     "MAX_NLL",
     "MC_PROGRESS",
     "Score",
+    "check_sampling",
     "evaluate",
     "evaluate_mc",
     "generate",
@@ -44,6 +46,7 @@ __all__ = [
     "score_split",
     "score_sums",
     "token_loss",
+    "truncated",
     "words_to_text",
 ]
 
@@ -201,6 +204,8 @@ def generate(
     n_words: int = 50,
     *,
     temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
     generator: torch.Generator | None = None,
 ) -> list[str]:
     """``n_words`` words sampled after ``prompt`` (words the vocabulary lacks become
@@ -211,12 +216,17 @@ def generate(
             ``([T, B, V]`` logits, hidden) out).
         vocab: its vocabulary.
         temperature: > 0; below 1 favours likely words, above 1 flattens the distribution.
+        top_k: draw among the ``top_k`` likeliest words only (None: all).
+        top_p: nucleus sampling: draw among the fewest likeliest words whose probabilities
+            (after the temperature) add up to ``top_p`` or more, in (0, 1] (None or 1: all).
+            With ``top_k`` too, the nucleus is taken within the ``top_k`` words.
         generator: for reproducible samples.
     """
     if isinstance(n_words, bool) or not isinstance(n_words, int) or n_words < 0:
         raise ValueError(f"n_words must be an int >= 0, got {n_words!r}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    check_sampling(top_k, top_p)
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -229,12 +239,39 @@ def generate(
             # not inf / inf = NaN probabilities
             scores = logits[-1, 0].double()
             probs = torch.softmax((scores - scores.max()) / temperature, dim=-1).cpu()
-            word = int(torch.multinomial(probs, 1, generator=generator))
+            word = int(torch.multinomial(truncated(probs, top_k, top_p), 1, generator=generator))
             words.append(vocab.itos[word])
             logits, hidden = model(torch.tensor([[word]], device=device), hidden)
     finally:
         model.train(was_training)
     return words
+
+
+def check_sampling(top_k: int | None, top_p: float | None) -> None:
+    """ValueError unless ``top_k`` is None or an int >= 1 and ``top_p`` None or in (0, 1]."""
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be an int >= 1 (or None: all words), got {top_k!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
+                              or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must be a number in (0, 1] (or None: all words), got {top_p!r}")
+
+
+def truncated(probs: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
+    """``probs`` (one distribution, summing to 1) with every word outside the ``top_k``
+    likeliest, and outside the nucleus of ``top_p`` (the fewest likeliest words whose
+    probabilities add up to ``top_p`` or more), set to 0; the likeliest word always stays.
+    Not renormalised (``torch.multinomial`` needs no normalisation)."""
+    if top_k is None and (top_p is None or top_p >= 1):
+        return probs
+    order = probs.argsort(descending=True, stable=True)
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if top_k is not None and top_k < probs.numel():
+        keep[order[top_k:]] = False
+    if top_p is not None and top_p < 1:
+        ranked = probs[order] * keep[order]
+        before = ranked.cumsum(0) - ranked  # probability of the likelier words
+        keep[order[before >= top_p * ranked.sum()]] = False
+    return probs * keep
 
 
 def words_to_text(words: Sequence[str]) -> str:
