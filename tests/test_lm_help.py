@@ -94,3 +94,11 @@ def test_generate_refuses_bad_sampling_flags_in_one_line(tmp_path, capsys, flag,
     assert run_cli(["generate", str(tmp_path / "nothing"), flag, value]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and says in err
+
+
+def test_training_help_says_how_the_estimate_adapts():
+    from rnndrop.lm.cli.parser import corpus_parser
+
+    for text in (_help("ptb"), " ".join(corpus_parser("ptb").format_help().split())):
+        assert "The progress bar's ETA starts from that same number; once the first epoch ends, the " \
+               "measured speed replaces the timed one" in text

@@ -11,7 +11,15 @@ from rnndrop.lm.data.download import DATASETS
 from rnndrop.lm.model.presets import CONFIGS
 from rnndrop.lm.model.regimes import REGIMES
 
-__all__ = ["CONFIG_FLAGS", "CORPORA", "HelpFormatter", "add_train_arguments", "build_parser", "corpus_parser"]
+__all__ = [
+    "CONFIG_FLAGS",
+    "CORPORA",
+    "ESTIMATE_HELP",
+    "HelpFormatter",
+    "add_train_arguments",
+    "build_parser",
+    "corpus_parser",
+]
 
 #: Corpus names on the command line -> names in :mod:`rnndrop.lm.data.download`.
 CORPORA = {"ptb": "ptb", "wikitext2": "wikitext-2", "wikitext-2": "wikitext-2"}
@@ -26,6 +34,17 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if "default" in text or action.default in (None, "", False, argparse.SUPPRESS):
             return text
         return super()._get_help_string(action)
+
+
+#: How a training job's time estimate is made and how it adapts (the epilog of its --help).
+ESTIMATE_HELP = (
+    "Time: before training, the job times a few training steps, evaluation and Monte-Carlo passes "
+    "of each regime and prints how long it should take (runs that stop early at the learning-rate "
+    "floor take less). The progress bar's ETA starts from that same number; once the first epoch "
+    "ends, the measured speed replaces the timed one (so on a machine that gets busier the ETA "
+    "grows), and runs that stop early drop their epochs left. At the end the job says how far off "
+    "the estimate was."
+)
 
 
 def _prefixes(text: str) -> tuple[str, ...]:
@@ -139,7 +158,7 @@ def corpus_parser(dataset: str, prog: str | None = None, **kwargs: Any) -> argpa
         prog=prog,
         description=f"Train and compare word-level language models on {dataset} with different "
         "dropout regimes (none, naive, tied variational, ...), then print the comparison table.",
-        formatter_class=HelpFormatter, **kwargs,
+        formatter_class=HelpFormatter, epilog=ESTIMATE_HELP, **kwargs,
     )
     add_train_arguments(parser, dataset)
     return parser
@@ -163,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=HelpFormatter,
                            description=f"Train and compare word-level language models on "
                            f"{CORPORA[name]} with different dropout regimes, then print the "
-                           "comparison table and the path of the learning curves.")
+                           "comparison table and the path of the learning curves.", epilog=ESTIMATE_HELP)
         add_train_arguments(p, CORPORA[name])
     _add_evaluate(sub)
     _add_generate(sub)

@@ -17,6 +17,7 @@ state; dropout is off (eval mode).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -34,12 +35,14 @@ __all__ = [
     "CALIBRATION_BINS",
     "MAX_NLL",
     "MC_PROGRESS",
+    "MC_UNIT",
     "Score",
     "check_sampling",
     "evaluate",
     "evaluate_mc",
     "generate",
     "has_noise",
+    "mc_seconds",
     "perplexity",
     "score",
     "score_mc",
@@ -50,8 +53,10 @@ __all__ = [
     "words_to_text",
 ]
 
-#: how the Monte-Carlo passes are labelled in bars and log lines
+#: how the Monte-Carlo passes are labelled in bars and log lines, and what they count: the
+#: truncated-BPTT segments of the split, each scored with every sample
 MC_PROGRESS = "MC test, {} samples"
+MC_UNIT = "test segments"
 
 #: Confidence bins of the next-word calibration measured on the test split.
 CALIBRATION_BINS = 15
@@ -163,6 +168,23 @@ def score_mc(
     return Score(loss.nll, loss.num_tokens, None if loss.reliability is None else loss.reliability.ece)
 
 
+def mc_seconds(model: nn.Module, batched: Tensor, bptt: int, n_samples: int,
+               calibration_bins: int | None = CALIBRATION_BINS) -> float:
+    """About how long :func:`score_mc` of ``n_samples`` samples takes on ``batched``: its first
+    segment scored with up to 8 samples, timed and scaled to the whole stream and every sample
+    (the Monte-Carlo code itself, so its cost over a plain forward is counted). It draws
+    dropout noise: seed the generator after it."""
+    segments = list(bptt_batches(batched, bptt))
+    if not segments or n_samples < 1:
+        return 0.0
+    samples = min(n_samples, 8)
+    start = time.perf_counter()
+    mc_language_model_loss(model, segments[:1], samples, calibration_bins=calibration_bins)
+    seconds = time.perf_counter() - start
+    words = sum(targets.numel() for _, targets in segments)
+    return seconds * n_samples / samples * words / segments[0][1].numel()
+
+
 def _shown(
     segments: list[tuple[Tensor, Tensor]], label: str | None, bar: bool
 ) -> Iterator[tuple[Tensor, Tensor]]:
@@ -170,7 +192,7 @@ def _shown(
     if label is None:
         yield from segments
         return
-    shown = EpochProgress(len(segments), label, True, bar=bar)
+    shown = EpochProgress(len(segments), label, True, bar=bar, unit=MC_UNIT)
     try:
         for segment in segments:
             yield segment

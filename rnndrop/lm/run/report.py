@@ -21,10 +21,12 @@ import io
 import json
 import logging
 import queue
+import re
 import statistics
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,7 @@ __all__ = [
     "EpochProgress",
     "EpochRelay",
     "JobProgress",
+    "RunCost",
     "alpha_figure",
     "benchmark_markdown",
     "comparison_table",
@@ -49,6 +52,7 @@ __all__ = [
     "plot_alphas",
     "plot_learning_curves",
     "relay_events",
+    "run_number",
 ]
 
 log = logging.getLogger(__name__)
@@ -66,30 +70,64 @@ def format_duration(seconds: float) -> str:
     return f"{minutes // 60} h {minutes % 60:02d} min"
 
 
-class JobProgress:
-    """Counts the epochs of a job of ``total_runs`` runs of up to ``epochs`` epochs each.
+@dataclass(frozen=True)
+class RunCost:
+    """What one run of a job should cost, in seconds at the speed timed before the job
+    (:func:`rnndrop.lm.run.job.estimate_seconds`): the prior of :class:`JobProgress`."""
 
-    The ETA is the job's remaining epochs times the wall time per epoch trained so far
-    (evaluation and Monte-Carlo scoring included; runs trained side by side under
-    ``--jobs`` count each of their epochs); before the first epoch it is
-    ``estimate_seconds`` scaled by the share left of the ``estimate_epochs`` it counted
-    (default: every epoch of every run). Runs in worker processes report their epochs
-    through an :class:`EpochRelay`.
+    #: epochs left to train (at most: a run may stop early at the learning-rate floor)
+    epochs: int
+    #: one epoch: the training pass and the validation pass
+    epoch_seconds: float
+    #: after the last epoch: the test pass and the Monte-Carlo passes
+    end_seconds: float
+
+    def seconds(self, epochs: int | None = None) -> float:
+        return (self.epochs if epochs is None else epochs) * self.epoch_seconds + self.end_seconds
+
+
+def run_number(label: str) -> int | None:
+    """k of a run label ``"run k/n ..."`` (None for another label)."""
+    match = re.match(r"run (\d+)/\d+\b", label)
+    return int(match.group(1)) if match else None
+
+
+class JobProgress:
+    """Counts the epochs of a job of ``total_runs`` runs of up to ``epochs`` epochs each, and
+    its ETA: the one source of the job's time, for the up-front line and the bar alike.
+
+    ``costs`` (one per run, in run order, None for a run reused from an earlier job) is the
+    prior: what each run's epochs and end (test, Monte-Carlo passes) should take at the speed
+    timed before the job. The ETA is the prior of the work left times the speed factor:
+    ``1 / jobs`` before the first epoch ends (the runs share the wall time), then the wall
+    time so far over the prior of the work done, so the measured speed replaces the timed
+    one from the first epoch on (on a loaded machine the ETA grows, on a quiet one it shrinks).
+    A run that stops early (learning-rate floor) drops its epochs left. Without ``costs``
+    every epoch weighs the same and the ETA is unknown until one has ended. Runs in worker
+    processes report their epochs through an :class:`EpochRelay`.
     """
 
     def __init__(self, total_runs: int, epochs: int, *, bar: bool,
-                 estimate_seconds: float | None = None, estimate_epochs: int | None = None) -> None:
+                 costs: Sequence[RunCost | None] | None = None, jobs: int = 1) -> None:
         self.total_runs, self.epochs = total_runs, epochs
+        if costs is not None and len(costs) != total_runs:
+            raise ValueError(f"costs: expected one per run ({total_runs}), got {len(costs)}")
+        self.known = costs is not None
+        planned = costs if costs is not None else [RunCost(epochs, 1.0, 0.0)] * total_runs
+        #: run number -> prior of the runs not started yet (reused runs are not planned)
+        self.pending: dict[int, RunCost] = {k: c for k, c in enumerate(planned, 1) if c is not None}
+        self.jobs = max(1, jobs)
         self.done_epochs = 0  # epochs trained in this job
         self.runs_started = 0
         self.runs_done = 0
         self.runs_trained = 0  # runs that trained (not reused)
         self.active: dict[str, int] = {}  # label of a running run -> its next epoch
+        self.active_cost: dict[str, RunCost] = {}
         self.finished: set[str] = set()  # labels of the runs done
         self.run_label = ""  # of the run this process trains
         self.start = time.perf_counter()
-        self.estimate = estimate_seconds
-        self.estimate_epochs = max(1, epochs * total_runs if estimate_epochs is None else estimate_epochs)
+        self.prior_done = 0.0  # the prior of the work done so far
+        self.last_event = self.start  # when the last epoch or run ended
         self.bar = None
         if bar and sys.stderr.isatty():
             try:
@@ -106,26 +144,40 @@ class JobProgress:
         """The next epoch of the run this process trains (None between runs)."""
         return self.active.get(self.run_label)
 
+    def _left(self, label: str) -> int:
+        return max(0, self.epochs - self.active[label] + 1)
+
     def remaining_epochs(self) -> int:
-        active = sum(max(0, self.epochs - n + 1) for n in self.active.values())
-        return active + self.epochs * (self.total_runs - self.runs_started)
+        """Epochs left to train, at most (runs that stop early train fewer)."""
+        return sum(map(self._left, self.active)) + sum(c.epochs for c in self.pending.values())
 
     def total_epochs(self) -> int:
         return max(1, self.done_epochs + self.remaining_epochs())
 
+    def prior_left(self) -> float:
+        """The prior (seconds at the timed speed) of the work left."""
+        return (sum(self.active_cost[label].seconds(self._left(label)) for label in self.active)
+                + sum(c.seconds() for c in self.pending.values()))
+
+    def speed(self) -> float | None:
+        """Wall seconds per prior second: measured once work is done, else the prior's."""
+        if self.prior_done > 0:
+            return (self.last_event - self.start) / self.prior_done
+        return 1 / min(self.jobs, max(1, len(self.pending) + len(self.active))) if self.known else None
+
     def eta_seconds(self) -> float | None:
-        elapsed = time.perf_counter() - self.start
-        if self.done_epochs:
-            return self.remaining_epochs() * elapsed / self.done_epochs
-        if self.runs_trained:
-            return (self.total_runs - self.runs_done) * elapsed / self.runs_trained
-        if self.estimate is not None:
-            return self.estimate * min(1.0, self.remaining_epochs() / self.estimate_epochs)
-        return None
+        speed = self.speed()
+        if speed is None:
+            return None
+        return max(0.0, speed * self.prior_left() - (time.perf_counter() - self.last_event))
 
     def _eta_text(self) -> str:
         eta = self.eta_seconds()
         return "ETA unknown" if eta is None else f"job ETA {format_duration(eta)}"
+
+    def _event(self, prior: float) -> None:
+        self.prior_done += prior
+        self.last_event = time.perf_counter()
 
     def _refresh(self) -> None:
         if self.bar is None:
@@ -139,19 +191,35 @@ class JobProgress:
         self.bar.n = self.done_epochs
         self.bar.refresh()
 
+    def _take(self, label: str) -> RunCost:
+        """The prior of the run ``label`` (its number's, else the first one planned), no
+        longer pending."""
+        number = run_number(label)
+        if number not in self.pending:
+            number = next(iter(self.pending), None)
+        if number is not None:
+            return self.pending.pop(number)
+        known = list(self.active_cost.values()) or [RunCost(self.epochs, 1.0, 0.0)]
+        return RunCost(self.epochs, sum(c.epoch_seconds for c in known) / len(known),
+                       sum(c.end_seconds for c in known) / len(known))
+
     def start_run(self, label: str, first_epoch: int = 1) -> None:
         """A run begins (or resumes at ``first_epoch``); ``label`` names it
         (``"run 2/3 tied ... seed 1"``)."""
         self.runs_started += 1
         self.run_label = label
         self.active[label] = first_epoch
+        self.active_cost[label] = self._take(label)
         self._refresh()
 
     def epoch_done(self, epoch: int, record: Mapping[str, Any], label: str | None = None) -> None:
         """``epoch`` of the run ``label`` (default: the one this process trains) ended."""
         label = self.run_label if label is None else label
+        if label not in self.active:  # a worker's epoch whose start was not relayed
+            self.start_run(label, epoch)
         self.done_epochs += 1
         self.active[label] = epoch + 1
+        self._event(self.active_cost[label].epoch_seconds)
         if self.bar is not None:
             self._refresh()
         else:
@@ -160,19 +228,26 @@ class JobProgress:
                      record["valid_ppl"], 100 * self.done_epochs // self.total_epochs(), self._eta_text())
 
     def run_done(self, label: str, result: Mapping[str, Any], *, reused: bool = False) -> None:
-        """A run ended: trained (here or in a worker), or ``reused`` from an earlier job."""
+        """A run ended: trained (here or in a worker), or ``reused`` from an earlier job; its
+        epochs left (when it stopped early) are dropped."""
         if self.active.pop(label, None) is None:  # not announced by start_run
             self.runs_started += 1
+            cost = self._take(label) if not reused or run_number(label) in self.pending else None
+        else:
+            cost = self.active_cost.pop(label)
         self.finished.add(label)
         self.runs_done += 1
         self.runs_trained += not reused
-        if self.bar is not None:
-            self._refresh()
-        else:
-            what = "reused (finished earlier)" if reused else "finished"
-            log.info("%s %s: best valid ppl %.2f, test ppl %.2f; %d of %d runs done, %s",
-                     label, what, result["best_valid_ppl"], result["test_ppl"], self.runs_done,
-                     self.total_runs, self._eta_text())
+        if not reused and cost is not None:
+            self._event(cost.end_seconds)
+        self._refresh()
+        # One line per run, with or without bars (above them on a terminal).
+        what = "reused (finished earlier)" if reused else "finished"
+        mc = result.get("test_ppl_mc")
+        mc_text = f", MC {mc:.2f} ({result.get('mc_samples')} samples)" if isinstance(mc, float) else ""
+        log.info("%s %s: best valid ppl %.2f, test ppl %.2f%s; %d of %d runs done, %s",
+                 label, what, result["best_valid_ppl"], result["test_ppl"], mc_text, self.runs_done,
+                 self.total_runs, self._eta_text())
 
     def close(self) -> None:
         if self.bar is not None:
@@ -226,17 +301,19 @@ class EpochProgress:
     """A tqdm bar on a terminal when tqdm is installed and ``bar`` (below the job's bar of
     :class:`rnndrop.lm.run.report.JobProgress`, if one is drawn), else a log line every
     tenth of the loop (e.g. when stderr goes to a file, or in a worker process of ``--jobs``
-    whose bars would overwrite each other)."""
+    whose bars would overwrite each other). ``unit`` names what the loop counts
+    (``"MC test, 50 samples: 2/21 test segments"``)."""
 
-    def __init__(self, total: int, desc: str, enabled: bool, *, bar: bool = True) -> None:
-        self.total, self.desc, self.count = total, desc, 0
+    def __init__(self, total: int, desc: str, enabled: bool, *, bar: bool = True, unit: str = "") -> None:
+        self.total, self.desc, self.count, self.unit = total, desc, 0, unit
         self.bar = None
         self.enabled = enabled
         if enabled and bar and sys.stderr.isatty():
             try:
                 from tqdm.auto import tqdm
 
-                self.bar = tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
+                self.bar = tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True,
+                                **({"unit": f" {unit}"} if unit else {}))
             except ImportError:
                 pass
         self.every = max(1, total // 10)
@@ -248,8 +325,8 @@ class EpochProgress:
             self.bar.set_postfix(text, refresh=False)
             self.bar.update(1)
         elif self.enabled and (self.count % self.every == 0 or self.count == self.total):
-            log.info("%s %d/%d %s", self.desc, self.count, self.total,
-                     " ".join(f"{k}={v}" for k, v in text.items()))
+            where = f": {self.count}/{self.total} {self.unit}" if self.unit else f" {self.count}/{self.total}"
+            log.info("%s%s %s", self.desc, where, " ".join(f"{k}={v}" for k, v in text.items()))
 
     def close(self) -> None:
         if self.bar is not None:
