@@ -35,11 +35,16 @@ def _result(epochs: int, regime: str = "tied", seed: int = 1) -> dict:
     }
 
 
+def _runs_legend(ax):
+    """The legend of the runs (the other one keys the line styles)."""
+    return next(a for a in [*ax.artists, ax.get_legend()] if a.get_title().get_text().startswith("runs"))
+
+
 def test_a_one_epoch_plot_shows_markers_and_integer_epochs_under_a_title():
     fig = learning_curve_figure([_result(1)])
     try:
         ax = fig.axes[0]
-        assert len(ax.lines) == 3  # valid, train, the best epoch's ring
+        assert len(ax.lines) == 3  # valid, train, the best epoch's star
         assert all(line.get_marker() not in (None, "None", "") for line in ax.lines)
         assert [list(line.get_xdata()) for line in ax.lines] == [[1], [1], [1]]
         ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
@@ -62,9 +67,10 @@ def test_the_plot_labels_values_inside_the_range_marks_the_best_epoch_and_names_
         lo, hi = ax.get_ylim()
         labels = [float(t) for t in ax.get_yticks() if lo <= t <= hi]
         assert len(labels) >= 4 and all(140 <= t <= 220 for t in labels)  # not only 10^2
-        rings = [line for line in ax.lines if line.get_fillstyle() == "none"]
-        assert [(list(r.get_xdata()), list(r.get_ydata())) for r in rings] == [([2], [160.0]), ([2], [195.0])]
-        legend = [t.get_text() for t in ax.get_legend().get_texts()]
+        stars = [line for line in ax.lines if line.get_marker() == "*"]
+        points = sorted((list(r.get_xdata()), list(r.get_ydata())) for r in stars)
+        assert points == [([2], [160.0]), ([2], [195.0])]
+        legend = [t.get_text() for t in _runs_legend(ax).get_texts()]
         assert legend[0].endswith("test 153.0") and legend[1].endswith("test 188.0")
     finally:
         plt.close(fig)
@@ -77,7 +83,7 @@ def test_runs_of_different_configs_name_their_own_in_the_legend_not_the_first_in
         fig = learning_curve_figure(runs)
         try:
             ax = fig.axes[0]
-            legend = [t.get_text() for t in ax.get_legend().get_texts()]
+            legend = [t.get_text() for t in _runs_legend(ax).get_texts()]
             assert ("2×200 GRU" in ax.get_title()) is shared
             assert ("config mini" in legend[0]) is not shared
             if not shared:

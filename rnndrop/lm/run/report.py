@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 import logging
 import queue
@@ -34,6 +35,7 @@ from rnndrop.lm.atomic import atomic_write
 from rnndrop.lm.run.checkpoint import METRICS
 
 __all__ = [
+    "FEW_PREDICTIONS",
     "METRICS_COLUMNS",
     "EpochLog",
     "EpochProgress",
@@ -46,12 +48,15 @@ __all__ = [
     "format_dropout",
     "format_duration",
     "learning_curve_figure",
+    "lr_drops",
     "markdown_table",
     "noise_series",
     "paired_differences",
     "plot_alphas",
     "plot_learning_curves",
+    "regime_colour",
     "relay_events",
+    "reliability_axes",
     "run_number",
 ]
 
@@ -610,53 +615,159 @@ def _plot_title(results: Sequence[Mapping[str, Any]]) -> str:
     return f"{what}, {_config_text(first.get('config', {}))}"
 
 
+#: A colour per regime, the same in every plot (a run's curve.png and the job's learning_curves.png).
+_REGIME_COLOURS = ("none", "naive", "tied", "untied", "batch", "weight_drop", "gaussian", "sparse_vd",
+                   "gaussian_fixed", "gaussian_kingma")
+
+
+def regime_colour(regime: str) -> str:
+    """The matplotlib colour of ``regime``: one of tab10 keyed by the regime's name, so a regime
+    has the same colour in every plot (other regimes: by a stable hash of the name)."""
+    if regime in _REGIME_COLOURS:
+        return f"C{_REGIME_COLOURS.index(regime)}"
+    return f"C{sum(map(ord, regime)) % 10}"
+
+
+def lr_drops(epochs: Sequence[Mapping[str, Any]]) -> list[int]:
+    """The epochs that began at a lower learning rate than the one before."""
+    rates = [(e["epoch"], e.get("lr")) for e in epochs]
+    return [epoch for (_, before), (epoch, lr) in itertools.pairwise(rates)
+            if isinstance(before, (int, float)) and isinstance(lr, (int, float)) and lr < before]
+
+
+def _valid_range(results: Sequence[Mapping[str, Any]]) -> tuple[float, float] | None:
+    """The perplexity range that answers "which regime is best": from just below the lowest
+    validation perplexity to a third above the worst run's best (early epochs, far above,
+    are cut off; the axis says so)."""
+    valid = [e["valid_ppl"] for r in results for e in r["epochs"]]
+    finite = [v for v in valid if isinstance(v, (int, float)) and 0 < v < float("inf")]
+    if not finite:
+        return None
+    bests = [min(v for v in (e["valid_ppl"] for e in r["epochs"]) if v in finite) for r in results
+             if any(e["valid_ppl"] in finite for e in r["epochs"])]
+    low, high = min(finite), min(max(finite), max(bests) * 1.35)
+    pad = max(high - low, 0.02 * low, 1e-9)
+    return low - 0.12 * pad, high + 0.08 * pad
+
+
 def learning_curve_figure(results: Sequence[Mapping[str, Any]]):
-    """A matplotlib figure of train (dashed, ×) and validation (solid, ●) perplexity per
-    epoch of every run, the best epoch circled, the test perplexity in the legend, titled
-    with the corpus and the config (when the runs' configs differ, each legend entry names its
-    own; matplotlib required). The log axis is labelled at round values inside the data's
-    range, so 150 can be told from 185."""
+    """A matplotlib figure that answers "which regime is best, and when did it stop improving":
+    validation (solid, ●) and training (dashed, ×) perplexity per epoch of every run, on a
+    linear axis fitted to the validation curves (early epochs above it are cut off, and a
+    note says so), each run's best epoch starred and its value written beside it (labels
+    moved apart so none overlaps another), the learning-rate drops as dotted vertical lines,
+    one colour per regime (:func:`regime_colour`, the same in every plot), and two legends:
+    the runs (with test perplexity) and the line styles. Titled with the corpus and the config
+    (when the runs' configs differ, each legend entry names its own; matplotlib required)."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter, MaxNLocator, NullLocator
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
 
-    fig, ax = plt.subplots(figsize=(7, 4.8))
+    fig, ax = plt.subplots(figsize=(8, 6), layout="constrained")
     shared_config = _shared_config(results)
-    for i, r in enumerate(results):
-        color = f"C{i % 10}"
+    markers = ("o", "s", "^", "D", "v")
+    seen: dict[str, int] = {}
+    bests: list[tuple[float, float, str]] = []
+    drops: dict[int, list[str]] = {}
+    for r in results:
+        color = regime_colour(r["regime"])
+        marker = markers[seen.get(r["regime"], 0) % len(markers)]  # a second run of a regime
+        seen[r["regime"]] = seen.get(r["regime"], 0) + 1
         epochs = [e["epoch"] for e in r["epochs"]]
         valid = [e["valid_ppl"] for e in r["epochs"]]
-        ax.plot(epochs, valid, color=color, marker="o", markersize=4, label=_legend_label(r, shared_config))
+        ax.plot(epochs, valid, color=color, marker=marker, markersize=4,
+                label=_legend_label(r, shared_config))
         ax.plot(epochs, [e["train_ppl"] for e in r["epochs"]], color=color, marker="x",
-                markersize=4, linestyle="--")
+                markersize=4, linestyle="--", alpha=0.6)
         if r.get("best_epoch") in epochs:
             best = epochs.index(r["best_epoch"])
-            ax.plot([epochs[best]], [valid[best]], color=color, marker="o", markersize=11,
-                    fillstyle="none", markeredgewidth=1.5)
+            bests.append((epochs[best], valid[best], color))
+        for epoch in lr_drops(r["epochs"]):
+            drops.setdefault(epoch, []).append(color)
+    for epoch, colors in sorted(drops.items()):
+        for k, color in enumerate(colors):  # runs dropping at the same epoch: side by side
+            ax.axvline(epoch - 0.5 + 0.06 * (k - (len(colors) - 1) / 2), color=color, linestyle=":",
+                       linewidth=1.2, alpha=0.8)
     ax.set_xlabel("epoch")
     last = max((e["epoch"] for r in results for e in r["epochs"]), default=1)
     ax.set_xlim(0.5, last + 0.5)  # a range of at least one epoch, so every tick is an epoch
     ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
-    ax.set_ylabel("perplexity (solid ●: valid, dashed ×: train; ○ best epoch)")
-    ax.set_yscale("log")
-    values = [e[k] for r in results for e in r["epochs"] for k in ("valid_ppl", "train_ppl")]
-    finite = [v for v in values if isinstance(v, (int, float)) and 0 < v < float("inf")]
-    if finite:
-        ticks = [t for t in MaxNLocator(nbins=8).tick_values(min(finite), max(finite)) if t > 0]
-        ax.set_yticks(ticks)
-        ax.yaxis.set_minor_locator(NullLocator())
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.set_ylabel("perplexity")
+    span = _valid_range(results)
+    if span is not None:
+        ax.set_ylim(*span)
+        above = [e["valid_ppl"] for r in results for e in r["epochs"] if e["valid_ppl"] > span[1]]
+        if above:
+            ax.text(0.99, 0.99, f"axis fitted to validation: {len(above)} early point"
+                    f"{'s' * (len(above) != 1)} above {span[1]:.0f} cut off", transform=ax.transAxes,
+                    ha="right", va="top", fontsize=7, color="0.35", zorder=6,
+                    bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "0.8"})
+    _mark_bests(ax, bests)
     ax.set_title(_plot_title(results), fontsize=9)
     ax.grid(True, which="major", alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
+    runs = ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(0, -0.1), title="runs (colour: regime)",
+                     title_fontsize=7, frameon=False)
+    ax.add_artist(runs)
+    styles = [Line2D([], [], color="0.3", marker="o", markersize=4, label="validation"),
+              Line2D([], [], color="0.3", marker="x", markersize=4, linestyle="--", label="training"),
+              Line2D([], [], color="0.3", marker="*", markersize=10, linestyle="none",
+                     markeredgecolor="black", markeredgewidth=0.6, label="best validation epoch"),
+              Line2D([], [], color="0.3", linestyle=":", label="learning rate lowered")]
+    ax.legend(handles=styles, fontsize=7, loc="upper right", bbox_to_anchor=(1, -0.1), title="lines",
+              title_fontsize=7, frameon=False)
     return fig
 
 
+def _mark_bests(ax: Any, bests: Sequence[tuple[float, float, str]]) -> None:
+    """A star at each run's best epoch, moved a few pixels sideways where it would cover
+    another star, and its value and epoch above it, the labels stacked apart (in screen space)
+    so that none overlaps another."""
+    if not bests:
+        return
+    from matplotlib.text import Text
+
+    fig = ax.figure
+    fig.canvas.draw()  # the layout, so screen positions hold
+    renderer = fig.canvas.get_renderer()
+    stars: list[tuple[float, float]] = []  # screen positions of the stars so far
+    xmax = ax.get_xlim()[1]
+    labels: list[Any] = []  # extents of the labels so far
+    for x, y, color in sorted(bests, key=lambda b: (b[1], b[0])):
+        px0, py = ax.transData.transform((x, y))
+        px = px0
+        for step in (0, -14, 14, -28, 28, -42, 42):  # screen pixels sideways
+            px = px0 + step
+            if all(abs(px - sx) > 12 or abs(py - sy) > 12 for sx, sy in stars):
+                break
+        stars.append((px, py))
+        shift = ax.transData.inverted().transform((px, py))[0] - x
+        ax.plot([x + shift], [y], color=color, marker="*", markersize=13, markeredgecolor="black",
+                markeredgewidth=0.6, linestyle="none", zorder=4)
+        offset = 16.0
+        while True:
+            label = ax.annotate(f"{y:.1f} (epoch {x:g})", (x + shift, y), xytext=(0, offset),
+                                textcoords="offset points", ha="center" if x + shift < xmax - 1 else "right",
+                                va="bottom", fontsize=8, color=color, fontweight="bold",
+                                bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none",
+                                      "alpha": 0.8},
+                                arrowprops={"arrowstyle": "-", "color": color, "lw": 0.6}, zorder=5)
+            label.update_positions(renderer)  # where the offset puts it, before it is drawn
+            box = Text.get_window_extent(label, renderer).expanded(1.05, 1.2)
+            if not any(box.overlaps(other) for other in labels) or offset > 300:
+                labels.append(box)
+                break
+            label.remove()
+            offset += 12.0
+
+
 def _legend_label(result: Mapping[str, Any], shared_config: bool = True) -> str:
-    label = f"{result['regime']} ({format_dropout(result['dropout'])}, seed {result['seed']})"
+    """``"tied (in 0.5 · out 0.5, seed 1): test 152.3"``; "dropout none" where there is none
+    (not "—", a line symbol in a legend)."""
+    dropout = format_dropout(result["dropout"]) if any(result["dropout"].values()) else "dropout none"
+    label = f"{result['regime']} ({dropout}, seed {result['seed']})"
     if not shared_config:
         label = _config_text(result.get("config", {})).replace("\n", " · ") + "\n" + label
     if isinstance(result.get("test_ppl"), (int, float)):
@@ -705,6 +816,45 @@ def plot_alphas(results: Sequence[Mapping[str, Any]], path: str | Path) -> Path 
     if not any(noise_series(r["epochs"]) for r in results):
         return None
     return _save_png(alpha_figure, results, path)
+
+
+#: Bins with fewer predictions than this are drawn faded: their accuracy says little.
+FEW_PREDICTIONS = 10
+
+
+def reliability_axes(top: Any, bottom: Any, diagram: Any, title: str) -> None:
+    """A reliability diagram (:class:`rnndrop.calibration.ReliabilityDiagram`) on two axes:
+    accuracy per confidence bin (bars) against the bin's mean confidence (red ticks) and the
+    diagonal on ``top``, the predictions per bin on ``bottom`` (log). A bin of fewer than
+    :data:`FEW_PREDICTIONS` predictions is faded and hatched, its count written over its bar
+    (``n=2``), so a bar of 100% from one prediction is not read as a finding."""
+    edges = diagram.bin_edges.numpy()
+    width = edges[1] - edges[0]
+    centres = edges[:-1] + width / 2
+    counts = diagram.count.numpy()
+    accuracy, confidence = diagram.accuracy.numpy(), diagram.confidence.numpy()
+    shown_few = False
+    for i in (i for i in range(len(counts)) if counts[i] > 0):
+        few = counts[i] < FEW_PREDICTIONS
+        shown_few |= bool(few)
+        top.bar(centres[i], accuracy[i], width=width * 0.9, color="tab:blue", alpha=0.3 if few else 1.0,
+                hatch="//" if few else None, edgecolor="tab:blue",
+                label=("accuracy" if not few else f"accuracy, < {FEW_PREDICTIONS} predictions"))
+        if few:  # the others' counts are in the panel below
+            top.annotate(f"n={counts[i]:,}", (centres[i], accuracy[i]), xytext=(0, 3),
+                         textcoords="offset points", ha="center", va="bottom", fontsize=7, color="tab:red")
+    filled = counts > 0
+    top.scatter(centres[filled], confidence[filled], marker="_", s=300, color="tab:red",
+                label="mean confidence", zorder=3)
+    top.plot([0, 1], [0, 1], color="grey", ls="--", lw=1)
+    top.set_xlim(0, 1)
+    top.set_ylim(0, 1.15)  # room for the counts over full bars
+    top.set_title(f"{title}\nECE {100 * diagram.ece:.2f}%" + (
+        f"; faded: bins of < {FEW_PREDICTIONS} predictions" if shown_few else ""))
+    bottom.bar(centres, counts, width=width * 0.9, color="grey")
+    bottom.set_yscale("log")
+    bottom.set_xlim(0, 1)
+    bottom.set_xlabel("confidence (top-1 probability)")
 
 
 def _save_png(figure: Any, results: Sequence[Mapping[str, Any]], path: str | Path) -> Path | None:
