@@ -81,6 +81,9 @@ def test_best_epochs_are_starred_apart_with_their_values_written_apart(issue_fig
     renderer = fig.canvas.get_renderer()
     boxes = [Text.get_window_extent(t, renderer) for t in labels]
     assert not any(a.overlaps(b) for a, b in itertools.combinations(boxes, 2))
+    curves = [line.get_transform().transform_path(line.get_path()) for line in ax.lines
+              if line.get_marker() == "o" and len(line.get_xdata()) > 1]  # the validation curves
+    assert not any(curve.intersects_bbox(box, filled=False) for curve in curves for box in boxes)
     inside = ax.get_window_extent(renderer)
     assert all(inside.x0 <= b.x0 and b.x1 <= inside.x1 and inside.y0 <= b.y0 and b.y1 <= inside.y1
                for b in boxes)

@@ -727,14 +727,16 @@ def _mark_bests(ax: Any, bests: Sequence[tuple[float, float, str]]) -> None:
     so that none overlaps another."""
     if not bests:
         return
-    from matplotlib.text import Text
-
     fig = ax.figure
     fig.canvas.draw()  # the layout, so screen positions hold
     renderer = fig.canvas.get_renderer()
+    # the data lines on screen (not the vertical learning-rate lines), for the labels to avoid
+    curves = [line.get_transform().transform_path(line.get_path()) for line in ax.lines
+              if len(line.get_xdata()) > 1 and line.get_linestyle() != ":"]
+    from matplotlib.transforms import Bbox
+
     stars: list[tuple[float, float]] = []  # screen positions of the stars so far
-    xmax = ax.get_xlim()[1]
-    labels: list[Any] = []  # extents of the labels so far
+    placed: list[tuple[str, tuple[float, float], str]] = []
     for x, y, color in sorted(bests, key=lambda b: (b[1], b[0])):
         px0, py = ax.transData.transform((x, y))
         px = px0
@@ -746,21 +748,47 @@ def _mark_bests(ax: Any, bests: Sequence[tuple[float, float, str]]) -> None:
         shift = ax.transData.inverted().transform((px, py))[0] - x
         ax.plot([x + shift], [y], color=color, marker="*", markersize=13, markeredgecolor="black",
                 markeredgewidth=0.6, linestyle="none", zorder=4)
-        offset = 16.0
-        while True:
-            label = ax.annotate(f"{y:.1f} (epoch {x:g})", (x + shift, y), xytext=(0, offset),
-                                textcoords="offset points", ha="center" if x + shift < xmax - 1 else "right",
-                                va="bottom", fontsize=8, color=color, fontweight="bold",
-                                bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none",
-                                      "alpha": 0.8},
-                                arrowprops={"arrowstyle": "-", "color": color, "lw": 0.6}, zorder=5)
-            label.update_positions(renderer)  # where the offset puts it, before it is drawn
-            box = Text.get_window_extent(label, renderer).expanded(1.05, 1.2)
-            if not any(box.overlaps(other) for other in labels) or offset > 300:
-                labels.append(box)
-                break
-            label.remove()
-            offset += 12.0
+        placed.append((f"{y:.1f} (epoch {x:g})", (x + shift, y), color))
+    # the labels' extents so far, the stars' first: no label covers a star
+    labels: list[Any] = [Bbox.from_extents(px - 9, py - 9, px + 9, py + 9) for px, py in stars]
+    for text, xy, color in placed:
+        _place_label(ax, renderer, text, xy, color, labels, curves)
+
+
+def _place_label(ax: Any, renderer: Any, text: str, xy: tuple[float, float], color: str, labels: list[Any],
+                 curves: Sequence[Any]) -> None:
+    """``text`` tied to ``xy`` by a thin line, at the first offset (below, above, further out,
+    then sideways) where it lies inside the axes and overlaps no label placed before and,
+    where possible, no curve; its extent joins ``labels``."""
+    from matplotlib.text import Text
+
+    inside = ax.get_window_extent(renderer)
+    offsets = [(dx, dy) for dy in (16, 28, 40, 52, 64) for dx in (0, -30, 30) for dy in (-dy, dy)]
+    fallback = None
+    for dx, dy in offsets:
+        label = ax.annotate(text, xy, xytext=(dx, dy), textcoords="offset points", ha="center",
+                            va="top" if dy < 0 else "bottom", fontsize=8, color=color, fontweight="bold",
+                            bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none",
+                                  "alpha": 0.8},
+                            arrowprops={"arrowstyle": "-", "color": color, "lw": 0.6}, zorder=5)
+        label.update_positions(renderer)  # where the offset puts it, before it is drawn
+        box = Text.get_window_extent(label, renderer).expanded(1.05, 1.2)
+        free = (inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1
+                and not any(box.overlaps(other) for other in labels))
+        if free and not any(curve.intersects_bbox(box, filled=False) for curve in curves):
+            labels.append(box)
+            return
+        label.remove()
+        if free and fallback is None:
+            fallback = (dx, dy)
+    dx, dy = fallback or offsets[0]
+    label = ax.annotate(text, xy, xytext=(dx, dy), textcoords="offset points", ha="center",
+                        va="top" if dy < 0 else "bottom", fontsize=8, color=color, fontweight="bold",
+                        bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none",
+                              "alpha": 0.8},
+                        arrowprops={"arrowstyle": "-", "color": color, "lw": 0.6}, zorder=5)
+    label.update_positions(renderer)
+    labels.append(Text.get_window_extent(label, renderer).expanded(1.05, 1.2))
 
 
 def _legend_label(result: Mapping[str, Any], shared_config: bool = True) -> str:
