@@ -234,12 +234,14 @@ def test_the_estimate_scales_the_timed_steps_to_the_job(tmp_path, monkeypatch):
     corpus = load_corpus(write_corpus(tmp_path))
     timed = []
     monkeypatch.setattr(job, "_seconds_per_word", lambda step, batched: timed.append(step) or 1e-3)
+    monkeypatch.setattr(job, "_save_seconds", lambda model, optimizer: 0.5)
+    monkeypatch.setattr(job, "RUN_OVERHEAD_SECONDS", 2.0)
     none, tied = ("none", {}), ("tied", TINY.dropout)
     n_train, n_valid, n_test = (corpus.split(s).numel() for s in ("train", "valid", "test"))
-    epoch = (n_train + n_valid) * 1e-3
-    one_run = TINY.epochs * epoch + n_test * 1e-3
+    epoch = (n_train + n_valid) * 1e-3 + 0.5  # and the checkpoint writes
+    one_run = TINY.epochs * epoch + n_test * 1e-3 + 2.0  # and the run's files and plots
     assert job.estimate_seconds(corpus, TINY, [none], 10) == pytest.approx(one_run)  # nothing to sample
-    assert job.run_costs(corpus, TINY, [none], 10) == [RunCost(TINY.epochs, epoch, n_test * 1e-3)]
+    assert job.run_costs(corpus, TINY, [none], 10) == [RunCost(TINY.epochs, epoch, n_test * 1e-3 + 2.0)]
     # a training step, a validation pass, a test pass (no Monte-Carlo pass: no noise), timed once per regime
     assert len(timed) == 3 + 3
     # one Monte-Carlo pass of min(samples, 8) samples, per sample

@@ -23,6 +23,7 @@ and which dropout a run gets, as text (``--dropout``, ``--dropout-from``, run fo
 from __future__ import annotations
 
 import functools
+import io
 import json
 import logging
 import multiprocessing
@@ -75,6 +76,7 @@ from rnndrop.lm.run.train import RunInterrupted, add_mc_result, resolve_device, 
 from rnndrop.mc import mc_language_model_loss
 
 __all__ = [
+    "RUN_OVERHEAD_SECONDS",
     "JobInterrupted",
     "RunSpec",
     "WorkerDied",
@@ -622,7 +624,8 @@ def run_costs(
     Monte-Carlo pass of each distinct regime, each repeated until it has run a few tenths
     of a second (the median counts: a busy moment of a shared machine does not), then scales
     them to ``config.epochs`` (plus ``finetune_epochs``) epochs of the training split and a
-    validation pass per epoch, and a test pass and ``mc_samples`` Monte-Carlo passes per run.
+    validation pass per epoch, and a test pass and ``mc_samples`` Monte-Carlo passes per run,
+    plus the checkpoint writes of an epoch and :data:`RUN_OVERHEAD_SECONDS` a run.
     ``epochs_left`` (one per run) counts fewer epochs for runs that resume part-way.
     """
     if epochs_left is not None and len(epochs_left) != len(runs):
@@ -633,6 +636,7 @@ def run_costs(
         torch.set_num_threads(threads)
     rng = torch.get_rng_state()
     cost: dict[str, tuple[float, float, float, float]] = {}
+    saves: dict[str, float] = {}
     try:
         train = batchify(corpus.train, config.batch_size)[: config.bptt + 1].to(device_obj)
         valid = batchify(corpus.valid, config.eval_batch_size)[: config.bptt + 1].to(device_obj)
@@ -644,6 +648,7 @@ def run_costs(
             model = build_model(len(corpus.vocab), config, regime, probabilities).to(device_obj)
             optimizer = torch.optim.SGD(model.parameters(), lr=1e-9)
             clip, samples = config.clip, max(1, min(mc_samples, 8))
+            saves[key] = _save_seconds(model, optimizer)
             cost[key] = (
                 _seconds_per_word(lambda m=model, o=optimizer, c=clip: _train_step(m, o, train, c), train),
                 _seconds_per_word(lambda m=model: _score(m, valid, config.bptt, None), valid),
@@ -659,10 +664,23 @@ def run_costs(
     out = []
     for (regime_name, probabilities), epochs in zip(runs, epochs_left or [all_epochs] * len(runs)):
         key = json.dumps([regime_name, dict(probabilities)], sort_keys=True)
-        train_w, valid_w, test_w, sample_w = cost[key]
-        out.append(RunCost(epochs, n_train * train_w + n_valid * valid_w,
-                           n_test * test_w + mc_samples * n_test * sample_w))
+        (train_w, valid_w, test_w, sample_w), save = cost[key], saves[key]
+        out.append(RunCost(epochs, n_train * train_w + n_valid * valid_w + save,
+                           n_test * test_w + mc_samples * n_test * sample_w + RUN_OVERHEAD_SECONDS))
     return out
+
+
+#: What a run costs besides its passes over the data: building the model, writing results.json
+#: and drawing its plots (matplotlib), about a second on a 2-core CPU.
+RUN_OVERHEAD_SECONDS = 1.0
+
+
+def _save_seconds(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
+    """About how long an epoch's checkpoint writes take: the model and the optimiser state
+    serialised (twice: checkpoint.pt, and best.pt when the epoch improves)."""
+    start = time.perf_counter()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, io.BytesIO())
+    return 2 * (time.perf_counter() - start)
 
 
 def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batched: torch.Tensor,
