@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from rnndrop.calibration import ReliabilityDiagram, reliability_diagram
+from rnndrop.calibration import reliability_diagram
 from rnndrop.lm import (
     CorpusError,
     RNNLanguageModel,
@@ -40,6 +40,7 @@ from rnndrop.lm import (
     load_corpus,
 )
 from rnndrop.lm.data.corpus import sample_dir
+from rnndrop.lm.run.report import reliability_axes
 from rnndrop.mc import mc_perplexity, mc_predict
 
 
@@ -67,26 +68,6 @@ def train(model: nn.Module, stream: torch.Tensor, args: argparse.Namespace) -> N
                 break
         print(f"epoch {epoch}: train perplexity {math.exp(total / count):.1f} "
               f"({time.perf_counter() - start:.0f} s)", flush=True)
-
-
-def plot_diagram(top, bottom, diagram: ReliabilityDiagram, title: str) -> None:
-    """Accuracy per confidence bin (bars) against mean confidence (red ticks), and counts."""
-    edges = diagram.bin_edges.numpy()
-    width = edges[1] - edges[0]
-    centres = edges[:-1] + width / 2
-    filled = diagram.count.numpy() > 0
-    top.bar(centres[filled], diagram.accuracy.numpy()[filled], width=width * 0.9, color="tab:blue",
-            label="accuracy")
-    top.scatter(centres[filled], diagram.confidence.numpy()[filled], marker="_", s=300, color="tab:red",
-                label="mean confidence", zorder=3)
-    top.plot([0, 1], [0, 1], color="grey", ls="--", lw=1)
-    top.set_xlim(0, 1)
-    top.set_ylim(0, 1)
-    top.set_title(f"{title}\nECE {100 * diagram.ece:.2f}%")
-    bottom.bar(centres, diagram.count.numpy(), width=width * 0.9, color="grey")
-    bottom.set_yscale("log")
-    bottom.set_xlim(0, 1)
-    bottom.set_xlabel("confidence (top-1 probability)")
 
 
 def fail(message: str) -> None:
@@ -192,11 +173,13 @@ def main() -> None:
     }
     fig, axes = plt.subplots(2, 2, figsize=(11, 6), height_ratios=(3, 1), sharex=True)
     for column, (title, diagram) in enumerate(diagrams.items()):
-        plot_diagram(axes[0, column], axes[1, column], diagram, f"Next-word prediction, {title}")
+        reliability_axes(axes[0, column], axes[1, column], diagram, f"Next-word prediction, {title}")
         print(f"ECE {title}: {100 * diagram.ece:.2f}%")
     axes[0, 0].set_ylabel("accuracy")
     axes[1, 0].set_ylabel("predictions")
-    axes[0, 0].legend(loc="upper left", fontsize=8)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    unique = dict(zip(labels, handles))  # one entry per kind of bar
+    axes[0, 0].legend(unique.values(), unique.keys(), loc="upper left", fontsize=8)
     fig.suptitle(f"{args.data.name} test split, {len(vocab)}-word vocabulary")
     fig.tight_layout()
     path = args.out / "mc_language_model_reliability.png"

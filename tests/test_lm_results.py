@@ -11,6 +11,7 @@ from rnndrop.lm.run.report import (
     METRICS_COLUMNS,
     EpochLog,
     JobProgress,
+    RunCost,
     benchmark_markdown,
     comparison_table,
     format_duration,
@@ -34,11 +35,16 @@ def _result(epochs: int, regime: str = "tied", seed: int = 1) -> dict:
     }
 
 
+def _runs_legend(ax):
+    """The legend of the runs (the other one keys the line styles)."""
+    return next(a for a in [*ax.artists, ax.get_legend()] if a.get_title().get_text().startswith("runs"))
+
+
 def test_a_one_epoch_plot_shows_markers_and_integer_epochs_under_a_title():
     fig = learning_curve_figure([_result(1)])
     try:
         ax = fig.axes[0]
-        assert len(ax.lines) == 3  # valid, train, the best epoch's ring
+        assert len(ax.lines) == 3  # valid, train, the best epoch's star
         assert all(line.get_marker() not in (None, "None", "") for line in ax.lines)
         assert [list(line.get_xdata()) for line in ax.lines] == [[1], [1], [1]]
         ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
@@ -61,9 +67,10 @@ def test_the_plot_labels_values_inside_the_range_marks_the_best_epoch_and_names_
         lo, hi = ax.get_ylim()
         labels = [float(t) for t in ax.get_yticks() if lo <= t <= hi]
         assert len(labels) >= 4 and all(140 <= t <= 220 for t in labels)  # not only 10^2
-        rings = [line for line in ax.lines if line.get_fillstyle() == "none"]
-        assert [(list(r.get_xdata()), list(r.get_ydata())) for r in rings] == [([2], [160.0]), ([2], [195.0])]
-        legend = [t.get_text() for t in ax.get_legend().get_texts()]
+        stars = [line for line in ax.lines if line.get_marker() == "*"]
+        points = sorted((list(r.get_xdata()), list(r.get_ydata())) for r in stars)
+        assert points == [([2], [160.0]), ([2], [195.0])]
+        legend = [t.get_text() for t in _runs_legend(ax).get_texts()]
         assert legend[0].endswith("test 153.0") and legend[1].endswith("test 188.0")
     finally:
         plt.close(fig)
@@ -76,7 +83,7 @@ def test_runs_of_different_configs_name_their_own_in_the_legend_not_the_first_in
         fig = learning_curve_figure(runs)
         try:
             ax = fig.axes[0]
-            legend = [t.get_text() for t in ax.get_legend().get_texts()]
+            legend = [t.get_text() for t in _runs_legend(ax).get_texts()]
             assert ("2×200 GRU" in ax.get_title()) is shared
             assert ("config mini" in legend[0]) is not shared
             if not shared:
@@ -162,10 +169,10 @@ def test_format_duration():
 
 
 def test_job_progress_counts_epochs_of_all_runs_and_drops_what_a_reused_run_saves():
-    job = JobProgress(3, 4, bar=False, estimate_seconds=120.0)
-    assert job.total_epochs() == 12 and job.eta_seconds() == pytest.approx(120.0)
+    job = JobProgress(3, 4, bar=False, costs=[RunCost(4, 10.0, 0.0)] * 3)
+    assert job.total_epochs() == 12 and job.eta_seconds() == pytest.approx(120.0, abs=0.1)
     job.run_done("run 1/3", _result(4), reused=True)  # finished in an earlier job: nothing to train
-    assert job.remaining_epochs() == 8 and job.eta_seconds() == pytest.approx(80.0)
+    assert job.remaining_epochs() == 8 and job.eta_seconds() == pytest.approx(80.0, abs=0.1)
     job.start_run("run 2/3", first_epoch=3)  # resumed after its second epoch
     assert job.remaining_epochs() == 2 + 4
     job.epoch_done(3, _result(4)["epochs"][2])
@@ -173,10 +180,11 @@ def test_job_progress_counts_epochs_of_all_runs_and_drops_what_a_reused_run_save
 
 
 def test_an_estimate_of_only_what_is_left_is_not_discounted_again():
-    job = JobProgress(3, 4, bar=False, estimate_seconds=60.0, estimate_epochs=2 + 4)  # a resumed job
+    job = JobProgress(3, 4, bar=False, costs=[None, RunCost(2, 10.0, 0.0), RunCost(4, 10.0, 0.0)])
+    assert job.remaining_epochs() == 2 + 4 and job.eta_seconds() == pytest.approx(60.0, abs=0.1)
     job.run_done("run 1/3", _result(4), reused=True)
     job.start_run("run 2/3", first_epoch=3)
-    assert job.eta_seconds() == pytest.approx(60.0)
+    assert job.remaining_epochs() == 2 + 4 and job.eta_seconds() == pytest.approx(60.0, abs=0.1)
 
 
 @pytest.mark.slow
@@ -196,19 +204,25 @@ def test_a_resumed_job_estimates_only_the_runs_and_epochs_left_to_train(tmp_path
                                              "words_per_second": 1.0, "seconds": 1.0})
     (partial / "checkpoint.pt").write_bytes(b"")  # epochs count as done only beside a checkpoint
     counted = []
-    monkeypatch.setattr(job, "estimate_seconds",
-                        lambda corpus, cfg, runs, mc, **kw: counted.append(kw["epochs_left"]) or 60.0)
+    monkeypatch.setattr(job, "run_costs", lambda corpus, cfg, runs, mc, **kw: (
+        counted.append(kw["epochs_left"]) or [RunCost(n, 10.0, 0.0) for n in kw["epochs_left"]]))
     planned = job._Job(str(data), "ptb", config, out, True, "cpu", 1, False, None)
     plan = job._plan(planned, ["naive"], [1, 2, 3], 0, grid=False, dropout=None, dropout_by_regime=None)
     with caplog.at_level(logging.INFO, logger="rnndrop.lm.run.job"):
-        assert job._estimate(planned, plan, 1) == (60.0, 2 + 3)
-        assert "this job trains 2 runs (1 more finished earlier: reused) of up to 3 epochs" in caplog.text
-        assert job._estimate(replace(planned, resume=False), plan, 1) == (60.0, 9)  # all counted
+        costs = job._estimate(planned, plan, 1)
+        assert costs == [None, RunCost(2, 10.0, 0.0), RunCost(3, 10.0, 0.0)]
+        progress = JobProgress(3, 3, bar=False, costs=costs)
+        assert job._announce(planned, progress, 1) == pytest.approx(50.0, abs=0.1)
+        # the line counts what the bar counts: 2 + 3 epochs left, not "2 runs of up to 3 epochs"
+        assert "this job trains 2 runs (1 more finished earlier: reused), 5 epochs left in all at most " \
+               "(up to 3 a run)" in caplog.text
+        assert progress.remaining_epochs() == 5
+        assert job._estimate(replace(planned, resume=False), plan, 1) == [RunCost(3, 10.0, 0.0)] * 3
         seed1 = job._plan(planned, ["naive"], [1], 0, grid=False, dropout=None, dropout_by_regime=None)
         assert job._estimate(planned, seed1, 1) is None
         assert "all 1 run of this job finished earlier: reusing their results" in caplog.text
     (partial / "checkpoint.pt").unlink()
-    assert job._estimate(planned, plan, 1) == (60.0, 3 + 3)  # no checkpoint: it starts over
+    assert job._estimate(planned, plan, 1) == [None, RunCost(3, 10.0, 0.0), RunCost(3, 10.0, 0.0)]
     assert counted == [[2, 3], [3, 3, 3], [3, 3]]
 
 
@@ -220,15 +234,21 @@ def test_the_estimate_scales_the_timed_steps_to_the_job(tmp_path, monkeypatch):
     corpus = load_corpus(write_corpus(tmp_path))
     timed = []
     monkeypatch.setattr(job, "_seconds_per_word", lambda step, batched: timed.append(step) or 1e-3)
+    monkeypatch.setattr(job, "_save_seconds", lambda model, optimizer: 0.5)
+    monkeypatch.setattr(job, "RUN_OVERHEAD_SECONDS", 2.0)
     none, tied = ("none", {}), ("tied", TINY.dropout)
     n_train, n_valid, n_test = (corpus.split(s).numel() for s in ("train", "valid", "test"))
-    one_run = TINY.epochs * (n_train + n_valid) * 1e-3 + n_test * 1e-3
+    epoch = (n_train + n_valid) * 1e-3 + 0.5  # and the checkpoint writes
+    one_run = TINY.epochs * epoch + n_test * 1e-3 + 2.0  # and the run's files and plots
     assert job.estimate_seconds(corpus, TINY, [none], 10) == pytest.approx(one_run)  # nothing to sample
-    assert len(timed) == 3  # a training step, an evaluation and a dropout forward, timed once per regime
-    with_mc = one_run + 10 * n_test * 1e-3
+    assert job.run_costs(corpus, TINY, [none], 10) == [RunCost(TINY.epochs, epoch, n_test * 1e-3 + 2.0)]
+    # a training step, a validation pass, a test pass (no Monte-Carlo pass: no noise), timed once per regime
+    assert len(timed) == 3 + 3
+    # one Monte-Carlo pass of min(samples, 8) samples, per sample
+    with_mc = one_run + 10 * n_test * 1e-3 / 8
     assert job.estimate_seconds(corpus, TINY, [none, tied, tied], 10) == pytest.approx(
         one_run + 2 * with_mc)
-    assert len(timed) == 3 + 6  # "tied" twice is timed once
+    assert len(timed) == 6 + 3 + 4  # "tied" twice is timed once
     assert job.estimate_seconds(corpus, TINY, [none, tied], 10, jobs=2) == pytest.approx(
         (one_run + with_mc) / 2)
 
@@ -272,7 +292,9 @@ def test_the_monte_carlo_passes_show_progress_lines(caplog):
         torch.manual_seed(0)
         shown = score_mc(model, stream, 4, 3, progress="MC test, 3 samples")
     lines = [r.getMessage() for r in caplog.records]
-    assert lines[0].startswith("MC test, 3 samples 1/10") and lines[-1].startswith("MC test, 3 samples 10/10")
+    # what the count counts: the test split's segments, each scored with every sample
+    assert lines[0].startswith("MC test, 3 samples: 1/10 test segments")
+    assert lines[-1].startswith("MC test, 3 samples: 10/10 test segments")
     assert len(lines) == 10
     torch.manual_seed(0)
     assert score_mc(model, stream, 4, 3).nll == shown.nll and quiet.tokens == shown.tokens
@@ -283,13 +305,13 @@ def test_the_job_says_how_far_off_its_estimate_was(caplog):
 
     from rnndrop.lm.run.job import _report_estimate
 
-    job = JobProgress(2, 3, bar=False, estimate_seconds=600.0)
+    job = JobProgress(2, 3, bar=False, costs=[None, RunCost(3, 200.0, 0.0)])
     with caplog.at_level(logging.INFO, logger="rnndrop.lm.run.job"):
         job.run_done("run 1/2", {"best_valid_ppl": 9.0, "test_ppl": 9.0}, reused=True)
         job.run_done("run 2/2", {"best_valid_ppl": 9.0, "test_ppl": 9.0})
         _report_estimate(600.0, 480.0, job)  # the estimate counted only the run it trained
         assert caplog.records[-1].getMessage() == "the job took 8 min; its estimate was 10 min (25% too high)"
-        reused = JobProgress(1, 3, bar=False, estimate_seconds=None)
+        reused = JobProgress(1, 3, bar=False)
         reused.run_done("run 1/1", {"best_valid_ppl": 9.0, "test_ppl": 9.0}, reused=True)
         caplog.clear()
         _report_estimate(600.0, 1.0, reused)  # nothing trained: no comparison

@@ -246,6 +246,10 @@ def generate(args: argparse.Namespace) -> str:
         check_seed("--seed", args.seed)
         if not args.temperature > 0:
             raise UsageError(f"--temperature must be > 0, got {args.temperature}")
+        if args.top_k is not None and args.top_k < 1:
+            raise UsageError(f"--top-k must be >= 1 (leave it out to draw among all words), got {args.top_k}")
+        if args.top_p is not None and not 0 < args.top_p <= 1:
+            raise UsageError(f"--top-p must be in (0, 1] (1: all words), got {args.top_p}")
     except UsageError as e:
         raise fail(str(e), EXIT_DATA) from None
     torch.set_num_threads(args.threads)
@@ -257,7 +261,7 @@ def generate(args: argparse.Namespace) -> str:
         logging.getLogger(__name__).warning(
             "not in the model's vocabulary, read as <unk>: %s", ", ".join(dict.fromkeys(unknown)))
     words = generate_words(run.model, run.vocab, prompt, args.words, temperature=args.temperature,
-                           generator=generator)
+                           top_k=args.top_k, top_p=args.top_p, generator=generator)
     return words_to_text([*prompt, *words]) + "\n"
 
 

@@ -11,10 +11,40 @@ from rnndrop.lm.data.download import DATASETS
 from rnndrop.lm.model.presets import CONFIGS
 from rnndrop.lm.model.regimes import REGIMES
 
-__all__ = ["CONFIG_FLAGS", "CORPORA", "add_train_arguments", "build_parser", "corpus_parser"]
+__all__ = [
+    "CONFIG_FLAGS",
+    "CORPORA",
+    "ESTIMATE_HELP",
+    "HelpFormatter",
+    "add_train_arguments",
+    "build_parser",
+    "corpus_parser",
+]
 
 #: Corpus names on the command line -> names in :mod:`rnndrop.lm.data.download`.
 CORPORA = {"ptb": "ptb", "wikitext2": "wikitext-2", "wikitext-2": "wikitext-2"}
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``(default: X)`` after an option's help unless the help states its default itself, or
+    there is none to state (None, an empty text, a flag that is off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default in (None, "", False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
+#: How a training job's time estimate is made and how it adapts (the epilog of its --help).
+ESTIMATE_HELP = (
+    "Time: before training, the job times a few training steps, evaluation and Monte-Carlo passes "
+    "of each regime and prints how long it should take (runs that stop early at the learning-rate "
+    "floor take less). The progress bar's ETA starts from that same number; once the first epoch "
+    "ends, the measured speed replaces the timed one (so on a machine that gets busier the ETA "
+    "grows), and runs that stop early drop their epochs left. At the end the job says how far off "
+    "the estimate was."
+)
 
 
 def _prefixes(text: str) -> tuple[str, ...]:
@@ -43,8 +73,9 @@ CONFIG_FLAGS: dict[str, tuple[str, type, str]] = {
     "--freeze": ("freeze", _prefixes, "comma-separated parameter-name prefixes kept fixed, e.g. "
                  "embedding.,decoder."),
     "--weight-decay": ("weight_decay", float, "L2 weight decay of the optimiser"),
-    "--tie-weights": ("tie_weights", bool, "tie embedding and decoder weights (--no-tie-weights: untie "
-                      "them; needs --emb-size equal to --hidden-size)"),
+    "--tie-weights": ("tie_weights", bool, "share one matrix between the embedding and the decoder "
+                      "(tying needs --emb-size equal to --hidden-size); --no-tie-weights: separate "
+                      "matrices, any sizes"),
     # AWD-LSTM's training recipe (docs/language-models.md#the-awd-lstm-recipe)
     "--ar": ("ar", float, "activation regularization: ar * mean of the squared dropped last-layer "
              "output, added to the loss (AWD-LSTM: 2; 0: off)"),
@@ -127,7 +158,7 @@ def corpus_parser(dataset: str, prog: str | None = None, **kwargs: Any) -> argpa
         prog=prog,
         description=f"Train and compare word-level language models on {dataset} with different "
         "dropout regimes (none, naive, tied variational, ...), then print the comparison table.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kwargs,
+        formatter_class=HelpFormatter, epilog=ESTIMATE_HELP, **kwargs,
     )
     add_train_arguments(parser, dataset)
     return parser
@@ -148,10 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("ptb", "wikitext2"):
         p = sub.add_parser(name, help=f"train and compare regimes on {CORPORA[name]} "
                            "(--data sample|DIR, --resume, ...)",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                           formatter_class=HelpFormatter,
                            description=f"Train and compare word-level language models on "
                            f"{CORPORA[name]} with different dropout regimes, then print the "
-                           "comparison table and the path of the learning curves.")
+                           "comparison table and the path of the learning curves.", epilog=ESTIMATE_HELP)
         add_train_arguments(p, CORPORA[name])
     _add_evaluate(sub)
     _add_generate(sub)
@@ -174,26 +205,34 @@ def _add_carve(sub: Any) -> None:
 def _add_evaluate(sub: Any) -> None:
     evaluate = sub.add_parser("evaluate", help="score a trained run on a corpus split: perplexity, "
                               "Monte-Carlo perplexity, calibration (ECE)",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              formatter_class=HelpFormatter)
     evaluate.add_argument("run", help="a run folder (holding best.pt) or a best.pt file")
     evaluate.add_argument("--data", metavar="sample|DIR", default=None,
                           help="corpus to score (default: the one the run was trained on)")
-    evaluate.add_argument("--split", choices=("train", "valid", "test"), default="test")
+    evaluate.add_argument("--split", choices=("train", "valid", "test"), default="test",
+                          help="the split to score")
     evaluate.add_argument("--mc-samples", type=int, default=0,
                           help="Monte-Carlo dropout samples (0: weight-scaling only)")
     evaluate.add_argument("--seed", type=int, default=1, help="seed of the Monte-Carlo masks")
-    evaluate.add_argument("--device", default="auto")
+    evaluate.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     evaluate.add_argument("--threads", type=int, default=1, help="torch threads")
 
 
 def _add_generate(sub: Any) -> None:
     generate = sub.add_parser("generate", help="sample text from a trained run",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              formatter_class=HelpFormatter)
     generate.add_argument("run", help="a run folder (holding best.pt) or a best.pt file")
     generate.add_argument("--words", type=int, default=50, help="words to generate")
     generate.add_argument("--prompt", default="", help="words to start from (unknown ones become <unk>)")
     generate.add_argument("--temperature", type=float, default=1.0,
                           help="softmax temperature (lower: more likely words)")
-    generate.add_argument("--seed", type=int, default=1)
-    generate.add_argument("--device", default="auto")
+    generate.add_argument("--top-k", type=int, default=None, metavar="K",
+                          help="draw each word among the K likeliest only (default: among all words)")
+    generate.add_argument("--top-p", type=float, default=None, metavar="P",
+                          help="nucleus sampling: draw each word among the fewest likeliest words whose "
+                          "probabilities add up to P or more, 0 < P <= 1 (default: 1, all words)")
+    generate.add_argument("--seed", type=int, default=1,
+                          help="seed of the draws (default: 1): the same run, prompt, options and seed "
+                          "give the same text; pass another seed for other text")
+    generate.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     generate.add_argument("--threads", type=int, default=1, help="torch threads")

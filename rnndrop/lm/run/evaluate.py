@@ -9,13 +9,15 @@ truncated-BPTT segments of a batched stream ``[N, B]`` and return a :class:`Scor
 share of the streams and the sums are added over the ranks.
 
 ``generate(model, vocab, prompt, n_words)`` feeds the prompt, then draws one word at a
-time from ``softmax(logits / temperature)`` and feeds it back, carrying the recurrent
+time from ``softmax(logits / temperature)`` (optionally cut to the ``top_k`` likeliest words,
+or to the nucleus of probability ``top_p``) and feeds it back, carrying the recurrent
 state; dropout is off (eval mode).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -33,22 +35,28 @@ __all__ = [
     "CALIBRATION_BINS",
     "MAX_NLL",
     "MC_PROGRESS",
+    "MC_UNIT",
     "Score",
+    "check_sampling",
     "evaluate",
     "evaluate_mc",
     "generate",
     "has_noise",
+    "mc_seconds",
     "perplexity",
     "score",
     "score_mc",
     "score_split",
     "score_sums",
     "token_loss",
+    "truncated",
     "words_to_text",
 ]
 
-#: how the Monte-Carlo passes are labelled in bars and log lines
+#: how the Monte-Carlo passes are labelled in bars and log lines, and what they count: the
+#: truncated-BPTT segments of the split, each scored with every sample
 MC_PROGRESS = "MC test, {} samples"
+MC_UNIT = "test segments"
 
 #: Confidence bins of the next-word calibration measured on the test split.
 CALIBRATION_BINS = 15
@@ -160,6 +168,27 @@ def score_mc(
     return Score(loss.nll, loss.num_tokens, None if loss.reliability is None else loss.reliability.ece)
 
 
+def mc_seconds(model: nn.Module, batched: Tensor, bptt: int, n_samples: int,
+               calibration_bins: int | None = CALIBRATION_BINS) -> float:
+    """About how long :func:`score_mc` of ``n_samples`` samples takes on ``batched``: its first
+    segment scored with up to 8 samples (the median of three timings), scaled to the whole
+    stream and every sample
+    (the Monte-Carlo code itself, so its cost over a plain forward is counted). It draws
+    dropout noise: seed the generator after it."""
+    segments = list(bptt_batches(batched, bptt))
+    if not segments or n_samples < 1:
+        return 0.0
+    samples = min(n_samples, 8)
+    times = []
+    for _ in range(3):  # the median: one busy moment of a shared machine does not count
+        start = time.perf_counter()
+        mc_language_model_loss(model, segments[:1], samples, calibration_bins=calibration_bins)
+        times.append(time.perf_counter() - start)
+    seconds = sorted(times)[1]
+    words = sum(targets.numel() for _, targets in segments)
+    return seconds * n_samples / samples * words / segments[0][1].numel()
+
+
 def _shown(
     segments: list[tuple[Tensor, Tensor]], label: str | None, bar: bool
 ) -> Iterator[tuple[Tensor, Tensor]]:
@@ -167,7 +196,7 @@ def _shown(
     if label is None:
         yield from segments
         return
-    shown = EpochProgress(len(segments), label, True, bar=bar)
+    shown = EpochProgress(len(segments), label, True, bar=bar, unit=MC_UNIT)
     try:
         for segment in segments:
             yield segment
@@ -201,6 +230,8 @@ def generate(
     n_words: int = 50,
     *,
     temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
     generator: torch.Generator | None = None,
 ) -> list[str]:
     """``n_words`` words sampled after ``prompt`` (words the vocabulary lacks become
@@ -211,12 +242,17 @@ def generate(
             ``([T, B, V]`` logits, hidden) out).
         vocab: its vocabulary.
         temperature: > 0; below 1 favours likely words, above 1 flattens the distribution.
+        top_k: draw among the ``top_k`` likeliest words only (None: all).
+        top_p: nucleus sampling: draw among the fewest likeliest words whose probabilities
+            (after the temperature) add up to ``top_p`` or more, in (0, 1] (None or 1: all).
+            With ``top_k`` too, the nucleus is taken within the ``top_k`` words.
         generator: for reproducible samples.
     """
     if isinstance(n_words, bool) or not isinstance(n_words, int) or n_words < 0:
         raise ValueError(f"n_words must be an int >= 0, got {n_words!r}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    check_sampling(top_k, top_p)
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -229,12 +265,39 @@ def generate(
             # not inf / inf = NaN probabilities
             scores = logits[-1, 0].double()
             probs = torch.softmax((scores - scores.max()) / temperature, dim=-1).cpu()
-            word = int(torch.multinomial(probs, 1, generator=generator))
+            word = int(torch.multinomial(truncated(probs, top_k, top_p), 1, generator=generator))
             words.append(vocab.itos[word])
             logits, hidden = model(torch.tensor([[word]], device=device), hidden)
     finally:
         model.train(was_training)
     return words
+
+
+def check_sampling(top_k: int | None, top_p: float | None) -> None:
+    """ValueError unless ``top_k`` is None or an int >= 1 and ``top_p`` None or in (0, 1]."""
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be an int >= 1 (or None: all words), got {top_k!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
+                              or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must be a number in (0, 1] (or None: all words), got {top_p!r}")
+
+
+def truncated(probs: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
+    """``probs`` (one distribution, summing to 1) with every word outside the ``top_k``
+    likeliest, and outside the nucleus of ``top_p`` (the fewest likeliest words whose
+    probabilities add up to ``top_p`` or more), set to 0; the likeliest word always stays.
+    Not renormalised (``torch.multinomial`` needs no normalisation)."""
+    if top_k is None and (top_p is None or top_p >= 1):
+        return probs
+    order = probs.argsort(descending=True, stable=True)
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if top_k is not None and top_k < probs.numel():
+        keep[order[top_k:]] = False
+    if top_p is not None and top_p < 1:
+        ranked = probs[order] * keep[order]
+        before = ranked.cumsum(0) - ranked  # probability of the likelier words
+        keep[order[before >= top_p * ranked.sum()]] = False
+    return probs * keep
 
 
 def words_to_text(words: Sequence[str]) -> str:

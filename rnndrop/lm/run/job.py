@@ -23,12 +23,14 @@ and which dropout a run gets, as text (``--dropout``, ``--dropout-from``, run fo
 from __future__ import annotations
 
 import functools
+import io
 import json
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import statistics
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -58,19 +60,23 @@ from rnndrop.lm.run.checkpoint import (
     run_identity,
     write_json_atomic,
 )
+from rnndrop.lm.run.evaluate import CALIBRATION_BINS, has_noise, score_sums
 from rnndrop.lm.run.process_group import current
 from rnndrop.lm.run.report import (
     EpochLog,
     EpochRelay,
     JobProgress,
+    RunCost,
     benchmark_markdown,
     format_duration,
     plot_learning_curves,
     relay_events,
 )
 from rnndrop.lm.run.train import RunInterrupted, add_mc_result, resolve_device, train_run
+from rnndrop.mc import mc_language_model_loss
 
 __all__ = [
+    "RUN_OVERHEAD_SECONDS",
     "JobInterrupted",
     "RunSpec",
     "WorkerDied",
@@ -84,6 +90,7 @@ __all__ = [
     "reusable_result",
     "run_all",
     "run_benchmark",
+    "run_costs",
     "run_tag",
     "worker_logging",
 ]
@@ -144,7 +151,10 @@ def _plan(
         candidates = list({c.folder: c for c in candidates}.values())
         total = len(candidates) + len(regimes) * (len(seeds) - 1)
         planned = [(c.regime, c.dropout) for c in candidates]
-        planned += [(c.regime, c.dropout) for c in candidates[: len(regimes)]] * (len(seeds) - 1)
+        # the later seeds, numbered as _run_grid numbers them (their dropout is chosen later:
+        # the first candidate of the regime stands in for it)
+        first_of = {c.regime: (c.regime, c.dropout) for c in reversed(candidates)}
+        planned += [first_of[r] for r in regimes for _ in seeds[1:]]
         return _Plan(candidates, total, planned, mc * len(regimes) * len(seeds) / max(1, total))
     default = config.dropout if dropout is None else dropout
     by_regime = dict(dropout_by_regime or {})
@@ -152,9 +162,10 @@ def _plan(
     return _Plan(finals, len(finals), [(f.regime, f.dropout) for f in finals], mc)
 
 
-def _estimate(job: _Job, plan: _Plan, jobs: int) -> tuple[float, int] | None:
-    """Log how long the job should take (:func:`estimate_seconds`); returns the seconds and
-    the epochs they count (None when every run is reused).
+def _estimate(job: _Job, plan: _Plan, jobs: int) -> list[RunCost | None] | None:
+    """What each run of the job should cost at the speed timed on this machine just now
+    (:func:`run_costs`), in run order; None for a run it will reuse, and None in all when
+    every run is reused (said in a log line).
 
     With ``--resume`` the runs it will reuse count nothing and a run under way counts the
     epochs it has not done yet (:func:`epochs_done`); the grid's later seeds, chosen after the
@@ -166,22 +177,37 @@ def _estimate(job: _Job, plan: _Plan, jobs: int) -> tuple[float, int] | None:
         for i, spec in enumerate(plan.first):
             left[i] = None if reusable_result(spec) is not None else max(0, epochs - epochs_done(spec.folder))
     to_train = [(run, n) for run, n in zip(plan.planned, left) if n is not None]
-    n_reused = plan.total - len(to_train)
-    reused = f" ({n_reused} more finished earlier: reused)" if n_reused else ""
     if not to_train:
         log.info("all %d run%s of this job finished earlier: reusing their results", plan.total,
                  "s" * (plan.total != 1))
         return None
-    eta = estimate_seconds(corpus, job.config, [run for run, _ in to_train], round(plan.mc_per_run),
-                           jobs=jobs, threads=job.threads, device=job.device,
-                           epochs_left=[n for _, n in to_train])
-    early = " if no run converges early" if job.config.min_lr > 0 else ""
-    log.info("this job trains %d run%s%s of up to %d epochs on %s training words; at the speed "
-             "measured on this machine just now it should take about %s%s%s. Ctrl-C stops it "
-             "(finished epochs are kept; rerun with --resume)", len(to_train), "s" * (len(to_train) != 1),
-             reused, epochs, f"{corpus.train.numel():,}", format_duration(eta),
+    costs = iter(run_costs(corpus, job.config, [run for run, _ in to_train], round(plan.mc_per_run),
+                           threads=job.threads, device=job.device, epochs_left=[n for _, n in to_train]))
+    return [None if n is None else next(costs) for n in left]
+
+
+def _announce(job: _Job, progress: JobProgress, jobs: int) -> float | None:
+    """Log how long the job should take: :meth:`JobProgress.eta_seconds` before it starts,
+    the number its bar starts from (returns it)."""
+    eta = progress.eta_seconds()
+    if eta is None:
+        return None
+    corpus = cached_corpus(job.corpus_dir)
+    n_runs = len(progress.pending)
+    n_reused = progress.total_runs - n_runs
+    reused = f" ({n_reused} more finished earlier: reused)" if n_reused else ""
+    cap = job.config.epochs + job.config.finetune_epochs
+    left = progress.remaining_epochs()
+    epochs = (f"{left} epoch{'s' * (left != 1)} in all" if left == n_runs * cap
+              else f"{left} epoch{'s' * (left != 1)} left in all")
+    early = "; less if runs stop early at the learning-rate floor" if job.config.min_lr > 0 else ""
+    log.info("this job trains %d run%s%s, %s at most (up to %d a run), on %s training words; at the "
+             "speed timed on this machine just now it should take about %s%s%s. The bar's ETA starts "
+             "from this and follows the measured speed from the first epoch on. Ctrl-C stops it "
+             "(finished epochs are kept; rerun with --resume)", n_runs, "s" * (n_runs != 1), reused,
+             epochs, cap, f"{corpus.train.numel():,}", format_duration(eta),
              f" ({jobs} runs at a time)" if jobs > 1 else "", early)
-    return eta, sum(n for _, n in to_train)
+    return eta
 
 
 def _report_estimate(eta: float | None, seconds: float, progress: JobProgress) -> None:
@@ -280,7 +306,8 @@ def run_benchmark(
             ``dropout`` for the regimes it names.
         progress: progress bars (one for the job, one per epoch) when one run trains at a
             time; log lines in any case.
-        estimate: log up front how long the job should take (:func:`estimate_seconds`).
+        estimate: log up front how long the job should take (:func:`run_costs`); the
+            bar's ETA starts from the same number, then follows the measured speed.
         init_from: a finished run (its folder or ``best.pt``) every run starts from, e.g.
             a dense ``tied`` run that regime ``sparse_vd`` fine-tunes.
     """
@@ -294,10 +321,11 @@ def run_benchmark(
     job = _Job(str(corpus_dir), dataset, config, Path(out_dir), resume, device, threads,
                progress and jobs <= 1, None if init_from is None else str(init_from))
     plan = _plan(job, regimes, seeds, mc, grid=grid, dropout=dropout, dropout_by_regime=dropout_by_regime)
-    eta, eta_epochs = (_estimate(job, plan, jobs) if estimate else None) or (None, None)
+    costs = _estimate(job, plan, jobs) if estimate else None
     job_progress = JobProgress(plan.total, config.epochs + config.finetune_epochs, bar=progress and jobs <= 1,
-                               estimate_seconds=eta, estimate_epochs=eta_epochs)
-    start = time.perf_counter()
+                               costs=costs, jobs=jobs)
+    eta = _announce(job, job_progress, jobs)
+    start = job_progress.start
     try:
         if grid:
             final_results, grid_results = _run_grid(job, plan, regimes, seeds, mc, jobs, job_progress)
@@ -449,8 +477,8 @@ def _with_mc(spec: RunSpec, done: dict[str, Any]) -> dict[str, Any]:
     samples: reused when it has it, added when it was made without it or with another count."""
     if spec.mc_samples == 0 or done.get("mc_samples") == spec.mc_samples:
         return done
-    log.info("%s: Monte-Carlo test perplexity (%d samples)", spec.label or spec.folder, spec.mc_samples)
-    return add_mc_result(cached_corpus(spec.data_dir), spec.config, spec.folder, spec.mc_samples, spec.device)
+    return add_mc_result(cached_corpus(spec.data_dir), spec.config, spec.folder, spec.mc_samples, spec.device,
+                         label=spec.label or spec.folder)
 
 
 
@@ -576,13 +604,29 @@ def estimate_seconds(
     mc_samples: int, *, jobs: int = 1, threads: int | None = None, device: str = "auto",
     epochs_left: Sequence[int] | None = None,
 ) -> float:
-    """Wall seconds a job of ``runs`` (regime, dropout) should take on this machine, at most.
+    """Wall seconds a job of ``runs`` (regime, dropout) should take on this machine if no run
+    stops early: the sum of :func:`run_costs`, shared by ``jobs`` runs at a time."""
+    costs = run_costs(corpus, config, runs, mc_samples, threads=threads, device=device,
+                      epochs_left=epochs_left)
+    return sum(c.seconds() for c in costs) / max(1, min(jobs, len(runs)))
 
-    Times two training steps, two evaluation forwards and two dropout forwards of each
-    distinct regime on the corpus's first batches, and scales them to ``config.epochs``
-    (plus ``finetune_epochs``) epochs of the training split, a validation pass per epoch, a test pass and
-    ``mc_samples`` Monte-Carlo passes per run; ``jobs`` runs share the time. ``epochs_left``
-    (one per run) counts fewer epochs for runs that resume part-way.
+
+def run_costs(
+    corpus: Corpus, config: TrainConfig, runs: Sequence[tuple[str, Mapping[str, float]]],
+    mc_samples: int, *, threads: int | None = None, device: str = "auto",
+    epochs_left: Sequence[int] | None = None,
+) -> list[RunCost]:
+    """What each of ``runs`` (regime, dropout) should cost on this machine (the prior of
+    :class:`rnndrop.lm.run.report.JobProgress`).
+
+    Times, on the corpus's first batches, with the code the job runs: a training step
+    (clipping included), a validation pass, a test pass (with the calibration bins) and a
+    Monte-Carlo pass of each distinct regime, each repeated until it has run a few tenths
+    of a second (the median counts: a busy moment of a shared machine does not), then scales
+    them to ``config.epochs`` (plus ``finetune_epochs``) epochs of the training split and a
+    validation pass per epoch, and a test pass and ``mc_samples`` Monte-Carlo passes per run,
+    plus the checkpoint writes of an epoch and :data:`RUN_OVERHEAD_SECONDS` a run.
+    ``epochs_left`` (one per run) counts fewer epochs for runs that resume part-way.
     """
     if epochs_left is not None and len(epochs_left) != len(runs):
         raise ValueError(f"epochs_left: expected one count per run ({len(runs)}), got {len(epochs_left)}")
@@ -591,7 +635,8 @@ def estimate_seconds(
     if threads:
         torch.set_num_threads(threads)
     rng = torch.get_rng_state()
-    cost: dict[str, tuple[float, float, float]] = {}
+    cost: dict[str, tuple[float, float, float, float]] = {}
+    saves: dict[str, float] = {}
     try:
         train = batchify(corpus.train, config.batch_size)[: config.bptt + 1].to(device_obj)
         valid = batchify(corpus.valid, config.eval_batch_size)[: config.bptt + 1].to(device_obj)
@@ -602,47 +647,73 @@ def estimate_seconds(
             regime = get_regime(regime_name)
             model = build_model(len(corpus.vocab), config, regime, probabilities).to(device_obj)
             optimizer = torch.optim.SGD(model.parameters(), lr=1e-9)
+            clip, samples = config.clip, max(1, min(mc_samples, 8))
+            saves[key] = _save_seconds(model, optimizer)
             cost[key] = (
-                _seconds_per_word(lambda m=model, o=optimizer: _train_step(m, o, train), train),
-                _seconds_per_word(lambda m=model: _forward(m, valid, training=False), valid),
-                _seconds_per_word(lambda m=model: _forward(m, valid, training=True), valid),
+                _seconds_per_word(lambda m=model, o=optimizer, c=clip: _train_step(m, o, train, c), train),
+                _seconds_per_word(lambda m=model: _score(m, valid, config.bptt, None), valid),
+                _seconds_per_word(lambda m=model: _score(m, valid, config.bptt, CALIBRATION_BINS), valid),
+                _seconds_per_word(lambda m=model, s=samples: _mc(m, valid, s), valid) / samples
+                if mc_samples and has_noise(model) else 0.0,
             )
     finally:
         torch.set_rng_state(rng)
         torch.set_num_threads(old_threads)
-    total = 0.0
     n_train, n_valid, n_test = (corpus.split(s).numel() for s in ("train", "valid", "test"))
     all_epochs = config.epochs + config.finetune_epochs
+    out = []
     for (regime_name, probabilities), epochs in zip(runs, epochs_left or [all_epochs] * len(runs)):
-        train_w, eval_w, sample_w = cost[json.dumps([regime_name, dict(probabilities)], sort_keys=True)]
-        noisy = any(regime_probabilities(get_regime(regime_name), probabilities).values())
-        total += epochs * (n_train * train_w + n_valid * eval_w) + n_test * eval_w
-        total += mc_samples * n_test * sample_w if noisy else 0.0
-    return total / max(1, min(jobs, len(runs)))
+        key = json.dumps([regime_name, dict(probabilities)], sort_keys=True)
+        (train_w, valid_w, test_w, sample_w), save = cost[key], saves[key]
+        out.append(RunCost(epochs, n_train * train_w + n_valid * valid_w + save,
+                           n_test * test_w + mc_samples * n_test * sample_w + RUN_OVERHEAD_SECONDS))
+    return out
 
 
-def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batched: torch.Tensor) -> None:
+#: What a run costs besides its passes over the data: building the model, writing results.json
+#: and drawing its plots (matplotlib), about a second on a 2-core CPU.
+RUN_OVERHEAD_SECONDS = 1.0
+
+
+def _save_seconds(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
+    """About how long an epoch's checkpoint writes take: the model and the optimiser state
+    serialised (twice: checkpoint.pt, and best.pt when the epoch improves)."""
+    start = time.perf_counter()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, io.BytesIO())
+    return 2 * (time.perf_counter() - start)
+
+
+def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batched: torch.Tensor,
+                clip: float = 0.0) -> None:
     model.train()
     logits, _ = model(batched[:-1])
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batched[1:].flatten())
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
+    if clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     optimizer.step()
 
 
-@torch.no_grad()
-def _forward(model: torch.nn.Module, batched: torch.Tensor, *, training: bool) -> None:
-    model.train(training)
-    model(batched[:-1])
-    model.train()
+def _score(model: torch.nn.Module, batched: torch.Tensor, bptt: int, bins: int | None) -> None:
+    score_sums(model, batched, bptt, bins)
 
 
-def _seconds_per_word(step: Callable[[], None], batched: torch.Tensor) -> float:
+def _mc(model: torch.nn.Module, batched: torch.Tensor, samples: int) -> None:
+    mc_language_model_loss(model, [(batched[:-1], batched[1:])], samples, calibration_bins=CALIBRATION_BINS)
+
+
+def _seconds_per_word(step: Callable[[], None], batched: torch.Tensor, *, at_least: float = 0.3,
+                      most: int = 10) -> float:
+    """Seconds per predicted word of ``step`` on ``batched``: the median of 3 to ``most`` timed
+    runs, repeated until they have taken ``at_least`` seconds, after a warm-up run."""
     step()  # warm-up: allocations, kernel selection
-    start = time.perf_counter()
-    for _ in range(2):
+    times: list[float] = []
+    while len(times) < 3 or (sum(times) < at_least and len(times) < most):
+        start = time.perf_counter()
         step()
-    return (time.perf_counter() - start) / (2 * (batched.shape[0] - 1) * batched.shape[1])
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / ((batched.shape[0] - 1) * batched.shape[1])
 
 
 # -- which dropout a job's runs get, as text -------------------------------------------------------

@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 import logging
 import queue
+import re
 import statistics
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,23 +35,29 @@ from rnndrop.lm.atomic import atomic_write
 from rnndrop.lm.run.checkpoint import METRICS
 
 __all__ = [
+    "FEW_PREDICTIONS",
     "METRICS_COLUMNS",
     "EpochLog",
     "EpochProgress",
     "EpochRelay",
     "JobProgress",
+    "RunCost",
     "alpha_figure",
     "benchmark_markdown",
     "comparison_table",
     "format_dropout",
     "format_duration",
     "learning_curve_figure",
+    "lr_drops",
     "markdown_table",
     "noise_series",
     "paired_differences",
     "plot_alphas",
     "plot_learning_curves",
+    "regime_colour",
     "relay_events",
+    "reliability_axes",
+    "run_number",
 ]
 
 log = logging.getLogger(__name__)
@@ -66,30 +75,64 @@ def format_duration(seconds: float) -> str:
     return f"{minutes // 60} h {minutes % 60:02d} min"
 
 
-class JobProgress:
-    """Counts the epochs of a job of ``total_runs`` runs of up to ``epochs`` epochs each.
+@dataclass(frozen=True)
+class RunCost:
+    """What one run of a job should cost, in seconds at the speed timed before the job
+    (:func:`rnndrop.lm.run.job.estimate_seconds`): the prior of :class:`JobProgress`."""
 
-    The ETA is the job's remaining epochs times the wall time per epoch trained so far
-    (evaluation and Monte-Carlo scoring included; runs trained side by side under
-    ``--jobs`` count each of their epochs); before the first epoch it is
-    ``estimate_seconds`` scaled by the share left of the ``estimate_epochs`` it counted
-    (default: every epoch of every run). Runs in worker processes report their epochs
-    through an :class:`EpochRelay`.
+    #: epochs left to train (at most: a run may stop early at the learning-rate floor)
+    epochs: int
+    #: one epoch: the training pass and the validation pass
+    epoch_seconds: float
+    #: after the last epoch: the test pass and the Monte-Carlo passes
+    end_seconds: float
+
+    def seconds(self, epochs: int | None = None) -> float:
+        return (self.epochs if epochs is None else epochs) * self.epoch_seconds + self.end_seconds
+
+
+def run_number(label: str) -> int | None:
+    """k of a run label ``"run k/n ..."`` (None for another label)."""
+    match = re.match(r"run (\d+)/\d+\b", label)
+    return int(match.group(1)) if match else None
+
+
+class JobProgress:
+    """Counts the epochs of a job of ``total_runs`` runs of up to ``epochs`` epochs each, and
+    its ETA: the one source of the job's time, for the up-front line and the bar alike.
+
+    ``costs`` (one per run, in run order, None for a run reused from an earlier job) is the
+    prior: what each run's epochs and end (test, Monte-Carlo passes) should take at the speed
+    timed before the job. The ETA is the prior of the work left times the speed factor:
+    ``1 / jobs`` before the first epoch ends (the runs share the wall time), then the wall
+    time so far over the prior of the work done, so the measured speed replaces the timed
+    one from the first epoch on (on a loaded machine the ETA grows, on a quiet one it shrinks).
+    A run that stops early (learning-rate floor) drops its epochs left. Without ``costs``
+    every epoch weighs the same and the ETA is unknown until one has ended. Runs in worker
+    processes report their epochs through an :class:`EpochRelay`.
     """
 
     def __init__(self, total_runs: int, epochs: int, *, bar: bool,
-                 estimate_seconds: float | None = None, estimate_epochs: int | None = None) -> None:
+                 costs: Sequence[RunCost | None] | None = None, jobs: int = 1) -> None:
         self.total_runs, self.epochs = total_runs, epochs
+        if costs is not None and len(costs) != total_runs:
+            raise ValueError(f"costs: expected one per run ({total_runs}), got {len(costs)}")
+        self.known = costs is not None
+        planned = costs if costs is not None else [RunCost(epochs, 1.0, 0.0)] * total_runs
+        #: run number -> prior of the runs not started yet (reused runs are not planned)
+        self.pending: dict[int, RunCost] = {k: c for k, c in enumerate(planned, 1) if c is not None}
+        self.jobs = max(1, jobs)
         self.done_epochs = 0  # epochs trained in this job
         self.runs_started = 0
         self.runs_done = 0
         self.runs_trained = 0  # runs that trained (not reused)
         self.active: dict[str, int] = {}  # label of a running run -> its next epoch
+        self.active_cost: dict[str, RunCost] = {}
         self.finished: set[str] = set()  # labels of the runs done
         self.run_label = ""  # of the run this process trains
         self.start = time.perf_counter()
-        self.estimate = estimate_seconds
-        self.estimate_epochs = max(1, epochs * total_runs if estimate_epochs is None else estimate_epochs)
+        self.prior_done = 0.0  # the prior of the work done so far
+        self.last_event = self.start  # when the last epoch or run ended
         self.bar = None
         if bar and sys.stderr.isatty():
             try:
@@ -106,26 +149,40 @@ class JobProgress:
         """The next epoch of the run this process trains (None between runs)."""
         return self.active.get(self.run_label)
 
+    def _left(self, label: str) -> int:
+        return max(0, self.epochs - self.active[label] + 1)
+
     def remaining_epochs(self) -> int:
-        active = sum(max(0, self.epochs - n + 1) for n in self.active.values())
-        return active + self.epochs * (self.total_runs - self.runs_started)
+        """Epochs left to train, at most (runs that stop early train fewer)."""
+        return sum(map(self._left, self.active)) + sum(c.epochs for c in self.pending.values())
 
     def total_epochs(self) -> int:
         return max(1, self.done_epochs + self.remaining_epochs())
 
+    def prior_left(self) -> float:
+        """The prior (seconds at the timed speed) of the work left."""
+        return (sum(self.active_cost[label].seconds(self._left(label)) for label in self.active)
+                + sum(c.seconds() for c in self.pending.values()))
+
+    def speed(self) -> float | None:
+        """Wall seconds per prior second: measured once work is done, else the prior's."""
+        if self.prior_done > 0:
+            return (self.last_event - self.start) / self.prior_done
+        return 1 / min(self.jobs, max(1, len(self.pending) + len(self.active))) if self.known else None
+
     def eta_seconds(self) -> float | None:
-        elapsed = time.perf_counter() - self.start
-        if self.done_epochs:
-            return self.remaining_epochs() * elapsed / self.done_epochs
-        if self.runs_trained:
-            return (self.total_runs - self.runs_done) * elapsed / self.runs_trained
-        if self.estimate is not None:
-            return self.estimate * min(1.0, self.remaining_epochs() / self.estimate_epochs)
-        return None
+        speed = self.speed()
+        if speed is None:
+            return None
+        return max(0.0, speed * self.prior_left() - (time.perf_counter() - self.last_event))
 
     def _eta_text(self) -> str:
         eta = self.eta_seconds()
         return "ETA unknown" if eta is None else f"job ETA {format_duration(eta)}"
+
+    def _event(self, prior: float) -> None:
+        self.prior_done += prior
+        self.last_event = time.perf_counter()
 
     def _refresh(self) -> None:
         if self.bar is None:
@@ -139,19 +196,35 @@ class JobProgress:
         self.bar.n = self.done_epochs
         self.bar.refresh()
 
+    def _take(self, label: str) -> RunCost:
+        """The prior of the run ``label`` (its number's, else the first one planned), no
+        longer pending."""
+        number = run_number(label)
+        if number not in self.pending:
+            number = next(iter(self.pending), None)
+        if number is not None:
+            return self.pending.pop(number)
+        known = list(self.active_cost.values()) or [RunCost(self.epochs, 1.0, 0.0)]
+        return RunCost(self.epochs, sum(c.epoch_seconds for c in known) / len(known),
+                       sum(c.end_seconds for c in known) / len(known))
+
     def start_run(self, label: str, first_epoch: int = 1) -> None:
         """A run begins (or resumes at ``first_epoch``); ``label`` names it
         (``"run 2/3 tied ... seed 1"``)."""
         self.runs_started += 1
         self.run_label = label
         self.active[label] = first_epoch
+        self.active_cost[label] = self._take(label)
         self._refresh()
 
     def epoch_done(self, epoch: int, record: Mapping[str, Any], label: str | None = None) -> None:
         """``epoch`` of the run ``label`` (default: the one this process trains) ended."""
         label = self.run_label if label is None else label
+        if label not in self.active:  # a worker's epoch whose start was not relayed
+            self.start_run(label, epoch)
         self.done_epochs += 1
         self.active[label] = epoch + 1
+        self._event(self.active_cost[label].epoch_seconds)
         if self.bar is not None:
             self._refresh()
         else:
@@ -160,19 +233,26 @@ class JobProgress:
                      record["valid_ppl"], 100 * self.done_epochs // self.total_epochs(), self._eta_text())
 
     def run_done(self, label: str, result: Mapping[str, Any], *, reused: bool = False) -> None:
-        """A run ended: trained (here or in a worker), or ``reused`` from an earlier job."""
+        """A run ended: trained (here or in a worker), or ``reused`` from an earlier job; its
+        epochs left (when it stopped early) are dropped."""
         if self.active.pop(label, None) is None:  # not announced by start_run
             self.runs_started += 1
+            cost = self._take(label) if not reused or run_number(label) in self.pending else None
+        else:
+            cost = self.active_cost.pop(label)
         self.finished.add(label)
         self.runs_done += 1
         self.runs_trained += not reused
-        if self.bar is not None:
-            self._refresh()
-        else:
-            what = "reused (finished earlier)" if reused else "finished"
-            log.info("%s %s: best valid ppl %.2f, test ppl %.2f; %d of %d runs done, %s",
-                     label, what, result["best_valid_ppl"], result["test_ppl"], self.runs_done,
-                     self.total_runs, self._eta_text())
+        if not reused and cost is not None:
+            self._event(cost.end_seconds)
+        self._refresh()
+        # One line per run, with or without bars (above them on a terminal).
+        what = "reused (finished earlier)" if reused else "finished"
+        mc = result.get("test_ppl_mc")
+        mc_text = f", MC {mc:.2f} ({result.get('mc_samples')} samples)" if isinstance(mc, float) else ""
+        log.info("%s %s: best valid ppl %.2f, test ppl %.2f%s; %d of %d runs done, %s",
+                 label, what, result["best_valid_ppl"], result["test_ppl"], mc_text, self.runs_done,
+                 self.total_runs, self._eta_text())
 
     def close(self) -> None:
         if self.bar is not None:
@@ -226,17 +306,19 @@ class EpochProgress:
     """A tqdm bar on a terminal when tqdm is installed and ``bar`` (below the job's bar of
     :class:`rnndrop.lm.run.report.JobProgress`, if one is drawn), else a log line every
     tenth of the loop (e.g. when stderr goes to a file, or in a worker process of ``--jobs``
-    whose bars would overwrite each other)."""
+    whose bars would overwrite each other). ``unit`` names what the loop counts
+    (``"MC test, 50 samples: 2/21 test segments"``)."""
 
-    def __init__(self, total: int, desc: str, enabled: bool, *, bar: bool = True) -> None:
-        self.total, self.desc, self.count = total, desc, 0
+    def __init__(self, total: int, desc: str, enabled: bool, *, bar: bool = True, unit: str = "") -> None:
+        self.total, self.desc, self.count, self.unit = total, desc, 0, unit
         self.bar = None
         self.enabled = enabled
         if enabled and bar and sys.stderr.isatty():
             try:
                 from tqdm.auto import tqdm
 
-                self.bar = tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
+                self.bar = tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True,
+                                **({"unit": f" {unit}"} if unit else {}))
             except ImportError:
                 pass
         self.every = max(1, total // 10)
@@ -248,8 +330,8 @@ class EpochProgress:
             self.bar.set_postfix(text, refresh=False)
             self.bar.update(1)
         elif self.enabled and (self.count % self.every == 0 or self.count == self.total):
-            log.info("%s %d/%d %s", self.desc, self.count, self.total,
-                     " ".join(f"{k}={v}" for k, v in text.items()))
+            where = f": {self.count}/{self.total} {self.unit}" if self.unit else f" {self.count}/{self.total}"
+            log.info("%s%s %s", self.desc, where, " ".join(f"{k}={v}" for k, v in text.items()))
 
     def close(self) -> None:
         if self.bar is not None:
@@ -533,53 +615,187 @@ def _plot_title(results: Sequence[Mapping[str, Any]]) -> str:
     return f"{what}, {_config_text(first.get('config', {}))}"
 
 
+#: A colour per regime, the same in every plot (a run's curve.png and the job's learning_curves.png).
+_REGIME_COLOURS = ("none", "naive", "tied", "untied", "batch", "weight_drop", "gaussian", "sparse_vd",
+                   "gaussian_fixed", "gaussian_kingma")
+
+
+def regime_colour(regime: str) -> str:
+    """The matplotlib colour of ``regime``: one of tab10 keyed by the regime's name, so a regime
+    has the same colour in every plot (other regimes: by a stable hash of the name)."""
+    if regime in _REGIME_COLOURS:
+        return f"C{_REGIME_COLOURS.index(regime)}"
+    return f"C{sum(map(ord, regime)) % 10}"
+
+
+def lr_drops(epochs: Sequence[Mapping[str, Any]]) -> list[int]:
+    """The epochs that began at a lower learning rate than the one before."""
+    rates = [(e["epoch"], e.get("lr")) for e in epochs]
+    return [epoch for (_, before), (epoch, lr) in itertools.pairwise(rates)
+            if isinstance(before, (int, float)) and isinstance(lr, (int, float)) and lr < before]
+
+
+def _valid_range(results: Sequence[Mapping[str, Any]]) -> tuple[float, float] | None:
+    """The perplexity range that answers "which regime is best": from just below the lowest
+    validation perplexity to a third above the worst run's best (early epochs, far above,
+    are cut off; the axis says so)."""
+    valid = [e["valid_ppl"] for r in results for e in r["epochs"]]
+    finite = [v for v in valid if isinstance(v, (int, float)) and 0 < v < float("inf")]
+    if not finite:
+        return None
+    bests = [min(v for v in (e["valid_ppl"] for e in r["epochs"]) if v in finite) for r in results
+             if any(e["valid_ppl"] in finite for e in r["epochs"])]
+    low, high = min(finite), min(max(finite), max(bests) * 1.35)
+    pad = max(high - low, 0.02 * low, 1e-9)
+    return low - 0.12 * pad, high + 0.08 * pad
+
+
 def learning_curve_figure(results: Sequence[Mapping[str, Any]]):
-    """A matplotlib figure of train (dashed, ×) and validation (solid, ●) perplexity per
-    epoch of every run, the best epoch circled, the test perplexity in the legend, titled
-    with the corpus and the config (when the runs' configs differ, each legend entry names its
-    own; matplotlib required). The log axis is labelled at round values inside the data's
-    range, so 150 can be told from 185."""
+    """A matplotlib figure that answers "which regime is best, and when did it stop improving":
+    validation (solid, ●) and training (dashed, ×) perplexity per epoch of every run, on a
+    linear axis fitted to the validation curves (early epochs above it are cut off, and a
+    note says so), each run's best epoch starred and its value written beside it (labels
+    moved apart so none overlaps another), the learning-rate drops as dotted vertical lines,
+    one colour per regime (:func:`regime_colour`, the same in every plot), and two legends:
+    the runs (with test perplexity) and the line styles. Titled with the corpus and the config
+    (when the runs' configs differ, each legend entry names its own; matplotlib required)."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter, MaxNLocator, NullLocator
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
 
-    fig, ax = plt.subplots(figsize=(7, 4.8))
+    fig, ax = plt.subplots(figsize=(8, 6), layout="constrained")
     shared_config = _shared_config(results)
-    for i, r in enumerate(results):
-        color = f"C{i % 10}"
+    markers = ("o", "s", "^", "D", "v")
+    seen: dict[str, int] = {}
+    bests: list[tuple[float, float, str]] = []
+    drops: dict[int, list[str]] = {}
+    for r in results:
+        color = regime_colour(r["regime"])
+        marker = markers[seen.get(r["regime"], 0) % len(markers)]  # a second run of a regime
+        seen[r["regime"]] = seen.get(r["regime"], 0) + 1
         epochs = [e["epoch"] for e in r["epochs"]]
         valid = [e["valid_ppl"] for e in r["epochs"]]
-        ax.plot(epochs, valid, color=color, marker="o", markersize=4, label=_legend_label(r, shared_config))
+        ax.plot(epochs, valid, color=color, marker=marker, markersize=4,
+                label=_legend_label(r, shared_config))
         ax.plot(epochs, [e["train_ppl"] for e in r["epochs"]], color=color, marker="x",
-                markersize=4, linestyle="--")
+                markersize=4, linestyle="--", alpha=0.6)
         if r.get("best_epoch") in epochs:
             best = epochs.index(r["best_epoch"])
-            ax.plot([epochs[best]], [valid[best]], color=color, marker="o", markersize=11,
-                    fillstyle="none", markeredgewidth=1.5)
+            bests.append((epochs[best], valid[best], color))
+        for epoch in lr_drops(r["epochs"]):
+            drops.setdefault(epoch, []).append(color)
+    for epoch, colors in sorted(drops.items()):
+        for k, color in enumerate(colors):  # runs dropping at the same epoch: side by side
+            ax.axvline(epoch - 0.5 + 0.06 * (k - (len(colors) - 1) / 2), color=color, linestyle=":",
+                       linewidth=1.2, alpha=0.8)
     ax.set_xlabel("epoch")
     last = max((e["epoch"] for r in results for e in r["epochs"]), default=1)
     ax.set_xlim(0.5, last + 0.5)  # a range of at least one epoch, so every tick is an epoch
     ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
-    ax.set_ylabel("perplexity (solid ●: valid, dashed ×: train; ○ best epoch)")
-    ax.set_yscale("log")
-    values = [e[k] for r in results for e in r["epochs"] for k in ("valid_ppl", "train_ppl")]
-    finite = [v for v in values if isinstance(v, (int, float)) and 0 < v < float("inf")]
-    if finite:
-        ticks = [t for t in MaxNLocator(nbins=8).tick_values(min(finite), max(finite)) if t > 0]
-        ax.set_yticks(ticks)
-        ax.yaxis.set_minor_locator(NullLocator())
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.set_ylabel("perplexity")
+    span = _valid_range(results)
+    if span is not None:
+        ax.set_ylim(*span)
+        above = [e["valid_ppl"] for r in results for e in r["epochs"] if e["valid_ppl"] > span[1]]
+        if above:
+            ax.text(0.99, 0.99, f"axis fitted to validation: {len(above)} early point"
+                    f"{'s' * (len(above) != 1)} above {span[1]:.0f} cut off", transform=ax.transAxes,
+                    ha="right", va="top", fontsize=7, color="0.35", zorder=6,
+                    bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "0.8"})
+    _mark_bests(ax, bests)
     ax.set_title(_plot_title(results), fontsize=9)
     ax.grid(True, which="major", alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
+    runs = ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(0, -0.1), title="runs (colour: regime)",
+                     title_fontsize=7, frameon=False)
+    ax.add_artist(runs)
+    styles = [Line2D([], [], color="0.3", marker="o", markersize=4, label="validation"),
+              Line2D([], [], color="0.3", marker="x", markersize=4, linestyle="--", label="training"),
+              Line2D([], [], color="0.3", marker="*", markersize=10, linestyle="none",
+                     markeredgecolor="black", markeredgewidth=0.6, label="best validation epoch"),
+              Line2D([], [], color="0.3", linestyle=":", label="learning rate lowered")]
+    ax.legend(handles=styles, fontsize=7, loc="upper right", bbox_to_anchor=(1, -0.1), title="lines",
+              title_fontsize=7, frameon=False)
     return fig
 
 
+def _mark_bests(ax: Any, bests: Sequence[tuple[float, float, str]]) -> None:
+    """A star at each run's best epoch, moved a few pixels sideways where it would cover
+    another star, and its value and epoch above it, the labels stacked apart (in screen space)
+    so that none overlaps another."""
+    if not bests:
+        return
+    fig = ax.figure
+    fig.canvas.draw()  # the layout, so screen positions hold
+    renderer = fig.canvas.get_renderer()
+    # the data lines on screen (not the vertical learning-rate lines), for the labels to avoid
+    curves = [line.get_transform().transform_path(line.get_path()) for line in ax.lines
+              if len(line.get_xdata()) > 1 and line.get_linestyle() != ":"]
+    from matplotlib.transforms import Bbox
+
+    stars: list[tuple[float, float]] = []  # screen positions of the stars so far
+    placed: list[tuple[str, tuple[float, float], str]] = []
+    for x, y, color in sorted(bests, key=lambda b: (b[1], b[0])):
+        px0, py = ax.transData.transform((x, y))
+        px = px0
+        for step in (0, -14, 14, -28, 28, -42, 42):  # screen pixels sideways
+            px = px0 + step
+            if all(abs(px - sx) > 12 or abs(py - sy) > 12 for sx, sy in stars):
+                break
+        stars.append((px, py))
+        shift = ax.transData.inverted().transform((px, py))[0] - x
+        ax.plot([x + shift], [y], color=color, marker="*", markersize=13, markeredgecolor="black",
+                markeredgewidth=0.6, linestyle="none", zorder=4)
+        placed.append((f"{y:.1f} (epoch {x:g})", (x + shift, y), color))
+    # the labels' extents so far, the stars' first: no label covers a star
+    labels: list[Any] = [Bbox.from_extents(px - 9, py - 9, px + 9, py + 9) for px, py in stars]
+    for text, xy, color in placed:
+        _place_label(ax, renderer, text, xy, color, labels, curves)
+
+
+def _place_label(ax: Any, renderer: Any, text: str, xy: tuple[float, float], color: str, labels: list[Any],
+                 curves: Sequence[Any]) -> None:
+    """``text`` tied to ``xy`` by a thin line, at the first offset (below, above, further out,
+    then sideways) where it lies inside the axes and overlaps no label placed before and,
+    where possible, no curve; its extent joins ``labels``."""
+    from matplotlib.text import Text
+
+    inside = ax.get_window_extent(renderer)
+    offsets = [(dx, dy) for dy in (16, 28, 40, 52, 64) for dx in (0, -30, 30) for dy in (-dy, dy)]
+    fallback = None
+    for dx, dy in offsets:
+        label = ax.annotate(text, xy, xytext=(dx, dy), textcoords="offset points", ha="center",
+                            va="top" if dy < 0 else "bottom", fontsize=8, color=color, fontweight="bold",
+                            bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none",
+                                  "alpha": 0.8},
+                            arrowprops={"arrowstyle": "-", "color": color, "lw": 0.6}, zorder=5)
+        label.update_positions(renderer)  # where the offset puts it, before it is drawn
+        box = Text.get_window_extent(label, renderer).expanded(1.05, 1.2)
+        free = (inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1
+                and not any(box.overlaps(other) for other in labels))
+        if free and not any(curve.intersects_bbox(box, filled=False) for curve in curves):
+            labels.append(box)
+            return
+        label.remove()
+        if free and fallback is None:
+            fallback = (dx, dy)
+    dx, dy = fallback or offsets[0]
+    label = ax.annotate(text, xy, xytext=(dx, dy), textcoords="offset points", ha="center",
+                        va="top" if dy < 0 else "bottom", fontsize=8, color=color, fontweight="bold",
+                        bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none",
+                              "alpha": 0.8},
+                        arrowprops={"arrowstyle": "-", "color": color, "lw": 0.6}, zorder=5)
+    label.update_positions(renderer)
+    labels.append(Text.get_window_extent(label, renderer).expanded(1.05, 1.2))
+
+
 def _legend_label(result: Mapping[str, Any], shared_config: bool = True) -> str:
-    label = f"{result['regime']} ({format_dropout(result['dropout'])}, seed {result['seed']})"
+    """``"tied (in 0.5 · out 0.5, seed 1): test 152.3"``; "dropout none" where there is none
+    (not "—", a line symbol in a legend)."""
+    dropout = format_dropout(result["dropout"]) if any(result["dropout"].values()) else "dropout none"
+    label = f"{result['regime']} ({dropout}, seed {result['seed']})"
     if not shared_config:
         label = _config_text(result.get("config", {})).replace("\n", " · ") + "\n" + label
     if isinstance(result.get("test_ppl"), (int, float)):
@@ -628,6 +844,45 @@ def plot_alphas(results: Sequence[Mapping[str, Any]], path: str | Path) -> Path 
     if not any(noise_series(r["epochs"]) for r in results):
         return None
     return _save_png(alpha_figure, results, path)
+
+
+#: Bins with fewer predictions than this are drawn faded: their accuracy says little.
+FEW_PREDICTIONS = 10
+
+
+def reliability_axes(top: Any, bottom: Any, diagram: Any, title: str) -> None:
+    """A reliability diagram (:class:`rnndrop.calibration.ReliabilityDiagram`) on two axes:
+    accuracy per confidence bin (bars) against the bin's mean confidence (red ticks) and the
+    diagonal on ``top``, the predictions per bin on ``bottom`` (log). A bin of fewer than
+    :data:`FEW_PREDICTIONS` predictions is faded and hatched, its count written over its bar
+    (``n=2``), so a bar of 100% from one prediction is not read as a finding."""
+    edges = diagram.bin_edges.numpy()
+    width = edges[1] - edges[0]
+    centres = edges[:-1] + width / 2
+    counts = diagram.count.numpy()
+    accuracy, confidence = diagram.accuracy.numpy(), diagram.confidence.numpy()
+    shown_few = False
+    for i in (i for i in range(len(counts)) if counts[i] > 0):
+        few = counts[i] < FEW_PREDICTIONS
+        shown_few |= bool(few)
+        top.bar(centres[i], accuracy[i], width=width * 0.9, color="tab:blue", alpha=0.3 if few else 1.0,
+                hatch="//" if few else None, edgecolor="tab:blue",
+                label=("accuracy" if not few else f"accuracy, < {FEW_PREDICTIONS} predictions"))
+        if few:  # the others' counts are in the panel below
+            top.annotate(f"n={counts[i]:,}", (centres[i], accuracy[i]), xytext=(0, 3),
+                         textcoords="offset points", ha="center", va="bottom", fontsize=7, color="tab:red")
+    filled = counts > 0
+    top.scatter(centres[filled], confidence[filled], marker="_", s=300, color="tab:red",
+                label="mean confidence", zorder=3)
+    top.plot([0, 1], [0, 1], color="grey", ls="--", lw=1)
+    top.set_xlim(0, 1)
+    top.set_ylim(0, 1.15)  # room for the counts over full bars
+    top.set_title(f"{title}\nECE {100 * diagram.ece:.2f}%" + (
+        f"; faded: bins of < {FEW_PREDICTIONS} predictions" if shown_few else ""))
+    bottom.bar(centres, counts, width=width * 0.9, color="grey")
+    bottom.set_yscale("log")
+    bottom.set_xlim(0, 1)
+    bottom.set_xlabel("confidence (top-1 probability)")
 
 
 def _save_png(figure: Any, results: Sequence[Mapping[str, Any]], path: str | Path) -> Path | None:

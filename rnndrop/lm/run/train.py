@@ -95,6 +95,7 @@ from rnndrop.lm.run.evaluate import (
     MC_PROGRESS,
     Score,
     has_noise,
+    mc_seconds,
     perplexity,
     score_split,
     token_loss,
@@ -664,14 +665,11 @@ def finish_run(run: Training, bar: bool = False) -> dict[str, Any]:
     config, ctx = run.config, run.ctx
     best = read_best_weights(run.best_path, ctx)
     load_state(run.model, best, run.best_path)
-    start = time.perf_counter()
     test = score_split(run.model, run.test_data, config.bptt, CALIBRATION_BINS, ctx)
     test_mc = None
     if run.mc_samples > 0 and has_noise(run.model):
-        one_pass = time.perf_counter() - start
         if ctx.is_main:  # the phase after the last epoch's bar: say what runs and for how long
-            log.info("%s: Monte-Carlo test perplexity, %d dropout samples (up to about %s)", run.out,
-                     run.mc_samples, format_duration(one_pass * run.mc_samples))
+            _announce_mc(str(run.out), run.model, run.test_data, config.bptt, run.mc_samples)
         seed_noise(run.seed, ctx)
         test_mc = score_split(run.model, run.test_data, config.bptt, CALIBRATION_BINS, ctx, run.mc_samples,
                               progress=MC_PROGRESS.format(run.mc_samples), bar=bar)
@@ -685,6 +683,13 @@ def finish_run(run: Training, bar: bool = False) -> dict[str, Any]:
         return result
 
     return files_on_main(write_result, ctx, "writing results.json")
+
+
+def _announce_mc(name: str, model: nn.Module, test_data: Tensor, bptt: int, n_samples: int) -> None:
+    """The line before the Monte-Carlo passes: how many and about how long (timed on the
+    first segment, :func:`rnndrop.lm.run.evaluate.mc_seconds`)."""
+    log.info("%s: Monte-Carlo test perplexity, %d dropout samples (about %s)", name, n_samples,
+             format_duration(mc_seconds(model, test_data, bptt, n_samples)))
 
 
 def seed_noise(seed: int, ctx: Distributed) -> None:
@@ -765,10 +770,11 @@ def _averaging_result(run: Training) -> dict[str, Any]:
 
 def add_mc_result(
     corpus: Corpus, config: TrainConfig, out_dir: str | Path, n_samples: int,
-    device: str | torch.device = "auto",
+    device: str | torch.device = "auto", *, label: str | None = None,
 ) -> dict[str, Any]:
     """Add the Monte-Carlo test perplexity to a finished run's results.json (verified
-    before, re-signed after). ``config`` gives the evaluation batch size and BPTT; the
+    before, re-signed after; a line names the run, ``label`` or its folder, when its model
+    draws noise: nothing to do otherwise). ``config`` gives the evaluation batch size and BPTT; the
     model is rebuilt from ``best.pt``. Under DDP (call it on every rank) rank 0 reads and
     writes the files and every rank scores its share of the test streams."""
     out = Path(out_dir)
@@ -790,9 +796,11 @@ def add_mc_result(
         else:
             model = load_model(out, device).model
         if n_samples > 0 and has_noise(model):
+            test_data = batchify(corpus.test, config.eval_batch_size).to(device)
+            if ctx.is_main:
+                _announce_mc(label or str(out), model, test_data, config.bptt, n_samples)
             seed_noise(result["seed"], ctx)
             start = time.perf_counter()
-            test_data = batchify(corpus.test, config.eval_batch_size).to(device)
             test_mc = score_split(model, test_data, config.bptt, CALIBRATION_BINS, ctx, n_samples,
                                   progress=MC_PROGRESS.format(n_samples))
             result.update(test_ppl_mc=test_mc.perplexity, test_nll_mc=test_mc.nll, test_ece_mc=test_mc.ece)
