@@ -5,6 +5,7 @@ and raises SystemExit after one line on stderr (:func:`rnndrop.lm.cli.errors.fai
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import shlex
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from rnndrop.kernels import compiled
 from rnndrop.lm.cli.checks import checked_job
 from rnndrop.lm.cli.errors import (
     EXIT_DATA,
@@ -85,6 +87,8 @@ def train(args: argparse.Namespace, dataset: str, given: list[str]) -> str:
         raise fail("", EXIT_DATA) from None
     except (UsageError, ValueError, CorpusError, DownloadError) as e:
         raise fail(str(e), EXIT_DATA) from None
+    if device.type == "cpu" and ctx.is_main:
+        _compiled_kernel_first()
     threads = args.threads
     command = "rnndrop-lm " + " ".join(shlex.quote(a) for a in [dataset.replace("-", ""), *given])
     bars = not args.no_progress and args.jobs <= 1 and ctx.is_main
@@ -142,6 +146,15 @@ class _logging_beside_bars:
     def __exit__(self, *exc: Any) -> None:
         if self.context is not None:
             self.context.__exit__(*exc)
+
+
+def _compiled_kernel_first() -> None:
+    """Build the compiled CPU kernel before the job's estimate and first step, in the foreground
+    and with its progress lines (a cached build loads at once). A layer would otherwise start on the
+    manual kernel and switch when a background build ends, and a run that switches kernels part-way
+    does not resume bit for bit. Where it cannot be built, the layers say why and run the manual one."""
+    with contextlib.suppress(RuntimeError):  # kernel="auto" then warns once, with the reason
+        compiled.build()
 
 
 def _load_run(path: str, device: str) -> LoadedModel:
