@@ -434,6 +434,9 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
         if resolved.index is not None and resolved.index >= torch.cuda.device_count():
             count = torch.cuda.device_count()
             raise ValueError(f"device {str(device)!r}: this machine has {count} CUDA GPU(s)")
+    elif resolved.type == "meta":
+        raise ValueError(f"device {str(device)!r} holds shapes without values, nothing can train or "
+                         "be scored there; use --device cpu, cuda or auto")
     elif resolved.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError(f"device {str(device)!r}: MPS is not available here; use --device cpu (or auto)")
     return resolved
