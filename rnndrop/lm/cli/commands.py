@@ -32,13 +32,17 @@ from rnndrop.lm.data.carve import carve as carve_corpus
 from rnndrop.lm.data.corpus import CorpusError, batchify, encode_split, load_corpus, sample_dir
 from rnndrop.lm.data.download import DownloadError
 from rnndrop.lm.run.checkpoint import (
+    CHECKPOINT,
     LEARNING_CURVES,
     RESULTS,
     CheckpointError,
     LoadedModel,
     RunLocked,
     corpus_fingerprint,
+    describe_differences,
     files_on_main,
+    identity_differences,
+    load_checkpoint,
     load_model,
 )
 from rnndrop.lm.run.evaluate import CALIBRATION_BINS, MC_PROGRESS, has_noise, score, score_mc, words_to_text
@@ -155,6 +159,27 @@ def _load_run(path: str, device: str) -> LoadedModel:
         raise fail(f"cannot load the model of {path!r}: {e}", EXIT_DATA) from None
 
 
+def _check_own_weights(run: LoadedModel, result: dict[str, Any]) -> None:
+    """UsageError when the best.pt read belongs to another run than the folder's results.json
+    (or, before the run finished, its checkpoint.pt) says: moved or swapped by hand, it would
+    report another run's perplexity under this one's name."""
+    theirs = result.get("identity")
+    source = run.path.parent / RESULTS
+    if not isinstance(theirs, dict) and (run.path.parent / CHECKPOINT).is_file():
+        source = run.path.parent / CHECKPOINT
+        try:
+            theirs = load_checkpoint(source).get("identity")
+        except (OSError, CheckpointError):
+            theirs = None
+    if not isinstance(theirs, dict) or run.identity is None:
+        return
+    differences = identity_differences(theirs, run.identity)
+    if differences:
+        raise UsageError(f"{str(run.path)!r} belongs to another run than {str(source)!r} beside it "
+                         f"({describe_differences(differences)}: that file here vs best.pt); put back "
+                         "this run's own best.pt, or pass the best.pt file of the run you mean")
+
+
 def _run_result(best: Path) -> dict[str, Any]:
     """The run's results.json beside best.pt (for its corpus), or {} if absent or unreadable."""
     try:
@@ -210,6 +235,7 @@ def evaluate(args: argparse.Namespace) -> str:
     run = _load_run(args.run, args.device)
     result = _run_result(run.path)
     try:
+        _check_own_weights(run, result)
         data_dir, own_corpus = _evaluation_data(args.data, run, result)
         ids = encode_split(data_dir, args.split, run.vocab)
         device = next(run.model.parameters()).device
@@ -250,6 +276,10 @@ def generate(args: argparse.Namespace) -> str:
         raise fail(str(e), EXIT_DATA) from None
     torch.set_num_threads(args.threads)
     run = _load_run(args.run, args.device)
+    try:
+        _check_own_weights(run, _run_result(run.path))
+    except UsageError as e:
+        raise fail(str(e), EXIT_DATA) from None
     generator = torch.Generator().manual_seed(args.seed)
     prompt = args.prompt.split()
     unknown = [word for word in prompt if word not in run.vocab.stoi]

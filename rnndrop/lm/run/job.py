@@ -48,14 +48,17 @@ from rnndrop.lm.model.train_config import TrainConfig
 from rnndrop.lm.run.checkpoint import (
     BEST,
     LEARNING_CURVES,
+    METRICS,
     RESULTS,
     RESULTS_TABLE,
     SUMMARY,
-    checkpoint_damage,
+    best_of_another_run,
+    file_sha256,
     files_on_main,
     finished_result,
     has_checkpoint,
     run_identity,
+    text_sha256,
     write_json_atomic,
 )
 from rnndrop.lm.run.process_group import current
@@ -65,6 +68,7 @@ from rnndrop.lm.run.report import (
     JobProgress,
     benchmark_markdown,
     format_duration,
+    metrics_text,
     plot_learning_curves,
     relay_events,
 )
@@ -373,12 +377,43 @@ def epochs_done(folder: str | Path) -> int:
 
 def _finished(spec: RunSpec) -> dict[str, Any] | None:
     result = reusable_result(spec)
-    damage = checkpoint_damage(Path(spec.folder) / BEST) if result is not None else None
-    if damage is not None:  # the numbers stand; say that the weights behind them are gone
+    if result is None:
+        return None
+    damage = best_of_another_run(Path(spec.folder) / BEST, result["identity"])
+    if damage is not None and damage.startswith("belongs to another run"):
+        log.warning("%s: %s %s; its results are reused (results.json is this run's), but the weights "
+                    "there are not this run's: evaluate and generate refuse them. Put back this run's "
+                    "own best.pt, or train the run anew with another --out", spec.folder, BEST, damage)
+    elif damage is not None:  # the numbers stand; say that the weights behind them are gone
         log.warning("%s: %s %s; its results are reused, but the trained weights are gone (evaluate, "
                     "generate and --init-from need them): to have them again, train the run anew "
                     "with another --out", spec.folder, BEST, damage)
+    _check_metrics(Path(spec.folder), result)
     return result
+
+
+def _check_metrics(folder: Path, result: Mapping[str, Any]) -> None:
+    """Make a finished run's metrics.csv the one its results imply: a deleted one is written
+    again from them, one changed after the run wrote it (its SHA-256 is not the one results.json
+    records) is set aside as ``metrics.edited.csv`` and written again, with a warning."""
+    path = folder / METRICS
+    expected = metrics_text(result["epochs"])
+    recorded = (result.get("files") or {}).get(METRICS) or text_sha256(expected)
+    if path.is_file():
+        try:
+            if file_sha256(path) == recorded:
+                return
+        except OSError:
+            pass
+        edited = path.with_name("metrics.edited.csv")
+        os.replace(path, edited)
+        log.warning("%s: %s was changed after the run wrote it (its SHA-256 is not the one %s records); "
+                    "kept it as %s and wrote the run's own metrics again", folder, METRICS, RESULTS,
+                    edited.name)
+    else:
+        log.info("%s: %s was missing; wrote it again from the run's %s", folder, METRICS, RESULTS)
+    with atomic_write(path, "w", encoding="utf-8") as f:
+        f.write(expected)
 
 
 def worker_logging(label: str) -> None:

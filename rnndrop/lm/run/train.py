@@ -69,6 +69,7 @@ from rnndrop.lm.run.checkpoint import (
     BEST,
     CHECKPOINT,
     CURVE,
+    METRICS,
     RESULTS,
     SCHEMA,
     CheckpointError,
@@ -76,6 +77,7 @@ from rnndrop.lm.run.checkpoint import (
     RunState,
     best_file,
     claim_folder,
+    file_sha256,
     files_on_main,
     get_rng_state,
     load_checkpoint,
@@ -84,9 +86,11 @@ from rnndrop.lm.run.checkpoint import (
     read_best_weights,
     read_checkpoint,
     read_verified_result,
+    run_id,
     run_identity,
     save_checkpoint,
     set_rng_state,
+    text_sha256,
     write_signed_result,
 )
 from rnndrop.lm.run.evaluate import (
@@ -121,7 +125,13 @@ from rnndrop.lm.run.recipe import (
     epoch_segments,
     forward_with_penalty,
 )
-from rnndrop.lm.run.report import EpochProgress, format_duration, plot_alphas, plot_learning_curves
+from rnndrop.lm.run.report import (
+    EpochProgress,
+    format_duration,
+    metrics_text,
+    plot_alphas,
+    plot_learning_curves,
+)
 
 __all__ = [
     "EpochCallback",
@@ -682,6 +692,9 @@ def finish_run(run: Training, bar: bool = False) -> dict[str, Any]:
     result = _result(run, test, test_mc)
 
     def write_result() -> dict[str, Any]:
+        # the files beside it that it vouches for: the weights it scored, the metrics it implies
+        metrics = text_sha256(metrics_text(result["epochs"]))
+        result["files"] = {BEST: file_sha256(run.best_path), METRICS: metrics}
         write_signed_result(result, run.out / RESULTS)
         plot_learning_curves([result], run.out / CURVE)
         plot_alphas([result], run.out / ALPHAS)
@@ -742,6 +755,7 @@ def _result(run: Training, test: Score, test_mc: Score | None) -> dict[str, Any]
         "backend": run.ctx.backend,
         "versions": versions(),
         "identity": run.identity,
+        "run_id": run_id(run.identity),
         **_averaging_result(run),
     }
 
