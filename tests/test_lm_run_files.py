@@ -113,3 +113,71 @@ def test_resume_with_a_subset_of_the_regimes_keeps_every_run_in_the_report(tmp_p
         {json.dumps(r, sort_keys=True) for r in before["runs"]}
     table = (out / "results.md").read_text()
     assert "| none |" in table and "| tied |" in table
+
+
+def test_a_job_refuses_an_output_folder_another_job_holds(tmp_path, capsys):
+    import os
+    import socket
+
+    data, out = write_corpus(tmp_path / "data"), tmp_path / "out"
+    out.mkdir()
+    holder = {"pid": os.getppid(), "host": socket.gethostname(), "since": "now"}  # a live process
+    (out / "job.lock").write_text(json.dumps(holder))
+    for extra in ((), ("--resume",)):
+        assert _job(data, out, *extra) == 2
+        err = capsys.readouterr().err
+        lines = [x for x in err.splitlines() if x.startswith("error:")]
+        assert "Traceback" not in err and len(lines) == 1, err
+        assert "output folder" in lines[0] and f"is in use by pid {os.getppid()}" in lines[0]
+    assert (out / "job.lock").exists() and not list(out.glob("*/*/"))
+
+
+def test_the_job_lock_is_reentrant_in_one_process_and_released(tmp_path):
+    from rnndrop.lm.run.checkpoint import JobLock
+
+    with JobLock(tmp_path) as outer:
+        with JobLock(tmp_path):
+            assert (tmp_path / "job.lock").exists()
+        assert (tmp_path / "job.lock").exists() and outer.held
+    assert not (tmp_path / "job.lock").exists()
+
+
+_RACER = """
+import sys, time
+from pathlib import Path
+from rnndrop.lm import cli
+go = Path(sys.argv[1])
+while not go.exists():
+    time.sleep(0.001)
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.slow
+def test_two_jobs_started_at_once_on_one_empty_folder_one_goes_ahead(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    data, out, go = write_corpus(tmp_path / "data"), tmp_path / "out", tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    racers = [subprocess.Popen(
+        [sys.executable, "-c", _RACER, str(go), "ptb", "--data", str(data), "--regimes", regime,
+         "--epochs", "1", "--hidden-size", "12", "--emb-size", "10", "--batch-size", "4", "--bptt", "6",
+         "--mc-samples", "0", "--out", str(out), "--no-progress"],
+        env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for regime in ("none", "tied")]
+    import time
+
+    time.sleep(8)  # both have imported rnndrop and wait for the signal
+    go.touch()
+    done = [(p.wait(timeout=300), p.communicate()) for p in racers]
+    codes = sorted(code for code, _ in done)
+    assert codes == [0, 2], done
+    (err,) = [e for code, (_, e) in done if code == 2]
+    lines = [x for x in err.splitlines() if x.startswith("error:")]
+    assert "Traceback" not in err and len(lines) == 1 and "in use by pid" in lines[0], err
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["runs"]) == 1 and len(list(out.glob("*/*/results.json"))) == 1

@@ -10,6 +10,7 @@ import logging
 import shlex
 import sys
 from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -81,13 +82,20 @@ def train(args: argparse.Namespace, dataset: str, given: list[str]) -> str:
         raise fail(str(e), EXIT_DATA) from None
     logging.basicConfig(level=logging.INFO if ctx.is_main else logging.WARNING,
                         format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    with ExitStack() as claim:  # the output folder, taken before it is checked, until the job ends
+        return _train(args, dataset, given, ctx, device, claim)
+
+
+def _train(
+    args: argparse.Namespace, dataset: str, given: list[str], ctx: Any, device: Any, claim: ExitStack
+) -> str:
     try:
         # Rank 0 checks the data and the output folder (and downloads); the others get its answer.
         config, regimes, seeds, dropout, by_regime, data_dir, out = files_on_main(
-            lambda: checked_job(args, dataset), ctx, "checking the command line and the data")
+            lambda: checked_job(args, dataset, claim), ctx, "checking the command line and the data")
     except RankFailed:
         raise fail("", EXIT_DATA) from None
-    except (UsageError, ValueError, CorpusError, DownloadError) as e:
+    except (UsageError, ValueError, CorpusError, DownloadError, RunLocked, OSError) as e:
         raise fail(str(e), EXIT_DATA) from None
     threads = args.threads
     command = "rnndrop-lm " + " ".join(shlex.quote(a) for a in [dataset.replace("-", ""), *given])

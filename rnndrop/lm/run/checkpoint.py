@@ -78,6 +78,7 @@ __all__ = [
     "FILE_FORMAT",
     "FORMAT_VERSION",
     "INTEGRITY",
+    "JOB_LOCK",
     "LEARNING_CURVES",
     "LOCK",
     "METRICS",
@@ -88,6 +89,7 @@ __all__ = [
     "SCHEMA",
     "SUMMARY",
     "CheckpointError",
+    "JobLock",
     "LoadedModel",
     "ResultsError",
     "RunLock",
@@ -141,6 +143,8 @@ METRICS = "metrics.csv"
 CURVE = "curve.png"
 ALPHAS = "alphas.png"
 LOCK = "run.lock"
+#: held in a job's folder (``--out``) while the job runs (:class:`JobLock`)
+JOB_LOCK = "job.lock"
 
 #: What a run leaves besides its checkpoints: a folder holding any of these holds a run.
 RUN_OUTPUTS = (BEST, RESULTS, METRICS, CURVE, ALPHAS)
@@ -871,9 +875,13 @@ class RunLock:
         PermissionError: the folder cannot be written.
     """
 
+    #: the lock file's name, and what the messages call the folder
+    name = LOCK
+    what = "run folder"
+
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
-        self.path = self.folder / LOCK
+        self.path = self.folder / self.name
         self.held = False
 
     def _try_create(self) -> bool:
@@ -905,12 +913,12 @@ class RunLock:
                 self.path.unlink(missing_ok=True)
                 continue
             raise RunLocked(
-                f"run folder {str(self.folder)!r} is in use by pid {holder['pid']} on "
+                f"{self.what} {str(self.folder)!r} is in use by pid {holder['pid']} on "
                 f"{holder.get('host')} since {holder.get('since')} ({self.path}); wait for that "
-                "run to end, or choose another output folder (delete the lock file only if "
-                "that process is really gone)"
+                f"{'job' if self.name == JOB_LOCK else 'run'} to end, or choose another output folder "
+                "(delete the lock file only if that process is really gone)"
             )
-        raise RunLocked(f"run folder {str(self.folder)!r}: could not take {self.path}")
+        raise RunLocked(f"{self.what} {str(self.folder)!r}: could not take {self.path}")
 
     def release(self) -> None:
         if self.held:
@@ -923,6 +931,36 @@ class RunLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+class JobLock(RunLock):
+    """``with JobLock(out):`` holds ``out/job.lock``, the output folder of a job (``--out``), from
+    before the folder is checked until the job's summary is written, so that two jobs started at
+    once on one folder never both go ahead (a check, then an act, would let them). Re-entrant in
+    one process: the command line takes it before its checks, :func:`run_benchmark` again."""
+
+    name = JOB_LOCK
+    what = "output folder"
+    _held: dict[Path, int] = {}  # noqa: RUF012 - the locks this process holds, and how often
+
+    def acquire(self) -> None:
+        key = self.path.resolve()
+        if JobLock._held.get(key):
+            JobLock._held[key] += 1
+        else:
+            super().acquire()
+            JobLock._held[key] = 1
+        self.held = True
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        key = self.path.resolve()
+        JobLock._held[key] -= 1
+        if JobLock._held[key] == 0:
+            del JobLock._held[key]
+            super().release()
+        self.held = False
 
 
 def claim_folder(out: Path, stack: ExitStack, ctx: Distributed) -> None:

@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -52,11 +53,14 @@ from rnndrop.lm.run.checkpoint import (
     RESULTS,
     RESULTS_TABLE,
     SUMMARY,
+    JobLock,
+    ResultsError,
     best_of_another_run,
     file_sha256,
     files_on_main,
     finished_result,
     has_checkpoint,
+    read_verified_result,
     run_identity,
     text_sha256,
     write_json_atomic,
@@ -221,10 +225,18 @@ def _summary(
     job: _Job, regimes: Sequence[str], seeds: Sequence[int], grid: bool, command: str,
     final_results: list[dict[str, Any]], grid_results: list[dict[str, Any]],
 ) -> dict[str, Any]:
-    """The job's summary; rank 0 writes results.md, learning_curves.png and summary.json."""
+    """The job's summary; rank 0 writes results.md, learning_curves.png and summary.json. It
+    covers every finished run the folder holds: this job's, and those of earlier jobs in it
+    that this one did not run (``--resume`` with fewer ``--regimes`` or ``--seeds``)."""
+    more_final, more_grid = files_on_main(
+        functools.partial(_other_runs, job, [*final_results, *grid_results]), current(),
+        "reading the other runs of the output folder")
+    final_results, grid_results = [*final_results, *more_final], [*grid_results, *more_grid]
+    regimes = list(dict.fromkeys([*regimes, *(r["regime"] for r in final_results)]))
+    seeds = list(dict.fromkeys([*seeds, *sorted(r["seed"] for r in final_results)]))
     markdown = benchmark_markdown(job.dataset, job.config.name, final_results, grid_results,
                                   command=command, grid_seed=seeds[0])
-    first_seed = [r for r in final_results if r["seed"] == seeds[0]]
+    first_seed = _one_seed_each(final_results, seeds[0])
 
     def write_files() -> Path | None:
         with atomic_write(job.out / RESULTS_TABLE, "w", encoding="utf-8") as f:
@@ -248,6 +260,55 @@ def _summary(
     files_on_main(functools.partial(write_json_atomic, summary, job.out / SUMMARY), ctx,
                   "writing summary.json")
     return summary
+
+
+def _run_key(result: Mapping[str, Any]) -> str:
+    return json.dumps([result["regime"], result["dropout"], result["seed"]], sort_keys=True)
+
+
+def _other_runs(
+    job: _Job, results: Sequence[Mapping[str, Any]]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The finished runs in the job's folder that ``results`` (this job's) do not cover, as
+    (final runs, grid candidates): an earlier job's, read from their verified results.json; the
+    previous summary.json says which were grid candidates."""
+    ours = {_run_key(r) for r in results}
+    try:
+        previous = json.loads((job.out / SUMMARY).read_text(encoding="utf-8"))
+        grid_keys = {_run_key(r) for r in previous.get("grid_runs", [])}
+        final_keys = {_run_key(r) for r in previous.get("runs", [])}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        grid_keys, final_keys = set(), set()
+    finals: list[dict[str, Any]] = []
+    grids: list[dict[str, Any]] = []
+    for path in sorted(job.out.glob(f"*/*/{RESULTS}")):
+        try:
+            result = read_verified_result(path)
+            key = _run_key(result)
+        except (ResultsError, KeyError, TypeError) as e:
+            log.warning("%s; it is left out of the job's report", e)
+            continue
+        if key in ours or result.get("dataset") != job.dataset:
+            continue
+        if key in grid_keys:
+            grids.append(result)
+        if key in final_keys or key not in grid_keys:
+            finals.append(result)
+    if finals or grids:
+        log.info("the report also covers %d earlier run%s of %s", len(finals) + len(grids),
+                 "s" * (len(finals) + len(grids) != 1), job.out)
+    return finals, grids
+
+
+def _one_seed_each(results: Sequence[Mapping[str, Any]], seed: int) -> list[Mapping[str, Any]]:
+    """One run of each (regime, dropout): the one of ``seed``, else the one of the lowest seed."""
+    chosen: dict[str, Mapping[str, Any]] = {}
+    for r in results:
+        key = json.dumps([r["regime"], r["dropout"]], sort_keys=True)
+        best = chosen.get(key)
+        if best is None or (best["seed"] != seed and (r["seed"] == seed or r["seed"] < best["seed"])):
+            chosen[key] = r
+    return list(chosen.values())
 
 
 def run_benchmark(
@@ -297,6 +358,25 @@ def run_benchmark(
     mc = config.mc_samples if mc_samples is None else mc_samples
     job = _Job(str(corpus_dir), dataset, config, Path(out_dir), resume, device, threads,
                progress and jobs <= 1, None if init_from is None else str(init_from))
+    with ExitStack() as claim:  # one job per folder (the command line took it already: re-entrant)
+        files_on_main(functools.partial(_claim, job.out, claim), current(),
+                      f"taking the output folder {str(job.out)!r}")
+        return _run_job(job, regimes, seeds, mc, grid=grid, dropout=dropout,
+                        dropout_by_regime=dropout_by_regime, jobs=jobs, progress=progress,
+                        estimate=estimate, command=command)
+
+
+def _claim(out: Path, claim: ExitStack) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    claim.enter_context(JobLock(out))
+
+
+def _run_job(
+    job: _Job, regimes: Sequence[str], seeds: Sequence[int], mc: int, *, grid: bool,
+    dropout: Mapping[str, float] | None, dropout_by_regime: Mapping[str, Mapping[str, float]] | None,
+    jobs: int, progress: bool, estimate: bool, command: str,
+) -> dict[str, Any]:
+    config = job.config
     plan = _plan(job, regimes, seeds, mc, grid=grid, dropout=dropout, dropout_by_regime=dropout_by_regime)
     eta, eta_epochs = (_estimate(job, plan, jobs) if estimate else None) or (None, None)
     job_progress = JobProgress(plan.total, config.epochs + config.finetune_epochs, bar=progress and jobs <= 1,
