@@ -181,3 +181,21 @@ def test_two_jobs_started_at_once_on_one_empty_folder_one_goes_ahead(tmp_path):
     assert "Traceback" not in err and len(lines) == 1 and "in use by pid" in lines[0], err
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["runs"]) == 1 and len(list(out.glob("*/*/results.json"))) == 1
+
+
+@pytest.mark.slow
+def test_resume_restores_an_unfinished_runs_metrics_from_its_checkpoint(finished, monkeypatch, capsys):
+    from rnndrop.lm.run import job
+
+    data, out, seed1, seed2 = finished
+    original = (seed1 / "metrics.csv").read_text()
+    for folder in (seed1, seed2):  # stopped after epoch 1 of 2: a checkpoint, no results
+        (folder / "results.json").unlink()
+    (seed1 / "metrics.csv").unlink()
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(job, "train_run", stopped)  # Ctrl-C as the run resumes
+    assert _job(data, out, "--resume", epochs="2") == 130
+    assert (seed1 / "metrics.csv").read_text() == original

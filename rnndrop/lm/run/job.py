@@ -48,11 +48,13 @@ from rnndrop.lm.model.regimes import SITES, get_regime, regime_probabilities
 from rnndrop.lm.model.train_config import TrainConfig
 from rnndrop.lm.run.checkpoint import (
     BEST,
+    CHECKPOINT,
     LEARNING_CURVES,
     METRICS,
     RESULTS,
     RESULTS_TABLE,
     SUMMARY,
+    CheckpointError,
     JobLock,
     ResultsError,
     best_of_another_run,
@@ -60,6 +62,7 @@ from rnndrop.lm.run.checkpoint import (
     files_on_main,
     finished_result,
     has_checkpoint,
+    load_latest,
     read_verified_result,
     run_identity,
     text_sha256,
@@ -496,6 +499,21 @@ def _check_metrics(folder: Path, result: Mapping[str, Any]) -> None:
         f.write(expected)
 
 
+def _restore_metrics(folder: Path) -> None:
+    """A run to resume whose metrics.csv is gone gets it back from its checkpoint's history
+    (else it would hold only the epochs trained from now on until the run finishes)."""
+    if (folder / METRICS).exists() or not has_checkpoint(folder):
+        return
+    try:
+        history = (load_latest(folder / CHECKPOINT) or {}).get("progress", {}).get("history")
+        text = metrics_text(history)
+    except (CheckpointError, OSError, KeyError, TypeError, AttributeError):
+        return  # resuming says what is wrong with the checkpoint
+    with atomic_write(folder / METRICS, "w", encoding="utf-8") as f:
+        f.write(text)
+    log.info("%s: %s was missing; wrote it again from the checkpoint's history", folder, METRICS)
+
+
 def worker_logging(label: str) -> None:
     """Log lines of a worker process, each prefixed with the run it trains."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{label}] %(message)s", datefmt="%H:%M:%S",
@@ -516,6 +534,8 @@ def execute(spec: RunSpec, progress: JobProgress | EpochRelay | None = None) -> 
             if progress is not None:
                 progress.run_done(spec.label, done, reused=True)
             return done
+    if spec.resume and ctx.is_main:
+        _restore_metrics(Path(spec.folder))
     epoch_log = EpochLog(spec.folder) if ctx.is_main else None
 
     def on_epoch_end(epoch: int, record: Mapping[str, Any]) -> None:
