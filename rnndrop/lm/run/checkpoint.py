@@ -10,8 +10,16 @@ A run folder (one regime, one seed) holds::
     curve.png            the run's learning curve (alphas.png: learned noise, when there is some)
     run.lock             held while a process trains in the folder
 
+Every file names the run it belongs to: the checkpoints hold its identity (:func:`run_identity`)
+and its id (:func:`run_id`); results.json holds both, and the SHA-256 of the ``best.pt`` and the
+``metrics.csv`` it vouches for (``files``). ``--resume`` and ``evaluate`` check what they read
+against them: a ``best.pt`` of another run is refused (flagged, in a finished run whose numbers
+stand), a deleted ``metrics.csv`` is written again from the run's history, an edited one is set
+aside as ``metrics.edited.csv`` and written again.
+
 A job folder (``rnndrop-lm ptb``: several regimes and seeds) holds the run folders and
-``summary.json``, ``results.md`` and ``learning_curves.png``.
+``summary.json``, ``results.md`` and ``learning_curves.png``, which cover every finished run in
+it; ``job.lock`` is held while a job runs there (:class:`JobLock`: one job per folder).
 
 ``checkpoint.pt`` and ``best.pt`` share one format (3): what :func:`torch.save` writes, a dict
 of tensors and plain data that ``torch.load(path, weights_only=True)`` reads as it is, with one
