@@ -21,6 +21,7 @@ plain tensors, never pickled code)::
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -35,7 +36,7 @@ from torch import nn
 from rnndrop.lm.atomic import atomic_write
 from rnndrop.lm.data.corpus import Vocabulary
 from rnndrop.lm.model.build import build_model
-from rnndrop.lm.model.regimes import Regime, get_regime, regime_probabilities
+from rnndrop.lm.model.regimes import REGIMES, Regime, get_regime, regime_probabilities
 from rnndrop.lm.model.train_config import TrainConfig
 
 __all__ = ["FORMAT", "PretrainedError", "PretrainedModel", "from_pretrained", "save_pretrained"]
@@ -129,7 +130,7 @@ def save_pretrained(
     (folder / MANIFEST).unlink(missing_ok=True)  # until it is written again the folder is incomplete
     for stale in (SAFETENSORS, TORCH_WEIGHTS):
         (folder / stale).unlink(missing_ok=True)
-    name = next((n for n, r in _regimes().items() if r == rules), None)
+    name = next((n for n, r in REGIMES.items() if r == rules), None)
     config_data = {"format": FORMAT, "config": config.to_dict(), "regime": name,
                    "regime_settings": rules.settings(), "dropout": probabilities, "vocab_size": len(words)}
     _write_json(config_data, folder / CONFIG)
@@ -152,15 +153,7 @@ def _cpu_copy(model: nn.Module) -> nn.Module:
     """The model itself when it is on the CPU, else a CPU copy (safetensors saves what it is given)."""
     if all(t.device.type == "cpu" for t in model.state_dict().values()):
         return model
-    import copy
-
     return copy.deepcopy(model).to("cpu")
-
-
-def _regimes() -> Mapping[str, Regime]:
-    from rnndrop.lm.model.regimes import REGIMES
-
-    return REGIMES
 
 
 def _read_json(path: Path) -> Any:
