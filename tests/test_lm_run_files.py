@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from rnndrop.lm.run.checkpoint import load_checkpoint, read_verified_result, run_id
 from tests.lm_helpers import run_cli, write_corpus
@@ -40,6 +41,8 @@ def test_every_file_of_a_run_names_it(finished):
     assert result["run_id"] == run_id(result["identity"])
     for name in ("best.pt", "checkpoint.pt"):
         assert load_checkpoint(seed1 / name)["identity"] == result["identity"]
+        plain = torch.load(seed1 / name, weights_only=True)  # issue 42 item 6: plain torch reads it
+        assert plain["rnndrop_checkpoint"]["run_id"] == result["run_id"] and "model" in plain
     import hashlib
 
     assert result["files"]["metrics.csv"] == hashlib.sha256((seed1 / "metrics.csv").read_bytes()).hexdigest()
