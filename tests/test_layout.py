@@ -111,7 +111,7 @@ def test_data_flows_one_way_through_the_layers():
 #: C++ extension builder (it imports setuptools: only the compiled kernel's build needs it), and
 #: Triton with the kernel modules that import it at their top (``import rnndrop`` never imports it).
 OPTIONAL = ("matplotlib", "tqdm", "torch.utils.tensorboard", "datasets", "torch.utils.cpp_extension",
-            "triton", "rnndrop.kernels.triton_")
+            "triton", "rnndrop.kernels.triton_", "safetensors")
 
 
 def imports_inside_functions() -> list[str]:

@@ -70,16 +70,35 @@ def test_corrupt_checkpoint_is_refused_with_the_file_named(corpus, tmp_path):
     data = bytearray(ckpt.read_bytes())
     data[len(data) // 2: len(data) // 2 + 500] = bytes(500)  # zero a block inside the payload
     ckpt.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=r"checkpoint '.*checkpoint.pt' is corrupted: the SHA-256"
+    with pytest.raises(CheckpointError, match=r"checkpoint '.*checkpoint.pt' is corrupted: "
+                       r"(the SHA-256|torch cannot read it)"
                        r".*restart from its previous good state"):
         train_run(corpus, config, "tied", tmp_path / "run", progress=False, resume=True)
+
+
+def _resaved(data, change):
+    import io
+
+    obj = torch.load(io.BytesIO(data), weights_only=True)
+    change(obj)
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _with_integrity(data, **fields):
+    return _resaved(data, lambda obj: obj["rnndrop_checkpoint"].update(fields))
 
 
 @pytest.mark.parametrize("damage, message", [
     (lambda data: b"", r"is empty \(0 bytes\)"),
     (lambda data: data[: len(data) - 100], r"is truncated"),
     (lambda data: b"PK\x03\x04" + os.urandom(4096), r"is not an rnndrop checkpoint"),
-    (lambda data: data.replace(b"format 2", b"format 9", 1), r"has format 9"),
+    (lambda data: _with_integrity(data, format=9), r"has format 9"),
+    (lambda data: _with_integrity(data, sha256="0" * 64), r"is corrupted: the SHA-256"),
+    (lambda data: _resaved(data, lambda obj: obj.pop("rnndrop_checkpoint")),
+     r"is not an rnndrop checkpoint \(a file torch.save wrote, without"),
+    (lambda data: b"the cat sees the dog .\n", r"is not an rnndrop checkpoint"),
 ])
 def test_empty_truncated_foreign_files_are_clear_errors(tmp_path, damage, message):
     path = tmp_path / "checkpoint.pt"
@@ -426,3 +445,69 @@ def test_load_model_of_a_gru_run_and_of_a_file_without_the_config(corpus, tmp_pa
         load_model(tmp_path / "bare.pt")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_model(tmp_path / "nowhere")
+
+
+# -- the format: plain torch.load reads it; files of the older format still load ------------------
+
+def _old_format_bytes(obj):
+    """What save_checkpoint wrote before format 3 (rnndrop <= the consolidation of lm/run): a text
+    header, then the payload torch.save wrote. Copied from that writer, as a fixture."""
+    import hashlib
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    payload = buffer.getvalue()
+    header = (f"format 2\nsha256 {hashlib.sha256(payload).hexdigest()}\n"
+              f"size {len(payload)}\n").encode("ascii")
+    return b"RNNDROP-CHECKPOINT\n" + header + payload
+
+
+def test_a_checkpoint_loads_with_plain_torch_load_and_keeps_its_integrity_check(tmp_path):
+    import random
+
+    from rnndrop.lm.run.checkpoint import run_id
+
+    path = tmp_path / "best.pt"
+    identity = {"seed": 1, "regime": "tied"}
+    obj = {"model": {"w": torch.randn(4, 3), "b": torch.zeros(3, dtype=torch.bfloat16)},
+           "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+           "progress": {"epoch": 2, "history": [{"lr": 1.0}], "stopped": None}, "identity": identity}
+    save_checkpoint(obj, path)
+    plain = torch.load(path, weights_only=True)  # what a PyTorch user does
+    assert torch.equal(plain["model"]["w"], obj["model"]["w"]) and plain["progress"] == obj["progress"]
+    assert plain["rnndrop_checkpoint"]["format"] == 3
+    assert plain["rnndrop_checkpoint"]["run_id"] == run_id(identity)
+    loaded = load_checkpoint(path)
+    assert "rnndrop_checkpoint" not in loaded and torch.equal(loaded["model"]["b"], obj["model"]["b"])
+    plain["model"]["w"][0, 0] += 1  # a changed weight, saved back with torch.save
+    torch.save(plain, path)
+    with pytest.raises(CheckpointError, match="is corrupted: the SHA-256 of its content"):
+        load_checkpoint(path)
+
+
+def test_checkpoints_of_the_older_header_format_still_load(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    path.write_bytes(_old_format_bytes({"model": {"w": torch.arange(6.0)}, "epoch": 3}))
+    loaded = load_checkpoint(path)
+    assert torch.equal(loaded["model"]["w"], torch.arange(6.0)) and loaded["epoch"] == 3
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="is corrupted: the SHA-256 of its payload"):
+        load_checkpoint(path)
+    path.write_bytes(_old_format_bytes({"model": {}}).replace(b"format 2", b"format 9", 1))
+    with pytest.raises(CheckpointError, match="has format 9"):
+        load_checkpoint(path)
+
+
+@pytest.mark.slow
+def test_a_best_pt_of_the_older_format_still_loads_as_a_model(corpus, tmp_path):
+    train_run(corpus, ONE, "tied", tmp_path / "run", seed=4, progress=False)
+    best = tmp_path / "run" / "best.pt"
+    new = load_model(best)
+    best.write_bytes(_old_format_bytes(load_checkpoint(best)))  # as an earlier version wrote it
+    old = load_model(best)
+    assert all(torch.equal(a, b) for a, b in zip(new.model.state_dict().values(),
+                                                 old.model.state_dict().values()))
+    assert old.vocab.itos == new.vocab.itos

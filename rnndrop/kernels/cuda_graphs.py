@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["GRAPHS", "GraphCache", "set_max_graphs"]
+__all__ = ["GRAPHS", "GraphCache", "check_environment", "set_max_graphs"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,17 +100,29 @@ class GraphCache:
 
     def __init__(
         self,
-        max_graphs: int,
+        max_graphs: int | None,
         capture: Callable[[Callable[..., Outputs], Inputs], Captured] = capture_cuda_graph,
         can_capture: Callable[[Inputs], bool] = _on_cuda,
     ) -> None:
-        self.max_graphs = max_graphs
+        self._max_graphs = max_graphs  # None: read RNNDROP_CUDA_GRAPHS at first use
         self.capture = capture
         self.can_capture = can_capture
         self.graphs: OrderedDict[Hashable, Captured] = OrderedDict()
         self.seen: OrderedDict[Hashable, None] = OrderedDict()  # keys that ran once
         self.failed: set[Hashable] = set()
         self._lock = threading.Lock()
+
+    @property
+    def max_graphs(self) -> int:
+        """The most graphs kept (0: off); read from ``RNNDROP_CUDA_GRAPHS`` at first use, so that a
+        malformed value fails where graphs are used, not at ``import rnndrop``."""
+        if self._max_graphs is None:
+            self._max_graphs = _max_graphs_from_env()
+        return self._max_graphs
+
+    @max_graphs.setter
+    def max_graphs(self, value: int) -> None:
+        self._max_graphs = value
 
     def __call__(
         self, key: Hashable, fn: Callable[..., Outputs], inputs: Inputs, capturable: bool = True
@@ -166,14 +178,22 @@ class GraphCache:
 
 
 def _max_graphs_from_env() -> int:
+    """``RNNDROP_CUDA_GRAPHS`` as a number of graphs (0 or unset: off); a ValueError naming the
+    variable, what it takes and what it holds otherwise."""
     value = os.environ.get("RNNDROP_CUDA_GRAPHS", "0").strip() or "0"
-    if not value.isdigit():
+    if not (value.isascii() and value.isdigit()):
         raise ValueError(f"RNNDROP_CUDA_GRAPHS must be a whole number of graphs (0: off), got {value!r}")
     return int(value)
 
 
-#: The cache the Triton kernels use.
-GRAPHS = GraphCache(_max_graphs_from_env())
+def check_environment() -> None:
+    """Raise the ValueError of a malformed ``RNNDROP_CUDA_GRAPHS`` now (command lines check it up
+    front; the library reads it at the first Triton forward)."""
+    _max_graphs_from_env()
+
+
+#: The cache the Triton kernels use (its size read from the environment at first use).
+GRAPHS = GraphCache(None)
 
 
 def set_max_graphs(max_graphs: int) -> None:

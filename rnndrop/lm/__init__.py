@@ -1,7 +1,9 @@
 """Word-level language modelling with recurrent dropout: corpora, model, training, benchmark.
 
 The command line is ``rnndrop-lm`` (``python -m rnndrop.lm``, :mod:`rnndrop.lm.cli`);
-:func:`load_model` reads a trained run back, :func:`generate` samples text from it.
+:func:`load_model` reads a trained run back, :func:`generate` samples text from it;
+:func:`save_pretrained` / :func:`from_pretrained` write a trained model into a folder and read it
+back in one call each (safetensors or plain weights, a JSON config, a manifest of hashes).
 
 LM protocol: ``model(tokens [T, B] LongTensor, hidden=None) -> (logits [T, B, V], hidden)``,
 time-major; ``hidden`` is opaque (None = zeros) and carried by the caller across
@@ -22,6 +24,7 @@ from rnndrop.lm.data.download import DownloadError, download_corpus
 from rnndrop.lm.model.build import build_model
 from rnndrop.lm.model.language_model import RNNLanguageModel, detach_hidden
 from rnndrop.lm.model.presets import CONFIGS, get_config
+from rnndrop.lm.model.pretrained import PretrainedError, PretrainedModel, from_pretrained, save_pretrained
 from rnndrop.lm.model.regimes import REGIMES, Regime
 from rnndrop.lm.model.train_config import TrainConfig
 from rnndrop.lm.run.checkpoint import LoadedModel, load_model
@@ -35,6 +38,8 @@ __all__ = [
     "CorpusError",
     "DownloadError",
     "LoadedModel",
+    "PretrainedError",
+    "PretrainedModel",
     "RNNLanguageModel",
     "Regime",
     "TrainConfig",
@@ -48,10 +53,12 @@ __all__ = [
     "encode_split",
     "evaluate",
     "evaluate_mc",
+    "from_pretrained",
     "generate",
     "get_config",
     "load_corpus",
     "load_model",
     "sample_dir",
+    "save_pretrained",
     "train_run",
 ]

@@ -172,6 +172,11 @@ def mc_predict(
     if chunk_size is not None:
         chunk_size = check_positive_int("chunk_size", chunk_size)
     memory_budget = check_positive_int("memory_budget", memory_budget)
+    dims = (("batch_dim", batch_dim, "inputs"), ("output_batch_dim", output_batch_dim, "output"))
+    for name, dim, of in dims:
+        if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int)):
+            raise TypeError(f"{name} must be an int (the batch dimension of the {of}), got {dim!r} "
+                            f"of type {type(dim).__name__}")
     out_dim = batch_dim if output_batch_dim is None else output_batch_dim
     # errors about the output's batch dimension name the argument it came from
     out_name = ("output_batch_dim" if output_batch_dim is not None
@@ -184,6 +189,10 @@ def mc_predict(
 
     def run(copies: int) -> None:
         out = _first_tensor(model(*_replicate(args, copies, batch_dim)))
+        if not (out.is_floating_point() or out.is_complex()):
+            raise TypeError(f"the model's output is a {out.dtype} tensor; mc_predict averages "
+                            f"task={task!r} outputs, which must be floating point (logits or values, "
+                            "not predicted classes)")
         if task == "classification" and out.dim() == 0:
             raise ValueError("task='classification' needs outputs with a class dimension, got a scalar")
         accumulator.add(_split_samples(out, copies, batch_size, out_dim, out_name))

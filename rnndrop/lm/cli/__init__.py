@@ -27,8 +27,9 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
+from rnndrop.kernels.cuda_graphs import check_environment
 from rnndrop.lm.cli.commands import carve, evaluate, generate, train, train_main
-from rnndrop.lm.cli.errors import EXIT_DATA, EXIT_DIVERGED, EXIT_INTERRUPTED, UsageError
+from rnndrop.lm.cli.errors import EXIT_DATA, EXIT_DIVERGED, EXIT_INTERRUPTED, UsageError, fail
 from rnndrop.lm.cli.parser import CORPORA, build_parser
 from rnndrop.lm.run.process_group import end_worker, torchrun_world_size
 
@@ -52,6 +53,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     code = 0
     with _sigterm_as_ctrl_c():
         try:
+            try:  # a malformed setting in the environment: one line, before anything runs
+                check_environment()
+            except ValueError as e:
+                raise fail(str(e), EXIT_DATA) from None
             if args.command in ("ptb", "wikitext2"):
                 sys.stdout.write(train(args, CORPORA[args.command], argv[1:]))
             elif args.command == "evaluate":

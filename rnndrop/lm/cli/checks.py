@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from rnndrop.lm.data.download import download_corpus
 from rnndrop.lm.model.presets import get_config
 from rnndrop.lm.model.regimes import get_regime
 from rnndrop.lm.model.train_config import TrainConfig
-from rnndrop.lm.run.checkpoint import best_file, run_files
+from rnndrop.lm.run.checkpoint import JobLock, best_file, run_files
 from rnndrop.lm.run.job import chosen_dropout, parse_dropout
 
 __all__ = ["check_writable", "checked_job", "config_from_args", "resolve_data"]
@@ -76,9 +77,13 @@ def check_writable(out: Path) -> None:
         raise UsageError(f"--out {str(out)!r} is not a writable folder: {e.strerror or e}") from None
 
 
-def checked_job(args: argparse.Namespace, dataset: str) -> tuple[Any, ...]:
+def checked_job(args: argparse.Namespace, dataset: str, claim: ExitStack | None = None) -> tuple[Any, ...]:
     """The job the arguments describe, checked: (config, regimes, seeds, dropout,
-    dropout by regime, data folder, output folder). Raises UsageError and the data's errors."""
+    dropout by regime, data folder, output folder). Raises UsageError and the data's errors.
+
+    With ``claim`` the output folder is taken (:class:`~rnndrop.lm.run.checkpoint.JobLock`, held
+    until ``claim`` closes) before what it holds is checked: of two jobs started at once on one
+    folder, one goes ahead and the other gets :class:`~rnndrop.lm.run.checkpoint.RunLocked`."""
     config = config_from_args(args)
     regimes = [r.strip() for r in args.regimes.split(",") if r.strip()]
     if not regimes:
@@ -117,6 +122,8 @@ def checked_job(args: argparse.Namespace, dataset: str) -> tuple[Any, ...]:
     sample = "-sample" if args.data == "sample" else ""
     out = Path(args.out) if args.out else Path("runs") / f"{dataset}{sample}-{config.name}"
     check_writable(out)
+    if claim is not None:
+        claim.enter_context(JobLock(out))
     if not args.resume:
         held = sorted(folder for folder in out.glob("*/*/") if run_files(folder))
         if held:

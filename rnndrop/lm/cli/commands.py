@@ -11,6 +11,7 @@ import logging
 import shlex
 import sys
 from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +35,17 @@ from rnndrop.lm.data.carve import carve as carve_corpus
 from rnndrop.lm.data.corpus import CorpusError, batchify, encode_split, load_corpus, sample_dir
 from rnndrop.lm.data.download import DownloadError
 from rnndrop.lm.run.checkpoint import (
+    CHECKPOINT,
     LEARNING_CURVES,
     RESULTS,
     CheckpointError,
     LoadedModel,
     RunLocked,
     corpus_fingerprint,
+    describe_differences,
     files_on_main,
+    identity_differences,
+    load_checkpoint,
     load_model,
 )
 from rnndrop.lm.run.evaluate import CALIBRATION_BINS, MC_PROGRESS, has_noise, score, score_mc, words_to_text
@@ -79,13 +84,20 @@ def train(args: argparse.Namespace, dataset: str, given: list[str]) -> str:
         raise fail(str(e), EXIT_DATA) from None
     logging.basicConfig(level=logging.INFO if ctx.is_main else logging.WARNING,
                         format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    with ExitStack() as claim:  # the output folder, taken before it is checked, until the job ends
+        return _train(args, dataset, given, ctx, device, claim)
+
+
+def _train(
+    args: argparse.Namespace, dataset: str, given: list[str], ctx: Any, device: Any, claim: ExitStack
+) -> str:
     try:
         # Rank 0 checks the data and the output folder (and downloads); the others get its answer.
         config, regimes, seeds, dropout, by_regime, data_dir, out = files_on_main(
-            lambda: checked_job(args, dataset), ctx, "checking the command line and the data")
+            lambda: checked_job(args, dataset, claim), ctx, "checking the command line and the data")
     except RankFailed:
         raise fail("", EXIT_DATA) from None
-    except (UsageError, ValueError, CorpusError, DownloadError) as e:
+    except (UsageError, ValueError, CorpusError, DownloadError, RunLocked, OSError) as e:
         raise fail(str(e), EXIT_DATA) from None
     if device.type == "cpu" and ctx.is_main:
         _compiled_kernel_first()
@@ -168,6 +180,27 @@ def _load_run(path: str, device: str) -> LoadedModel:
         raise fail(f"cannot load the model of {path!r}: {e}", EXIT_DATA) from None
 
 
+def _check_own_weights(run: LoadedModel, result: dict[str, Any]) -> None:
+    """UsageError when the best.pt read belongs to another run than the folder's results.json
+    (or, before the run finished, its checkpoint.pt) says: moved or swapped by hand, it would
+    report another run's perplexity under this one's name."""
+    theirs = result.get("identity")
+    source = run.path.parent / RESULTS
+    if not isinstance(theirs, dict) and (run.path.parent / CHECKPOINT).is_file():
+        source = run.path.parent / CHECKPOINT
+        try:
+            theirs = load_checkpoint(source).get("identity")
+        except (OSError, CheckpointError):
+            theirs = None
+    if not isinstance(theirs, dict) or run.identity is None:
+        return
+    differences = identity_differences(theirs, run.identity)
+    if differences:
+        raise UsageError(f"{str(run.path)!r} belongs to another run than {str(source)!r} beside it "
+                         f"({describe_differences(differences)}: that file here vs best.pt); put back "
+                         "this run's own best.pt, or pass the best.pt file of the run you mean")
+
+
 def _run_result(best: Path) -> dict[str, Any]:
     """The run's results.json beside best.pt (for its corpus), or {} if absent or unreadable."""
     try:
@@ -223,6 +256,7 @@ def evaluate(args: argparse.Namespace) -> str:
     run = _load_run(args.run, args.device)
     result = _run_result(run.path)
     try:
+        _check_own_weights(run, result)
         data_dir, own_corpus = _evaluation_data(args.data, run, result)
         ids = encode_split(data_dir, args.split, run.vocab)
         device = next(run.model.parameters()).device
@@ -267,6 +301,10 @@ def generate(args: argparse.Namespace) -> str:
         raise fail(str(e), EXIT_DATA) from None
     torch.set_num_threads(args.threads)
     run = _load_run(args.run, args.device)
+    try:
+        _check_own_weights(run, _run_result(run.path))
+    except UsageError as e:
+        raise fail(str(e), EXIT_DATA) from None
     generator = torch.Generator().manual_seed(args.seed)
     prompt = args.prompt.split()
     unknown = [word for word in prompt if word not in run.vocab.stoi]

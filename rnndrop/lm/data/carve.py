@@ -16,6 +16,7 @@ The official test files play no part.
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 from rnndrop.lm.atomic import atomic_write
@@ -80,8 +81,14 @@ def _official_lines(folder: Path, names: tuple[str, ...]) -> list[str]:
     for name in names:
         path = folder / name
         if path.is_file():
-            with open(path, encoding="utf-8", newline="") as f:
-                lines = f.readlines()
+            data = path.read_bytes()
+            try:
+                lines = io.StringIO(data.decode("utf-8"), newline="").readlines()  # as open() splits
+            except UnicodeDecodeError as e:
+                line = data.count(b"\n", 0, e.start) + 1
+                raise CarveError(f"{path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}, "
+                                 f"line {line}): the official files are UTF-8; is it another version "
+                                 "or a converted copy?") from None
             if len(lines) != _OFFICIAL_LINES[name]:
                 raise CarveError(f"{path} has {len(lines):,} lines; the official file has "
                                  f"{_OFFICIAL_LINES[name]:,}: is it another version?")

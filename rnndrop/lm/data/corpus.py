@@ -18,9 +18,11 @@ so the hidden state at the end of one segment is the right start for the next.
 
 from __future__ import annotations
 
+import errno
 import functools
 import io
 import logging
+import os
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -87,6 +89,8 @@ def find_split_files(directory: str | Path) -> dict[str, Path]:
         raise CorpusError(f"data directory {str(directory)!r} is a file, expected a folder")
     for layout in SPLIT_LAYOUTS:
         paths = {split: directory / layout.format(split=split) for split in SPLITS}
+        for path in paths.values():
+            _check_link(path)
         present = [split for split, path in paths.items() if path.is_file()]
         if not present:
             continue
@@ -103,6 +107,23 @@ def find_split_files(directory: str | Path) -> dict[str, Path]:
         "ptb.{train,valid,test}.txt, {train,valid,test}.txt or wiki.{train,valid,test}.tokens, "
         f"found {listing or 'nothing'}"
     )
+
+
+def _check_link(path: Path) -> None:
+    """CorpusError for a split file that is a symbolic link going nowhere: one that loops (to
+    itself, or through other links) or one whose target does not exist, said as such rather
+    than as a missing file."""
+    if not path.is_symlink() or path.exists():
+        return
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CorpusError(f"corpus file {str(path)!r} is a symbolic link loop (it points to "
+                              f"{os.readlink(path)!r}, which leads back to itself); replace it with the "
+                              "file or a link to it") from None
+    raise CorpusError(f"corpus file {str(path)!r} is a symbolic link to {os.readlink(path)!r}, which "
+                      "does not exist; replace it with the file or a link to it")
 
 
 def read_words(path: str | Path) -> list[str]:

@@ -42,6 +42,9 @@ def trainable_parameters(model: nn.Module, config: TrainConfig) -> list[nn.Param
             param.requires_grad_(False)
         else:
             trainable.append(param)
+    if not trainable:
+        raise ValueError(f"freeze (--freeze) {', '.join(config.freeze)} names every parameter of the "
+                         "model, so nothing would train; leave at least one parameter out of it")
     return trainable
 
 

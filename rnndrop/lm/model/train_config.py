@@ -16,6 +16,10 @@ from rnndrop.lm.model.regimes import REGIMES, regime_probabilities
 
 __all__ = ["CELLS", "OPTIMIZERS", "SELECTIONS", "TrainConfig"]
 
+#: The largest float32 (``torch.finfo(torch.float32).max``): a learning rate above it overflows
+#: in the optimiser's update of float32 parameters.
+_FLOAT32_MAX = 3.4028234663852886e38
+
 CELLS: tuple[str, ...] = ("lstm", "gru")
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adam")
 #: What picks a run's best epoch: its validation perplexity, or its validation objective
@@ -127,6 +131,8 @@ class TrainConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         positive_number("lr", self.lr)
+        if self.lr > _FLOAT32_MAX:  # the optimisers scale float32 gradients by it: it must be one
+            raise ValueError(f"lr must be at most {_FLOAT32_MAX:.4g} (the largest float32), got {self.lr!r}")
         positive_number("clip", self.clip)
         positive_number("lr_decay", self.lr_decay)
         positive_number("adam_eps", self.adam_eps)

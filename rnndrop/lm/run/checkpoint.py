@@ -10,21 +10,29 @@ A run folder (one regime, one seed) holds::
     curve.png            the run's learning curve (alphas.png: learned noise, when there is some)
     run.lock             held while a process trains in the folder
 
+Every file names the run it belongs to: the checkpoints hold its identity (:func:`run_identity`)
+and its id (:func:`run_id`); results.json holds both, and the SHA-256 of the ``best.pt`` and the
+``metrics.csv`` it vouches for (``files``). ``--resume`` and ``evaluate`` check what they read
+against them: a ``best.pt`` of another run is refused (flagged, in a finished run whose numbers
+stand), a deleted ``metrics.csv`` is written again from the run's history, an edited one is set
+aside as ``metrics.edited.csv`` and written again.
+
 A job folder (``rnndrop-lm ptb``: several regimes and seeds) holds the run folders and
-``summary.json``, ``results.md`` and ``learning_curves.png``.
+``summary.json``, ``results.md`` and ``learning_curves.png``, which cover every finished run in
+it; ``job.lock`` is held while a job runs there (:class:`JobLock`: one job per folder).
 
-``checkpoint.pt`` and ``best.pt`` share one format: a short text header, then the payload
-written by ``torch.save``::
+``checkpoint.pt`` and ``best.pt`` share one format (3): what :func:`torch.save` writes, a dict
+of tensors and plain data that ``torch.load(path, weights_only=True)`` reads as it is, with one
+more entry, ``"rnndrop_checkpoint"`` (:data:`INTEGRITY`)::
 
-    RNNDROP-CHECKPOINT
-    format 2
-    sha256 <hex digest of the payload>
-    size <bytes of the payload>
-    <payload>
+    {"format": 3, "sha256": <SHA-256 of the other entries' content>, "run_id": <the run's id>}
 
-:func:`load_checkpoint` checks the header, the size and the SHA-256 before it unpickles
-anything, then loads with ``weights_only=True`` (state dicts and plain data only, never
-pickled code). A zero-byte, truncated, corrupted or foreign file is a
+Files of format 2, written by earlier versions (a text header ``RNNDROP-CHECKPOINT``, ``format 2``,
+``sha256``, ``size``, then the payload) are read and verified as before, never written.
+
+:func:`load_checkpoint` loads with ``weights_only=True`` (state dicts and plain data only, never
+pickled code) and checks the SHA-256 of the content (format 2: of the payload, before loading).
+A zero-byte, truncated, corrupted or foreign file is a
 :class:`CheckpointError` that names the file. :func:`save_checkpoint` writes through a
 temporary file, reads it back and verifies it, and only then moves the previous version
 aside (``checkpoint.prev.pt``) and the new one into place, so a verified checkpoint exists
@@ -49,6 +57,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import random
 import socket
 import time
@@ -74,7 +83,10 @@ __all__ = [
     "BEST",
     "CHECKPOINT",
     "CURVE",
+    "FILE_FORMAT",
     "FORMAT_VERSION",
+    "INTEGRITY",
+    "JOB_LOCK",
     "LEARNING_CURVES",
     "LOCK",
     "METRICS",
@@ -85,15 +97,19 @@ __all__ = [
     "SCHEMA",
     "SUMMARY",
     "CheckpointError",
+    "JobLock",
     "LoadedModel",
     "ResultsError",
     "RunLock",
     "RunLocked",
     "RunState",
     "best_file",
+    "best_of_another_run",
     "checkpoint_damage",
     "claim_folder",
+    "content_sha256",
     "corpus_fingerprint",
+    "describe_differences",
     "file_sha256",
     "files_on_main",
     "finished_result",
@@ -111,9 +127,11 @@ __all__ = [
     "read_result",
     "read_verified_result",
     "run_files",
+    "run_id",
     "run_identity",
     "save_checkpoint",
     "set_rng_state",
+    "text_sha256",
     "validate_result",
     "write_json_atomic",
     "write_signed_result",
@@ -133,6 +151,8 @@ METRICS = "metrics.csv"
 CURVE = "curve.png"
 ALPHAS = "alphas.png"
 LOCK = "run.lock"
+#: held in a job's folder (``--out``) while the job runs (:class:`JobLock`)
+JOB_LOCK = "job.lock"
 
 #: What a run leaves besides its checkpoints: a folder holding any of these holds a run.
 RUN_OUTPUTS = (BEST, RESULTS, METRICS, CURVE, ALPHAS)
@@ -161,10 +181,18 @@ def previous_path(path: str | Path) -> Path:
     return path.with_name(f"{path.stem}.prev{path.suffix}")
 
 
-# -- the checkpoint format -------------------------------------------------------------------------
+# -- the checkpoint format ----------------------------------------------------------------------------
 
-#: Bumped whenever the header or the payload's keys change; part of a run's identity.
+#: The version of what a run's files hold (the payload's keys, results.json's identity); part of
+#: a run's identity, so it changes only with them.
 FORMAT_VERSION = 2
+#: The layout of checkpoint.pt and best.pt on disk: 3 is what :func:`torch.save` writes, a dict
+#: with an integrity entry (:data:`INTEGRITY`); 2 (read, never written) put a text header
+#: before that payload.
+FILE_FORMAT = 3
+#: The entry of a format-3 file that proves it whole and names its run: ``{"format": 3,
+#: "sha256": <content_sha256 of the other entries>, "run_id": <run_id of its identity>}``.
+INTEGRITY = "rnndrop_checkpoint"
 _MAGIC = b"RNNDROP-CHECKPOINT\n"
 _RESTART_HINT = (
     "the run can restart from its previous good state: resume=True (--resume) falls back "
@@ -180,13 +208,51 @@ class CheckpointError(ValueError):
     what: str = ""
 
 
-def _encode(obj: Any) -> bytes:
+def run_id(identity: Mapping[str, Any]) -> str:
+    """A short name of the run ``identity`` describes (:func:`run_identity`): the first 16 hex
+    digits of the SHA-256 of its JSON. Every file a run writes carries it."""
+    text = json.dumps(identity, sort_keys=True, allow_nan=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def content_sha256(obj: Any) -> str:
+    """SHA-256 of a checkpoint's content, tensors (dtype, shape, bytes) and plain data alike,
+    independent of how :func:`torch.save` laid it out: the same before saving and after loading."""
+    digest = hashlib.sha256()
+    _hash_into(digest, obj)
+    return digest.hexdigest()
+
+
+def _hash_into(digest: Any, obj: Any) -> None:
+    if isinstance(obj, Tensor):
+        t = obj.detach().to("cpu").contiguous()
+        digest.update(f"T{t.dtype}{tuple(t.shape)}:".encode())
+        if t.numel():
+            digest.update(t.reshape(-1).view(torch.uint8).numpy())
+    elif isinstance(obj, Mapping):
+        digest.update(f"D{len(obj)}:".encode())
+        for key in sorted(obj, key=repr):
+            _hash_into(digest, key)
+            _hash_into(digest, obj[key])
+    elif isinstance(obj, (list, tuple)):  # one kind: a tuple may come back as a list
+        digest.update(f"L{len(obj)}:".encode())
+        for item in obj:
+            _hash_into(digest, item)
+    elif obj is None or isinstance(obj, (bool, int, float, str, bytes, torch.dtype, torch.device)):
+        text = f"{type(obj).__name__}:{obj!r}".encode()
+        digest.update(f"S{len(text)}:".encode() + text)
+    else:
+        raise TypeError(f"a checkpoint holds tensors and plain data, got a {type(obj).__name__}")
+
+
+def _encode(obj: Mapping[str, Any]) -> bytes:
+    content = {k: v for k, v in obj.items() if k != INTEGRITY}
+    record: dict[str, Any] = {"format": FILE_FORMAT, "sha256": content_sha256(content)}
+    if isinstance(content.get("identity"), Mapping):
+        record["run_id"] = run_id(content["identity"])
     buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    payload = buffer.getvalue()
-    header = (f"format {FORMAT_VERSION}\nsha256 {hashlib.sha256(payload).hexdigest()}\n"
-              f"size {len(payload)}\n").encode("ascii")
-    return _MAGIC + header + payload
+    torch.save({**content, INTEGRITY: record}, buffer)
+    return buffer.getvalue()
 
 
 def _bad(path: Path, what: str) -> CheckpointError:
@@ -197,23 +263,67 @@ def _bad(path: Path, what: str) -> CheckpointError:
 
 def checkpoint_damage(path: str | Path) -> str | None:
     """What is wrong with the checkpoint file at ``path`` (missing, empty, truncated, corrupted),
-    or None when its header and checksum hold; the payload is not unpickled."""
+    or None when it verifies (loaded with ``weights_only=True``, its checksum matched)."""
     path = Path(path)
     if not path.is_file():
         return "is missing"
     try:
-        _verified_payload(path, path.read_bytes())
+        _verified(path, path.read_bytes())
     except CheckpointError as error:
         return error.what
     return None
 
 
-def _verified_payload(path: Path, data: bytes) -> bytes:
+def _is_torch_file(data: bytes) -> bool:
+    """Whether ``data`` starts as :func:`torch.save` starts its zip archive (``<name>/data.pkl``)."""
+    if not data.startswith(b"PK\x03\x04") or len(data) < 30:
+        return False
+    name = data[30:30 + int.from_bytes(data[26:28], "little")]
+    return name.endswith(b"/data.pkl")
+
+
+def _unpickled(path: Path, data: bytes) -> Any:
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:  # weights_only refused it: written so by someone else
+        raise _bad(path, f"holds data that cannot be loaded as plain tensors and data "
+                         f"({type(e).__name__})") from None
+    except Exception as e:  # whatever torch's reader meets in a damaged archive
+        first = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
+        detail = f"{type(e).__name__}: {first}" if first else type(e).__name__
+        if b"PK\x05\x06" not in data[-65558:]:  # a zip archive ends with this record
+            raise _bad(path, f"is truncated: the end of its zip archive is missing ({detail})") from None
+        raise _bad(path, f"is corrupted: torch cannot read it ({detail})") from None
+
+
+def _verified(path: Path, data: bytes) -> dict[str, Any]:
+    """The content of a checkpoint file's bytes, verified; format 3 or the older format 2."""
     if not data:
         raise _bad(path, "is empty (0 bytes)")
-    if not data.startswith(_MAGIC):
-        raise _bad(path, f"is not an rnndrop checkpoint of format {FORMAT_VERSION} (no "
-                         "RNNDROP-CHECKPOINT header; written by another program or an older version)")
+    if data.startswith(_MAGIC):
+        obj = _unpickled(path, _verified_payload(path, data))
+        if not isinstance(obj, dict):
+            raise _bad(path, f"holds a {type(obj).__name__}, expected a dict")
+        return obj
+    if not _is_torch_file(data):
+        raise _bad(path, "is not an rnndrop checkpoint (neither a file torch.save wrote nor one "
+                         "with the RNNDROP-CHECKPOINT header of older versions; written by another program)")
+    obj = _unpickled(path, data)
+    record = obj.pop(INTEGRITY, None) if isinstance(obj, dict) else None
+    if not isinstance(record, dict):
+        raise _bad(path, f"is not an rnndrop checkpoint (a file torch.save wrote, without rnndrop's "
+                         f"{INTEGRITY!r} entry; written by another program)")
+    if record.get("format") != FILE_FORMAT:
+        raise _bad(path, f"has format {record.get('format')!r}, this version of rnndrop reads formats 2 "
+                         f"and {FILE_FORMAT}")
+    if record.get("sha256") != content_sha256(obj):
+        raise _bad(path, "is corrupted: the SHA-256 of its content does not match the one written "
+                         "with it")
+    return obj
+
+
+def _verified_payload(path: Path, data: bytes) -> bytes:
+    """The payload of a format-2 file (a text header, then what torch.save wrote), verified."""
     lines = data[len(_MAGIC):].split(b"\n", 3)
     try:
         version = int(lines[0].removeprefix(b"format "))
@@ -222,8 +332,8 @@ def _verified_payload(path: Path, data: bytes) -> bytes:
         payload = lines[3]
     except (IndexError, ValueError, UnicodeDecodeError):
         raise _bad(path, "has a damaged header") from None
-    if version != FORMAT_VERSION:
-        raise _bad(path, f"has format {version}, this version of rnndrop reads format {FORMAT_VERSION}")
+    if version != 2:
+        raise _bad(path, f"has format {version}, this version of rnndrop reads formats 2 and {FILE_FORMAT}")
     if len(payload) != size:
         raise _bad(path, f"is truncated or padded: the payload has {len(payload)} bytes, "
                          f"the header promises {size}")
@@ -234,7 +344,8 @@ def _verified_payload(path: Path, data: bytes) -> bytes:
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """A checkpoint written by :func:`save_checkpoint`, verified, tensors on the CPU.
+    """A checkpoint written by :func:`save_checkpoint` (or by an older version, format 2),
+    verified, tensors on the CPU; without its integrity entry.
 
     Raises:
         FileNotFoundError: no file at ``path``.
@@ -243,15 +354,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
-    payload = _verified_payload(path, path.read_bytes())
-    try:
-        obj = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
-    except Exception as e:  # the checksum matched: written so by someone else
-        raise _bad(path, f"holds data that cannot be loaded as plain tensors and data "
-                         f"({type(e).__name__})") from None
-    if not isinstance(obj, dict):
-        raise _bad(path, f"holds a {type(obj).__name__}, expected a dict")
-    return obj
+    return _verified(path, path.read_bytes())
 
 
 def save_checkpoint(
@@ -274,7 +377,7 @@ def save_checkpoint(
     with atomic_write(staged) as f:
         f.write(_encode(obj))
     try:
-        _verified_payload(staged, staged.read_bytes())
+        _verified(staged, staged.read_bytes())
     except CheckpointError:
         staged.unlink(missing_ok=True)
         raise
@@ -315,6 +418,7 @@ class LoadedModel:
         dropout: the probability per site.
         epoch: the epoch whose weights these are.
         path: the ``best.pt`` read.
+        identity: the :func:`run_identity` of the run that wrote it (None: written without one).
     """
 
     model: nn.Module
@@ -325,6 +429,7 @@ class LoadedModel:
     dropout: dict[str, float]
     epoch: int
     path: Path
+    identity: dict[str, Any] | None = None
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> LoadedModel:
@@ -364,7 +469,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> LoadedMo
     load_state(model, ckpt["model"], path)
     model.to(device).eval()
     return LoadedModel(model, vocab, config, ckpt["regime"], dict(ckpt["regime_settings"]),
-                       dict(ckpt["dropout"]), int(ckpt.get("epoch", 0)), path)
+                       dict(ckpt["dropout"]), int(ckpt.get("epoch", 0)), path, ckpt.get("identity"))
 
 
 def load_latest(ckpt_path: Path) -> dict[str, Any] | None:
@@ -535,6 +640,32 @@ def corpus_fingerprint(corpus: Corpus) -> str:
 
 def file_sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def text_sha256(text: str) -> str:
+    """SHA-256 of ``text`` in UTF-8 (how results.json records the metrics.csv it implies)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def describe_differences(differences: Sequence[str], limit: int = 3) -> str:
+    """The first ``limit`` lines of :func:`identity_differences`, joined (and how many more)."""
+    more = len(differences) - limit
+    return "; ".join(differences[:limit]) + (f"; and {more} more" if more > 0 else "")
+
+
+def best_of_another_run(path: Path, identity: Mapping[str, Any]) -> str | None:
+    """What is wrong with the ``best.pt`` at ``path`` for the run ``identity``: damaged (as
+    :func:`checkpoint_damage` says), or written by another run (what differs), or None."""
+    if not path.is_file():
+        return "is missing"
+    try:
+        best = _verified(path, path.read_bytes())
+    except CheckpointError as error:
+        return error.what
+    differences = identity_differences(identity, best.get("identity", {}))
+    if differences:
+        return f"belongs to another run ({describe_differences(differences)})"
+    return None
 
 
 def best_file(path: str | Path) -> Path:
@@ -752,9 +883,13 @@ class RunLock:
         PermissionError: the folder cannot be written.
     """
 
+    #: the lock file's name, and what the messages call the folder
+    name = LOCK
+    what = "run folder"
+
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
-        self.path = self.folder / LOCK
+        self.path = self.folder / self.name
         self.held = False
 
     def _try_create(self) -> bool:
@@ -786,12 +921,12 @@ class RunLock:
                 self.path.unlink(missing_ok=True)
                 continue
             raise RunLocked(
-                f"run folder {str(self.folder)!r} is in use by pid {holder['pid']} on "
+                f"{self.what} {str(self.folder)!r} is in use by pid {holder['pid']} on "
                 f"{holder.get('host')} since {holder.get('since')} ({self.path}); wait for that "
-                "run to end, or choose another output folder (delete the lock file only if "
-                "that process is really gone)"
+                f"{'job' if self.name == JOB_LOCK else 'run'} to end, or choose another output folder "
+                "(delete the lock file only if that process is really gone)"
             )
-        raise RunLocked(f"run folder {str(self.folder)!r}: could not take {self.path}")
+        raise RunLocked(f"{self.what} {str(self.folder)!r}: could not take {self.path}")
 
     def release(self) -> None:
         if self.held:
@@ -804,6 +939,36 @@ class RunLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+class JobLock(RunLock):
+    """``with JobLock(out):`` holds ``out/job.lock``, the output folder of a job (``--out``), from
+    before the folder is checked until the job's summary is written, so that two jobs started at
+    once on one folder never both go ahead (a check, then an act, would let them). Re-entrant in
+    one process: the command line takes it before its checks, :func:`run_benchmark` again."""
+
+    name = JOB_LOCK
+    what = "output folder"
+    _held: dict[Path, int] = {}  # noqa: RUF012 - the locks this process holds, and how often
+
+    def acquire(self) -> None:
+        key = self.path.resolve()
+        if JobLock._held.get(key):
+            JobLock._held[key] += 1
+        else:
+            super().acquire()
+            JobLock._held[key] = 1
+        self.held = True
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        key = self.path.resolve()
+        JobLock._held[key] -= 1
+        if JobLock._held[key] == 0:
+            del JobLock._held[key]
+            super().release()
+        self.held = False
 
 
 def claim_folder(out: Path, stack: ExitStack, ctx: Distributed) -> None:
@@ -878,8 +1043,15 @@ def _read_checkpoint(
             f"the checkpoint in {str(out)!r} was written by {world_size} "
             f"process(es); resume it with as many (torchrun --nproc_per_node), got {ctx.world_size}"
         )
-    if state.best_epoch:
-        load_checkpoint(best_path)  # verify it now rather than after training
+    if state.best_epoch:  # verify it now rather than after training
+        best = load_checkpoint(best_path)
+        differences = identity_differences(identity, best.get("identity", {}))
+        if differences:  # put there by hand (swapped between seed folders, copied over)
+            raise ValueError(
+                f"{str(best_path)!r} belongs to another run than the checkpoint beside it "
+                f"({describe_differences(differences)}); nothing was trained: put back this run's "
+                "own best.pt, or start the run again in another folder"
+            )
     return ckpt, state, None
 
 

@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -49,15 +50,24 @@ from rnndrop.lm.model.regimes import SITES, get_regime, regime_probabilities
 from rnndrop.lm.model.train_config import TrainConfig
 from rnndrop.lm.run.checkpoint import (
     BEST,
+    CHECKPOINT,
     LEARNING_CURVES,
+    METRICS,
     RESULTS,
     RESULTS_TABLE,
     SUMMARY,
-    checkpoint_damage,
+    CheckpointError,
+    JobLock,
+    ResultsError,
+    best_of_another_run,
+    file_sha256,
     files_on_main,
     finished_result,
     has_checkpoint,
+    load_latest,
+    read_verified_result,
     run_identity,
+    text_sha256,
     write_json_atomic,
 )
 from rnndrop.lm.run.evaluate import CALIBRATION_BINS, has_noise, score_sums
@@ -69,6 +79,7 @@ from rnndrop.lm.run.report import (
     RunCost,
     benchmark_markdown,
     format_duration,
+    metrics_text,
     plot_learning_curves,
     relay_events,
 )
@@ -243,10 +254,18 @@ def _summary(
     job: _Job, regimes: Sequence[str], seeds: Sequence[int], grid: bool, command: str,
     final_results: list[dict[str, Any]], grid_results: list[dict[str, Any]],
 ) -> dict[str, Any]:
-    """The job's summary; rank 0 writes results.md, learning_curves.png and summary.json."""
+    """The job's summary; rank 0 writes results.md, learning_curves.png and summary.json. It
+    covers every finished run the folder holds: this job's, and those of earlier jobs in it
+    that this one did not run (``--resume`` with fewer ``--regimes`` or ``--seeds``)."""
+    more_final, more_grid = files_on_main(
+        functools.partial(_other_runs, job, [*final_results, *grid_results]), current(),
+        "reading the other runs of the output folder")
+    final_results, grid_results = [*final_results, *more_final], [*grid_results, *more_grid]
+    regimes = list(dict.fromkeys([*regimes, *(r["regime"] for r in final_results)]))
+    seeds = list(dict.fromkeys([*seeds, *sorted(r["seed"] for r in final_results)]))
     markdown = benchmark_markdown(job.dataset, job.config.name, final_results, grid_results,
                                   command=command, grid_seed=seeds[0])
-    first_seed = [r for r in final_results if r["seed"] == seeds[0]]
+    first_seed = _one_seed_each(final_results, seeds[0])
 
     def write_files() -> Path | None:
         with atomic_write(job.out / RESULTS_TABLE, "w", encoding="utf-8") as f:
@@ -270,6 +289,55 @@ def _summary(
     files_on_main(functools.partial(write_json_atomic, summary, job.out / SUMMARY), ctx,
                   "writing summary.json")
     return summary
+
+
+def _run_key(result: Mapping[str, Any]) -> str:
+    return json.dumps([result["regime"], result["dropout"], result["seed"]], sort_keys=True)
+
+
+def _other_runs(
+    job: _Job, results: Sequence[Mapping[str, Any]]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The finished runs in the job's folder that ``results`` (this job's) do not cover, as
+    (final runs, grid candidates): an earlier job's, read from their verified results.json; the
+    previous summary.json says which were grid candidates."""
+    ours = {_run_key(r) for r in results}
+    try:
+        previous = json.loads((job.out / SUMMARY).read_text(encoding="utf-8"))
+        grid_keys = {_run_key(r) for r in previous.get("grid_runs", [])}
+        final_keys = {_run_key(r) for r in previous.get("runs", [])}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        grid_keys, final_keys = set(), set()
+    finals: list[dict[str, Any]] = []
+    grids: list[dict[str, Any]] = []
+    for path in sorted(job.out.glob(f"*/*/{RESULTS}")):
+        try:
+            result = read_verified_result(path)
+            key = _run_key(result)
+        except (ResultsError, KeyError, TypeError) as e:
+            log.warning("%s; it is left out of the job's report", e)
+            continue
+        if key in ours or result.get("dataset") != job.dataset:
+            continue
+        if key in grid_keys:
+            grids.append(result)
+        if key in final_keys or key not in grid_keys:
+            finals.append(result)
+    if finals or grids:
+        log.info("the report also covers %d earlier run%s of %s", len(finals) + len(grids),
+                 "s" * (len(finals) + len(grids) != 1), job.out)
+    return finals, grids
+
+
+def _one_seed_each(results: Sequence[Mapping[str, Any]], seed: int) -> list[Mapping[str, Any]]:
+    """One run of each (regime, dropout): the one of ``seed``, else the one of the lowest seed."""
+    chosen: dict[str, Mapping[str, Any]] = {}
+    for r in results:
+        key = json.dumps([r["regime"], r["dropout"]], sort_keys=True)
+        best = chosen.get(key)
+        if best is None or (best["seed"] != seed and (r["seed"] == seed or r["seed"] < best["seed"])):
+            chosen[key] = r
+    return list(chosen.values())
 
 
 def run_benchmark(
@@ -320,6 +388,25 @@ def run_benchmark(
     mc = config.mc_samples if mc_samples is None else mc_samples
     job = _Job(str(corpus_dir), dataset, config, Path(out_dir), resume, device, threads,
                progress and jobs <= 1, None if init_from is None else str(init_from))
+    with ExitStack() as claim:  # one job per folder (the command line took it already: re-entrant)
+        files_on_main(functools.partial(_claim, job.out, claim), current(),
+                      f"taking the output folder {str(job.out)!r}")
+        return _run_job(job, regimes, seeds, mc, grid=grid, dropout=dropout,
+                        dropout_by_regime=dropout_by_regime, jobs=jobs, progress=progress,
+                        estimate=estimate, command=command)
+
+
+def _claim(out: Path, claim: ExitStack) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    claim.enter_context(JobLock(out))
+
+
+def _run_job(
+    job: _Job, regimes: Sequence[str], seeds: Sequence[int], mc: int, *, grid: bool,
+    dropout: Mapping[str, float] | None, dropout_by_regime: Mapping[str, Mapping[str, float]] | None,
+    jobs: int, progress: bool, estimate: bool, command: str,
+) -> dict[str, Any]:
+    config = job.config
     plan = _plan(job, regimes, seeds, mc, grid=grid, dropout=dropout, dropout_by_regime=dropout_by_regime)
     costs = _estimate(job, plan, jobs) if estimate else None
     job_progress = JobProgress(plan.total, config.epochs + config.finetune_epochs, bar=progress and jobs <= 1,
@@ -401,12 +488,58 @@ def epochs_done(folder: str | Path) -> int:
 
 def _finished(spec: RunSpec) -> dict[str, Any] | None:
     result = reusable_result(spec)
-    damage = checkpoint_damage(Path(spec.folder) / BEST) if result is not None else None
-    if damage is not None:  # the numbers stand; say that the weights behind them are gone
+    if result is None:
+        return None
+    damage = best_of_another_run(Path(spec.folder) / BEST, result["identity"])
+    if damage is not None and damage.startswith("belongs to another run"):
+        log.warning("%s: %s %s; its results are reused (results.json is this run's), but the weights "
+                    "there are not this run's: evaluate and generate refuse them. Put back this run's "
+                    "own best.pt, or train the run anew with another --out", spec.folder, BEST, damage)
+    elif damage is not None:  # the numbers stand; say that the weights behind them are gone
         log.warning("%s: %s %s; its results are reused, but the trained weights are gone (evaluate, "
                     "generate and --init-from need them): to have them again, train the run anew "
                     "with another --out", spec.folder, BEST, damage)
+    _check_metrics(Path(spec.folder), result)
     return result
+
+
+def _check_metrics(folder: Path, result: Mapping[str, Any]) -> None:
+    """Make a finished run's metrics.csv the one its results imply: a deleted one is written
+    again from them, one changed after the run wrote it (its SHA-256 is not the one results.json
+    records) is set aside as ``metrics.edited.csv`` and written again, with a warning."""
+    path = folder / METRICS
+    expected = metrics_text(result["epochs"])
+    recorded = (result.get("files") or {}).get(METRICS) or text_sha256(expected)
+    if path.is_file():
+        try:
+            if file_sha256(path) == recorded:
+                return
+        except OSError:
+            pass
+        edited = path.with_name("metrics.edited.csv")
+        os.replace(path, edited)
+        log.warning("%s: %s was changed after the run wrote it (its SHA-256 is not the one %s records); "
+                    "kept it as %s and wrote the run's own metrics again", folder, METRICS, RESULTS,
+                    edited.name)
+    else:
+        log.info("%s: %s was missing; wrote it again from the run's %s", folder, METRICS, RESULTS)
+    with atomic_write(path, "w", encoding="utf-8") as f:
+        f.write(expected)
+
+
+def _restore_metrics(folder: Path) -> None:
+    """A run to resume whose metrics.csv is gone gets it back from its checkpoint's history
+    (else it would hold only the epochs trained from now on until the run finishes)."""
+    if (folder / METRICS).exists() or not has_checkpoint(folder):
+        return
+    try:
+        history = (load_latest(folder / CHECKPOINT) or {}).get("progress", {}).get("history")
+        text = metrics_text(history)
+    except (CheckpointError, OSError, KeyError, TypeError, AttributeError):
+        return  # resuming says what is wrong with the checkpoint
+    with atomic_write(folder / METRICS, "w", encoding="utf-8") as f:
+        f.write(text)
+    log.info("%s: %s was missing; wrote it again from the checkpoint's history", folder, METRICS)
 
 
 def worker_logging(label: str) -> None:
@@ -429,6 +562,8 @@ def execute(spec: RunSpec, progress: JobProgress | EpochRelay | None = None) -> 
             if progress is not None:
                 progress.run_done(spec.label, done, reused=True)
             return done
+    if spec.resume and ctx.is_main:
+        _restore_metrics(Path(spec.folder))
     epoch_log = EpochLog(spec.folder) if ctx.is_main else None
 
     def on_epoch_end(epoch: int, record: Mapping[str, Any]) -> None:

@@ -50,6 +50,7 @@ __all__ = [
     "learning_curve_figure",
     "lr_drops",
     "markdown_table",
+    "metrics_text",
     "noise_series",
     "paired_differences",
     "plot_alphas",
@@ -355,13 +356,28 @@ def _metrics_row(record: Mapping[str, Any], elapsed: float) -> dict[str, Any]:
     }
 
 
-def _write_metrics(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
+def _metrics_csv(rows: Sequence[Mapping[str, Any]]) -> str:
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=METRICS_COLUMNS, lineterminator="\n")
     writer.writeheader()
     writer.writerows(rows)
+    return buffer.getvalue()
+
+
+def metrics_text(records: Sequence[Mapping[str, Any]]) -> str:
+    """The metrics.csv of a run whose epoch records (``result["epochs"]``) are ``records``: what
+    :meth:`EpochLog.finish` writes, and what results.json's ``files`` entry hashes."""
+    elapsed, rows = 0.0, []
+    for record in records:
+        elapsed += record["seconds"]
+        rows.append(_metrics_row(record, elapsed))
+    return _metrics_csv(rows)
+
+
+def _write_metrics(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
+    text = _metrics_csv(rows)
     with atomic_write(path, "w", encoding="utf-8") as f:
-        f.write(buffer.getvalue())
+        f.write(text)
 
 
 class EpochLog:

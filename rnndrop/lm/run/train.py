@@ -69,6 +69,7 @@ from rnndrop.lm.run.checkpoint import (
     BEST,
     CHECKPOINT,
     CURVE,
+    METRICS,
     RESULTS,
     SCHEMA,
     CheckpointError,
@@ -76,6 +77,7 @@ from rnndrop.lm.run.checkpoint import (
     RunState,
     best_file,
     claim_folder,
+    file_sha256,
     files_on_main,
     get_rng_state,
     load_checkpoint,
@@ -84,9 +86,11 @@ from rnndrop.lm.run.checkpoint import (
     read_best_weights,
     read_checkpoint,
     read_verified_result,
+    run_id,
     run_identity,
     save_checkpoint,
     set_rng_state,
+    text_sha256,
     write_signed_result,
 )
 from rnndrop.lm.run.evaluate import (
@@ -122,7 +126,13 @@ from rnndrop.lm.run.recipe import (
     epoch_segments,
     forward_with_penalty,
 )
-from rnndrop.lm.run.report import EpochProgress, format_duration, plot_alphas, plot_learning_curves
+from rnndrop.lm.run.report import (
+    EpochProgress,
+    format_duration,
+    metrics_text,
+    plot_alphas,
+    plot_learning_curves,
+)
 
 __all__ = [
     "EpochCallback",
@@ -435,6 +445,9 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
         if resolved.index is not None and resolved.index >= torch.cuda.device_count():
             count = torch.cuda.device_count()
             raise ValueError(f"device {str(device)!r}: this machine has {count} CUDA GPU(s)")
+    elif resolved.type == "meta":
+        raise ValueError(f"device {str(device)!r} holds shapes without values, nothing can train or "
+                         "be scored there; use --device cpu, cuda or auto")
     elif resolved.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError(f"device {str(device)!r}: MPS is not available here; use --device cpu (or auto)")
     return resolved
@@ -677,6 +690,9 @@ def finish_run(run: Training, bar: bool = False) -> dict[str, Any]:
     result = _result(run, test, test_mc)
 
     def write_result() -> dict[str, Any]:
+        # the files beside it that it vouches for: the weights it scored, the metrics it implies
+        metrics = text_sha256(metrics_text(result["epochs"]))
+        result["files"] = {BEST: file_sha256(run.best_path), METRICS: metrics}
         write_signed_result(result, run.out / RESULTS)
         plot_learning_curves([result], run.out / CURVE)
         plot_alphas([result], run.out / ALPHAS)
@@ -744,6 +760,7 @@ def _result(run: Training, test: Score, test_mc: Score | None) -> dict[str, Any]
         "backend": run.ctx.backend,
         "versions": versions(),
         "identity": run.identity,
+        "run_id": run_id(run.identity),
         **_averaging_result(run),
     }
 
