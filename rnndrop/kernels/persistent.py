@@ -28,9 +28,12 @@ kernel saves: either kernel's backward runs on either kernel's forward.
 
 The barrier is an atomic counter: every program adds one after its step, then spins until the
 counter reaches ``n_programs`` times the number of steps done. All programs must be resident at
-once: the grid is at most one program per multiprocessor. A program that spins too long adds a
-large number to the counter (every later barrier then passes at once) and the host, reading the
-counter after the launch, reruns the call with the step kernel. With one program there is nothing
+once: the grid is at most one program per multiprocessor, launched cooperatively where Triton can
+(CUDA then co-schedules every program or refuses the launch). A program that spins too long adds a
+large number to the counter (every later barrier then passes at once) and the launch writes NaN
+into its outputs; the host reads the counter when the launch has finished (a cooperative launch:
+later, without waiting) or at once (else: the call then reruns on the step kernel), and from then
+on that device runs the step kernel. With one program there is nothing
 to wait for, which is how Triton's interpreter (programs one after another) runs it on CPU;
 ``per_step=True`` instead launches the same body once per step, several programs without a
 barrier, so that the slicing over programs is tested on CPU too.
