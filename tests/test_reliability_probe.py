@@ -136,7 +136,7 @@ def test_cases_318_341_the_persistent_loop_under_the_interpreter(tmp_path):
     assert "interpreted cases ok" in done.stdout
 
 
-# -- save_pretrained / from_pretrained (cases 386-408) -----------------------------------------
+# -- save_pretrained / from_pretrained (cases 369-391) -----------------------------------------
 
 def _model(regime="tied", seed=0):
     torch.manual_seed(seed)
@@ -161,7 +161,7 @@ class _Evil:
         return (os.system, ("echo pwned",))
 
 
-def test_case_391_a_hostile_pickle_with_a_forged_manifest_is_refused_in_one_line(saved):
+def test_case_374_a_hostile_pickle_with_a_forged_manifest_is_refused_in_one_line(saved):
     """Was: torch's many-line UnpicklingError, not a PretrainedError (nothing ran either way)."""
     torch.save({"x": _Evil()}, saved / "model.pt")
     _rehash(saved, "model.pt")
@@ -173,7 +173,7 @@ def test_case_391_a_hostile_pickle_with_a_forged_manifest_is_refused_in_one_line
         from_pretrained(saved)
 
 
-def test_case_395_a_weights_file_that_is_a_symlink_loop_is_named_as_such(saved):
+def test_case_378_a_weights_file_that_is_a_symlink_loop_is_named_as_such(saved):
     """Was: "is missing"."""
     (saved / "model.pt").unlink()
     (saved / "model.pt").symlink_to(saved / "model.pt")
@@ -181,7 +181,7 @@ def test_case_395_a_weights_file_that_is_a_symlink_loop_is_named_as_such(saved):
         from_pretrained(saved)
 
 
-def test_case_402_saving_a_model_the_config_does_not_describe_is_refused(tmp_path):
+def test_case_385_saving_a_model_the_config_does_not_describe_is_refused(tmp_path):
     """Was: written without a word; from_pretrained then failed on it."""
     with pytest.raises(PretrainedError, match="not the model config and regime describe"):
         save_pretrained(tmp_path / "a", nn.Linear(2, 2), vocab=WORDS, config=TINY, regime="tied")
@@ -201,13 +201,13 @@ def test_case_402_saving_a_model_the_config_does_not_describe_is_refused(tmp_pat
     (lambda f: (torch.save(nn.LSTM(3, 4).state_dict(), f / "model.pt"), _rehash(f, "model.pt")),
      "does not fit the model"),
 ])
-def test_cases_386_392_damaged_folders_are_one_line_each(saved, damage, message):
+def test_cases_369_375_damaged_folders_are_one_line_each(saved, damage, message):
     damage(saved)
     with pytest.raises(PretrainedError, match=message):
         from_pretrained(saved)
 
 
-def test_cases_393_394_symlinked_folders_and_files_load(saved, tmp_path):
+def test_cases_376_377_symlinked_folders_and_files_load(saved, tmp_path):
     (tmp_path / "link").symlink_to(saved)
     assert from_pretrained(tmp_path / "link").vocab.itos == WORDS
     files = tmp_path / "files"
@@ -218,10 +218,10 @@ def test_cases_393_394_symlinked_folders_and_files_load(saved, tmp_path):
     shutil.copy(saved / "manifest.json", tmp_path / "x.json")
 
 
-# -- deployment, mc_predict, per-rank noise (cases 409-452) ------------------------------------
+# -- deployment, mc_predict, per-rank noise (cases 427-470) ------------------------------------
 
 @pytest.mark.parametrize("regime", ["tied", "weight_drop", "sparse_vd", "gaussian"])
-def test_cases_409_412_to_torch_of_each_regime_equals_the_model(regime):
+def test_cases_427_431_to_torch_of_each_regime_equals_the_model(regime):
     model = _model(regime)
     plain = to_torch(model)
     tokens = torch.randint(0, len(WORDS), (5, 2))
@@ -230,7 +230,7 @@ def test_cases_409_412_to_torch_of_each_regime_equals_the_model(regime):
     assert not any(isinstance(m, (VariationalLSTM, VariationalGRU)) for m in plain.modules())
 
 
-def test_case_415_to_plain_of_a_bidirectional_batch_first_gru():
+def test_case_434_to_plain_of_a_bidirectional_batch_first_gru():
     layer = VariationalGRU(3, 5, num_layers=2, bidirectional=True, batch_first=True, dropout=0.3,
                            dropout_hidden=0.3).eval()
     plain, x = layer.to_plain(), torch.randn(2, 4, 3)
@@ -238,7 +238,7 @@ def test_case_415_to_plain_of_a_bidirectional_batch_first_gru():
     assert torch.allclose(layer(x)[0], plain(x)[0], atol=1e-6)
 
 
-def test_case_433_mc_predict_batch_dim_none_names_the_argument():
+def test_case_455_mc_predict_batch_dim_none_names_the_argument():
     """Was: "'<=' not supported between instances of 'int' and 'NoneType'"."""
     net = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Linear(4, 2))
     with pytest.raises(TypeError, match="batch_dim must be an int"):
@@ -257,7 +257,27 @@ def test_case_433_mc_predict_batch_dim_none_names_the_argument():
     (dict(batch_dim=5), "batch_dim=5 is out of range"),
     (dict(output_batch_dim="0"), "output_batch_dim must be an int"),
 ])
-def test_cases_421_434_mc_predict_argument_checks(kwargs, message):
+def test_cases_442_456_mc_predict_argument_checks(kwargs, message):
     net = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Linear(4, 2))
     with pytest.raises((ValueError, TypeError), match=message):
         mc_predict(net, torch.randn(5, 3), **({"n_samples": 2} | kwargs))
+
+
+# -- generate's sampling options (cases 402-426) -----------------------------------------------
+
+@pytest.mark.parametrize("top_k, top_p", [(0, None), (-1, None), (True, None), (None, 0),
+                                          (None, float("nan")), (None, -0.1), (None, 1.0000001),
+                                          (None, float("inf"))])
+def test_cases_402_414_bad_top_k_top_p_are_refused_naming_them(top_k, top_p):
+    from rnndrop.lm.run.evaluate import check_sampling
+    with pytest.raises(ValueError, match="top_k" if top_k is not None else "top_p"):
+        check_sampling(top_k, top_p)
+
+
+def test_cases_404_412_top_k_beyond_the_vocabulary_and_a_tiny_top_p_keep_the_likeliest():
+    from rnndrop.lm.run.evaluate import truncated
+    probs = torch.tensor([0.1, 0.6, 0.3])
+    assert torch.equal(truncated(probs, 100000, None), probs)
+    assert torch.equal(truncated(probs, None, 1e-9), torch.tensor([0.0, 0.6, 0.0]))
+    assert torch.equal(truncated(probs, 1, 1e-9), torch.tensor([0.0, 0.6, 0.0]))
+    assert torch.equal(truncated(probs, None, 1.0), probs)
