@@ -470,7 +470,15 @@ def turned_off() -> Iterator[None]:
 def disabled() -> bool:
     """Whether every call runs the step kernel: in :func:`turned_off`, or with ``RNNDROP_PERSISTENT=0``
     in the environment (to rule the persistent loop out when something looks wrong on a GPU)."""
-    return _off or os.environ.get("RNNDROP_PERSISTENT", "1") in ("0", "")
+    if _off:
+        return True
+    value = os.environ.get("RNNDROP_PERSISTENT", "1").strip().lower()
+    if value in ("0", "", "false", "no", "off"):
+        return True
+    if value in ("1", "true", "yes", "on"):
+        return False
+    raw = os.environ["RNNDROP_PERSISTENT"]
+    raise ValueError(f"RNNDROP_PERSISTENT must be 0 (off) or 1 (on), got {raw!r}")
 
 
 def plan(gates_x: Tensor, hidden: int, batch: int, projected: bool) -> Launch | None:
@@ -582,6 +590,9 @@ def _run(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constex
                                     num_warps=warps)
         return None
     cuda = device.type == "cuda"
+    if not cuda and how.programs > 1:  # the interpreter runs programs one after another
+        raise ValueError(f"{how} on CPU: Triton's interpreter runs one program at a time, so a grid "
+                         "barrier between programs never opens; use per_step=True or programs=1")
     cooperative = cuda and _COOPERATIVE and how.programs > 1
     options = dict(launch_cooperative_grid=True) if cooperative else {}
     capturing = cuda and torch.cuda.is_current_stream_capturing()

@@ -174,7 +174,7 @@ def mc_predict(
     memory_budget = check_positive_int("memory_budget", memory_budget)
     dims = (("batch_dim", batch_dim, "inputs"), ("output_batch_dim", output_batch_dim, "output"))
     for name, dim, of in dims:
-        if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int)):
+        if (dim is not None or name == "batch_dim") and (isinstance(dim, bool) or not isinstance(dim, int)):
             raise TypeError(f"{name} must be an int (the batch dimension of the {of}), got {dim!r} "
                             f"of type {type(dim).__name__}")
     out_dim = batch_dim if output_batch_dim is None else output_batch_dim

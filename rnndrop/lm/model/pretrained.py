@@ -25,6 +25,7 @@ import copy
 import hashlib
 import json
 import os
+import pickle
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ from rnndrop.lm.data.corpus import Vocabulary
 from rnndrop.lm.model.build import build_model
 from rnndrop.lm.model.regimes import REGIMES, Regime, get_regime, regime_probabilities
 from rnndrop.lm.model.train_config import TrainConfig
+from rnndrop.validation import check_instance
 
 __all__ = ["FORMAT", "PretrainedError", "PretrainedModel", "from_pretrained", "save_pretrained"]
 
@@ -117,6 +119,7 @@ def save_pretrained(
     decoder = getattr(model, "decoder", None)
     if isinstance(decoder, nn.Linear) and decoder.out_features != len(words):
         raise PretrainedError(f"vocab has {len(words)} words, the model predicts {decoder.out_features}")
+    _check_fits(model, len(words), config, rules, probabilities)
     st = _safetensors()
     if safetensors and st is None:
         raise PretrainedError("safetensors=True needs the safetensors package (pip install safetensors)")
@@ -147,6 +150,22 @@ def save_pretrained(
     manifest = {"format": FORMAT, "sha256": {p.name: _sha256(p) for p in written}}
     _write_json(manifest, folder / MANIFEST)
     return [*written, folder / MANIFEST]
+
+
+def _check_fits(model: nn.Module, n_words: int, config: TrainConfig, rules: Regime,
+                probabilities: Mapping[str, float]) -> None:
+    """PretrainedError unless ``model``'s state dict has the names and shapes of the model that
+    ``config`` and the regime build (what :func:`from_pretrained` will build and load into)."""
+    check_instance("model", model, nn.Module, "an nn.Module")
+    built = build_model(n_words, config, rules, dict(probabilities))
+    expected = {k: tuple(v.shape) for k, v in built.state_dict().items()}
+    actual = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if expected != actual:
+        differences = sorted(set(expected) ^ set(actual)) or sorted(
+            k for k in expected if expected[k] != actual[k])
+        more = " ..." if len(differences) > 3 else ""
+        raise PretrainedError("model is not the model config and regime describe (from_pretrained could "
+                              f"not load it): {', '.join(differences[:3])}{more} differ")
 
 
 def _cpu_copy(model: nn.Module) -> nn.Module:
@@ -185,6 +204,9 @@ def from_pretrained(folder: str | os.PathLike[str], device: str | torch.device =
     for name, expected in hashes.items():
         path = folder / name
         if not path.is_file():
+            if path.is_symlink():
+                raise PretrainedError(f"{str(path)!r} is a symlink that leads to no file (broken, or a "
+                                      "loop; the manifest lists it)")
             raise PretrainedError(f"{str(path)!r} is missing (the manifest lists it)")
         if _sha256(path) != expected:
             raise PretrainedError(f"{str(path)!r} was changed after it was written: its SHA-256 is not "
@@ -211,7 +233,13 @@ def from_pretrained(folder: str | os.PathLike[str], device: str | torch.device =
                                       "safetensors)")
             st.load_model(model, str(weights), strict=True)
         else:
-            model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
+            try:
+                state = torch.load(weights, map_location="cpu", weights_only=True)
+            except (pickle.UnpicklingError, EOFError, OSError) as e:
+                why = f"({type(e).__name__}); not weights save_pretrained wrote"
+                raise PretrainedError(f"{str(weights)!r} holds data that cannot be loaded as plain "
+                                      f"tensors {why}") from None
+            model.load_state_dict(state)
     except (RuntimeError, KeyError, ValueError) as e:
         if isinstance(e, PretrainedError):
             raise

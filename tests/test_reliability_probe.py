@@ -1,0 +1,283 @@
+"""The third hostile probe (``docs/reliability-probe.md``, 2026-11-26, third round) as tests: the
+cases that are cheap to automate, by their numbers in that table."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from rnndrop import VariationalGRU, VariationalLSTM, to_torch
+from rnndrop.kernels import persistent
+from rnndrop.kernels.persistent import Launch
+from rnndrop.lm import PretrainedError, build_model, from_pretrained, save_pretrained
+from rnndrop.lm.model.regimes import get_regime
+from rnndrop.mc import mc_predict
+from tests.lm_helpers import TINY
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = ["<unk>", "<eos>", "the", "cat", "sees", "a", "dog"]
+
+
+# -- the persistent Triton loop's host side (cases 316-343) ------------------------------------
+
+@pytest.mark.parametrize("value, off", [("0", True), ("", True), ("false", True), ("No", True), ("off", True),
+                                        ("1", False), (" true ", False), ("yes", False)])
+def test_case_337_the_persistent_switch_reads_the_usual_spellings(monkeypatch, value, off):
+    monkeypatch.setenv("RNNDROP_PERSISTENT", value)
+    assert persistent.disabled() is off
+
+
+def test_case_339_a_bogus_persistent_switch_is_one_line_naming_it(monkeypatch):
+    monkeypatch.setenv("RNNDROP_PERSISTENT", "abc")
+    with pytest.raises(ValueError, match=r"RNNDROP_PERSISTENT must be 0 \(off\) or 1 \(on\), got 'abc'"):
+        persistent.disabled()
+
+
+def test_case_322_several_programs_with_a_barrier_on_cpu_are_refused_not_spun():
+    """Was: 395 s of spinning in the interpreter, then NaN outputs without a warning."""
+    with pytest.raises(ValueError, match="grid barrier between programs never opens"):
+        persistent._run(None, Launch(3, 16), 2, (torch.zeros(1),), False, BB=16, BK=16, MASK_GATES=0)
+
+
+def test_cases_333_335_launched_as_and_turned_off_nest_and_restore():
+    x = torch.zeros(1, 1, 32)
+    with persistent.turned_off():
+        assert persistent.plan(x, 8, 2, False) is None
+    with persistent.launched_as(Launch(2, 16)):
+        with persistent.launched_as(Launch(1, 16, True)):
+            assert persistent.plan(x, 8, 2, False) == Launch(1, 16, True)
+        assert persistent.plan(x, 8, 2, False) == Launch(2, 16)
+    with pytest.raises(KeyError), persistent.launched_as(Launch(2, 16)):
+        raise KeyError
+    assert persistent._forced is None
+    assert persistent.plan(x.double(), 8, 2, False) is None  # float64
+    assert persistent.plan(x, 8, 2, True) is None  # a projection
+    assert persistent.plan(x, 8, persistent.MAX_BATCH + 1, False) is None
+
+
+INTERPRETED = """
+import warnings, torch
+from torch.nn.utils.rnn import pack_sequence
+from rnndrop import VariationalLSTM, VariationalGRU
+from rnndrop.kernels import gpu, persistent
+from rnndrop.kernels.persistent import Launch
+gpu.load()
+def pair(cls, I, H):
+    a = cls(I, H, dropout_hidden=0.3, dropout_input=0.2, kernel="triton")
+    b = cls(I, H, dropout_hidden=0.3, dropout_input=0.2, kernel="manual")
+    b.load_state_dict(a.state_dict())
+    return a, b
+def same(cls, H=8, T=3, B=2, how=None):
+    torch.manual_seed(0)
+    a, b = pair(cls, 5, H)
+    x = torch.randn(T, B, 5, requires_grad=True)
+    m = a.sample_masks(B)
+    grads = []
+    for layer in (a, b):
+        if how is not None and layer is a:
+            with persistent.launched_as(how):
+                y = layer(x, masks=m)[0]
+        else:
+            y = layer(x, masks=m)[0]
+        y.sum().backward()
+        grads.append((y.detach(), x.grad.clone()))
+        x.grad = None
+    (y1, g1), (y2, g2) = grads
+    assert torch.allclose(y1, y2, atol=1e-5) and torch.allclose(g1, g2, atol=1e-5), cls
+for cls in (VariationalLSTM, VariationalGRU):
+    same(cls, H=20)                                  # 318-319: H not a multiple of 16
+    same(cls, T=1, B=1)                              # 320-321
+    same(cls, H=20, how=Launch(2, 16, True))         # 323-324: 2 programs, one launch per step
+    same(cls, B=17, T=2)                             # 325
+    torch.manual_seed(1)
+    a, b = pair(cls, 4, 8)
+    seqs = [torch.randn(n, 4) for n in (5, 3, 3, 1)]  # 326-327: odd batch sizes, packed
+    m = a.sample_masks(4)
+    y1 = a(pack_sequence(seqs, enforce_sorted=False), masks=m)[0].data
+    y2 = b(pack_sequence(seqs, enforce_sorted=False), masks=m)[0].data
+    assert torch.allclose(y1, y2, atol=1e-5)
+# 340-341: a barrier that gave up (simulated) warns once, and later calls (and a backward whose
+# forward ran persistent) run the step kernel with the same results
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    torch.manual_seed(0)
+    a, b = pair(VariationalLSTM, 5, 8)
+    x = torch.randn(3, 2, 5, requires_grad=True)
+    m = a.sample_masks(2)
+    y = a(x, masks=m)[0]
+    persistent.gave_up(torch.device("cpu"), "simulated")
+    persistent.gave_up(torch.device("cpu"), "simulated again")
+    y.sum().backward()
+    g1, x.grad = x.grad.clone(), None
+    b(x, masks=m)[0].sum().backward()
+    assert torch.allclose(g1, x.grad, atol=1e-5)
+    assert not persistent.usable(torch.device("cpu"))
+    assert sum("persistent 'triton' loop failed" in str(w.message) for w in caught) == 1
+print("interpreted cases ok")
+"""
+
+
+def test_cases_318_341_the_persistent_loop_under_the_interpreter(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(INTERPRETED)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "interpreted cases ok" in done.stdout
+
+
+# -- save_pretrained / from_pretrained (cases 369-391) -----------------------------------------
+
+def _model(regime="tied", seed=0):
+    torch.manual_seed(seed)
+    return build_model(len(WORDS), TINY, get_regime(regime), TINY.dropout).eval()
+
+
+@pytest.fixture
+def saved(tmp_path):
+    folder = tmp_path / "lm"
+    save_pretrained(folder, _model(), vocab=WORDS, config=TINY, regime="tied", safetensors=False)
+    return folder
+
+
+def _rehash(folder, name):
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["sha256"][name] = hashlib.sha256((folder / name).read_bytes()).hexdigest()
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_case_374_a_hostile_pickle_with_a_forged_manifest_is_refused_in_one_line(saved):
+    """Was: torch's many-line UnpicklingError, not a PretrainedError (nothing ran either way)."""
+    torch.save({"x": _Evil()}, saved / "model.pt")
+    _rehash(saved, "model.pt")
+    with pytest.raises(PretrainedError, match="cannot be loaded as plain tensors"):
+        from_pretrained(saved)
+    (saved / "model.pt").write_bytes(pickle.dumps(_Evil()))
+    _rehash(saved, "model.pt")
+    with pytest.raises(PretrainedError, match="cannot be loaded as plain tensors"):
+        from_pretrained(saved)
+
+
+def test_case_378_a_weights_file_that_is_a_symlink_loop_is_named_as_such(saved):
+    """Was: "is missing"."""
+    (saved / "model.pt").unlink()
+    (saved / "model.pt").symlink_to(saved / "model.pt")
+    with pytest.raises(PretrainedError, match="symlink that leads to no file"):
+        from_pretrained(saved)
+
+
+def test_case_385_saving_a_model_the_config_does_not_describe_is_refused(tmp_path):
+    """Was: written without a word; from_pretrained then failed on it."""
+    with pytest.raises(PretrainedError, match="not the model config and regime describe"):
+        save_pretrained(tmp_path / "a", nn.Linear(2, 2), vocab=WORDS, config=TINY, regime="tied")
+    other = TINY.replace(hidden_size=8) if hasattr(TINY, "replace") else None
+    if other is not None:
+        with pytest.raises(PretrainedError, match="not the model config"):
+            save_pretrained(tmp_path / "b", _model(), vocab=WORDS, config=other, regime="tied")
+    assert not (tmp_path / "a").exists()
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        save_pretrained(tmp_path / "c", "model", vocab=WORDS, config=TINY, regime="tied")
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda f: (f / "model.pt").write_bytes((f / "model.pt").read_bytes()[:100]), "was changed after"),
+    (lambda f: (f / "manifest.json").write_text("{not json"), "cannot be read"),
+    (lambda f: (f / "manifest.json").write_text("[1, 2]"), "is not a manifest"),
+    (lambda f: (torch.save(nn.LSTM(3, 4).state_dict(), f / "model.pt"), _rehash(f, "model.pt")),
+     "does not fit the model"),
+])
+def test_cases_369_375_damaged_folders_are_one_line_each(saved, damage, message):
+    damage(saved)
+    with pytest.raises(PretrainedError, match=message):
+        from_pretrained(saved)
+
+
+def test_cases_376_377_symlinked_folders_and_files_load(saved, tmp_path):
+    (tmp_path / "link").symlink_to(saved)
+    assert from_pretrained(tmp_path / "link").vocab.itos == WORDS
+    files = tmp_path / "files"
+    files.mkdir()
+    for path in saved.iterdir():
+        (files / path.name).symlink_to(path)
+    assert from_pretrained(files).vocab.itos == WORDS
+    shutil.copy(saved / "manifest.json", tmp_path / "x.json")
+
+
+# -- deployment, mc_predict, per-rank noise (cases 427-470) ------------------------------------
+
+@pytest.mark.parametrize("regime", ["tied", "weight_drop", "sparse_vd", "gaussian"])
+def test_cases_427_431_to_torch_of_each_regime_equals_the_model(regime):
+    model = _model(regime)
+    plain = to_torch(model)
+    tokens = torch.randint(0, len(WORDS), (5, 2))
+    with torch.no_grad():
+        assert torch.allclose(model(tokens)[0], plain(tokens)[0], atol=1e-6)
+    assert not any(isinstance(m, (VariationalLSTM, VariationalGRU)) for m in plain.modules())
+
+
+def test_case_434_to_plain_of_a_bidirectional_batch_first_gru():
+    layer = VariationalGRU(3, 5, num_layers=2, bidirectional=True, batch_first=True, dropout=0.3,
+                           dropout_hidden=0.3).eval()
+    plain, x = layer.to_plain(), torch.randn(2, 4, 3)
+    assert isinstance(plain, nn.GRU) and plain.batch_first
+    assert torch.allclose(layer(x)[0], plain(x)[0], atol=1e-6)
+
+
+def test_case_455_mc_predict_batch_dim_none_names_the_argument():
+    """Was: "'<=' not supported between instances of 'int' and 'NoneType'"."""
+    net = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Linear(4, 2))
+    with pytest.raises(TypeError, match="batch_dim must be an int"):
+        mc_predict(net, torch.randn(5, 3), n_samples=2, batch_dim=None)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(n_samples=-3), "n_samples must be a positive int"),
+    (dict(n_samples=float("nan")), "n_samples must be a positive int"),
+    (dict(chunk_size=-1), "chunk_size must be a positive int"),
+    (dict(chunk_size=True), "chunk_size must be a positive int"),
+    (dict(memory_budget=0), "memory_budget must be a positive int"),
+    (dict(memory_budget=1.5), "memory_budget must be a positive int"),
+    (dict(task="REGRESSION"), "task must be one of"),
+    (dict(method=None), "method must be one of"),
+    (dict(batch_dim=5), "batch_dim=5 is out of range"),
+    (dict(output_batch_dim="0"), "output_batch_dim must be an int"),
+])
+def test_cases_442_456_mc_predict_argument_checks(kwargs, message):
+    net = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Linear(4, 2))
+    with pytest.raises((ValueError, TypeError), match=message):
+        mc_predict(net, torch.randn(5, 3), **({"n_samples": 2} | kwargs))
+
+
+# -- generate's sampling options (cases 402-426) -----------------------------------------------
+
+@pytest.mark.parametrize("top_k, top_p", [(0, None), (-1, None), (True, None), (None, 0),
+                                          (None, float("nan")), (None, -0.1), (None, 1.0000001),
+                                          (None, float("inf"))])
+def test_cases_402_414_bad_top_k_top_p_are_refused_naming_them(top_k, top_p):
+    from rnndrop.lm.run.evaluate import check_sampling
+    with pytest.raises(ValueError, match="top_k" if top_k is not None else "top_p"):
+        check_sampling(top_k, top_p)
+
+
+def test_cases_404_412_top_k_beyond_the_vocabulary_and_a_tiny_top_p_keep_the_likeliest():
+    from rnndrop.lm.run.evaluate import truncated
+    probs = torch.tensor([0.1, 0.6, 0.3])
+    assert torch.equal(truncated(probs, 100000, None), probs)
+    assert torch.equal(truncated(probs, None, 1e-9), torch.tensor([0.0, 0.6, 0.0]))
+    assert torch.equal(truncated(probs, 1, 1e-9), torch.tensor([0.0, 0.6, 0.0]))
+    assert torch.equal(truncated(probs, None, 1.0), probs)
