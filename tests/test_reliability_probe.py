@@ -194,6 +194,20 @@ def test_case_385_saving_a_model_the_config_does_not_describe_is_refused(tmp_pat
         save_pretrained(tmp_path / "c", "model", vocab=WORDS, config=TINY, regime="tied")
 
 
+def test_case_388_an_unknown_device_is_named_as_the_device_argument(saved):
+    """Was: torch's device-string error, without naming ``device``."""
+    with pytest.raises(PretrainedError, match="device must name a torch device.*'tpu'"):
+        from_pretrained(saved, device="tpu")
+
+
+def test_case_389_a_vocabulary_that_lists_a_word_twice_is_refused(tmp_path):
+    """Was: saved; the second id of the word could never be its encoding."""
+    words = [*WORDS[:-1], WORDS[2]]
+    with pytest.raises(PretrainedError, match="more than once"):
+        save_pretrained(tmp_path / "lm", _model(), vocab=words, config=TINY, regime="tied", safetensors=False)
+    assert not (tmp_path / "lm").exists()
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda f: (f / "model.pt").write_bytes((f / "model.pt").read_bytes()[:100]), "was changed after"),
     (lambda f: (f / "manifest.json").write_text("{not json"), "cannot be read"),
@@ -256,6 +270,8 @@ def test_case_455_mc_predict_batch_dim_none_names_the_argument():
     (dict(method=None), "method must be one of"),
     (dict(batch_dim=5), "batch_dim=5 is out of range"),
     (dict(output_batch_dim="0"), "output_batch_dim must be an int"),
+    (dict(strict="yes"), "strict must be True or False"),  # cases 457-458: were taken as true
+    (dict(return_samples=1), "return_samples must be True or False"),
 ])
 def test_cases_442_456_mc_predict_argument_checks(kwargs, message):
     net = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Linear(4, 2))

@@ -172,6 +172,9 @@ def mc_predict(
     if chunk_size is not None:
         chunk_size = check_positive_int("chunk_size", chunk_size)
     memory_budget = check_positive_int("memory_budget", memory_budget)
+    for name, flag in (("return_samples", return_samples), ("strict", strict)):
+        if not isinstance(flag, bool):  # a string such as "no" would read as True
+            raise TypeError(f"{name} must be True or False, got {flag!r} of type {type(flag).__name__}")
     dims = (("batch_dim", batch_dim, "inputs"), ("output_batch_dim", output_batch_dim, "output"))
     for name, dim, of in dims:
         if (dim is not None or name == "batch_dim") and (isinstance(dim, bool) or not isinstance(dim, int)):

@@ -116,6 +116,9 @@ def save_pretrained(
         regime if isinstance(regime, Regime) else Regime.from_settings(regime))
     probabilities = regime_probabilities(rules, config.dropout if dropout is None else dropout)
     words = list(vocab.itos if isinstance(vocab, Vocabulary) else vocab)
+    repeated = sorted({w for w in words if words.count(w) > 1}) if len(set(words)) < len(words) else []
+    if repeated:  # two ids for one word: text would encode to the first, the model predicts both
+        raise PretrainedError(f"vocab lists {len(repeated)} word(s) more than once, e.g. {repeated[0]!r}")
     decoder = getattr(model, "decoder", None)
     if isinstance(decoder, nn.Linear) and decoder.out_features != len(words):
         raise PretrainedError(f"vocab has {len(words)} words, the model predicts {decoder.out_features}")
@@ -190,6 +193,12 @@ def from_pretrained(folder: str | os.PathLike[str], device: str | torch.device =
             cut short), a file missing or changed after it was written (its SHA-256), weights
             that do not fit the config, or a safetensors file without the package.
     """
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        why = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise PretrainedError(f"device must name a torch device ('cpu', 'cuda:0', ...), got {device!r}: "
+                              f"{why}") from None
     folder = Path(folder)
     if not (folder / MANIFEST).is_file():
         raise PretrainedError(f"{str(folder)!r} holds no {MANIFEST}: it is not a folder save_pretrained "
