@@ -175,8 +175,9 @@ def _autocast_result_dtype(
     ``autocast_dtype`` on ``device_type``, with weights and input of ``weight_dtype``.
 
     Asked of torch on a one-unit probe, not hard-coded: on the CPU torch 2.13 runs ``torch.lstm``
-    in bfloat16 but ``torch.gru`` in float32; on CUDA both in the autocast dtype. A probe that
-    fails leaves the layer in its own dtype.
+    in bfloat16 but ``torch.gru`` in float32; on CUDA both in the autocast dtype. Where torch's op
+    cannot run under that autocast (so ``nn.LSTM`` could not either), the layer computes in its own
+    dtype, after one warning with torch's reason (once per case: the answer is cached).
     """
     try:
         with torch.autocast(device_type, dtype=autocast_dtype):
@@ -188,7 +189,11 @@ def _autocast_result_dtype(
             hx = (h, h) if cell.num_states > 1 else h
             out = cell.fused(x, hx, weights, True, 1, 0.0, False, False, False)[0]
         return out.dtype
-    except (RuntimeError, NotImplementedError):
+    except (RuntimeError, NotImplementedError) as error:
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        warnings.warn(f"rnndrop: torch's {cell.mode} cannot run under autocast to {autocast_dtype} on "
+                      f"{device_type} ({reason}); Variational{cell.mode} computes in {weight_dtype} there",
+                      RuntimeWarning, stacklevel=2)
         return weight_dtype
 
 

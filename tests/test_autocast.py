@@ -97,3 +97,19 @@ def test_given_float32_masks_and_states_under_autocast():
     assert layer._compute_dtype is None  # reset after the call
     out32, _ = layer(x, hx, masks)
     torch.testing.assert_close(out.float(), out32, atol=0.05, rtol=0.05)
+
+
+def test_a_cell_torch_cannot_run_under_autocast_computes_in_its_dtype_with_one_warning():
+    """Where torch's fused op refuses the autocast dtype (so nn.LSTM could not run either), the
+    layer keeps its weights' dtype and says why once, instead of falling back silently."""
+    import dataclasses
+
+    from rnndrop.recurrent import LSTM_CELL, _autocast_result_dtype
+
+    def refuses(*args):
+        raise RuntimeError("no such kernel for this dtype\nsecond line")
+
+    cell = dataclasses.replace(LSTM_CELL, fused=refuses)
+    with pytest.warns(RuntimeWarning, match=r"cannot run under autocast .*\(no such kernel for this dtype\)"):
+        assert _autocast_result_dtype(cell, "cpu", torch.float32, torch.bfloat16) == torch.float32
+    assert _autocast_result_dtype(LSTM_CELL, "cpu", torch.float32, torch.bfloat16) == torch.bfloat16
