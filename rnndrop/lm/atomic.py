@@ -10,6 +10,7 @@ not the ``0o600`` of a temporary file. Temporaries left by a killed writer
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
-__all__ = ["atomic_write", "fsync_folder", "remove_stale_temporaries"]
+__all__ = ["atomic_write", "file_sha256", "fsync_folder", "remove_stale_temporaries"]
 
 
 def _umask() -> int:
@@ -92,3 +93,13 @@ def remove_stale_temporaries(folder: str | Path) -> list[Path]:
             tmp.unlink(missing_ok=True)
             removed.append(tmp)
     return removed
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """SHA-256 (hex) of a file's bytes, read in 1 MiB blocks: how a written file is recorded and
+    later checked (checkpoints, pretrained folders)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

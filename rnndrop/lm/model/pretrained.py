@@ -22,7 +22,6 @@ plain tensors, never pickled code)::
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
 import pickle
@@ -34,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rnndrop.lm.atomic import atomic_write
+from rnndrop.lm.atomic import atomic_write, file_sha256
 from rnndrop.lm.data.corpus import Vocabulary
 from rnndrop.lm.model.build import build_model
 from rnndrop.lm.model.regimes import REGIMES, Regime, get_regime, regime_probabilities
@@ -72,14 +71,6 @@ def _safetensors() -> Any:
     except ImportError:
         return None
     return safetensors.torch
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _write_json(obj: Any, path: Path) -> None:
@@ -150,7 +141,7 @@ def save_pretrained(
         with atomic_write(weights) as f:
             torch.save({k: v.detach().to("cpu") for k, v in model.state_dict().items()}, f)
     written = [folder / CONFIG, folder / VOCAB, weights]
-    manifest = {"format": FORMAT, "sha256": {p.name: _sha256(p) for p in written}}
+    manifest = {"format": FORMAT, "sha256": {p.name: file_sha256(p) for p in written}}
     _write_json(manifest, folder / MANIFEST)
     return [*written, folder / MANIFEST]
 
@@ -217,7 +208,7 @@ def from_pretrained(folder: str | os.PathLike[str], device: str | torch.device =
                 raise PretrainedError(f"{str(path)!r} is a symlink that leads to no file (broken, or a "
                                       "loop; the manifest lists it)")
             raise PretrainedError(f"{str(path)!r} is missing (the manifest lists it)")
-        if _sha256(path) != expected:
+        if file_sha256(path) != expected:
             raise PretrainedError(f"{str(path)!r} was changed after it was written: its SHA-256 is not "
                                   f"the one {MANIFEST} records")
     data = _read_json(folder / CONFIG)

@@ -71,7 +71,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-from rnndrop.lm.atomic import atomic_write, fsync_folder, remove_stale_temporaries
+from rnndrop.lm.atomic import atomic_write, file_sha256, fsync_folder, remove_stale_temporaries
 from rnndrop.lm.data.corpus import Corpus, Vocabulary
 from rnndrop.lm.model.build import build_model
 from rnndrop.lm.model.regimes import Regime, get_regime, regime_probabilities
@@ -636,10 +636,6 @@ def corpus_fingerprint(corpus: Corpus) -> str:
         digest.update(b"\0split\0")
         digest.update(split.to(torch.int64).contiguous().numpy().tobytes())
     return digest.hexdigest()
-
-
-def file_sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def text_sha256(text: str) -> str:
