@@ -159,12 +159,20 @@ def test_a_barrier_that_gives_up_reruns_the_step_kernel_with_one_warning(kind, d
     """A launch whose barrier gave up (simulated: the launch reports it) is rerun by the step kernel,
     right, with one warning; later calls on the device go to the step kernel directly."""
     monkeypatch.setattr(persistent, "_given_up", set())
-    monkeypatch.setattr(persistent, "_run", lambda *args, **kwargs: "a grid barrier gave up waiting")
+    launches = []
+
+    def gives_up(kernel, *args, **kwargs):
+        launches.append(kernel)
+        return "a grid barrier gave up waiting"
+
+    monkeypatch.setattr(persistent, "_run", gives_up)
     args = inputs(kind, [4, 3, 3, 1], ("T", "B", "P"), 0, device, torch.float32, H=16)
     with pytest.warns(RuntimeWarning, match="persistent 'triton' loop failed on .*grid barrier gave up"):
         ours = run("triton", kind, [4, 3, 3, 1], args, True)
     assert_close(ours, run("autograd", kind, [4, 3, 3, 1], args, True), atol=1e-5, rtol=1e-5)
-    assert not persistent.usable(device)
+    assert not persistent.usable(device) and len(launches) == 1  # the backward did not try either
+    run("triton", kind, [4, 3, 3, 1], args, True)
+    assert len(launches) == 1  # nor does a later call
 
 
 def test_persistent_loop_follows_cudnns_tf32_switch(device):

@@ -46,8 +46,8 @@ import functools
 import os
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple, TypeVar
 
 import torch
 import triton
@@ -60,9 +60,11 @@ from rnndrop.kernels.triton_common import sigmoid, tanh
 from rnndrop.kernels.triton_plan import accumulation_dtype, initial_grad, interpreted
 
 __all__ = [
-    "Launch", "gave_up", "gru_backward", "gru_forward", "launched_as", "lstm_backward", "lstm_forward",
-    "plan", "turned_off", "usable",
+    "Launch", "first_or_step", "gave_up", "gru_backward", "gru_forward", "launched_as", "lstm_backward",
+    "lstm_forward", "plan", "turned_off", "usable",
 ]
+
+T = TypeVar("T")
 
 #: The counter value a program that gave up waiting adds (far above any step count times programs).
 GAVE_UP = 1 << 30
@@ -479,6 +481,18 @@ def disabled() -> bool:
         return False
     raw = os.environ["RNNDROP_PERSISTENT"]
     raise ValueError(f"RNNDROP_PERSISTENT must be 0 (off) or 1 (on), got {raw!r}")
+
+
+def first_or_step(how: Launch | None, device: torch.device, persistent_pass: Callable[[Launch], T | None],
+                  step_pass: Callable[[], T]) -> tuple[T, Launch | None]:
+    """One pass (forward or backward) of a cell: ``persistent_pass(how)`` where there is a plan and
+    the device has not given the persistent loop up, else (or where it gave up in this call)
+    ``step_pass()``; with the plan that ran (None: the step kernel)."""
+    if how is not None and usable(device):
+        result = persistent_pass(how)
+        if result is not None:
+            return result, how
+    return step_pass(), None
 
 
 def plan(gates_x: Tensor, hidden: int, batch: int, projected: bool) -> Launch | None:

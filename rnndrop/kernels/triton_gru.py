@@ -231,13 +231,12 @@ class _GRURecurrence(torch.autograd.Function):
         inputs = (gates_x, h0, w_hh, b_hh, mask)
         how = persistent.plan(gates_x, h0.shape[1], h0.shape[0], False)
         with torch.autocast(gates_x.device.type, enabled=False):
-            result = None
-            if how is not None:
-                result = persistent.gru_forward(how, schedule, gates_x, h0, w_hh, b_hh, mask)
-            if result is None:
-                how = None
-                result = GRAPHS(("gru forward", *loop_key(schedule)), functools.partial(_forward, schedule),
-                                inputs)
+            result, how = persistent.first_or_step(
+                how, gates_x.device,
+                lambda how: persistent.gru_forward(how, schedule, gates_x, h0, w_hh, b_hh, mask),
+                lambda: GRAPHS(("gru forward", *loop_key(schedule)), functools.partial(_forward, schedule),
+                               inputs),
+            )
         out, h_n, acts, a_n, masked = result
         ctx.schedule, ctx.how = schedule, how
         ctx.save_for_backward(*_Saved(acts, a_n, out, masked, h0, w_hh, b_hh, mask))
@@ -250,14 +249,14 @@ class _GRURecurrence(torch.autograd.Function):
         needs, saved = tuple(ctx.needs_input_grad[:5]), ctx.saved_tensors
         run = functools.partial(_backward, ctx.schedule, needs)
         with torch.autocast(saved[0].device.type, enabled=False):
-            grads = None
-            if ctx.how is not None and persistent.usable(saved[0].device):
-                grads = _persistent_backward(ctx.how, ctx.schedule, needs, *saved, d_out, d_hn)
-            if grads is None:
-                grads = GRAPHS(  # a mask's gradient copies an index from the host: not capturable
+            grads, _ = persistent.first_or_step(
+                ctx.how, saved[0].device,
+                lambda how: _persistent_backward(how, ctx.schedule, needs, *saved, d_out, d_hn),
+                lambda: GRAPHS(  # a mask's gradient copies an index from the host: not capturable
                     ("gru backward", *loop_key(ctx.schedule), needs), run, (*saved, d_out, d_hn),
                     capturable=not needs[4],
-                )
+                ),
+            )
         return (*grads, None)
 
 

@@ -258,13 +258,12 @@ class _LSTMRecurrence(torch.autograd.Function):
         inputs = (gates_x, h0, c0, w_hh, w_hr, mask)
         how = persistent.plan(gates_x, c0.shape[1], c0.shape[0], w_hr is not None)
         with torch.autocast(gates_x.device.type, enabled=False):
-            result = None
-            if how is not None:
-                result = persistent.lstm_forward(how, schedule, gates_x, h0, c0, w_hh, mask)
-            if result is None:
-                how = None
-                result = GRAPHS(("lstm forward", *loop_key(schedule)), functools.partial(_forward, schedule),
-                                inputs)
+            result, how = persistent.first_or_step(
+                how, gates_x.device,
+                lambda how: persistent.lstm_forward(how, schedule, gates_x, h0, c0, w_hh, mask),
+                lambda: GRAPHS(("lstm forward", *loop_key(schedule)), functools.partial(_forward, schedule),
+                               inputs),
+            )
         out, h_n, c_n, acts, cells, r, masked = result
         ctx.schedule, ctx.how = schedule, how
         ctx.save_for_backward(*_Saved(acts, cells, out, r, masked, h0, c0, w_hh, w_hr, mask))
@@ -277,14 +276,14 @@ class _LSTMRecurrence(torch.autograd.Function):
         needs, saved = tuple(ctx.needs_input_grad[:6]), ctx.saved_tensors
         run = functools.partial(_backward, ctx.schedule, needs)
         with torch.autocast(saved[0].device.type, enabled=False):
-            grads = None
-            if ctx.how is not None and persistent.usable(saved[0].device):
-                grads = _persistent_backward(ctx.how, ctx.schedule, needs, *saved, d_out, d_hn, d_cn)
-            if grads is None:
-                grads = GRAPHS(  # a mask's gradient copies an index from the host: not capturable
+            grads, _ = persistent.first_or_step(
+                ctx.how, saved[0].device,
+                lambda how: _persistent_backward(how, ctx.schedule, needs, *saved, d_out, d_hn, d_cn),
+                lambda: GRAPHS(  # a mask's gradient copies an index from the host: not capturable
                     ("lstm backward", *loop_key(ctx.schedule), needs), run, (*saved, d_out, d_hn, d_cn),
                     capturable=not needs[5],
-                )
+                ),
+            )
         return (*grads, None)
 
 
