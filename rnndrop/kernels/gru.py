@@ -41,8 +41,8 @@ from torch.autograd.function import FunctionCtx
 
 from rnndrop.kernels import masked_product as mp
 from rnndrop.kernels.first_order import first_order_backward, refuse_transforms
+from rnndrop.kernels.gates import tanh
 from rnndrop.kernels.matmul import StepWeight
-from rnndrop.kernels.pointwise import tanh
 from rnndrop.kernels.schedule import Schedule, add_product, gather_previous, previous, previous_targets
 
 

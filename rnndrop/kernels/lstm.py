@@ -45,8 +45,8 @@ from torch.autograd.function import FunctionCtx
 
 from rnndrop.kernels import masked_product as mp
 from rnndrop.kernels.first_order import first_order_backward, refuse_transforms
+from rnndrop.kernels.gates import sigmoid_tanh_, tanh
 from rnndrop.kernels.matmul import StepWeight, matmul
-from rnndrop.kernels.pointwise import sigmoid_tanh_, tanh
 from rnndrop.kernels.schedule import (
     Schedule,
     add_product,
