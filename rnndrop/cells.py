@@ -18,7 +18,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from rnndrop.kernels.gates import GRU_GATES, LSTM_GATES, gru_pointwise, lstm_pointwise, masked_linear
-from rnndrop.scripting import refuse_torchscript
+from rnndrop.stochastic import refuse_torchscript
 from rnndrop.validation import check_tensor_like
 
 __all__ = [

@@ -59,8 +59,7 @@ from rnndrop.kernels.gates import GRU_GATES, LSTM_GATES
 from rnndrop.layout import SequenceLayout
 from rnndrop.masks import MASK_SCOPES, RecurrentMasks, StackGeometry, check_seq_len, mask_sites
 from rnndrop.noise import NOISES, draw_mask
-from rnndrop.scripting import run_eagerly
-from rnndrop.stochastic import Stochastic
+from rnndrop.stochastic import Stochastic, run_eagerly
 from rnndrop.validation import check_bool, check_choice, check_positive_int, check_probability
 
 __all__ = ["GRU_CELL", "LSTM_CELL", "CellSpec", "VariationalGRU", "VariationalLSTM", "VariationalRNNStack"]

@@ -1,8 +1,44 @@
-"""The marker that tells Monte-Carlo prediction which modules sample noise."""
+"""Modules that sample noise, and how they meet torch's compilers.
+
+:class:`Stochastic` marks the modules that draw noise in training mode, for Monte-Carlo
+prediction. They refuse ``torch.jit.script`` with a reason instead of a parser error, and run
+eagerly inside ``torch.compile`` (a graph break, not an error): TorchScript (deprecated in current
+torch) cannot express what these modules do (masks drawn per call and passed around as
+dataclasses, loop kernels that are autograd Functions, keyword-only arguments).
+``torch.jit.script`` calls ``__prepare_scriptable__`` on a module and each of its submodules
+first; :func:`refuse_torchscript` answers there with a one-line :class:`TypeError` that names the
+module and the ways that work.
+"""
 
 from __future__ import annotations
 
-from rnndrop.scripting import refuse_torchscript
+import functools
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import torch
+
+
+def refuse_torchscript(module: object) -> NoReturn:
+    """``__prepare_scriptable__`` of rnndrop's modules: ``torch.jit.script(module)`` (or of a model
+    holding it) raises a one-line TypeError. A class takes it as an attribute,
+    ``__prepare_scriptable__ = refuse_torchscript``, rather than from a base class, so that it
+    adds nothing to the class's MRO."""
+    raise TypeError(
+        f"{type(module).__name__} cannot be compiled by torch.jit.script (TorchScript cannot express "
+        "its per-call masks and loop kernels); use torch.compile, which runs it, or the module as it is"
+    )
+
+
+@functools.cache
+def run_eagerly(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` under ``torch.compiler.disable``, made on first use: the layers call it only
+    while torch.compile traces them (``torch.compiler.is_compiling()``), so ``import rnndrop``
+    does not import torch._dynamo (seconds). torch.compile then runs the layer eagerly, as it
+    runs nn.LSTM: the loop kernels are autograd Functions over a Python time loop, and tracing
+    torch's fused RNN ops fails in Inductor."""
+    return torch.compiler.disable(fn)
+
 
 
 class Stochastic:
@@ -11,7 +47,7 @@ class Stochastic:
     :func:`rnndrop.mc.mc_dropout` switches exactly these modules (and ``nn.Dropout``
     and its siblings) to training mode. A subclass overrides :meth:`is_stochastic`
     to say whether it would draw any noise at all with its present settings.
-    ``torch.jit.script`` refuses these modules with a reason (:mod:`rnndrop.scripting`).
+    ``torch.jit.script`` refuses these modules with a reason (:func:`refuse_torchscript`).
     """
 
     __prepare_scriptable__ = refuse_torchscript
