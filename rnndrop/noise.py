@@ -13,6 +13,7 @@ sites a stack of layers has, and how long its masks live: :mod:`rnndrop.masks`.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from torch import Tensor
 from rnndrop.distributed import ensure_noise_per_rank
 from rnndrop.validation import check_probability
 
-__all__ = ["NOISES", "MaskSite", "bernoulli_mask", "draw_mask", "gaussian_mask", "sample_mask"]
+__all__ = ["NOISES", "MaskSite", "bernoulli_mask", "draw_mask", "draw_masks", "gaussian_mask", "sample_mask"]
 
 NOISES: tuple[str, ...] = ("bernoulli", "gaussian")
 
@@ -60,6 +61,23 @@ def _bernoulli(
     (docs/speed.md, "Bernoulli masks").
     """
     dtype = _mask_dtype(dtype)
+    scale = _kept_value(p, dtype)
+    if generator is None:
+        ensure_noise_per_rank()
+    uniform = torch.rand(tuple(shape), dtype=torch.float32, device=device, generator=generator)
+    return _kept(uniform, p, scale, dtype)
+
+
+def _kept(uniform: Tensor, p: float, scale: float, dtype: torch.dtype) -> Tensor:
+    """``scale`` where ``uniform >= p``, else 0, in ``dtype``: two ops (that vmap and export know)
+    in torch's default dtype, where a bool tensor times a float lands; three in another."""
+    if dtype == torch.get_default_dtype():
+        return (uniform >= p) * scale
+    return (uniform >= p).to(dtype).mul_(scale)
+
+
+def _kept_value(p: float, dtype: torch.dtype) -> float:
+    """``1 / (1 - p)``, checked to be finite in ``dtype``."""
     scale = 1.0 / (1.0 - p)
     if scale > torch.finfo(dtype).max:
         largest = torch.finfo(dtype).max
@@ -68,10 +86,7 @@ def _bernoulli(
             f"({largest:.6g}): every kept value would be inf; "
             f"use p <= {1.0 - 1.0 / largest:.7f} or a wider dtype"
         )
-    if generator is None:
-        ensure_noise_per_rank()
-    uniform = torch.rand(tuple(shape), dtype=torch.float32, device=device, generator=generator)
-    return (uniform >= p).to(dtype).mul_(scale)
+    return scale
 
 
 def _mask_dtype(dtype: torch.dtype | None) -> torch.dtype:
@@ -195,3 +210,36 @@ def draw_mask(
     if noise == "bernoulli":
         return _bernoulli(site.shape, site.p, device, dtype, generator)
     return gaussian_mask(site.shape, site.p / (1.0 - site.p), device=device, dtype=dtype, generator=generator)
+
+
+def draw_masks(
+    sites: Sequence[MaskSite],
+    noise: str,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    generator: torch.Generator | None,
+) -> list[Tensor | None]:
+    """:func:`draw_mask` of every site, with the Bernoulli float32 masks of a stack drawn together:
+    one tensor of uniforms for all of them, and one comparison and one scaling per run of
+    consecutive sites with the same ``p`` (three launches instead of three per site on a GPU).
+    The masks are views of one tensor, with the distribution of separate draws."""
+    if noise != "bernoulli" or _mask_dtype(dtype) != torch.float32:
+        return [draw_mask(site, noise, device=device, dtype=dtype, generator=generator) for site in sites]
+    drawn = [site for site in sites if site.p > 0]
+    sizes = [math.prod(site.shape) for site in drawn]
+    if generator is None and drawn:
+        ensure_noise_per_rank()
+    uniform = torch.rand(sum(sizes), dtype=torch.float32, device=device, generator=generator)
+    masks: dict[str, Tensor] = {}
+    start = 0
+    for p, run in itertools.groupby(zip(drawn, sizes), key=lambda pair: pair[0].p):
+        run = list(run)
+        length = sum(size for _, size in run)
+        kept = _kept(uniform[start : start + length], p, _kept_value(p, torch.float32), torch.float32)
+        offset = 0
+        for site, size in run:
+            masks[site.name] = kept[offset : offset + size].view(site.shape)
+            offset += size
+        start += length
+    return [masks.get(site.name) for site in sites]

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from rnndrop import EmbeddingDropout, LockedDropout, VariationalLSTM, WeightDrop, bernoulli_mask
+from rnndrop.noise import MaskSite, draw_mask, draw_masks
 from rnndrop.validation import check_bool, check_finite_float, check_positive_int, check_probability
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,3 +161,46 @@ def test_p_whose_scale_overflows_the_dtype_is_refused_instead_of_inf_masks():
         VariationalLSTM(4, 6, dropout_hidden=0.99999).half().sample_masks(2)
     mask = bernoulli_mask((100_000,), 0.9999847, dtype=torch.float16)  # the largest p that fits
     assert torch.isfinite(mask).all()
+
+
+def test_a_stack_draws_its_masks_in_one_draw_each_with_its_own_p_and_shape():
+    """``draw_masks``: one tensor of uniforms for every site, each site's mask the draw of its
+    own slice (``u >= p`` times ``1 / (1 - p)``), None where p is 0; runs of equal p share one
+    comparison. The generator advances as one ``torch.rand`` of every site's entries."""
+    sites = [MaskSite("a", (3, 4), 0.5), MaskSite("b", (2, 4), 0.5), MaskSite("off", (5,), 0.0),
+             MaskSite("c", (4, 1, 3), 0.2), MaskSite("d", (6,), 0.5)]
+    ours = torch.Generator().manual_seed(7)
+    masks = draw_masks(sites, "bernoulli", device="cpu", dtype=torch.float32, generator=ours)
+    theirs = torch.Generator().manual_seed(7)
+    uniform = torch.rand(12 + 8 + 12 + 6, generator=theirs)
+    start = 0
+    for site, mask in zip(sites, masks):
+        if site.p == 0:
+            assert mask is None
+            continue
+        size = mask.numel()
+        expected = (uniform[start : start + size] >= site.p).float() / (1 - site.p)
+        assert mask.shape == site.shape and torch.equal(mask.flatten(), expected)
+        start += size
+    assert torch.equal(ours.get_state(), theirs.get_state())
+
+
+@pytest.mark.parametrize("noise, dtype", [("gaussian", torch.float32), ("bernoulli", torch.float64)])
+def test_other_noises_and_dtypes_draw_site_by_site(noise, dtype):
+    sites = [MaskSite("a", (3, 4), 0.5), MaskSite("b", (2,), 0.3)]
+    ours = torch.Generator().manual_seed(2)
+    theirs = torch.Generator().manual_seed(2)
+    masks = draw_masks(sites, noise, device="cpu", dtype=dtype, generator=ours)
+    for site, mask in zip(sites, masks):
+        assert torch.equal(mask, draw_mask(site, noise, device="cpu", dtype=dtype, generator=theirs))
+
+
+def test_the_masks_of_one_draw_are_independent_and_keep_one_minus_p():
+    """Sites drawn together are not copies of one another, and each keeps 1 - p of its entries."""
+    torch.manual_seed(0)
+    sites = [MaskSite(name, (200, 400), 0.5) for name in ("a", "b", "c")]
+    a, b, c = draw_masks(sites, "bernoulli", device="cpu", dtype=torch.float32, generator=None)
+    for m in (a, b, c):
+        assert abs(float((m > 0).float().mean()) - 0.5) < 0.01
+    agree = float(((a > 0) == (b > 0)).float().mean())
+    assert abs(agree - 0.5) < 0.01 and not torch.equal(b, c)
