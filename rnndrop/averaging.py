@@ -53,6 +53,7 @@ import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
+from rnndrop.recurrent import compact_weights
 from rnndrop.validation import check_instance, check_positive_int
 
 __all__ = ["NTAveraging", "NonMonotoneTrigger"]
@@ -186,6 +187,7 @@ class NTAveraging:
         averaged = AveragedModel(self.model, use_buffers=False)
         for p in averaged.parameters():
             p.grad = None  # deepcopy copied the model's gradients; the average never needs them
+        compact_weights(averaged)  # the copy's recurrent weights in one buffer again (cuDNN)
         return averaged
 
     def state_dict(self) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import copy
 
 from torch import nn
 
-from rnndrop.recurrent import VariationalRNNStack
+from rnndrop.recurrent import VariationalRNNStack, compact_weights
 from rnndrop.sparsity import Sparsified
 from rnndrop.validation import check_instance
 from rnndrop.weight_drop import WeightDrop
@@ -64,4 +64,5 @@ def to_torch(model: nn.Module) -> nn.Module:
             replacement = _plain(child)
             if replacement is not None:
                 setattr(module, name, replacement)
+    compact_weights(converted)  # the deep copy's recurrent weights in one buffer again (cuDNN)
     return converted.eval()

@@ -58,7 +58,7 @@ from rnndrop.kernels import KERNELS, GRURecurrence, LSTMRecurrence, auto_loop_ke
 from rnndrop.kernels.gates import GRU_GATES, LSTM_GATES
 from rnndrop.layout import SequenceLayout
 from rnndrop.masks import MASK_SCOPES, RecurrentMasks, StackGeometry, check_seq_len, mask_sites
-from rnndrop.noise import NOISES, draw_mask
+from rnndrop.noise import NOISES, draw_mask, draw_masks
 from rnndrop.stochastic import Stochastic, run_eagerly
 from rnndrop.validation import check_bool, check_choice, check_positive_int, check_probability
 
@@ -164,6 +164,15 @@ def quiet_weight_compaction(device: torch.device) -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_COMPACTION_WARNING)
         yield
+
+
+def compact_weights(model: nn.Module) -> None:
+    """Put the weights of every recurrent layer in ``model`` back into one flat buffer where cuDNN
+    wants one (``flatten_parameters``, which does nothing elsewhere). A deep copy gives every
+    parameter a storage of its own; cuDNN would then copy them all at every call, with a warning."""
+    for module in model.modules():
+        if isinstance(module, nn.RNNBase):
+            module.flatten_parameters()
 
 
 @functools.cache
@@ -430,8 +439,11 @@ class VariationalRNNStack(Stochastic):
             hidden_p=self.dropout_hidden,
             output_p=self.dropout_output,
         )
-        drawn = [self._draw_mask(site, self.noise, device=device, dtype=dtype, generator=generator)
-                 for site in sites]
+        if type(self)._draw_mask is draw_mask:  # the stack's masks in one draw
+            drawn = draw_masks(sites, self.noise, device=device, dtype=dtype, generator=generator)
+        else:  # a subclass's hook, site by site
+            drawn = [self._draw_mask(site, self.noise, device=device, dtype=dtype, generator=generator)
+                     for site in sites]
         L = self.num_layers
         return RecurrentMasks(
             tuple(drawn[:L]), tuple(drawn[L:-1]), drawn[-1], self.mask_scope, self.per_gate_masks
@@ -701,8 +713,9 @@ class VariationalRNNStack(Stochastic):
             )
             outs.append(out)
             finals.append(final)
-        out = torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
-        return out, tuple(torch.stack(parts) for parts in zip(*finals))
+        if len(outs) == 1:  # views, not copies
+            return outs[0], tuple(state.unsqueeze(0) for state in finals[0])
+        return torch.cat(outs, dim=-1), tuple(torch.stack(parts) for parts in zip(*finals))
 
 
 #: A Tensor in gives a Tensor out, a PackedSequence in a PackedSequence out.

@@ -20,6 +20,7 @@ from rnndrop import (
     activation_regularization,
     scaled_learning_rate,
     temporal_activation_regularization,
+    to_torch,
 )
 from rnndrop.lm.model.language_model import RNNLanguageModel
 
@@ -363,3 +364,29 @@ def test_nt_averaging_resumes_bit_for_bit_from_its_state():
     nn.Module.__init__(ddp_like)
     with pytest.raises(TypeError, match="pass ddp.module"):
         NTAveraging(ddp_like)
+
+
+def test_the_averaged_copy_and_the_deployed_copy_put_their_recurrent_weights_in_one_buffer(monkeypatch):
+    """A deep copy gives each parameter its own storage, which cuDNN would copy at every call (with a
+    warning): NT-ASGD's averaged copy and ``to_torch``'s copy flatten every recurrent layer again."""
+    flattened = []
+    real = nn.RNNBase.flatten_parameters
+
+    def spy(module):
+        flattened.append(type(module).__name__)
+        real(module)
+
+    model = nn.Sequential(VariationalLSTM(3, 4, dropout_hidden=0.2), nn.Linear(4, 4), nn.GRU(4, 2))
+    monkeypatch.setattr(nn.RNNBase, "flatten_parameters", spy)
+    NTAveraging(model, start=True)
+    assert flattened == ["VariationalLSTM", "GRU"]
+    flattened.clear()
+    to_torch(model)
+    assert flattened[-2:] == ["LSTM", "GRU"]  # after building the plain LSTM: every layer of the copy
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU machine runs it)")
+def test_on_cuda_the_averaged_copys_weights_share_one_storage():
+    model = VariationalLSTM(3, 4, num_layers=2, dropout_hidden=0.2).cuda()
+    averaged = NTAveraging(model, start=True).evaluation_model
+    assert len({w.untyped_storage().data_ptr() for w in averaged._flat_weights}) == 1
