@@ -7,6 +7,7 @@ import torch
 from torch.testing import assert_close
 
 from rnndrop.kernels import onednn
+from rnndrop.kernels import per_gate_projection as per_gate_projection_module
 from rnndrop.kernels.gates import masked_linear
 from rnndrop.kernels.matmul import input_projection
 from rnndrop.kernels.per_gate_projection import per_gate_projection
@@ -17,7 +18,10 @@ CASES = [((5, 3, 7), (1, 3, 4, 7)), ((5, 3, 7), (5, 3, 4, 7)), ((5, 3, 7), (1, 1
 
 @pytest.mark.parametrize("x_shape, mask_shape", CASES)
 @pytest.mark.parametrize("bias", [True, False])
-def test_matches_a_masked_copy_per_gate_twice_differentiably(x_shape, mask_shape, bias):
+@pytest.mark.parametrize("batched", [False, True], ids=["per gate", "batched (the CUDA path)"])
+def test_matches_a_masked_copy_per_gate_twice_differentiably(x_shape, mask_shape, bias, batched, monkeypatch):
+    if batched:
+        monkeypatch.setattr(per_gate_projection_module, "BATCHED_DEVICES", {"cuda", "cpu"})
     torch.manual_seed(0)
     x = torch.randn(x_shape, dtype=torch.float64, requires_grad=True)
     mask = (torch.rand(mask_shape, dtype=torch.float64) * 2).requires_grad_()

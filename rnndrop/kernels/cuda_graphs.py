@@ -36,6 +36,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from rnndrop.kernels.precision import matmul_precision
+
 __all__ = ["GRAPHS", "GraphCache", "check_environment", "set_max_graphs"]
 
 logger = logging.getLogger(__name__)
@@ -50,20 +52,6 @@ class Captured(NamedTuple):
     graph: Any
     inputs: list[Tensor | None]
     outputs: Outputs
-
-
-def matmul_precision() -> str:
-    """How cuBLAS runs float32 products now: "ieee", "tf32" (``allow_tf32``,
-    ``set_float32_matmul_precision("high")``, ``fp32_precision = "tf32"``) or "bf16". Read through
-    ``fp32_precision`` where torch has it: the legacy getters raise once the new API was used."""
-    matmul = torch.backends.cuda.matmul
-    try:
-        mode = matmul.fp32_precision
-    except AttributeError:  # torch < 2.9: the legacy switch only
-        return "tf32" if matmul.allow_tf32 else "ieee"
-    if mode == "none":  # unset: the global default
-        mode = torch.backends.fp32_precision
-    return "ieee" if mode == "none" else mode
 
 
 def tensor_key(t: Tensor | None) -> Hashable:

@@ -28,8 +28,8 @@ import torch
 from torch import Tensor
 
 from rnndrop.kernels import reference
-from rnndrop.kernels.cuda_graphs import matmul_precision
 from rnndrop.kernels.optional import available_or_warn
+from rnndrop.kernels.precision import cudnn_rnn_tf32, matmul_precision
 
 __all__ = [
     "first_use_failure",
@@ -112,17 +112,17 @@ def gru_recurrence(
 def first_use_failure(device: torch.device | str) -> str | None:
     """Why the kernel fails on ``device``, or None: a small packed LSTM (tied mask) and GRU (per-gate
     mask) in float32, outputs and every gradient against the reference kernel within 1e-4, or
-    within 2e-2 where float32 products may run in TF32 (or bfloat16): cuBLAS's mode for the step
-    kernel and the reference, cuDNN's switch ``torch.backends.cudnn.allow_tf32`` (on by default) for
-    the persistent loop, which keep 10 (7) bits of mantissa, each rounding its own way.
+    within 2e-2 where float32 products may run in TF32 (or bfloat16): cuBLAS's mode for the
+    reference, cuDNN's switch for RNNs (:func:`~rnndrop.kernels.precision.cudnn_rnn_tf32`, on by
+    default) for this kernel, which keep 10 (7) bits of mantissa, each rounding its own way.
 
     Uses its own generator (the global random state is left as it was) and runs outside any
     ``torch.autocast`` the caller is in."""
     device = torch.device(device)
     generator = torch.Generator().manual_seed(0)
-    # the persistent loop follows cuDNN's TF32 switch, the step kernel's cuBLAS products cuBLAS's
-    persistent_tf32 = device.type == "cuda" and torch.backends.cudnn.allow_tf32
-    tolerance = 1e-4 if matmul_precision() == "ieee" and not persistent_tf32 else 2e-2
+    # this kernel's products follow cuDNN's TF32 switch on CUDA, the reference's cuBLAS's
+    tf32 = device.type == "cuda" and cudnn_rnn_tf32()
+    tolerance = 1e-4 if matmul_precision() == "ieee" and not tf32 else 2e-2
     sizes, hidden = [3, 2, 1], 8
     cases = {  # cell: (the argument shapes after batch_sizes, this kernel and the reference)
         "lstm": ([(6, 4 * hidden), (3, hidden), (3, hidden), (4 * hidden, hidden), None, (1, 3, hidden)],

@@ -19,6 +19,7 @@ from torch import Tensor
 from rnndrop.kernels.gates import masked_linear
 from rnndrop.kernels.onednn import onednn_enabled
 from rnndrop.kernels.per_gate_projection import per_gate_projection
+from rnndrop.kernels.precision import products_as_cudnn
 
 
 class StepWeight:
@@ -87,12 +88,17 @@ def functorch_wrapped(*tensors: Tensor) -> bool:
 
 
 class _Linear(torch.autograd.Function):
-    """``x @ W^T + b`` with every product through :func:`matmul` / oneDNN."""
+    """``x @ W^T + b`` with every product through :func:`matmul` / oneDNN on CPU, and on CUDA in
+    the float32 mode cuDNN would use for an ``nn.LSTM`` (:func:`products_as_cudnn`), forward and
+    backward."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
+        if x.is_cuda:
+            with products_as_cudnn(x):
+                return torch.nn.functional.linear(x, weight.detach(), bias)
         return torch.ops.mkldnn._linear_pointwise(x, weight.detach(), bias, "none", [], "")
 
     @staticmethod
@@ -100,12 +106,13 @@ class _Linear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad
         d_x = d_w = d_b = None
-        if torch.is_grad_enabled():  # create_graph: differentiable ops for a double backward
-            d_x = d_out.mm(weight) if need_x else None
-            d_w = d_out.t().mm(x) if need_w else None
-        else:
-            d_x = matmul(d_out, weight) if need_x else None
-            d_w = matmul(d_out.t(), x) if need_w else None
+        with products_as_cudnn(d_out):
+            if torch.is_grad_enabled():  # create_graph: differentiable ops for a double backward
+                d_x = d_out.mm(weight) if need_x else None
+                d_w = d_out.t().mm(x) if need_w else None
+            else:
+                d_x = matmul(d_out, weight) if need_x else None
+                d_w = matmul(d_out.t(), x) if need_w else None
         if need_b and ctx.has_bias:
             d_b = d_out.sum(0)
         return d_x, d_w, d_b
@@ -116,14 +123,15 @@ def input_projection(x: Tensor, mask: Tensor | None, weight: Tensor, bias: Tenso
     sequence (:func:`rnndrop.kernels.gates.masked_linear`, same arguments).
 
     Without a mask (or with one the caller already applied), forward and backward run
-    through oneDNN where :class:`StepWeight` uses it, else ``F.linear``; with a mask per gate
+    through oneDNN where :class:`StepWeight` uses it, on CUDA in cuDNN's float32 mode
+    (:func:`~rnndrop.kernels.precision.products_as_cudnn`), else ``F.linear``; with a mask per gate
     ``[..., G, in]`` (broadcasting against ``x`` ``[..., in]`` row by row), through
     :func:`~rnndrop.kernels.per_gate_projection.per_gate_projection`. Twice differentiable
     either way.
     """
     if functorch_wrapped(*(t for t in (x, mask, weight, bias) if t is not None)):
         return masked_linear(x, mask, weight, bias)
-    if mask is None and x.dim() == 2 and onednn_enabled(x) and weight.dtype == x.dtype:
+    if mask is None and x.dim() == 2 and (x.is_cuda or onednn_enabled(x)) and weight.dtype == x.dtype:
         return _Linear.apply(x.contiguous(), weight, bias)
     # (not torch.broadcast_shapes: its first call imports torch._refs; docs/speed.md, "Per-gate masks")
     if (mask is not None and mask.dim() == x.dim() + 1

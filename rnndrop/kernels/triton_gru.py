@@ -37,6 +37,7 @@ from rnndrop.kernels import masked_product as mp
 from rnndrop.kernels import persistent
 from rnndrop.kernels.cuda_graphs import GRAPHS
 from rnndrop.kernels.first_order import first_order_backward
+from rnndrop.kernels.precision import products_as_cudnn
 from rnndrop.kernels.schedule import Schedule, gather_previous
 from rnndrop.kernels.triton_common import (
     gather_state_grad,
@@ -230,7 +231,7 @@ class _GRURecurrence(torch.autograd.Function):
     def forward(ctx: FunctionCtx, gates_x, h0, w_hh, b_hh, mask, schedule: Schedule):
         inputs = (gates_x, h0, w_hh, b_hh, mask)
         how = persistent.plan(gates_x, h0.shape[1], h0.shape[0], False)
-        with torch.autocast(gates_x.device.type, enabled=False):
+        with torch.autocast(gates_x.device.type, enabled=False), products_as_cudnn(gates_x):
             result, how = persistent.first_or_step(
                 how, gates_x.device,
                 lambda how: persistent.gru_forward(how, schedule, gates_x, h0, w_hh, b_hh, mask),
@@ -248,7 +249,7 @@ class _GRURecurrence(torch.autograd.Function):
     def backward(ctx, d_out, d_hn):
         needs, saved = tuple(ctx.needs_input_grad[:5]), ctx.saved_tensors
         run = functools.partial(_backward, ctx.schedule, needs)
-        with torch.autocast(saved[0].device.type, enabled=False):
+        with torch.autocast(saved[0].device.type, enabled=False), products_as_cudnn(saved[0]):
             grads, _ = persistent.first_or_step(
                 ctx.how, saved[0].device,
                 lambda how: _persistent_backward(how, ctx.schedule, needs, *saved, d_out, d_hn),

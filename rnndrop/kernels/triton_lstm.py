@@ -41,6 +41,7 @@ from rnndrop.kernels import persistent
 from rnndrop.kernels.cuda_graphs import GRAPHS
 from rnndrop.kernels.first_order import first_order_backward
 from rnndrop.kernels.matmul import matmul
+from rnndrop.kernels.precision import products_as_cudnn
 from rnndrop.kernels.schedule import Schedule, gather_previous
 from rnndrop.kernels.triton_common import (
     gather_state_grad,
@@ -257,7 +258,7 @@ class _LSTMRecurrence(torch.autograd.Function):
     def forward(ctx: FunctionCtx, gates_x, h0, c0, w_hh, w_hr, mask, schedule: Schedule):
         inputs = (gates_x, h0, c0, w_hh, w_hr, mask)
         how = persistent.plan(gates_x, c0.shape[1], c0.shape[0], w_hr is not None)
-        with torch.autocast(gates_x.device.type, enabled=False):
+        with torch.autocast(gates_x.device.type, enabled=False), products_as_cudnn(gates_x):
             result, how = persistent.first_or_step(
                 how, gates_x.device,
                 lambda how: persistent.lstm_forward(how, schedule, gates_x, h0, c0, w_hh, mask),
@@ -275,7 +276,7 @@ class _LSTMRecurrence(torch.autograd.Function):
     def backward(ctx, d_out, d_hn, d_cn):
         needs, saved = tuple(ctx.needs_input_grad[:6]), ctx.saved_tensors
         run = functools.partial(_backward, ctx.schedule, needs)
-        with torch.autocast(saved[0].device.type, enabled=False):
+        with torch.autocast(saved[0].device.type, enabled=False), products_as_cudnn(saved[0]):
             grads, _ = persistent.first_or_step(
                 ctx.how, saved[0].device,
                 lambda how: _persistent_backward(how, ctx.schedule, needs, *saved, d_out, d_hn, d_cn),
