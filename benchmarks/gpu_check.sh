@@ -5,7 +5,7 @@
 #
 #   bash benchmarks/gpu_check.sh                    # every section, about 9 minutes on an H200
 #   bash benchmarks/gpu_check.sh checks tf32 lms    # some of them: machine checks tests speed tf32 mc
-#                                                   # profile loop_profile lms
+#                                                   # profile loop_profile tuning projection host_profile lms
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -39,9 +39,10 @@ timeout 120 $PY -m pytest -q -p no:cacheprovider --timeout 100 tests/test_cuda_g
 
 speed() {
 step "training speed against cuDNN, torch's defaults (cuDNN TF32, cuBLAS IEEE)"
-timeout 200 $PY benchmarks/speed.py --device cuda --shapes small,medium,large --batch 20,64,128 \
-    --kernels triton --rounds ${ROUNDS:-8} --json "$OUT/gpu-speed-train.json" 2>>"$OUT/speed.err" \
-    >"$OUT/gpu-speed-train.txt"
+# SPEED_SHAPES, SPEED_BATCH, SPEED_VARIANTS (speed.py --variants) and SPEED_TIMEOUT narrow it
+timeout ${SPEED_TIMEOUT:-200} $PY benchmarks/speed.py --device cuda --shapes ${SPEED_SHAPES:-small,medium,large} \
+    --batch ${SPEED_BATCH:-20,64,128} ${SPEED_VARIANTS:+--variants $SPEED_VARIANTS} --kernels triton \
+    --rounds ${ROUNDS:-8} --json "$OUT/gpu-speed-train.json" 2>>"$OUT/speed.err" >"$OUT/gpu-speed-train.txt"
 grep -E "^(lstm|gru) " "$OUT/gpu-speed-train.txt" | grep -vE "^(lstm|gru) +[0-9]+ +[0-9]+ +nn\." | head -n 80
 }
 
@@ -118,6 +119,66 @@ for hidden in (200, 650, 1500):
     print(f"== hidden {hidden}: GPU busy {total:.2f} ms a step; by kernel (ms a step):")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:5]:
         print(f"   {e.self_device_time_total / 5 / 1e3:7.3f}  x{e.count // 5:<3d} {e.key[:70]}")
+PROFILE
+}
+
+tuning() {
+step "the persistent loop's GPU time by launch setting; host vs GPU time of a training step"
+timeout 240 $PY benchmarks/persistent_tuning.py --json "$OUT/persistent-tuning.json" 2>&1 \
+    | tee "$OUT/persistent-tuning.txt" | tail -n 60
+}
+
+projection() {
+step "the per-gate input projection's batched CUDA path against a masked copy per gate (float64)"
+timeout 60 $PY - <<'CHECK' 2>&1 | tee "$OUT/projection-check.txt"
+import torch
+from rnndrop.kernels.gates import masked_linear
+from rnndrop.kernels.per_gate_projection import per_gate_projection
+
+torch.manual_seed(0)
+for x_shape, mask_shape in (((35, 20, 64), (1, 20, 4, 64)), ((35, 20, 64), (35, 20, 3, 64)), ((50, 64), (50, 4, 64))):
+    gates = mask_shape[-2]
+    x = torch.randn(x_shape, dtype=torch.float64, device="cuda", requires_grad=True)
+    mask = (torch.rand(mask_shape, dtype=torch.float64, device="cuda") * 2).requires_grad_()
+    w = torch.randn(gates * 32, 64, dtype=torch.float64, device="cuda", requires_grad=True)
+    b = torch.randn(gates * 32, dtype=torch.float64, device="cuda", requires_grad=True)
+    ours, ref = per_gate_projection(x, mask, w, b), masked_linear(x, mask, w, b)
+    d = torch.randn_like(ref)
+    errors = [float((a - r).detach().abs().max()) for a, r in zip(
+        (ours, *torch.autograd.grad(ours, (x, mask, w, b), d)), (ref, *torch.autograd.grad(ref, (x, mask, w, b), d)))]
+    print(x_shape, mask_shape, "largest differences", ["%.1e" % e for e in errors],
+          "OK" if max(errors) < 1e-9 else "WRONG")
+CHECK
+}
+
+host_profile() {
+step "where the host's time goes in a tied-mask training step (LSTM 200, batch 20: host-bound)"
+timeout 90 $PY - <<'PROFILE' 2>&1 | tee "$OUT/host-profile.txt" | head -n 75
+import cProfile, pstats, torch
+from torch.profiler import ProfilerActivity, profile
+from rnndrop import VariationalLSTM
+
+layer = VariationalLSTM(200, 200, 2, dropout=0.5, dropout_input=0.5, dropout_hidden=0.5,
+                        dropout_output=0.5).cuda()
+x = torch.randn(35, 20, 200, device="cuda")
+def step():
+    layer.zero_grad(set_to_none=True)
+    layer(x)[0].sum().backward()
+for _ in range(10):
+    step()
+torch.cuda.synchronize()
+with profile(activities=[ProfilerActivity.CPU]) as prof:
+    for _ in range(20):
+        step()
+    torch.cuda.synchronize()
+print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=40))
+profiler = cProfile.Profile()
+profiler.enable()
+for _ in range(50):
+    step()
+torch.cuda.synchronize()
+profiler.disable()
+pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
 PROFILE
 }
 

@@ -70,8 +70,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from rnndrop import VariationalGRU, VariationalLSTM
 from rnndrop.kernels import KERNELS, auto_loop_kernel, cuda_graphs, get_kernel
-from rnndrop.kernels.cuda_graphs import matmul_precision
 from rnndrop.kernels.onednn import onednn_enabled
+from rnndrop.kernels.precision import cudnn_rnn_tf32, matmul_precision
 
 try:
     from rnndrop.weight_drop import WeightDrop
@@ -222,6 +222,9 @@ def bench_shape(
     torch.manual_seed(0)
     auto = auto_loop_kernel(torch.ones(1, device=device))
     variants = build_variants(model, hidden, args.layers, args.p, args.kernels, auto)
+    if args.variants is not None:  # the baseline, then the variants asked for
+        variants = {name: m for k, (name, m) in enumerate(variants.items())
+                    if k == 0 or name.rstrip("*") in args.variants}
     for m in variants.values():
         m.to(device).train()
     x = torch.randn(args.seq_len, batch, hidden, device=device)
@@ -354,12 +357,13 @@ def set_tf32(choice: str) -> None:
 
 
 def float32_products() -> str:
-    """How float32 products run on CUDA: cuDNN's (``nn.LSTM``) and cuBLAS's (the loop kernels)."""
+    """How float32 products run on CUDA: cuDNN's (``nn.LSTM``, and the Triton kernel, which follows
+    cuDNN's switch) and cuBLAS's (WeightDrop's and other code's)."""
     names = {"ieee": "IEEE float32", "tf32": "TF32"}
-    cudnn = names["tf32" if torch.backends.cudnn.allow_tf32 else "ieee"]
+    cudnn = names["tf32" if cudnn_rnn_tf32() else "ieee"]
     cublas = matmul_precision()
     cublas = names.get(cublas, cublas)
-    return f"float32 products: cuDNN (nn.LSTM / nn.GRU) {cudnn}, cuBLAS (the loop kernels) {cublas}"
+    return f"float32 products: cuDNN (nn.LSTM / nn.GRU) and the Triton kernel {cudnn}, other cuBLAS {cublas}"
 
 
 #: The goals of docs/gpu.md (issue 22), as (variant, largest ratio to the baseline): the per-sequence
@@ -536,8 +540,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     parser.add_argument("--tf32", default="default", choices=["default", "on", "off"],
-                        help="CUDA float32 products: torch's defaults (cuDNN, so nn.LSTM, in TF32; "
-                             "cuBLAS, so the loop kernels, in IEEE float32), or both TF32, or both IEEE")
+                        help="CUDA float32 products: torch's defaults (cuDNN, so nn.LSTM and the Triton "
+                             "kernel, in TF32; other cuBLAS products in IEEE), or all TF32, or all IEEE")
+    parser.add_argument("--variants", default=None,
+                        help="comma-separated variants to time besides the baseline, as the table names "
+                             "them without '*' (default: all)")
     parser.add_argument("--no-memory", dest="memory", action="store_false", help="skip memory")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument(
@@ -572,6 +579,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if k not in runs_here:
             here = ", ".join(runs_here)
             parser.error(f"--kernels: on {args.device.type} expected one of {here}, got {k!r}")
+    if args.variants is not None:
+        args.variants = [v for v in args.variants.split(",") if v]
     if args.rounds < 1 or args.warmup < 1:
         parser.error("--rounds and --warmup must be at least 1")
     return args

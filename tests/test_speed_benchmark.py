@@ -59,6 +59,16 @@ def test_a_tiny_run_prints_a_table_per_shape_model_and_batch(speed, capsys, monk
     assert all(r["ratio"] > 0 for r in results)
 
 
+def test_variants_times_the_baseline_and_the_variants_named(speed, capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(speed.SHAPES, "small", 8)
+    out = tmp_path / "speed.json"
+    speed.main(["--shapes", "small", "--models", "lstm", "--kernels", "manual", "--batch", "2",
+                "--seq-len", "3", "--rounds", "1", "--warmup", "1", "--no-memory", "--variants",
+                "step/manual,batch/fused", "--json", str(out)])
+    names = [r["variant"] for r in json.loads(out.read_text())["results"]]
+    assert names == ["nn.LSTM", "step/manual", "batch/fused"]
+
+
 def test_mc_eval_mode_times_forward_passes_with_fresh_masks_and_no_graph(speed, capsys, monkeypatch):
     monkeypatch.setitem(speed.SHAPES, "small", 8)
     seen = []
@@ -110,8 +120,8 @@ def test_tf32_sets_cudnn_and_cublas_alike_and_the_header_says_so(speed, choice, 
         speed.set_tf32(speed.parse_args(["--tf32", choice]).tf32)
         assert (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) == (cudnn, cublas)
         mode = {True: "TF32", False: "IEEE float32"}
-        assert speed.float32_products() == (f"float32 products: cuDNN (nn.LSTM / nn.GRU) {mode[cudnn]}, "
-                                            f"cuBLAS (the loop kernels) {mode[cublas]}")
+        assert speed.float32_products() == (f"float32 products: cuDNN (nn.LSTM / nn.GRU) and the Triton "
+                                            f"kernel {mode[cudnn]}, other cuBLAS {mode[cublas]}")
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
 

@@ -162,3 +162,33 @@ def test_first_use_check_allows_tf32_rounding_but_not_a_wrong_kernel(monkeypatch
     assert gpu.first_use_failure("cpu") is None
     _fake_triton(monkeypatch, reference_lstm, off_by(0.1))
     assert gpu.first_use_failure("cpu") == "its GRU differs from the reference kernel by 0.1"
+
+
+def test_the_counter_pool_hands_its_counters_in_when_used_up_and_a_give_up_is_read(monkeypatch):
+    """Cooperative launches take their barrier counter from a pool of zeros; when every slot has
+    served, the pool is handed in to be read once its launches finished, and zeroed. A counter a
+    barrier gave up in marks the device (one warning): later calls run the step kernel."""
+    from rnndrop.kernels import persistent
+
+    handed = []
+
+    def hand_in(pool):  # instead of a pinned copy and a CUDA event: already finished
+        handed.append(pool.values.clone())
+        return SimpleNamespace(query=lambda: True), pool.values.clone(), pool.device
+
+    monkeypatch.setattr(persistent, "_pending", [])
+    monkeypatch.setattr(persistent, "_given_up", set())
+    monkeypatch.setattr(persistent._CounterPool, "_hand_in", hand_in)
+    device = torch.device("cpu")
+    pool = persistent._CounterPool(device)
+    slots = [pool.take() for _ in range(pool.SLOTS)]
+    assert all(int(s) == 0 for s in slots) and len({s.data_ptr() for s in slots}) == pool.SLOTS
+    assert handed == []
+    slots[3].fill_(persistent.GAVE_UP + 5)  # a launch whose barrier gave up
+    again = pool.take()
+    assert len(handed) == 1 and int(handed[0].max()) >= persistent.GAVE_UP
+    assert again.data_ptr() == slots[0].data_ptr() and int(pool.values.abs().sum()) == 0
+    assert persistent.usable(device)
+    with pytest.warns(RuntimeWarning, match="grid barrier gave up waiting"):
+        persistent._read_finished_counters()
+    assert not persistent.usable(device) and persistent._pending == []

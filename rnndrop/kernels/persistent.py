@@ -32,8 +32,8 @@ once: the grid is at most one program per multiprocessor, launched cooperatively
 (CUDA then co-schedules every program or refuses the launch). A program that spins too long adds a
 large number to the counter (every later barrier then passes at once) and the launch writes NaN
 into its outputs; the host reads the counter when the launch has finished (a cooperative launch:
-later, without waiting) or at once (else: the call then reruns on the step kernel), and from then
-on that device runs the step kernel. With one program there is nothing
+later, without waiting, in batches of a pool of counters) or at once (else: the call then reruns on
+the step kernel), and from then on that device runs the step kernel. With one program there is nothing
 to wait for, which is how Triton's interpreter (programs one after another) runs it on CPU;
 ``per_step=True`` instead launches the same body once per step, several programs without a
 barrier, so that the slicing over programs is tested on CPU too.
@@ -55,6 +55,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.errors import OutOfResources
 
+from rnndrop.kernels.precision import cudnn_rnn_tf32
 from rnndrop.kernels.schedule import Schedule
 from rnndrop.kernels.triton_common import sigmoid, tanh
 from rnndrop.kernels.triton_plan import accumulation_dtype, initial_grad, interpreted
@@ -164,18 +165,45 @@ def _gate_products(m_ptr, m_row, m_gate, w_ptr, off, b, ks, cols, H,
 
 
 @triton.jit
-def _store_next_state(h, h0_ptr, mask_ptr, mask_row, mask_gate, m_ptr, m_row, m_gate, ks, cols, b, nb,
+def _step_inputs(table_ptr, s, x_ptr, mask_ptr, mask_row, ks, cols, H, GATES: tl.constexpr,
+                 HAS_MASK: tl.constexpr):
+    """What step ``s`` reads that no program writes during the loop, loaded before the barrier ahead
+    of the step, so that its latency overlaps the wait: the step's row of the table, its rows of
+    ``x_ptr`` ``[N, GATES·H]`` (this program's columns of each gate; zeros for a fourth gate the cell
+    lacks) and the first gate's mask of the next state ``M_{s+1}`` (ones without a mask)."""
+    b, off, carried, prev_off, nb, noff, nmoff = _step_row(table_ptr, s)
+    live = (ks < b)[:, None] & (cols < H)[None, :]
+    here = x_ptr + (off + ks)[:, None] * (GATES * H) + cols[None, :]
+    x0 = tl.load(here, mask=live, other=0.0).to(tl.float32)
+    x1 = tl.load(here + H, mask=live, other=0.0).to(tl.float32)
+    x2 = tl.load(here + 2 * H, mask=live, other=0.0).to(tl.float32)
+    x3 = tl.zeros_like(x2)
+    if GATES == 4:
+        x3 = tl.load(here + 3 * H, mask=live, other=0.0).to(tl.float32)
+    m0 = tl.full(x0.shape, 1.0, tl.float32)
+    if HAS_MASK:
+        nxt = (ks < nb)[:, None] & (cols < H)[None, :]
+        m0 = tl.load(mask_ptr + nmoff + ks[:, None] * mask_row + cols[None, :], mask=nxt, other=0.0)
+        m0 = m0.to(tl.float32)
+    return b, off, carried, prev_off, nb, noff, nmoff, x0, x1, x2, x3, m0
+
+
+@triton.jit
+def _store_next_state(h, h0, m0, mask_ptr, mask_row, mask_gate, m_ptr, m_row, m_gate, ks, cols, b, nb,
                       noff, nmoff, H, MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr):
-    """``m_{s+1}[k] = h'[k] * M_{s+1}[k]`` for ``k < nb`` (``h'``: ``h`` for ``k < b``, else ``h_0``)."""
+    """``m_{s+1}[k] = h'[k] * M_{s+1}[k]`` for ``k < nb`` (``h'``: ``h`` for ``k < b``, else the
+    tile ``h0`` of ``h_0``); ``m0`` is the first gate's mask tile (:func:`_step_inputs`)."""
     nxt = (ks < nb)[:, None] & (cols < H)[None, :]
-    h0 = tl.load(h0_ptr + ks[:, None] * H + cols[None, :], mask=nxt & (ks >= b)[:, None], other=0.0)
-    src = tl.where((ks < b)[:, None], h, h0.to(tl.float32))
+    src = tl.where((ks < b)[:, None], h, h0)
     for g in tl.static_range(MASK_GATES):
         value = src
         if HAS_MASK:
-            m = tl.load(mask_ptr + nmoff + ks[:, None] * mask_row + g * mask_gate + cols[None, :], mask=nxt,
-                        other=0.0)
-            value = src * m.to(tl.float32)
+            if g == 0:
+                value = src * m0
+            else:
+                m = tl.load(mask_ptr + nmoff + ks[:, None] * mask_row + g * mask_gate + cols[None, :],
+                            mask=nxt, other=0.0)
+                value = src * m.to(tl.float32)
         tl.store(m_ptr + (noff + ks)[:, None] * m_row + g * m_gate + cols[None, :],
                  value.to(m_ptr.dtype.element_ty), mask=nxt)
 
@@ -188,22 +216,26 @@ def _lstm_forward(
     UPCAST: tl.constexpr,
     BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
 ):
+    """Steps ``s_begin .. s_end - 1``; ``h_state``/``c_state`` carry the state between launches of
+    one step each (their values are read only for rows that have run a step: any at the first)."""
     ks, cols, batch, state = _block(B, H, BB, BH)
     h_reg = tl.load(h_state_ptr + state, mask=batch, other=0.0)
     c_reg = tl.load(c_state_ptr + state, mask=batch, other=0.0)
+    h0 = tl.load(h0_ptr + state, mask=batch, other=0.0).to(tl.float32)
+    c0 = tl.load(c0_ptr + state, mask=batch, other=0.0).to(tl.float32)
+    b, off, carried, _, nb, noff, nmoff, x_i, x_f, x_g, x_o, m0 = _step_inputs(
+        table_ptr, s_begin, gx_ptr, mask_ptr, mask_row, ks, cols, H, 4, HAS_MASK)
     for s in range(s_begin, s_end):
-        b, off, carried, _, nb, noff, nmoff = _step_row(table_ptr, s)
         live = (ks < b)[:, None] & (cols < H)[None, :]
-        here = (off + ks)[:, None] * (4 * H) + cols[None, :]
         z_i, z_f, z_g, z_o = _gate_products(m_ptr, m_row, m_gate, w_ptr, off, b, ks, cols, H, 4, MASK_GATES,
                                             PRECISION, UPCAST, BB, BH, BK)
-        i = sigmoid(z_i + tl.load(gx_ptr + here, mask=live, other=0.0).to(tl.float32))
-        f = sigmoid(z_f + tl.load(gx_ptr + here + H, mask=live, other=0.0).to(tl.float32))
-        g = tanh(z_g + tl.load(gx_ptr + here + 2 * H, mask=live, other=0.0).to(tl.float32))
-        o = sigmoid(z_o + tl.load(gx_ptr + here + 3 * H, mask=live, other=0.0).to(tl.float32))
-        c0 = tl.load(c0_ptr + state, mask=live & (ks >= carried)[:, None], other=0.0).to(tl.float32)
+        i = sigmoid(z_i + x_i)
+        f = sigmoid(z_f + x_f)
+        g = tanh(z_g + x_g)
+        o = sigmoid(z_o + x_o)
         c = f * tl.where((ks < carried)[:, None], c_reg, c0) + i * g
         h = o * tanh(c)
+        here = (off + ks)[:, None] * (4 * H) + cols[None, :]
         kind = acts_ptr.dtype.element_ty
         tl.store(acts_ptr + here, i.to(kind), mask=live)
         tl.store(acts_ptr + here + H, f.to(kind), mask=live)
@@ -213,8 +245,10 @@ def _lstm_forward(
         tl.store(out_ptr + (off + ks)[:, None] * H + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=live)
         c_reg = tl.where(live, c, c_reg)
         h_reg = tl.where(live, h, h_reg)
-        _store_next_state(h, h0_ptr, mask_ptr, mask_row, mask_gate, m_ptr, m_row, m_gate, ks, cols, b, nb,
+        _store_next_state(h, h0, m0, mask_ptr, mask_row, mask_gate, m_ptr, m_row, m_gate, ks, cols, b, nb,
                           noff, nmoff, H, MASK_GATES, HAS_MASK)
+        b, off, carried, _, nb, noff, nmoff, x_i, x_f, x_g, x_o, m0 = _step_inputs(
+            table_ptr, tl.minimum(s + 1, s_end - 1), gx_ptr, mask_ptr, mask_row, ks, cols, H, 4, HAS_MASK)
         _grid_barrier(counter_ptr, (s + 1 - s_begin) * tl.num_programs(0), SYNC)
     tl.store(h_state_ptr + state, h_reg, mask=batch)
     tl.store(c_state_ptr + state, c_reg, mask=batch)
@@ -230,23 +264,29 @@ def _gru_forward(
     MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, SYNC: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
 ):
+    """Steps ``s_begin .. s_end - 1`` (``h_state`` as in :func:`_lstm_forward`)."""
     ks, cols, batch, state = _block(B, H, BB, BH)
     h_reg = tl.load(h_state_ptr + state, mask=batch, other=0.0)
+    h0 = tl.load(h0_ptr + state, mask=batch, other=0.0).to(tl.float32)
+    b_r = tl.zeros((1, BH), dtype=tl.float32)
+    b_z = tl.zeros((1, BH), dtype=tl.float32)
+    b_n = tl.zeros((1, BH), dtype=tl.float32)
+    if HAS_BIAS:
+        b_r = tl.load(b_hh_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
+        b_z = tl.load(b_hh_ptr + H + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
+        b_n = tl.load(b_hh_ptr + 2 * H + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
+    b, off, carried, _, nb, noff, nmoff, x_r, x_z, x_n, _, m0 = _step_inputs(
+        table_ptr, s_begin, gx_ptr, mask_ptr, mask_row, ks, cols, H, 3, HAS_MASK)
     for s in range(s_begin, s_end):
-        b, off, carried, _, nb, noff, nmoff = _step_row(table_ptr, s)
         live = (ks < b)[:, None] & (cols < H)[None, :]
-        here = (off + ks)[:, None] * (3 * H) + cols[None, :]
         a_r, a_z, a_n, _ = _gate_products(m_ptr, m_row, m_gate, w_ptr, off, b, ks, cols, H, 3, MASK_GATES,
                                           PRECISION, UPCAST, BB, BH, BK)
-        if HAS_BIAS:
-            a_r += tl.load(b_hh_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
-            a_z += tl.load(b_hh_ptr + H + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
-            a_n += tl.load(b_hh_ptr + 2 * H + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
-        r = sigmoid(a_r + tl.load(gx_ptr + here, mask=live, other=0.0).to(tl.float32))
-        z = sigmoid(a_z + tl.load(gx_ptr + here + H, mask=live, other=0.0).to(tl.float32))
-        n = tanh(tl.load(gx_ptr + here + 2 * H, mask=live, other=0.0).to(tl.float32) + r * a_n)
-        h0 = tl.load(h0_ptr + state, mask=live & (ks >= carried)[:, None], other=0.0).to(tl.float32)
+        a_n += b_n
+        r = sigmoid(a_r + b_r + x_r)
+        z = sigmoid(a_z + b_z + x_z)
+        n = tanh(x_n + r * a_n)
         h = n + z * (tl.where((ks < carried)[:, None], h_reg, h0) - n)
+        here = (off + ks)[:, None] * (3 * H) + cols[None, :]
         kind = acts_ptr.dtype.element_ty
         tl.store(acts_ptr + here, r.to(kind), mask=live)
         tl.store(acts_ptr + here + H, z.to(kind), mask=live)
@@ -254,8 +294,10 @@ def _gru_forward(
         tl.store(a_n_ptr + (off + ks)[:, None] * H + cols[None, :], a_n, mask=live)
         tl.store(out_ptr + (off + ks)[:, None] * H + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=live)
         h_reg = tl.where(live, h, h_reg)
-        _store_next_state(h, h0_ptr, mask_ptr, mask_row, mask_gate, m_ptr, m_row, m_gate, ks, cols, b, nb,
+        _store_next_state(h, h0, m0, mask_ptr, mask_row, mask_gate, m_ptr, m_row, m_gate, ks, cols, b, nb,
                           noff, nmoff, H, MASK_GATES, HAS_MASK)
+        b, off, carried, _, nb, noff, nmoff, x_r, x_z, x_n, _, m0 = _step_inputs(
+            table_ptr, tl.minimum(s + 1, s_end - 1), gx_ptr, mask_ptr, mask_row, ks, cols, H, 3, HAS_MASK)
         _grid_barrier(counter_ptr, (s + 1 - s_begin) * tl.num_programs(0), SYNC)
     tl.store(h_state_ptr + state, h_reg, mask=batch)
     _poison_if_gave_up(counter_ptr, out_ptr, N, H, ks, cols, H, 1, SYNC, BB, BH)
@@ -263,29 +305,29 @@ def _gru_forward(
 
 
 @triton.jit
-def _masked_state_grad(dm, gate, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row, dm_gate, ks, cols, nxt,
-                       noff, nmoff, HAS_MASK: tl.constexpr, NEED_DMASK: tl.constexpr):
-    """``dm^g * M^g`` on the rows ``nxt`` (zeros elsewhere); stores ``dm^g`` where asked."""
+def _masked_state_grad(dm, gate, m, d_masked_ptr, dm_row, dm_gate, ks, cols, nxt, noff,
+                       HAS_MASK: tl.constexpr, NEED_DMASK: tl.constexpr):
+    """``dm^g * M^g`` (``m``: the mask tile) on the rows ``nxt`` (zeros elsewhere); stores ``dm^g``
+    where asked."""
     if NEED_DMASK:
         tl.store(d_masked_ptr + (noff + ks)[:, None] * dm_row + gate * dm_gate + cols[None, :],
                  dm.to(d_masked_ptr.dtype.element_ty), mask=nxt)
     part = dm
     if HAS_MASK:
-        m = tl.load(mask_ptr + nmoff + ks[:, None] * mask_row + gate * mask_gate + cols[None, :], mask=nxt,
-                    other=0.0)
-        part = dm * m.to(tl.float32)
+        part = dm * m
     return tl.where(nxt, part, 0.0)
 
 
 @triton.jit
-def _state_grad(dz_ptr, w_ptr, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row, dm_gate, carry,
+def _state_grad(dz_ptr, w_ptr, m0, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row, dm_gate, carry,
                 ks, cols, nb, noff, nmoff, H,
                 CELL_GATES: tl.constexpr, MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr,
                 NEED_DMASK: tl.constexpr, PRECISION: tl.constexpr,
                 UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr,
                 BK: tl.constexpr):
     """``carry + Σ_g dm_{s+1}^g M_{s+1}^g`` ``[BB, BH]`` for rows ``k < nb`` (``carry`` elsewhere),
-    with ``dm_{s+1}^g = Σ_h dz_{s+1}[k, g·H + h] W_hh[g·H + h, j]``; stores ``dm`` where asked."""
+    with ``dm_{s+1}^g = Σ_h dz_{s+1}[k, g·H + h] W_hh[g·H + h, j]`` (``m0``: the first gate's mask
+    tile, :func:`_step_inputs`); stores ``dm`` where asked."""
     nxt = (ks < nb)[:, None] & (cols < H)[None, :]
     total = carry
     dm = tl.zeros((BB, BH), dtype=tl.float32)
@@ -300,8 +342,8 @@ def _state_grad(dz_ptr, w_ptr, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_r
             if UPCAST:
                 dz, w = dz.to(tl.float32), w.to(tl.float32)
             dm += tl.dot(dz, w, input_precision=PRECISION)
-        total += _masked_state_grad(dm, 0, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row, dm_gate, ks,
-                                    cols, nxt, noff, nmoff, HAS_MASK, NEED_DMASK)
+        total += _masked_state_grad(dm, 0, m0, d_masked_ptr, dm_row, dm_gate, ks, cols, nxt, noff,
+                                    HAS_MASK, NEED_DMASK)
     else:
         for g in tl.static_range(CELL_GATES):  # one mask per gate: one sum per gate
             dm = tl.zeros((BB, BH), dtype=tl.float32)
@@ -314,27 +356,36 @@ def _state_grad(dz_ptr, w_ptr, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_r
                 if UPCAST:
                     dz, w = dz.to(tl.float32), w.to(tl.float32)
                 dm += tl.dot(dz, w, input_precision=PRECISION)
-            total += _masked_state_grad(dm, g, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row, dm_gate,
-                                        ks, cols, nxt, noff, nmoff, HAS_MASK, NEED_DMASK)
+            m = m0
+            if g > 0 and HAS_MASK:
+                m = tl.load(mask_ptr + nmoff + ks[:, None] * mask_row + g * mask_gate + cols[None, :],
+                            mask=nxt, other=0.0).to(tl.float32)
+            total += _masked_state_grad(dm, g, m, d_masked_ptr, dm_row, dm_gate, ks, cols, nxt, noff,
+                                        HAS_MASK, NEED_DMASK)
     return total
 
 
 @triton.jit
-def _step_state_grad(dz_ptr, w_ptr, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row, dm_gate, carry,
-                     d_out_ptr, dh0_ptr, ks, cols, batch, state, live, b, off, nb, noff, nmoff, H,
-                     CELL_GATES: tl.constexpr, MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr,
-                     NEED_DMASK: tl.constexpr, HAS_DOUT: tl.constexpr, PRECISION: tl.constexpr,
-                     UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr):
-    """``dh_s`` of this step's rows (:func:`_state_grad` plus ``d_out_s``); stores ``dh_0`` of the rows
-    that joined at the step after (``b <= k < nb``)."""
-    dh = _state_grad(dz_ptr, w_ptr, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row, dm_gate, carry,
-                     ks, cols, nb, noff, nmoff, H, CELL_GATES, MASK_GATES, HAS_MASK, NEED_DMASK, PRECISION,
-                     UPCAST, BB, BH, BK)
-    tl.store(dh0_ptr + state, dh, mask=batch & ((ks >= b) & (ks < nb))[:, None])
+def _row_tile(ptr, off, ks, cols, rows, H):
+    """This program's columns of rows ``off + k`` (where ``rows``) of ``ptr`` ``[N, H]``, as float32."""
+    return tl.load(ptr + (off + ks)[:, None] * H + cols[None, :], mask=rows, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _backward_inputs(table_ptr, s, acts_ptr, here_ptr, prev_ptr, d_out_ptr, mask_ptr, mask_row, ks, cols, H,
+                     GATES: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOUT: tl.constexpr):
+    """:func:`_step_inputs` of the saved activations, then this step's rows of ``here_ptr``, the
+    previous step's of ``prev_ptr`` (rows carried on) and ``d_out`` (zeros without it), all
+    ``[N, H]``."""
+    b, off, carried, prev_off, nb, noff, nmoff, a0, a1, a2, a3, m0 = _step_inputs(
+        table_ptr, s, acts_ptr, mask_ptr, mask_row, ks, cols, H, GATES, HAS_MASK)
+    live = (ks < b)[:, None] & (cols < H)[None, :]
+    here = _row_tile(here_ptr, off, ks, cols, live, H)
+    prev = _row_tile(prev_ptr, prev_off, ks, cols, live & (ks < carried)[:, None], H)
+    d_out = tl.zeros_like(here)
     if HAS_DOUT:
-        d_out = tl.load(d_out_ptr + (off + ks)[:, None] * H + cols[None, :], mask=live, other=0.0)
-        dh += d_out.to(tl.float32)
-    return dh
+        d_out = _row_tile(d_out_ptr, off, ks, cols, live, H)
+    return b, off, carried, nb, noff, nmoff, a0, a1, a2, a3, m0, here, prev, d_out
 
 
 @triton.jit
@@ -350,25 +401,23 @@ def _lstm_backward(
     ks, cols, batch, state = _block(B, H, BB, BH)
     carry = tl.load(carry_ptr + state, mask=batch, other=0.0)
     dc_reg = tl.load(dc_ptr + state, mask=batch, other=0.0)
+    c0 = tl.load(c0_ptr + state, mask=batch, other=0.0).to(tl.float32)
+    b, off, carried, nb, noff, nmoff, i, f, g, o, m0, c, c_prev, d_out = _backward_inputs(
+        table_ptr, s_end - 1, acts_ptr, cells_ptr, cells_ptr, d_out_ptr, mask_ptr, mask_row, ks, cols, H, 4,
+        HAS_MASK, HAS_DOUT)
     for rs in range(s_begin, s_end):
         s = s_end - 1 - (rs - s_begin)
-        b, off, carried, prev_off, nb, noff, nmoff = _step_row(table_ptr, s)
         live = (ks < b)[:, None] & (cols < H)[None, :]
-        dh = _step_state_grad(dz_ptr, w_ptr, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row, dm_gate,
-                              carry, d_out_ptr, dh0_ptr, ks, cols, batch, state, live, b, off, nb, noff,
-                              nmoff, H, 4, MASK_GATES, HAS_MASK, NEED_DMASK, HAS_DOUT, PRECISION, UPCAST,
-                              BB, BH, BK)
-        here = (off + ks)[:, None] * (4 * H) + cols[None, :]
-        i = tl.load(acts_ptr + here, mask=live, other=0.0).to(tl.float32)
-        f = tl.load(acts_ptr + here + H, mask=live, other=0.0).to(tl.float32)
-        g = tl.load(acts_ptr + here + 2 * H, mask=live, other=0.0).to(tl.float32)
-        o = tl.load(acts_ptr + here + 3 * H, mask=live, other=0.0).to(tl.float32)
-        tc = tanh(tl.load(cells_ptr + (off + ks)[:, None] * H + cols[None, :], mask=live, other=0.0))
+        dh = _state_grad(dz_ptr, w_ptr, m0, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row, dm_gate,
+                         carry, ks, cols, nb, noff, nmoff, H, 4, MASK_GATES, HAS_MASK, NEED_DMASK, PRECISION,
+                         UPCAST, BB, BH, BK)
+        tl.store(dh0_ptr + state, dh, mask=batch & ((ks >= b) & (ks < nb))[:, None])  # rows that start at s+1
+        dh += d_out
+        tc = tanh(c)
         joined = (ks >= carried)[:, None]
-        c_prev = tl.where(joined, tl.load(c0_ptr + state, mask=live & joined, other=0.0).to(tl.float32),
-                          tl.load(cells_ptr + (prev_off + ks)[:, None] * H + cols[None, :],
-                                  mask=live & (ks < carried)[:, None], other=0.0))
+        c_prev = tl.where(joined, c0, c_prev)
         dc = dc_reg + dh * o * (1 - tc * tc)
+        here = (off + ks)[:, None] * (4 * H) + cols[None, :]
         kind = dz_ptr.dtype.element_ty
         tl.store(dz_ptr + here, (dc * g * i * (1 - i)).to(kind), mask=live)
         tl.store(dz_ptr + here + H, (dc * c_prev * f * (1 - f)).to(kind), mask=live)
@@ -377,6 +426,9 @@ def _lstm_backward(
         tl.store(dc0_ptr + state, dc * f, mask=live & joined)
         dc_reg = tl.where(live, dc * f, dc_reg)
         carry = tl.where(live, 0.0, dh)
+        b, off, carried, nb, noff, nmoff, i, f, g, o, m0, c, c_prev, d_out = _backward_inputs(
+            table_ptr, tl.maximum(s - 1, s_begin), acts_ptr, cells_ptr, cells_ptr, d_out_ptr, mask_ptr,
+            mask_row, ks, cols, H, 4, HAS_MASK, HAS_DOUT)
         _grid_barrier(counter_ptr, (rs + 1 - s_begin) * tl.num_programs(0), SYNC)
     tl.store(carry_ptr + state, carry, mask=batch)
     tl.store(dc_ptr + state, dc_reg, mask=batch)
@@ -396,30 +448,30 @@ def _gru_backward(
     """Steps ``s_end - 1`` down to ``s_begin``."""
     ks, cols, batch, state = _block(B, H, BB, BH)
     carry = tl.load(carry_ptr + state, mask=batch, other=0.0)
+    h0 = tl.load(h0_ptr + state, mask=batch, other=0.0).to(tl.float32)
+    b, off, carried, nb, noff, nmoff, r, z, n, _, m0, a_n, h_prev, d_out = _backward_inputs(
+        table_ptr, s_end - 1, acts_ptr, a_n_ptr, out_ptr, d_out_ptr, mask_ptr, mask_row, ks, cols, H, 3,
+        HAS_MASK, HAS_DOUT)
     for rs in range(s_begin, s_end):
         s = s_end - 1 - (rs - s_begin)
-        b, off, carried, prev_off, nb, noff, nmoff = _step_row(table_ptr, s)
         live = (ks < b)[:, None] & (cols < H)[None, :]
-        dh = _step_state_grad(da_ptr, w_ptr, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row, dm_gate,
-                              carry, d_out_ptr, dh0_ptr, ks, cols, batch, state, live, b, off, nb, noff,
-                              nmoff, H, 3, MASK_GATES, HAS_MASK, NEED_DMASK, HAS_DOUT, PRECISION, UPCAST,
-                              BB, BH, BK)
-        here = (off + ks)[:, None] * (3 * H) + cols[None, :]
-        r = tl.load(acts_ptr + here, mask=live, other=0.0).to(tl.float32)
-        z = tl.load(acts_ptr + here + H, mask=live, other=0.0).to(tl.float32)
-        n = tl.load(acts_ptr + here + 2 * H, mask=live, other=0.0).to(tl.float32)
-        a_n = tl.load(a_n_ptr + (off + ks)[:, None] * H + cols[None, :], mask=live, other=0.0)
-        joined = (ks >= carried)[:, None]
-        h_prev = tl.where(joined, tl.load(h0_ptr + state, mask=live & joined, other=0.0).to(tl.float32),
-                          tl.load(out_ptr + (prev_off + ks)[:, None] * H + cols[None, :],
-                                  mask=live & (ks < carried)[:, None], other=0.0).to(tl.float32))
+        dh = _state_grad(da_ptr, w_ptr, m0, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row, dm_gate,
+                         carry, ks, cols, nb, noff, nmoff, H, 3, MASK_GATES, HAS_MASK, NEED_DMASK, PRECISION,
+                         UPCAST, BB, BH, BK)
+        tl.store(dh0_ptr + state, dh, mask=batch & ((ks >= b) & (ks < nb))[:, None])  # rows that start at s+1
+        dh += d_out
+        h_prev = tl.where((ks >= carried)[:, None], h0, h_prev)
         dn_pre = dh * (1 - z) * (1 - n * n)
+        here = (off + ks)[:, None] * (3 * H) + cols[None, :]
         kind = da_ptr.dtype.element_ty
         tl.store(da_ptr + here, (dn_pre * a_n * r * (1 - r)).to(kind), mask=live)
         tl.store(da_ptr + here + H, (dh * (h_prev - n) * z * (1 - z)).to(kind), mask=live)
         tl.store(da_ptr + here + 2 * H, (dn_pre * r).to(kind), mask=live)
         tl.store(dn_ptr + (off + ks)[:, None] * H + cols[None, :], dn_pre.to(kind), mask=live)
         carry = tl.where(live, dh * z, dh)
+        b, off, carried, nb, noff, nmoff, r, z, n, _, m0, a_n, h_prev, d_out = _backward_inputs(
+            table_ptr, tl.maximum(s - 1, s_begin), acts_ptr, a_n_ptr, out_ptr, d_out_ptr, mask_ptr, mask_row,
+            ks, cols, H, 3, HAS_MASK, HAS_DOUT)
         _grid_barrier(counter_ptr, (rs + 1 - s_begin) * tl.num_programs(0), SYNC)
     tl.store(carry_ptr + state, carry, mask=batch)
     _poison_if_gave_up(counter_ptr, da_ptr, N, 3 * H, ks, cols, H, 3, SYNC, BB, BH)
@@ -507,7 +559,7 @@ def plan(gates_x: Tensor, hidden: int, batch: int, projected: bool) -> Launch | 
     if gates_x.device.type != "cuda":  # Triton's interpreter: one program owns every unit
         return Launch(1, max(16, triton.next_power_of_2(hidden))) if interpreted() else None
     sms = _multiprocessors(str(gates_x.device))
-    units = 16
+    units = tuning.get("units", 16)
     while units <= MAX_UNITS and -(-hidden // units) > sms:
         units *= 2
     if units > MAX_UNITS:
@@ -516,9 +568,9 @@ def plan(gates_x: Tensor, hidden: int, batch: int, projected: bool) -> Launch | 
 
 
 def _precision(x: Tensor) -> str:
-    """``tl.dot``'s float32 mode: TF32 where cuDNN would use it (``torch.backends.cudnn.allow_tf32``,
-    the switch ``nn.LSTM`` follows), else IEEE; half types need none."""
-    if x.device.type == "cuda" and x.dtype == torch.float32 and torch.backends.cudnn.allow_tf32:
+    """``tl.dot``'s float32 mode: TF32 where cuDNN would use it (:mod:`rnndrop.kernels.precision`),
+    else IEEE; half types need none."""
+    if x.device.type == "cuda" and x.dtype == torch.float32 and cudnn_rnn_tf32():
         return "tf32"
     return "ieee"
 
@@ -572,7 +624,7 @@ _COOPERATIVE = _cooperative_launches()
 #: is kept per kernel and block shape.
 _STAGES = (3, 2, 1)
 _stages: dict[tuple, int] = {}
-#: Counters of cooperative launches still to be read: ``(event, pinned copy, device)``.
+#: Pools' counters copied for reading once their launches finished: ``(event, pinned copy, device)``.
 _pending: list[tuple[torch.cuda.Event, Tensor, torch.device]] = []
 
 
@@ -580,24 +632,82 @@ def _read_finished_counters() -> None:
     """Read the counters of finished cooperative launches (no waiting): one that gave up marks its
     device (:func:`gave_up`); its outputs were NaN."""
     while _pending and _pending[0][0].query():
-        _, value, device = _pending.pop(0)
-        if int(value[0]) >= GAVE_UP:
+        _, values, device = _pending.pop(0)
+        if int(values.max()) >= GAVE_UP:
             gave_up(device, "a grid barrier gave up waiting; that call's results were NaN")
+
+
+class _CounterPool:
+    """The barrier counters of cooperative launches on one device and stream: :attr:`SLOTS` zeros,
+    one per launch in turn, so that a launch costs the host no allocation, fill or copy. When every
+    slot has served, the pool is copied to pinned memory (read by :func:`_read_finished_counters`
+    once the copy has run: a barrier that gave up left :data:`GAVE_UP` in its counter) and zeroed,
+    both in stream order after the launches that used it."""
+
+    SLOTS = 16
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.values = torch.zeros(self.SLOTS, dtype=torch.int32, device=device)
+        self.slots = self.values.split(1)
+        self.used = 0
+
+    def take(self) -> Tensor:
+        """The next zero counter (a view of the pool)."""
+        if self.used == self.SLOTS:
+            _pending.append(self._hand_in())
+            self.values.zero_()
+            self.used = 0
+        self.used += 1
+        return self.slots[self.used - 1]
+
+    def _hand_in(self) -> tuple[torch.cuda.Event, Tensor, torch.device]:
+        """The pool's values copied to pinned memory, with the event after which they are there."""
+        copy = torch.empty(self.SLOTS, dtype=torch.int32, pin_memory=True)
+        copy.copy_(self.values, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return event, copy, self.device
+
+
+_pools: dict[tuple[str, int], _CounterPool] = {}
+
+
+def _counter(device: torch.device, pooled: bool) -> Tensor:
+    """A zero counter for one launch: from the pool of ``device``'s current stream where
+    ``pooled``, else a fresh one (CPU, a launch being captured into a CUDA graph, whose replays
+    need it zeroed each time, or a counter the host reads at once)."""
+    if not pooled:
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    key = (_key(device), torch.cuda.current_stream(device).cuda_stream)
+    pool = _pools.get(key)
+    if pool is None:
+        pool = _pools[key] = _CounterPool(device)
+    return pool.take()
+
+
+#: Launch settings a measurement may set (``benchmarks/persistent_tuning.py``): ``units``,
+#: ``block_k``, ``warps``; empty in normal use.
+tuning: dict[str, int] = {}
+
+
+def _warps(batch_block: int) -> int:
+    return tuning.get("warps", 8 if batch_block >= 128 else 4)
 
 
 def _run(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constexprs) -> str | None:
     """Launch ``kernel`` over steps ``0 .. steps - 1``; None, or why the step kernel must run instead.
 
     One persistent launch on CUDA. Launched cooperatively where Triton can (all programs resident,
-    or CUDA refuses the launch), its counter is read later without waiting, since a barrier cannot
-    then starve; else the host reads it after the launch (a synchronisation) and a barrier that gave
-    up sends the call to the step kernel."""
+    or CUDA refuses the launch), its counter (from a pool) is read later without waiting, since a
+    barrier cannot then starve; else the host reads it after the launch (a synchronisation) and a
+    barrier that gave up sends the call to the step kernel."""
     device = args[0].device
-    counter = torch.zeros(1, dtype=torch.int32, device=device)
-    warps = 8 if constexprs["BB"] >= 128 else 4
+    warps = _warps(constexprs["BB"])
     # Triton's interpreter multiplies bfloat16 tiles wrongly: it gets float32 ones (exact products)
     upcast = interpreted()
     if how.per_step:
+        counter = _counter(device, pooled=False)
         order = range(steps - 1, -1, -1) if backward else range(steps)
         for s in order:
             kernel[(how.programs,)](*args, counter, s, s + 1, **constexprs, SYNC=False, UPCAST=upcast,
@@ -612,6 +722,7 @@ def _run(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constex
     capturing = cuda and torch.cuda.is_current_stream_capturing()
     if cuda and not capturing:
         _read_finished_counters()
+    counter = _counter(device, pooled=cooperative and not capturing)
     key = (kernel.__name__, constexprs["BB"], constexprs["BK"], constexprs["MASK_GATES"], args[0].dtype)
     for stages in _STAGES[_STAGES.index(_stages.get(key, _STAGES[0])):]:
         try:
@@ -627,14 +738,7 @@ def _run(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constex
             return f"the cooperative launch was refused ({str(error).strip().splitlines()[0]})"
     else:
         return "its loads do not fit in shared memory even unpipelined"
-    if not cuda or capturing:
-        return None
-    if cooperative:
-        value = torch.empty(1, dtype=torch.int32, pin_memory=True)
-        value.copy_(counter, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        _pending.append((event, value, device))
+    if not cuda or capturing or cooperative:
         return None
     if int(counter.item()) >= GAVE_UP:
         return "a grid barrier gave up waiting (another kernel held multiprocessors)"
@@ -667,7 +771,7 @@ def gave_up(device: torch.device, why: str) -> None:
 
 
 def _block_k(how: Launch, hidden: int) -> int:
-    return min(64, max(16, triton.next_power_of_2(hidden)))
+    return tuning.get("block_k", min(64, max(16, triton.next_power_of_2(hidden))))
 
 
 def _batch_block(batch: int) -> int:
@@ -684,8 +788,8 @@ def lstm_forward(how: Launch, schedule: Schedule, gates_x, h0, c0, w_hh, mask):
     cells = torch.empty(N, H, dtype=accumulation_dtype(gates_x.dtype), device=device)
     out = gates_x.new_empty(N, H)
     masked = gates_x.new_empty(N, G, H) if G > 1 else gates_x.new_empty(N, H)
-    h_state = h0.to(torch.float32, copy=True)
-    c_state = c0.to(torch.float32, copy=True)
+    # written by the loop (every row runs a step), read only as the state a row carries on
+    h_state, c_state = torch.empty(B, H, device=device), torch.empty(B, H, device=device)
     table = _step_table(schedule, mask, device)
     mask_row, mask_gate = _mask_strides(mask)
     m_row, m_gate = masked.stride(0), (masked.stride(1) if G > 1 else 0)
@@ -707,8 +811,10 @@ def lstm_backward(how: Launch, schedule: Schedule, needs: Sequence[bool], saved,
     (N, H), (B, _), device = s.cells.shape, s.h0.shape, s.cells.device
     G = s.mask.shape[2] if s.mask is not None and s.mask.dim() == 4 else 1
     d_gates = s.acts.new_empty(N, 4 * H)
-    carry = initial_grad(d_hn, s.h0, torch.float32)
-    dc = initial_grad(d_cn, s.c0, torch.float32)
+    if d_hn is None and d_cn is None:  # one fill for both (the loop's own scratch)
+        carry, dc = torch.zeros(2, B, H, device=device).unbind()
+    else:
+        carry, dc = initial_grad(d_hn, s.h0, torch.float32), initial_grad(d_cn, s.c0, torch.float32)
     # every row starts once, so the loop writes every row of dh_0 and dc_0 (at the step it starts)
     dh0, dc0 = torch.empty(B, H, device=device), torch.empty(B, H, device=device)
     need_dmask = bool(needs[5]) and s.mask is not None
@@ -737,7 +843,7 @@ def gru_forward(how: Launch, schedule: Schedule, gates_x, h0, w_hh, b_hh, mask):
     a_n = torch.empty(N, H, dtype=accumulation_dtype(gates_x.dtype), device=device)
     out = gates_x.new_empty(N, H)
     masked = gates_x.new_empty(N, G, H) if G > 1 else gates_x.new_empty(N, H)
-    h_state = h0.to(torch.float32, copy=True)
+    h_state = torch.empty(B, H, device=device)  # as in lstm_forward
     mask_row, mask_gate = _mask_strides(mask)
     args = (gates_x, w_hh, h0 if b_hh is None else b_hh, h0, h0 if mask is None else mask, mask_row,
             mask_gate, _step_table(schedule, mask, device), masked, masked.stride(0),

@@ -1,0 +1,152 @@
+"""GPU time of the persistent loop's launches by launch setting, and where a training step waits.
+
+Part 1 times one forward launch and one backward launch of the LSTM loop (2 x 35 steps of
+rnndrop.kernels.persistent, no autograd, no host work in between: the launches queue up, so CUDA
+events time the GPU alone) for each setting of ``persistent.tuning``: hidden units per program,
+the K block of the loops over ``W_hh`` and warps per program. The fastest setting per shape is
+what ``persistent.plan`` / ``_block_k`` / ``_warps`` should pick (docs/gpu.md says which they do).
+
+Part 2 splits a whole training step (VariationalLSTM, 2 layers, tied masks) into the time the host
+takes to issue it and the time until the GPU has finished it, beside nn.LSTM's: a step whose two
+times are close is host-bound.
+
+    python benchmarks/persistent_tuning.py [--json FILE]   # CUDA only, about 2 minutes on an H200
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+from rnndrop import VariationalLSTM
+from rnndrop.kernels import persistent
+from rnndrop.kernels.schedule import Schedule
+from rnndrop.kernels.triton_lstm import _Saved
+
+SHAPES = ((200, 20), (200, 128), (650, 20), (650, 128), (1500, 20), (1500, 128))
+#: (units per program, K block, warps); None: the built-in choice.
+SETTINGS = ((None, None, None), (16, 32, 4), (16, 128, 4), (16, 64, 8), (16, 128, 8), (32, 64, 4),
+            (32, 128, 8))
+STEPS, REPEATS = 35, 10
+
+
+def loop_inputs(hidden: int, batch: int, device: torch.device):
+    torch.manual_seed(0)
+    schedule = Schedule.of([batch] * STEPS, False)
+    gates_x = torch.randn(STEPS * batch, 4 * hidden, device=device)
+    h0 = torch.zeros(batch, hidden, device=device)
+    c0 = torch.zeros(batch, hidden, device=device)
+    w_hh = torch.randn(4 * hidden, hidden, device=device) / hidden**0.5
+    mask = (torch.rand(1, batch, hidden, device=device) >= 0.5).float() * 2
+    return schedule, gates_x, h0, c0, w_hh, mask
+
+
+def time_launches(fn, device: torch.device) -> float:
+    """Median GPU milliseconds of ``fn`` (launches only), queued ``REPEATS`` times between events."""
+    fn()
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(REPEATS):
+            fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        times.append(start.elapsed_time(end) / REPEATS)
+    return statistics.median(times)
+
+
+def sweep(device: torch.device) -> list[dict]:
+    rows = []
+    for hidden, batch in SHAPES:
+        schedule, gates_x, h0, c0, w_hh, mask = loop_inputs(hidden, batch, device)
+        for units, block_k, warps in SETTINGS:
+            persistent.tuning.clear()
+            persistent.tuning.update({k: v for k, v in (("units", units), ("block_k", block_k),
+                                                        ("warps", warps)) if v is not None})
+            how = persistent.plan(gates_x, hidden, batch, False)
+            if how is None:
+                continue
+            try:
+                result = persistent.lstm_forward(how, schedule, gates_x, h0, c0, w_hh, mask)
+                out, _, _, acts, cells, _, masked = result
+                saved = _Saved(acts, cells, out, None, masked, h0, c0, w_hh, None, mask)
+                d_out = torch.randn_like(out)
+                needs = (True, False, False, True, False, False)
+                forward = functools.partial(persistent.lstm_forward, how, schedule, gates_x, h0, c0, w_hh,
+                                            mask)
+                backward = functools.partial(persistent.lstm_backward, how, schedule, needs, saved, d_out,
+                                             None, None)
+                forward_ms, backward_ms = time_launches(forward, device), time_launches(backward, device)
+            except Exception as error:  # a setting that does not compile or launch: say so, go on
+                print(f"hidden {hidden} batch {batch} {units}/{block_k}/{warps}: {type(error).__name__}: "
+                      f"{str(error).splitlines()[0][:120]}", flush=True)
+                continue
+            row = dict(hidden=hidden, batch=batch, units=units, block_k=block_k, warps=warps,
+                       programs=how.programs, forward_ms=forward_ms, backward_ms=backward_ms,
+                       us_per_step=(forward_ms + backward_ms) * 1e3 / (2 * (STEPS + 1)))
+            rows.append(row)
+            label = "built-in" if units is None else f"units {units:2d}, K block {block_k:3d}, warps {warps}"
+            print(f"lstm {hidden:5d} {batch:4d}  {label:32s} programs {how.programs:3d}  forward "
+                  f"{forward_ms:6.3f} ms  backward {backward_ms:6.3f} ms  {row['us_per_step']:6.1f} us/step",
+                  flush=True)
+    persistent.tuning.clear()
+    return rows
+
+
+def host_and_gpu(device: torch.device) -> list[dict]:
+    """Milliseconds to issue a training step (host) and to finish it (GPU), tied masks and nn.LSTM."""
+    rows = []
+    for hidden, batch in ((200, 20), (650, 20), (650, 128)):
+        x = torch.randn(STEPS, batch, hidden, device=device)
+        for name, module in (
+            ("nn.LSTM", nn.LSTM(hidden, hidden, 2)),
+            ("tied", VariationalLSTM(hidden, hidden, 2, dropout=0.5, dropout_input=0.5, dropout_hidden=0.5,
+                                     dropout_output=0.5)),
+        ):
+            module.to(device).train()
+            issued, finished = [], []
+            for k in range(13):
+                module.zero_grad(set_to_none=True)
+                torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                module(x)[0].sum().backward()
+                issue = time.perf_counter() - start
+                torch.cuda.synchronize(device)
+                if k >= 3:
+                    issued.append(issue * 1e3)
+                    finished.append((time.perf_counter() - start) * 1e3)
+            row = dict(hidden=hidden, batch=batch, variant=name, host_ms=statistics.median(issued),
+                       total_ms=statistics.median(finished))
+            rows.append(row)
+            print(f"lstm {hidden:5d} {batch:4d}  {name:8s} host issues the step in {row['host_ms']:6.2f} ms, "
+                  f"GPU done at {row['total_ms']:6.2f} ms", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("persistent_tuning.py: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    print(torch.cuda.get_device_name(device), torch.__version__, flush=True)
+    result = dict(sweep=sweep(device), host_and_gpu=host_and_gpu(device))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
