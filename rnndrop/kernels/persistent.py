@@ -78,6 +78,12 @@ MAX_UNITS = 64
 _COLUMNS = 8
 
 
+#: Integer arguments of the loops compiled as plain integers (Triton would otherwise compile a
+#: variant for each value that is 1 or a multiple of 16): the steps run (variable-length BPTT) and
+#: the rows of the sequence.
+_RUN_TIME_INTS = ["s_begin", "s_end", "N"]
+
+
 @triton.jit
 def _grid_barrier(counter_ptr, target, SYNC: tl.constexpr):
     """Wait until every program has reached ``target``; give up after :data:`SPIN_LIMIT` spins."""
@@ -208,7 +214,7 @@ def _store_next_state(h, h0, m0, mask_ptr, mask_row, mask_gate, m_ptr, m_row, m_
                  value.to(m_ptr.dtype.element_ty), mask=nxt)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUN_TIME_INTS)
 def _lstm_forward(
     gx_ptr, w_ptr, h0_ptr, c0_ptr, mask_ptr, mask_row, mask_gate, table_ptr, m_ptr, m_row, m_gate,
     acts_ptr, cells_ptr, out_ptr, h_state_ptr, c_state_ptr, counter_ptr, s_begin, s_end, B, H, N,
@@ -257,7 +263,7 @@ def _lstm_forward(
     _poison_if_gave_up(counter_ptr, c_state_ptr, B, H, ks, cols, H, 1, SYNC, BB, BH)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUN_TIME_INTS)
 def _gru_forward(
     gx_ptr, w_ptr, b_hh_ptr, h0_ptr, mask_ptr, mask_row, mask_gate, table_ptr, m_ptr, m_row, m_gate,
     acts_ptr, a_n_ptr, out_ptr, h_state_ptr, counter_ptr, s_begin, s_end, B, H, N,
@@ -388,7 +394,7 @@ def _backward_inputs(table_ptr, s, acts_ptr, here_ptr, prev_ptr, d_out_ptr, mask
     return b, off, carried, nb, noff, nmoff, a0, a1, a2, a3, m0, here, prev, d_out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUN_TIME_INTS)
 def _lstm_backward(
     d_out_ptr, w_ptr, c0_ptr, mask_ptr, mask_row, mask_gate, table_ptr, acts_ptr, cells_ptr,
     dz_ptr, d_masked_ptr, dm_row, dm_gate, carry_ptr, dc_ptr, dh0_ptr, dc0_ptr, counter_ptr, s_begin, s_end,
@@ -437,7 +443,7 @@ def _lstm_backward(
     _poison_if_gave_up(counter_ptr, dc0_ptr, B, H, ks, cols, H, 1, SYNC, BB, BH)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUN_TIME_INTS)
 def _gru_backward(
     d_out_ptr, w_ptr, h0_ptr, mask_ptr, mask_row, mask_gate, table_ptr, acts_ptr, a_n_ptr, out_ptr,
     da_ptr, dn_ptr, d_masked_ptr, dm_row, dm_gate, carry_ptr, dh0_ptr, counter_ptr, s_begin, s_end, B, H, N,
@@ -648,8 +654,10 @@ class _CounterPool:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.values = torch.zeros(self.SLOTS, dtype=torch.int32, device=device)
-        self.slots = self.values.split(1)
+        # 16 bytes apart: every slot as aligned as a fresh counter (Triton compiles a variant per
+        # pointer alignment)
+        self.values = torch.zeros(self.SLOTS, 4, dtype=torch.int32, device=device)
+        self.slots = [row[:1] for row in self.values]
         self.used = 0
 
     def take(self) -> Tensor:
@@ -663,7 +671,7 @@ class _CounterPool:
 
     def _hand_in(self) -> tuple[torch.cuda.Event, Tensor, torch.device]:
         """The pool's values copied to pinned memory, with the event after which they are there."""
-        copy = torch.empty(self.SLOTS, dtype=torch.int32, pin_memory=True)
+        copy = torch.empty(self.SLOTS, 4, dtype=torch.int32, pin_memory=True)
         copy.copy_(self.values, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
