@@ -448,6 +448,20 @@ def test_a_compiler_that_fails_is_a_reason_to_fall_back_not_a_traceback(monkeypa
     assert not (tmp_path / compiled.NAME / f"{compiled.NAME}.so").exists()
 
 
+def test_a_failed_build_is_summed_up_by_the_line_that_says_why():
+    """The compiler's first error; for a compiler that cannot run at all, the exception torch's
+    traceback ended with, not a source line of that traceback (reliability probe case 352)."""
+    traceback = ("Traceback (most recent call last):\n  File \"subprocess.py\", line 571, in run\n"
+                 "    raise CalledProcessError(retcode, process.args,\n"
+                 "subprocess.CalledProcessError: Command '['/bin/false', '--version']' returned "
+                 "non-zero exit status 1.\n")
+    raised = "subprocess.CalledProcessError: Command '['/bin/false'"
+    assert compiled_cache._complaint(traceback, 1).startswith(raised)
+    compiler = "In file included from x.cpp:1:\nx.cpp:3:1: error: expected ';' before '}'\n" + traceback
+    assert compiled_cache._complaint(compiler, 1) == "x.cpp:3:1: error: expected ';' before '}'"
+    assert compiled_cache._complaint("", 2) == "exit status 2"
+
+
 @pytest.mark.parametrize("when", ["before", "during"])
 def test_sources_changed_since_import_are_not_built_into_this_process(monkeypatch, tmp_path, when):
     """A job that runs while rnndrop is upgraded or edited: its Python side (in memory) no longer

@@ -422,3 +422,18 @@ def test_mc_perplexity_checks_the_lm_protocol():
             mc_perplexity(lm, [(tokens, torch.full((3, 2), bad))], n_samples=2)
     with pytest.raises(TypeError, match=r"\(logits \[T, B, V\], hidden\)"):
         mc_perplexity(LogitsOnly(), token_batches(), n_samples=2)
+
+
+def test_a_plan_of_any_number_of_samples_costs_no_memory():
+    """The chunk sizes are computed on demand (reliability probe case 444: a list of 10^12 chunk
+    sizes was a MemoryError with no message): they add up to the samples asked for."""
+    from rnndrop.mc.sampling import ChunkPlan, _plan_chunks
+
+    plan, done = _plan_chunks("batched", 10**12, 1, 0, lambda: 0)
+    assert (len(plan), plan[0], plan[-1], done) == (10**12, 1, 1, 0)
+    plan, done = _plan_chunks("batched", 10, None, 300, lambda: 100)  # probe: one sample, then 3 a chunk
+    assert (list(plan), done) == ([1, 3, 3, 3], 1)
+    assert list(ChunkPlan(7, 3)) == [3, 3, 1] == ChunkPlan(7, 3)[:] and ChunkPlan(6, 3)[-1] == 3
+    assert list(_plan_chunks("loop", 3, None, 0, lambda: 0)[0]) == [1, 1, 1]
+    with pytest.raises(IndexError):
+        ChunkPlan(6, 3)[2]

@@ -31,6 +31,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -332,11 +333,8 @@ class Cache:
             text = output.read().decode(errors="replace")
         built = work / f"{self.name}.so"
         if child.returncode != 0 or not built.exists():
-            lines = ([line for line in text.splitlines() if "error" in line.lower()]
-                     or [line for line in text.splitlines() if line.strip()][-1:]
-                     or [f"exit status {child.returncode}"])
             shutil.rmtree(work, ignore_errors=True)
-            raise Unavailable(f"the build failed: {lines[0].strip()}")
+            raise Unavailable(f"the build failed: {_complaint(text, child.returncode)}")
         return built
 
     def publish(self, built: Path) -> None:
@@ -353,3 +351,16 @@ class Cache:
         os.replace(partial, self.library)
         os.replace(manifest, self.manifest)
         shutil.rmtree(built.parent, ignore_errors=True)
+
+
+def _complaint(output: str, returncode: int | None) -> str:
+    """The line of a failed build's output that says why: the compiler's first error, else the
+    exception a Python traceback ended with (a compiler that cannot even run), else the last line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    for line in lines:
+        if re.search(r"\berror\b:", line, re.IGNORECASE):
+            return line
+    raised = [line for line in lines if re.match(r"^[\w.]+(Error|Exception): ", line)]
+    if raised:
+        return raised[-1]
+    return lines[-1] if lines else f"exit status {returncode}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -11,7 +12,14 @@ import torch
 from torch import Tensor, nn
 
 from rnndrop.calibration import ReliabilityDiagram, reliability_from_predictions
-from rnndrop.mc.sampling import DEFAULT_MEMORY_BUDGET, _plan_chunks, _replicate, _resolve_method, mc_dropout
+from rnndrop.mc.sampling import (
+    DEFAULT_MEMORY_BUDGET,
+    ChunkPlan,
+    _plan_chunks,
+    _replicate,
+    _resolve_method,
+    mc_dropout,
+)
 from rnndrop.validation import check_positive_int, check_word_ids
 
 __all__ = ["LanguageModelLoss", "mc_language_model_loss", "mc_perplexity"]
@@ -140,8 +148,8 @@ class _SampleChunks:
         self.model, self.n_samples, self.method = model, n_samples, method
         self.chunk_size, self.memory_budget = chunk_size, memory_budget
         self.calibration_bins = calibration_bins
-        self.plan: list[int] | None = None
-        self.states: list[Any] = []
+        self.plan: ChunkPlan | None = None
+        self.states: dict[int, Any] = {}  # the recurrent state of each chunk drawn so far
 
     def log_prob(self, tokens: Tensor, targets: Tensor) -> Tensor:
         """``log sum_s p_s`` over the ``S`` samples of one segment: of the targets ``[T, B]``,
@@ -152,15 +160,13 @@ class _SampleChunks:
 
             def probe() -> int:
                 nonlocal log_prob
-                log_prob, state, per_copy = self._run(1, tokens, targets, None)
-                self.states.append(state)
+                log_prob, self.states[0], per_copy = self._run(1, tokens, targets, None)
                 return 3 * per_copy  # logits, log-probabilities, gathered values
 
             self.plan, first = _plan_chunks(self.method, self.n_samples, self.chunk_size, self.memory_budget,
                                             probe)
-            self.states.extend([None] * (len(self.plan) - len(self.states)))
-        for i in range(first, len(self.plan)):
-            chunk_log_prob, self.states[i], _ = self._run(self.plan[i], tokens, targets, self.states[i])
+        for i, copies in enumerate(itertools.islice(self.plan, first, None), start=first):
+            chunk_log_prob, self.states[i], _ = self._run(copies, tokens, targets, self.states.get(i))
             log_prob = chunk_log_prob if log_prob is None else torch.logaddexp(log_prob, chunk_log_prob)
         assert log_prob is not None  # the plan holds at least one chunk
         return log_prob

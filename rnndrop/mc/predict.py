@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,6 +207,6 @@ def mc_predict(
 
     with mc_dropout(model, strict=strict), torch.no_grad():
         plan, done = _plan_chunks(_resolve_method(model, method), n_samples, chunk_size, memory_budget, probe)
-        for copies in plan[done:]:
+        for copies in itertools.islice(plan, done, None):
             run(copies)
     return accumulator.result()

@@ -7,10 +7,11 @@ into samples, and plan how many samples each forward call takes.
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import Tensor, nn
@@ -171,14 +172,45 @@ def _resolve_method(model: nn.Module, method: str) -> str:
     return method
 
 
-def _chunks(n_samples: int, chunk_size: int) -> list[int]:
-    full, rest = divmod(n_samples, chunk_size)
-    return [chunk_size] * full + ([rest] if rest else [])
+class ChunkPlan(Sequence[int]):
+    """The sizes of the forward calls that draw the samples: ``first`` calls of one sample, then
+    calls of ``size`` until ``n_samples`` are drawn (the last takes what is left). Computed on
+    demand: a plan of 10^12 samples costs no memory."""
+
+    def __init__(self, n_samples: int, size: int, first: int = 0) -> None:
+        self.first, self.size = first, size
+        self.full, self.rest = divmod(n_samples - first, size)
+
+    def __len__(self) -> int:
+        return self.first + self.full + (1 if self.rest else 0)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"chunk {index} of a plan of {len(self)}")
+        if index < self.first:
+            return 1
+        return self.size if index < self.first + self.full else self.rest
+
+    def __iter__(self) -> Iterator[int]:
+        yield from itertools.repeat(1, self.first)
+        yield from itertools.repeat(self.size, self.full)
+        if self.rest:
+            yield self.rest
 
 
 def _plan_chunks(
     method: str, n_samples: int, chunk_size: int | None, memory_budget: int, probe: Callable[[], int]
-) -> tuple[list[int], int]:
+) -> tuple[ChunkPlan, int]:
     """How many samples each forward call takes, and how many calls the probe already made.
 
     ``method`` is resolved (``"loop"`` or ``"batched"``). Batched without ``chunk_size``:
@@ -186,12 +218,12 @@ def _plan_chunks(
     the remaining samples then go in chunks that fit ``memory_budget``.
     """
     if method == "loop":
-        return [1] * n_samples, 0
+        return ChunkPlan(n_samples, 1), 0
     if chunk_size is not None:
-        return _chunks(n_samples, chunk_size), 0
+        return ChunkPlan(n_samples, chunk_size), 0
     bytes_per_sample = probe()
     remaining = n_samples - 1
     if not remaining:
-        return [1], 1
+        return ChunkPlan(1, 1), 1
     size = max(1, min(remaining, memory_budget // max(1, bytes_per_sample)))
-    return [1, *_chunks(remaining, size)], 1
+    return ChunkPlan(n_samples, size, first=1), 1
