@@ -563,7 +563,7 @@ def plan(gates_x: Tensor, hidden: int, batch: int, projected: bool) -> Launch | 
     if _forced is not None:
         return _forced
     if gates_x.device.type != "cuda":  # Triton's interpreter: one program owns every unit
-        return Launch(1, max(16, triton.next_power_of_2(hidden))) if interpreted() else None
+        return Launch(1, max(16, _next_power_of_2(hidden))) if interpreted() else None
     sms = _multiprocessors(str(gates_x.device))
     units = tuning.get("units", 16)
     while units <= MAX_UNITS and -(-hidden // units) > sms:
@@ -589,7 +589,7 @@ def _step_table(schedule: Schedule, mask: Tensor | None, device: torch.device) -
     its rows' offset, ``carried``, the previous step's offset, then the next step's ``b``, offset
     and mask offset (zeros after the last). Cached by schedule and mask layout."""
     step_stride = 0 if mask is None or mask.shape[0] == 1 else mask.stride(0)
-    key = (tuple(schedule.sizes), schedule.steps[0].t, step_stride, str(device))
+    key = (schedule, step_stride, device)  # a schedule is built once per batch sizes and never changes
     table = _TABLES.get(key)
     if table is not None:
         _TABLES.move_to_end(key)
@@ -779,11 +779,16 @@ def gave_up(device: torch.device, why: str) -> None:
 
 
 def _block_k(how: Launch, hidden: int) -> int:
-    return tuning.get("block_k", min(64, max(16, triton.next_power_of_2(hidden))))
+    return tuning.get("block_k", min(64, max(16, _next_power_of_2(hidden))))
 
 
 def _batch_block(batch: int) -> int:
-    return max(16, triton.next_power_of_2(batch))
+    return max(16, _next_power_of_2(batch))
+
+
+def _next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2`` without Triton's call overhead (a host cost of every launch)."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
 def lstm_forward(how: Launch, schedule: Schedule, gates_x, h0, c0, w_hh, mask):

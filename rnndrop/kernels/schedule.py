@@ -72,7 +72,7 @@ class Schedule:
     def of(batch_sizes: Sequence[int], reverse: bool) -> Schedule:
         """The schedule of ``batch_sizes`` and direction, built once and shared (a schedule is
         never changed after it is built): a GPU loop's host time is the cost to cut there."""
-        return _cached_schedule(tuple(int(b) for b in batch_sizes), bool(reverse))
+        return _cached_schedule(tuple(map(int, batch_sizes)), bool(reverse))
 
     def by_step(self, x: Tensor) -> tuple[Tensor, ...]:
         """Views of the rows of every time step of ``x`` ``[N, ...]``, indexed by ``t``."""

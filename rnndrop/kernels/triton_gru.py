@@ -52,6 +52,7 @@ from rnndrop.kernels.triton_common import (
 from rnndrop.kernels.triton_plan import (
     StepProducts,
     accumulation_dtype,
+    autocast_off,
     check_device,
     compute_dtype,
     initial_grad,
@@ -231,7 +232,7 @@ class _GRURecurrence(torch.autograd.Function):
     def forward(ctx: FunctionCtx, gates_x, h0, w_hh, b_hh, mask, schedule: Schedule):
         inputs = (gates_x, h0, w_hh, b_hh, mask)
         how = persistent.plan(gates_x, h0.shape[1], h0.shape[0], False)
-        with torch.autocast(gates_x.device.type, enabled=False), products_as_cudnn(gates_x):
+        with autocast_off(gates_x), products_as_cudnn(gates_x):
             result, how = persistent.first_or_step(
                 how, gates_x.device,
                 lambda how: persistent.gru_forward(how, schedule, gates_x, h0, w_hh, b_hh, mask),
@@ -249,7 +250,7 @@ class _GRURecurrence(torch.autograd.Function):
     def backward(ctx, d_out, d_hn):
         needs, saved = tuple(ctx.needs_input_grad[:5]), ctx.saved_tensors
         run = functools.partial(_backward, ctx.schedule, needs)
-        with torch.autocast(saved[0].device.type, enabled=False), products_as_cudnn(saved[0]):
+        with autocast_off(saved[0]), products_as_cudnn(saved[0]):
             grads, _ = persistent.first_or_step(
                 ctx.how, saved[0].device,
                 lambda how: _persistent_backward(how, ctx.schedule, needs, *saved, d_out, d_hn),

@@ -13,6 +13,7 @@ gradients that flow back through time in that dtype.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import NamedTuple
 
@@ -99,6 +100,14 @@ def _autocast_enabled(device: str) -> bool:
         return torch.is_autocast_enabled(device)
     except TypeError:  # torch < 2.4: no device argument
         return torch.is_autocast_enabled() if device == "cuda" else torch.is_autocast_cpu_enabled()
+
+
+def autocast_off(x: Tensor) -> contextlib.AbstractContextManager:
+    """Autocast turned off for ``x``'s device inside the block (the kernels cast for themselves);
+    nothing to enter where it is off already, the usual case (an autocast object costs the host
+    more than the check)."""
+    device = x.device.type
+    return torch.autocast(device, enabled=False) if _autocast_enabled(device) else contextlib.nullcontext()
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
