@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from rnndrop.noise import bernoulli_mask
+from rnndrop.noise import MaskSite, bernoulli_mask, draw_masks
 from rnndrop.recurrent import quiet_weight_compaction
 from rnndrop.stochastic import Stochastic
 from rnndrop.validation import check_bool, check_instance, check_probability, check_tensor_like
@@ -116,19 +116,28 @@ class WeightDrop(Stochastic, nn.Module):
     def mask_shape(self, name: str) -> tuple[int, ...]:
         """The shape of the mask of weight ``name``: the weight's, or ``[1, in_features]``
         with ``variational``."""
-        weight = self._weight(name)
+        return self._mask_shape(self._weight(name))
+
+    def _mask_shape(self, weight: Tensor) -> tuple[int, ...]:
         return (1, weight.shape[1]) if self.variational else tuple(weight.shape)
 
     def sample_masks(self, generator: torch.Generator | None = None) -> dict[str, Tensor]:
         """One mask per dropped weight (:meth:`mask_shape`); values 0 or ``1 / (1 - p)``,
-        the weight's device and dtype."""
-        masks = {}
-        for name in self.weights:
-            weight = self._weight(name)
-            masks[name] = bernoulli_mask(
-                self.mask_shape(name), self.p, device=weight.device, dtype=weight.dtype, generator=generator
-            )
-        return masks
+        the weight's device and dtype. Weights of one device and dtype get their masks from one
+        draw (:func:`~rnndrop.noise.draw_masks`)."""
+        return self._sample_masks({name: self._weight(name) for name in self.weights}, generator)
+
+    def _sample_masks(
+        self, weights: Mapping[str, Tensor], generator: torch.Generator | None
+    ) -> dict[str, Tensor]:
+        p = check_probability("p", self.p)  # a public attribute: it may have been set since
+        first = next(iter(weights.values()))
+        if p == 0 or any(w.device != first.device or w.dtype != first.dtype for w in weights.values()):
+            return {name: bernoulli_mask(self._mask_shape(w), p, device=w.device, dtype=w.dtype,
+                                         generator=generator) for name, w in weights.items()}
+        sites = [MaskSite(name, self._mask_shape(w), p) for name, w in weights.items()]
+        drawn = draw_masks(sites, "bernoulli", device=first.device, dtype=first.dtype, generator=generator)
+        return {site.name: mask for site, mask in zip(sites, drawn) if mask is not None}
 
     def forward_with_masks(self, masks: Mapping[str, Tensor], *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's forward with ``weight * masks[name]`` for each named weight.
@@ -143,10 +152,16 @@ class WeightDrop(Stochastic, nn.Module):
             raise ValueError(
                 f"masks: {sorted(unknown)} are not among the dropped weights {list(self.weights)}"
             )
+        weights = {name: self._weight(name) for name in masks}
         for name, mask in masks.items():
-            weight = self._weight(name)
-            check_tensor_like(f"masks[{name!r}]", mask, self.mask_shape(name), weight, f"the weight {name!r}")
-        dropped = {name: self._weight(name) * m for name, m in masks.items()}
+            check_tensor_like(f"masks[{name!r}]", mask, self._mask_shape(weights[name]), weights[name],
+                              f"the weight {name!r}")
+        return self._forward_dropped(weights, masks, args, kwargs)
+
+    def _forward_dropped(self, weights: Mapping[str, Tensor], masks: Mapping[str, Tensor], args: tuple,
+                         kwargs: dict) -> Any:
+        """The wrapped module's forward with ``weights[name] * masks[name]`` (checked already)."""
+        dropped = {name: weights[name] * m for name, m in masks.items()}
         if not dropped:
             return self.module(*args, **kwargs)
         # A dropped weight can never live in cuDNN's flat weight buffer, so cuDNN copies it
@@ -157,7 +172,8 @@ class WeightDrop(Stochastic, nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.training and self.p > 0):
             return self.module(*args, **kwargs)
-        return self.forward_with_masks(self.sample_masks(), *args, **kwargs)
+        weights = {name: self._weight(name) for name in self.weights}
+        return self._forward_dropped(weights, self._sample_masks(weights, None), args, kwargs)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
         # Keys of the bare module (an nn.LSTM checkpoint) are read as ``module.<key>``.
