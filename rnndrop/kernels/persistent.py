@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -679,6 +680,7 @@ class _CounterPool:
 
 
 _pools: dict[tuple[str, int], _CounterPool] = {}
+_pools_lock = threading.Lock()  # threads launching on one stream take distinct slots
 
 
 def _counter(device: torch.device, pooled: bool) -> Tensor:
@@ -688,10 +690,11 @@ def _counter(device: torch.device, pooled: bool) -> Tensor:
     if not pooled:
         return torch.zeros(1, dtype=torch.int32, device=device)
     key = (_key(device), torch.cuda.current_stream(device).cuda_stream)
-    pool = _pools.get(key)
-    if pool is None:
-        pool = _pools[key] = _CounterPool(device)
-    return pool.take()
+    with _pools_lock:
+        pool = _pools.get(key)
+        if pool is None:
+            pool = _pools[key] = _CounterPool(device)
+        return pool.take()
 
 
 #: Launch settings a measurement may set (``benchmarks/persistent_tuning.py``): ``units``,
