@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.swa_utils import AveragedModel
+from torch.optim.swa_utils import AveragedModel, get_swa_avg_fn, get_swa_multi_avg_fn
 
 from rnndrop.recurrent import compact_weights
 from rnndrop.validation import check_instance, check_positive_int
@@ -107,6 +107,12 @@ class NonMonotoneTrigger:
         return f"NonMonotoneTrigger(n={self.n}, checks={len(self.history)})"
 
 
+#: ``averaged += (current - averaged) / (n + 1)``: over lists of weights (``update(averaged, current,
+#: n)``, a foreach lerp) and for one weight (``average(averaged, current, n)``), as torch's SWA does.
+_SWA_UPDATE = get_swa_multi_avg_fn()
+_SWA_AVERAGE = get_swa_avg_fn()
+
+
 class NTAveraging:
     """The averaging half of NT-ASGD for ``model``, switched on by a :class:`NonMonotoneTrigger`.
 
@@ -136,6 +142,7 @@ class NTAveraging:
         self.averaged: AveragedModel | None = None
         self.should_stop = False
         self.switches = 0
+        self._steps = 0  # the weights averaged so far (the count AveragedModel keeps as a tensor)
         if start:
             self._start()
 
@@ -151,9 +158,26 @@ class NTAveraging:
 
     def update(self) -> None:
         """Add the model's current weights to the average (call after every optimizer step);
-        nothing before the switch."""
-        if self.averaged is not None:
-            self.averaged.update_parameters(self.model)
+        nothing before the switch.
+
+        ``AveragedModel.update_parameters``'s arithmetic (a copy first, then ``+= (x - avg) /
+        (n + 1)``: one foreach lerp on CUDA, weight by weight elsewhere), with the count ``n``
+        kept on the host: torch's method reads its count tensor (on the GPU, a wait for the GPU
+        at every step)."""
+        if self.averaged is None:
+            return
+        averaged = [p.detach() for p in self.averaged.parameters()]
+        current = [p.detach() for p in self.model.parameters()]
+        if self._steps == 0:
+            for mine, theirs in zip(averaged, current, strict=True):
+                mine.copy_(theirs)
+        elif averaged[0].device.type == "cuda":  # one foreach lerp, as torch does there
+            _SWA_UPDATE(averaged, current, self._steps)
+        else:  # weight by weight, as torch does elsewhere
+            for mine, theirs in zip(averaged, current, strict=True):
+                mine.copy_(_SWA_AVERAGE(mine, theirs, self._steps))
+        self._steps += 1
+        self.averaged.n_averaged.fill_(self._steps)  # AveragedModel's own count, for its state dict
 
     def validation(self, loss: float) -> bool:
         """Feed the validation loss of :attr:`evaluation_model` after a pass; returns True when
@@ -179,6 +203,7 @@ class NTAveraging:
     def _start(self) -> None:
         # A copy of the model whose weights are replaced by the first update (n_averaged 0).
         self.averaged = self._averaged_copy()
+        self._steps = 0
         self.trigger.reset()
         self.should_stop = False
         self.switches += 1
@@ -210,6 +235,7 @@ class NTAveraging:
         else:
             self.averaged = self._averaged_copy()
             self.averaged.load_state_dict(state["averaged"])
+            self._steps = int(self.averaged.n_averaged)
         self.should_stop = bool(state["should_stop"])
         self.switches = int(state["switches"])
 

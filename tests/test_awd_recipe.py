@@ -289,6 +289,25 @@ def test_the_average_is_the_mean_of_the_weights_after_every_step_as_in_torch_asg
                               atol=1e-6)
 
 
+def test_the_average_is_torchs_averaged_model_bit_for_bit_without_reading_its_count():
+    """NTAveraging keeps the count on the host (torch's update_parameters reads its count tensor,
+    a wait for the GPU every step there) and computes what AveragedModel computes, bit for bit."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1))
+    averaging = NTAveraging(model, start=True)
+    reference = torch.optim.swa_utils.AveragedModel(model, use_buffers=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(9):
+        optimizer.zero_grad()
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        optimizer.step()
+        averaging.update()
+        reference.update_parameters(model)
+    assert int(averaging.averaged.n_averaged) == int(reference.n_averaged) == 9
+    for ours, theirs in zip(averaging.evaluation_model.parameters(), reference.module.parameters()):
+        assert torch.equal(ours, theirs)
+
+
 def test_nt_averaging_switches_on_the_trigger_then_says_when_to_stop():
     model = nn.Linear(3, 1)
     averaging = NTAveraging(model, nonmono=2)

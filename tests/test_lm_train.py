@@ -310,3 +310,23 @@ def test_regimes_are_read_only_and_registrations_do_not_leak():
             register_regime("tied", Regime("other"))
     assert "mine" not in REGIMES
     assert Regime.from_settings(REGIMES["gaussian"].settings()) == REGIMES["gaussian"]
+
+
+def test_the_divergence_check_reads_steps_in_batches_and_names_the_step_that_diverged(tmp_path):
+    """Steps are recorded as tensors and read every READ_EVERY steps and at the epoch's last (no
+    host wait for the GPU at every step); a step that diverged is named exactly when it is read."""
+    from rnndrop.lm.run.train import DivergenceCheck
+
+    every = DivergenceCheck.READ_EVERY
+    check = DivergenceCheck(3, 2 * every + 3, 0.5, tmp_path / "checkpoint.pt", 2)
+    one, two, norm = torch.tensor(1.0), torch.tensor(2.0), torch.tensor(0.5)
+    read = [check.step(one, one, norm, b) for b in range(every)]
+    assert read[:-1] == [[]] * (every - 1) and read[-1] == [1.0] * every
+    read = [check.step(one, two if b == every else one, norm, b) for b in range(every, 2 * every)]
+    assert read[:-1] == [[]] * (every - 1) and read[-1] == [2.0] + [1.0] * (every - 1)  # in order
+    assert [check.step(one, one, norm, b) for b in range(2 * every, 2 * every + 3)] == [[], [], [1.0] * 3]
+    check.step(one, one, norm, 3)
+    check.step(one, one, torch.tensor(float("inf")), 4)
+    check.step(torch.tensor(float("nan")), one, norm, 5)
+    with pytest.raises(TrainingDiverged, match=r"the gradient norm is inf at epoch 3, batch 5/35 \(lr 0.5\)"):
+        check.read()

@@ -330,6 +330,8 @@ def _train_epoch(
     run.net.train()
     bar = EpochProgress(segments.count, f"epoch {epoch}", progress and ctx.is_main)
     total, words, hidden = 0.0, 0, None
+    sizes: list[int] = []  # the words of every step; steps are read (checked, summed) in order
+    read = read_words = 0
     start = time.perf_counter()
     try:
         for i, segment in enumerate(segments.items):
@@ -341,19 +343,25 @@ def _train_epoch(
             objective = loss if penalty is None else loss + penalty
             if run.extra_loss is not None:
                 objective = objective + run.extra_loss((epoch - 1 + segment.done) / config.epochs)
-            check.losses(objective, loss, i)
             run.optimizer.zero_grad(set_to_none=True)
             objective.backward()
             grad_norm = nn.utils.clip_grad_norm_(run.model.parameters(), config.clip)
-            check.gradient_norm(grad_norm, i)
             with scaled_learning_rate(run.optimizer, segment.lr_scale):
                 run.optimizer.step()
             if run.averaging is not None:
                 run.averaging.after_step()
-            total += loss.item() * targets.numel()
+            sizes.append(targets.numel())
+            for loss_value in check.step(objective, loss, grad_norm, i):  # the steps read now
+                total += loss_value * sizes[read]
+                read_words += sizes[read]
+                read += 1
             words += targets.numel()
             elapsed = time.perf_counter() - start
-            bar.update(ppl=perplexity(total / words), wps=words * ctx.world_size / max(elapsed, 1e-9))
+            shown = {"ppl": perplexity(total / read_words)} if read_words else {}  # as of the steps read
+            bar.update(**shown, wps=words * ctx.world_size / max(elapsed, 1e-9))
+        for loss_value in check.read():  # any step not read yet (none where the count was exact)
+            total += loss_value * sizes[read]
+            read += 1
     finally:
         bar.close()
     if ctx.enabled:
@@ -609,6 +617,13 @@ class TrainingDiverged(RuntimeError):
 class DivergenceCheck:
     """The checks of one epoch.
 
+    A step's objective, NLL and gradient norm are recorded as tensors (:meth:`step`) and read
+    on the host every :attr:`READ_EVERY` steps and at the end of the epoch (:meth:`read`): on a
+    GPU a read waits for the GPU, and a wait every step would keep the host from queueing the next
+    step while the GPU runs this one. A step that diverged is therefore found a few steps later,
+    always before the epoch ends (so before its checkpoint is written), and named exactly. Under
+    DDP every step is read at once, over every rank, so that the ranks stop together.
+
     Args:
         epoch: the epoch being trained; ``n_batches`` its truncated-BPTT segments and
             ``lr`` its learning rate (for the message).
@@ -617,25 +632,42 @@ class DivergenceCheck:
         ctx: the process group (the loss check is decided over every rank).
     """
 
+    READ_EVERY = 16
+
     def __init__(self, epoch: int, n_batches: int, lr: float, checkpoint_path: Path,
                  last_good_epoch: int, ctx: Distributed = ONE_PROCESS) -> None:
         self.epoch, self.n_batches, self.lr = epoch, n_batches, lr
         self.checkpoint_path, self.last_good_epoch, self.ctx = checkpoint_path, last_good_epoch, ctx
+        self._pending: list[tuple[int, Tensor]] = []  # (batch, [objective, NLL, gradient norm])
 
-    def losses(self, objective: Tensor, loss: Tensor, batch: int) -> None:
-        """The step's objective (NLL + extra term) must be finite and its NLL per word at most
-        :data:`MAX_NLL`, on every rank."""
-        if not self.ctx.enabled:
-            self._check_loss(objective.item(), loss.item(), "", batch)
-            return
-        values = all_gather_floats([objective.item(), loss.item()], self.ctx)
-        for rank, (rank_objective, rank_loss) in enumerate(values):
-            self._check_loss(rank_objective, rank_loss, f" on rank {rank}", batch)
+    def step(self, objective: Tensor, loss: Tensor, norm: Tensor, batch: int) -> list[float]:
+        """Record step ``batch``; the NLLs of the steps read now (:meth:`read`: every
+        :attr:`READ_EVERY` steps, the epoch's last, every step under DDP), else none."""
+        values = torch.stack([objective.detach().float(), loss.detach().float(), norm.detach().float()])
+        self._pending.append((batch, values))
+        if self.ctx.enabled or len(self._pending) >= self.READ_EVERY or batch == self.n_batches - 1:
+            return self.read()
+        return []
 
-    def gradient_norm(self, norm: Tensor, batch: int) -> None:
-        """The clipped gradient's norm (before clipping) must be finite."""
-        if not math.isfinite(norm.item()):
-            self.stop(f"the gradient norm is {norm.item()}", batch)
+    def read(self) -> list[float]:
+        """Check every recorded step in order and return their NLLs: the objective (NLL + extra
+        term) must be finite and the NLL per word at most :data:`MAX_NLL`, on every rank, and
+        the clipped gradient's norm (before clipping) finite."""
+        if not self._pending:
+            return []
+        batches = [batch for batch, _ in self._pending]
+        rows = torch.stack([values for _, values in self._pending]).tolist()
+        self._pending.clear()
+        for batch, (objective, loss, norm) in zip(batches, rows):
+            if self.ctx.enabled:
+                every_rank = all_gather_floats([objective, loss], self.ctx)
+                for rank, (rank_objective, rank_loss) in enumerate(every_rank):
+                    self._check_loss(rank_objective, rank_loss, f" on rank {rank}", batch)
+            else:
+                self._check_loss(objective, loss, "", batch)
+            if not math.isfinite(norm):
+                self.stop(f"the gradient norm is {norm}", batch)
+        return [loss for _, loss, _ in rows]
 
     def validation(self, perplexity: float) -> None:
         """The epoch's validation perplexity must be finite."""
