@@ -40,7 +40,7 @@ timeout 120 $PY -m pytest -q -p no:cacheprovider --timeout 100 tests/test_cuda_g
 speed() {
 step "training speed against cuDNN, torch's defaults (cuDNN TF32, cuBLAS IEEE)"
 # SPEED_SHAPES, SPEED_BATCH, SPEED_VARIANTS (speed.py --variants) and SPEED_TIMEOUT narrow it
-timeout ${SPEED_TIMEOUT:-200} $PY benchmarks/speed.py --device cuda --shapes ${SPEED_SHAPES:-small,medium,large} \
+timeout ${SPEED_TIMEOUT:-300} $PY benchmarks/speed.py --device cuda --shapes ${SPEED_SHAPES:-small,medium,large} \
     --batch ${SPEED_BATCH:-20,64,128} ${SPEED_VARIANTS:+--variants $SPEED_VARIANTS} --kernels triton \
     --rounds ${ROUNDS:-8} --json "$OUT/gpu-speed-train.json" 2>>"$OUT/speed.err" >"$OUT/gpu-speed-train.txt"
 grep -E "^(lstm|gru) " "$OUT/gpu-speed-train.txt" | grep -vE "^(lstm|gru) +[0-9]+ +[0-9]+ +nn\." | head -n 80
