@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from rnndrop.flat_weights import masked_views, shares_one_buffer
 from rnndrop.noise import MaskSite, bernoulli_mask, draw_masks
 from rnndrop.recurrent import quiet_weight_compaction
 from rnndrop.stochastic import Stochastic
@@ -160,10 +161,14 @@ class WeightDrop(Stochastic, nn.Module):
 
     def _forward_dropped(self, weights: Mapping[str, Tensor], masks: Mapping[str, Tensor], args: tuple,
                          kwargs: dict) -> Any:
-        """The wrapped module's forward with ``weights[name] * masks[name]`` (checked already)."""
-        dropped = {name: weights[name] * m for name, m in masks.items()}
-        if not dropped:
+        """The wrapped module's forward with ``weights[name] * masks[name]`` (checked already).
+        A flattened cuDNN RNN gets every weight as a view of one buffer laid out as its own
+        (:mod:`rnndrop.flat_weights`), which cuDNN runs without copying its weights first."""
+        if not masks:
             return self.module(*args, **kwargs)
+        if shares_one_buffer(self.module) and set(masks) <= set(self.module._flat_weights_names):
+            return functional_call(self.module, masked_views(self.module, masks), args, kwargs)
+        dropped = {name: weights[name] * m for name, m in masks.items()}
         # A dropped weight can never live in cuDNN's flat weight buffer, so cuDNN copies it
         # at every call by design; its warning asks for flatten_parameters(), which cannot help.
         with quiet_weight_compaction(next(iter(dropped.values())).device):

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import pack_sequence
 
-from rnndrop import VariationalLSTM, VariationalLSTMCell, WeightDrop
+from rnndrop import VariationalLSTM, VariationalLSTMCell, WeightDrop, flat_weights
 from rnndrop.stochastic import Stochastic
 from tests.helpers import assert_close
 
@@ -234,3 +234,72 @@ def test_a_weight_dropped_twice_is_refused_at_construction():
     outer = WeightDrop(inner, "module.weight_ih_l0", p=0.5)  # another weight: fine
     out, _ = outer(torch.randn(T, B, I))
     assert out.shape == (T, B, H)
+
+
+def _flattened(module):
+    """``module`` with its weights made views of one storage at offsets of their own (with a gap
+    before, between none, and after), as flatten_parameters leaves a cuDNN module."""
+    names = module._flat_weights_names
+    weights = [getattr(module, n).detach() for n in names]
+    buffer = torch.zeros(sum(w.numel() for w in weights) + 11)
+    offset = 3
+    for name, weight in zip(names, weights):
+        view = buffer[offset : offset + weight.numel()].view(weight.shape)
+        view.copy_(weight)
+        setattr(module, name, nn.Parameter(view))
+        offset += weight.numel()
+    return module
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
+@pytest.mark.parametrize("variational", [False, True])
+def test_a_flattened_rnn_gets_its_masked_weights_as_views_of_one_buffer_with_the_same_results(
+    cls, variational, monkeypatch
+):
+    """On a flattened cuDNN RNN every weight goes in as a view of a copy of the module's buffer at
+    its own offset, the dropped ones multiplied there (cuDNN then copies nothing): the same
+    outputs and gradients as multiplying the weights, the module's own weights untouched."""
+    monkeypatch.setattr(flat_weights, "FLAT_DEVICES", {"cuda", "cpu"})
+    torch.manual_seed(0)
+    flat = _flattened(cls(5, 6, 2))
+    plain = cls(5, 6, 2)
+    plain.load_state_dict(flat.state_dict())
+    assert flat_weights.shares_one_buffer(flat) and not flat_weights.shares_one_buffer(plain)
+    names = ["weight_hh_l0", "weight_hh_l1"]
+    ours, theirs = (WeightDrop(m, names, p=0.5, variational=variational) for m in (flat, plain))
+    masks = ours.sample_masks()
+    views = flat_weights.masked_views(flat, masks)
+    storage = {v.untyped_storage().data_ptr() for v in views.values()}
+    assert len(storage) == 1 and storage != {flat.weight_ih_l0.untyped_storage().data_ptr()}
+    assert all(v.storage_offset() == getattr(flat, n).storage_offset() for n, v in views.items())
+    before = [p.detach().clone() for p in flat.parameters()]
+    x = torch.randn(4, 3, 5)
+    out, _ = ours.forward_with_masks(masks, x)
+    expected, _ = theirs.forward_with_masks(masks, x)
+    assert torch.allclose(out, expected, atol=1e-6)
+    d_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, list(flat.parameters()), d_out)
+    expected_grads = torch.autograd.grad(expected, list(plain.parameters()), d_out)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, expected_grads))
+    assert all(torch.equal(a, b) for a, b in zip(before, flat.parameters()))
+
+
+def test_only_a_plain_flattened_rnn_outside_autocast_takes_the_views(monkeypatch):
+    monkeypatch.setattr(flat_weights, "FLAT_DEVICES", {"cuda", "cpu"})
+    assert flat_weights.shares_one_buffer(_flattened(nn.GRU(3, 4)))
+    assert not flat_weights.shares_one_buffer(VariationalLSTM(3, 4))  # its own forward pass
+    assert not flat_weights.shares_one_buffer(nn.Linear(3, 4))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not flat_weights.shares_one_buffer(_flattened(nn.GRU(3, 4)))
+    monkeypatch.setattr(flat_weights, "FLAT_DEVICES", {"cuda"})
+    assert not flat_weights.shares_one_buffer(_flattened(nn.GRU(3, 4)))  # CPU RNNs need no buffer
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU machine runs it)")
+def test_on_cuda_weight_drop_runs_cudnn_without_compacting_the_weights():
+    """No 'not part of single contiguous chunk' warning: cuDNN took the views as its buffer."""
+    wd = WeightDrop(nn.LSTM(8, 16, 2).cuda(), ["weight_hh_l0", "weight_hh_l1"], p=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, _ = wd(torch.randn(5, 3, 8, device="cuda"))
+        out.sum().backward()
