@@ -166,7 +166,8 @@ class WeightDrop(Stochastic, nn.Module):
         (:mod:`rnndrop.flat_weights`), which cuDNN runs without copying its weights first."""
         if not masks:
             return self.module(*args, **kwargs)
-        if shares_one_buffer(self.module) and set(masks) <= set(self.module._flat_weights_names):
+        if (not torch.compiler.is_compiling() and shares_one_buffer(self.module)
+                and set(masks) <= set(self.module._flat_weights_names)):  # (torch.compile: as before)
             return functional_call(self.module, masked_views(self.module, masks), args, kwargs)
         dropped = {name: weights[name] * m for name, m in masks.items()}
         # A dropped weight can never live in cuDNN's flat weight buffer, so cuDNN copies it
