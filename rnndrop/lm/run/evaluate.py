@@ -110,13 +110,14 @@ def score_sums(
     """:func:`score` as sums: (summed NLL, tokens, reliability diagram or None)."""
     was_training = model.training
     model.eval()
-    total, count, hidden = 0.0, 0, None
+    count, hidden = 0, None
+    losses: list[Tensor] = []  # read once at the end: a read per segment would wait for the GPU
     confidences: list[Tensor] = []
     correct: list[Tensor] = []
     try:
         for inputs, targets in bptt_batches(batched, bptt):
             logits, hidden = model(inputs, hidden)
-            total += token_loss(logits, targets, "sum").item()
+            losses.append(token_loss(logits, targets, "sum"))
             count += targets.numel()
             if calibration_bins is not None:
                 top_prob, top_word = logits.softmax(-1).max(-1)
@@ -124,6 +125,9 @@ def score_sums(
                 correct.append(top_word == targets)
     finally:
         model.train(was_training)
+    total = 0.0
+    for loss in torch.stack(losses).tolist() if losses else []:  # summed in order, as floats
+        total += loss
     diagram = None
     if calibration_bins is not None:
         diagram = reliability_from_predictions(torch.cat(confidences), torch.cat(correct), calibration_bins)
