@@ -202,7 +202,7 @@ class _Totals:
 
     def __init__(self, n_samples: int, calibration_bins: int | None) -> None:
         self.n_samples, self.log_s, self.calibration_bins = n_samples, math.log(n_samples), calibration_bins
-        self.total_nll = 0.0
+        self.segment_nlls: list[Tensor] = []  # read once in result(): a read per segment waits for the GPU
         self.num_tokens = 0
         self.confidences: list[Tensor] = []
         self.correct: list[Tensor] = []
@@ -214,7 +214,7 @@ class _Totals:
             self.confidences.append((top_log_prob - self.log_s).exp())
             self.correct.append(top_word == targets)
             log_prob = log_prob.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        self.total_nll -= (log_prob.double() - self.log_s).sum().item()
+        self.segment_nlls.append((log_prob.double() - self.log_s).sum())
         self.num_tokens += targets.numel()
 
     def result(self) -> LanguageModelLoss:
@@ -225,7 +225,10 @@ class _Totals:
             reliability = reliability_from_predictions(
                 torch.cat(self.confidences), torch.cat(self.correct), self.calibration_bins
             )
-        return LanguageModelLoss(self.total_nll, self.num_tokens, self.n_samples, reliability)
+        total_nll = 0.0
+        for segment in torch.stack(self.segment_nlls).tolist():  # in order, as before
+            total_nll -= segment
+        return LanguageModelLoss(total_nll, self.num_tokens, self.n_samples, reliability)
 
 
 def mc_perplexity(
