@@ -242,19 +242,25 @@ def test_inference_forward_equals_training_forward(kind, through_onednn, monkeyp
                         assert torch.equal(ours, ref.detach()), where
 
 
-def test_onednn_products_chosen_by_weight_size_and_rows():
+def test_onednn_products_chosen_by_weight_size_and_rows(monkeypatch):
     """Packed oneDNN products for large weights at any batch, for mid-sized ones only with many
-    rows, never for small ones or float64; with per-gate masks one a gate, judged by its size."""
+    rows (on AMD Zen 5: from 100 k elements at any rows), never for small ones or float64; with
+    per-gate masks one a gate, judged by its size."""
     def packed(h, rows, dtype=torch.float32, mask=None):
         return len(compiled_plan.packed_weights(torch.randn(4 * h, h, dtype=dtype), mask, rows))
 
     one = int(onednn_enabled(torch.randn(2, 2)))
+    monkeypatch.setattr(onednn, "amd_cpu_family", lambda: 25)  # Zen 3 / 4 (and any other CPU)
     assert packed(400, 1) == one and packed(400, 20) == one
     assert packed(200, 20) == 0 and packed(200, 64) == one
     assert packed(100, 1024) == 0
     assert packed(400, 20, dtype=torch.float64) == 0
     assert packed(650, 20, mask=torch.ones(1, 20, 4, 650)) == 4 * one  # 422 k a gate
     assert packed(400, 20, mask=torch.ones(1, 20, 4, 400)) == 0  # 160 k a gate, 20 rows
+    monkeypatch.setattr(onednn, "amd_cpu_family", lambda: 26)  # Zen 5
+    assert packed(200, 20) == one and packed(200, 1) == one
+    assert packed(150, 20) == 0  # 90 k
+    assert packed(400, 20, mask=torch.ones(1, 20, 4, 400)) == 4 * one  # 160 k a gate
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])

@@ -184,3 +184,20 @@ def test_input_projection_matches_linear_twice_differentiably():
         assert_close(list(second_ours), list(second_ref), atol=1e-4)
     mask = torch.rand(9, 5)
     assert_close(input_projection(x, mask, w), F.linear(x * mask, w), atol=1e-5)
+
+
+def test_onednn_or_blas_is_decided_by_weight_rows_and_cpu_family(monkeypatch):
+    """Zen 3/4 and other CPUs: oneDNN from 250 k elements, or 150 k with 32 rows or more; AMD Zen 5
+    (family 26) and later, where oneDNN's packed products beat BLAS at hidden 200 and 20 rows:
+    from 100 k at any rows. Read from /proc/cpuinfo once, so a machine always decides alike."""
+    from rnndrop.kernels import onednn
+
+    zen4 = "vendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
+    assert onednn.amd_family_in(zen4) == 25
+    assert onednn.amd_family_in(zen4.replace("25", "26")) == 26
+    assert onednn.amd_family_in("vendor_id\t: GenuineIntel\ncpu family\t: 6\n") == 0
+    assert onednn.amd_family_in("vendor_id : AuthenticAMD\n") == 0
+    lstm_200, gru_200 = torch.ones(800, 200), torch.ones(600, 200)
+    for family, expected in ((25, [False, True, False, False]), (26, [True, True, True, True])):
+        monkeypatch.setattr(onednn, "amd_cpu_family", lambda family=family: family)
+        assert [onednn.worth_onednn(w, rows) for w in (lstm_200, gru_200) for rows in (20, 64)] == expected

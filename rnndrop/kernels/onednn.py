@@ -16,7 +16,7 @@ import functools
 import torch
 from torch import Tensor
 
-__all__ = ["onednn_enabled", "worth_onednn"]
+__all__ = ["amd_cpu_family", "amd_family_in", "onednn_enabled", "worth_onednn"]
 
 #: A weight (with per-gate masks: each gate's block) goes through oneDNN's products (float32,
 #: where torch has oneDNN) when it has at least ONEDNN_MIN_WEIGHT elements, or at least
@@ -28,6 +28,11 @@ __all__ = ["onednn_enabled", "worth_onednn"]
 ONEDNN_MIN_WEIGHT = 250_000
 ONEDNN_MIN_WEIGHT_MANY_ROWS = 150_000
 ONEDNN_MANY_ROWS = 32
+#: On AMD Zen 5 (CPU family 26) and later, oneDNN's packed products run about twice as fast as
+#: BLAS already at hidden 200 and 20 rows, packing included: from this many elements at any rows
+#: (or ONEDNN_MIN_WEIGHT, if lower). Measured on a Zen 5: docs/speed.md, "AMD EPYC Zen 5".
+ONEDNN_MIN_WEIGHT_ZEN5 = 100_000
+ZEN5_FAMILY = 26
 
 
 @functools.cache
@@ -68,7 +73,34 @@ def onednn_enabled(t: Tensor) -> bool:
 
 def worth_onednn(weight: Tensor, rows: int) -> bool:
     """Whether products of ``rows`` rows by ``weight`` (or one gate's block of it) are faster
-    through oneDNN than through BLAS: large enough a weight, float32, oneDNN there."""
+    through oneDNN than through BLAS: large enough a weight, float32, oneDNN there. The rule
+    depends on the weight, the rows and the CPU's family alone, so a run computes the same
+    products in every process on one machine (a resumed run continues bit for bit)."""
     n = weight.numel()
-    large = n >= ONEDNN_MIN_WEIGHT or (n >= ONEDNN_MIN_WEIGHT_MANY_ROWS and rows >= ONEDNN_MANY_ROWS)
+    if amd_cpu_family() >= ZEN5_FAMILY:  # a lower floor at any rows
+        large = n >= min(ONEDNN_MIN_WEIGHT, ONEDNN_MIN_WEIGHT_ZEN5)
+    else:
+        large = n >= ONEDNN_MIN_WEIGHT or (n >= ONEDNN_MIN_WEIGHT_MANY_ROWS and rows >= ONEDNN_MANY_ROWS)
     return large and onednn_enabled(weight)
+
+
+@functools.cache
+def amd_cpu_family() -> int:
+    """The CPU family of an AMD processor (``cpu family`` in ``/proc/cpuinfo``; 25: Zen 3 and 4,
+    26: Zen 5), or 0 for another vendor or where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return amd_family_in(f.read(65536))
+    except OSError:
+        return 0
+
+
+def amd_family_in(cpuinfo: str) -> int:
+    """:func:`amd_cpu_family` from the text of ``/proc/cpuinfo``."""
+    if "AuthenticAMD" not in cpuinfo:
+        return 0
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "cpu family":
+            return int(value) if value.strip().isdigit() else 0
+    return 0
