@@ -56,10 +56,10 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.errors import OutOfResources
 
-from rnndrop.kernels.precision import cudnn_rnn_tf32
+from rnndrop.kernels.precision import cudnn_rnn_tf32, products_as_cudnn
 from rnndrop.kernels.schedule import Schedule
 from rnndrop.kernels.triton_common import sigmoid, tanh
-from rnndrop.kernels.triton_plan import accumulation_dtype, initial_grad, interpreted
+from rnndrop.kernels.triton_plan import accumulation_dtype, autocast_off, initial_grad, interpreted
 
 __all__ = [
     "Launch", "first_or_step", "gave_up", "gru_backward", "gru_forward", "launched_as", "lstm_backward",
@@ -373,6 +373,21 @@ def _state_grad(dz_ptr, w_ptr, m0, mask_ptr, mask_row, mask_gate, d_masked_ptr, 
 
 
 @triton.jit
+def _step_state_grad(dz_ptr, w_ptr, m0, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row, dm_gate, carry,
+                     d_out, dh0_ptr, ks, cols, batch, state, b, nb, noff, nmoff, H,
+                     CELL_GATES: tl.constexpr, MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr,
+                     NEED_DMASK: tl.constexpr, PRECISION: tl.constexpr,
+                     UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr):
+    """``dh_s`` of this step's rows (:func:`_state_grad` plus the tile ``d_out``); stores ``dh_0``
+    of the rows that start at the step after (``b <= k < nb``)."""
+    dh = _state_grad(dz_ptr, w_ptr, m0, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row, dm_gate, carry,
+                     ks, cols, nb, noff, nmoff, H, CELL_GATES, MASK_GATES, HAS_MASK, NEED_DMASK, PRECISION,
+                     UPCAST, BB, BH, BK)
+    tl.store(dh0_ptr + state, dh, mask=batch & ((ks >= b) & (ks < nb))[:, None])
+    return dh + d_out
+
+
+@triton.jit
 def _row_tile(ptr, off, ks, cols, rows, H):
     """This program's columns of rows ``off + k`` (where ``rows``) of ``ptr`` ``[N, H]``, as float32."""
     return tl.load(ptr + (off + ks)[:, None] * H + cols[None, :], mask=rows, other=0.0).to(tl.float32)
@@ -415,11 +430,9 @@ def _lstm_backward(
     for rs in range(s_begin, s_end):
         s = s_end - 1 - (rs - s_begin)
         live = (ks < b)[:, None] & (cols < H)[None, :]
-        dh = _state_grad(dz_ptr, w_ptr, m0, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row, dm_gate,
-                         carry, ks, cols, nb, noff, nmoff, H, 4, MASK_GATES, HAS_MASK, NEED_DMASK, PRECISION,
-                         UPCAST, BB, BH, BK)
-        tl.store(dh0_ptr + state, dh, mask=batch & ((ks >= b) & (ks < nb))[:, None])  # rows that start at s+1
-        dh += d_out
+        dh = _step_state_grad(dz_ptr, w_ptr, m0, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row, dm_gate,
+                              carry, d_out, dh0_ptr, ks, cols, batch, state, b, nb, noff, nmoff, H, 4,
+                              MASK_GATES, HAS_MASK, NEED_DMASK, PRECISION, UPCAST, BB, BH, BK)
         tc = tanh(c)
         joined = (ks >= carried)[:, None]
         c_prev = tl.where(joined, c0, c_prev)
@@ -462,11 +475,9 @@ def _gru_backward(
     for rs in range(s_begin, s_end):
         s = s_end - 1 - (rs - s_begin)
         live = (ks < b)[:, None] & (cols < H)[None, :]
-        dh = _state_grad(da_ptr, w_ptr, m0, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row, dm_gate,
-                         carry, ks, cols, nb, noff, nmoff, H, 3, MASK_GATES, HAS_MASK, NEED_DMASK, PRECISION,
-                         UPCAST, BB, BH, BK)
-        tl.store(dh0_ptr + state, dh, mask=batch & ((ks >= b) & (ks < nb))[:, None])  # rows that start at s+1
-        dh += d_out
+        dh = _step_state_grad(da_ptr, w_ptr, m0, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row, dm_gate,
+                              carry, d_out, dh0_ptr, ks, cols, batch, state, b, nb, noff, nmoff, H, 3,
+                              MASK_GATES, HAS_MASK, NEED_DMASK, PRECISION, UPCAST, BB, BH, BK)
         h_prev = tl.where((ks >= carried)[:, None], h0, h_prev)
         dn_pre = dh * (1 - z) * (1 - n * n)
         here = (off + ks)[:, None] * (3 * H) + cols[None, :]
@@ -542,16 +553,19 @@ def disabled() -> bool:
     raise ValueError(f"RNNDROP_PERSISTENT must be 0 (off) or 1 (on), got {raw!r}")
 
 
-def first_or_step(how: Launch | None, device: torch.device, persistent_pass: Callable[[Launch], T | None],
+def first_or_step(how: Launch | None, like: Tensor, persistent_pass: Callable[[Launch], T | None],
                   step_pass: Callable[[], T]) -> tuple[T, Launch | None]:
-    """One pass (forward or backward) of a cell: ``persistent_pass(how)`` where there is a plan and
-    the device has not given the persistent loop up, else (or where it gave up in this call)
-    ``step_pass()``; with the plan that ran (None: the step kernel)."""
-    if how is not None and usable(device):
-        result = persistent_pass(how)
-        if result is not None:
-            return result, how
-    return step_pass(), None
+    """One pass (forward or backward) of a cell on ``like``'s device: ``persistent_pass(how)``
+    where there is a plan and the device has not given the persistent loop up, else (or where it
+    gave up in this call) ``step_pass()``; with the plan that ran (None: the step kernel). Either
+    runs with autocast off (the kernels cast for themselves) and cuBLAS's float32 products in
+    cuDNN's mode (:func:`~rnndrop.kernels.precision.products_as_cudnn`)."""
+    with autocast_off(like), products_as_cudnn(like):
+        if how is not None and usable(like.device):
+            result = persistent_pass(how)
+            if result is not None:
+                return result, how
+        return step_pass(), None
 
 
 def plan(gates_x: Tensor, hidden: int, batch: int, projected: bool) -> Launch | None:

@@ -37,7 +37,6 @@ from rnndrop.kernels import masked_product as mp
 from rnndrop.kernels import persistent
 from rnndrop.kernels.cuda_graphs import GRAPHS
 from rnndrop.kernels.first_order import first_order_backward
-from rnndrop.kernels.precision import products_as_cudnn
 from rnndrop.kernels.schedule import Schedule, gather_previous
 from rnndrop.kernels.triton_common import (
     gather_state_grad,
@@ -52,7 +51,6 @@ from rnndrop.kernels.triton_common import (
 from rnndrop.kernels.triton_plan import (
     StepProducts,
     accumulation_dtype,
-    autocast_off,
     check_device,
     compute_dtype,
     initial_grad,
@@ -232,13 +230,12 @@ class _GRURecurrence(torch.autograd.Function):
     def forward(ctx: FunctionCtx, gates_x, h0, w_hh, b_hh, mask, schedule: Schedule):
         inputs = (gates_x, h0, w_hh, b_hh, mask)
         how = persistent.plan(gates_x, h0.shape[1], h0.shape[0], False)
-        with autocast_off(gates_x), products_as_cudnn(gates_x):
-            result, how = persistent.first_or_step(
-                how, gates_x.device,
-                lambda how: persistent.gru_forward(how, schedule, gates_x, h0, w_hh, b_hh, mask),
-                lambda: GRAPHS(("gru forward", *loop_key(schedule)), functools.partial(_forward, schedule),
-                               inputs),
-            )
+        result, how = persistent.first_or_step(
+            how, gates_x,
+            lambda how: persistent.gru_forward(how, schedule, gates_x, h0, w_hh, b_hh, mask),
+            lambda: GRAPHS(("gru forward", *loop_key(schedule)), functools.partial(_forward, schedule),
+                           inputs),
+        )
         out, h_n, acts, a_n, masked = result
         ctx.schedule, ctx.how = schedule, how
         ctx.save_for_backward(*_Saved(acts, a_n, out, masked, h0, w_hh, b_hh, mask))
@@ -250,15 +247,14 @@ class _GRURecurrence(torch.autograd.Function):
     def backward(ctx, d_out, d_hn):
         needs, saved = tuple(ctx.needs_input_grad[:5]), ctx.saved_tensors
         run = functools.partial(_backward, ctx.schedule, needs)
-        with autocast_off(saved[0]), products_as_cudnn(saved[0]):
-            grads, _ = persistent.first_or_step(
-                ctx.how, saved[0].device,
-                lambda how: _persistent_backward(how, ctx.schedule, needs, *saved, d_out, d_hn),
-                lambda: GRAPHS(  # a mask's gradient copies an index from the host: not capturable
-                    ("gru backward", *loop_key(ctx.schedule), needs), run, (*saved, d_out, d_hn),
-                    capturable=not needs[4],
-                ),
-            )
+        grads, _ = persistent.first_or_step(
+            ctx.how, saved[0],
+            lambda how: _persistent_backward(how, ctx.schedule, needs, *saved, d_out, d_hn),
+            lambda: GRAPHS(  # a mask's gradient copies an index from the host: not capturable
+                ("gru backward", *loop_key(ctx.schedule), needs), run, (*saved, d_out, d_hn),
+                capturable=not needs[4],
+            ),
+        )
         return (*grads, None)
 
 

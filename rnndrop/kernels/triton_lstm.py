@@ -41,7 +41,6 @@ from rnndrop.kernels import persistent
 from rnndrop.kernels.cuda_graphs import GRAPHS
 from rnndrop.kernels.first_order import first_order_backward
 from rnndrop.kernels.matmul import matmul
-from rnndrop.kernels.precision import products_as_cudnn
 from rnndrop.kernels.schedule import Schedule, gather_previous
 from rnndrop.kernels.triton_common import (
     gather_state_grad,
@@ -56,7 +55,6 @@ from rnndrop.kernels.triton_common import (
 from rnndrop.kernels.triton_plan import (
     StepProducts,
     accumulation_dtype,
-    autocast_off,
     check_device,
     compute_dtype,
     initial_grad,
@@ -259,13 +257,12 @@ class _LSTMRecurrence(torch.autograd.Function):
     def forward(ctx: FunctionCtx, gates_x, h0, c0, w_hh, w_hr, mask, schedule: Schedule):
         inputs = (gates_x, h0, c0, w_hh, w_hr, mask)
         how = persistent.plan(gates_x, c0.shape[1], c0.shape[0], w_hr is not None)
-        with autocast_off(gates_x), products_as_cudnn(gates_x):
-            result, how = persistent.first_or_step(
-                how, gates_x.device,
-                lambda how: persistent.lstm_forward(how, schedule, gates_x, h0, c0, w_hh, mask),
-                lambda: GRAPHS(("lstm forward", *loop_key(schedule)), functools.partial(_forward, schedule),
-                               inputs),
-            )
+        result, how = persistent.first_or_step(
+            how, gates_x,
+            lambda how: persistent.lstm_forward(how, schedule, gates_x, h0, c0, w_hh, mask),
+            lambda: GRAPHS(("lstm forward", *loop_key(schedule)), functools.partial(_forward, schedule),
+                           inputs),
+        )
         out, h_n, c_n, acts, cells, r, masked = result
         ctx.schedule, ctx.how = schedule, how
         ctx.save_for_backward(*_Saved(acts, cells, out, r, masked, h0, c0, w_hh, w_hr, mask))
@@ -277,15 +274,14 @@ class _LSTMRecurrence(torch.autograd.Function):
     def backward(ctx, d_out, d_hn, d_cn):
         needs, saved = tuple(ctx.needs_input_grad[:6]), ctx.saved_tensors
         run = functools.partial(_backward, ctx.schedule, needs)
-        with autocast_off(saved[0]), products_as_cudnn(saved[0]):
-            grads, _ = persistent.first_or_step(
-                ctx.how, saved[0].device,
-                lambda how: _persistent_backward(how, ctx.schedule, needs, *saved, d_out, d_hn, d_cn),
-                lambda: GRAPHS(  # a mask's gradient copies an index from the host: not capturable
-                    ("lstm backward", *loop_key(ctx.schedule), needs), run, (*saved, d_out, d_hn, d_cn),
-                    capturable=not needs[5],
-                ),
-            )
+        grads, _ = persistent.first_or_step(
+            ctx.how, saved[0],
+            lambda how: _persistent_backward(how, ctx.schedule, needs, *saved, d_out, d_hn, d_cn),
+            lambda: GRAPHS(  # a mask's gradient copies an index from the host: not capturable
+                ("lstm backward", *loop_key(ctx.schedule), needs), run, (*saved, d_out, d_hn, d_cn),
+                capturable=not needs[5],
+            ),
+        )
         return (*grads, None)
 
 
