@@ -638,13 +638,12 @@ class DivergenceCheck:
                  last_good_epoch: int, ctx: Distributed = ONE_PROCESS) -> None:
         self.epoch, self.n_batches, self.lr = epoch, n_batches, lr
         self.checkpoint_path, self.last_good_epoch, self.ctx = checkpoint_path, last_good_epoch, ctx
-        self._pending: list[tuple[int, Tensor]] = []  # (batch, [objective, NLL, gradient norm])
+        self._pending: list[tuple[int, Tensor, Tensor, Tensor]] = []  # batch, objective, NLL, grad norm
 
     def step(self, objective: Tensor, loss: Tensor, norm: Tensor, batch: int) -> list[float]:
         """Record step ``batch``; the NLLs of the steps read now (:meth:`read`: every
         :attr:`READ_EVERY` steps, the epoch's last, every step under DDP), else none."""
-        values = torch.stack([objective.detach().float(), loss.detach().float(), norm.detach().float()])
-        self._pending.append((batch, values))
+        self._pending.append((batch, objective.detach(), loss.detach(), norm.detach()))
         if self.ctx.enabled or len(self._pending) >= self.READ_EVERY or batch == self.n_batches - 1:
             return self.read()
         return []
@@ -655,8 +654,9 @@ class DivergenceCheck:
         the clipped gradient's norm (before clipping) finite."""
         if not self._pending:
             return []
-        batches = [batch for batch, _ in self._pending]
-        rows = torch.stack([values for _, values in self._pending]).tolist()
+        batches = [batch for batch, *_ in self._pending]
+        values = torch.stack([value.float() for _, *step in self._pending for value in step]).tolist()
+        rows = [values[i : i + 3] for i in range(0, len(values), 3)]  # one stack and one read for all
         self._pending.clear()
         for batch, (objective, loss, norm) in zip(batches, rows):
             if self.ctx.enabled:
