@@ -31,7 +31,7 @@ restored each rank's state) nothing changes. After :func:`seed_noise_per_rank` n
 Noise drawn from a ``generator=`` of the caller's is not the global generator's and is not checked.
 
 What "shared by the batch" means under DDP: the batch a mask is shared by is each rank's
-shard. ``mask_scope="batch"`` draws one recurrent mask per rank and call,
+shard. ``mask_scope="batch"`` draws one recurrent (and between-layer) mask per rank and call,
 :class:`~rnndrop.WeightDrop` one ``W_hh`` mask per rank and call, the sparse layers one
 weight sample per rank and call, ``EmbeddingDropout(scope="batch")`` one set of dropped
 word types per rank and call. With ``N`` ranks the global batch sees ``N`` independent

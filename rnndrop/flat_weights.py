@@ -13,9 +13,12 @@ view at its own parameter's offset, so the check passes:
     view_w = buffer[offset(w)]  = w * mask_w  (dropped)    (one product per dropped weight)
                                 = w           (the others, copied with the buffer)
 
-Backward: ``dw = d(view_w) * mask_w`` for a dropped weight, ``d(view_w)`` for the others. Only
-where the module's own weights are such views (:func:`shares_one_buffer`); elsewhere the
-caller multiplies the weights as before.
+Backward: ``dw = d(view_w) * mask_w`` for a dropped weight, ``d(view_w)`` for the others, and
+``d mask_w`` = ``d(view_w) * w`` summed to the mask's shape where the mask needs a gradient
+(learned Gaussian noise). Only where the weights are such views (:func:`in_one_buffer`);
+elsewhere the caller multiplies the weights as before. :class:`~rnndrop.WeightDrop` uses it for
+a wrapped ``nn.LSTM`` / ``nn.GRU`` (:func:`masked_views`), ``mask_scope="batch"`` for the masks
+it folds into a whole stack's weights (:func:`masked_in_one_buffer`).
 """
 
 from __future__ import annotations
@@ -25,19 +28,16 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-__all__ = ["masked_views", "shares_one_buffer"]
+__all__ = ["in_one_buffer", "masked_in_one_buffer", "masked_views", "shares_one_buffer"]
 
 #: Devices whose RNNs run from a flat weight buffer (tests add "cpu" to run the views there).
 FLAT_DEVICES = {"cuda"}
 
 
-def shares_one_buffer(module: nn.Module) -> bool:
-    """Whether ``module`` is a plain ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` on a device of
-    :data:`FLAT_DEVICES` whose weights are all views of one storage (``flatten_parameters`` did
-    it), outside autocast (which casts the weights into new tensors anyway)."""
-    if type(module) not in (nn.LSTM, nn.GRU, nn.RNN):
-        return False
-    weights = [getattr(module, name) for name in module._flat_weights_names]
+def in_one_buffer(weights: Sequence[Tensor]) -> bool:
+    """Whether ``weights`` are views of one storage of one dtype on a device of
+    :data:`FLAT_DEVICES` (``flatten_parameters`` put them there), outside autocast (which casts
+    the weights into new tensors anyway)."""
     first = weights[0]
     if first.device.type not in FLAT_DEVICES or torch.is_autocast_enabled(first.device.type):
         return False
@@ -45,16 +45,33 @@ def shares_one_buffer(module: nn.Module) -> bool:
     return all(w.untyped_storage().data_ptr() == storage and w.dtype == first.dtype for w in weights)
 
 
+def shares_one_buffer(module: nn.Module) -> bool:
+    """Whether ``module`` is a plain ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` whose flat weights are
+    :func:`in_one_buffer`."""
+    if type(module) not in (nn.LSTM, nn.GRU, nn.RNN):
+        return False
+    return in_one_buffer([getattr(module, name) for name in module._flat_weights_names])
+
+
 def masked_views(module: nn.Module, masks: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Every flat weight of ``module`` (:func:`shares_one_buffer` must hold) by name, as a view
-    of one new buffer laid out as the module's, the weights named in ``masks`` multiplied by
-    their mask (which broadcasts against the weight). Differentiable with respect to the
-    weights; the masks get no gradient."""
+    """Every flat weight of ``module`` (:func:`shares_one_buffer` must hold) by name, the
+    weights named in ``masks`` multiplied by their mask (:func:`masked_in_one_buffer`)."""
     names = list(module._flat_weights_names)
     weights = [getattr(module, name) for name in names]
-    which = tuple(list(masks).index(name) if name in masks else -1 for name in names)
-    views = _MaskedViews.apply(which, *weights, *masks.values())
-    return dict(zip(names, views))
+    return dict(zip(names, masked_in_one_buffer(weights, [masks.get(name) for name in names])))
+
+
+def masked_in_one_buffer(weights: Sequence[Tensor], masks: Sequence[Tensor | None]) -> tuple[Tensor, ...]:
+    """``weights[i] * masks[i]`` (``weights[i]`` where the mask is None), each a view of one new
+    buffer laid out as the storage ``weights`` share (:func:`in_one_buffer` must hold). A mask
+    broadcasts against its weight. Differentiable with respect to the weights and the masks."""
+    which = []
+    dropped: list[Tensor] = []
+    for mask in masks:
+        which.append(len(dropped) if mask is not None else -1)
+        if mask is not None:
+            dropped.append(mask)
+    return _MaskedViews.apply(tuple(which), *weights, *dropped)
 
 
 class _MaskedViews(torch.autograd.Function):
@@ -72,11 +89,20 @@ class _MaskedViews(torch.autograd.Function):
                 torch.mul(weight, masks[k], out=view)
             views.append(view)
         ctx.which = which
-        ctx.save_for_backward(*masks)
+        # The weights only where a mask needs its gradient (d mask = d view * weight).
+        mask_grads = ctx.needs_input_grad[1 + len(which):]
+        ctx.save_for_backward(*masks, *(w if k >= 0 and mask_grads[k] else None
+                                        for w, k in zip(weights, which)))
         return tuple(views)
 
     @staticmethod
     def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
-        masks = ctx.saved_tensors
-        weight_grads = [g if k < 0 or g is None else g * masks[k] for g, k in zip(grads, ctx.which)]
-        return (None, *weight_grads, *(None for _ in masks))
+        which = ctx.which
+        saved = ctx.saved_tensors
+        masks, weights = saved[: len(saved) - len(which)], saved[len(saved) - len(which) :]
+        weight_grads = [g if k < 0 or g is None else g * masks[k] for g, k in zip(grads, which)]
+        mask_grads: list[Tensor | None] = [None] * len(masks)
+        for g, k, w in zip(grads, which, weights):
+            if k >= 0 and g is not None and w is not None:
+                mask_grads[k] = (g * w).sum_to_size(masks[k].shape)
+        return (None, *weight_grads, *mask_grads)

@@ -175,7 +175,9 @@ class SequenceLayout:
         """``rows`` ``[N, ...]`` and a mask ``[B, ...]`` (``per_step``: ``[T, B, ...]``) as a pair
         that broadcasts row by row: for padded input ``[T, B, ...]`` and ``[1 or T, B, ...]``
         (views: the mask is not copied to every step), for packed input ``rows`` and the mask's
-        rows ``[N, ...]``."""
+        rows ``[N, ...]``. A mask shared by the batch (``[1, ...]``) broadcasts as it is."""
+        if self.packed and not per_step and mask.shape[0] == 1:
+            return rows, mask
         if self.packed:
             return rows, self.broadcast_to_rows(mask, per_step)
         steps = rows.reshape(self.seq_len, self.batch_size, *rows.shape[1:])

@@ -5,7 +5,8 @@ How long a mask lives is its *scope*:
 
 ``"sequence"``  one mask per sequence, reused at every time step (Gal & Ghahramani 2016)
 ``"step"``      a fresh mask at every time step (naive dropout, Zaremba et al. 2014)
-``"batch"``     one mask shared by the whole batch (what can be folded into a weight)
+``"batch"``     one mask shared by the whole batch (what can be folded into a weight;
+                the stack's first input and its output stay per sequence)
 
 A recurrent layer's masks: :func:`mask_sites` lists the sites of a stack of layers
 (name, shape, probability) in drawing order and the layer draws each with
@@ -118,14 +119,16 @@ def stack_mask_shapes(
     """The shape of every mask of a stack for ``batch_size`` sequences of ``seq_len`` steps.
 
     Shapes follow :func:`mask_shape` (arguments already checked). ``scope="batch"``
-    shares only the recurrent masks across the batch; input and output masks stay
-    per sequence.
+    shares the masks inside the stack across the batch (the recurrent masks and the inputs
+    of layers ``1..L-1``: what folds into the weights' columns); the first layer's input and
+    the output masks stay per sequence.
     """
     gates = geometry.gates if per_gate else None
     outer = "step" if scope == "step" else "sequence"
-    sizes = [geometry.input_size] + [geometry.layer_output_size] * (geometry.num_layers - 1)
+    first = _shape(outer, batch_size, geometry.input_size, seq_len, gates)
+    between = _shape(scope, batch_size, geometry.layer_output_size, seq_len, gates)
     return MaskShapes(
-        inputs=tuple(_shape(outer, batch_size, size, seq_len, gates) for size in sizes),
+        inputs=(first, *(between,) * (geometry.num_layers - 1)),
         hidden=(_shape(scope, batch_size, geometry.state_size, seq_len, gates),)
         * (geometry.num_layers * geometry.num_directions),
         output=_shape(outer, batch_size, geometry.layer_output_size, seq_len, None),
@@ -150,8 +153,9 @@ class RecurrentMasks:
             direction``) on the recurrent state ``h_{t-1}``.
         output: mask on the last layer's output (``dropout_output``).
         scope: ``"sequence"``, ``"step"`` or ``"batch"``; shapes follow
-            :func:`mask_shape`. With ``"batch"`` only ``hidden`` masks are shared by
-            the batch; ``inputs`` and ``output`` are per sequence.
+            :func:`mask_shape`. With ``"batch"`` the ``hidden`` masks and ``inputs[1:]``
+            (between layers) are shared by the batch; ``inputs[0]`` and ``output`` are per
+            sequence.
         per_gate: whether masks carry a gate dimension ``[..., gates, size]``
             (``inputs`` and ``hidden`` only).
     """

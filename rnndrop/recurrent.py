@@ -27,11 +27,14 @@ Execution, three paths (:meth:`VariationalRNNStack._forward`):
 
 ``fused``        no mask at all: torch's fused op (oneDNN on CPU, cuDNN on GPU) runs
                  every layer in one call.
-``folded-mask``  per layer, when its recurrent mask is one for the whole batch
-                 (``mask_scope="batch"``, not per gate): the mask is folded into the
-                 columns of ``W_hh`` and the fused op runs that layer.
-``loop``         otherwise: the input projection of all steps is hoisted out of the
-                 loop and a loop kernel (:mod:`rnndrop.kernels`) runs the recurrence.
+``folded``       ``mask_scope="batch"`` (not per gate): every mask inside the stack is one
+                 for the whole batch, folded into the columns of the weight it multiplies
+                 (between-layer masks into ``W_ih``, recurrent masks into ``W_hh``), and the
+                 fused op runs every layer in one call; the first input and the output masks
+                 (per sequence) multiply the rows.
+``loop``         otherwise, layer by layer: the fused op for a layer without a recurrent
+                 mask, else the input projection of all steps hoisted out of the loop and a
+                 loop kernel (:mod:`rnndrop.kernels`) for the recurrence.
 
 Site names: ``masks.inputs[k]`` / site ``input_l{k}`` is the input of layer ``k``;
 for ``k = 0`` its probability is ``dropout_input``, for ``k >= 1`` it is nn.LSTM's
@@ -54,6 +57,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
+from rnndrop.flat_weights import in_one_buffer, masked_in_one_buffer
 from rnndrop.kernels import KERNELS, GRURecurrence, LSTMRecurrence, auto_loop_kernel, input_projection
 from rnndrop.kernels.gates import GRU_GATES, LSTM_GATES
 from rnndrop.layout import SequenceLayout
@@ -388,7 +392,8 @@ class VariationalRNNStack(Stochastic):
         return self._has_dropout()
 
     def shares_noise_across_batch(self) -> bool:
-        return self.mask_scope == "batch" and self.dropout_hidden > 0
+        between = self.dropout if self.num_layers > 1 else 0.0
+        return self.mask_scope == "batch" and (self.dropout_hidden > 0 or between > 0)
 
     def extra_repr(self) -> str:
         s = super().extra_repr()  # type: ignore[misc]
@@ -517,6 +522,8 @@ class VariationalRNNStack(Stochastic):
         raw: list[Tensor] = []
         if masks is None and self.kernel == "auto":
             out, states = self._forward_fused(x, layout, states)
+        elif self.kernel == "auto" and masks.scope == "batch" and not masks.per_gate:
+            out, states = self._forward_folded(x, layout, states, masks, raw if return_raw_output else None)
         else:
             out, states = self._forward_by_layer(x, layout, states, masks, raw if return_raw_output else None)
         output, states = layout.restore(out, states)
@@ -633,12 +640,48 @@ class VariationalRNNStack(Stochastic):
         ]
         return self._run_fused(x, layout, states, weights, self.num_layers)
 
+    def _forward_folded(
+        self, x: Tensor, layout: SequenceLayout, states: tuple[Tensor, ...], masks: RecurrentMasks,
+        raw: list[Tensor] | None,
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """Path 2, masks shared by the batch (``[1, size]``): ``W (m * v) = (W * m) v``, so layer
+        ``k``'s input mask (``k >= 1``) multiplies the columns of its ``W_ih`` and each recurrent
+        mask those of its ``W_hh``; then every layer in one call of the fused op. Where the
+        weights live in one flat buffer (cuDNN's), the masked ones are views of a copy of it, so
+        cuDNN does not copy them again (:mod:`rnndrop.flat_weights`). The first layer's input
+        and the output masks stay per sequence and multiply the rows. With ``raw`` (a list), the
+        rows before the output mask are appended to it."""
+        D = self._num_directions
+        if masks.inputs[0] is not None:
+            x = layout.mask_rows(x, masks.inputs[0], False)
+        weights: list[Tensor] = []
+        column_masks: list[Tensor | None] = []
+        for layer in range(self.num_layers):
+            for d in range(D):
+                w = self._weights(layer, d)
+                folded = {"weight_ih": masks.inputs[layer] if layer else None,
+                          "weight_hh": masks.hidden[layer * D + d]}
+                weights.extend(w.values())
+                column_masks.extend(folded.get(name) for name in w)
+        if in_one_buffer(weights):
+            weights = list(masked_in_one_buffer(weights, column_masks))
+        else:
+            weights = [w if m is None else w * m for w, m in zip(weights, column_masks)]
+        with quiet_weight_compaction(x.device):
+            out, new_states = self._run_fused(x, layout, states, weights, self.num_layers)
+        if masks.output is not None:
+            if raw is not None:
+                raw.append(out)
+            out = layout.mask_rows(out, masks.output, False)
+        return out, new_states
+
     def _forward_by_layer(
         self, x: Tensor, layout: SequenceLayout, states: tuple[Tensor, ...], masks: RecurrentMasks | None,
         raw: list[Tensor] | None = None,
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
-        """Layer by layer with masks: each layer takes path 2 (folded-mask) or 3 (loop). With
-        ``raw`` (a list), the last layer's rows before the output mask are appended to it."""
+        """Path 3, layer by layer: the fused op for a layer without recurrent masks, else the
+        loop. With ``raw`` (a list), the last layer's rows before the output mask are appended
+        to it."""
         D = self._num_directions
         scope = masks.scope if masks is not None else None
         per_step, per_gate = scope == "step", masks is not None and masks.per_gate
@@ -653,13 +696,8 @@ class VariationalRNNStack(Stochastic):
             indices = range(layer * D, (layer + 1) * D)
             layer_states = tuple(s[layer * D : (layer + 1) * D] for s in states)
             hidden = [masks.hidden[i] if masks is not None else None for i in indices]
-            foldable = (
-                self.kernel == "auto"
-                and in_rows is None
-                and all(m is None or (scope == "batch" and not per_gate) for m in hidden)
-            )
-            if foldable:
-                x, new_states = self._layer_folded_mask(x, layout, layer, layer_states, hidden)
+            if self.kernel == "auto" and in_rows is None and all(m is None for m in hidden):
+                x, new_states = self._layer_fused(x, layout, layer, layer_states)
             else:
                 # the kernels' form [T', B', (G,) P]: a time dimension of 1 unless per step
                 loop_masks = [m if m is None or per_step else m.unsqueeze(0) for m in hidden]
@@ -672,23 +710,12 @@ class VariationalRNNStack(Stochastic):
             x = layout.mask_rows(x, masks.output, per_step)
         return x, tuple(torch.cat(acc) for acc in finals)
 
-    def _layer_folded_mask(
-        self,
-        x: Tensor,
-        layout: SequenceLayout,
-        layer: int,
-        states: tuple[Tensor, ...],
-        hidden: list[Tensor | None],
+    def _layer_fused(
+        self, x: Tensor, layout: SequenceLayout, layer: int, states: tuple[Tensor, ...]
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
-        """Path 2: one recurrent mask ``[1, P]`` for the batch per direction, folded into
-        ``W_hh``'s columns (``W_hh (m * h) = (W_hh * m) h``), then the fused op."""
-        weights: list[Tensor] = []
-        for d, mask in enumerate(hidden):
-            w = self._weights(layer, d)
-            if mask is not None:
-                w["weight_hh"] = w["weight_hh"] * mask
-            weights.extend(w.values())
-        with quiet_weight_compaction(x.device):
+        """One layer (both directions) without recurrent masks through the fused op."""
+        weights = [w for d in range(self._num_directions) for w in self._weights(layer, d).values()]
+        with quiet_weight_compaction(x.device):  # layer k > 0 is not at the start of the buffer
             return self._run_fused(x, layout, states, weights, 1)
 
     def _layer_loop(
@@ -729,9 +756,10 @@ _DROPOUT_ARGS_DOC = """
         mask_scope: ``"sequence"`` (default; Gal & Ghahramani: one mask per sequence,
             the same at every step, fresh at every call), ``"step"`` (naive dropout:
             a fresh mask at every step, the Zaremba et al. baseline) or ``"batch"``
-            (the recurrent mask is shared by all sequences of the batch and folded
-            into ``W_hh``, so the fused cuDNN / oneDNN kernel runs; input, between-layer
-            and output masks stay per sequence).
+            (the recurrent and between-layer masks are shared by all sequences of the
+            batch and folded into ``W_hh`` / ``W_ih``, so the fused cuDNN / oneDNN kernel
+            runs every layer in one call; the first input and output masks stay per
+            sequence).
         per_gate_masks: one mask per gate on the input and recurrent state (Gal's
             untied variant) instead of one mask shared by the gates (a bool).
         noise: ``"bernoulli"`` (inverted dropout, values 0 or 1/(1-p)) or ``"gaussian"``

@@ -248,3 +248,18 @@ def check_layer_passes_gradcheck_through_explicit_masks(name):
             return out, *(state if isinstance(state, tuple) else (state,))
 
         assert torch.autograd.gradcheck(fn, (x, *hidden))
+
+
+def flattened(module):
+    """``module`` with its weights made views of one storage at offsets of their own (with a gap
+    before, between none, and after), as flatten_parameters leaves a cuDNN module."""
+    names = module._flat_weights_names
+    weights = [getattr(module, n).detach() for n in names]
+    buffer = torch.zeros(sum(w.numel() for w in weights) + 11)
+    offset = 3
+    for name, weight in zip(names, weights):
+        view = buffer[offset : offset + weight.numel()].view(weight.shape)
+        view.copy_(weight)
+        setattr(module, name, nn.Parameter(view))
+        offset += weight.numel()
+    return module

@@ -1,6 +1,9 @@
-"""The fast mode: mask_scope="batch" folds one recurrent mask per batch into W_hh (fused kernel)."""
+"""The fast mode: mask_scope="batch" folds the masks inside the stack (recurrent and between
+layers, one per batch) into W_hh / W_ih, and the fused kernel runs every layer in one call."""
 
+import contextlib
 import copy
+import warnings
 
 import pytest
 import torch
@@ -8,7 +11,8 @@ from torch import nn
 from torch.nn.utils.rnn import pack_sequence
 from torch.overrides import TorchFunctionMode
 
-from rnndrop import VariationalGRU, VariationalLSTM
+from rnndrop import GaussianLSTM, VariationalGRU, VariationalLSTM, flat_weights
+from tests.helpers import flattened
 from tests.oracle import assert_close, plain_twin
 
 I, H, T, B = 5, 6, 7, 4
@@ -45,15 +49,16 @@ def test_zero_probabilities_or_eval_equal_the_plain_module_exactly(kind):
 
 
 def _by_hand(kind, layer, masks, x, hx):
-    """Layer by layer with nn.LSTM / nn.GRU: inputs masked per sequence, W_hh's columns
-    multiplied by the batch's recurrent mask, output masked per sequence."""
+    """Layer by layer with nn.LSTM / nn.GRU: the first input masked per sequence, the later
+    inputs by the batch's mask, W_hh's columns multiplied by the batch's recurrent mask, output
+    masked per sequence."""
     cls = nn.LSTM if kind == "lstm" else nn.GRU
     states = hx if kind == "lstm" else (hx,)
     finals = []
     inp = x
     for k in range(layer.num_layers):
         if masks.inputs[k] is not None:
-            inp = inp * masks.inputs[k]  # [B, size] broadcast over time
+            inp = inp * masks.inputs[k]  # [B or 1, size] broadcast over time
         single = cls(inp.shape[-1], H)
         with torch.no_grad():
             for name in ("weight_ih", "bias_ih", "bias_hh"):
@@ -73,12 +78,13 @@ def test_training_equals_nn_module_with_masked_w_hh_columns(kind):
     masks = layer.sample_masks(B)
     assert masks.scope == "batch"
     assert all(m.shape == (1, H) for m in masks.hidden)  # one recurrent mask per layer for the batch
+    assert all(m.shape == (1, H) for m in masks.inputs[1:])  # one between-layer mask for the batch
     assert masks.inputs[0].shape == (B, I) and masks.output.shape == (B, H)  # per sequence
     x = torch.randn(T, B, I)
     hx = (torch.randn(3, B, H), torch.randn(3, B, H)) if kind == "lstm" else torch.randn(3, B, H)
     with FusedCalls() as mode:
         out, state = layer(x, hx, masks=masks)
-    assert mode.calls == [torch.lstm if kind == "lstm" else torch.gru] * 3  # fused, one per layer
+    assert mode.calls == [torch.lstm if kind == "lstm" else torch.gru]  # fused, every layer at once
     expected_out, expected_state = _by_hand(kind, layer, masks, x, hx)
     assert_close(out, expected_out, atol=1e-6, rtol=1e-6)
     assert_close(state, expected_state, atol=1e-6, rtol=1e-6)
@@ -89,6 +95,7 @@ CONFIGS = {
     "2-layers-batch-first": dict(num_layers=2, batch_first=True),
     "2-layers-proj": dict(num_layers=2, proj_size=3),
     "1-layer-no-bias": dict(num_layers=1, bias=False),
+    "2-layers-per-gate": dict(num_layers=2, per_gate_masks=True),  # not folded: the loop
 }
 KIND_CONFIGS = [
     pytest.param(kind, config, id=f"{kind}-{name}")
@@ -134,10 +141,67 @@ def test_sequences_of_a_batch_share_the_recurrent_mask():
     sequence.load_state_dict(batch.state_dict())
     out, _ = sequence(x)
     assert not torch.allclose(out[:, 0], out[:, 5])
-    # Input and output masks stay per sequence.
-    mixed = VariationalLSTM(I, H, dropout_hidden=0.5, dropout_output=0.5, mask_scope="batch")
-    out, _ = mixed(x)
-    assert not torch.allclose(out[:, 0], out[:, 5])
+    # So do the masks between layers; the first input and output masks stay per sequence.
+    between = VariationalLSTM(I, H, num_layers=2, dropout=0.5, mask_scope="batch")
+    out, _ = between(x)
+    assert torch.equal(out[:, 0], out[:, 5])
+    for outer in (dict(dropout_output=0.5), dict(dropout_input=0.5)):
+        mixed = VariationalLSTM(I, H, dropout_hidden=0.5, mask_scope="batch", **outer)
+        out, _ = mixed(x)
+        assert not torch.allclose(out[:, 0], out[:, 5])
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_weights_in_one_buffer_go_to_the_fused_op_as_views_of_a_masked_copy(kind, bidirectional, monkeypatch):
+    """Where the stack's weights live in one flat buffer (cuDNN's), the folded weights are views
+    of one masked copy of it at the same offsets: same outputs and gradients, parameters
+    untouched."""
+    monkeypatch.setattr(flat_weights, "FLAT_DEVICES", {"cuda", "cpu"})
+    _, plain = _pair(kind, num_layers=3, bidirectional=bidirectional, **ALL_P)
+    flat = flattened(copy.deepcopy(plain))
+    assert flat_weights.in_one_buffer(flat._flat_weights) and not flat_weights.in_one_buffer(plain._flat_weights)
+    masks = plain.sample_masks(B)
+    seen = []
+    real = flat_weights.masked_in_one_buffer
+
+    def spy(weights, column_masks):
+        views = real(weights, column_masks)
+        seen.append({v.untyped_storage().data_ptr() for v in views})
+        return views
+
+    monkeypatch.setattr("rnndrop.recurrent.masked_in_one_buffer", spy)
+    before = [p.detach().clone() for p in flat.parameters()]
+    x = torch.randn(T, B, I)
+    out, _ = flat(x, masks=masks)
+    expected, _ = plain(x, masks=masks)
+    assert len(seen) == 1 and len(seen[0]) == 1  # one call, one buffer
+    assert_close(out, expected, atol=1e-6, rtol=1e-6)
+    d_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, list(flat.parameters()), d_out)
+    assert_close(grads, torch.autograd.grad(expected, list(plain.parameters()), d_out))
+    assert all(torch.equal(a, b) for a, b in zip(before, flat.parameters()))
+
+
+def test_learned_noise_folded_into_one_buffer_gets_its_gradient(monkeypatch):
+    """Gaussian noise of learned variance is a differentiable mask: folded into the weights'
+    views, log alpha gets the gradient it gets when the weights are multiplied."""
+    monkeypatch.setattr(flat_weights, "FLAT_DEVICES", {"cuda", "cpu"})
+    torch.manual_seed(0)
+    plain = GaussianLSTM(I, H, num_layers=2, dropout=0.3, dropout_hidden=0.3, mask_scope="batch")
+    flat = flattened(copy.deepcopy(plain))
+    x = torch.randn(T, B, I)
+    outs = []
+    for layer in (plain, flat):
+        torch.manual_seed(1)
+        outs.append(layer(x)[0])
+    assert_close(outs[1], outs[0], atol=1e-6, rtol=1e-6)
+    alphas = [[p for n, p in layer.named_parameters() if "log_alpha" in n] for layer in (plain, flat)]
+    assert len(alphas[0]) == 3  # between layers, hidden of both layers
+    d_out = torch.randn_like(outs[0])
+    expected, got = (torch.autograd.grad(out, a, d_out) for out, a in zip(outs, alphas))
+    assert all(g.abs().sum() > 0 for g in expected)
+    assert_close(got, expected)
 
 
 def test_each_call_draws_a_new_batch_mask_and_the_raw_weight_learns():
@@ -149,3 +213,29 @@ def test_each_call_draws_a_new_batch_mask_and_the_raw_weight_learns():
     assert not torch.allclose(a[1:], b[1:])
     b.sum().backward()
     assert layer.weight_hh_l0.grad.abs().sum() > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU machine runs it)")
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_on_cuda_the_folded_stack_runs_cudnn_without_compacting_the_weights(bidirectional, monkeypatch):
+    """cuDNN took the masked views as its weight buffer: no 'not part of single contiguous chunk'
+    warning once the layer's own silencing of it is taken away."""
+    monkeypatch.setattr("rnndrop.recurrent.quiet_weight_compaction", lambda device: contextlib.nullcontext())
+    layer = VariationalLSTM(8, 16, num_layers=2, bidirectional=bidirectional, mask_scope="batch",
+                            dropout=0.3, dropout_hidden=0.5).cuda()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, _ = layer(torch.randn(5, 3, 8, device="cuda"))
+        out.sum().backward()
+    assert layer.weight_hh_l1.grad.abs().sum() > 0
+
+
+def test_monte_carlo_knows_which_batch_scoped_stacks_share_noise_across_the_batch():
+    """Copies of an input in one batch share a draw when a mask inside the stack is one for the
+    batch (Monte-Carlo sampling then loops): recurrent or between layers, not the outer ones."""
+    def shares(**kw):
+        return VariationalLSTM(I, H, mask_scope="batch", **kw).shares_noise_across_batch()
+
+    assert shares(dropout_hidden=0.3) and shares(num_layers=2, dropout=0.3)
+    assert not shares(dropout_input=0.3, dropout_output=0.3)
+    assert not shares(num_layers=1, dropout=0.0, dropout_input=0.2)

@@ -10,7 +10,7 @@ from torch.nn.utils.rnn import pack_sequence
 
 from rnndrop import VariationalLSTM, VariationalLSTMCell, WeightDrop, flat_weights
 from rnndrop.stochastic import Stochastic
-from tests.helpers import assert_close
+from tests.helpers import assert_close, flattened
 
 I, H, T, B = 4, 6, 5, 3
 
@@ -236,21 +236,6 @@ def test_a_weight_dropped_twice_is_refused_at_construction():
     assert out.shape == (T, B, H)
 
 
-def _flattened(module):
-    """``module`` with its weights made views of one storage at offsets of their own (with a gap
-    before, between none, and after), as flatten_parameters leaves a cuDNN module."""
-    names = module._flat_weights_names
-    weights = [getattr(module, n).detach() for n in names]
-    buffer = torch.zeros(sum(w.numel() for w in weights) + 11)
-    offset = 3
-    for name, weight in zip(names, weights):
-        view = buffer[offset : offset + weight.numel()].view(weight.shape)
-        view.copy_(weight)
-        setattr(module, name, nn.Parameter(view))
-        offset += weight.numel()
-    return module
-
-
 @pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
 @pytest.mark.parametrize("variational", [False, True])
 def test_a_flattened_rnn_gets_its_masked_weights_as_views_of_one_buffer_with_the_same_results(
@@ -261,7 +246,7 @@ def test_a_flattened_rnn_gets_its_masked_weights_as_views_of_one_buffer_with_the
     outputs and gradients as multiplying the weights, the module's own weights untouched."""
     monkeypatch.setattr(flat_weights, "FLAT_DEVICES", {"cuda", "cpu"})
     torch.manual_seed(0)
-    flat = _flattened(cls(5, 6, 2))
+    flat = flattened(cls(5, 6, 2))
     plain = cls(5, 6, 2)
     plain.load_state_dict(flat.state_dict())
     assert flat_weights.shares_one_buffer(flat) and not flat_weights.shares_one_buffer(plain)
@@ -286,13 +271,13 @@ def test_a_flattened_rnn_gets_its_masked_weights_as_views_of_one_buffer_with_the
 
 def test_only_a_plain_flattened_rnn_outside_autocast_takes_the_views(monkeypatch):
     monkeypatch.setattr(flat_weights, "FLAT_DEVICES", {"cuda", "cpu"})
-    assert flat_weights.shares_one_buffer(_flattened(nn.GRU(3, 4)))
+    assert flat_weights.shares_one_buffer(flattened(nn.GRU(3, 4)))
     assert not flat_weights.shares_one_buffer(VariationalLSTM(3, 4))  # its own forward pass
     assert not flat_weights.shares_one_buffer(nn.Linear(3, 4))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not flat_weights.shares_one_buffer(_flattened(nn.GRU(3, 4)))
+        assert not flat_weights.shares_one_buffer(flattened(nn.GRU(3, 4)))
     monkeypatch.setattr(flat_weights, "FLAT_DEVICES", {"cuda"})
-    assert not flat_weights.shares_one_buffer(_flattened(nn.GRU(3, 4)))  # CPU RNNs need no buffer
+    assert not flat_weights.shares_one_buffer(flattened(nn.GRU(3, 4)))  # CPU RNNs need no buffer
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU machine runs it)")

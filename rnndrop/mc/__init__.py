@@ -24,7 +24,7 @@ Sampling strategies (``method``):
                Masks are drawn per sequence, so every copy gets masks of its own.
 ``"loop"``     one forward call per sample.
 ``"auto"``     batched, unless a sampling module shares its noise across the batch
-               (a recurrent mask with ``mask_scope="batch"``, an embedding dropout with
+               (the masks of ``mask_scope="batch"``, an embedding dropout with
                ``scope="batch"``, a weight-dropped layer): copies in one batch would
                then share one draw and the samples would not be independent, so it loops.
 

@@ -71,7 +71,8 @@ class Regime:
         description: one line for tables and logs.
         sites: the dropout sites this regime uses (a subset of :data:`SITES`).
         mask_scope: ``"sequence"`` (tied, Gal), ``"step"`` (naive, Zaremba) or
-            ``"batch"`` (recurrent mask shared by the batch, folded into ``W_hh``).
+            ``"batch"`` (recurrent and between-layer masks shared by the batch, folded into
+            ``W_hh`` / ``W_ih``).
         per_gate_masks: one mask per gate (Gal's untied variant).
         noise: ``"bernoulli"`` or ``"gaussian"``.
         weight_drop: the ``hidden`` probability drops ``W_hh`` entries (WeightDrop,
@@ -151,7 +152,8 @@ _REGIMES: dict[str, Regime] = {
         per_gate_masks=True,
     ),
     "batch": Regime(
-        "fast path: recurrent mask shared by the batch and folded into W_hh (fused kernel)",
+        "fast path: recurrent and between-layer masks shared by the batch, folded into W_hh / W_ih "
+        "(fused kernel, every layer in one call)",
         sites=SITES,
         mask_scope="batch",
         embedding_scope="batch",
