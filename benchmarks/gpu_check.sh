@@ -32,9 +32,11 @@ timeout 200 $PY -m pytest -q -p no:cacheprovider -n 8 --timeout 150 tests/triton
 }
 
 tests() {
-step "the layers on CUDA (auto picks triton), CUDA graphs"
+step "the layers on CUDA (auto picks triton), CUDA graphs, cuDNN given masked weights without a copy"
 timeout 120 $PY -m pytest -q -p no:cacheprovider --timeout 100 tests/test_cuda_graphs.py \
     tests/test_triton_kernel.py -k "not match_the_reference" 2>&1 | tee "$OUT/cuda-tests.log" | tail -n 30
+timeout 60 $PY -m pytest -q -p no:cacheprovider --timeout 50 tests/test_batch_scope.py tests/test_weight_drop.py \
+    -k "on_cuda" 2>&1 | tee -a "$OUT/cuda-tests.log" | tail -n 10
 }
 
 speed() {

@@ -3,8 +3,9 @@
 Part 1 times one forward launch and one backward launch of the LSTM loop (2 x 35 steps of
 rnndrop.kernels.persistent, no autograd, no host work in between: the launches queue up, so CUDA
 events time the GPU alone) for each setting of ``persistent.tuning``: hidden units per program,
-the K block of the loops over ``W_hh`` and warps per program. The fastest setting per shape is
-what ``persistent.plan`` / ``_block_k`` / ``_warps`` should pick (docs/gpu.md says which they do).
+blocks of the batch's rows, the K block of the loops over ``W_hh`` and warps per program. The
+fastest setting per shape is what ``persistent.plan`` / ``_block_k`` / ``_warps`` should pick
+(docs/gpu.md says which they do).
 
 Part 2 splits a whole training step (VariationalLSTM, 2 layers, tied masks) into the time the host
 takes to issue it and the time until the GPU has finished it, beside nn.LSTM's: a step whose two
@@ -31,9 +32,12 @@ from rnndrop.kernels.schedule import Schedule
 from rnndrop.kernels.triton_lstm import _Saved
 
 SHAPES = ((200, 20), (200, 128), (650, 20), (650, 128), (1500, 20), (1500, 128))
-#: (units per program, K block, warps); None: the built-in choice.
-SETTINGS = ((None, None, None), (16, 32, 4), (16, 128, 4), (16, 64, 8), (16, 128, 8), (32, 64, 4),
-            (32, 128, 8))
+#: (units per program, row blocks, K block, warps); None: the built-in choice (row blocks: as many
+#: as the grid has room for, down to 16 rows; 1 was the built-in choice before 2026-11-26's sixth
+#: session).
+SETTINGS = ((None, None, None, None), (None, 1, None, None), (None, 2, None, None), (None, 4, None, None),
+            (None, 8, None, None), (16, 1, 32, 4), (16, 1, 64, 8), (16, 2, 64, 8), (16, 4, 32, 4),
+            (32, 1, 64, 4))
 STEPS, REPEATS = 35, 10
 
 
@@ -68,13 +72,15 @@ def sweep(device: torch.device) -> list[dict]:
     rows = []
     for hidden, batch in SHAPES:
         schedule, gates_x, h0, c0, w_hh, mask = loop_inputs(hidden, batch, device)
-        for units, block_k, warps in SETTINGS:
+        seen = set()
+        for units, row_blocks, block_k, warps in SETTINGS:
             persistent.tuning.clear()
-            persistent.tuning.update({k: v for k, v in (("units", units), ("block_k", block_k),
-                                                        ("warps", warps)) if v is not None})
+            chosen = (("units", units), ("row_blocks", row_blocks), ("block_k", block_k), ("warps", warps))
+            persistent.tuning.update({k: v for k, v in chosen if v is not None})
             how = persistent.plan(gates_x, hidden, batch, False)
-            if how is None:
+            if how is None or (how, block_k, warps) in seen:  # (row blocks that do not fit fall back)
                 continue
+            seen.add((how, block_k, warps))
             try:
                 result = persistent.lstm_forward(how, schedule, gates_x, h0, c0, w_hh, mask)
                 out, _, _, acts, cells, _, masked = result
@@ -90,12 +96,15 @@ def sweep(device: torch.device) -> list[dict]:
                 print(f"hidden {hidden} batch {batch} {units}/{block_k}/{warps}: {type(error).__name__}: "
                       f"{str(error).splitlines()[0][:120]}", flush=True)
                 continue
-            row = dict(hidden=hidden, batch=batch, units=units, block_k=block_k, warps=warps,
-                       programs=how.programs, forward_ms=forward_ms, backward_ms=backward_ms,
+            row = dict(hidden=hidden, batch=batch, units=how.units, row_blocks=how.row_blocks,
+                       block_k=block_k, warps=warps, programs=how.grid,
+                       built_in=units is None and row_blocks is None, forward_ms=forward_ms,
+                       backward_ms=backward_ms,
                        us_per_step=(forward_ms + backward_ms) * 1e3 / (2 * (STEPS + 1)))
             rows.append(row)
-            label = "built-in" if units is None else f"units {units:2d}, K block {block_k:3d}, warps {warps}"
-            print(f"lstm {hidden:5d} {batch:4d}  {label:32s} programs {how.programs:3d}  forward "
+            label = (f"{'built-in ' if row['built_in'] else ''}units {how.units:2d} x rows/{how.row_blocks}"
+                     f", K {block_k or 'auto'}, warps {warps or 'auto'}")
+            print(f"lstm {hidden:5d} {batch:4d}  {label:38s} programs {how.grid:3d}  forward "
                   f"{forward_ms:6.3f} ms  backward {backward_ms:6.3f} ms  {row['us_per_step']:6.1f} us/step",
                   flush=True)
     persistent.tuning.clear()

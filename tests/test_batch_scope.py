@@ -160,7 +160,8 @@ def test_weights_in_one_buffer_go_to_the_fused_op_as_views_of_a_masked_copy(kind
     monkeypatch.setattr(flat_weights, "FLAT_DEVICES", {"cuda", "cpu"})
     _, plain = _pair(kind, num_layers=3, bidirectional=bidirectional, **ALL_P)
     flat = flattened(copy.deepcopy(plain))
-    assert flat_weights.in_one_buffer(flat._flat_weights) and not flat_weights.in_one_buffer(plain._flat_weights)
+    assert flat_weights.in_one_buffer(flat._flat_weights)
+    assert not flat_weights.in_one_buffer(plain._flat_weights)
     masks = plain.sample_masks(B)
     seen = []
     real = flat_weights.masked_in_one_buffer

@@ -66,6 +66,25 @@ def test_cases_333_335_launched_as_and_turned_off_nest_and_restore():
     assert persistent.plan(x, 8, persistent.MAX_BATCH + 1, False) is None
 
 
+@pytest.mark.parametrize("hidden, batch, expected", [
+    (200, 20, Launch(13, 16, row_blocks=2)),     # 32 rows -> two blocks of 16
+    (200, 128, Launch(13, 16, row_blocks=8)),    # 104 programs of 16 rows
+    (650, 128, Launch(41, 16, row_blocks=2)),    # 164 would not fit on 132 multiprocessors
+    (650, 8, Launch(41, 16)),                    # 16 rows: nothing to split
+    (1500, 128, Launch(94, 16)),                 # no room
+    (3000, 20, Launch(94, 32)),                  # wider blocks first, then no room for rows
+])
+def test_the_plan_splits_rows_while_the_grid_has_room(monkeypatch, hidden, batch, expected):
+    """Which launch a CUDA call of a 132-multiprocessor GPU gets (no GPU needed to plan it)."""
+    monkeypatch.setattr(persistent, "_multiprocessors", lambda device: 132)
+    on_cuda = type("Like", (), {"dtype": torch.float32, "device": torch.device("cuda", 0)})()
+    how = persistent.plan(on_cuda, hidden, batch, False)
+    assert how == expected and how.grid <= 132
+    assert persistent._batch_block(batch, how.row_blocks) * how.row_blocks >= batch
+    monkeypatch.setitem(persistent.tuning, "row_blocks", 1)  # a measurement's setting wins
+    assert persistent.plan(on_cuda, hidden, batch, False).row_blocks == 1
+
+
 INTERPRETED = """
 import warnings, torch
 from torch.nn.utils.rnn import pack_sequence

@@ -135,6 +135,26 @@ def test_persistent_loop_over_several_programs_matches_reference(kind, device, m
     assert calls.count(f"_{kind}_forward") == calls.count(f"_{kind}_backward") == 2 * len(helpers.MASK_SHAPES)
 
 
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_persistent_loop_over_blocks_of_rows_matches_reference(kind, device, monkeypatch):
+    """Two blocks of 16 rows times three blocks of 16 units (20 sequences, 40 units: the last block
+    of each runs past the end), packed sequences that leave the second row block before the end,
+    every mask shape, both directions, at 1e-5 in float32 (one launch per step under the
+    interpreter)."""
+    calls = persistent_calls(monkeypatch)
+    how = persistent.Launch(3, 16, per_step=device.type != "cuda", row_blocks=2)
+    batch_sizes = [20, 20, 17, 9, 2]
+    with persistent.launched_as(how):
+        for i, mask_shape in enumerate(helpers.MASK_SHAPES):
+            reverse = i % 2 == 1
+            args = inputs(kind, batch_sizes, mask_shape, 0, device, torch.float32, i % 3 != 2, H=40)
+            where = f"{kind} mask {mask_shape} reverse {reverse}"
+            ours = run("triton", kind, batch_sizes, args, reverse)
+            assert_close(ours, run("autograd", kind, batch_sizes, args, reverse), atol=1e-5, rtol=1e-5,
+                         msg=where)
+    assert calls.count(f"_{kind}_forward") == calls.count(f"_{kind}_backward") == len(helpers.MASK_SHAPES)
+
+
 def test_persistent_loop_runs_where_it_can_and_the_step_kernel_elsewhere(device, monkeypatch):
     """float32 and half types without a projection run persistent; float64, a projection and a batch
     over ``MAX_BATCH`` run the step kernel; ``turned_off`` sends everything to the step kernel."""

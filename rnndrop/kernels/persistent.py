@@ -1,13 +1,14 @@
 r"""The persistent loop of the "triton" kernel: one launch runs every time step of a layer and
 direction, forward, and one runs them all in reverse, backward.
 
-Each of the ``n_programs`` programs owns ``BH`` hidden units ``j`` (columns of the state) for the
-whole sequence and keeps their cell state in registers; the recurrent product is computed in the
-kernel with ``tl.dot`` over the rows of ``W_hh`` of its units (streamed from L2, where the whole
-matrix stays between steps). The programs meet at a grid barrier after every step, because the
-next step's product needs every column of the state. Running steps ``s = 1 .. S`` (step 0 is a
-virtual step with no rows, whose "next state" is the first real step's), rows ``k`` and
-``m_s = h_{s-1} * M_s`` as in :mod:`rnndrop.kernels.triton_common`::
+Each of the ``n_programs`` programs owns ``BH`` hidden units ``j`` (columns of the state) of a
+block of ``BB`` rows (sequences; one block holds the whole batch unless the grid has room for more
+programs) for the whole sequence and keeps their cell state in registers; the recurrent product is
+computed in the kernel with ``tl.dot`` over the rows of ``W_hh`` of its units (streamed from L2,
+where the whole matrix stays between steps). The programs meet at a grid barrier after every step,
+because the next step's product needs every column of the state. Running steps ``s = 1 .. S``
+(step 0 is a virtual step with no rows, whose "next state" is the first real step's), rows ``k``
+and ``m_s = h_{s-1} * M_s`` as in :mod:`rnndrop.kernels.triton_common`::
 
     LSTM forward   z_s[k, g·H + j] = x̂_s[k, g·H + j] + Σ_p m_s^g[k, p] W_hh[g·H + j, p]
                    i, f, g, o = σ(z_i), σ(z_f), tanh(z_g), σ(z_o)
@@ -119,9 +120,11 @@ def _poison_if_gave_up(counter_ptr, ptr, rows, width, ks, cols, H, GATES: tl.con
 @triton.jit
 def _block(B, H, BB: tl.constexpr, BH: tl.constexpr):
     """This program's rows ``ks``, units ``cols``, which of them exist, and their offsets in a
-    ``[B, H]`` state."""
-    ks = tl.arange(0, BB)
-    cols = tl.program_id(0) * BH + tl.arange(0, BH)
+    ``[B, H]`` state. Program ``p`` runs unit block ``p mod ceil(H / BH)`` of row block
+    ``p div ceil(H / BH)``."""
+    unit_blocks = tl.cdiv(H, BH)
+    ks = (tl.program_id(0) // unit_blocks) * BB + tl.arange(0, BB)
+    cols = (tl.program_id(0) % unit_blocks) * BH + tl.arange(0, BH)
     return ks, cols, (ks < B)[:, None] & (cols < H)[None, :], ks[:, None] * H + cols[None, :]
 
 
@@ -497,12 +500,18 @@ def _gru_backward(
 
 
 class Launch(NamedTuple):
-    """How a call runs: ``programs`` programs of ``units`` hidden units each, ``per_step``: one
+    """How a call runs: ``programs`` blocks of ``units`` hidden units, for each of ``row_blocks``
+    blocks of the batch's rows (one program per pair: :attr:`grid` programs); ``per_step``: one
     launch per step without a barrier (CPU tests of the slicing) instead of one persistent launch."""
 
     programs: int
     units: int
     per_step: bool = False
+    row_blocks: int = 1
+
+    @property
+    def grid(self) -> int:
+        return self.programs * self.row_blocks
 
 
 @functools.lru_cache(maxsize=16)
@@ -572,7 +581,13 @@ def plan(gates_x: Tensor, hidden: int, batch: int, projected: bool) -> Launch | 
     """How the persistent loop runs a call, or None where it cannot and the step kernel runs:
     float64 (``tl.dot`` keeps float32 at most), a projection (``h_t = W_hr r_t`` is a second
     product per step), a batch over :data:`MAX_BATCH` rows, or more hidden units than
-    :data:`MAX_UNITS` times the multiprocessors (one program each, all resident)."""
+    :data:`MAX_UNITS` times the multiprocessors (one program each, all resident).
+
+    Blocks of 16 units, as few per program as the multiprocessors allow; then, while the grid
+    has room for twice the programs, the batch's rows split in two (down to blocks of 16 rows,
+    ``tl.dot``'s least): a step takes each program about ``a + b * rows * units`` (the H200's
+    launch-setting sweep: twice the units, twice the time; four times the rows, about twice),
+    so programs with fewer rows on otherwise idle multiprocessors finish the step sooner."""
     if disabled() or projected or gates_x.dtype == torch.float64 or batch > MAX_BATCH:
         return None
     if _forced is not None:
@@ -585,7 +600,15 @@ def plan(gates_x: Tensor, hidden: int, batch: int, projected: bool) -> Launch | 
         units *= 2
     if units > MAX_UNITS:
         return None
-    return Launch(-(-hidden // units), units)
+    programs = -(-hidden // units)
+    row_blocks = tuning.get("row_blocks")
+    if row_blocks is None:
+        row_blocks = 1
+        while programs * row_blocks * 2 <= sms and _batch_block(batch) // (row_blocks * 2) >= 16:
+            row_blocks *= 2
+    while row_blocks > 1 and programs * row_blocks > sms:  # a measured setting, where it fits
+        row_blocks //= 2
+    return Launch(programs, units, row_blocks=row_blocks)
 
 
 def _precision(x: Tensor) -> str:
@@ -712,7 +735,7 @@ def _counter(device: torch.device, pooled: bool) -> Tensor:
 
 
 #: Launch settings a measurement may set (``benchmarks/persistent_tuning.py``): ``units``,
-#: ``block_k``, ``warps``; empty in normal use.
+#: ``row_blocks``, ``block_k``, ``warps``; empty in normal use.
 tuning: dict[str, int] = {}
 
 
@@ -735,14 +758,14 @@ def _run(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constex
         counter = _counter(device, pooled=False)
         order = range(steps - 1, -1, -1) if backward else range(steps)
         for s in order:
-            kernel[(how.programs,)](*args, counter, s, s + 1, **constexprs, SYNC=False, UPCAST=upcast,
+            kernel[(how.grid,)](*args, counter, s, s + 1, **constexprs, SYNC=False, UPCAST=upcast,
                                     num_warps=warps)
         return None
     cuda = device.type == "cuda"
-    if not cuda and how.programs > 1:  # the interpreter runs programs one after another
+    if not cuda and how.grid > 1:  # the interpreter runs programs one after another
         raise ValueError(f"{how} on CPU: Triton's interpreter runs one program at a time, so a grid "
                          "barrier between programs never opens; use per_step=True or programs=1")
-    cooperative = cuda and _COOPERATIVE and how.programs > 1
+    cooperative = cuda and _COOPERATIVE and how.grid > 1
     options = dict(launch_cooperative_grid=True) if cooperative else {}
     capturing = cuda and torch.cuda.is_current_stream_capturing()
     if cuda and not capturing:
@@ -751,7 +774,7 @@ def _run(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constex
     key = (kernel.__name__, constexprs["BB"], constexprs["BK"], constexprs["MASK_GATES"], args[0].dtype)
     for stages in _STAGES[_STAGES.index(_stages.get(key, _STAGES[0])):]:
         try:
-            kernel[(how.programs,)](*args, counter, 0, steps, **constexprs, SYNC=how.programs > 1,
+            kernel[(how.grid,)](*args, counter, 0, steps, **constexprs, SYNC=how.grid > 1,
                                     UPCAST=upcast, num_warps=warps, num_stages=stages, **options)
             _stages[key] = stages
             break
@@ -795,12 +818,18 @@ def gave_up(device: torch.device, why: str) -> None:
                       RuntimeWarning, stacklevel=4)
 
 
+def _tiles(how: Launch, batch: int, hidden: int) -> dict[str, int]:
+    """The loops' block sizes: rows ``BB``, hidden units ``BH`` and the K block ``BK``."""
+    return dict(BB=_batch_block(batch, how.row_blocks), BH=how.units, BK=_block_k(how, hidden))
+
+
 def _block_k(how: Launch, hidden: int) -> int:
     return tuning.get("block_k", min(64, max(16, _next_power_of_2(hidden))))
 
 
-def _batch_block(batch: int) -> int:
-    return max(16, _next_power_of_2(batch))
+def _batch_block(batch: int, row_blocks: int = 1) -> int:
+    """Rows a program holds: the batch's share of one of ``row_blocks`` blocks, at least 16."""
+    return max(16, _next_power_of_2(-(-batch // row_blocks)))
 
 
 def _next_power_of_2(n: int) -> int:
@@ -826,8 +855,7 @@ def lstm_forward(how: Launch, schedule: Schedule, gates_x, h0, c0, w_hh, mask):
     args = (gates_x, w_hh, h0, c0, h0 if mask is None else mask, mask_row, mask_gate, table, masked, m_row,
             m_gate, acts, cells, out, h_state, c_state)
     failure = _run(_lstm_forward, how, len(schedule.steps) + 1, args, False, B=B, H=H, N=N, MASK_GATES=G,
-              HAS_MASK=mask is not None, PRECISION=_precision(gates_x), BB=_batch_block(B), BH=how.units,
-              BK=_block_k(how, H))
+              HAS_MASK=mask is not None, PRECISION=_precision(gates_x), **_tiles(how, B, H))
     if failure is not None:
         gave_up(device, failure)
         return None
@@ -857,7 +885,7 @@ def lstm_backward(how: Launch, schedule: Schedule, needs: Sequence[bool], saved,
             dm_target.stride(0), dm_target.stride(1) if G > 1 else 0, carry, dc, dh0, dc0)
     failure = _run(_lstm_backward, how, len(schedule.steps) + 1, args, True, B=B, H=H, N=N, MASK_GATES=G,
               HAS_MASK=s.mask is not None, HAS_DOUT=d_out is not None, NEED_DMASK=need_dmask,
-              PRECISION=_precision(s.acts), BB=_batch_block(B), BH=how.units, BK=_block_k(how, H))
+              PRECISION=_precision(s.acts), **_tiles(how, B, H))
     if failure is not None:
         gave_up(device, failure)
         return None
@@ -880,7 +908,7 @@ def gru_forward(how: Launch, schedule: Schedule, gates_x, h0, w_hh, b_hh, mask):
             masked.stride(1) if G > 1 else 0, acts, a_n, out, h_state)
     failure = _run(_gru_forward, how, len(schedule.steps) + 1, args, False, B=B, H=H, N=N, MASK_GATES=G,
               HAS_MASK=mask is not None, HAS_BIAS=b_hh is not None, PRECISION=_precision(gates_x),
-              BB=_batch_block(B), BH=how.units, BK=_block_k(how, H))
+              **_tiles(how, B, H))
     if failure is not None:
         gave_up(device, failure)
         return None
@@ -908,7 +936,7 @@ def gru_backward(how: Launch, schedule: Schedule, needs: Sequence[bool], saved, 
             dm_target.stride(0), dm_target.stride(1) if G > 1 else 0, carry, dh0)
     failure = _run(_gru_backward, how, len(schedule.steps) + 1, args, True, B=B, H=H, N=N, MASK_GATES=G,
               HAS_MASK=s.mask is not None, HAS_DOUT=d_out is not None, NEED_DMASK=need_dmask,
-              PRECISION=_precision(s.acts), BB=_batch_block(B), BH=how.units, BK=_block_k(how, H))
+              PRECISION=_precision(s.acts), **_tiles(how, B, H))
     if failure is not None:
         gave_up(device, failure)
         return None
