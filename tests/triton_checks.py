@@ -155,6 +155,31 @@ def test_persistent_loop_over_blocks_of_rows_matches_reference(kind, device, mon
     assert calls.count(f"_{kind}_forward") == calls.count(f"_{kind}_backward") == len(helpers.MASK_SHAPES)
 
 
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_a_forward_without_autograd_keeps_nothing_for_backward_and_matches(kind, device, monkeypatch):
+    """Under ``torch.no_grad`` (Monte-Carlo sampling) the persistent loop writes none of the buffers
+    backward reads, and no autograd Function runs: the same outputs as a forward that keeps them."""
+    kept = []
+    real = getattr(persistent, f"{kind}_forward")
+
+    def spy(*args, keep=True):
+        kept.append(keep)
+        return real(*args, keep=keep)
+
+    monkeypatch.setattr(persistent, f"{kind}_forward", spy)
+    recurrence = get_kernel("triton", kind)
+    sizes = [20, 17, 9]
+    with persistent.launched_as(persistent.Launch(3, 16, per_step=device.type != "cuda", row_blocks=2)):
+        for mask_shape in helpers.MASK_SHAPES:
+            args = inputs(kind, sizes, mask_shape, 0, device, torch.float32, True, H=40)
+            expected = recurrence(args[0], sizes, *args[1:], True)
+            with torch.no_grad():
+                got = recurrence(args[0], sizes, *args[1:], True)
+            assert all(o.grad_fn is None for o in got) and all(e.grad_fn is not None for e in expected)
+            assert_close(got, [e.detach() for e in expected], atol=0, rtol=0, msg=str(mask_shape))
+    assert kept == [True, False] * len(helpers.MASK_SHAPES)
+
+
 def test_persistent_loop_runs_where_it_can_and_the_step_kernel_elsewhere(device, monkeypatch):
     """float32 and half types without a projection run persistent; float64, a projection and a batch
     over ``MAX_BATCH`` run the step kernel; ``turned_off`` sends everything to the step kernel."""

@@ -47,7 +47,7 @@ from torch.autograd.function import FunctionCtx
 from rnndrop.kernels import compiled_cache
 from rnndrop.kernels.compiled_cache import Cache, Unavailable, build_key, extensions_root
 from rnndrop.kernels.compiled_plan import packed_weights, split_parts
-from rnndrop.kernels.first_order import first_order_backward, refuse_transforms
+from rnndrop.kernels.first_order import first_order_backward, refuse_transforms, will_differentiate
 from rnndrop.kernels.optional import available_or_warn
 
 __all__ = ["GRUInputs", "GRUSaved", "LSTMInputs", "LSTMSaved", "build", "gru_recurrence", "is_available",
@@ -323,13 +323,6 @@ def _sizes(batch_sizes: Sequence[int]) -> list[int]:
     return [int(b) for b in batch_sizes]
 
 
-def _differentiable(*tensors: Tensor | None) -> bool:
-    """Whether autograd will want a backward pass through a recurrence of ``tensors``; where
-    not (``torch.no_grad``, inference mode, nothing requires grad), the forward pass keeps none
-    of the buffers backward reads (one step's rows, reused: Monte-Carlo sampling's fast path)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
 def _lstm_forward(inputs: LSTMInputs, batch_sizes: list[int], reverse: bool, keep: bool) -> Any:
     """The extension's ``LSTMForward``, W_hh packed where oneDNN runs the products; ``keep``:
     whether the buffers backward reads are kept."""
@@ -436,7 +429,7 @@ def lstm_recurrence(
     refuse_transforms("compiled", gates_x)
     inputs = LSTMInputs(gates_x=gates_x, h0=h0, c0=c0, w_hh=w_hh, w_hr=w_hr, mask=hidden_mask)
     sizes, reverse = _sizes(batch_sizes), bool(reverse)
-    if not _differentiable(*inputs):
+    if not will_differentiate(*inputs):
         result = _lstm_forward(inputs, sizes, reverse, keep=False)
         return result.out, result.h_n, result.c_n
     out, h_n, c_n = _LSTMRecurrence.apply(sizes, reverse, *inputs)
@@ -456,7 +449,7 @@ def gru_recurrence(
     refuse_transforms("compiled", gates_x)
     inputs = GRUInputs(gates_x=gates_x, h0=h0, w_hh=w_hh, b_hh=b_hh, mask=hidden_mask)
     sizes, reverse = _sizes(batch_sizes), bool(reverse)
-    if not _differentiable(*inputs):
+    if not will_differentiate(*inputs):
         result = _gru_forward(inputs, sizes, reverse, keep=False)
         return result.out, result.h_n
     out, h_n = _GRURecurrence.apply(sizes, reverse, *inputs)

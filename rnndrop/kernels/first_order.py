@@ -31,6 +31,13 @@ def refuse_transforms(kernel: str, gates_x: Tensor) -> None:
         )
 
 
+def will_differentiate(*tensors: Tensor | None) -> bool:
+    """Whether autograd will want a backward pass through a recurrence of ``tensors``; where not
+    (``torch.no_grad``, inference mode, nothing requires grad) a kernel's forward pass keeps none of
+    the buffers backward reads (Monte-Carlo sampling's fast path)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 class SecondOrderGradientError(RuntimeError):
     """A first-order-only kernel was differentiated with ``create_graph=True``."""
 

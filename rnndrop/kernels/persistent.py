@@ -222,12 +222,12 @@ def _store_next_state(h, h0, m0, mask_ptr, mask_row, mask_gate, m_ptr, m_row, m_
 def _lstm_forward(
     gx_ptr, w_ptr, h0_ptr, c0_ptr, mask_ptr, mask_row, mask_gate, table_ptr, m_ptr, m_row, m_gate,
     acts_ptr, cells_ptr, out_ptr, h_state_ptr, c_state_ptr, counter_ptr, s_begin, s_end, B, H, N,
-    MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, SYNC: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-    BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
+    MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, SAVE: tl.constexpr, SYNC: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
 ):
     """Steps ``s_begin .. s_end - 1``; ``h_state``/``c_state`` carry the state between launches of
-    one step each (their values are read only for rows that have run a step: any at the first)."""
+    one step each (their values are read only for rows that have run a step: any at the first).
+    ``SAVE``: whether the gates and cells backward reads are written."""
     ks, cols, batch, state = _block(B, H, BB, BH)
     h_reg = tl.load(h_state_ptr + state, mask=batch, other=0.0)
     c_reg = tl.load(c_state_ptr + state, mask=batch, other=0.0)
@@ -245,13 +245,14 @@ def _lstm_forward(
         o = sigmoid(z_o + x_o)
         c = f * tl.where((ks < carried)[:, None], c_reg, c0) + i * g
         h = o * tanh(c)
-        here = (off + ks)[:, None] * (4 * H) + cols[None, :]
-        kind = acts_ptr.dtype.element_ty
-        tl.store(acts_ptr + here, i.to(kind), mask=live)
-        tl.store(acts_ptr + here + H, f.to(kind), mask=live)
-        tl.store(acts_ptr + here + 2 * H, g.to(kind), mask=live)
-        tl.store(acts_ptr + here + 3 * H, o.to(kind), mask=live)
-        tl.store(cells_ptr + (off + ks)[:, None] * H + cols[None, :], c, mask=live)
+        if SAVE:
+            here = (off + ks)[:, None] * (4 * H) + cols[None, :]
+            kind = acts_ptr.dtype.element_ty
+            tl.store(acts_ptr + here, i.to(kind), mask=live)
+            tl.store(acts_ptr + here + H, f.to(kind), mask=live)
+            tl.store(acts_ptr + here + 2 * H, g.to(kind), mask=live)
+            tl.store(acts_ptr + here + 3 * H, o.to(kind), mask=live)
+            tl.store(cells_ptr + (off + ks)[:, None] * H + cols[None, :], c, mask=live)
         tl.store(out_ptr + (off + ks)[:, None] * H + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=live)
         c_reg = tl.where(live, c, c_reg)
         h_reg = tl.where(live, h, h_reg)
@@ -271,10 +272,11 @@ def _lstm_forward(
 def _gru_forward(
     gx_ptr, w_ptr, b_hh_ptr, h0_ptr, mask_ptr, mask_row, mask_gate, table_ptr, m_ptr, m_row, m_gate,
     acts_ptr, a_n_ptr, out_ptr, h_state_ptr, counter_ptr, s_begin, s_end, B, H, N,
-    MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, SYNC: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
+    MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, SAVE: tl.constexpr,
+    SYNC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr,
+    BK: tl.constexpr,
 ):
-    """Steps ``s_begin .. s_end - 1`` (``h_state`` as in :func:`_lstm_forward`)."""
+    """Steps ``s_begin .. s_end - 1`` (``h_state`` and ``SAVE`` as in :func:`_lstm_forward`)."""
     ks, cols, batch, state = _block(B, H, BB, BH)
     h_reg = tl.load(h_state_ptr + state, mask=batch, other=0.0)
     h0 = tl.load(h0_ptr + state, mask=batch, other=0.0).to(tl.float32)
@@ -296,12 +298,13 @@ def _gru_forward(
         z = sigmoid(a_z + b_z + x_z)
         n = tanh(x_n + r * a_n)
         h = n + z * (tl.where((ks < carried)[:, None], h_reg, h0) - n)
-        here = (off + ks)[:, None] * (3 * H) + cols[None, :]
-        kind = acts_ptr.dtype.element_ty
-        tl.store(acts_ptr + here, r.to(kind), mask=live)
-        tl.store(acts_ptr + here + H, z.to(kind), mask=live)
-        tl.store(acts_ptr + here + 2 * H, n.to(kind), mask=live)
-        tl.store(a_n_ptr + (off + ks)[:, None] * H + cols[None, :], a_n, mask=live)
+        if SAVE:
+            here = (off + ks)[:, None] * (3 * H) + cols[None, :]
+            kind = acts_ptr.dtype.element_ty
+            tl.store(acts_ptr + here, r.to(kind), mask=live)
+            tl.store(acts_ptr + here + H, z.to(kind), mask=live)
+            tl.store(acts_ptr + here + 2 * H, n.to(kind), mask=live)
+            tl.store(a_n_ptr + (off + ks)[:, None] * H + cols[None, :], a_n, mask=live)
         tl.store(out_ptr + (off + ks)[:, None] * H + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=live)
         h_reg = tl.where(live, h, h_reg)
         _store_next_state(h, h0, m0, mask_ptr, mask_row, mask_gate, m_ptr, m_row, m_gate, ks, cols, b, nb,
@@ -837,15 +840,16 @@ def _next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
-def lstm_forward(how: Launch, schedule: Schedule, gates_x, h0, c0, w_hh, mask):
+def lstm_forward(how: Launch, schedule: Schedule, gates_x, h0, c0, w_hh, mask, keep: bool = True):
     """The step kernel's forward (:func:`rnndrop.kernels.triton_lstm._forward`, without a
     projection) in one launch: ``(out, h_n, c_n, acts, cells, None, masked)``, or None where a
-    barrier gave up. ``masked`` is always written (``m_t = h_{t-1}`` without a mask)."""
+    barrier gave up. ``masked`` is always written (``m_t = h_{t-1}`` without a mask); ``acts`` and
+    ``cells`` (what backward reads) are None unless ``keep``."""
     N, (B, H), device = gates_x.shape[0], h0.shape, gates_x.device
     G = mask.shape[2] if mask is not None and mask.dim() == 4 else 1
-    acts = gates_x.new_empty(N, 4 * H)
-    cells = torch.empty(N, H, dtype=accumulation_dtype(gates_x.dtype), device=device)
     out = gates_x.new_empty(N, H)
+    acts = gates_x.new_empty(N, 4 * H) if keep else None
+    cells = torch.empty(N, H, dtype=accumulation_dtype(gates_x.dtype), device=device) if keep else None
     masked = gates_x.new_empty(N, G, H) if G > 1 else gates_x.new_empty(N, H)
     # written by the loop (every row runs a step), read only as the state a row carries on
     h_state, c_state = torch.empty(B, H, device=device), torch.empty(B, H, device=device)
@@ -853,9 +857,9 @@ def lstm_forward(how: Launch, schedule: Schedule, gates_x, h0, c0, w_hh, mask):
     mask_row, mask_gate = _mask_strides(mask)
     m_row, m_gate = masked.stride(0), (masked.stride(1) if G > 1 else 0)
     args = (gates_x, w_hh, h0, c0, h0 if mask is None else mask, mask_row, mask_gate, table, masked, m_row,
-            m_gate, acts, cells, out, h_state, c_state)
+            m_gate, out if acts is None else acts, out if cells is None else cells, out, h_state, c_state)
     failure = _run(_lstm_forward, how, len(schedule.steps) + 1, args, False, B=B, H=H, N=N, MASK_GATES=G,
-              HAS_MASK=mask is not None, PRECISION=_precision(gates_x), **_tiles(how, B, H))
+              HAS_MASK=mask is not None, SAVE=keep, PRECISION=_precision(gates_x), **_tiles(how, B, H))
     if failure is not None:
         gave_up(device, failure)
         return None
@@ -892,22 +896,24 @@ def lstm_backward(how: Launch, schedule: Schedule, needs: Sequence[bool], saved,
     return d_gates, dh0, dc0, d_masked
 
 
-def gru_forward(how: Launch, schedule: Schedule, gates_x, h0, w_hh, b_hh, mask):
+def gru_forward(how: Launch, schedule: Schedule, gates_x, h0, w_hh, b_hh, mask, keep: bool = True):
     """The step kernel's forward (:func:`rnndrop.kernels.triton_gru._forward`) in one launch:
-    ``(out, h_n, acts, a_n, masked)``, or None where a barrier gave up."""
+    ``(out, h_n, acts, a_n, masked)``, or None where a barrier gave up; ``acts`` and ``a_n`` are
+    None unless ``keep``."""
     N, (B, H), device = gates_x.shape[0], h0.shape, gates_x.device
     G = mask.shape[2] if mask is not None and mask.dim() == 4 else 1
-    acts = gates_x.new_empty(N, 3 * H)
-    a_n = torch.empty(N, H, dtype=accumulation_dtype(gates_x.dtype), device=device)
     out = gates_x.new_empty(N, H)
+    acts = gates_x.new_empty(N, 3 * H) if keep else None
+    a_n = torch.empty(N, H, dtype=accumulation_dtype(gates_x.dtype), device=device) if keep else None
     masked = gates_x.new_empty(N, G, H) if G > 1 else gates_x.new_empty(N, H)
     h_state = torch.empty(B, H, device=device)  # as in lstm_forward
     mask_row, mask_gate = _mask_strides(mask)
     args = (gates_x, w_hh, h0 if b_hh is None else b_hh, h0, h0 if mask is None else mask, mask_row,
             mask_gate, _step_table(schedule, mask, device), masked, masked.stride(0),
-            masked.stride(1) if G > 1 else 0, acts, a_n, out, h_state)
+            masked.stride(1) if G > 1 else 0, out if acts is None else acts, out if a_n is None else a_n, out,
+            h_state)
     failure = _run(_gru_forward, how, len(schedule.steps) + 1, args, False, B=B, H=H, N=N, MASK_GATES=G,
-              HAS_MASK=mask is not None, HAS_BIAS=b_hh is not None, PRECISION=_precision(gates_x),
+              HAS_MASK=mask is not None, HAS_BIAS=b_hh is not None, SAVE=keep, PRECISION=_precision(gates_x),
               **_tiles(how, B, H))
     if failure is not None:
         gave_up(device, failure)

@@ -36,7 +36,7 @@ from torch.autograd.function import FunctionCtx
 from rnndrop.kernels import masked_product as mp
 from rnndrop.kernels import persistent
 from rnndrop.kernels.cuda_graphs import GRAPHS
-from rnndrop.kernels.first_order import first_order_backward
+from rnndrop.kernels.first_order import first_order_backward, will_differentiate
 from rnndrop.kernels.schedule import Schedule, gather_previous
 from rnndrop.kernels.triton_common import (
     gather_state_grad,
@@ -225,17 +225,21 @@ def _persistent_backward(how: persistent.Launch, schedule: Schedule, needs: Sequ
     return _all_grads(s, schedule, needs, *result)
 
 
+def _forward_pass(schedule: Schedule, inputs: tuple, keep: bool):
+    """As :func:`rnndrop.kernels.triton_lstm._forward_pass`, for the GRU."""
+    gates_x, h0, w_hh, b_hh, mask = inputs
+    how = persistent.plan(gates_x, h0.shape[1], h0.shape[0], False)
+    return persistent.first_or_step(
+        how, gates_x,
+        lambda how: persistent.gru_forward(how, schedule, gates_x, h0, w_hh, b_hh, mask, keep=keep),
+        lambda: GRAPHS(("gru forward", *loop_key(schedule)), functools.partial(_forward, schedule), inputs),
+    )
+
+
 class _GRURecurrence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, gates_x, h0, w_hh, b_hh, mask, schedule: Schedule):
-        inputs = (gates_x, h0, w_hh, b_hh, mask)
-        how = persistent.plan(gates_x, h0.shape[1], h0.shape[0], False)
-        result, how = persistent.first_or_step(
-            how, gates_x,
-            lambda how: persistent.gru_forward(how, schedule, gates_x, h0, w_hh, b_hh, mask),
-            lambda: GRAPHS(("gru forward", *loop_key(schedule)), functools.partial(_forward, schedule),
-                           inputs),
-        )
+        result, how = _forward_pass(schedule, (gates_x, h0, w_hh, b_hh, mask), keep=True)
         out, h_n, acts, a_n, masked = result
         ctx.schedule, ctx.how = schedule, how
         ctx.save_for_backward(*_Saved(acts, a_n, out, masked, h0, w_hh, b_hh, mask))
@@ -272,9 +276,12 @@ def gru_recurrence(
     Under autocast the products run in autocast's dtype: ``gates_x``, ``W_hh`` and the outputs in it."""
     check_device(gates_x)
     dtype = compute_dtype(gates_x)
-    out, h_n = _GRURecurrence.apply(
-        gates_x.to(dtype).contiguous(), h0.contiguous(), w_hh.to(dtype).contiguous(),
-        None if b_hh is None else b_hh.contiguous(),
-        None if hidden_mask is None else hidden_mask.contiguous(), Schedule.of(batch_sizes, reverse),
-    )
+    inputs = (gates_x.to(dtype).contiguous(), h0.contiguous(), w_hh.to(dtype).contiguous(),
+              None if b_hh is None else b_hh.contiguous(),
+              None if hidden_mask is None else hidden_mask.contiguous())
+    schedule = Schedule.of(batch_sizes, reverse)
+    if not will_differentiate(*inputs):  # as in triton_lstm.lstm_recurrence
+        out, h_n = _forward_pass(schedule, inputs, keep=False)[0][:2]
+        return out, h_n
+    out, h_n = _GRURecurrence.apply(*inputs, schedule)
     return out, h_n

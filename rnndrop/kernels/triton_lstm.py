@@ -39,7 +39,7 @@ from torch.autograd.function import FunctionCtx
 from rnndrop.kernels import masked_product as mp
 from rnndrop.kernels import persistent
 from rnndrop.kernels.cuda_graphs import GRAPHS
-from rnndrop.kernels.first_order import first_order_backward
+from rnndrop.kernels.first_order import first_order_backward, will_differentiate
 from rnndrop.kernels.matmul import matmul
 from rnndrop.kernels.schedule import Schedule, gather_previous
 from rnndrop.kernels.triton_common import (
@@ -252,17 +252,22 @@ def _whole_sequence_grads(s: _Saved, d_gates, d_h, d_masked, schedule: Schedule,
     return d_w_hh, d_w_hr, d_mask
 
 
+def _forward_pass(schedule: Schedule, inputs: tuple, keep: bool):
+    """The forward pass by the persistent loop or the step kernel: ``(result of _forward, the
+    launch that ran or None)``; the persistent loop keeps what backward reads only if ``keep``."""
+    gates_x, h0, c0, w_hh, w_hr, mask = inputs
+    how = persistent.plan(gates_x, c0.shape[1], c0.shape[0], w_hr is not None)
+    return persistent.first_or_step(
+        how, gates_x,
+        lambda how: persistent.lstm_forward(how, schedule, gates_x, h0, c0, w_hh, mask, keep=keep),
+        lambda: GRAPHS(("lstm forward", *loop_key(schedule)), functools.partial(_forward, schedule), inputs),
+    )
+
+
 class _LSTMRecurrence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, gates_x, h0, c0, w_hh, w_hr, mask, schedule: Schedule):
-        inputs = (gates_x, h0, c0, w_hh, w_hr, mask)
-        how = persistent.plan(gates_x, c0.shape[1], c0.shape[0], w_hr is not None)
-        result, how = persistent.first_or_step(
-            how, gates_x,
-            lambda how: persistent.lstm_forward(how, schedule, gates_x, h0, c0, w_hh, mask),
-            lambda: GRAPHS(("lstm forward", *loop_key(schedule)), functools.partial(_forward, schedule),
-                           inputs),
-        )
+        result, how = _forward_pass(schedule, (gates_x, h0, c0, w_hh, w_hr, mask), keep=True)
         out, h_n, c_n, acts, cells, r, masked = result
         ctx.schedule, ctx.how = schedule, how
         ctx.save_for_backward(*_Saved(acts, cells, out, r, masked, h0, c0, w_hh, w_hr, mask))
@@ -301,9 +306,12 @@ def lstm_recurrence(
     outputs ``out``, ``h_n`` in it, ``c_n`` in float32."""
     check_device(gates_x)
     dtype = compute_dtype(gates_x)
-    out, h_n, c_n = _LSTMRecurrence.apply(
-        gates_x.to(dtype).contiguous(), h0.contiguous(), c0.contiguous(), w_hh.to(dtype).contiguous(),
-        None if w_hr is None else w_hr.to(dtype).contiguous(),
-        None if hidden_mask is None else hidden_mask.contiguous(), Schedule.of(batch_sizes, reverse),
-    )
+    inputs = (gates_x.to(dtype).contiguous(), h0.contiguous(), c0.contiguous(), w_hh.to(dtype).contiguous(),
+              None if w_hr is None else w_hr.to(dtype).contiguous(),
+              None if hidden_mask is None else hidden_mask.contiguous())
+    schedule = Schedule.of(batch_sizes, reverse)
+    if not will_differentiate(*inputs):  # no autograd Function, nothing kept for a backward
+        out, h_n, c_n = _forward_pass(schedule, inputs, keep=False)[0][:3]
+        return out, h_n, c_n
+    out, h_n, c_n = _LSTMRecurrence.apply(*inputs, schedule)
     return out, h_n, c_n
