@@ -110,12 +110,12 @@ def gru_recurrence(
 
 
 def first_use_failure(device: torch.device | str) -> str | None:
-    """Why the kernel fails on ``device``, or None: a small packed LSTM (tied mask; on a GPU over
-    several programs and blocks of rows) and GRU (per-gate mask) in float32, outputs and every
-    gradient against the reference kernel within 1e-4, or within 2e-2 where float32 products may
-    run in TF32 (or bfloat16): cuBLAS's mode for the reference, cuDNN's switch for RNNs
-    (:func:`~rnndrop.kernels.precision.cudnn_rnn_tf32`, on by default) for this kernel, which keep
-    10 (7) bits of mantissa, each rounding its own way.
+    """Why the kernel fails on ``device``, or None: a small packed LSTM (tied mask) and GRU
+    (per-gate mask), on a GPU over several programs (the LSTM's over blocks of rows too), in float32,
+    outputs and every gradient against the reference kernel within 1e-4, or within 2e-2 where
+    float32 products may run in TF32 (or bfloat16): cuBLAS's mode for the reference, cuDNN's switch
+    for RNNs (:func:`~rnndrop.kernels.precision.cudnn_rnn_tf32`, on by default) for this kernel,
+    which keep 10 (7) bits of mantissa, each rounding its own way.
 
     Uses its own generator (the global random state is left as it was) and runs outside any
     ``torch.autocast`` the caller is in."""
@@ -124,9 +124,9 @@ def first_use_failure(device: torch.device | str) -> str | None:
     # this kernel's products follow cuDNN's TF32 switch on CUDA, the reference's cuBLAS's
     tf32 = device.type == "cuda" and cudnn_rnn_tf32()
     tolerance = 1e-4 if matmul_precision() == "ieee" and not tf32 else 2e-2
-    # the LSTM over several programs on a GPU (40 units: three blocks; 20 sequences: two blocks of
-    # rows), so that the grid barrier and the split of rows are checked too; the GRU in one
-    lstm_sizes, lstm_hidden, gru_sizes, gru_hidden = [20, 17, 9], 40, [3, 2, 1], 8
+    # over several programs on a GPU (40 units: three blocks; the LSTM's 20 sequences: two blocks
+    # of rows), so that the grid barrier and the split of rows are checked too
+    lstm_sizes, lstm_hidden, gru_sizes, gru_hidden = [20, 17, 9], 40, [3, 2, 1], 40
     cases = {  # cell: (batch sizes, the argument shapes after them, this kernel and the reference)
         "lstm": (lstm_sizes, [(46, 4 * lstm_hidden), (20, lstm_hidden), (20, lstm_hidden),
                               (4 * lstm_hidden, lstm_hidden), None, (1, 20, lstm_hidden)],
