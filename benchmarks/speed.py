@@ -114,6 +114,21 @@ GRAPHED = "sequence/triton-step+graphs"
 STEP_KERNEL = "sequence/triton-step"
 
 
+def persistent_plan(x: torch.Tensor, batch: int) -> str:
+    """How the Triton kernel's persistent loop runs a layer of this shape on CUDA (empty elsewhere):
+    the programs per block of rows, the row blocks and the hidden units a program owns."""
+    if x.device.type != "cuda":
+        return ""
+    from rnndrop.kernels import persistent
+
+    hidden = x.shape[-1]
+    how = persistent.plan(x.new_empty(0, 4 * hidden), hidden, batch, False)
+    if how is None:
+        return "; persistent loop: no (the step kernel runs)"
+    return (f"; persistent loop: {how.programs} x {how.row_blocks} programs of {how.units} units x "
+            f"{-(-batch // how.row_blocks)} rows")
+
+
 def train_step(module: nn.Module, x: torch.Tensor) -> None:
     out, _ = module(x)
     out.sum().backward()
@@ -243,7 +258,7 @@ def bench_shape(
             calls[name]()
     round_seconds = sum(first.values())  # the first calls: an upper bound of a round
     note(f"{step}{model} {shape} (hidden {hidden}, batch {batch}): {len(names)} variants, "
-         f"{args.rounds} rounds, up to about {round_seconds * args.rounds:.0f} s")
+         f"{args.rounds} rounds, up to about {round_seconds * args.rounds:.0f} s{persistent_plan(x, batch)}")
     load_before = os.getloadavg()[0]
     times: dict[str, list[float]] = {name: [] for name in names}
     rng = random.Random(0)

@@ -161,3 +161,16 @@ def test_the_graphed_variant_runs_the_triton_kernel_with_graphs_on_for_it_only(s
     speed.graphed(speed.GRAPHED, probe)()
     speed.graphed("sequence/triton*", probe)()
     assert seen == [8, 0] and speed.cuda_graphs.GRAPHS.max_graphs == 0
+
+
+def test_the_persistent_plan_of_a_shape_is_named_on_cuda_and_nothing_elsewhere(speed, monkeypatch):
+    from rnndrop.kernels import persistent
+
+    assert speed.persistent_plan(torch.zeros(35, 20, 200), 20) == ""
+    monkeypatch.setattr(persistent, "_multiprocessors", lambda device: 132)
+    on_cuda = SimpleNamespace(device=torch.device("cuda", 0), shape=(35, 128, 650),
+                              new_empty=lambda *shape: SimpleNamespace(dtype=torch.float32,
+                                                                       device=torch.device("cuda", 0)))
+    assert speed.persistent_plan(on_cuda, 128) == "; persistent loop: 41 x 2 programs of 16 units x 64 rows"
+    monkeypatch.setattr(persistent, "MAX_BATCH", 64)
+    assert speed.persistent_plan(on_cuda, 128) == "; persistent loop: no (the step kernel runs)"
