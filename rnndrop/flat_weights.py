@@ -37,12 +37,17 @@ FLAT_DEVICES = {"cuda"}
 def in_one_buffer(weights: Sequence[Tensor]) -> bool:
     """Whether ``weights`` are views of one storage of one dtype on a device of
     :data:`FLAT_DEVICES` (``flatten_parameters`` put them there), outside autocast (which casts
-    the weights into new tensors anyway)."""
+    the weights into new tensors anyway), and that storage is not much more than the weights: a
+    larger one (a flat buffer of a whole model's parameters, as FSDP keeps) is not copied whole
+    at every call."""
     first = weights[0]
     if first.device.type not in FLAT_DEVICES or torch.is_autocast_enabled(first.device.type):
         return False
-    storage = first.untyped_storage().data_ptr()
-    return all(w.untyped_storage().data_ptr() == storage and w.dtype == first.dtype for w in weights)
+    storage = first.untyped_storage()
+    if storage.nbytes() > 2 * sum(w.numel() * w.element_size() for w in weights):
+        return False
+    pointer = storage.data_ptr()
+    return all(w.untyped_storage().data_ptr() == pointer and w.dtype == first.dtype for w in weights)
 
 
 def shares_one_buffer(module: nn.Module) -> bool:

@@ -184,6 +184,27 @@ def test_weights_in_one_buffer_go_to_the_fused_op_as_views_of_a_masked_copy(kind
     assert all(torch.equal(a, b) for a, b in zip(before, flat.parameters()))
 
 
+def test_weights_inside_a_much_larger_buffer_are_multiplied_not_copied_whole(monkeypatch):
+    """A buffer holding far more than the stack (a whole model's flat parameters) is not cloned at
+    every call: the folded weights are products then, with the same results."""
+    monkeypatch.setattr(flat_weights, "FLAT_DEVICES", {"cuda", "cpu"})
+    layer = flattened(VariationalLSTM(I, H, num_layers=2, mask_scope="batch", dropout=0.3,
+                                      dropout_hidden=0.3))
+    assert flat_weights.in_one_buffer(layer._flat_weights)
+    total = sum(w.numel() for w in layer._flat_weights)
+    big = torch.zeros(3 * total)
+    for name, w in zip(layer._flat_weights_names, layer._flat_weights):
+        offset = w.storage_offset()
+        view = big[offset : offset + w.numel()].view(w.shape)
+        view.copy_(w.detach())
+        setattr(layer, name, nn.Parameter(view))
+    assert not flat_weights.in_one_buffer(layer._flat_weights)
+    plain = copy.deepcopy(layer)
+    masks = layer.sample_masks(B)
+    x = torch.randn(T, B, I)
+    assert_close(layer(x, masks=masks)[0], plain(x, masks=masks)[0])
+
+
 def test_learned_noise_folded_into_one_buffer_gets_its_gradient(monkeypatch):
     """Gaussian noise of learned variance is a differentiable mask: folded into the weights'
     views, log alpha gets the gradient it gets when the weights are multiplied."""
