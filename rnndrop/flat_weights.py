@@ -6,19 +6,22 @@ parameters into such a buffer (each a view at the offset cuDNN expects), and bef
 torch checks that the weights it is given are views of one storage at those offsets; weights
 that are not (``W_hh * mask``, computed in every forward pass) are first copied into a new
 buffer (``_cudnn_rnn_flatten_weight``, one copy per weight and a host cost of its own, with a
-warning). Here the masked weights are written into a copy of the module's buffer, each weight a
-view at its own parameter's offset, so the check passes:
+warning). Here the masked weights are written into a copy of the stretch of the module's buffer
+the weights occupy (the whole buffer for a whole stack; one layer's block for a call of that
+layer alone), each weight a view at its own offset from the first weight, so the check passes:
 
-    buffer = copy of the module's flat buffer              (one copy)
-    view_w = buffer[offset(w)]  = w * mask_w  (dropped)    (one product per dropped weight)
-                                = w           (the others, copied with the buffer)
+    buffer = copy of the weights' stretch of the buffer    (one copy)
+    view_w = buffer[offset(w) - offset(first)]
+           = w * mask_w  (dropped)                         (one product per dropped weight)
+           = w           (the others, copied with the buffer)
 
 Backward: ``dw = d(view_w) * mask_w`` for a dropped weight, ``d(view_w)`` for the others, and
 ``d mask_w`` = ``d(view_w) * w`` summed to the mask's shape where the mask needs a gradient
 (learned Gaussian noise). Only where the weights are such views (:func:`in_one_buffer`);
 elsewhere the caller multiplies the weights as before. :class:`~rnndrop.WeightDrop` uses it for
 a wrapped ``nn.LSTM`` / ``nn.GRU`` (:func:`masked_views`), ``mask_scope="batch"`` for the masks
-it folds into a whole stack's weights (:func:`masked_in_one_buffer`).
+it folds into a whole stack's weights, and a layer of a stack called alone (no mask: its block
+of the buffer, from offset 0 of a buffer of its own) through :func:`masked_in_one_buffer`.
 """
 
 from __future__ import annotations
@@ -37,17 +40,24 @@ FLAT_DEVICES = {"cuda"}
 def in_one_buffer(weights: Sequence[Tensor]) -> bool:
     """Whether ``weights`` are views of one storage of one dtype on a device of
     :data:`FLAT_DEVICES` (``flatten_parameters`` put them there), outside autocast (which casts
-    the weights into new tensors anyway), and that storage is not much more than the weights: a
-    larger one (a flat buffer of a whole model's parameters, as FSDP keeps) is not copied whole
-    at every call."""
+    the weights into new tensors anyway), lying close together there: the stretch of storage
+    they span is at most twice their size (not a few weights of a whole model's flat buffer,
+    which would be copied at every call)."""
     first = weights[0]
     if first.device.type not in FLAT_DEVICES or torch.is_autocast_enabled(first.device.type):
         return False
-    storage = first.untyped_storage()
-    if storage.nbytes() > 2 * sum(w.numel() * w.element_size() for w in weights):
+    pointer = first.untyped_storage().data_ptr()
+    if not all(w.untyped_storage().data_ptr() == pointer and w.dtype == first.dtype for w in weights):
         return False
-    pointer = storage.data_ptr()
-    return all(w.untyped_storage().data_ptr() == pointer and w.dtype == first.dtype for w in weights)
+    begin, end = _span(weights)
+    return end - begin <= 2 * sum(w.numel() for w in weights)
+
+
+def _span(weights: Sequence[Tensor]) -> tuple[int, int]:
+    """The first and one past the last element of the storage that ``weights`` occupy."""
+    begin = min(w.storage_offset() for w in weights)
+    end = max(w.storage_offset() + sum((n - 1) * s for n, s in zip(w.shape, w.stride())) + 1 for w in weights)
+    return begin, end
 
 
 def shares_one_buffer(module: nn.Module) -> bool:
@@ -68,8 +78,10 @@ def masked_views(module: nn.Module, masks: Mapping[str, Tensor]) -> dict[str, Te
 
 def masked_in_one_buffer(weights: Sequence[Tensor], masks: Sequence[Tensor | None]) -> tuple[Tensor, ...]:
     """``weights[i] * masks[i]`` (``weights[i]`` where the mask is None), each a view of one new
-    buffer laid out as the storage ``weights`` share (:func:`in_one_buffer` must hold). A mask
-    broadcasts against its weight. Differentiable with respect to the weights and the masks."""
+    buffer laid out as the stretch of storage ``weights`` share (:func:`in_one_buffer` must hold),
+    from its first weight on: a buffer of its own, whose first weight starts it as cuDNN wants
+    (a layer's block of a stack's buffer, say). A mask broadcasts against its weight.
+    Differentiable with respect to the weights and the masks."""
     which = []
     dropped: list[Tensor] = []
     for mask in masks:
@@ -83,13 +95,11 @@ class _MaskedViews(torch.autograd.Function):
     @staticmethod
     def forward(ctx, which: Sequence[int], *tensors: Tensor) -> tuple[Tensor, ...]:
         weights, masks = tensors[: len(which)], tensors[len(which) :]
-        first = weights[0]
-        whole = first.new_empty(0).set_(first.untyped_storage(), 0,
-                                        (first.untyped_storage().nbytes() // first.element_size(),))
-        buffer = whole.clone()
+        begin, end = _span(weights)
+        buffer = weights[0].new_empty(0).set_(weights[0].untyped_storage(), begin, (end - begin,)).clone()
         views = []
         for weight, k in zip(weights, which):
-            view = buffer.as_strided(weight.shape, weight.stride(), weight.storage_offset())
+            view = buffer.as_strided(weight.shape, weight.stride(), weight.storage_offset() - begin)
             if k >= 0:
                 torch.mul(weight, masks[k], out=view)
             views.append(view)

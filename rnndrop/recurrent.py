@@ -713,9 +713,15 @@ class VariationalRNNStack(Stochastic):
     def _layer_fused(
         self, x: Tensor, layout: SequenceLayout, layer: int, states: tuple[Tensor, ...]
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
-        """One layer (both directions) without recurrent masks through the fused op."""
+        """One layer (both directions) without recurrent masks through the fused op. cuDNN takes
+        a layer's weights without a copy of its own only from the start of a buffer: layer 0's
+        are there; a later layer's block of the stack's buffer is copied into a buffer of its own
+        first (:mod:`rnndrop.flat_weights`: one copy instead of cuDNN's one per weight; where
+        cuDNN would lay the layer out otherwise alone, it copies them again, as before)."""
         weights = [w for d in range(self._num_directions) for w in self._weights(layer, d).values()]
-        with quiet_weight_compaction(x.device):  # layer k > 0 is not at the start of the buffer
+        if weights[0].storage_offset() != 0 and in_one_buffer(weights):
+            weights = list(masked_in_one_buffer(weights, [None] * len(weights)))
+        with quiet_weight_compaction(x.device):
             return self._run_fused(x, layout, states, weights, 1)
 
     def _layer_loop(

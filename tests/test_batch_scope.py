@@ -184,25 +184,65 @@ def test_weights_in_one_buffer_go_to_the_fused_op_as_views_of_a_masked_copy(kind
     assert all(torch.equal(a, b) for a, b in zip(before, flat.parameters()))
 
 
-def test_weights_inside_a_much_larger_buffer_are_multiplied_not_copied_whole(monkeypatch):
-    """A buffer holding far more than the stack (a whole model's flat parameters) is not cloned at
-    every call: the folded weights are products then, with the same results."""
-    monkeypatch.setattr(flat_weights, "FLAT_DEVICES", {"cuda", "cpu"})
-    layer = flattened(VariationalLSTM(I, H, num_layers=2, mask_scope="batch", dropout=0.3,
-                                      dropout_hidden=0.3))
-    assert flat_weights.in_one_buffer(layer._flat_weights)
-    total = sum(w.numel() for w in layer._flat_weights)
-    big = torch.zeros(3 * total)
-    for name, w in zip(layer._flat_weights_names, layer._flat_weights):
-        offset = w.storage_offset()
-        view = big[offset : offset + w.numel()].view(w.shape)
+def _weights_in(layer, buffer, offsets):
+    """``layer``'s flat weights moved into ``buffer`` at ``offsets``."""
+    for name, w, offset in zip(layer._flat_weights_names, list(layer._flat_weights), offsets):
+        view = buffer[offset : offset + w.numel()].view(w.shape)
         view.copy_(w.detach())
         setattr(layer, name, nn.Parameter(view))
-    assert not flat_weights.in_one_buffer(layer._flat_weights)
-    plain = copy.deepcopy(layer)
-    masks = layer.sample_masks(B)
+    return layer
+
+
+def test_only_the_stretch_of_a_larger_buffer_the_weights_occupy_is_copied(monkeypatch):
+    """Weights close together inside a larger buffer (a whole model's flat parameters): the copy
+    is of their stretch alone, the first weight at its start; weights spread far apart in it are
+    multiplied instead. The same results either way."""
+    monkeypatch.setattr(flat_weights, "FLAT_DEVICES", {"cuda", "cpu"})
+    plain = VariationalLSTM(I, H, num_layers=2, mask_scope="batch", dropout=0.3, dropout_hidden=0.3)
+    sizes = [w.numel() for w in plain._flat_weights]
+    total = sum(sizes)
+    close = _weights_in(copy.deepcopy(plain), torch.zeros(10 * total), [5 * total + sum(sizes[:k])
+                                                                        for k in range(len(sizes))])
+    apart = _weights_in(copy.deepcopy(plain), torch.zeros(10 * total), [k * total for k in range(len(sizes))])
+    assert flat_weights.in_one_buffer(close._flat_weights)
+    assert not flat_weights.in_one_buffer(apart._flat_weights)
+    views = flat_weights.masked_in_one_buffer(close._flat_weights, [None] * len(sizes))
+    assert views[0].untyped_storage().nbytes() == total * 4 and views[0].storage_offset() == 0
+    masks = plain.sample_masks(B)
     x = torch.randn(T, B, I)
-    assert_close(layer(x, masks=masks)[0], plain(x, masks=masks)[0])
+    expected = plain(x, masks=masks)[0]
+    for layer in (close, apart):
+        assert_close(layer(x, masks=masks)[0], expected)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_a_later_layer_called_alone_gets_a_buffer_of_its_own(kind, monkeypatch):
+    """A layer without a recurrent mask runs alone through the fused op (here: masks between layers
+    per step); a layer whose weights do not start the stack's buffer gets them as views of a copy
+    of its block, starting at offset 0: the same outputs and gradients."""
+    monkeypatch.setattr(flat_weights, "FLAT_DEVICES", {"cuda", "cpu"})
+    cls = VariationalLSTM if kind == "lstm" else VariationalGRU
+    plain = cls(I, H, num_layers=3, bidirectional=True, mask_scope="step", dropout=0.3, dropout_output=0.2)
+    flat = flattened(copy.deepcopy(plain))
+    copied = []
+    real = flat_weights.masked_in_one_buffer
+
+    def spy(weights, masks):
+        views = real(weights, masks)
+        copied.append((weights[0].storage_offset(), views[0].storage_offset()))
+        return views
+
+    monkeypatch.setattr("rnndrop.recurrent.masked_in_one_buffer", spy)
+    masks = plain.sample_masks(B, T)
+    x = torch.randn(T, B, I)
+    out, expected = flat(x, masks=masks)[0], plain(x, masks=masks)[0]
+    # (flattened() leaves a gap before layer 0 too: cuDNN's buffers start with it, and it is not copied)
+    firsts = [getattr(flat, f"weight_ih_l{k}").storage_offset() for k in range(3)]
+    assert copied == [(first, 0) for first in firsts]
+    assert_close(out, expected)
+    d_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, list(flat.parameters()), d_out)
+    assert_close(grads, torch.autograd.grad(expected, list(plain.parameters()), d_out))
 
 
 def test_learned_noise_folded_into_one_buffer_gets_its_gradient(monkeypatch):
@@ -239,12 +279,15 @@ def test_each_call_draws_a_new_batch_mask_and_the_raw_weight_learns():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU machine runs it)")
 @pytest.mark.parametrize("bidirectional", [False, True])
-def test_on_cuda_the_folded_stack_runs_cudnn_without_compacting_the_weights(bidirectional, monkeypatch):
-    """cuDNN took the masked views as its weight buffer: no 'not part of single contiguous chunk'
-    warning once the layer's own silencing of it is taken away."""
+@pytest.mark.parametrize("scope", ["batch", "step"])
+def test_on_cuda_the_fused_calls_run_cudnn_without_compacting_the_weights(bidirectional, scope, monkeypatch):
+    """cuDNN took the views as its weight buffer (the folded stack's, a later layer's alone): no
+    'not part of single contiguous chunk' warning once the layer's own silencing of it is taken
+    away."""
     monkeypatch.setattr("rnndrop.recurrent.quiet_weight_compaction", lambda device: contextlib.nullcontext())
-    layer = VariationalLSTM(8, 16, num_layers=2, bidirectional=bidirectional, mask_scope="batch",
-                            dropout=0.3, dropout_hidden=0.5).cuda()
+    hidden = 0.5 if scope == "batch" else 0.0  # "step" without a recurrent mask: layer by layer
+    layer = VariationalLSTM(8, 16, num_layers=2, bidirectional=bidirectional, mask_scope=scope,
+                            dropout=0.3, dropout_hidden=hidden).cuda()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         out, _ = layer(torch.randn(5, 3, 8, device="cuda"))
