@@ -808,7 +808,7 @@ def _key(device: torch.device) -> str:
 
 def usable(device: torch.device) -> bool:
     """False once the persistent loop failed on ``device`` in this process."""
-    return _key(device) not in _given_up
+    return not _given_up or _key(device) not in _given_up  # (no device key to build while none failed)
 
 
 def gave_up(device: torch.device, why: str) -> None:
