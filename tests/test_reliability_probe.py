@@ -73,6 +73,8 @@ def test_cases_333_335_launched_as_and_turned_off_nest_and_restore():
     (650, 8, Launch(41, 16)),                    # 16 rows: nothing to split
     (1500, 128, Launch(94, 16)),                 # no room
     (3000, 20, Launch(94, 32)),                  # wider blocks first, then no room for rows
+    (200, 1000, Launch(13, 16, row_blocks=8)),   # over MAX_BATCH rows: blocks of at most 256 (125)
+    (200, 257, Launch(13, 16, row_blocks=8)),
 ])
 def test_the_plan_splits_rows_while_the_grid_has_room(monkeypatch, hidden, batch, expected):
     """Which launch a CUDA call of a 132-multiprocessor GPU gets (no GPU needed to plan it)."""
@@ -81,8 +83,17 @@ def test_the_plan_splits_rows_while_the_grid_has_room(monkeypatch, hidden, batch
     how = persistent.plan(on_cuda, hidden, batch, False)
     assert how == expected and how.grid <= 132
     assert persistent._batch_block(batch, how.row_blocks) * how.row_blocks >= batch
-    monkeypatch.setitem(persistent.tuning, "row_blocks", 1)  # a measurement's setting wins
-    assert persistent.plan(on_cuda, hidden, batch, False).row_blocks == 1
+    monkeypatch.setitem(persistent.tuning, "row_blocks", 1)  # a measurement's setting wins, where it can
+    least = 1 << (-(-batch // persistent.MAX_BATCH) - 1).bit_length()  # blocks of at most MAX_BATCH rows
+    assert persistent.plan(on_cuda, hidden, batch, False).row_blocks == least
+
+
+def test_a_batch_whose_blocks_of_rows_do_not_fit_runs_the_step_kernel(monkeypatch):
+    monkeypatch.setattr(persistent, "_multiprocessors", lambda device: 132)
+    on_cuda = type("Like", (), {"dtype": torch.float32, "device": torch.device("cuda", 0)})()
+    assert persistent.plan(on_cuda, 650, 256, False) == Launch(41, 16, row_blocks=2)
+    assert persistent.plan(on_cuda, 650, 1000, False) is None  # 41 x 4 blocks of 256 rows > 132
+    assert persistent.plan(on_cuda, 1500, 257, False) is None  # 94 x 2
 
 
 INTERPRETED = """

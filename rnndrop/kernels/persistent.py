@@ -583,19 +583,23 @@ def first_or_step(how: Launch | None, like: Tensor, persistent_pass: Callable[[L
 def plan(gates_x: Tensor, hidden: int, batch: int, projected: bool) -> Launch | None:
     """How the persistent loop runs a call, or None where it cannot and the step kernel runs:
     float64 (``tl.dot`` keeps float32 at most), a projection (``h_t = W_hr r_t`` is a second
-    product per step), a batch over :data:`MAX_BATCH` rows, or more hidden units than
-    :data:`MAX_UNITS` times the multiprocessors (one program each, all resident).
+    product per step), more hidden units than :data:`MAX_UNITS` times the multiprocessors (one
+    program each, all resident), or a batch whose blocks of at most :data:`MAX_BATCH` rows do not
+    fit beside them (under Triton's interpreter: a batch over :data:`MAX_BATCH`).
 
     Blocks of 16 units, as few per program as the multiprocessors allow; then, while the grid
     has room for twice the programs, the batch's rows split in two (down to blocks of 16 rows,
     ``tl.dot``'s least): a step takes each program about ``a + b * rows * units`` (the H200's
     launch-setting sweep: twice the units, twice the time; four times the rows, about twice),
     so programs with fewer rows on otherwise idle multiprocessors finish the step sooner."""
-    if disabled() or projected or gates_x.dtype == torch.float64 or batch > MAX_BATCH:
+    if disabled() or projected or gates_x.dtype == torch.float64:
         return None
-    if _forced is not None:
-        return _forced
-    if gates_x.device.type != "cuda":  # Triton's interpreter: one program owns every unit
+    if gates_x.device.type != "cuda" or _forced is not None:
+        if batch > MAX_BATCH:
+            return None
+        if _forced is not None:
+            return _forced
+        # Triton's interpreter: one program owns every unit
         return Launch(1, max(16, _next_power_of_2(hidden))) if interpreted() else None
     sms = _multiprocessors(str(gates_x.device))
     units = tuning.get("units", 16)
@@ -604,13 +608,17 @@ def plan(gates_x: Tensor, hidden: int, batch: int, projected: bool) -> Launch | 
     if units > MAX_UNITS:
         return None
     programs = -(-hidden // units)
+    least = _next_power_of_2(-(-batch // MAX_BATCH))  # row blocks of at most MAX_BATCH rows
     row_blocks = tuning.get("row_blocks")
     if row_blocks is None:
-        row_blocks = 1
-        while programs * row_blocks * 2 <= sms and _batch_block(batch) // (row_blocks * 2) >= 16:
+        row_blocks, padded = least, max(16, _next_power_of_2(batch))
+        while programs * row_blocks * 2 <= sms and padded // (row_blocks * 2) >= 16:
             row_blocks *= 2
-    while row_blocks > 1 and programs * row_blocks > sms:  # a measured setting, where it fits
+    row_blocks = max(row_blocks, least)
+    while row_blocks > least and programs * row_blocks > sms:  # a measured setting, where it fits
         row_blocks //= 2
+    if programs * row_blocks > sms:
+        return None
     return Launch(programs, units, row_blocks=row_blocks)
 
 
