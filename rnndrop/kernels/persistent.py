@@ -218,6 +218,19 @@ def _store_next_state(h, h0, m0, mask_ptr, mask_row, mask_gate, m_ptr, m_row, m_
                  value.to(m_ptr.dtype.element_ty), mask=nxt)
 
 
+@triton.jit
+def _store_gates(ptr, off, ks, cols, H, live, g0, g1, g2, g3, GATES: tl.constexpr):
+    """This program's columns of each gate's tile into rows ``off + k`` (where ``live``) of ``ptr``
+    ``[N, GATES·H]``, in its dtype; ``g3`` only for a cell of four gates."""
+    here = ptr + (off + ks)[:, None] * (GATES * H) + cols[None, :]
+    kind = ptr.dtype.element_ty
+    tl.store(here, g0.to(kind), mask=live)
+    tl.store(here + H, g1.to(kind), mask=live)
+    tl.store(here + 2 * H, g2.to(kind), mask=live)
+    if GATES == 4:
+        tl.store(here + 3 * H, g3.to(kind), mask=live)
+
+
 @triton.jit(do_not_specialize=_RUN_TIME_INTS)
 def _lstm_forward(
     gx_ptr, w_ptr, h0_ptr, c0_ptr, mask_ptr, mask_row, mask_gate, table_ptr, m_ptr, m_row, m_gate,
@@ -246,12 +259,7 @@ def _lstm_forward(
         c = f * tl.where((ks < carried)[:, None], c_reg, c0) + i * g
         h = o * tanh(c)
         if SAVE:
-            here = (off + ks)[:, None] * (4 * H) + cols[None, :]
-            kind = acts_ptr.dtype.element_ty
-            tl.store(acts_ptr + here, i.to(kind), mask=live)
-            tl.store(acts_ptr + here + H, f.to(kind), mask=live)
-            tl.store(acts_ptr + here + 2 * H, g.to(kind), mask=live)
-            tl.store(acts_ptr + here + 3 * H, o.to(kind), mask=live)
+            _store_gates(acts_ptr, off, ks, cols, H, live, i, f, g, o, 4)
             tl.store(cells_ptr + (off + ks)[:, None] * H + cols[None, :], c, mask=live)
         tl.store(out_ptr + (off + ks)[:, None] * H + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=live)
         c_reg = tl.where(live, c, c_reg)
@@ -299,11 +307,7 @@ def _gru_forward(
         n = tanh(x_n + r * a_n)
         h = n + z * (tl.where((ks < carried)[:, None], h_reg, h0) - n)
         if SAVE:
-            here = (off + ks)[:, None] * (3 * H) + cols[None, :]
-            kind = acts_ptr.dtype.element_ty
-            tl.store(acts_ptr + here, r.to(kind), mask=live)
-            tl.store(acts_ptr + here + H, z.to(kind), mask=live)
-            tl.store(acts_ptr + here + 2 * H, n.to(kind), mask=live)
+            _store_gates(acts_ptr, off, ks, cols, H, live, r, z, n, n, 3)
             tl.store(a_n_ptr + (off + ks)[:, None] * H + cols[None, :], a_n, mask=live)
         tl.store(out_ptr + (off + ks)[:, None] * H + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=live)
         h_reg = tl.where(live, h, h_reg)
@@ -443,12 +447,8 @@ def _lstm_backward(
         joined = (ks >= carried)[:, None]
         c_prev = tl.where(joined, c0, c_prev)
         dc = dc_reg + dh * o * (1 - tc * tc)
-        here = (off + ks)[:, None] * (4 * H) + cols[None, :]
-        kind = dz_ptr.dtype.element_ty
-        tl.store(dz_ptr + here, (dc * g * i * (1 - i)).to(kind), mask=live)
-        tl.store(dz_ptr + here + H, (dc * c_prev * f * (1 - f)).to(kind), mask=live)
-        tl.store(dz_ptr + here + 2 * H, (dc * i * (1 - g * g)).to(kind), mask=live)
-        tl.store(dz_ptr + here + 3 * H, (dh * tc * o * (1 - o)).to(kind), mask=live)
+        _store_gates(dz_ptr, off, ks, cols, H, live, dc * g * i * (1 - i), dc * c_prev * f * (1 - f),
+                     dc * i * (1 - g * g), dh * tc * o * (1 - o), 4)
         tl.store(dc0_ptr + state, dc * f, mask=live & joined)
         dc_reg = tl.where(live, dc * f, dc_reg)
         carry = tl.where(live, 0.0, dh)
@@ -486,12 +486,10 @@ def _gru_backward(
                               MASK_GATES, HAS_MASK, NEED_DMASK, PRECISION, UPCAST, BB, BH, BK)
         h_prev = tl.where((ks >= carried)[:, None], h0, h_prev)
         dn_pre = dh * (1 - z) * (1 - n * n)
-        here = (off + ks)[:, None] * (3 * H) + cols[None, :]
-        kind = da_ptr.dtype.element_ty
-        tl.store(da_ptr + here, (dn_pre * a_n * r * (1 - r)).to(kind), mask=live)
-        tl.store(da_ptr + here + H, (dh * (h_prev - n) * z * (1 - z)).to(kind), mask=live)
-        tl.store(da_ptr + here + 2 * H, (dn_pre * r).to(kind), mask=live)
-        tl.store(dn_ptr + (off + ks)[:, None] * H + cols[None, :], dn_pre.to(kind), mask=live)
+        _store_gates(da_ptr, off, ks, cols, H, live, dn_pre * a_n * r * (1 - r),
+                     dh * (h_prev - n) * z * (1 - z), dn_pre * r, dn_pre, 3)
+        tl.store(dn_ptr + (off + ks)[:, None] * H + cols[None, :], dn_pre.to(dn_ptr.dtype.element_ty),
+                 mask=live)
         carry = tl.where(live, dh * z, dh)
         b, off, carried, nb, noff, nmoff, r, z, n, _, m0, a_n, h_prev, d_out = _backward_inputs(
             table_ptr, tl.maximum(s - 1, s_begin), acts_ptr, a_n_ptr, out_ptr, d_out_ptr, mask_ptr, mask_row,
