@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from rnndrop.kernels.gates import masked_linear
-from rnndrop.kernels.onednn import onednn_enabled
+from rnndrop.kernels.onednn import matmul, onednn_enabled
 from rnndrop.kernels.per_gate_projection import per_gate_projection
 from rnndrop.kernels.precision import products_as_cudnn
 
@@ -53,31 +53,6 @@ class StepWeight:
         if bias is not None:
             return torch.addmm(bias, x, self.transposed)
         return torch.mm(x, self.transposed)
-
-
-def matmul(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` for 2-D operands of a whole sequence (``a`` ``[m, k]``, ``b`` ``[k, n]``),
-    through oneDNN where :class:`StepWeight` uses it.
-
-    oneDNN reads its weight operand contiguous or transposed but wants the rows operand
-    contiguous, so a transposed ``a`` (a weight gradient ``dzᵀ m``) is computed as
-    ``(bᵀ aᵀ)ᵀ``, copying whichever operand is smaller (the result is then a transposed
-    view); an operand with other strides is copied.
-    """
-    if not (onednn_enabled(a) and b.dtype == a.dtype):
-        return a.mm(b)
-    b = b if _dense(b) else b.contiguous()
-    if a.is_contiguous() or a.numel() <= b.numel() or not _dense(a):
-        return torch.ops.mkldnn._linear_pointwise(a.contiguous(), b.t(), None, "none", [], "")
-    return torch.ops.mkldnn._linear_pointwise(b.t().contiguous(), a, None, "none", [], "").t()
-
-
-def _dense(t: Tensor) -> bool:
-    """Whether oneDNN reads ``t`` as a weight without a reorder of its own: contiguous or a
-    transposed contiguous view. Other strides (a slice of columns) make it reorder the operand on
-    every product, far slower than a copy (docs/speed.md, "Operands oneDNN reads without a copy"),
-    so such an operand is copied first."""
-    return t.is_contiguous() or t.t().is_contiguous()
 
 
 def functorch_wrapped(*tensors: Tensor) -> bool:

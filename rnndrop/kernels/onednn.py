@@ -1,4 +1,5 @@
-"""Whether and when a product goes through oneDNN instead of torch's CPU BLAS.
+"""Whether and when a product goes through oneDNN instead of torch's CPU BLAS, and
+:func:`matmul`, a whole sequence's product through it.
 
 Whether: by capability. Whatever the CPU vendor, an op that is missing or fails on a tiny probe
 sends every product to BLAS. When: by the weight's size and the rows a product has.
@@ -16,7 +17,9 @@ import functools
 import torch
 from torch import Tensor
 
-__all__ = ["amd_cpu_family", "amd_family_in", "onednn_enabled", "worth_onednn"]
+__all__ = [
+    "amd_cpu_family", "amd_family_in", "matmul", "onednn_enabled", "sequence_through_onednn", "worth_onednn",
+]
 
 #: A weight (with per-gate masks: each gate's block) goes through oneDNN's products (float32,
 #: where torch has oneDNN) when it has at least ONEDNN_MIN_WEIGHT elements, or at least
@@ -71,6 +74,31 @@ def onednn_enabled(t: Tensor) -> bool:
     )
 
 
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` for 2-D operands of a whole sequence (``a`` ``[m, k]``, ``b`` ``[k, n]``),
+    through oneDNN where :class:`~rnndrop.kernels.matmul.StepWeight` uses it.
+
+    oneDNN reads its weight operand contiguous or transposed but wants the rows operand
+    contiguous, so a transposed ``a`` (a weight gradient ``dzᵀ m``) is computed as
+    ``(bᵀ aᵀ)ᵀ``, copying whichever operand is smaller (the result is then a transposed
+    view); an operand with other strides is copied.
+    """
+    if not (onednn_enabled(a) and b.dtype == a.dtype):
+        return a.mm(b)
+    b = b if _dense(b) else b.contiguous()
+    if a.is_contiguous() or a.numel() <= b.numel() or not _dense(a):
+        return torch.ops.mkldnn._linear_pointwise(a.contiguous(), b.t(), None, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(b.t().contiguous(), a, None, "none", [], "").t()
+
+
+def _dense(t: Tensor) -> bool:
+    """Whether oneDNN reads ``t`` as a weight without a reorder of its own: contiguous or a
+    transposed contiguous view. Other strides (a slice of columns) make it reorder the operand on
+    every product, far slower than a copy (docs/speed.md, "Operands oneDNN reads without a copy"),
+    so such an operand is copied first."""
+    return t.is_contiguous() or t.t().is_contiguous()
+
+
 def worth_onednn(weight: Tensor, rows: int) -> bool:
     """Whether products of ``rows`` rows by ``weight`` (or one gate's block of it) are faster
     through oneDNN than through BLAS: large enough a weight, float32, oneDNN there. The rule
@@ -82,6 +110,17 @@ def worth_onednn(weight: Tensor, rows: int) -> bool:
     else:
         large = n >= ONEDNN_MIN_WEIGHT or (n >= ONEDNN_MIN_WEIGHT_MANY_ROWS and rows >= ONEDNN_MANY_ROWS)
     return large and onednn_enabled(weight)
+
+
+def sequence_through_onednn(weight: Tensor, rows: int) -> bool:
+    """Whether a whole sequence's product (every step's rows at once, not packed: the per-gate
+    input projection and its gradients) by ``weight`` goes through oneDNN: where
+    :func:`worth_onednn` says so, and on AMD Zen 5 and later at any size, where oneDNN runs these
+    products about twice as fast as BLAS (700 rows by a 200 x 200 gate block, 1 thread: 250
+    against 516 us; docs/speed.md, "AMD EPYC Zen 5")."""
+    if amd_cpu_family() >= ZEN5_FAMILY:
+        return onednn_enabled(weight)
+    return worth_onednn(weight, rows)
 
 
 @functools.cache
