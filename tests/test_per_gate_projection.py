@@ -41,20 +41,21 @@ def test_matches_a_masked_copy_per_gate_twice_differentiably(x_shape, mask_shape
     assert torch.autograd.gradgradcheck(projection, leaves)
 
 
-@pytest.mark.parametrize(("cpu_family", "through_onednn"), [(25, False), (25, True), (26, True)])
-def test_float32_first_order_without_mask_gradient(cpu_family, through_onednn, monkeypatch):
+@pytest.mark.parametrize(("cpu_family", "large", "onednn_calls"),
+                         [(25, False, 0), (25, True, 4), (26, False, 12)])
+def test_float32_first_order_without_mask_gradient(cpu_family, large, onednn_calls, monkeypatch):
     """The usual case: masks that need no gradient, float32 (the in-place backward), the
-    products through BLAS or (on a Zen 3 / 4 every weight counted large; on a Zen 5, CPU family
-    26, at any size) through oneDNN."""
+    products through BLAS or oneDNN: on a Zen 3 / 4 the forward's where every weight counts as
+    large, on a Zen 5 (CPU family 26) forward and backward at any size."""
     monkeypatch.setattr(onednn, "amd_cpu_family", lambda: cpu_family)
-    monkeypatch.setattr(onednn, "ONEDNN_MIN_WEIGHT", 0 if through_onednn and cpu_family < 26 else 10**12)
+    monkeypatch.setattr(onednn, "ONEDNN_MIN_WEIGHT", 0 if large else 10**12)
     torch.manual_seed(1)
     x = torch.randn(35, 20, 30, requires_grad=True)
     mask = torch.bernoulli(torch.full((1, 20, 4, 30), 0.5)) * 2
     weight = torch.randn(4 * 16, 30, requires_grad=True)
     bias = torch.randn(4 * 16, requires_grad=True)
     # 4 gates' products forward, 8 backward (d(x * M_g) and dW_g each); its probe runs first
-    expected_calls = 12 if through_onednn and onednn.onednn_enabled(x) else 0
+    expected_calls = onednn_calls if onednn.onednn_enabled(x) else 0
     with torch.autograd.profiler.profile() as profile:
         ours = per_gate_projection(x, mask, weight, bias)
         d_out = torch.randn_like(ours)

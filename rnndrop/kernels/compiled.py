@@ -48,6 +48,7 @@ from rnndrop.kernels import compiled_cache
 from rnndrop.kernels.compiled_cache import Cache, Unavailable, build_key, extensions_root
 from rnndrop.kernels.compiled_plan import packed_weights, split_parts
 from rnndrop.kernels.first_order import first_order_backward, refuse_transforms, will_differentiate
+from rnndrop.kernels.onednn import matmul, sequence_through_onednn
 from rnndrop.kernels.optional import available_or_warn
 
 __all__ = ["GRUInputs", "GRUSaved", "LSTMInputs", "LSTMSaved", "build", "gru_recurrence", "is_available",
@@ -372,13 +373,21 @@ class _LSTMRecurrence(torch.autograd.Function):
         saved = LSTMSaved._make(ctx.saved_tensors)
         batch_sizes, reverse = ctx.schedule
         extension = build()
+        # dW_hh = dzᵀ m through oneDNN where it beats BLAS (the extension's product is BLAS's), from
+        # the gate gradients and the masked states the forward kept
+        w_hh_here = (needs["w_hh"] and saved.masked is not None and saved.masked.dim() == 2
+                     and sequence_through_onednn(saved.w_hh))
+        asked = dict(needs, gates_x=needs["gates_x"] or w_hh_here, w_hh=needs["w_hh"] and not w_hh_here)
         grads = extension.lstm_backward(
             grads=_struct(extension.LSTMOutputGrads, out=d_out, h_n=d_hn, c_n=d_cn),
             saved=_struct(extension.LSTMSaved, **saved._asdict()), schedule=_schedule(batch_sizes, reverse),
-            needs=_struct(extension.LSTMNeeds, **needs),
+            needs=_struct(extension.LSTMNeeds, **asked),
             w_t_packed=packed_weights(saved.w_hh, saved.mask, batch_sizes[0], transposed=True),
         )
-        return (None, None, *(getattr(grads, name) if need else None for name, need in needs.items()))
+        result = {name: getattr(grads, name) if need else None for name, need in needs.items()}
+        if w_hh_here:
+            result["w_hh"] = matmul(grads.gates_x.t(), saved.masked)
+        return (None, None, *result.values())
 
 
 class _GRURecurrence(torch.autograd.Function):

@@ -11,10 +11,11 @@ the output directly, the masked input goes through one reused buffer, and backwa
 ``x`` and the mask. The fresh pages, not the arithmetic, were what made per-gate masks slow on a
 CPU (docs/speed.md, "Per-gate masks").
 
-A gate's products go through oneDNN where :func:`~rnndrop.kernels.onednn.sequence_through_onednn`
-says so (a forward result copied into the gate's columns, a gradient into its rows), else BLAS
-writes them itself: the faster of the two at hidden 650 and at hidden 200 respectively on a Zen 3 /
-4 (same section), oneDNN at both on a Zen 5.
+A gate's forward product goes through oneDNN where :func:`~rnndrop.kernels.onednn.worth_onednn`
+says so (its result copied into the gate's columns), else BLAS writes the columns itself: the
+faster of the two at hidden 650 and at hidden 200 respectively on a Zen 3 / 4 (same section). On
+a Zen 5 (:func:`~rnndrop.kernels.onednn.sequence_through_onednn`) every product, forward and
+backward, goes through oneDNN.
 
 On CUDA, where each launch costs the host more than the memory costs the GPU, every gate goes
 in one batched product instead (:func:`_batched_forward`, :func:`_batched_backward`): three launches
@@ -27,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rnndrop.kernels.onednn import matmul, sequence_through_onednn
+from rnndrop.kernels.onednn import matmul, sequence_through_onednn, worth_onednn
 from rnndrop.kernels.precision import products_as_cudnn
 
 __all__ = ["per_gate_projection"]
@@ -79,7 +80,8 @@ class _PerGateProjection(torch.autograd.Function):
         gates, size = mask.shape[-2], weight.shape[0] // mask.shape[-2]
         out = x.new_empty(*x.shape[:-1], weight.shape[0])
         rows, masked = out.view(-1, weight.shape[0]), x.new_empty(x.shape)
-        onednn = sequence_through_onednn(weight[:size], rows.shape[0]) and x.dtype == weight.dtype
+        onednn = x.dtype == weight.dtype and (worth_onednn(weight[:size], rows.shape[0])
+                                              or sequence_through_onednn(weight))
         for g, w_g in enumerate(weight.detach().chunk(gates)):
             torch.mul(x, _gate(mask, g), out=masked)
             b_g = None if bias is None else bias.detach()[g * size : (g + 1) * size]
@@ -102,7 +104,7 @@ class _PerGateProjection(torch.autograd.Function):
         d_mask = torch.empty_like(mask) if need_mask else None
         d_w = torch.empty_like(weight) if need_w else None
         buffer = x.new_empty(x.shape)
-        onednn = sequence_through_onednn(weight[:size], d_rows.shape[0]) and d_out.dtype == weight.dtype
+        onednn = sequence_through_onednn(weight) and d_out.dtype == weight.dtype
         for g, w_g in enumerate(weight.chunk(gates)):
             d_g = d_rows[:, g * size : (g + 1) * size]
             if need_x or need_mask:
