@@ -319,6 +319,32 @@ def test_per_gate_onednn_products_cut_to_share_the_threads_match_reference_kerne
         torch.set_num_threads(with_threads)
 
 
+@pytest.mark.parametrize("cpu_family", [25, 26])
+def test_lstm_weight_gradient_through_onednn_on_zen5_matches_reference_kernel(cpu_family, monkeypatch):
+    """On a Zen 5 (CPU family 26) the LSTM's dW_hh is computed outside the extension, through
+    oneDNN, from the masked states the forward kept (per-sequence and per-step masks); elsewhere
+    inside it. Either way the reference kernel's gradients, only the wanted ones (here W_hh's
+    alone, too)."""
+    monkeypatch.setattr(onednn, "amd_cpu_family", lambda: cpu_family)
+    products = []
+    real = compiled.matmul
+    monkeypatch.setattr(compiled, "matmul", lambda a, b: products.append(a.shape) or real(a, b))
+    for mask_shape in ((1, "B", "P"), ("T", "B", "P")):
+        args = helpers.kernel_inputs("lstm", [4, 3, 3, 1], mask_shape, 0, dtype=torch.float32, H=40)
+        with torch.no_grad():
+            args[3] /= args[3].shape[1] ** 0.5
+        ours = helpers.run_kernel("compiled", "lstm", [4, 3, 3, 1], args, False)
+        ref = helpers.run_kernel("autograd", "lstm", [4, 3, 3, 1], args, False)
+        assert_close(ours, ref, atol=1e-5, rtol=1e-5, msg=str(mask_shape))
+        only_w = [a if a is None or k == 3 else a.detach() for k, a in enumerate(args)]
+        ours = helpers.run_kernel("compiled", "lstm", [4, 3, 3, 1], only_w, False)
+        ref = helpers.run_kernel("autograd", "lstm", [4, 3, 3, 1], only_w, False)
+        assert len(ours[1]) == 1 and ours[1][0].shape == args[3].shape
+        assert_close(ours, ref, atol=1e-5, rtol=1e-5, msg=f"W_hh only, {mask_shape}")
+    outside = cpu_family == 26 and onednn_enabled(args[3])
+    assert products == ([(160, 11)] * 4 if outside else [])  # dz_gatesᵀ: [4 H, N]
+
+
 def test_only_wanted_gradients_are_returned():
     """Inputs without requires_grad get None (and the others are still right)."""
     args = helpers.kernel_inputs("lstm", [3, 2, 1], ("T", "B", "P"), 2, mask_grad=False)
