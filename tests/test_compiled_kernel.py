@@ -320,29 +320,31 @@ def test_per_gate_onednn_products_cut_to_share_the_threads_match_reference_kerne
 
 
 @pytest.mark.parametrize("cpu_family", [25, 26])
-def test_lstm_weight_gradient_through_onednn_on_zen5_matches_reference_kernel(cpu_family, monkeypatch):
-    """On a Zen 5 (CPU family 26) the LSTM's dW_hh is computed outside the extension, through
-    oneDNN, from the masked states the forward kept (per-sequence and per-step masks); elsewhere
-    inside it. Either way the reference kernel's gradients, only the wanted ones (here W_hh's
-    alone, too)."""
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_weight_gradient_through_onednn_on_zen5_matches_reference_kernel(kind, cpu_family, monkeypatch):
+    """On a Zen 5 (CPU family 26) dW_hh is computed outside the extension, through oneDNN, from
+    the masked states the forward kept (per-sequence and per-step masks) and the gradient of the
+    gates' inputs (the GRU's n gate: times r); elsewhere inside it. Either way the reference
+    kernel's gradients, and only the wanted ones (here W_hh's alone, too)."""
     monkeypatch.setattr(onednn, "amd_cpu_family", lambda: cpu_family)
     products = []
     real = compiled.matmul
     monkeypatch.setattr(compiled, "matmul", lambda a, b: products.append(a.shape) or real(a, b))
+    w = 3 if kind == "lstm" else 2  # W_hh among the kernel's arguments
     for mask_shape in ((1, "B", "P"), ("T", "B", "P")):
-        args = helpers.kernel_inputs("lstm", [4, 3, 3, 1], mask_shape, 0, dtype=torch.float32, H=40)
+        args = helpers.kernel_inputs(kind, [4, 3, 3, 1], mask_shape, 0, dtype=torch.float32, H=40)
         with torch.no_grad():
-            args[3] /= args[3].shape[1] ** 0.5
-        ours = helpers.run_kernel("compiled", "lstm", [4, 3, 3, 1], args, False)
-        ref = helpers.run_kernel("autograd", "lstm", [4, 3, 3, 1], args, False)
+            args[w] /= args[w].shape[1] ** 0.5
+        ours = helpers.run_kernel("compiled", kind, [4, 3, 3, 1], args, False)
+        ref = helpers.run_kernel("autograd", kind, [4, 3, 3, 1], args, False)
         assert_close(ours, ref, atol=1e-5, rtol=1e-5, msg=str(mask_shape))
-        only_w = [a if a is None or k == 3 else a.detach() for k, a in enumerate(args)]
-        ours = helpers.run_kernel("compiled", "lstm", [4, 3, 3, 1], only_w, False)
-        ref = helpers.run_kernel("autograd", "lstm", [4, 3, 3, 1], only_w, False)
-        assert len(ours[1]) == 1 and ours[1][0].shape == args[3].shape
+        only_w = [a if a is None or k == w else a.detach() for k, a in enumerate(args)]
+        ours = helpers.run_kernel("compiled", kind, [4, 3, 3, 1], only_w, False)
+        ref = helpers.run_kernel("autograd", kind, [4, 3, 3, 1], only_w, False)
+        assert len(ours[1]) == 1 and ours[1][0].shape == args[w].shape
         assert_close(ours, ref, atol=1e-5, rtol=1e-5, msg=f"W_hh only, {mask_shape}")
-    outside = cpu_family == 26 and onednn_enabled(args[3])
-    assert products == ([(160, 11)] * 4 if outside else [])  # dz_gatesᵀ: [4 H, N]
+    outside = cpu_family == 26 and onednn_enabled(args[w])
+    assert products == ([(args[w].shape[0], 11)] * 4 if outside else [])  # the gates' gradientᵀ: [G H, N]
 
 
 def test_only_wanted_gradients_are_returned():

@@ -324,6 +324,18 @@ def _sizes(batch_sizes: Sequence[int]) -> list[int]:
     return [int(b) for b in batch_sizes]
 
 
+def _weight_grad_here(
+    needs: dict[str, bool], masked: Tensor | None, w_hh: Tensor
+) -> tuple[bool, dict[str, bool]]:
+    """Whether ``dW_hh`` is computed here rather than in the extension (whose product is BLAS's):
+    through oneDNN where it beats BLAS (:func:`~rnndrop.kernels.onednn.sequence_through_onednn`),
+    from the gradient of the gates' inputs and the masked states ``[N, P]`` the forward kept
+    (per-sequence and per-step masks); with what to ask the extension for then (that gradient,
+    and not ``dW_hh``)."""
+    here = needs["w_hh"] and masked is not None and masked.dim() == 2 and sequence_through_onednn(w_hh)
+    return here, dict(needs, gates_x=needs["gates_x"] or here, w_hh=needs["w_hh"] and not here)
+
+
 def _lstm_forward(inputs: LSTMInputs, batch_sizes: list[int], reverse: bool, keep: bool) -> Any:
     """The extension's ``LSTMForward``, W_hh packed where oneDNN runs the products; ``keep``:
     whether the buffers backward reads are kept."""
@@ -373,11 +385,7 @@ class _LSTMRecurrence(torch.autograd.Function):
         saved = LSTMSaved._make(ctx.saved_tensors)
         batch_sizes, reverse = ctx.schedule
         extension = build()
-        # dW_hh = dzᵀ m through oneDNN where it beats BLAS (the extension's product is BLAS's), from
-        # the gate gradients and the masked states the forward kept
-        w_hh_here = (needs["w_hh"] and saved.masked is not None and saved.masked.dim() == 2
-                     and sequence_through_onednn(saved.w_hh))
-        asked = dict(needs, gates_x=needs["gates_x"] or w_hh_here, w_hh=needs["w_hh"] and not w_hh_here)
+        w_hh_here, asked = _weight_grad_here(needs, saved.masked, saved.w_hh)
         grads = extension.lstm_backward(
             grads=_struct(extension.LSTMOutputGrads, out=d_out, h_n=d_hn, c_n=d_cn),
             saved=_struct(extension.LSTMSaved, **saved._asdict()), schedule=_schedule(batch_sizes, reverse),
@@ -385,7 +393,7 @@ class _LSTMRecurrence(torch.autograd.Function):
             w_t_packed=packed_weights(saved.w_hh, saved.mask, batch_sizes[0], transposed=True),
         )
         result = {name: getattr(grads, name) if need else None for name, need in needs.items()}
-        if w_hh_here:
+        if w_hh_here:  # dW_hh = dzᵀ m
             result["w_hh"] = matmul(grads.gates_x.t(), saved.masked)
         return (None, None, *result.values())
 
@@ -415,13 +423,20 @@ class _GRURecurrence(torch.autograd.Function):
         saved = GRUSaved._make(ctx.saved_tensors)
         batch_sizes, reverse = ctx.schedule
         extension = build()
+        w_hh_here, asked = _weight_grad_here(needs, saved.masked, saved.w_hh)
         grads = extension.gru_backward(
             grads=_struct(extension.GRUOutputGrads, out=d_out, h_n=d_hn),
             saved=_struct(extension.GRUSaved, **saved._asdict()), schedule=_schedule(batch_sizes, reverse),
-            needs=_struct(extension.GRUNeeds, **needs),
+            needs=_struct(extension.GRUNeeds, **asked),
             w_t_packed=packed_weights(saved.w_hh, saved.mask, batch_sizes[0], transposed=True),
         )
-        return (None, None, *(getattr(grads, name) if need else None for name, need in needs.items()))
+        result = {name: getattr(grads, name) if need else None for name, need in needs.items()}
+        if w_hh_here:  # dW_hh = daᵀ m, da = d(W_hh m + b_hh): dx̂ of r and z, dx̂_n * r for n
+            H = saved.out.shape[1]
+            d_x = grads.gates_x
+            d_a = torch.cat((d_x[:, : 2 * H], d_x[:, 2 * H :] * saved.acts[:, :H]), dim=1)
+            result["w_hh"] = matmul(d_a.t(), saved.masked)
+        return (None, None, *result.values())
 
 
 def lstm_recurrence(
