@@ -322,16 +322,23 @@ def test_per_gate_onednn_products_cut_to_share_the_threads_match_reference_kerne
 @pytest.mark.parametrize("cpu_family", [25, 26])
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_weight_gradient_through_onednn_on_zen5_matches_reference_kernel(kind, cpu_family, monkeypatch):
-    """On a Zen 5 (CPU family 26) dW_hh is computed outside the extension, through oneDNN, from
-    the masked states the forward kept (per-sequence and per-step masks) and the gradient of the
-    gates' inputs (the GRU's n gate: times r); elsewhere inside it. Either way the reference
-    kernel's gradients, and only the wanted ones (here W_hh's alone, too)."""
+    """On a Zen 5 (CPU family 26) the extension computes dW_hh through oneDNN, elsewhere through
+    BLAS; either way the reference kernel's gradients, for per-sequence, per-step and per-gate
+    masks, and only the wanted ones (here W_hh's alone, too)."""
     monkeypatch.setattr(onednn, "amd_cpu_family", lambda: cpu_family)
-    products = []
-    real = compiled.matmul
-    monkeypatch.setattr(compiled, "matmul", lambda a, b: products.append(a.shape) or real(a, b))
+    asked = []
+    extension = compiled.build()
+
+    class Recording:
+        def __getattr__(self, name):
+            found = getattr(extension, name)
+            if not name.endswith("_backward"):
+                return found
+            return lambda **kw: asked.append(kw["onednn_weight_grad"]) or found(**kw)
+
+    monkeypatch.setattr(compiled, "build", Recording)
     w = 3 if kind == "lstm" else 2  # W_hh among the kernel's arguments
-    for mask_shape in ((1, "B", "P"), ("T", "B", "P")):
+    for mask_shape in ((1, "B", "P"), ("T", "B", "P"), (1, "B", "G", "P")):
         args = helpers.kernel_inputs(kind, [4, 3, 3, 1], mask_shape, 0, dtype=torch.float32, H=40)
         with torch.no_grad():
             args[w] /= args[w].shape[1] ** 0.5
@@ -343,8 +350,7 @@ def test_weight_gradient_through_onednn_on_zen5_matches_reference_kernel(kind, c
         ref = helpers.run_kernel("autograd", kind, [4, 3, 3, 1], only_w, False)
         assert len(ours[1]) == 1 and ours[1][0].shape == args[w].shape
         assert_close(ours, ref, atol=1e-5, rtol=1e-5, msg=f"W_hh only, {mask_shape}")
-    outside = cpu_family == 26 and onednn_enabled(args[w])
-    assert products == ([(args[w].shape[0], 11)] * 4 if outside else [])  # the gates' gradientᵀ: [G H, N]
+    assert asked == [cpu_family == 26 and onednn_enabled(args[w])] * 6
 
 
 def test_only_wanted_gradients_are_returned():

@@ -48,7 +48,7 @@ from rnndrop.kernels import compiled_cache
 from rnndrop.kernels.compiled_cache import Cache, Unavailable, build_key, extensions_root
 from rnndrop.kernels.compiled_plan import packed_weights, split_parts
 from rnndrop.kernels.first_order import first_order_backward, refuse_transforms, will_differentiate
-from rnndrop.kernels.onednn import matmul, sequence_through_onednn
+from rnndrop.kernels.onednn import sequence_through_onednn
 from rnndrop.kernels.optional import available_or_warn
 
 __all__ = ["GRUInputs", "GRUSaved", "LSTMInputs", "LSTMSaved", "build", "gru_recurrence", "is_available",
@@ -324,18 +324,6 @@ def _sizes(batch_sizes: Sequence[int]) -> list[int]:
     return [int(b) for b in batch_sizes]
 
 
-def _weight_grad_here(
-    needs: dict[str, bool], masked: Tensor | None, w_hh: Tensor
-) -> tuple[bool, dict[str, bool]]:
-    """Whether ``dW_hh`` is computed here rather than in the extension (whose product is BLAS's):
-    through oneDNN where it beats BLAS (:func:`~rnndrop.kernels.onednn.sequence_through_onednn`),
-    from the gradient of the gates' inputs and the masked states ``[N, P]`` the forward kept
-    (per-sequence and per-step masks); with what to ask the extension for then (that gradient,
-    and not ``dW_hh``)."""
-    here = needs["w_hh"] and masked is not None and masked.dim() == 2 and sequence_through_onednn(w_hh)
-    return here, dict(needs, gates_x=needs["gates_x"] or here, w_hh=needs["w_hh"] and not here)
-
-
 def _lstm_forward(inputs: LSTMInputs, batch_sizes: list[int], reverse: bool, keep: bool) -> Any:
     """The extension's ``LSTMForward``, W_hh packed where oneDNN runs the products; ``keep``:
     whether the buffers backward reads are kept."""
@@ -385,17 +373,14 @@ class _LSTMRecurrence(torch.autograd.Function):
         saved = LSTMSaved._make(ctx.saved_tensors)
         batch_sizes, reverse = ctx.schedule
         extension = build()
-        w_hh_here, asked = _weight_grad_here(needs, saved.masked, saved.w_hh)
         grads = extension.lstm_backward(
             grads=_struct(extension.LSTMOutputGrads, out=d_out, h_n=d_hn, c_n=d_cn),
             saved=_struct(extension.LSTMSaved, **saved._asdict()), schedule=_schedule(batch_sizes, reverse),
-            needs=_struct(extension.LSTMNeeds, **asked),
+            needs=_struct(extension.LSTMNeeds, **needs),
             w_t_packed=packed_weights(saved.w_hh, saved.mask, batch_sizes[0], transposed=True),
+            onednn_weight_grad=sequence_through_onednn(saved.w_hh),
         )
-        result = {name: getattr(grads, name) if need else None for name, need in needs.items()}
-        if w_hh_here:  # dW_hh = dzᵀ m
-            result["w_hh"] = matmul(grads.gates_x.t(), saved.masked)
-        return (None, None, *result.values())
+        return (None, None, *(getattr(grads, name) if need else None for name, need in needs.items()))
 
 
 class _GRURecurrence(torch.autograd.Function):
@@ -423,20 +408,14 @@ class _GRURecurrence(torch.autograd.Function):
         saved = GRUSaved._make(ctx.saved_tensors)
         batch_sizes, reverse = ctx.schedule
         extension = build()
-        w_hh_here, asked = _weight_grad_here(needs, saved.masked, saved.w_hh)
         grads = extension.gru_backward(
             grads=_struct(extension.GRUOutputGrads, out=d_out, h_n=d_hn),
             saved=_struct(extension.GRUSaved, **saved._asdict()), schedule=_schedule(batch_sizes, reverse),
-            needs=_struct(extension.GRUNeeds, **asked),
+            needs=_struct(extension.GRUNeeds, **needs),
             w_t_packed=packed_weights(saved.w_hh, saved.mask, batch_sizes[0], transposed=True),
+            onednn_weight_grad=sequence_through_onednn(saved.w_hh),
         )
-        result = {name: getattr(grads, name) if need else None for name, need in needs.items()}
-        if w_hh_here:  # dW_hh = daᵀ m, da = d(W_hh m + b_hh): dx̂ of r and z, dx̂_n * r for n
-            H = saved.out.shape[1]
-            d_x = grads.gates_x
-            d_a = torch.cat((d_x[:, : 2 * H], d_x[:, 2 * H :] * saved.acts[:, :H]), dim=1)
-            result["w_hh"] = matmul(d_a.t(), saved.masked)
-        return (None, None, *result.values())
+        return (None, None, *(getattr(grads, name) if need else None for name, need in needs.items()))
 
 
 def lstm_recurrence(

@@ -117,7 +117,7 @@ GRUForward gru_forward(const GRUInputs& inputs, const Schedule& schedule, const 
 }
 
 GRUGrads gru_backward(const GRUOutputGrads& grads, const GRUSaved& saved, const Schedule& schedule,
-                      const GRUNeeds& needs, const std::vector<Tensor>& w_t_packed) {
+                      const GRUNeeds& needs, const std::vector<Tensor>& w_t_packed, bool onednn_weight_grad) {
   const Tensor& acts = saved.acts;
   const Tensor& out = saved.out;
   const Tensor mask = saved.mask.has_value() ? saved.mask->contiguous() : Tensor();
@@ -146,7 +146,7 @@ GRUGrads gru_backward(const GRUOutputGrads& grads, const GRUSaved& saved, const 
   if (needs.h0) result.h0 = dh_state;
   Tensor h_prev;
   if ((needs.w_hh && !mask.defined()) || need_mask) h_prev = gather_previous(out, h0c, steps);
-  if (needs.w_hh) result.w_hh = weight_grad(d_a, mask.defined() ? masked : h_prev);
+  if (needs.w_hh) result.w_hh = weight_grad(d_a, mask.defined() ? masked : h_prev, onednn_weight_grad);
   if (needs.b_hh) result.b_hh = d_a.sum(0);
   if (need_mask) {
     AT_DISPATCH_FLOATING_TYPES(acts.scalar_type(), "gru_mask_grad", [&] {

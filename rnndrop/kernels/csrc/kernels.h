@@ -77,8 +77,9 @@ struct LSTMOutputGrads {
 // parts > 0: the forward step split by hidden units, one part a thread (compiled_plan.split_parts).
 LSTMForward lstm_forward(const LSTMInputs& inputs, const Schedule& schedule, const std::vector<Tensor>& w_packed,
                          bool keep, int64_t parts);
+// onednn_weight_grad: dW_hh through oneDNN (float32, where the Python side found it faster), else BLAS.
 LSTMGrads lstm_backward(const LSTMOutputGrads& grads, const LSTMSaved& saved, const Schedule& schedule,
-                        const LSTMNeeds& needs, const std::vector<Tensor>& w_t_packed);
+                        const LSTMNeeds& needs, const std::vector<Tensor>& w_t_packed, bool onednn_weight_grad);
 
 // -------------------------------------------------------------------------------------- GRU
 
@@ -124,7 +125,7 @@ struct GRUOutputGrads {
 GRUForward gru_forward(const GRUInputs& inputs, const Schedule& schedule, const std::vector<Tensor>& w_packed,
                        bool keep);
 GRUGrads gru_backward(const GRUOutputGrads& grads, const GRUSaved& saved, const Schedule& schedule,
-                      const GRUNeeds& needs, const std::vector<Tensor>& w_t_packed);
+                      const GRUNeeds& needs, const std::vector<Tensor>& w_t_packed, bool onednn_weight_grad);
 
 // How many threads one of this library's parallel loops runs on.
 int64_t parallel_threads();

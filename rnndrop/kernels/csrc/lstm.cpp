@@ -228,7 +228,7 @@ LSTMForward lstm_forward(const LSTMInputs& inputs, const Schedule& schedule, con
 }
 
 LSTMGrads lstm_backward(const LSTMOutputGrads& grads, const LSTMSaved& saved, const Schedule& schedule,
-                        const LSTMNeeds& needs, const std::vector<Tensor>& w_t_packed) {
+                        const LSTMNeeds& needs, const std::vector<Tensor>& w_t_packed, bool onednn_weight_grad) {
   const Tensor& acts = saved.acts;
   const Tensor& cells = saved.cells;
   const Tensor& out = saved.out;
@@ -263,10 +263,10 @@ LSTMGrads lstm_backward(const LSTMOutputGrads& grads, const LSTMSaved& saved, co
   if ((needs.w_hh && (!mask.defined() || per_gate)) || need_mask) h_prev = gather_previous(out, h0.contiguous(), steps);
   if (needs.w_hh && per_gate) {
     AT_DISPATCH_FLOATING_TYPES(acts.scalar_type(), "lstm_weight_grad", [&] {
-      result.w_hh = per_gate_weight_grad<scalar_t>(d_gates, h_prev, mask, steps);
+      result.w_hh = per_gate_weight_grad<scalar_t>(d_gates, h_prev, mask, steps, onednn_weight_grad);
     });
   } else if (needs.w_hh) {
-    result.w_hh = weight_grad(d_gates, mask.defined() ? masked : h_prev);
+    result.w_hh = weight_grad(d_gates, mask.defined() ? masked : h_prev, onednn_weight_grad);
   }
   if (needs.w_hr && w_hr.defined()) result.w_hr = at::mm(d_h.t(), *saved.r);
   if (need_mask) {

@@ -62,7 +62,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "LSTMForward of one layer and direction (keep false, for inference: buffers of the last step only; "
         "parts > 0: the step split by hidden units, one part a thread)");
   m.def("lstm_backward", &lstm_backward, py::arg("grads"), py::arg("saved"), py::arg("schedule"),
-        py::arg("needs"), py::arg("w_t_packed"), "LSTMGrads of the inputs that need them");
+        py::arg("needs"), py::arg("w_t_packed"), py::arg("onednn_weight_grad"),
+        "LSTMGrads of the inputs that need them (dW_hh through oneDNN where onednn_weight_grad)");
 
   bind_struct<GRUInputs>(m, "GRUInputs", "the inputs of a GRU recurrence")
       .FIELD(GRUInputs, gates_x).FIELD(GRUInputs, h0).FIELD(GRUInputs, w_hh).FIELD(GRUInputs, b_hh)
@@ -84,7 +85,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gru_forward", &gru_forward, py::arg("inputs"), py::arg("schedule"), py::arg("w_packed"),
         py::arg("keep"), "GRUForward of one layer and direction (keep false: buffers of the last step only)");
   m.def("gru_backward", &gru_backward, py::arg("grads"), py::arg("saved"), py::arg("schedule"),
-        py::arg("needs"), py::arg("w_t_packed"), "GRUGrads of the inputs that need them");
+        py::arg("needs"), py::arg("w_t_packed"), py::arg("onednn_weight_grad"),
+        "GRUGrads of the inputs that need them (dW_hh through oneDNN where onednn_weight_grad)");
 
   m.def("parallel_threads", &parallel_threads, "how many threads one of the library's parallel loops runs on");
 }
