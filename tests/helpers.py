@@ -250,16 +250,19 @@ def check_layer_passes_gradcheck_through_explicit_masks(name):
         assert torch.autograd.gradcheck(fn, (x, *hidden))
 
 
-def flattened(module):
-    """``module`` with its weights made views of one storage at offsets of their own (with a gap
-    before, between none, and after), as flatten_parameters leaves a cuDNN module."""
-    names = module._flat_weights_names
-    weights = [getattr(module, n).detach() for n in names]
-    buffer = torch.zeros(sum(w.numel() for w in weights) + 11)
-    offset = 3
-    for name, weight in zip(names, weights):
+def weights_in(module, buffer, offsets):
+    """``module`` with its flat weights moved into ``buffer`` (1-D) at ``offsets``, as parameters."""
+    for name, offset in zip(module._flat_weights_names, offsets):
+        weight = getattr(module, name).detach()
         view = buffer[offset : offset + weight.numel()].view(weight.shape)
         view.copy_(weight)
         setattr(module, name, nn.Parameter(view))
-        offset += weight.numel()
     return module
+
+
+def flattened(module):
+    """``module`` with its weights made views of one storage at offsets of their own (with a gap
+    before, between none, and after), as flatten_parameters leaves a cuDNN module."""
+    sizes = [getattr(module, n).numel() for n in module._flat_weights_names]
+    offsets = [3 + sum(sizes[:k]) for k in range(len(sizes))]
+    return weights_in(module, torch.zeros(sum(sizes) + 11), offsets)

@@ -12,7 +12,7 @@ from torch.nn.utils.rnn import pack_sequence
 from torch.overrides import TorchFunctionMode
 
 from rnndrop import GaussianLSTM, VariationalGRU, VariationalLSTM, flat_weights
-from tests.helpers import flattened
+from tests.helpers import flattened, weights_in
 from tests.oracle import assert_close, plain_twin
 
 I, H, T, B = 5, 6, 7, 4
@@ -184,15 +184,6 @@ def test_weights_in_one_buffer_go_to_the_fused_op_as_views_of_a_masked_copy(kind
     assert all(torch.equal(a, b) for a, b in zip(before, flat.parameters()))
 
 
-def _weights_in(layer, buffer, offsets):
-    """``layer``'s flat weights moved into ``buffer`` at ``offsets``."""
-    for name, w, offset in zip(layer._flat_weights_names, list(layer._flat_weights), offsets):
-        view = buffer[offset : offset + w.numel()].view(w.shape)
-        view.copy_(w.detach())
-        setattr(layer, name, nn.Parameter(view))
-    return layer
-
-
 def test_only_the_stretch_of_a_larger_buffer_the_weights_occupy_is_copied(monkeypatch):
     """Weights close together inside a larger buffer (a whole model's flat parameters): the copy
     is of their stretch alone, the first weight at its start; weights spread far apart in it are
@@ -201,9 +192,9 @@ def test_only_the_stretch_of_a_larger_buffer_the_weights_occupy_is_copied(monkey
     plain = VariationalLSTM(I, H, num_layers=2, mask_scope="batch", dropout=0.3, dropout_hidden=0.3)
     sizes = [w.numel() for w in plain._flat_weights]
     total = sum(sizes)
-    close = _weights_in(copy.deepcopy(plain), torch.zeros(10 * total), [5 * total + sum(sizes[:k])
+    close = weights_in(copy.deepcopy(plain), torch.zeros(10 * total), [5 * total + sum(sizes[:k])
                                                                         for k in range(len(sizes))])
-    apart = _weights_in(copy.deepcopy(plain), torch.zeros(10 * total), [k * total for k in range(len(sizes))])
+    apart = weights_in(copy.deepcopy(plain), torch.zeros(10 * total), [k * total for k in range(len(sizes))])
     assert flat_weights.in_one_buffer(close._flat_weights)
     assert not flat_weights.in_one_buffer(apart._flat_weights)
     views = flat_weights.masked_in_one_buffer(close._flat_weights, [None] * len(sizes))

@@ -609,7 +609,7 @@ def plan(gates_x: Tensor, hidden: int, batch: int, projected: bool) -> Launch | 
     least = _next_power_of_2(-(-batch // MAX_BATCH))  # row blocks of at most MAX_BATCH rows
     row_blocks = tuning.get("row_blocks")
     if row_blocks is None:
-        row_blocks, padded = least, max(16, _next_power_of_2(batch))
+        row_blocks, padded = least, _batch_block(batch)
         while programs * row_blocks * 2 <= sms and padded // (row_blocks * 2) >= 16:
             row_blocks *= 2
     row_blocks = max(row_blocks, least)
