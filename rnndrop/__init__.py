@@ -12,8 +12,7 @@ from rnndrop.calibration import ReliabilityDiagram, expected_calibration_error, 
 from rnndrop.cells import VariationalGRUCell, VariationalLSTMCell
 from rnndrop.deploy import to_torch
 from rnndrop.embedding_dropout import EmbeddingDropout
-from rnndrop.gaussian import GaussianGRU, GaussianLSTM
-from rnndrop.gaussian_locked_dropout import GaussianLockedDropout
+from rnndrop.gaussian import GaussianGRU, GaussianLockedDropout, GaussianLSTM
 from rnndrop.kl import KLRegularized, KLRegularizer, model_kl, negative_elbo
 from rnndrop.locked_dropout import LockedDropout
 from rnndrop.masks import RecurrentMasks

@@ -6,8 +6,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
-from rnndrop.gaussian import GaussianGRU, GaussianLSTM, rnn_state_dict
-from rnndrop.gaussian_locked_dropout import GaussianLockedDropout
+from rnndrop.gaussian import GaussianGRU, GaussianLockedDropout, GaussianLSTM, rnn_state_dict
 from rnndrop.kl import kl_kingma, kl_molchanov, model_kl, negative_elbo
 from tests.oracle import assert_close, plain_twin
 

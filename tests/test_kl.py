@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from rnndrop.gaussian_locked_dropout import GaussianLockedDropout
+from rnndrop.gaussian import GaussianLockedDropout
 from rnndrop.kl import (
     KINGMA_COEFFICIENTS,
     MOLCHANOV_COEFFICIENTS,
