@@ -4,8 +4,9 @@
 # so a hang in one still leaves the others' numbers. Logs and JSON go to $OUT (default: gpu-out/).
 #
 #   bash benchmarks/gpu_check.sh                    # every section, about 9 minutes on an H200
-#   bash benchmarks/gpu_check.sh checks tf32 lms    # some of them: machine checks tests speed tf32 mc
+#   bash benchmarks/gpu_check.sh checks tf32 lms    # some of them: machine checks tests buffers speed tf32 mc
 #                                                   # profile loop_profile tuning projection host_profile lms
+#                                                   # weight_drop_memory
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -35,8 +36,41 @@ tests() {
 step "the layers on CUDA (auto picks triton), CUDA graphs, cuDNN given masked weights without a copy"
 timeout 120 $PY -m pytest -q -p no:cacheprovider --timeout 100 tests/test_cuda_graphs.py \
     tests/test_triton_kernel.py -k "not match_the_reference" 2>&1 | tee "$OUT/cuda-tests.log" | tail -n 30
+buffers
+}
+
+buffers() {
+step "cuDNN runs the masked weights' buffers as they are: no compaction, no flatten (odd sizes too)"
 timeout 60 $PY -m pytest -q -p no:cacheprovider --timeout 50 tests/test_batch_scope.py tests/test_weight_drop.py \
-    -k "on_cuda" 2>&1 | tee -a "$OUT/cuda-tests.log" | tail -n 10
+    tests/test_flat_weights.py -k "on_cuda" 2>&1 | tee -a "$OUT/cuda-tests.log" | tail -n 10
+}
+
+weight_drop_memory() {
+step "WeightDrop's peak memory in a training step: the op on the masked views, or the module's forward (a hook)"
+# A wrapped RNN with a hook goes through its own forward, which flattens the views into a buffer of
+# its own at every call (the path before 2026-11-26's seventh session): the A/B of that change.
+timeout 60 $PY - <<'MEMORY' 2>&1 | tee "$OUT/weight-drop-memory.txt"
+import torch
+from torch import nn
+from rnndrop import WeightDrop
+
+for hidden in (650, 1500):
+    x = torch.randn(35, 20, hidden, device="cuda")
+    for name in ("nn.LSTM", "WeightDrop, op on the views", "WeightDrop, module forward"):
+        lstm = nn.LSTM(hidden, hidden, 2).cuda()
+        module = lstm if name == "nn.LSTM" else WeightDrop(lstm, ["weight_hh_l0", "weight_hh_l1"], p=0.5)
+        if name.endswith("forward"):
+            lstm.register_forward_hook(lambda *args: None)
+        for _ in range(3):
+            module.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            module(x)[0].sum().backward()
+            torch.cuda.synchronize()
+        print(f"hidden {hidden:4d}, batch 20: {name:28s} peak {(torch.cuda.max_memory_allocated() - before) / 2**20:7.1f} MiB"
+              f" above the start, {(torch.cuda.memory_allocated() - before) / 2**20:7.1f} MiB held after")
+MEMORY
 }
 
 speed() {
@@ -195,9 +229,12 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob('*/*/results.json')):
     print(f'{sys.argv[1]:26} {f.parts[-3]:12} {r[\"words_per_second\"]:9.0f} words/s, valid {r[\"best_valid_ppl\"]:.2f}')" "$out"
 }
 lms() {
-step "rnndrop-lm on CUDA: words/s (zaremba-medium, AWD; CUDA graphs on where named: same valid ppl)"
-lm medium --config zaremba-medium --regimes none,tied
-lm awd --config awd --regimes tied,weight_drop
+# LMS: space-separated name:config:regimes runs (default: the goal's pairs of issue 41)
+step "rnndrop-lm on CUDA: words/s (${LMS:-zaremba-medium none,tied; AWD tied,weight_drop})"
+for run in ${LMS:-medium:zaremba-medium:none,tied awd:awd:tied,weight_drop}; do
+    IFS=: read -r name config regimes <<<"$run"
+    lm "$name" --config "$config" --regimes "$regimes"
+done
 }
 
 for section in "${@:-machine checks tests speed tf32 mc profile lms}"; do

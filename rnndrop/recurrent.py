@@ -57,7 +57,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from rnndrop.flat_weights import in_one_buffer, masked_in_one_buffer
+from rnndrop.flat_weights import in_one_buffer, laid_out_alone, masked_in_one_buffer
 from rnndrop.kernels import KERNELS, GRURecurrence, LSTMRecurrence, auto_loop_kernel, input_projection
 from rnndrop.kernels.gates import GRU_GATES, LSTM_GATES
 from rnndrop.layout import SequenceLayout
@@ -714,13 +714,12 @@ class VariationalRNNStack(Stochastic):
         self, x: Tensor, layout: SequenceLayout, layer: int, states: tuple[Tensor, ...]
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
         """One layer (both directions) without recurrent masks through the fused op. cuDNN takes
-        a layer's weights without a copy of its own only from the start of a buffer: layer 0's
-        are there; a later layer's block of the stack's buffer is copied into a buffer of its own
-        first (:mod:`rnndrop.flat_weights`: one copy instead of cuDNN's one per weight; where
-        cuDNN would lay the layer out otherwise alone, it copies them again, as before)."""
+        a layer's weights without a copy of its own only laid out as a one-layer buffer; in a
+        stack's buffer a layer's matrices and its biases lie apart, so they are copied side by side
+        into a buffer of their own first (:func:`~rnndrop.flat_weights.laid_out_alone`: one copy
+        instead of cuDNN's one per weight and its host cost)."""
         weights = [w for d in range(self._num_directions) for w in self._weights(layer, d).values()]
-        if weights[0].storage_offset() != 0 and in_one_buffer(weights):
-            weights = list(masked_in_one_buffer(weights, [None] * len(weights)))
+        weights = laid_out_alone(weights)
         with quiet_weight_compaction(x.device):
             return self._run_fused(x, layout, states, weights, 1)
 

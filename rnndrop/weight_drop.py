@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from rnndrop.flat_weights import masked_views, shares_one_buffer
+from rnndrop.flat_weights import forward_with_weights, masked_views, runs_without_hooks, shares_one_buffer
 from rnndrop.noise import MaskSite, bernoulli_mask, draw_masks
 from rnndrop.recurrent import quiet_weight_compaction
 from rnndrop.stochastic import Stochastic
@@ -163,12 +163,17 @@ class WeightDrop(Stochastic, nn.Module):
                          kwargs: dict) -> Any:
         """The wrapped module's forward with ``weights[name] * masks[name]`` (checked already).
         A flattened cuDNN RNN gets every weight as a view of one buffer laid out as its own
-        (:mod:`rnndrop.flat_weights`), which cuDNN runs without copying its weights first."""
+        (:mod:`rnndrop.flat_weights`), which cuDNN runs without copying its weights first, through
+        torch's fused op called as its forward calls it (:func:`forward_with_weights`: its forward,
+        given other weights, would copy them into a new buffer first) unless it has hooks."""
         if not masks:
             return self.module(*args, **kwargs)
         if (not torch.compiler.is_compiling() and shares_one_buffer(self.module)
                 and set(masks) <= set(self.module._flat_weights_names)):  # (torch.compile: as before)
-            return functional_call(self.module, masked_views(self.module, masks), args, kwargs)
+            views = masked_views(self.module, masks)
+            if runs_without_hooks(self.module):
+                return forward_with_weights(self.module, list(views.values()), *args, **kwargs)
+            return functional_call(self.module, views, args, kwargs)
         dropped = {name: weights[name] * m for name, m in masks.items()}
         # A dropped weight can never live in cuDNN's flat weight buffer, so cuDNN copies it
         # at every call by design; its warning asks for flatten_parameters(), which cannot help.

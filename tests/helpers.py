@@ -261,8 +261,11 @@ def weights_in(module, buffer, offsets):
 
 
 def flattened(module):
-    """``module`` with its weights made views of one storage at offsets of their own (with a gap
-    before, between none, and after), as flatten_parameters leaves a cuDNN module."""
-    sizes = [getattr(module, n).numel() for n in module._flat_weights_names]
-    offsets = [3 + sum(sizes[:k]) for k in range(len(sizes))]
-    return weights_in(module, torch.zeros(sum(sizes) + 11), offsets)
+    """``module`` with its weights made views of one storage laid out as cuDNN lays out a stack
+    (every layer's and direction's matrices in order, then their biases; read from cuDNN 9), with
+    a gap before and after, as flatten_parameters leaves a cuDNN module."""
+    names = module._flat_weights_names
+    order = sorted(names, key=lambda n: getattr(module, n).dim() == 1)  # stable: matrices, then biases
+    sizes = {n: getattr(module, n).numel() for n in names}
+    starts = {n: 3 + sum(sizes[m] for m in order[: order.index(n)]) for n in names}
+    return weights_in(module, torch.zeros(sum(sizes.values()) + 11), [starts[n] for n in names])

@@ -184,10 +184,10 @@ def test_weights_in_one_buffer_go_to_the_fused_op_as_views_of_a_masked_copy(kind
     assert all(torch.equal(a, b) for a, b in zip(before, flat.parameters()))
 
 
-def test_only_the_stretch_of_a_larger_buffer_the_weights_occupy_is_copied(monkeypatch):
-    """Weights close together inside a larger buffer (a whole model's flat parameters): the copy
-    is of their stretch alone, the first weight at its start; weights spread far apart in it are
-    multiplied instead. The same results either way."""
+def test_only_the_weights_of_a_larger_buffer_are_copied(monkeypatch):
+    """Weights inside a larger buffer (a whole model's flat parameters), close together or spread
+    apart: the copy holds the weights alone, packed in storage order from offset 0, with the same
+    results."""
     monkeypatch.setattr(flat_weights, "FLAT_DEVICES", {"cuda", "cpu"})
     plain = VariationalLSTM(I, H, num_layers=2, mask_scope="batch", dropout=0.3, dropout_hidden=0.3)
     sizes = [w.numel() for w in plain._flat_weights]
@@ -195,22 +195,54 @@ def test_only_the_stretch_of_a_larger_buffer_the_weights_occupy_is_copied(monkey
     close = weights_in(copy.deepcopy(plain), torch.zeros(10 * total), [5 * total + sum(sizes[:k])
                                                                         for k in range(len(sizes))])
     apart = weights_in(copy.deepcopy(plain), torch.zeros(10 * total), [k * total for k in range(len(sizes))])
-    assert flat_weights.in_one_buffer(close._flat_weights)
-    assert not flat_weights.in_one_buffer(apart._flat_weights)
-    views = flat_weights.masked_in_one_buffer(close._flat_weights, [None] * len(sizes))
-    assert views[0].untyped_storage().nbytes() == total * 4 and views[0].storage_offset() == 0
     masks = plain.sample_masks(B)
     x = torch.randn(T, B, I)
     expected = plain(x, masks=masks)[0]
     for layer in (close, apart):
+        assert flat_weights.in_one_buffer(layer._flat_weights)
+        views = flat_weights.masked_in_one_buffer(layer._flat_weights, [None] * len(sizes))
+        assert views[0].untyped_storage().nbytes() == total * 4
+        assert [v.storage_offset() for v in views] == [sum(sizes[:k]) for k in range(len(sizes))]
+        assert all(torch.equal(v, w) for v, w in zip(views, layer._flat_weights))
         assert_close(layer(x, masks=masks)[0], expected)
 
 
+def test_overlapping_or_strided_weights_are_not_taken_as_one_buffer(monkeypatch):
+    monkeypatch.setattr(flat_weights, "FLAT_DEVICES", {"cuda", "cpu"})
+    storage = torch.zeros(100)
+    assert flat_weights.in_one_buffer([storage[0:20].view(4, 5), storage[20:30]])
+    assert not flat_weights.in_one_buffer([storage[0:20].view(4, 5), storage[15:30]])  # overlap
+    assert not flat_weights.in_one_buffer([storage[0:20].view(4, 5).t(), storage[20:30]])  # strided
+    assert not flat_weights.in_one_buffer([storage[0:20], torch.zeros(10)])  # two storages
+
+
+def test_a_layer_is_laid_out_alone_as_cudnn_lays_out_a_one_layer_buffer(monkeypatch):
+    """cuDNN lays a stack out as every matrix, then every bias; a layer called alone wants its
+    matrices, then its biases, side by side from offset 0. A whole module's buffer (one run from
+    offset 0) is used as it is."""
+    monkeypatch.setattr(flat_weights, "FLAT_DEVICES", {"cuda", "cpu"})
+    stack = flattened(nn.LSTM(I, H, num_layers=2, bidirectional=True))
+    for layer in range(2):
+        names = [n for n in stack._flat_weights_names if f"_l{layer}" in n]
+        weights = [getattr(stack, n) for n in names]
+        alone = flat_weights.laid_out_alone(weights)
+        matrices = [v for v in alone if v.dim() == 2]
+        biases = [v for v in alone if v.dim() == 1]
+        offsets = [v.storage_offset() for v in matrices + biases]
+        sizes = [v.numel() for v in matrices + biases]
+        assert offsets == [sum(sizes[:k]) for k in range(len(sizes))]
+        assert all(torch.equal(v, w) for v, w in zip(alone, weights))
+    own = nn.LSTM(I, H)
+    sizes = [w.numel() for w in own._flat_weights]
+    one = weights_in(own, torch.zeros(sum(sizes)), [0, sizes[0], sizes[0] + sizes[1], sum(sizes[:3])])
+    assert all(a is b for a, b in zip(flat_weights.laid_out_alone(one._flat_weights), one._flat_weights))
+
+
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
-def test_a_later_layer_called_alone_gets_a_buffer_of_its_own(kind, monkeypatch):
+def test_every_layer_called_alone_gets_a_buffer_of_its_own(kind, monkeypatch):
     """A layer without a recurrent mask runs alone through the fused op (here: masks between layers
-    per step); a layer whose weights do not start the stack's buffer gets them as views of a copy
-    of its block, starting at offset 0: the same outputs and gradients."""
+    per step); its matrices and biases, apart in the stack's buffer, go in as views of a copy of
+    them side by side from offset 0: the same outputs and gradients."""
     monkeypatch.setattr(flat_weights, "FLAT_DEVICES", {"cuda", "cpu"})
     cls = VariationalLSTM if kind == "lstm" else VariationalGRU
     plain = cls(I, H, num_layers=3, bidirectional=True, mask_scope="step", dropout=0.3, dropout_output=0.2)
@@ -220,16 +252,17 @@ def test_a_later_layer_called_alone_gets_a_buffer_of_its_own(kind, monkeypatch):
 
     def spy(weights, masks):
         views = real(weights, masks)
-        copied.append((weights[0].storage_offset(), views[0].storage_offset()))
+        buffer = views[0].untyped_storage()
+        copied.append((weights[0].storage_offset(), views[0].storage_offset(), buffer.nbytes()))
         return views
 
-    monkeypatch.setattr("rnndrop.recurrent.masked_in_one_buffer", spy)
+    monkeypatch.setattr(flat_weights, "masked_in_one_buffer", spy)
     masks = plain.sample_masks(B, T)
     x = torch.randn(T, B, I)
     out, expected = flat(x, masks=masks)[0], plain(x, masks=masks)[0]
-    # (flattened() leaves a gap before layer 0 too: cuDNN's buffers start with it, and it is not copied)
     firsts = [getattr(flat, f"weight_ih_l{k}").storage_offset() for k in range(3)]
-    assert copied == [(first, 0) for first in firsts]
+    sizes = [sum(w.numel() for n, w in flat.named_parameters() if f"_l{k}" in n) for k in range(3)]
+    assert copied == [(first, 0, 4 * size) for first, size in zip(firsts, sizes)]
     assert_close(out, expected)
     d_out = torch.randn_like(out)
     grads = torch.autograd.grad(out, list(flat.parameters()), d_out)
@@ -269,21 +302,25 @@ def test_each_call_draws_a_new_batch_mask_and_the_raw_weight_learns():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU machine runs it)")
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("sizes", [(8, 16), (7, 13)])
 @pytest.mark.parametrize("bidirectional", [False, True])
 @pytest.mark.parametrize("scope", ["batch", "step"])
-def test_on_cuda_the_fused_calls_run_cudnn_without_compacting_the_weights(bidirectional, scope, monkeypatch):
-    """cuDNN took the views as its weight buffer (the folded stack's, a later layer's alone): no
+def test_on_cuda_the_fused_calls_run_cudnn_without_compacting_the_weights(kind, sizes, bidirectional, scope,
+                                                                         monkeypatch):
+    """cuDNN took the views as its weight buffer (the folded stack's, each layer's alone): no
     'not part of single contiguous chunk' warning once the layer's own silencing of it is taken
-    away."""
+    away, odd sizes too."""
     monkeypatch.setattr("rnndrop.recurrent.quiet_weight_compaction", lambda device: contextlib.nullcontext())
     hidden = 0.5 if scope == "batch" else 0.0  # "step" without a recurrent mask: layer by layer
-    layer = VariationalLSTM(8, 16, num_layers=2, bidirectional=bidirectional, mask_scope=scope,
-                            dropout=0.3, dropout_hidden=hidden).cuda()
+    cls = VariationalLSTM if kind == "lstm" else VariationalGRU
+    layer = cls(sizes[0], sizes[1], num_layers=3, bidirectional=bidirectional, mask_scope=scope,
+                dropout=0.3, dropout_hidden=hidden).cuda()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        out, _ = layer(torch.randn(5, 3, 8, device="cuda"))
+        out, _ = layer(torch.randn(5, 3, sizes[0], device="cuda"))
         out.sum().backward()
-    assert layer.weight_hh_l1.grad.abs().sum() > 0
+    assert layer.weight_hh_l2.grad.abs().sum() > 0
 
 
 def test_monte_carlo_knows_which_batch_scoped_stacks_share_noise_across_the_batch():
