@@ -88,6 +88,25 @@ def test_the_plan_splits_rows_while_the_grid_has_room(monkeypatch, hidden, batch
     assert persistent.plan(on_cuda, hidden, batch, False).row_blocks == least
 
 
+@pytest.mark.parametrize("hidden, batch, forward_k, backward_k", [
+    (650, 128, 32, 64),   # row blocks of 64: the forward loop in K blocks of 32
+    (1500, 20, 32, 64),   # 32 rows
+    (1500, 128, 64, 64),  # 128 rows
+    (200, 128, 64, 64),   # blocks of 16 rows
+    (20, 20, 32, 32),     # 20 units: a K block of 32 either way
+])
+def test_the_forward_loop_takes_k_blocks_of_32_for_32_to_64_rows(monkeypatch, hidden, batch, forward_k,
+                                                                  backward_k):
+    monkeypatch.setattr(persistent, "_multiprocessors", lambda device: 132)
+    on_cuda = type("Like", (), {"dtype": torch.float32, "device": torch.device("cuda", 0)})()
+    how = persistent.plan(on_cuda, hidden, batch, False)
+    forward, backward = (persistent._tiles(how, batch, hidden, b) for b in (False, True))
+    assert (forward["BK"], backward["BK"]) == (forward_k, backward_k)
+    assert forward["BB"] == backward["BB"] and forward["BH"] == backward["BH"] == how.units
+    monkeypatch.setitem(persistent.tuning, "block_k", 16)  # a measurement's setting wins
+    assert {persistent._tiles(how, batch, hidden, b)["BK"] for b in (False, True)} == {16}
+
+
 def test_a_batch_whose_blocks_of_rows_do_not_fit_runs_the_step_kernel(monkeypatch):
     monkeypatch.setattr(persistent, "_multiprocessors", lambda device: 132)
     on_cuda = type("Like", (), {"dtype": torch.float32, "device": torch.device("cuda", 0)})()

@@ -827,13 +827,22 @@ def gave_up(device: torch.device, why: str) -> None:
                       RuntimeWarning, stacklevel=4)
 
 
-def _tiles(how: Launch, batch: int, hidden: int) -> dict[str, int]:
+def _tiles(how: Launch, batch: int, hidden: int, backward: bool) -> dict[str, int]:
     """The loops' block sizes: rows ``BB``, hidden units ``BH`` and the K block ``BK``."""
-    return dict(BB=_batch_block(batch, how.row_blocks), BH=how.units, BK=_block_k(how, hidden))
+    rows = _batch_block(batch, how.row_blocks)
+    return dict(BB=rows, BH=how.units, BK=_block_k(hidden, rows, backward))
 
 
-def _block_k(how: Launch, hidden: int) -> int:
-    return tuning.get("block_k", min(64, max(16, _next_power_of_2(hidden))))
+def _block_k(hidden: int, rows: int, backward: bool) -> int:
+    """The K block of the loops over ``W_hh``: 64 (less where the hidden size is smaller); the
+    forward loop of a program of 32 to 64 rows takes 32, which the H200's launch-setting sweep
+    (2026-11-26, the LSTM) found faster there at every shape (650 x 128 in row blocks of 64: 0.65
+    against 0.87 ms a launch; 1500 x 20, 32 rows: 1.14 against 1.26), while backward was as fast or
+    slower with it."""
+    if "block_k" in tuning:
+        return tuning["block_k"]
+    k = min(64, max(16, _next_power_of_2(hidden)))
+    return min(k, 32) if not backward and 32 <= rows <= 64 else k
 
 
 def _batch_block(batch: int, row_blocks: int = 1) -> int:
@@ -865,7 +874,7 @@ def lstm_forward(how: Launch, schedule: Schedule, gates_x, h0, c0, w_hh, mask, k
     args = (gates_x, w_hh, h0, c0, h0 if mask is None else mask, mask_row, mask_gate, table, masked, m_row,
             m_gate, out if acts is None else acts, out if cells is None else cells, out, h_state, c_state)
     failure = _run(_lstm_forward, how, len(schedule.steps) + 1, args, False, B=B, H=H, N=N, MASK_GATES=G,
-              HAS_MASK=mask is not None, SAVE=keep, PRECISION=_precision(gates_x), **_tiles(how, B, H))
+              HAS_MASK=mask is not None, SAVE=keep, PRECISION=_precision(gates_x), **_tiles(how, B, H, False))
     if failure is not None:
         gave_up(device, failure)
         return None
@@ -895,7 +904,7 @@ def lstm_backward(how: Launch, schedule: Schedule, needs: Sequence[bool], saved,
             dm_target.stride(0), dm_target.stride(1) if G > 1 else 0, carry, dc, dh0, dc0)
     failure = _run(_lstm_backward, how, len(schedule.steps) + 1, args, True, B=B, H=H, N=N, MASK_GATES=G,
               HAS_MASK=s.mask is not None, HAS_DOUT=d_out is not None, NEED_DMASK=need_dmask,
-              PRECISION=_precision(s.acts), **_tiles(how, B, H))
+              PRECISION=_precision(s.acts), **_tiles(how, B, H, True))
     if failure is not None:
         gave_up(device, failure)
         return None
@@ -920,7 +929,7 @@ def gru_forward(how: Launch, schedule: Schedule, gates_x, h0, w_hh, b_hh, mask, 
             h_state)
     failure = _run(_gru_forward, how, len(schedule.steps) + 1, args, False, B=B, H=H, N=N, MASK_GATES=G,
               HAS_MASK=mask is not None, HAS_BIAS=b_hh is not None, SAVE=keep, PRECISION=_precision(gates_x),
-              **_tiles(how, B, H))
+              **_tiles(how, B, H, False))
     if failure is not None:
         gave_up(device, failure)
         return None
@@ -948,7 +957,7 @@ def gru_backward(how: Launch, schedule: Schedule, needs: Sequence[bool], saved, 
             dm_target.stride(0), dm_target.stride(1) if G > 1 else 0, carry, dh0)
     failure = _run(_gru_backward, how, len(schedule.steps) + 1, args, True, B=B, H=H, N=N, MASK_GATES=G,
               HAS_MASK=s.mask is not None, HAS_DOUT=d_out is not None, NEED_DMASK=need_dmask,
-              PRECISION=_precision(s.acts), **_tiles(how, B, H))
+              PRECISION=_precision(s.acts), **_tiles(how, B, H, True))
     if failure is not None:
         gave_up(device, failure)
         return None
