@@ -12,7 +12,8 @@ size = hidden size (small 200, medium 650, large 1500), float32. Variants, for t
 - ``nn.LSTM`` / ``nn.GRU``: no dropout, the baseline every ratio is taken against;
 - ``<scope>/<kernel>``: ``VariationalLSTM/GRU`` with dropout_input, dropout (between
   layers), dropout_hidden and dropout_output all ``--p``, masks drawn afresh every call,
-  ``mask_scope`` sequence (Gal & Ghahramani), step (naive), or ``gates``: sequence with
+  ``mask_scope`` sequence (Gal & Ghahramani), step (fresh masks every step, the recurrent
+  state's too), or ``gates``: sequence with
   ``per_gate_masks=True``; run by each loop kernel of ``rnndrop.kernels.KERNELS`` that runs on
   the device (``--kernels``; on CPU all but "triton", on CUDA all but "compiled"; ``*`` marks the
   one ``kernel="auto"`` runs here, also named in the header);
@@ -22,6 +23,9 @@ size = hidden size (small 200, medium 650, large 1500), float32. Variants, for t
   (``rnndrop.kernels.cuda_graphs``, on for this variant only; CUDA);
 - ``batch/fused``: ``mask_scope="batch"``: the recurrent mask is shared by the batch and
   folded into ``W_hh``, so torch's fused kernel runs;
+- ``naive/fused``: Zaremba's naive dropout (the ``naive`` regime of rnndrop-lm): per-step masks on
+  the inputs, between layers and on the outputs, none on the recurrent state, so each layer runs
+  alone through torch's fused kernel;
 - ``weight_drop``: ``WeightDrop(nn.LSTM, every weight_hh, p)`` (DropConnect), when
   ``rnndrop.weight_drop`` is there.
 
@@ -101,6 +105,10 @@ def build_variants(
         variants[STEP_KERNEL] = ours_cls(hidden, hidden, layers, kernel="triton", **probs)
         variants[GRAPHED] = ours_cls(hidden, hidden, layers, kernel="triton", **probs)
     variants["batch/fused"] = ours_cls(hidden, hidden, layers, mask_scope="batch", **probs)
+    # Zaremba's naive dropout: fresh masks every step between layers, none on the recurrent state
+    # (each layer alone through the fused kernel)
+    variants["naive/fused"] = ours_cls(hidden, hidden, layers, mask_scope="step", dropout=p, dropout_input=p,
+                                       dropout_output=p)
     if WeightDrop is not None:
         names = [f"weight_hh_l{k}" for k in range(layers)]
         variants["weight_drop"] = WeightDrop(base_cls(hidden, hidden, layers), names, p=p)
