@@ -160,7 +160,8 @@ PROFILE
 
 tuning() {
 step "the persistent loop's GPU time by launch setting; host vs GPU time of a training step"
-timeout 240 $PY benchmarks/persistent_tuning.py --json "$OUT/persistent-tuning.json" 2>&1 \
+# TUNING_CELLS: the loops to sweep (persistent_tuning.py --cells; default lstm)
+timeout 240 $PY benchmarks/persistent_tuning.py --cells "${TUNING_CELLS:-lstm}" --json "$OUT/persistent-tuning.json" 2>&1 \
     | tee "$OUT/persistent-tuning.txt" | tail -n 60
 }
 

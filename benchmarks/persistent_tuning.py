@@ -1,8 +1,9 @@
 """GPU time of the persistent loop's launches by launch setting, and where a training step waits.
 
-Part 1 times one forward launch and one backward launch of the LSTM loop (2 x 35 steps of
-rnndrop.kernels.persistent, no autograd, no host work in between: the launches queue up, so CUDA
-events time the GPU alone) for each setting of ``persistent.tuning``: hidden units per program,
+Part 1 times one forward launch and one backward launch of the LSTM loop (and the GRU's with
+``--cells lstm,gru``; 2 x 35 steps of rnndrop.kernels.persistent, no autograd, no host work in
+between: the launches queue up, so CUDA events time the GPU alone) for each setting of
+``persistent.tuning``: hidden units per program,
 blocks of the batch's rows, the K block of the loops over ``W_hh`` and warps per program. The
 fastest setting per shape is what ``persistent.plan`` / ``_block_k`` / ``_warps`` should pick
 (docs/gpu.md says which they do).
@@ -11,7 +12,8 @@ Part 2 splits a whole training step (VariationalLSTM, 2 layers, tied masks) into
 takes to issue it and the time until the GPU has finished it, beside nn.LSTM's: a step whose two
 times are close is host-bound.
 
-    python benchmarks/persistent_tuning.py [--json FILE]   # CUDA only, about 2 minutes on an H200
+    python benchmarks/persistent_tuning.py [--cells lstm,gru] [--json FILE]   # CUDA only, about 1
+                                                                              # minute a cell on an H200
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch import nn
 from rnndrop import VariationalLSTM
 from rnndrop.kernels import persistent
 from rnndrop.kernels.schedule import Schedule
+from rnndrop.kernels.triton_gru import _Saved as _GRUSaved
 from rnndrop.kernels.triton_lstm import _Saved
 
 SHAPES = ((200, 20), (200, 128), (650, 20), (650, 128), (1500, 20), (1500, 128))
@@ -41,15 +44,38 @@ SETTINGS = ((None, None, None, None), (None, 1, None, None), (None, 2, None, Non
 STEPS, REPEATS = 35, 10
 
 
-def loop_inputs(hidden: int, batch: int, device: torch.device):
+def loop_inputs(cell: str, hidden: int, batch: int, device: torch.device):
+    """The step schedule, ``gates_x`` ``[T * B, G * H]``, ``h_0``, ``c_0`` (LSTM), ``W_hh`` and a
+    tied mask of one layer, direction and batch of ``STEPS`` full steps."""
     torch.manual_seed(0)
+    gates = 4 if cell == "lstm" else 3
     schedule = Schedule.of([batch] * STEPS, False)
-    gates_x = torch.randn(STEPS * batch, 4 * hidden, device=device)
+    gates_x = torch.randn(STEPS * batch, gates * hidden, device=device)
     h0 = torch.zeros(batch, hidden, device=device)
     c0 = torch.zeros(batch, hidden, device=device)
-    w_hh = torch.randn(4 * hidden, hidden, device=device) / hidden**0.5
+    w_hh = torch.randn(gates * hidden, hidden, device=device) / hidden**0.5
     mask = (torch.rand(1, batch, hidden, device=device) >= 0.5).float() * 2
     return schedule, gates_x, h0, c0, w_hh, mask
+
+
+def launches(cell: str, how, schedule, gates_x, h0, c0, w_hh, mask):
+    """``(forward, backward)``: callables that issue one forward and one backward launch of the loop
+    (the backward from the saved tensors of a first forward pass)."""
+    if cell == "lstm":
+        forward = functools.partial(persistent.lstm_forward, how, schedule, gates_x, h0, c0, w_hh, mask)
+        out, _, _, acts, cells, _, masked = forward()
+        saved = _Saved(acts, cells, out, None, masked, h0, c0, w_hh, None, mask)
+        needs = (True, False, False, True, False, False)  # d gates_x and dW_hh, as in training
+        d_out = torch.randn_like(out)
+        backward = functools.partial(persistent.lstm_backward, how, schedule, needs, saved, d_out, None, None)
+        return forward, backward
+    forward = functools.partial(persistent.gru_forward, how, schedule, gates_x, h0, w_hh, None, mask)
+    out, _, acts, a_n, masked = forward()
+    saved = _GRUSaved(acts, a_n, out, masked, h0, w_hh, None, mask)
+    needs = (True, False, True, False, False)  # d gates_x and dW_hh, as in training
+    d_out = torch.randn_like(out)
+    backward = functools.partial(persistent.gru_backward, how, schedule, needs, saved, d_out, None)
+    return forward, backward
 
 
 def time_launches(fn, device: torch.device) -> float:
@@ -68,10 +94,11 @@ def time_launches(fn, device: torch.device) -> float:
     return statistics.median(times)
 
 
-def sweep(device: torch.device) -> list[dict]:
+def sweep(device: torch.device, cell: str = "lstm") -> list[dict]:
     rows = []
     for hidden, batch in SHAPES:
-        schedule, gates_x, h0, c0, w_hh, mask = loop_inputs(hidden, batch, device)
+        inputs = loop_inputs(cell, hidden, batch, device)
+        gates_x = inputs[1]
         seen = set()
         for units, row_blocks, block_k, warps in SETTINGS:
             persistent.tuning.clear()
@@ -82,21 +109,13 @@ def sweep(device: torch.device) -> list[dict]:
                 continue
             seen.add((how, block_k, warps))
             try:
-                result = persistent.lstm_forward(how, schedule, gates_x, h0, c0, w_hh, mask)
-                out, _, _, acts, cells, _, masked = result
-                saved = _Saved(acts, cells, out, None, masked, h0, c0, w_hh, None, mask)
-                d_out = torch.randn_like(out)
-                needs = (True, False, False, True, False, False)
-                forward = functools.partial(persistent.lstm_forward, how, schedule, gates_x, h0, c0, w_hh,
-                                            mask)
-                backward = functools.partial(persistent.lstm_backward, how, schedule, needs, saved, d_out,
-                                             None, None)
+                forward, backward = launches(cell, how, *inputs)
                 forward_ms, backward_ms = time_launches(forward, device), time_launches(backward, device)
             except Exception as error:  # a setting that does not compile or launch: say so, go on
                 print(f"hidden {hidden} batch {batch} {units}/{block_k}/{warps}: {type(error).__name__}: "
                       f"{str(error).splitlines()[0][:120]}", flush=True)
                 continue
-            row = dict(hidden=hidden, batch=batch, units=how.units, row_blocks=how.row_blocks,
+            row = dict(cell=cell, hidden=hidden, batch=batch, units=how.units, row_blocks=how.row_blocks,
                        block_k=block_k, warps=warps, programs=how.grid,
                        built_in=units is None and row_blocks is None, forward_ms=forward_ms,
                        backward_ms=backward_ms,
@@ -104,7 +123,7 @@ def sweep(device: torch.device) -> list[dict]:
             rows.append(row)
             label = (f"{'built-in ' if row['built_in'] else ''}units {how.units:2d} x rows/{how.row_blocks}"
                      f", K {block_k or 'auto'}, warps {warps or 'auto'}")
-            print(f"lstm {hidden:5d} {batch:4d}  {label:38s} programs {how.grid:3d}  forward "
+            print(f"{cell:4s} {hidden:5d} {batch:4d}  {label:38s} programs {how.grid:3d}  forward "
                   f"{forward_ms:6.3f} ms  backward {backward_ms:6.3f} ms  {row['us_per_step']:6.1f} us/step",
                   flush=True)
     persistent.tuning.clear()
@@ -144,13 +163,18 @@ def host_and_gpu(device: torch.device) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--cells", default="lstm", help="loops to sweep, comma-separated: lstm, gru")
     args = parser.parse_args(argv)
+    cells = args.cells.split(",")
+    if not cells or any(c not in ("lstm", "gru") for c in cells):
+        parser.error(f"--cells: expected a comma-separated list of lstm and gru, got {args.cells!r}")
     if not torch.cuda.is_available():
         print("persistent_tuning.py: needs a CUDA GPU", file=sys.stderr)
         return 2
     device = torch.device("cuda")
     print(torch.cuda.get_device_name(device), torch.__version__, flush=True)
-    result = dict(sweep=sweep(device), host_and_gpu=host_and_gpu(device))
+    rows = [row for cell in cells for row in sweep(device, cell)]
+    result = dict(sweep=rows, host_and_gpu=host_and_gpu(device))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

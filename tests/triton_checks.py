@@ -386,3 +386,21 @@ def test_the_first_use_check_passes(device):
     """The check kernel="auto" runs before it first picks the kernel on a device (compiled on a
     GPU, interpreted on CPU) finds nothing wrong."""
     assert gpu.first_use_failure(device) is None
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_the_tuning_scripts_launches_run_the_loops(device, cell):
+    """benchmarks/persistent_tuning.py's forward and backward launches (one program here) run the
+    loop and give what the loop gives."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "persistent_tuning.py"
+    spec = importlib.util.spec_from_file_location("persistent_tuning", path)
+    tuning = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tuning)
+    inputs = tuning.loop_inputs(cell, 20, 4, device)
+    forward, backward = tuning.launches(cell, persistent.Launch(1, 32), *inputs)
+    out, d_gates = forward()[0], backward()[0]
+    assert out.shape == (35 * 4, 20) and torch.isfinite(out).all()
+    assert d_gates.shape == inputs[1].shape and torch.isfinite(d_gates).all() and d_gates.abs().sum() > 0
