@@ -23,7 +23,7 @@ Backward: ``dw = d(view_w) * mask_w`` for a dropped weight, ``d(view_w)`` for th
 elsewhere the caller multiplies the weights as before. :class:`~rnndrop.WeightDrop` uses it for
 a wrapped ``nn.LSTM`` / ``nn.GRU`` (:func:`masked_views`), ``mask_scope="batch"`` for the masks
 it folds into a whole stack's weights, and a layer of a stack called alone (no mask,
-:func:`laid_out_alone`) through :func:`masked_in_one_buffer`.
+:func:`masked_weights`) through :func:`masked_in_one_buffer`.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from torch.nn.utils.rnn import PackedSequence
 __all__ = [
     "forward_with_weights",
     "in_one_buffer",
-    "laid_out_alone",
     "masked_in_one_buffer",
     "masked_views",
+    "masked_weights",
     "runs_without_hooks",
     "shares_one_buffer",
 ]
@@ -77,15 +77,19 @@ def _runs(weights: Sequence[Tensor]) -> list[tuple[int, int]]:
     return runs
 
 
-def laid_out_alone(weights: Sequence[Tensor]) -> list[Tensor]:
-    """``weights`` laid out as cuDNN lays out a call of them alone (a layer of a stack called by
-    itself): themselves where they already are (one run from the start of their storage: a whole
-    module's buffer), else views of a packed copy (:func:`masked_in_one_buffer` without masks).
-    Weights not :func:`in_one_buffer` come back as they are (cuDNN copies them itself)."""
+def masked_weights(weights: Sequence[Tensor], masks: Sequence[Tensor | None]) -> list[Tensor]:
+    """``weights[i] * masks[i]`` (``weights[i]`` where the mask is None) as cuDNN runs a call of
+    them without copying them: views of one packed copy (:func:`masked_in_one_buffer`) where they
+    are :func:`in_one_buffer`, themselves where no mask multiplies them and they already are a
+    buffer of their own from its start (a whole module's), plain products elsewhere (cuDNN then
+    copies them itself). A layer of a stack called alone gets its matrices and biases side by side
+    this way (no masks)."""
     weights = list(weights)
-    if not in_one_buffer(weights) or _runs(weights) == [(0, sum(w.numel() for w in weights))]:
+    if not in_one_buffer(weights):
+        return [w if m is None else w * m for w, m in zip(weights, masks)]
+    if all(m is None for m in masks) and _runs(weights) == [(0, sum(w.numel() for w in weights))]:
         return weights
-    return list(masked_in_one_buffer(weights, [None] * len(weights)))
+    return list(masked_in_one_buffer(weights, masks))
 
 
 def shares_one_buffer(module: nn.Module) -> bool:

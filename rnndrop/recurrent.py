@@ -57,7 +57,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from rnndrop.flat_weights import in_one_buffer, laid_out_alone, masked_in_one_buffer
+from rnndrop.flat_weights import masked_weights
 from rnndrop.kernels import KERNELS, GRURecurrence, LSTMRecurrence, auto_loop_kernel, input_projection
 from rnndrop.kernels.gates import GRU_GATES, LSTM_GATES
 from rnndrop.layout import SequenceLayout
@@ -663,10 +663,7 @@ class VariationalRNNStack(Stochastic):
                           "weight_hh": masks.hidden[layer * D + d]}
                 weights.extend(w.values())
                 column_masks.extend(folded.get(name) for name in w)
-        if in_one_buffer(weights):
-            weights = list(masked_in_one_buffer(weights, column_masks))
-        else:
-            weights = [w if m is None else w * m for w, m in zip(weights, column_masks)]
+        weights = masked_weights(weights, column_masks)
         with quiet_weight_compaction(x.device):
             out, new_states = self._run_fused(x, layout, states, weights, self.num_layers)
         if masks.output is not None:
@@ -716,10 +713,10 @@ class VariationalRNNStack(Stochastic):
         """One layer (both directions) without recurrent masks through the fused op. cuDNN takes
         a layer's weights without a copy of its own only laid out as a one-layer buffer; in a
         stack's buffer a layer's matrices and its biases lie apart, so they are copied side by side
-        into a buffer of their own first (:func:`~rnndrop.flat_weights.laid_out_alone`: one copy
+        into a buffer of their own first (:func:`~rnndrop.flat_weights.masked_weights`: one copy
         instead of cuDNN's one per weight and its host cost)."""
         weights = [w for d in range(self._num_directions) for w in self._weights(layer, d).values()]
-        weights = laid_out_alone(weights)
+        weights = masked_weights(weights, [None] * len(weights))
         with quiet_weight_compaction(x.device):
             return self._run_fused(x, layout, states, weights, 1)
 

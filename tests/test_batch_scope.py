@@ -171,7 +171,7 @@ def test_weights_in_one_buffer_go_to_the_fused_op_as_views_of_a_masked_copy(kind
         seen.append({v.untyped_storage().data_ptr() for v in views})
         return views
 
-    monkeypatch.setattr("rnndrop.recurrent.masked_in_one_buffer", spy)
+    monkeypatch.setattr(flat_weights, "masked_in_one_buffer", spy)
     before = [p.detach().clone() for p in flat.parameters()]
     x = torch.randn(T, B, I)
     out, _ = flat(x, masks=masks)
@@ -225,7 +225,7 @@ def test_a_layer_is_laid_out_alone_as_cudnn_lays_out_a_one_layer_buffer(monkeypa
     for layer in range(2):
         names = [n for n in stack._flat_weights_names if f"_l{layer}" in n]
         weights = [getattr(stack, n) for n in names]
-        alone = flat_weights.laid_out_alone(weights)
+        alone = flat_weights.masked_weights(weights, [None] * len(weights))
         matrices = [v for v in alone if v.dim() == 2]
         biases = [v for v in alone if v.dim() == 1]
         offsets = [v.storage_offset() for v in matrices + biases]
@@ -235,7 +235,8 @@ def test_a_layer_is_laid_out_alone_as_cudnn_lays_out_a_one_layer_buffer(monkeypa
     own = nn.LSTM(I, H)
     sizes = [w.numel() for w in own._flat_weights]
     one = weights_in(own, torch.zeros(sum(sizes)), [0, sizes[0], sizes[0] + sizes[1], sum(sizes[:3])])
-    assert all(a is b for a, b in zip(flat_weights.laid_out_alone(one._flat_weights), one._flat_weights))
+    alone = flat_weights.masked_weights(one._flat_weights, [None] * len(sizes))
+    assert all(a is b for a, b in zip(alone, one._flat_weights))
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
