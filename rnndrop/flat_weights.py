@@ -20,10 +20,10 @@ packed in storage order; for a whole stack that is its whole buffer, as it was:
 Backward: ``dw = d(view_w) * mask_w`` for a dropped weight, ``d(view_w)`` for the others, and
 ``d mask_w`` = ``d(view_w) * w`` summed to the mask's shape where the mask needs a gradient
 (learned Gaussian noise). Only where the weights are such views (:func:`in_one_buffer`);
-elsewhere the caller multiplies the weights as before. :class:`~rnndrop.WeightDrop` uses it for
-a wrapped ``nn.LSTM`` / ``nn.GRU`` (:func:`masked_views`), ``mask_scope="batch"`` for the masks
-it folds into a whole stack's weights, and a layer of a stack called alone (no mask,
-:func:`masked_weights`) through :func:`masked_in_one_buffer`.
+elsewhere they are multiplied (:func:`masked_weights`). :class:`~rnndrop.WeightDrop` uses it for
+a wrapped ``nn.LSTM`` / ``nn.GRU`` (:func:`masked_views`); ``mask_scope="batch"`` for the masks
+it folds into a whole stack's weights, and a layer of a stack called alone (no mask), through
+:func:`masked_weights`.
 """
 
 from __future__ import annotations

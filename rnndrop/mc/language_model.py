@@ -225,9 +225,7 @@ class _Totals:
             reliability = reliability_from_predictions(
                 torch.cat(self.confidences), torch.cat(self.correct), self.calibration_bins
             )
-        total_nll = 0.0
-        for segment in torch.stack(self.segment_nlls).tolist():  # in order, as before
-            total_nll -= segment
+        total_nll = -sum(torch.stack(self.segment_nlls).tolist()) if self.segment_nlls else 0.0  # in order
         return LanguageModelLoss(total_nll, self.num_tokens, self.n_samples, reliability)
 
 

@@ -125,9 +125,7 @@ def score_sums(
                 correct.append(top_word == targets)
     finally:
         model.train(was_training)
-    total = 0.0
-    for loss in torch.stack(losses).tolist() if losses else []:  # summed in order, as floats
-        total += loss
+    total = sum(torch.stack(losses).tolist()) if losses else 0.0  # summed in order, as floats
     diagram = None
     if calibration_bins is not None:
         diagram = reliability_from_predictions(torch.cat(confidences), torch.cat(correct), calibration_bins)
