@@ -320,13 +320,14 @@ def test_the_divergence_check_reads_steps_in_batches_and_names_the_step_that_div
     every = DivergenceCheck.READ_EVERY
     check = DivergenceCheck(3, 2 * every + 3, 0.5, tmp_path / "checkpoint.pt", 2)
     one, two, norm = torch.tensor(1.0), torch.tensor(2.0), torch.tensor(0.5)
-    read = [check.step(one, one, norm, b) for b in range(every)]
-    assert read[:-1] == [[]] * (every - 1) and read[-1] == [1.0] * every
-    read = [check.step(one, two if b == every else one, norm, b) for b in range(every, 2 * every)]
-    assert read[:-1] == [[]] * (every - 1) and read[-1] == [2.0] + [1.0] * (every - 1)  # in order
-    assert [check.step(one, one, norm, b) for b in range(2 * every, 2 * every + 3)] == [[], [], [1.0] * 3]
-    check.step(one, one, norm, 3)
-    check.step(one, one, torch.tensor(float("inf")), 4)
-    check.step(torch.tensor(float("nan")), one, norm, 5)
+    read = [check.step(one, one, norm, b, 10 + b) for b in range(every)]
+    assert read[:-1] == [[]] * (every - 1) and read[-1] == [(1.0, 10 + b) for b in range(every)]
+    read = [check.step(one, two if b == every else one, norm, b, 7) for b in range(every, 2 * every)]
+    assert read[:-1] == [[]] * (every - 1) and read[-1] == [(2.0, 7)] + [(1.0, 7)] * (every - 1)  # in order
+    last = [check.step(one, one, norm, b, 7) for b in range(2 * every, 2 * every + 3)]
+    assert last == [[], [], [(1.0, 7)] * 3]
+    check.step(one, one, norm, 3, 7)
+    check.step(one, one, torch.tensor(float("inf")), 4, 7)
+    check.step(torch.tensor(float("nan")), one, norm, 5, 7)
     with pytest.raises(TrainingDiverged, match=r"the gradient norm is inf at epoch 3, batch 5/35 \(lr 0.5\)"):
         check.read()

@@ -330,8 +330,7 @@ def _train_epoch(
     run.net.train()
     bar = EpochProgress(segments.count, f"epoch {epoch}", progress and ctx.is_main)
     total, words, hidden = 0.0, 0, None
-    sizes: list[int] = []  # the words of every step; steps are read (checked, summed) in order
-    read = read_words = 0
+    read_words = 0  # the words of the steps read (checked, summed: in order, a few steps behind)
     start = time.perf_counter()
     try:
         for i, segment in enumerate(segments.items):
@@ -350,18 +349,15 @@ def _train_epoch(
                 run.optimizer.step()
             if run.averaging is not None:
                 run.averaging.after_step()
-            sizes.append(targets.numel())
-            for loss_value in check.step(objective, loss, grad_norm, i):  # the steps read now
-                total += loss_value * sizes[read]
-                read_words += sizes[read]
-                read += 1
+            for loss_value, step_words in check.step(objective, loss, grad_norm, i, targets.numel()):
+                total += loss_value * step_words
+                read_words += step_words
             words += targets.numel()
             elapsed = time.perf_counter() - start
             shown = {"ppl": perplexity(total / read_words)} if read_words else {}  # as of the steps read
             bar.update(**shown, wps=words * ctx.world_size / max(elapsed, 1e-9))
-        for loss_value in check.read():  # any step not read yet (none where the count was exact)
-            total += loss_value * sizes[read]
-            read += 1
+        for loss_value, step_words in check.read():  # any step not read yet (none where the count was exact)
+            total += loss_value * step_words
     finally:
         bar.close()
     if ctx.enabled:
@@ -638,27 +634,31 @@ class DivergenceCheck:
                  last_good_epoch: int, ctx: Distributed = ONE_PROCESS) -> None:
         self.epoch, self.n_batches, self.lr = epoch, n_batches, lr
         self.checkpoint_path, self.last_good_epoch, self.ctx = checkpoint_path, last_good_epoch, ctx
-        self._pending: list[tuple[int, Tensor, Tensor, Tensor]] = []  # batch, objective, NLL, grad norm
+        # batch, words, objective, NLL, gradient norm
+        self._pending: list[tuple[int, int, Tensor, Tensor, Tensor]] = []
 
-    def step(self, objective: Tensor, loss: Tensor, norm: Tensor, batch: int) -> list[float]:
-        """Record step ``batch``; the NLLs of the steps read now (:meth:`read`: every
-        :attr:`READ_EVERY` steps, the epoch's last, every step under DDP), else none."""
-        self._pending.append((batch, objective.detach(), loss.detach(), norm.detach()))
+    def step(
+        self, objective: Tensor, loss: Tensor, norm: Tensor, batch: int, words: int
+    ) -> list[tuple[float, int]]:
+        """Record step ``batch`` of ``words`` words; ``(NLL per word, words)`` of the steps read now
+        (:meth:`read`: every :attr:`READ_EVERY` steps, the epoch's last, every step under DDP),
+        else none."""
+        self._pending.append((batch, words, objective.detach(), loss.detach(), norm.detach()))
         if self.ctx.enabled or len(self._pending) >= self.READ_EVERY or batch == self.n_batches - 1:
             return self.read()
         return []
 
-    def read(self) -> list[float]:
-        """Check every recorded step in order and return their NLLs: the objective (NLL + extra
-        term) must be finite and the NLL per word at most :data:`MAX_NLL`, on every rank, and
-        the clipped gradient's norm (before clipping) finite."""
+    def read(self) -> list[tuple[float, int]]:
+        """Check every recorded step in order and return ``(NLL per word, words)`` of each: the
+        objective (NLL + extra term) must be finite and the NLL per word at most :data:`MAX_NLL`,
+        on every rank, and the clipped gradient's norm (before clipping) finite."""
         if not self._pending:
             return []
-        batches = [batch for batch, *_ in self._pending]
-        values = torch.stack([value.float() for _, *step in self._pending for value in step]).tolist()
+        steps = [(batch, words) for batch, words, *_ in self._pending]
+        values = torch.stack([value.float() for *_, o, l, n in self._pending for value in (o, l, n)]).tolist()
         rows = [values[i : i + 3] for i in range(0, len(values), 3)]  # one stack and one read for all
         self._pending.clear()
-        for batch, (objective, loss, norm) in zip(batches, rows):
+        for (batch, _), (objective, loss, norm) in zip(steps, rows):
             if self.ctx.enabled:
                 every_rank = all_gather_floats([objective, loss], self.ctx)
                 for rank, (rank_objective, rank_loss) in enumerate(every_rank):
@@ -667,7 +667,7 @@ class DivergenceCheck:
                 self._check_loss(objective, loss, "", batch)
             if not math.isfinite(norm):
                 self.stop(f"the gradient norm is {norm}", batch)
-        return [loss for _, loss, _ in rows]
+        return [(loss, words) for (_, words), (_, loss, _) in zip(steps, rows)]
 
     def validation(self, perplexity: float) -> None:
         """The epoch's validation perplexity must be finite."""
