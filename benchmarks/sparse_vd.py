@@ -39,8 +39,7 @@ from rnndrop.lm.model.presets import get_config
 from rnndrop.lm.run.checkpoint import load_model, read_verified_result, write_json_atomic
 from rnndrop.lm.run.evaluate import score
 from rnndrop.lm.run.train import train_run
-from rnndrop.sparse import DEFAULT_THRESHOLD
-from rnndrop.sparsity import prune, sparsity_report
+from rnndrop.sparse import DEFAULT_THRESHOLD, prune, sparsity_report
 
 
 def set_threshold(model: nn.Module, threshold: float) -> None:

@@ -26,8 +26,7 @@ from rnndrop.mc import (
 )
 from rnndrop.noise import bernoulli_mask, gaussian_mask, sample_mask
 from rnndrop.recurrent import VariationalGRU, VariationalLSTM
-from rnndrop.sparse import SparseEmbedding, SparseGRU, SparseLinear, SparseLSTM
-from rnndrop.sparsity import prune, sparsity_report
+from rnndrop.sparse import SparseEmbedding, SparseGRU, SparseLinear, SparseLSTM, prune, sparsity_report
 from rnndrop.weight_drop import WeightDrop
 
 __version__ = "0.1.0"

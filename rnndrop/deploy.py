@@ -19,7 +19,7 @@ import copy
 from torch import nn
 
 from rnndrop.recurrent import VariationalRNNStack, compact_weights
-from rnndrop.sparsity import Sparsified
+from rnndrop.sparse import Sparsified
 from rnndrop.validation import check_instance
 from rnndrop.weight_drop import WeightDrop
 

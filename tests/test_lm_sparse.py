@@ -18,8 +18,7 @@ from rnndrop.lm.model.regimes import REGIMES, get_hook
 from rnndrop.lm.run.checkpoint import load_checkpoint, load_model, read_verified_result
 from rnndrop.lm.run.evaluate import score
 from rnndrop.lm.run.train import train_run
-from rnndrop.sparse import SparseLSTM
-from rnndrop.sparsity import prune, sparsity_report
+from rnndrop.sparse import SparseLSTM, prune, sparsity_report
 from tests.lm_helpers import (
     TINY,
     Killed,

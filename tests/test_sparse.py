@@ -6,8 +6,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from rnndrop.kl import kl_molchanov, model_kl, negative_elbo
-from rnndrop.sparse import INIT_LOG_SIGMA2, SparseEmbedding, SparseGRU, SparseLinear, SparseLSTM
-from rnndrop.sparsity import prune, sparsity_report
+from rnndrop.sparse import (
+    INIT_LOG_SIGMA2,
+    SparseEmbedding,
+    SparseGRU,
+    SparseLinear,
+    SparseLSTM,
+    prune,
+    sparsity_report,
+)
 from tests.oracle import assert_close, plain_twin
 
 
