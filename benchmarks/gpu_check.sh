@@ -79,7 +79,8 @@ step "training speed against cuDNN, torch's defaults (cuDNN TF32, cuBLAS IEEE)"
 timeout ${SPEED_TIMEOUT:-300} $PY benchmarks/speed.py --device cuda --shapes ${SPEED_SHAPES:-small,medium,large} \
     --batch ${SPEED_BATCH:-20,64,128} ${SPEED_VARIANTS:+--variants $SPEED_VARIANTS} --kernels triton \
     --rounds ${ROUNDS:-8} --json "$OUT/gpu-speed-train.json" 2>>"$OUT/speed.err" >"$OUT/gpu-speed-train.txt"
-grep -E "^(lstm|gru) " "$OUT/gpu-speed-train.txt" | grep -vE "^(lstm|gru) +[0-9]+ +[0-9]+ +nn\." | head -n 80
+grep -E "^(lstm|gru) |GPU's time alone" "$OUT/gpu-speed-train.txt" \
+    | grep -vE "^(lstm|gru) +[0-9]+ +[0-9]+ +nn\.(LSTM|GRU) " | head -n 90
 }
 
 tf32() {

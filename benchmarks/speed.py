@@ -21,6 +21,10 @@ size = hidden size (small 200, medium 650, large 1500), float32. Variants, for t
   persistent loop turned off (``rnndrop.kernels.persistent.turned_off``; CUDA), what ran before it;
 - ``sequence/triton-step+graphs``: that per-step loop replayed from CUDA graphs
   (``rnndrop.kernels.cuda_graphs``, on for this variant only; CUDA);
+- ``nn.LSTM+graph`` / ``nn.GRU+graph`` and ``sequence+graph``: the baseline and the per-sequence
+  masks on the loop ``kernel="auto"`` runs, each whole layer's forward and backward replayed from
+  CUDA graphs (``torch.cuda.make_graphed_callables``: what a user can do at fixed shapes; no host
+  work is left in a step, so their ratio is the GPU's time alone; CUDA);
 - ``batch/fused``: ``mask_scope="batch"``: the recurrent mask is shared by the batch and
   folded into ``W_hh``, so torch's fused kernel runs;
 - ``naive/fused``: Zaremba's naive dropout (the ``naive`` regime of rnndrop-lm): per-step masks on
@@ -42,8 +46,9 @@ the first call's time (a cold compile would show there).
 Memory: on CPU the bytes saved for backward (``torch.autograd.graph.saved_tensors_hooks``,
 each storage counted once, parameters excluded); on CUDA the peak of
 ``torch.cuda.max_memory_allocated`` over forward + backward above what was allocated before.
-What the CUDA graphs of ``sequence/triton-step+graphs`` hold between calls is allocated before, so
-not in that peak: a line under the table gives it (the memory their release returns).
+What the CUDA graphs of ``sequence/triton-step+graphs`` and of the ``+graph`` variants hold between
+calls is allocated before, so not in that peak: a line under the table gives it (for the first, the
+memory their release returns; for the others, what building them allocated).
 
 On CUDA the header names the GPU, its driver, CUDA, torch and Triton, and a last table sets the
 ratios against issue 41's goals (:data:`GOALS`: the exact per-sequence masks on the Triton kernel
@@ -104,6 +109,8 @@ def build_variants(
     if "triton" in kernels:
         variants[STEP_KERNEL] = ours_cls(hidden, hidden, layers, kernel="triton", **probs)
         variants[GRAPHED] = ours_cls(hidden, hidden, layers, kernel="triton", **probs)
+        variants[f"nn.{base_cls.__name__}{WHOLE_GRAPH}"] = base_cls(hidden, hidden, layers)
+        variants[f"sequence{WHOLE_GRAPH}"] = ours_cls(hidden, hidden, layers, **probs)
     variants["batch/fused"] = ours_cls(hidden, hidden, layers, mask_scope="batch", **probs)
     # Zaremba's naive dropout: fresh masks every step between layers, none on the recurrent state
     # (each layer alone through the fused kernel)
@@ -120,6 +127,18 @@ def build_variants(
 GRAPHED = "sequence/triton-step+graphs"
 #: The per-sequence masks on the Triton kernel's per-step loop, the persistent loop turned off.
 STEP_KERNEL = "sequence/triton-step"
+#: The suffix of the variants whose whole layer (forward and backward) replays from CUDA graphs.
+WHOLE_GRAPH = "+graph"
+
+
+def graph_whole_layer(module: nn.Module, x: torch.Tensor) -> int:
+    """Make ``module``'s forward and backward replay from CUDA graphs captured on ``x``'s shape
+    (``torch.cuda.make_graphed_callables``, in place); the bytes building them allocated."""
+    torch.cuda.synchronize(x.device)
+    before = torch.cuda.memory_allocated(x.device)
+    torch.cuda.make_graphed_callables(module, (x,))
+    torch.cuda.synchronize(x.device)
+    return torch.cuda.memory_allocated(x.device) - before
 
 
 def persistent_plan(x: torch.Tensor, batch: int) -> str:
@@ -251,6 +270,7 @@ def bench_shape(
     for m in variants.values():
         m.to(device).train()
     x = torch.randn(args.seq_len, batch, hidden, device=device)
+    held = {name: graph_whole_layer(m, x) for name, m in variants.items() if name.endswith(WHOLE_GRAPH)}
     step_fn = STEPS[args.mode]
     calls = {name: graphed(name, lambda m=m: step_fn(m, x)) for name, m in variants.items()}
     names = list(variants)
@@ -283,7 +303,8 @@ def bench_shape(
     if args.memory and args.mode == "train":
         memory = {name: graphed(name, lambda m=variants[name]: saved_bytes(m, x))() for name in names}
 
-    held = graph_memory(device) if GRAPHED in variants else None
+    if GRAPHED in variants:
+        held[GRAPHED] = graph_memory(device)
     rows = []
     for name in names:
         t = sorted(times[name])
@@ -304,8 +325,13 @@ def bench_shape(
             times_s=times[name],
             load=[load_before, load_after],
         )
-        if name == GRAPHED:
-            row["graph_memory_bytes"] = held
+        if name in held:
+            row["graph_memory_bytes"] = held[name]
+        graphed_baseline = baseline + WHOLE_GRAPH
+        if name.endswith(WHOLE_GRAPH) and name != graphed_baseline and graphed_baseline in times:
+            # the GPU's time alone: both replayed from graphs, in the same rounds
+            row["ratio_to_graphed_baseline"] = statistics.median(
+                a / b for a, b in zip(times[name], times[graphed_baseline]))
         if memory:
             row["memory_bytes"] = memory[name]
             row["memory_ratio"] = memory[name] / memory[baseline] if memory[baseline] else None
@@ -649,6 +675,10 @@ def _run(argv: list[str] | None = None) -> None:
             if r.get("graph_memory_bytes") is not None:
                 held = r["graph_memory_bytes"] / 2**20
                 print(f"{r['variant']}: its CUDA graphs held {held:.1f} MB between calls", flush=True)
+            if r.get("ratio_to_graphed_baseline") is not None:
+                print(f"{r['variant']}: {r['ratio_to_graphed_baseline']:.2f}x {r['model']}'s baseline "
+                      "replayed "
+                      "from CUDA graphs too (the GPU's time alone)", flush=True)
         loads = shape_rows[0]["load"]
         print(f"load average during timing: {loads[0]:.2f} -> {loads[1]:.2f}\n", flush=True)
     if device.type == "cuda":

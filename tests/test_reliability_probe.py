@@ -47,7 +47,8 @@ def test_case_339_a_bogus_persistent_switch_is_one_line_naming_it(monkeypatch):
 def test_case_322_several_programs_with_a_barrier_on_cpu_are_refused_not_spun():
     """Was: 395 s of spinning in the interpreter, then NaN outputs without a warning."""
     with pytest.raises(ValueError, match="grid barrier between programs never opens"):
-        persistent._run(None, Launch(3, 16), 2, (torch.zeros(1),), False, BB=16, BK=16, MASK_GATES=0)
+        persistent._run(None, Launch(3, 16), 2, (torch.zeros(1),), False, BB=16, BK=16, MASK_GATES=0,
+                        RESIDENT=False)
 
 
 def test_cases_333_335_launched_as_and_turned_off_nest_and_restore():
@@ -105,6 +106,25 @@ def test_the_forward_loop_takes_k_blocks_of_32_for_32_to_64_rows(monkeypatch, hi
     assert forward["BB"] == backward["BB"] and forward["BH"] == backward["BH"] == how.units
     monkeypatch.setitem(persistent.tuning, "block_k", 16)  # a measurement's setting wins
     assert {persistent._tiles(how, batch, hidden, b)["BK"] for b in (False, True)} == {16}
+
+
+@pytest.mark.parametrize("hidden, resident", [(200, True), (256, True), (257, False), (650, False)])
+def test_resident_tiles_only_where_asked_and_they_fit(monkeypatch, hidden, resident):
+    """Tiles of ``W_hh`` kept in registers across steps: off by default (not yet timed on a GPU);
+    asked for, only up to MAX_RESIDENT hidden units, with one K block over the whole hidden size
+    and 8 warps (the same tiles in twice the threads)."""
+    monkeypatch.setattr(persistent, "_multiprocessors", lambda device: 132)
+    on_cuda = type("Like", (), {"dtype": torch.float32, "device": torch.device("cuda", 0)})()
+    assert not persistent.plan(on_cuda, hidden, 20, False).resident
+    monkeypatch.setitem(persistent.tuning, "resident", True)
+    how = persistent.plan(on_cuda, hidden, 20, False)
+    assert how.resident is resident
+    tiles = persistent._tiles(how, 20, hidden, False)
+    assert tiles["RESIDENT"] is resident
+    if resident:
+        assert tiles["BK"] == persistent._tiles(how, 20, hidden, True)["BK"] >= hidden
+        assert persistent._warps(tiles["BB"], True) == 8
+    assert persistent._warps(16, False) == 4
 
 
 def test_a_batch_whose_blocks_of_rows_do_not_fit_runs_the_step_kernel(monkeypatch):

@@ -152,6 +152,11 @@ def test_the_graphed_variant_runs_the_triton_kernel_with_graphs_on_for_it_only(s
     variants = speed.build_variants("lstm", 8, 2, 0.5, ["manual", "triton"], "triton")
     assert variants[speed.GRAPHED].kernel == "triton" and "sequence/triton*" in variants
     assert speed.GRAPHED not in speed.build_variants("gru", 8, 2, 0.5, ["manual"], "compiled")
+    # the whole layer from CUDA graphs: cuDNN's and the per-sequence masks on kernel="auto"
+    assert type(variants["nn.LSTM+graph"]) is torch.nn.LSTM
+    whole = variants["sequence+graph"]
+    assert whole.kernel == "auto" and whole.mask_scope == "sequence" and whole.dropout_hidden == 0.5
+    assert "nn.GRU+graph" not in speed.build_variants("gru", 8, 2, 0.5, ["manual"], "compiled")
     monkeypatch.setattr(speed.cuda_graphs.GRAPHS, "max_graphs", 0)
     seen = []
 

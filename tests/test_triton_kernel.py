@@ -192,3 +192,79 @@ def test_the_counter_pool_hands_its_counters_in_when_used_up_and_a_give_up_is_re
     with pytest.warns(RuntimeWarning, match="grid barrier gave up waiting"):
         persistent._read_finished_counters()
     assert not persistent.usable(device) and persistent._pending == []
+
+
+class _WithMasks(torch.nn.Module):
+    """``layer(x, masks=masks)`` with fixed masks: a callable of tensors alone, as
+    ``torch.cuda.make_graphed_callables`` wants, whose replays can be compared with eager calls."""
+
+    def __init__(self, layer, masks):
+        super().__init__()
+        self.layer, self.masks = layer, masks
+
+    def forward(self, x):
+        return self.layer(x, masks=self.masks)
+
+
+def _tied(cls, hidden=40, **extra):
+    return cls(24, hidden, num_layers=2, dropout=0.3, dropout_input=0.3, dropout_hidden=0.5,
+               dropout_output=0.3, device="cuda", **extra)
+
+
+@cuda_only
+@pytest.mark.parametrize("cls", [VariationalLSTM, VariationalGRU])
+def test_a_training_step_on_the_persistent_loop_never_waits_for_the_gpu(cls):
+    """The host issues a whole training step (masks, loops, products, backward) without waiting for
+    the GPU once: over 20 steps (the barrier counters' pool hands itself in after 16 launches) no
+    call synchronises (``torch.cuda.set_sync_debug_mode("error")`` raises at any that would)."""
+    from rnndrop.kernels import persistent
+
+    layer = _tied(cls)
+    x = torch.randn(35, 20, 24, device="cuda")
+    layer(x)[0].sum().backward()  # first use: the check against the reference kernel, compiles
+    assert persistent.plan(x.flatten(0, 1), 40, 20, False) is not None
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(20):
+            layer.zero_grad(set_to_none=True)
+            layer(x)[0].sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert all(torch.isfinite(p.grad).all() for p in layer.parameters())
+
+
+@cuda_only
+@pytest.mark.parametrize("cls", [VariationalLSTM, VariationalGRU])
+def test_the_whole_layer_replays_from_cuda_graphs_as_eager_computes(cls):
+    """``torch.cuda.make_graphed_callables`` captures a tied-mask layer's forward and backward on
+    the persistent loop (no host work left in a step): with the same masks its replays give eager's
+    outputs, final states and gradients; without given masks every replay draws fresh ones."""
+    import copy
+
+    torch.manual_seed(0)
+    layer = _tied(cls)
+    masks = layer.sample_masks(20)
+    eager = _WithMasks(copy.deepcopy(layer), masks)
+    sample = (torch.randn(35, 20, 24, device="cuda"),)
+    graphed = torch.cuda.make_graphed_callables(_WithMasks(layer, masks), sample)
+    for _ in range(2):  # the second replay reuses the graphs' buffers
+        x = torch.randn(35, 20, 24, device="cuda")
+        weights = [torch.randn(35, 20, 40, device="cuda"), torch.randn(2, 20, 40, device="cuda"),
+                   torch.randn(2, 20, 40, device="cuda")]
+        results = []
+        for module in (graphed, eager):
+            module.zero_grad(set_to_none=True)
+            out, final = module(x)
+            states = final if isinstance(final, tuple) else (final,)
+            (sum((w * t).sum() for w, t in zip(weights, (out, *states)))).backward()
+            results.append([out.detach().clone(), *(s.detach().clone() for s in states),
+                            *(p.grad.clone() for p in module.parameters())])
+        for ours, expected in zip(*results, strict=True):
+            torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+
+    fresh = torch.cuda.make_graphed_callables(_tied(cls), (torch.randn(35, 20, 24, device="cuda"),))
+    x = torch.randn(35, 20, 24, device="cuda")
+    first, second = fresh(x)[0].detach().clone(), fresh(x)[0].detach().clone()
+    assert torch.isfinite(first).all() and not torch.equal(first, second)

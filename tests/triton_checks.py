@@ -156,6 +156,31 @@ def test_persistent_loop_over_blocks_of_rows_matches_reference(kind, device, mon
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_resident_weight_tiles_match_reference(kind, device, monkeypatch):
+    """With ``W_hh``'s tiles loaded once per launch and kept across steps (``Launch.resident``), over
+    three programs and two blocks of rows, packed sequences, every mask shape (per-gate masks take
+    backward's gate-by-gate sums), both directions, at 1e-5 in float32; every launch was resident."""
+    constexprs = []
+    launch = persistent._run
+
+    def spy(kernel, how, steps, args, backward, **kwargs):
+        constexprs.append((kwargs["RESIDENT"], kwargs["BK"]))
+        return launch(kernel, how, steps, args, backward, **kwargs)
+
+    monkeypatch.setattr(persistent, "_run", spy)
+    how = persistent.Launch(3, 16, per_step=device.type != "cuda", row_blocks=2, resident=True)
+    batch_sizes = [20, 20, 17, 9, 2]
+    with persistent.launched_as(how):
+        for i, mask_shape in enumerate(helpers.MASK_SHAPES):
+            reverse = i % 2 == 0
+            args = inputs(kind, batch_sizes, mask_shape, 0, device, torch.float32, i % 3 != 2, H=40)
+            ours = run("triton", kind, batch_sizes, args, reverse)
+            assert_close(ours, run("autograd", kind, batch_sizes, args, reverse), atol=1e-5, rtol=1e-5,
+                         msg=f"{kind} mask {mask_shape} reverse {reverse}")
+    assert len(constexprs) == 2 * len(helpers.MASK_SHAPES) and set(constexprs) == {(True, 64)}
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_a_forward_without_autograd_keeps_nothing_for_backward_and_matches(kind, device, monkeypatch):
     """Under ``torch.no_grad`` (Monte-Carlo sampling) the persistent loop writes none of the buffers
     backward reads, and no autograd Function runs: the same outputs as a forward that keeps them."""

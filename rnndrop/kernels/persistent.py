@@ -5,7 +5,9 @@ Each of the ``n_programs`` programs owns ``BH`` hidden units ``j`` (columns of t
 block of ``BB`` rows (sequences; one block holds the whole batch unless the grid has room for more
 programs) for the whole sequence and keeps their cell state in registers; the recurrent product is
 computed in the kernel with ``tl.dot`` over the rows of ``W_hh`` of its units (streamed from L2,
-where the whole matrix stays between steps). The programs meet at a grid barrier after every step,
+where the whole matrix stays between steps; or, with :attr:`Launch.resident`, loaded once into the
+program's registers before the first step, one ``[K, units]`` tile per gate, where the hidden size
+is at most :data:`MAX_RESIDENT`). The programs meet at a grid barrier after every step,
 because the next step's product needs every column of the state. Running steps ``s = 1 .. S``
 (step 0 is a virtual step with no rows, whose "next state" is the first real step's), rows ``k``
 and ``m_s = h_{s-1} * M_s`` as in :mod:`rnndrop.kernels.triton_common`::
@@ -78,6 +80,13 @@ MAX_BATCH = 256
 MAX_UNITS = 64
 #: Table columns of a step (:func:`_step_table`).
 _COLUMNS = 8
+#: The largest hidden size whose ``W_hh`` tiles a program may keep in registers across steps
+#: (:attr:`Launch.resident`: ``4 x 256 x 16`` float32 values for the LSTM, 64 KiB a program).
+MAX_RESIDENT = 256
+#: Whether :func:`plan` keeps the tiles resident where the hidden size allows, unless
+#: ``tuning["resident"]`` says otherwise. Off until a GPU has timed it against streaming them
+#: (``benchmarks/persistent_tuning.py``; docs/gpu.md): a kernel may not run slower than before.
+RESIDENT = False
 
 
 #: Integer arguments of the loops compiled as plain integers (Triton would otherwise compile a
@@ -137,12 +146,56 @@ def _step_row(table_ptr, s):
 
 
 @triton.jit
-def _gate_products(m_ptr, m_row, m_gate, w_ptr, off, b, ks, cols, H,
-                   CELL_GATES: tl.constexpr, MASK_GATES: tl.constexpr, PRECISION: tl.constexpr,
-                   UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr):
+def _resident_tiles(w_ptr, cols, H, CELL_GATES: tl.constexpr, TRANSPOSED: tl.constexpr,
+                    RESIDENT: tl.constexpr, BK: tl.constexpr):
+    """Where ``RESIDENT``, this program's ``[BK, BH]`` tile of ``W_hh`` for each gate ``g``, loaded once
+    (zeros past ``H``; the fourth repeats the third for a cell of three gates): ``(p, j) -> W[g·H + j, p]``
+    for the forward products, ``(h, j) -> W[g·H + h, j]`` where ``TRANSPOSED`` (backward's
+    ``dm = dz W``). Else four placeholders (the loops then stream ``W_hh``)."""
+    if RESIDENT:
+        p = tl.arange(0, BK)
+        if TRANSPOSED:  # noqa: SIM108 (a compile-time choice: Triton builds the branch taken)
+            at = w_ptr + p[:, None] * H + cols[None, :]
+        else:
+            at = w_ptr + cols[None, :] * H + p[:, None]
+        inside = (p < H)[:, None] & (cols < H)[None, :]
+        w0 = tl.load(at, mask=inside, other=0.0)
+        w1 = tl.load(at + H * H, mask=inside, other=0.0)
+        w2 = tl.load(at + 2 * H * H, mask=inside, other=0.0)
+        w3 = w2
+        if CELL_GATES == 4:
+            w3 = tl.load(at + 3 * H * H, mask=inside, other=0.0)
+    else:
+        w0 = 0
+        w1 = 0
+        w2 = 0
+        w3 = 0
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _tile_of_gate(w0, w1, w2, w3, g: tl.constexpr):
+    """Tile ``g`` of :func:`_resident_tiles`."""
+    if g == 0:
+        w = w0
+    elif g == 1:
+        w = w1
+    elif g == 2:
+        w = w2
+    else:
+        w = w3
+    return w
+
+
+@triton.jit
+def _gate_products(m_ptr, m_row, m_gate, w_ptr, w0, w1, w2, w3, off, b, ks, cols, H,
+                   CELL_GATES: tl.constexpr, MASK_GATES: tl.constexpr, RESIDENT: tl.constexpr,
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr,
+                   BK: tl.constexpr):
     """``[BB, BH]`` per gate ``g``: ``Σ_p m^g[k, p] W[g·H + j, p]`` over the rows ``k < b`` of the state
     at ``off``, every gate in one pass over ``p`` (one load of ``m`` serves them all without per-gate
-    masks); the fourth is zeros for a cell of three gates."""
+    masks); the fourth is zeros for a cell of three gates. Where ``RESIDENT`` one block of ``p`` covers
+    ``H`` and the tiles ``w0 .. w3`` (:func:`_resident_tiles`) are ``W_hh``'s."""
     a0 = tl.zeros((BB, BH), dtype=tl.float32)
     a1 = tl.zeros((BB, BH), dtype=tl.float32)
     a2 = tl.zeros((BB, BH), dtype=tl.float32)
@@ -158,7 +211,10 @@ def _gate_products(m_ptr, m_row, m_gate, w_ptr, off, b, ks, cols, H,
         for g in tl.static_range(CELL_GATES):
             if MASK_GATES > 1 and g > 0:
                 m = tl.load(m_at + g * m_gate, mask=m_in, other=0.0, cache_modifier=".cg")
-            w = tl.load(w_at + g * H * H, mask=w_in, other=0.0)
+            if RESIDENT:  # one block of p: the tile loaded before the first step
+                w = _tile_of_gate(w0, w1, w2, w3, g)
+            else:
+                w = tl.load(w_at + g * H * H, mask=w_in, other=0.0)
             if UPCAST:
                 part = tl.dot(m.to(tl.float32), w.to(tl.float32), input_precision=PRECISION)
             else:
@@ -236,7 +292,8 @@ def _lstm_forward(
     gx_ptr, w_ptr, h0_ptr, c0_ptr, mask_ptr, mask_row, mask_gate, table_ptr, m_ptr, m_row, m_gate,
     acts_ptr, cells_ptr, out_ptr, h_state_ptr, c_state_ptr, counter_ptr, s_begin, s_end, B, H, N,
     MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, SAVE: tl.constexpr, SYNC: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
+    RESIDENT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr,
+    BK: tl.constexpr,
 ):
     """Steps ``s_begin .. s_end - 1``; ``h_state``/``c_state`` carry the state between launches of
     one step each (their values are read only for rows that have run a step: any at the first).
@@ -246,12 +303,13 @@ def _lstm_forward(
     c_reg = tl.load(c_state_ptr + state, mask=batch, other=0.0)
     h0 = tl.load(h0_ptr + state, mask=batch, other=0.0).to(tl.float32)
     c0 = tl.load(c0_ptr + state, mask=batch, other=0.0).to(tl.float32)
+    w0, w1, w2, w3 = _resident_tiles(w_ptr, cols, H, 4, False, RESIDENT, BK)
     b, off, carried, _, nb, noff, nmoff, x_i, x_f, x_g, x_o, m0 = _step_inputs(
         table_ptr, s_begin, gx_ptr, mask_ptr, mask_row, ks, cols, H, 4, HAS_MASK)
     for s in range(s_begin, s_end):
         live = (ks < b)[:, None] & (cols < H)[None, :]
-        z_i, z_f, z_g, z_o = _gate_products(m_ptr, m_row, m_gate, w_ptr, off, b, ks, cols, H, 4, MASK_GATES,
-                                            PRECISION, UPCAST, BB, BH, BK)
+        z_i, z_f, z_g, z_o = _gate_products(m_ptr, m_row, m_gate, w_ptr, w0, w1, w2, w3, off, b, ks, cols, H,
+                                            4, MASK_GATES, RESIDENT, PRECISION, UPCAST, BB, BH, BK)
         i = sigmoid(z_i + x_i)
         f = sigmoid(z_f + x_f)
         g = tanh(z_g + x_g)
@@ -281,8 +339,8 @@ def _gru_forward(
     gx_ptr, w_ptr, b_hh_ptr, h0_ptr, mask_ptr, mask_row, mask_gate, table_ptr, m_ptr, m_row, m_gate,
     acts_ptr, a_n_ptr, out_ptr, h_state_ptr, counter_ptr, s_begin, s_end, B, H, N,
     MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, SAVE: tl.constexpr,
-    SYNC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr,
-    BK: tl.constexpr,
+    SYNC: tl.constexpr, RESIDENT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
 ):
     """Steps ``s_begin .. s_end - 1`` (``h_state`` and ``SAVE`` as in :func:`_lstm_forward`)."""
     ks, cols, batch, state = _block(B, H, BB, BH)
@@ -295,12 +353,13 @@ def _gru_forward(
         b_r = tl.load(b_hh_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
         b_z = tl.load(b_hh_ptr + H + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
         b_n = tl.load(b_hh_ptr + 2 * H + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
+    w0, w1, w2, w3 = _resident_tiles(w_ptr, cols, H, 3, False, RESIDENT, BK)
     b, off, carried, _, nb, noff, nmoff, x_r, x_z, x_n, _, m0 = _step_inputs(
         table_ptr, s_begin, gx_ptr, mask_ptr, mask_row, ks, cols, H, 3, HAS_MASK)
     for s in range(s_begin, s_end):
         live = (ks < b)[:, None] & (cols < H)[None, :]
-        a_r, a_z, a_n, _ = _gate_products(m_ptr, m_row, m_gate, w_ptr, off, b, ks, cols, H, 3, MASK_GATES,
-                                          PRECISION, UPCAST, BB, BH, BK)
+        a_r, a_z, a_n, _ = _gate_products(m_ptr, m_row, m_gate, w_ptr, w0, w1, w2, w3, off, b, ks, cols, H, 3,
+                                          MASK_GATES, RESIDENT, PRECISION, UPCAST, BB, BH, BK)
         a_n += b_n
         r = sigmoid(a_r + b_r + x_r)
         z = sigmoid(a_z + b_z + x_z)
@@ -336,19 +395,43 @@ def _masked_state_grad(dm, gate, m, d_masked_ptr, dm_row, dm_gate, ks, cols, nxt
 
 
 @triton.jit
-def _state_grad(dz_ptr, w_ptr, m0, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row, dm_gate, carry,
-                ks, cols, nb, noff, nmoff, H,
+def _dm_of_gate(dz_ptr, w_ptr, w, g, ks, cols, nb, noff, H, CELL_GATES: tl.constexpr, RESIDENT: tl.constexpr,
+                PRECISION: tl.constexpr, UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr,
+                BK: tl.constexpr):
+    """``dm^g = Σ_h dz_{s+1}[k, g·H + h] W_hh[g·H + h, j]`` ``[BB, BH]`` for rows ``k < nb``: over blocks
+    of ``h``, or where ``RESIDENT`` in one block with ``w``, gate ``g``'s resident tile."""
+    dm = tl.zeros((BB, BH), dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        h = k0 + tl.arange(0, BK)
+        dz = tl.load(dz_ptr + (noff + ks)[:, None] * (CELL_GATES * H) + g * H + h[None, :],
+                     mask=(ks < nb)[:, None] & (h < H)[None, :], other=0.0, cache_modifier=".cg")
+        if RESIDENT:
+            tile = w
+        else:
+            tile = tl.load(w_ptr + (g * H + h)[:, None] * H + cols[None, :],
+                           mask=(h < H)[:, None] & (cols < H)[None, :], other=0.0)
+        if UPCAST:
+            dm += tl.dot(dz.to(tl.float32), tile.to(tl.float32), input_precision=PRECISION)
+        else:
+            dm += tl.dot(dz, tile, input_precision=PRECISION)
+    return dm
+
+
+@triton.jit
+def _state_grad(dz_ptr, w_ptr, w0, w1, w2, w3, m0, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row,
+                dm_gate, carry, ks, cols, nb, noff, nmoff, H,
                 CELL_GATES: tl.constexpr, MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr,
-                NEED_DMASK: tl.constexpr, PRECISION: tl.constexpr,
+                NEED_DMASK: tl.constexpr, RESIDENT: tl.constexpr, PRECISION: tl.constexpr,
                 UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr,
                 BK: tl.constexpr):
     """``carry + Σ_g dm_{s+1}^g M_{s+1}^g`` ``[BB, BH]`` for rows ``k < nb`` (``carry`` elsewhere),
     with ``dm_{s+1}^g = Σ_h dz_{s+1}[k, g·H + h] W_hh[g·H + h, j]`` (``m0``: the first gate's mask
-    tile, :func:`_step_inputs`); stores ``dm`` where asked."""
+    tile, :func:`_step_inputs`; ``w0 .. w3``: the resident tiles of ``W_hh`` where ``RESIDENT``); stores
+    ``dm`` where asked."""
     nxt = (ks < nb)[:, None] & (cols < H)[None, :]
     total = carry
-    dm = tl.zeros((BB, BH), dtype=tl.float32)
-    if MASK_GATES == 1:  # one sum over all G·H rows of W_hh
+    if MASK_GATES == 1 and not RESIDENT:  # one sum over all G·H rows of W_hh
+        dm = tl.zeros((BB, BH), dtype=tl.float32)
         for k0 in range(0, CELL_GATES * H, BK):
             h = k0 + tl.arange(0, BK)
             dz = tl.load(dz_ptr + (noff + ks)[:, None] * (CELL_GATES * H) + h[None, :],
@@ -361,18 +444,17 @@ def _state_grad(dz_ptr, w_ptr, m0, mask_ptr, mask_row, mask_gate, d_masked_ptr, 
             dm += tl.dot(dz, w, input_precision=PRECISION)
         total += _masked_state_grad(dm, 0, m0, d_masked_ptr, dm_row, dm_gate, ks, cols, nxt, noff,
                                     HAS_MASK, NEED_DMASK)
+    elif MASK_GATES == 1:  # the same sum, gate by gate over the resident tiles
+        dm = tl.zeros((BB, BH), dtype=tl.float32)
+        for g in tl.static_range(CELL_GATES):
+            dm += _dm_of_gate(dz_ptr, w_ptr, _tile_of_gate(w0, w1, w2, w3, g), g, ks, cols, nb, noff, H,
+                              CELL_GATES, RESIDENT, PRECISION, UPCAST, BB, BH, BK)
+        total += _masked_state_grad(dm, 0, m0, d_masked_ptr, dm_row, dm_gate, ks, cols, nxt, noff,
+                                    HAS_MASK, NEED_DMASK)
     else:
         for g in tl.static_range(CELL_GATES):  # one mask per gate: one sum per gate
-            dm = tl.zeros((BB, BH), dtype=tl.float32)
-            for k0 in range(0, H, BK):
-                h = k0 + tl.arange(0, BK)
-                dz = tl.load(dz_ptr + (noff + ks)[:, None] * (CELL_GATES * H) + g * H + h[None, :],
-                             mask=(ks < nb)[:, None] & (h < H)[None, :], other=0.0, cache_modifier=".cg")
-                w = tl.load(w_ptr + (g * H + h)[:, None] * H + cols[None, :],
-                            mask=(h < H)[:, None] & (cols < H)[None, :], other=0.0)
-                if UPCAST:
-                    dz, w = dz.to(tl.float32), w.to(tl.float32)
-                dm += tl.dot(dz, w, input_precision=PRECISION)
+            dm = _dm_of_gate(dz_ptr, w_ptr, _tile_of_gate(w0, w1, w2, w3, g), g, ks, cols, nb, noff, H,
+                             CELL_GATES, RESIDENT, PRECISION, UPCAST, BB, BH, BK)
             m = m0
             if g > 0 and HAS_MASK:
                 m = tl.load(mask_ptr + nmoff + ks[:, None] * mask_row + g * mask_gate + cols[None, :],
@@ -383,16 +465,17 @@ def _state_grad(dz_ptr, w_ptr, m0, mask_ptr, mask_row, mask_gate, d_masked_ptr, 
 
 
 @triton.jit
-def _step_state_grad(dz_ptr, w_ptr, m0, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row, dm_gate, carry,
-                     d_out, dh0_ptr, ks, cols, batch, state, b, nb, noff, nmoff, H,
+def _step_state_grad(dz_ptr, w_ptr, w0, w1, w2, w3, m0, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row,
+                     dm_gate, carry, d_out, dh0_ptr, ks, cols, batch, state, b, nb, noff, nmoff, H,
                      CELL_GATES: tl.constexpr, MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr,
-                     NEED_DMASK: tl.constexpr, PRECISION: tl.constexpr,
+                     NEED_DMASK: tl.constexpr, RESIDENT: tl.constexpr, PRECISION: tl.constexpr,
                      UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr):
-    """``dh_s`` of this step's rows (:func:`_state_grad` plus the tile ``d_out``); stores ``dh_0``
-    of the rows that start at the step after (``b <= k < nb``)."""
-    dh = _state_grad(dz_ptr, w_ptr, m0, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row, dm_gate, carry,
-                     ks, cols, nb, noff, nmoff, H, CELL_GATES, MASK_GATES, HAS_MASK, NEED_DMASK, PRECISION,
-                     UPCAST, BB, BH, BK)
+    """``dh_s`` of this step's rows (:func:`_state_grad` plus the tile ``d_out``; ``w0 .. w3``: those of
+    :func:`_resident_tiles`); stores ``dh_0`` of the rows that start at the step after
+    (``b <= k < nb``)."""
+    dh = _state_grad(dz_ptr, w_ptr, w0, w1, w2, w3, m0, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row,
+                     dm_gate, carry, ks, cols, nb, noff, nmoff, H, CELL_GATES, MASK_GATES, HAS_MASK,
+                     NEED_DMASK, RESIDENT, PRECISION, UPCAST, BB, BH, BK)
     tl.store(dh0_ptr + state, dh, mask=batch & ((ks >= b) & (ks < nb))[:, None])
     return dh + d_out
 
@@ -426,7 +509,7 @@ def _lstm_backward(
     dz_ptr, d_masked_ptr, dm_row, dm_gate, carry_ptr, dc_ptr, dh0_ptr, dc0_ptr, counter_ptr, s_begin, s_end,
     B, H, N,
     MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOUT: tl.constexpr, NEED_DMASK: tl.constexpr,
-    SYNC: tl.constexpr, PRECISION: tl.constexpr,
+    SYNC: tl.constexpr, RESIDENT: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
 ):
     """Steps ``s_end - 1`` down to ``s_begin``."""
@@ -434,15 +517,17 @@ def _lstm_backward(
     carry = tl.load(carry_ptr + state, mask=batch, other=0.0)
     dc_reg = tl.load(dc_ptr + state, mask=batch, other=0.0)
     c0 = tl.load(c0_ptr + state, mask=batch, other=0.0).to(tl.float32)
+    w0, w1, w2, w3 = _resident_tiles(w_ptr, cols, H, 4, True, RESIDENT, BK)
     b, off, carried, nb, noff, nmoff, i, f, g, o, m0, c, c_prev, d_out = _backward_inputs(
         table_ptr, s_end - 1, acts_ptr, cells_ptr, cells_ptr, d_out_ptr, mask_ptr, mask_row, ks, cols, H, 4,
         HAS_MASK, HAS_DOUT)
     for rs in range(s_begin, s_end):
         s = s_end - 1 - (rs - s_begin)
         live = (ks < b)[:, None] & (cols < H)[None, :]
-        dh = _step_state_grad(dz_ptr, w_ptr, m0, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row, dm_gate,
-                              carry, d_out, dh0_ptr, ks, cols, batch, state, b, nb, noff, nmoff, H, 4,
-                              MASK_GATES, HAS_MASK, NEED_DMASK, PRECISION, UPCAST, BB, BH, BK)
+        dh = _step_state_grad(dz_ptr, w_ptr, w0, w1, w2, w3, m0, mask_ptr, mask_row, mask_gate, d_masked_ptr,
+                              dm_row, dm_gate, carry, d_out, dh0_ptr, ks, cols, batch, state, b, nb, noff,
+                              nmoff, H, 4, MASK_GATES, HAS_MASK, NEED_DMASK, RESIDENT, PRECISION, UPCAST, BB,
+                              BH, BK)
         tc = tanh(c)
         joined = (ks >= carried)[:, None]
         c_prev = tl.where(joined, c0, c_prev)
@@ -468,22 +553,24 @@ def _gru_backward(
     d_out_ptr, w_ptr, h0_ptr, mask_ptr, mask_row, mask_gate, table_ptr, acts_ptr, a_n_ptr, out_ptr,
     da_ptr, dn_ptr, d_masked_ptr, dm_row, dm_gate, carry_ptr, dh0_ptr, counter_ptr, s_begin, s_end, B, H, N,
     MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOUT: tl.constexpr, NEED_DMASK: tl.constexpr,
-    SYNC: tl.constexpr, PRECISION: tl.constexpr,
+    SYNC: tl.constexpr, RESIDENT: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
 ):
     """Steps ``s_end - 1`` down to ``s_begin``."""
     ks, cols, batch, state = _block(B, H, BB, BH)
     carry = tl.load(carry_ptr + state, mask=batch, other=0.0)
     h0 = tl.load(h0_ptr + state, mask=batch, other=0.0).to(tl.float32)
+    w0, w1, w2, w3 = _resident_tiles(w_ptr, cols, H, 3, True, RESIDENT, BK)
     b, off, carried, nb, noff, nmoff, r, z, n, _, m0, a_n, h_prev, d_out = _backward_inputs(
         table_ptr, s_end - 1, acts_ptr, a_n_ptr, out_ptr, d_out_ptr, mask_ptr, mask_row, ks, cols, H, 3,
         HAS_MASK, HAS_DOUT)
     for rs in range(s_begin, s_end):
         s = s_end - 1 - (rs - s_begin)
         live = (ks < b)[:, None] & (cols < H)[None, :]
-        dh = _step_state_grad(da_ptr, w_ptr, m0, mask_ptr, mask_row, mask_gate, d_masked_ptr, dm_row, dm_gate,
-                              carry, d_out, dh0_ptr, ks, cols, batch, state, b, nb, noff, nmoff, H, 3,
-                              MASK_GATES, HAS_MASK, NEED_DMASK, PRECISION, UPCAST, BB, BH, BK)
+        dh = _step_state_grad(da_ptr, w_ptr, w0, w1, w2, w3, m0, mask_ptr, mask_row, mask_gate, d_masked_ptr,
+                              dm_row, dm_gate, carry, d_out, dh0_ptr, ks, cols, batch, state, b, nb, noff,
+                              nmoff, H, 3, MASK_GATES, HAS_MASK, NEED_DMASK, RESIDENT, PRECISION, UPCAST, BB,
+                              BH, BK)
         h_prev = tl.where((ks >= carried)[:, None], h0, h_prev)
         dn_pre = dh * (1 - z) * (1 - n * n)
         _store_gates(da_ptr, off, ks, cols, H, live, dn_pre * a_n * r * (1 - r),
@@ -503,12 +590,15 @@ def _gru_backward(
 class Launch(NamedTuple):
     """How a call runs: ``programs`` blocks of ``units`` hidden units, for each of ``row_blocks``
     blocks of the batch's rows (one program per pair: :attr:`grid` programs); ``per_step``: one
-    launch per step without a barrier (CPU tests of the slicing) instead of one persistent launch."""
+    launch per step without a barrier (CPU tests of the slicing) instead of one persistent launch;
+    ``resident``: each program loads its tiles of ``W_hh`` once, before the first step, and keeps
+    them (in registers) instead of streaming them from L2 at every step."""
 
     programs: int
     units: int
     per_step: bool = False
     row_blocks: int = 1
+    resident: bool = False
 
     @property
     def grid(self) -> int:
@@ -617,7 +707,16 @@ def plan(gates_x: Tensor, hidden: int, batch: int, projected: bool) -> Launch | 
         row_blocks //= 2
     if programs * row_blocks > sms:
         return None
-    return Launch(programs, units, row_blocks=row_blocks)
+    return Launch(programs, units, row_blocks=row_blocks, resident=_resident(hidden, units))
+
+
+def _resident(hidden: int, units: int) -> bool:
+    """Whether a program of ``units`` hidden units keeps its tiles of ``W_hh`` across steps:
+    ``tuning["resident"]``, else :data:`RESIDENT`, where the hidden size is at most
+    :data:`MAX_RESIDENT` and the tiles are at most ``4 x 256 x 16`` values."""
+    wanted = bool(tuning.get("resident", RESIDENT))
+    tile = units * _next_power_of_2(max(16, hidden))
+    return wanted and hidden <= MAX_RESIDENT and tile <= 16 * MAX_RESIDENT
 
 
 def _precision(x: Tensor) -> str:
@@ -744,12 +843,14 @@ def _counter(device: torch.device, pooled: bool) -> Tensor:
 
 
 #: Launch settings a measurement may set (``benchmarks/persistent_tuning.py``): ``units``,
-#: ``row_blocks``, ``block_k``, ``warps``; empty in normal use.
+#: ``row_blocks``, ``block_k``, ``warps``, ``resident``; empty in normal use.
 tuning: dict[str, int] = {}
 
 
-def _warps(batch_block: int) -> int:
-    return tuning.get("warps", 8 if batch_block >= 128 else 4)
+def _warps(batch_block: int, resident: bool) -> int:
+    """Warps a program: 8 for blocks of 128 rows or resident tiles (64 KiB of registers spread over
+    twice the threads), else 4."""
+    return tuning.get("warps", 8 if batch_block >= 128 or resident else 4)
 
 
 def _run(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constexprs) -> str | None:
@@ -760,7 +861,7 @@ def _run(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constex
     barrier cannot then starve; else the host reads it after the launch (a synchronisation) and a
     barrier that gave up sends the call to the step kernel."""
     device = args[0].device
-    warps = _warps(constexprs["BB"])
+    warps = _warps(constexprs["BB"], constexprs["RESIDENT"])
     # Triton's interpreter multiplies bfloat16 tiles wrongly: it gets float32 ones (exact products)
     upcast = interpreted()
     if how.per_step:
@@ -780,7 +881,8 @@ def _run(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constex
     if cuda and not capturing:
         _read_finished_counters()
     counter = _counter(device, pooled=cooperative and not capturing)
-    key = (kernel.__name__, constexprs["BB"], constexprs["BK"], constexprs["MASK_GATES"], args[0].dtype)
+    key = (kernel.__name__, constexprs["BB"], constexprs["BK"], constexprs["MASK_GATES"],
+           constexprs["RESIDENT"], args[0].dtype)
     for stages in _STAGES[_STAGES.index(_stages.get(key, _STAGES[0])):]:
         try:
             kernel[(how.grid,)](*args, counter, 0, steps, **constexprs, SYNC=how.grid > 1,
@@ -828,9 +930,11 @@ def gave_up(device: torch.device, why: str) -> None:
 
 
 def _tiles(how: Launch, batch: int, hidden: int, backward: bool) -> dict[str, int]:
-    """The loops' block sizes: rows ``BB``, hidden units ``BH`` and the K block ``BK``."""
+    """The loops' block sizes: rows ``BB``, hidden units ``BH`` and the K block ``BK`` (resident
+    tiles: one block over the whole hidden size), and ``RESIDENT``."""
     rows = _batch_block(batch, how.row_blocks)
-    return dict(BB=rows, BH=how.units, BK=_block_k(hidden, rows, backward))
+    k = max(16, _next_power_of_2(hidden)) if how.resident else _block_k(hidden, rows, backward)
+    return dict(BB=rows, BH=how.units, BK=k, RESIDENT=how.resident)
 
 
 def _block_k(hidden: int, rows: int, backward: bool) -> int:
