@@ -1,5 +1,6 @@
 """benchmarks/speed.py as a user runs it: progress on stderr, Ctrl-C in one line."""
 
+import json
 import os
 import signal
 import subprocess
@@ -36,3 +37,25 @@ def test_ctrl_c_stops_speed_with_one_line(tmp_path):
     _, err = process.communicate(timeout=120)
     assert process.returncode == 130
     assert "Traceback" not in err and err.strip().endswith("the others were not timed")
+
+
+HOST_COST = SCRIPT.parent / "host_cost.py"
+
+
+def test_host_cost_times_the_triton_path_on_the_cpu_with_launches_skipped(tmp_path):
+    """benchmarks/host_cost.py: both cells, a forward and a training step timed, the ops a step
+    issues counted (views apart); a bad --rounds is one line and exit code 2."""
+    out = tmp_path / "host.json"
+    done = subprocess.run([sys.executable, str(HOST_COST), "--rounds", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "launches skipped" in done.stdout and "training step" in done.stdout
+    rows = json.loads(out.read_text())
+    assert [r["cell"] for r in rows] == ["lstm", "gru"]
+    for row in rows:
+        assert 0 < row["forward_us"] < row["step_us"]
+        assert row["ops"] > 20 and row["views"] > 0 and row["by_op"]["rand"] == 1
+    bad = subprocess.run([sys.executable, str(HOST_COST), "--rounds", "0"], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert bad.returncode == 2 and "--rounds: expected a positive integer, got 0" in bad.stderr
+    assert "Traceback" not in bad.stderr

@@ -1,0 +1,126 @@
+"""The host's work in a training step of the GPU path, measured without a GPU.
+
+At batch 20 a training step on the "triton" kernel is bound by the host, for cuDNN and for the
+persistent loop alike (docs/gpu.md): what counts there is the time Python, autograd and torch's
+dispatcher take to issue the step, not the kernels. This script measures that path on the CPU: the
+layer runs with ``kernel="triton"`` on CPU tensors under Triton's interpreter, with the persistent
+loop's launches skipped (their outputs are left as allocated), on tiny tensors (hidden 16, batch 4,
+35 steps, 2 layers, tied masks p 0.5 everywhere), so what remains is the layer's own host work.
+It prints microseconds per forward and per training step (median of rounds) and the torch ops one
+step issues (views apart), for the LSTM and the GRU.
+
+    python benchmarks/host_cost.py [--rounds 7] [--json FILE]
+
+The numbers are this CPU's, not a GPU host's: they compare versions of the host path on one machine
+(run both in one session, nothing else running), not machines. A GPU host pays more per op (each
+launching op also enqueues a kernel) and runs Python at its own speed.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before anything imports Triton (rnndrop's torch._dynamo does)
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+import time
+from unittest import mock
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from rnndrop import VariationalGRU, VariationalLSTM
+from rnndrop.kernels import persistent
+
+HIDDEN, BATCH, STEPS, LAYERS = 16, 4, 35, 2
+#: Ops that make no new data (a GPU issues no kernel for them).
+VIEWS = {"t", "view", "reshape", "_reshape_alias", "_unsafe_view", "slice", "select", "unsqueeze", "squeeze",
+         "expand", "detach", "alias", "as_strided", "split", "split_with_sizes", "unbind", "transpose",
+         "permute", "flatten", "narrow"}
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the torch ops dispatched inside it, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def build(cell: str) -> torch.nn.Module:
+    cls = VariationalLSTM if cell == "lstm" else VariationalGRU
+    return cls(HIDDEN, HIDDEN, LAYERS, dropout=0.5, dropout_input=0.5, dropout_hidden=0.5, dropout_output=0.5,
+               kernel="triton")
+
+
+def microseconds(fn, rounds: int, calls: int = 200) -> float:
+    """Median over ``rounds`` of the mean time of ``calls`` calls of ``fn``, in microseconds."""
+    for _ in range(20):
+        fn()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(times)
+
+
+def measure(cell: str, rounds: int) -> dict:
+    torch.manual_seed(0)
+    layer = build(cell).train()
+    x = torch.randn(STEPS, BATCH, HIDDEN)
+
+    def forward() -> None:
+        layer(x)
+
+    def step() -> None:
+        layer.zero_grad(set_to_none=True)
+        layer(x)[0].sum().backward()
+
+    step()
+    counter = _OpCounter()
+    with counter:
+        step()
+    views = sum(n for name, n in counter.ops.items() if name in VIEWS)
+    return dict(cell=cell, forward_us=microseconds(forward, rounds), step_us=microseconds(step, rounds),
+                ops=sum(counter.ops.values()) - views, views=views,
+                by_op=dict(sorted(counter.ops.items(), key=lambda kv: -kv[1])))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7, help="timed rounds of 200 calls (default 7)")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds: expected a positive integer, got {args.rounds}")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from speed import machine  # the same machine line as speed.py
+
+    torch.set_num_threads(1)
+    print(f"{machine()}\nhost work of the 'triton' path, launches skipped: hidden {HIDDEN}, batch {BATCH}, "
+          f"{STEPS} steps, {LAYERS} layers, tied masks, 1 thread, load average {os.getloadavg()[0]:.2f}")
+    rows = []
+    with mock.patch.object(persistent, "_run", lambda *args, **kwargs: None):
+        for cell in ("lstm", "gru"):
+            row = measure(cell, args.rounds)
+            rows.append(row)
+            print(f"{cell:4s} forward {row['forward_us']:6.0f} us   training step {row['step_us']:6.0f} us   "
+                  f"ops a step {row['ops']:3d} (+ {row['views']} views)", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
