@@ -188,45 +188,63 @@ def _tile_of_gate(w0, w1, w2, w3, g: tl.constexpr):
 
 
 @triton.jit
+def _block_products(m_ptr, m_row, m_gate, w_ptr, w0, w1, w2, w3, k0, off, rows, ks, cols, H, a0, a1, a2, a3,
+                    CELL_GATES: tl.constexpr, MASK_GATES: tl.constexpr, RESIDENT: tl.constexpr,
+                    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BK: tl.constexpr):
+    """``a_g += Σ_p m^g[k, p] W[g·H + j, p]`` over the block ``p = k0 .. k0 + BK`` (one load of ``m``
+    serves every gate without per-gate masks); ``W_hh``'s tiles loaded here, or where ``RESIDENT``
+    the tiles ``w0 .. w3``."""
+    p = k0 + tl.arange(0, BK)
+    m_at = m_ptr + (off + ks)[:, None] * m_row + p[None, :]
+    m_in = rows & (p < H)[None, :]
+    w_at = w_ptr + cols[None, :] * H + p[:, None]
+    w_in = (cols < H)[None, :] & (p < H)[:, None]
+    m = tl.load(m_at, mask=m_in, other=0.0, cache_modifier=".cg")
+    for g in tl.static_range(CELL_GATES):
+        if MASK_GATES > 1 and g > 0:
+            m = tl.load(m_at + g * m_gate, mask=m_in, other=0.0, cache_modifier=".cg")
+        if RESIDENT:  # noqa: SIM108 (a compile-time choice: Triton builds the branch taken)
+            w = _tile_of_gate(w0, w1, w2, w3, g)
+        else:
+            w = tl.load(w_at + g * H * H, mask=w_in, other=0.0)
+        if UPCAST:
+            part = tl.dot(m.to(tl.float32), w.to(tl.float32), input_precision=PRECISION)
+        else:
+            part = tl.dot(m, w, input_precision=PRECISION)
+        if g == 0:
+            a0 += part
+        elif g == 1:
+            a1 += part
+        elif g == 2:
+            a2 += part
+        else:
+            a3 += part
+    return a0, a1, a2, a3
+
+
+@triton.jit
 def _gate_products(m_ptr, m_row, m_gate, w_ptr, w0, w1, w2, w3, off, b, ks, cols, H,
                    CELL_GATES: tl.constexpr, MASK_GATES: tl.constexpr, RESIDENT: tl.constexpr,
                    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr,
                    BK: tl.constexpr):
     """``[BB, BH]`` per gate ``g``: ``Σ_p m^g[k, p] W[g·H + j, p]`` over the rows ``k < b`` of the state
-    at ``off``, every gate in one pass over ``p`` (one load of ``m`` serves them all without per-gate
-    masks); the fourth is zeros for a cell of three gates. Where ``RESIDENT`` one block of ``p`` covers
-    ``H`` and the tiles ``w0 .. w3`` (:func:`_resident_tiles`) are ``W_hh``'s."""
+    at ``off``; the fourth is zeros for a cell of three gates. Streaming ``W_hh``, a loop over blocks of
+    ``p``; where ``RESIDENT``, one block (``BK >= H``) with the tiles ``w0 .. w3`` of
+    :func:`_resident_tiles`, and no loop (nothing for a pipeline to prefetch)."""
     a0 = tl.zeros((BB, BH), dtype=tl.float32)
     a1 = tl.zeros((BB, BH), dtype=tl.float32)
     a2 = tl.zeros((BB, BH), dtype=tl.float32)
     a3 = tl.zeros((BB, BH), dtype=tl.float32)
     rows = (ks < b)[:, None]
-    for k0 in range(0, H, BK):
-        p = k0 + tl.arange(0, BK)
-        m_at = m_ptr + (off + ks)[:, None] * m_row + p[None, :]
-        m_in = rows & (p < H)[None, :]
-        w_at = w_ptr + cols[None, :] * H + p[:, None]
-        w_in = (cols < H)[None, :] & (p < H)[:, None]
-        m = tl.load(m_at, mask=m_in, other=0.0, cache_modifier=".cg")
-        for g in tl.static_range(CELL_GATES):
-            if MASK_GATES > 1 and g > 0:
-                m = tl.load(m_at + g * m_gate, mask=m_in, other=0.0, cache_modifier=".cg")
-            if RESIDENT:  # one block of p: the tile loaded before the first step
-                w = _tile_of_gate(w0, w1, w2, w3, g)
-            else:
-                w = tl.load(w_at + g * H * H, mask=w_in, other=0.0)
-            if UPCAST:
-                part = tl.dot(m.to(tl.float32), w.to(tl.float32), input_precision=PRECISION)
-            else:
-                part = tl.dot(m, w, input_precision=PRECISION)
-            if g == 0:
-                a0 += part
-            elif g == 1:
-                a1 += part
-            elif g == 2:
-                a2 += part
-            else:
-                a3 += part
+    if RESIDENT:
+        a0, a1, a2, a3 = _block_products(m_ptr, m_row, m_gate, w_ptr, w0, w1, w2, w3, 0, off, rows, ks, cols,
+                                         H, a0, a1, a2, a3, CELL_GATES, MASK_GATES, RESIDENT, PRECISION,
+                                         UPCAST, BK)
+    else:
+        for k0 in range(0, H, BK):
+            a0, a1, a2, a3 = _block_products(m_ptr, m_row, m_gate, w_ptr, w0, w1, w2, w3, k0, off, rows, ks,
+                                             cols, H, a0, a1, a2, a3, CELL_GATES, MASK_GATES, RESIDENT,
+                                             PRECISION, UPCAST, BK)
     return a0, a1, a2, a3
 
 
@@ -399,22 +417,33 @@ def _dm_of_gate(dz_ptr, w_ptr, w, g, ks, cols, nb, noff, H, CELL_GATES: tl.const
                 PRECISION: tl.constexpr, UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr,
                 BK: tl.constexpr):
     """``dm^g = Σ_h dz_{s+1}[k, g·H + h] W_hh[g·H + h, j]`` ``[BB, BH]`` for rows ``k < nb``: over blocks
-    of ``h``, or where ``RESIDENT`` in one block with ``w``, gate ``g``'s resident tile."""
+    of ``h``, or where ``RESIDENT`` in one block (no loop) with ``w``, gate ``g``'s resident tile."""
     dm = tl.zeros((BB, BH), dtype=tl.float32)
-    for k0 in range(0, H, BK):
-        h = k0 + tl.arange(0, BK)
-        dz = tl.load(dz_ptr + (noff + ks)[:, None] * (CELL_GATES * H) + g * H + h[None, :],
-                     mask=(ks < nb)[:, None] & (h < H)[None, :], other=0.0, cache_modifier=".cg")
-        if RESIDENT:
-            tile = w
-        else:
-            tile = tl.load(w_ptr + (g * H + h)[:, None] * H + cols[None, :],
-                           mask=(h < H)[:, None] & (cols < H)[None, :], other=0.0)
-        if UPCAST:
-            dm += tl.dot(dz.to(tl.float32), tile.to(tl.float32), input_precision=PRECISION)
-        else:
-            dm += tl.dot(dz, tile, input_precision=PRECISION)
+    if RESIDENT:
+        dm = _dm_block(dz_ptr, w_ptr, w, g, 0, dm, ks, cols, nb, noff, H, CELL_GATES, RESIDENT, PRECISION,
+                       UPCAST, BK)
+    else:
+        for k0 in range(0, H, BK):
+            dm = _dm_block(dz_ptr, w_ptr, w, g, k0, dm, ks, cols, nb, noff, H, CELL_GATES, RESIDENT,
+                           PRECISION, UPCAST, BK)
     return dm
+
+
+@triton.jit
+def _dm_block(dz_ptr, w_ptr, w, g, k0, dm, ks, cols, nb, noff, H, CELL_GATES: tl.constexpr,
+              RESIDENT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BK: tl.constexpr):
+    """``dm + Σ_h dz[k, g·H + h] W[g·H + h, j]`` over the block ``h = k0 .. k0 + BK``."""
+    h = k0 + tl.arange(0, BK)
+    dz = tl.load(dz_ptr + (noff + ks)[:, None] * (CELL_GATES * H) + g * H + h[None, :],
+                 mask=(ks < nb)[:, None] & (h < H)[None, :], other=0.0, cache_modifier=".cg")
+    if RESIDENT:
+        tile = w
+    else:
+        tile = tl.load(w_ptr + (g * H + h)[:, None] * H + cols[None, :],
+                       mask=(h < H)[:, None] & (cols < H)[None, :], other=0.0)
+    if UPCAST:
+        return dm + tl.dot(dz.to(tl.float32), tile.to(tl.float32), input_precision=PRECISION)
+    return dm + tl.dot(dz, tile, input_precision=PRECISION)
 
 
 @triton.jit
