@@ -47,3 +47,22 @@ def test_resident_tiles_spill_no_registers(compiled):
     pipeline to prefetch): tiles and state then fit without spilling, tied or per-gate masks."""
     resident = {case: r["spilled"] for case, r in compiled.items() if "resident" in case}
     assert len(resident) == 8 and all(spilled == 0 for spilled in resident.values()), resident
+
+
+@pytest.mark.slow
+def test_kernel_resources_reports_every_planned_launch(tmp_path):
+    """benchmarks/kernel_resources.py: every shape of speed.py, both cells and passes, the launch
+    persistent.plan picks on a 132-multiprocessor GPU, compiled, with registers and spills."""
+    out = tmp_path / "resources.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    script = ROOT / "benchmarks" / "kernel_resources.py"
+    done = subprocess.run([sys.executable, str(script), "--resident", "--json", str(out)],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert len(rows) == 2 * 6 * 2  # cells x shapes x passes: every shape has a plan on that GPU
+    resident = {(r["hidden"], r["RESIDENT"]) for r in rows}
+    assert resident == {(200, True), (650, False), (1500, False)}
+    assert all(r["registers"] > 0 and r["spilled"] >= 0 and r["shared"] > 0 for r in rows)
+    assert "bytes spilled" in done.stdout

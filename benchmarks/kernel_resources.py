@@ -1,0 +1,151 @@
+"""Registers, spills and shared memory of the persistent loops, compiled for a GPU without one.
+
+Triton lowers a kernel to PTX and assembles it with its own ``ptxas`` on any machine; only loading
+the binary needs a GPU. This script compiles the LSTM and GRU loops, forward and backward, with the
+launch settings ``persistent.plan`` picks on a 132-multiprocessor Hopper GPU (an H100 / H200) for
+the shapes of ``benchmarks/speed.py`` (tied masks, float32 in TF32), and prints what ``ptxas -v``
+reports: registers a thread and bytes spilled to local memory, and the shared memory of a program.
+Spills inside the time loop cost every step; a change to the kernels can be checked here before a
+GPU times it.
+
+    python benchmarks/kernel_resources.py [--resident] [--json FILE]   # CPU; about 20 s cold
+
+``--resident`` asks for resident ``W_hh`` tiles (``persistent.tuning["resident"]``), which the plan
+gives where the hidden size is at most ``persistent.MAX_RESIDENT``. Numbers are this Triton's (the
+GPU machine may run another version).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not the interpreter's
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.compiler import ASTSource
+
+from rnndrop.kernels import persistent
+
+#: Hopper, where the persistent loop has been measured (H100 / H200), and its multiprocessors.
+CAPABILITY, MULTIPROCESSORS = 90, 132
+SHAPES = ((200, 20), (200, 128), (650, 20), (650, 128), (1500, 20), (1500, 128))
+#: Integer pointers among the loops' arguments (every other ``*_ptr`` holds float32 here).
+INT_POINTERS = {"table_ptr", "counter_ptr"}
+
+
+def signature(kernel, constexprs: dict) -> dict[str, str]:
+    """Triton's signature of ``kernel``: ``*_ptr`` arguments are pointers, the rest ``i32``."""
+    names = inspect.signature(kernel.fn).parameters
+    return {
+        name: "constexpr" if name in constexprs
+        else ("*i32" if name in INT_POINTERS else "*fp32") if name.endswith("_ptr")
+        else "i32"
+        for name in names
+    }
+
+
+def registers_and_spills(ptx: str) -> tuple[int, int]:
+    """``(registers a thread, bytes spilled)`` that ``ptxas -v`` reports for ``ptx``."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as source:
+        source.write(ptx)
+        source.flush()
+        ptxas = get_ptxas(CAPABILITY).path
+        command = [ptxas, "-v", f"--gpu-name=sm_{CAPABILITY}a", source.name, "-o", "/dev/null"]
+        report = subprocess.run(command, capture_output=True, text=True, check=True)
+    text = report.stdout + report.stderr
+    registers = int(re.search(r"Used (\d+) registers", text).group(1))
+    spilled = int(re.search(r"(\d+) bytes spill stores", text).group(1))
+    return registers, spilled
+
+
+def tiles_before_loop(ttgir: str) -> int:
+    """Shared-memory buffers filled from a loaded tensor (``ttg.local_alloc %x``) before the first
+    loop of the kernel: resident tiles of ``W_hh`` that stay on chip for every step."""
+    head = ttgir.split("scf.for", 1)[0]
+    return len(re.findall(r"ttg\.local_alloc %", head))
+
+
+def loop_constexprs(cell: str, backward: bool, tiles: dict, mask_gates: int = 1) -> dict:
+    """The compile-time arguments of a loop launch: ``tiles`` (``BB``, ``BH``, ``BK``, ``RESIDENT``),
+    a mask (``mask_gates`` per gate), float32 in TF32, a grid barrier; what training passes."""
+    extra = dict(HAS_DOUT=True, NEED_DMASK=False) if backward else dict(SAVE=True)
+    if cell == "gru" and not backward:
+        extra["HAS_BIAS"] = True
+    return dict(MASK_GATES=mask_gates, HAS_MASK=True, SYNC=True, PRECISION="tf32", UPCAST=False, **tiles,
+                **extra)
+
+
+def compile_loop(cell: str, backward: bool, constexprs: dict, warps: int) -> dict:
+    """Compile one loop for :data:`CAPABILITY`: ``registers``, ``spilled``, ``shared`` and
+    ``tiles_before_loop``."""
+    kernel = getattr(persistent, f"_{cell}_{'backward' if backward else 'forward'}")
+    source = ASTSource(kernel, signature(kernel, constexprs), constexprs=constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", CAPABILITY, 32),
+                              options=dict(num_warps=warps, num_stages=3))
+    registers, spilled = registers_and_spills(compiled.asm["ptx"])
+    return dict(registers=registers, spilled=spilled, shared=compiled.metadata.shared,
+                tiles_before_loop=tiles_before_loop(compiled.asm["ttgir"]))
+
+
+class _OnHopper:
+    """What ``persistent.plan`` reads of a CUDA tensor: its dtype and device."""
+
+    dtype = torch.float32
+    device = torch.device("cuda", 0)
+
+
+def planned(hidden: int, batch: int) -> persistent.Launch | None:
+    """The launch ``persistent.plan`` picks for a float32 call on a 132-multiprocessor GPU."""
+    saved = persistent._multiprocessors
+    persistent._multiprocessors = lambda device: MULTIPROCESSORS  # no GPU to ask
+    try:
+        return persistent.plan(_OnHopper(), hidden, batch, False)  # type: ignore[arg-type]
+    finally:
+        persistent._multiprocessors = saved
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--resident", action="store_true", help="ask for resident W_hh tiles where they fit")
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    if args.resident:
+        persistent.tuning["resident"] = True
+    print(f"Triton {triton.__version__}, sm_{CAPABILITY}, {MULTIPROCESSORS} multiprocessors, tied masks, "
+          "TF32")
+    rows = []
+    for cell in ("lstm", "gru"):
+        for hidden, batch in SHAPES:
+            how = planned(hidden, batch)
+            if how is None:
+                print(f"{cell:4s} {hidden:5d} x {batch:<4d} the step kernel (no persistent plan)")
+                continue
+            for backward in (False, True):
+                tiles = persistent._tiles(how, batch, hidden, backward)
+                warps = persistent._warps(tiles["BB"], tiles["RESIDENT"])
+                found = compile_loop(cell, backward, loop_constexprs(cell, backward, tiles), warps)
+                row = dict(cell=cell, hidden=hidden, batch=batch, backward=backward, programs=how.grid,
+                           warps=warps, **tiles, **found)
+                rows.append(row)
+                print(f"{cell:4s} {hidden:5d} x {batch:<4d} {'backward' if backward else 'forward '} "
+                      f"{how.grid:3d} programs, rows {tiles['BB']:3d}, K {tiles['BK']:3d}, {warps} warps"
+                      f"{', resident' if tiles['RESIDENT'] else ''}: {row['registers']:3d} registers, "
+                      f"{row['spilled']:4d} bytes spilled, {row['shared'] // 1024:3d} KiB shared", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
