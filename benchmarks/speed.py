@@ -21,6 +21,8 @@ size = hidden size (small 200, medium 650, large 1500), float32. Variants, for t
   persistent loop turned off (``rnndrop.kernels.persistent.turned_off``; CUDA), what ran before it;
 - ``sequence/triton-step+graphs``: that per-step loop replayed from CUDA graphs
   (``rnndrop.kernels.cuda_graphs``, on for this variant only; CUDA);
+- ``sequence/triton-resident``: the persistent loop with its ``W_hh`` tiles resident on chip
+  (``persistent.tuning["resident"]``, on for this variant only; hidden 200; CUDA);
 - ``nn.LSTM+graph`` / ``nn.GRU+graph`` and ``sequence+graph``: the baseline and the per-sequence
   masks on the loop ``kernel="auto"`` runs, each whole layer's forward and backward replayed from
   CUDA graphs (``torch.cuda.make_graphed_callables``: what a user can do at fixed shapes; no host
@@ -109,6 +111,7 @@ def build_variants(
     if "triton" in kernels:
         variants[STEP_KERNEL] = ours_cls(hidden, hidden, layers, kernel="triton", **probs)
         variants[GRAPHED] = ours_cls(hidden, hidden, layers, kernel="triton", **probs)
+        variants[RESIDENT] = ours_cls(hidden, hidden, layers, kernel="triton", **probs)
         variants[f"nn.{base_cls.__name__}{WHOLE_GRAPH}"] = base_cls(hidden, hidden, layers)
         variants[f"sequence{WHOLE_GRAPH}"] = ours_cls(hidden, hidden, layers, **probs)
     variants["batch/fused"] = ours_cls(hidden, hidden, layers, mask_scope="batch", **probs)
@@ -127,6 +130,9 @@ def build_variants(
 GRAPHED = "sequence/triton-step+graphs"
 #: The per-sequence masks on the Triton kernel's per-step loop, the persistent loop turned off.
 STEP_KERNEL = "sequence/triton-step"
+#: The per-sequence masks on the persistent loop with resident ``W_hh`` tiles (hidden <= 256; off by
+#: default until measured; elsewhere the same launches as ``sequence/triton``).
+RESIDENT = "sequence/triton-resident"
 #: The suffix of the variants whose whole layer (forward and backward) replays from CUDA graphs.
 WHOLE_GRAPH = "+graph"
 
@@ -204,11 +210,29 @@ def graph_memory(device: torch.device) -> int:
     return before - torch.cuda.memory_reserved(device)
 
 
-def graphed(name: str, fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` with the Triton loops' CUDA graphs on for the graphed variant, off for the others."""
+@contextlib.contextmanager
+def resident_tiles(on: bool):
+    """The persistent loop's ``W_hh`` tiles kept resident while ``on`` (``persistent.tuning``)."""
+    if not on:
+        yield
+        return
+    from rnndrop.kernels import persistent
+
+    persistent.tuning["resident"] = True
+    try:
+        yield
+    finally:
+        del persistent.tuning["resident"]
+
+
+def with_switches(name: str, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with the switches of variant ``name`` on, and only of it: the Triton loops' CUDA graphs
+    (:data:`GRAPHED`), the step kernel (:data:`STEP_KERNEL`, :data:`GRAPHED`), resident tiles
+    (:data:`RESIDENT`)."""
 
     def run():
-        with graphs_on(name == GRAPHED), step_kernel_only(name in (GRAPHED, STEP_KERNEL)):
+        with graphs_on(name == GRAPHED), step_kernel_only(name in (GRAPHED, STEP_KERNEL)), \
+                resident_tiles(name == RESIDENT):
             return fn()
 
     return run
@@ -272,7 +296,7 @@ def bench_shape(
     x = torch.randn(args.seq_len, batch, hidden, device=device)
     held = {name: graph_whole_layer(m, x) for name, m in variants.items() if name.endswith(WHOLE_GRAPH)}
     step_fn = STEPS[args.mode]
-    calls = {name: graphed(name, lambda m=m: step_fn(m, x)) for name, m in variants.items()}
+    calls = {name: with_switches(name, lambda m=m: step_fn(m, x)) for name, m in variants.items()}
     names = list(variants)
     baseline = names[0]
 
@@ -301,7 +325,7 @@ def bench_shape(
     load_after = os.getloadavg()[0]
     memory = {}
     if args.memory and args.mode == "train":
-        memory = {name: graphed(name, lambda m=variants[name]: saved_bytes(m, x))() for name in names}
+        memory = {name: with_switches(name, lambda m=variants[name]: saved_bytes(m, x))() for name in names}
 
     if GRAPHED in variants:
         held[GRAPHED] = graph_memory(device)

@@ -163,9 +163,24 @@ def test_the_graphed_variant_runs_the_triton_kernel_with_graphs_on_for_it_only(s
     def probe():
         seen.append(speed.cuda_graphs.GRAPHS.max_graphs)
 
-    speed.graphed(speed.GRAPHED, probe)()
-    speed.graphed("sequence/triton*", probe)()
+    speed.with_switches(speed.GRAPHED, probe)()
+    speed.with_switches("sequence/triton*", probe)()
     assert seen == [8, 0] and speed.cuda_graphs.GRAPHS.max_graphs == 0
+
+
+def test_the_resident_variant_asks_for_resident_tiles_for_itself_only(speed):
+    from rnndrop.kernels import persistent
+
+    variants = speed.build_variants("gru", 8, 2, 0.5, ["triton"], "triton")
+    assert variants[speed.RESIDENT].kernel == "triton"
+    seen = []
+
+    def probe():
+        seen.append(persistent.tuning.get("resident"))
+
+    speed.with_switches(speed.RESIDENT, probe)()
+    speed.with_switches("sequence/triton*", probe)()
+    assert seen == [True, None] and "resident" not in persistent.tuning
 
 
 def test_the_persistent_plan_of_a_shape_is_named_on_cuda_and_nothing_elsewhere(speed, monkeypatch):
