@@ -127,6 +127,34 @@ def test_resident_tiles_only_where_asked_and_they_fit(monkeypatch, hidden, resid
     assert persistent._warps(16, False) == 4
 
 
+def test_resident_tiles_that_do_not_fit_stream_w_hh_instead_and_are_not_tried_again(monkeypatch):
+    """A resident launch whose tiles and loads need more shared memory than a multiprocessor has at
+    every pipeline depth runs as before (streaming W_hh, the plan's K block), not the step kernel,
+    and later calls go there at once."""
+    from triton.runtime.errors import OutOfResources
+
+    class Kernel:
+        __name__ = "_fake_loop"
+
+        def __init__(self):
+            self.launches = []
+
+        def __getitem__(self, grid):
+            def launch(*args, RESIDENT, BK, num_stages, **kwargs):
+                self.launches.append((RESIDENT, BK, num_stages))
+                if RESIDENT:
+                    raise OutOfResources(300_000, 232_448, "shared memory")
+            return launch
+
+    monkeypatch.setattr(persistent, "_stages", {})
+    kernel = Kernel()
+    for _ in range(2):
+        failure = persistent._run(kernel, Launch(1, 16, resident=True), 3, (torch.zeros(1),), False, B=4,
+                                  H=200, N=12, BB=16, BK=256, MASK_GATES=1, RESIDENT=True)
+        assert failure is None
+    assert kernel.launches == [(True, 256, 3), (True, 256, 2), (True, 256, 1), (False, 64, 3), (False, 64, 3)]
+
+
 def test_a_batch_whose_blocks_of_rows_do_not_fit_runs_the_step_kernel(monkeypatch):
     monkeypatch.setattr(persistent, "_multiprocessors", lambda device: 132)
     on_cuda = type("Like", (), {"dtype": torch.float32, "device": torch.device("cuda", 0)})()

@@ -802,7 +802,7 @@ def _cooperative_launches() -> bool:
 
 _COOPERATIVE = _cooperative_launches()
 #: Pipeline depths of the loops over ``W_hh``, deepest first; the first whose shared memory fits
-#: is kept per kernel and block shape.
+#: is kept per kernel and block shape (0 where none does).
 _STAGES = (3, 2, 1)
 _stages: dict[tuple, int] = {}
 #: Pools' counters copied for reading once their launches finished: ``(event, pinned copy, device)``.
@@ -912,7 +912,8 @@ def _run(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constex
     counter = _counter(device, pooled=cooperative and not capturing)
     key = (kernel.__name__, constexprs["BB"], constexprs["BK"], constexprs["MASK_GATES"],
            constexprs["RESIDENT"], args[0].dtype)
-    for stages in _STAGES[_STAGES.index(_stages.get(key, _STAGES[0])):]:
+    fitting = _stages.get(key, _STAGES[0])  # 0: nothing fits (remembered, not tried again)
+    for stages in _STAGES[_STAGES.index(fitting):] if fitting else ():
         try:
             kernel[(how.grid,)](*args, counter, 0, steps, **constexprs, SYNC=how.grid > 1,
                                     UPCAST=upcast, num_warps=warps, num_stages=stages, **options)
@@ -925,6 +926,11 @@ def _run(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constex
                 raise
             return f"the cooperative launch was refused ({str(error).strip().splitlines()[0]})"
     else:
+        _stages[key] = 0
+        if constexprs["RESIDENT"]:  # resident tiles do not fit beside the loads: stream W_hh, as before
+            block_k = _block_k(constexprs["H"], constexprs["BB"], backward)
+            streaming = dict(constexprs, RESIDENT=False, BK=block_k)
+            return _run(kernel, how._replace(resident=False), steps, args, backward, **streaming)
         return "its loads do not fit in shared memory even unpipelined"
     if not cuda or capturing or cooperative:
         return None
