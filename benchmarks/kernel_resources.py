@@ -8,7 +8,7 @@ reports: registers a thread and bytes spilled to local memory, and the shared me
 Spills inside the time loop cost every step; a change to the kernels can be checked here before a
 GPU times it.
 
-    python benchmarks/kernel_resources.py [--resident] [--json FILE]   # CPU; about 20 s cold
+    python benchmarks/kernel_resources.py [--resident] [--stages N] [--json FILE]   # CPU; about 20 s
 
 ``--resident`` asks for resident ``W_hh`` tiles (``persistent.tuning["resident"]``), which the plan
 gives where the hidden size is at most ``persistent.MAX_RESIDENT``. Numbers are this Triton's (the
@@ -85,13 +85,13 @@ def loop_constexprs(cell: str, backward: bool, tiles: dict, mask_gates: int = 1)
                 **extra)
 
 
-def compile_loop(cell: str, backward: bool, constexprs: dict, warps: int) -> dict:
-    """Compile one loop for :data:`CAPABILITY`: ``registers``, ``spilled``, ``shared`` and
-    ``tiles_before_loop``."""
+def compile_loop(cell: str, backward: bool, constexprs: dict, warps: int, stages: int = 3) -> dict:
+    """Compile one loop for :data:`CAPABILITY` with a load pipeline ``stages`` deep: ``registers``,
+    ``spilled``, ``shared`` and ``tiles_before_loop``."""
     kernel = getattr(persistent, f"_{cell}_{'backward' if backward else 'forward'}")
     source = ASTSource(kernel, signature(kernel, constexprs), constexprs=constexprs)
     compiled = triton.compile(source, target=GPUTarget("cuda", CAPABILITY, 32),
-                              options=dict(num_warps=warps, num_stages=3))
+                              options=dict(num_warps=warps, num_stages=stages))
     registers, spilled = registers_and_spills(compiled.asm["ptx"])
     return dict(registers=registers, spilled=spilled, shared=compiled.metadata.shared,
                 tiles_before_loop=tiles_before_loop(compiled.asm["ttgir"]))
@@ -117,12 +117,15 @@ def planned(hidden: int, batch: int) -> persistent.Launch | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--resident", action="store_true", help="ask for resident W_hh tiles where they fit")
+    parser.add_argument("--stages", type=int, default=3, help="load pipeline depth (default 3, the built-in)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
+    if args.stages < 1:
+        parser.error(f"--stages: expected a positive integer, got {args.stages}")
     if args.resident:
         persistent.tuning["resident"] = True
     print(f"Triton {triton.__version__}, sm_{CAPABILITY}, {MULTIPROCESSORS} multiprocessors, tied masks, "
-          "TF32")
+          f"TF32, {args.stages} pipeline stages")
     rows = []
     for cell in ("lstm", "gru"):
         for hidden, batch in SHAPES:
@@ -133,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             for backward in (False, True):
                 tiles = persistent._tiles(how, batch, hidden, backward)
                 warps = persistent._warps(tiles["BB"], tiles["RESIDENT"])
-                found = compile_loop(cell, backward, loop_constexprs(cell, backward, tiles), warps)
+                constexprs = loop_constexprs(cell, backward, tiles)
+                found = compile_loop(cell, backward, constexprs, warps, args.stages)
                 row = dict(cell=cell, hidden=hidden, batch=batch, backward=backward, programs=how.grid,
                            warps=warps, **tiles, **found)
                 rows.append(row)

@@ -4,8 +4,9 @@ Part 1 times one forward launch and one backward launch of the LSTM loop (and th
 ``--cells lstm,gru``; 2 x 35 steps of rnndrop.kernels.persistent, no autograd, no host work in
 between: the launches queue up, so CUDA events time the GPU alone) for each setting of
 ``persistent.tuning``: hidden units per program,
-blocks of the batch's rows, the K block of the loops over ``W_hh``, warps per program, and whether
-the programs keep their tiles of ``W_hh`` in registers across steps (``resident``, hidden 200). The
+blocks of the batch's rows, the K block of the loops over ``W_hh``, warps per program, whether the
+programs keep their tiles of ``W_hh`` on chip across steps (``resident``, hidden 200), and how deep
+the load pipeline of the loops over ``W_hh`` is (``stages``; 3 built in). The
 fastest setting per shape is what ``persistent.plan`` / ``_block_k`` / ``_warps`` should pick
 (docs/gpu.md says which they do).
 
@@ -36,15 +37,19 @@ from rnndrop.kernels.triton_gru import _Saved as _GRUSaved
 from rnndrop.kernels.triton_lstm import _Saved
 
 SHAPES = ((200, 20), (200, 128), (650, 20), (650, 128), (1500, 20), (1500, 128))
-#: (units per program, row blocks, K block, warps, resident); None: the built-in choice (row blocks:
-#: as many as the grid has room for, down to 16 rows; 1 was the built-in choice before 2026-11-26's
-#: sixth session; resident tiles: off, where a setting asking for them runs only up to
-#: persistent.MAX_RESIDENT hidden units).
-SETTINGS = ((None, None, None, None, None), (None, 1, None, None, None), (None, 2, None, None, None),
-            (None, 4, None, None, None), (None, 8, None, None, None), (16, 1, 32, 4, None),
-            (16, 1, 64, 8, None), (16, 2, 64, 8, None), (16, 4, 32, 4, None), (32, 1, 64, 4, None),
-            (None, None, None, None, True), (None, None, None, 4, True), (None, 1, None, 8, True),
-            (None, 4, None, 8, True))
+#: Settings of ``persistent.tuning`` to time, the built-in choice first (row blocks: as many as the
+#: grid has room for, down to 16 rows, where 1 was the built-in choice before 2026-11-26's sixth
+#: session; resident tiles: off, and asked for they run only up to persistent.MAX_RESIDENT hidden
+#: units; load pipeline: 3 stages deep, where the loop over ``W_hh`` waits on L2 at every K block).
+SETTINGS = (
+    {}, dict(row_blocks=1), dict(row_blocks=2), dict(row_blocks=4), dict(row_blocks=8),
+    dict(units=16, row_blocks=1, block_k=32, warps=4), dict(units=16, row_blocks=1, block_k=64, warps=8),
+    dict(units=16, row_blocks=2, block_k=64, warps=8), dict(units=16, row_blocks=4, block_k=32, warps=4),
+    dict(units=32, row_blocks=1, block_k=64, warps=4),
+    dict(resident=True), dict(resident=True, warps=4), dict(resident=True, row_blocks=1, warps=8),
+    dict(resident=True, row_blocks=4, warps=8),
+    dict(stages=4), dict(stages=6), dict(stages=6, warps=8),
+)
 STEPS, REPEATS = 35, 10
 
 
@@ -104,33 +109,29 @@ def sweep(device: torch.device, cell: str = "lstm") -> list[dict]:
         inputs = loop_inputs(cell, hidden, batch, device)
         gates_x = inputs[1]
         seen = set()
-        for units, row_blocks, block_k, warps, resident in SETTINGS:
+        for setting in SETTINGS:
             persistent.tuning.clear()
-            chosen = (("units", units), ("row_blocks", row_blocks), ("block_k", block_k), ("warps", warps),
-                      ("resident", resident))
-            persistent.tuning.update({k: v for k, v in chosen if v is not None})
+            persistent.tuning.update(setting)
             how = persistent.plan(gates_x, hidden, batch, False)
-            if how is None or (how, block_k, warps) in seen:  # (row blocks that do not fit fall back)
+            block_k, warps, stages = setting.get("block_k"), setting.get("warps"), setting.get("stages")
+            if how is None or (how, block_k, warps, stages) in seen:  # (row blocks that do not fit fall back)
                 continue
-            seen.add((how, block_k, warps))
+            seen.add((how, block_k, warps, stages))
             try:
                 forward, backward = launches(cell, how, *inputs)
                 forward_ms, backward_ms = time_launches(forward, device), time_launches(backward, device)
             except Exception as error:  # a setting that does not compile or launch: say so, go on
-                print(f"hidden {hidden} batch {batch} {units}/{block_k}/{warps}/{resident}: "
-                      f"{type(error).__name__}: "
+                print(f"hidden {hidden} batch {batch} {setting}: {type(error).__name__}: "
                       f"{str(error).splitlines()[0][:120]}", flush=True)
                 continue
             row = dict(cell=cell, hidden=hidden, batch=batch, units=how.units, row_blocks=how.row_blocks,
-                       block_k=block_k, warps=warps, resident=how.resident, programs=how.grid,
-                       built_in=units is None and row_blocks is None and resident is None,
-                       forward_ms=forward_ms,
-                       backward_ms=backward_ms,
+                       block_k=block_k, warps=warps, resident=how.resident, stages=stages, programs=how.grid,
+                       built_in=not setting, forward_ms=forward_ms, backward_ms=backward_ms,
                        us_per_step=(forward_ms + backward_ms) * 1e3 / (2 * (STEPS + 1)))
             rows.append(row)
             label = (f"{'built-in ' if row['built_in'] else ''}units {how.units:2d} x rows/{how.row_blocks}"
                      f", K {block_k or 'auto'}, warps {warps or 'auto'}"
-                     f"{', resident' if how.resident else ''}")
+                     f"{', resident' if how.resident else ''}{f', {stages} stages' if stages else ''}")
             print(f"{cell:4s} {hidden:5d} {batch:4d}  {label:38s} programs {how.grid:3d}  forward "
                   f"{forward_ms:6.3f} ms  backward {backward_ms:6.3f} ms  {row['us_per_step']:6.1f} us/step",
                   flush=True)

@@ -127,32 +127,55 @@ def test_resident_tiles_only_where_asked_and_they_fit(monkeypatch, hidden, resid
     assert persistent._warps(16, False) == 4
 
 
+class _Loop:
+    """A stand-in for a persistent loop kernel: records ``(RESIDENT, BK, num_stages)`` of every
+    launch and runs out of shared memory where ``too_large(resident, stages)``."""
+
+    __name__ = "_fake_loop"
+
+    def __init__(self, too_large):
+        self.too_large, self.launches = too_large, []
+
+    def __getitem__(self, grid):
+        def launch(*args, RESIDENT, BK, num_stages, **kwargs):
+            from triton.runtime.errors import OutOfResources
+
+            self.launches.append((RESIDENT, BK, num_stages))
+            if self.too_large(RESIDENT, num_stages):
+                raise OutOfResources(300_000, 232_448, "shared memory")
+        return launch
+
+
+def _launch(kernel, resident, block_k):
+    return persistent._run(kernel, Launch(1, 16, resident=resident), 3, (torch.zeros(1),), False, B=4, H=200,
+                           N=12, BB=16, BK=block_k, MASK_GATES=1, RESIDENT=resident)
+
+
 def test_resident_tiles_that_do_not_fit_stream_w_hh_instead_and_are_not_tried_again(monkeypatch):
     """A resident launch whose tiles and loads need more shared memory than a multiprocessor has at
     every pipeline depth runs as before (streaming W_hh, the plan's K block), not the step kernel,
     and later calls go there at once."""
-    from triton.runtime.errors import OutOfResources
-
-    class Kernel:
-        __name__ = "_fake_loop"
-
-        def __init__(self):
-            self.launches = []
-
-        def __getitem__(self, grid):
-            def launch(*args, RESIDENT, BK, num_stages, **kwargs):
-                self.launches.append((RESIDENT, BK, num_stages))
-                if RESIDENT:
-                    raise OutOfResources(300_000, 232_448, "shared memory")
-            return launch
-
     monkeypatch.setattr(persistent, "_stages", {})
-    kernel = Kernel()
+    kernel = _Loop(lambda resident, stages: resident)
     for _ in range(2):
-        failure = persistent._run(kernel, Launch(1, 16, resident=True), 3, (torch.zeros(1),), False, B=4,
-                                  H=200, N=12, BB=16, BK=256, MASK_GATES=1, RESIDENT=True)
-        assert failure is None
+        assert _launch(kernel, True, 256) is None
     assert kernel.launches == [(True, 256, 3), (True, 256, 2), (True, 256, 1), (False, 64, 3), (False, 64, 3)]
+
+
+def test_a_deeper_load_pipeline_is_tried_first_where_a_measurement_asks(monkeypatch):
+    """``tuning["stages"]``: launches try that depth, then shallower ones where shared memory runs
+    out (the depth that fitted is kept per block shape and asked-for depth); without it, 3."""
+    monkeypatch.setattr(persistent, "_stages", {})
+    kernel = _Loop(lambda resident, stages: stages > 4)
+    monkeypatch.setitem(persistent.tuning, "stages", 6)
+    for _ in range(2):
+        assert _launch(kernel, False, 64) is None
+    assert kernel.launches == [(False, 64, 6), (False, 64, 5), (False, 64, 4), (False, 64, 4)]
+    del persistent.tuning["stages"]
+    assert _launch(kernel, False, 64) is None and kernel.launches[-1] == (False, 64, 3)
+    monkeypatch.setitem(persistent.tuning, "stages", 0)
+    with pytest.raises(ValueError, match=r'tuning\["stages"\] must be a positive number of stages, got 0'):
+        _launch(kernel, False, 64)
 
 
 def test_a_batch_whose_blocks_of_rows_do_not_fit_runs_the_step_kernel(monkeypatch):

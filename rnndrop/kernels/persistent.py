@@ -872,7 +872,8 @@ def _counter(device: torch.device, pooled: bool) -> Tensor:
 
 
 #: Launch settings a measurement may set (``benchmarks/persistent_tuning.py``): ``units``,
-#: ``row_blocks``, ``block_k``, ``warps``, ``resident``; empty in normal use.
+#: ``row_blocks``, ``block_k``, ``warps``, ``resident``, ``stages`` (the deepest load pipeline
+#: tried, instead of :data:`_STAGES`); empty in normal use.
 tuning: dict[str, int] = {}
 
 
@@ -910,10 +911,16 @@ def _run(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constex
     if cuda and not capturing:
         _read_finished_counters()
     counter = _counter(device, pooled=cooperative and not capturing)
+    depths = _STAGES
+    if "stages" in tuning:
+        deepest = tuning["stages"]
+        if not (isinstance(deepest, int) and deepest >= 1):
+            raise ValueError(f'tuning["stages"] must be a positive number of stages, got {deepest!r}')
+        depths = tuple(range(deepest, 0, -1))
     key = (kernel.__name__, constexprs["BB"], constexprs["BK"], constexprs["MASK_GATES"],
-           constexprs["RESIDENT"], args[0].dtype)
-    fitting = _stages.get(key, _STAGES[0])  # 0: nothing fits (remembered, not tried again)
-    for stages in _STAGES[_STAGES.index(fitting):] if fitting else ():
+           constexprs["RESIDENT"], args[0].dtype, depths[0])
+    fitting = _stages.get(key, depths[0])  # 0: nothing fits (remembered, not tried again)
+    for stages in depths[depths.index(fitting):] if fitting else ():
         try:
             kernel[(how.grid,)](*args, counter, 0, steps, **constexprs, SYNC=how.grid > 1,
                                     UPCAST=upcast, num_warps=warps, num_stages=stages, **options)
