@@ -162,8 +162,8 @@ PROFILE
 tuning() {
 step "the persistent loop's GPU time by launch setting; host vs GPU time of a training step"
 # TUNING_CELLS: the loops to sweep (persistent_tuning.py --cells; default lstm)
-timeout 240 $PY benchmarks/persistent_tuning.py --cells "${TUNING_CELLS:-lstm}" --json "$OUT/persistent-tuning.json" 2>&1 \
-    | tee "$OUT/persistent-tuning.txt" | tail -n 60
+timeout 330 $PY benchmarks/persistent_tuning.py --cells "${TUNING_CELLS:-lstm}" --json "$OUT/persistent-tuning.json" 2>&1 \
+    | tee "$OUT/persistent-tuning.txt" | tail -n 100
 }
 
 projection() {
