@@ -6,8 +6,9 @@ dispatcher take to issue the step, not the kernels. This script measures that pa
 layer runs with ``kernel="triton"`` on CPU tensors under Triton's interpreter, with the persistent
 loop's launches skipped (their outputs are left as allocated), on tiny tensors (hidden 16, batch 4,
 35 steps, 2 layers, tied masks p 0.5 everywhere), so what remains is the layer's own host work.
-It prints microseconds per forward and per training step (median of rounds) and the torch ops one
-step issues (views apart), for the LSTM and the GRU.
+It prints microseconds per forward, per training step and per Monte-Carlo sample (a forward under
+``torch.no_grad``, fresh masks; median of rounds) and the torch ops one training step issues (views
+apart), for the LSTM and the GRU.
 
     python benchmarks/host_cost.py [--rounds 7] [--json FILE]
 
@@ -82,6 +83,10 @@ def measure(cell: str, rounds: int) -> dict:
     def forward() -> None:
         layer(x)
 
+    def mc_sample() -> None:  # Monte-Carlo prediction: fresh masks, no autograd
+        with torch.no_grad():
+            layer(x)
+
     def step() -> None:
         layer.zero_grad(set_to_none=True)
         layer(x)[0].sum().backward()
@@ -92,6 +97,7 @@ def measure(cell: str, rounds: int) -> dict:
         step()
     views = sum(n for name, n in counter.ops.items() if name in VIEWS)
     return dict(cell=cell, forward_us=microseconds(forward, rounds), step_us=microseconds(step, rounds),
+                mc_sample_us=microseconds(mc_sample, rounds),
                 ops=sum(counter.ops.values()) - views, views=views,
                 by_op=dict(sorted(counter.ops.items(), key=lambda kv: -kv[1])))
 
@@ -115,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
             row = measure(cell, args.rounds)
             rows.append(row)
             print(f"{cell:4s} forward {row['forward_us']:6.0f} us   training step {row['step_us']:6.0f} us   "
-                  f"ops a step {row['ops']:3d} (+ {row['views']} views)", flush=True)
+                  f"Monte-Carlo sample {row['mc_sample_us']:5.0f} us   ops a step {row['ops']:3d} "
+                  f"(+ {row['views']} views)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
