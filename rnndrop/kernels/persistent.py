@@ -5,12 +5,13 @@ Each of the ``n_programs`` programs owns ``BH`` hidden units ``j`` (columns of t
 block of ``BB`` rows (sequences; one block holds the whole batch unless the grid has room for more
 programs) for the whole sequence and keeps their cell state in registers; the recurrent product is
 computed in the kernel with ``tl.dot`` over the rows of ``W_hh`` of its units (streamed from L2,
-where the whole matrix stays between steps; or, with :attr:`Launch.resident`, loaded once into the
-program's registers before the first step, one ``[K, units]`` tile per gate, where the hidden size
-is at most :data:`MAX_RESIDENT`). The programs meet at a grid barrier after every step,
-because the next step's product needs every column of the state. Running steps ``s = 1 .. S``
-(step 0 is a virtual step with no rows, whose "next state" is the first real step's), rows ``k``
-and ``m_s = h_{s-1} * M_s`` as in :mod:`rnndrop.kernels.triton_common`::
+where the whole matrix stays between steps; or, with :attr:`Launch.resident`, loaded once before the
+first step and kept on chip, one ``[K, units]`` tile per gate, where the hidden size is at most
+:data:`MAX_RESIDENT`: Triton places the tiles in shared memory). The programs meet at a grid
+barrier after every step, because the next step's product needs every column of the state.
+Running steps ``s = 1 .. S`` (step 0 is a virtual step with no rows, whose "next state" is the
+first real step's), rows ``k`` and ``m_s = h_{s-1} * M_s`` as in
+:mod:`rnndrop.kernels.triton_common`::
 
     LSTM forward   z_s[k, g·H + j] = x̂_s[k, g·H + j] + Σ_p m_s^g[k, p] W_hh[g·H + j, p]
                    i, f, g, o = σ(z_i), σ(z_f), tanh(z_g), σ(z_o)
@@ -80,7 +81,7 @@ MAX_BATCH = 256
 MAX_UNITS = 64
 #: Table columns of a step (:func:`_step_table`).
 _COLUMNS = 8
-#: The largest hidden size whose ``W_hh`` tiles a program may keep in registers across steps
+#: The largest hidden size whose ``W_hh`` tiles a program may keep on chip across steps
 #: (:attr:`Launch.resident`: ``4 x 256 x 16`` float32 values for the LSTM, 64 KiB a program).
 MAX_RESIDENT = 256
 #: Whether :func:`plan` keeps the tiles resident where the hidden size allows, unless
@@ -621,7 +622,7 @@ class Launch(NamedTuple):
     blocks of the batch's rows (one program per pair: :attr:`grid` programs); ``per_step``: one
     launch per step without a barrier (CPU tests of the slicing) instead of one persistent launch;
     ``resident``: each program loads its tiles of ``W_hh`` once, before the first step, and keeps
-    them (in registers) instead of streaming them from L2 at every step."""
+    them on chip instead of streaming them from L2 at every step."""
 
     programs: int
     units: int
@@ -878,8 +879,8 @@ tuning: dict[str, int] = {}
 
 
 def _warps(batch_block: int, resident: bool) -> int:
-    """Warps a program: 8 for blocks of 128 rows or resident tiles (64 KiB of registers spread over
-    twice the threads), else 4."""
+    """Warps a program: 8 for blocks of 128 rows or resident tiles (compiled for sm_90, a resident
+    launch spills no register with 8; ``benchmarks/kernel_resources.py``), else 4."""
     return tuning.get("warps", 8 if batch_block >= 128 or resident else 4)
 
 
