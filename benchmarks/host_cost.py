@@ -7,8 +7,9 @@ layer runs with ``kernel="triton"`` on CPU tensors under Triton's interpreter, w
 loop's launches skipped (their outputs are left as allocated), on tiny tensors (hidden 16, batch 4,
 35 steps, 2 layers, tied masks p 0.5 everywhere), so what remains is the layer's own host work.
 It prints microseconds per forward, per training step and per Monte-Carlo sample (a forward under
-``torch.no_grad``, fresh masks; median of rounds) and the torch ops one training step issues (views
-apart), for the LSTM and the GRU.
+``torch.no_grad``, fresh masks; median of rounds) and the torch ops one training step issues (those
+that would launch a kernel on a GPU, and the views and allocations apart; ``speed.launching_ops``),
+for the LSTM and the GRU.
 
     python benchmarks/host_cost.py [--rounds 7] [--json FILE]
 
@@ -24,7 +25,6 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"  # before anything imports Triton (rnndrop's torch._dynamo does)
 
 import argparse
-import collections
 import json
 import statistics
 import sys
@@ -32,28 +32,15 @@ import time
 from unittest import mock
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.profiler import ProfilerActivity, profile
 
 from rnndrop import VariationalGRU, VariationalLSTM
 from rnndrop.kernels import persistent
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from speed import launching_ops, machine, top_level_ops  # one count of ops, one machine line
+
 HIDDEN, BATCH, STEPS, LAYERS = 16, 4, 35, 2
-#: Ops that make no new data (a GPU issues no kernel for them).
-VIEWS = {"t", "view", "reshape", "_reshape_alias", "_unsafe_view", "slice", "select", "unsqueeze", "squeeze",
-         "expand", "detach", "alias", "as_strided", "split", "split_with_sizes", "unbind", "transpose",
-         "permute", "flatten", "narrow"}
-
-
-class _OpCounter(TorchDispatchMode):
-    """Counts the torch ops dispatched inside it, by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def build(cell: str) -> torch.nn.Module:
@@ -91,15 +78,14 @@ def measure(cell: str, rounds: int) -> dict:
         layer.zero_grad(set_to_none=True)
         layer(x)[0].sum().backward()
 
-    step()
-    counter = _OpCounter()
-    with counter:
+    times = dict(forward_us=microseconds(forward, rounds), step_us=microseconds(step, rounds),
+                 mc_sample_us=microseconds(mc_sample, rounds))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:  # after the timing: it slows what follows
         step()
-    views = sum(n for name, n in counter.ops.items() if name in VIEWS)
-    return dict(cell=cell, forward_us=microseconds(forward, rounds), step_us=microseconds(step, rounds),
-                mc_sample_us=microseconds(mc_sample, rounds),
-                ops=sum(counter.ops.values()) - views, views=views,
-                by_op=dict(sorted(counter.ops.items(), key=lambda kv: -kv[1])))
+    launching = launching_ops(prof)
+    return dict(cell=cell, **times, ops=sum(launching.values()),
+                views=sum(top_level_ops(prof).values()) - sum(launching.values()),
+                by_op=dict(launching.most_common()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,9 +95,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds: expected a positive integer, got {args.rounds}")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from speed import machine  # the same machine line as speed.py
-
     torch.set_num_threads(1)
     print(f"{machine()}\nhost work of the 'triton' path, launches skipped: hidden {HIDDEN}, batch {BATCH}, "
           f"{STEPS} steps, {LAYERS} layers, tied masks, 1 thread, load average {os.getloadavg()[0]:.2f}")
@@ -122,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"{cell:4s} forward {row['forward_us']:6.0f} us   training step {row['step_us']:6.0f} us   "
                   f"Monte-Carlo sample {row['mc_sample_us']:5.0f} us   ops a step {row['ops']:3d} "
-                  f"(+ {row['views']} views)", flush=True)
+                  f"(+ {row['views']} views and allocations)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -498,7 +498,7 @@ def memory_setup() -> str:
 
 
 # Ops that only make views or allocate: no kernel launch on a GPU.
-_NO_LAUNCH = {
+NO_LAUNCH = {
     "aten::" + name
     for name in [
         "slice",
@@ -533,9 +533,8 @@ _NO_LAUNCH = {
 }
 
 
-def _launching_ops(prof) -> collections.Counter:
-    """Top-level ATen / oneDNN ops of a profile (an op called by another is part of it),
-    views and allocations left out: on a GPU each is one kernel launch."""
+def top_level_ops(prof) -> collections.Counter:
+    """Top-level ATen / oneDNN ops of a profile, by name (an op called by another is part of it)."""
 
     def nested(event) -> bool:
         parent = event.cpu_parent
@@ -546,10 +545,13 @@ def _launching_ops(prof) -> collections.Counter:
         return False
 
     return collections.Counter(
-        e.name
-        for e in prof.events()
-        if e.name.startswith(("aten::", "mkldnn::")) and e.name not in _NO_LAUNCH and not nested(e)
+        e.name for e in prof.events() if e.name.startswith(("aten::", "mkldnn::")) and not nested(e)
     )
+
+
+def launching_ops(prof) -> collections.Counter:
+    """:func:`top_level_ops` without views and allocations: on a GPU each is one kernel launch."""
+    return collections.Counter({name: n for name, n in top_level_ops(prof).items() if name not in NO_LAUNCH})
 
 
 def count_ops(
@@ -571,7 +573,7 @@ def count_ops(
             out = get_kernel(kernel, cell)(gates_x, [B] * steps, *rest)[0]
         with profile(activities=[ProfilerActivity.CPU]) as backward:
             out.backward(torch.ones_like(out))
-    return _launching_ops(forward), _launching_ops(backward)
+    return launching_ops(forward), launching_ops(backward)
 
 
 def print_op_counts() -> None:

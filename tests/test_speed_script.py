@@ -54,7 +54,8 @@ def test_host_cost_times_the_triton_path_on_the_cpu_with_launches_skipped(tmp_pa
     assert [r["cell"] for r in rows] == ["lstm", "gru"]
     for row in rows:
         assert row["mc_sample_us"] > 0 and 0 < row["forward_us"] < row["step_us"]
-        assert row["ops"] > 20 and row["views"] > 0 and row["by_op"]["rand"] == 1
+        assert row["ops"] > 20 and row["views"] > 0 and row["by_op"]["aten::rand"] == 1
+        assert not any(name in row["by_op"] for name in ("aten::view", "aten::t", "aten::empty"))
     bad = subprocess.run([sys.executable, str(HOST_COST), "--rounds", "0"], capture_output=True, text=True,
                          timeout=120, cwd=tmp_path)
     assert bad.returncode == 2 and "--rounds: expected a positive integer, got 0" in bad.stderr
