@@ -742,11 +742,11 @@ def plan(gates_x: Tensor, hidden: int, batch: int, projected: bool) -> Launch | 
 
 def _resident(hidden: int, units: int) -> bool:
     """Whether a program of ``units`` hidden units keeps its tiles of ``W_hh`` across steps:
-    ``tuning["resident"]``, else :data:`RESIDENT`, where the hidden size is at most
-    :data:`MAX_RESIDENT` and the tiles are at most ``4 x 256 x 16`` values."""
-    wanted = bool(tuning.get("resident", RESIDENT))
+    ``tuning["resident"]``, else :data:`RESIDENT`, where a gate's tile (one K block over the whole
+    hidden size, by ``units``) holds at most ``MAX_RESIDENT x 16`` values: hidden sizes up to
+    :data:`MAX_RESIDENT` with blocks of 16 units (``tl.dot``'s least)."""
     tile = units * _next_power_of_2(max(16, hidden))
-    return wanted and hidden <= MAX_RESIDENT and tile <= 16 * MAX_RESIDENT
+    return bool(tuning.get("resident", RESIDENT)) and tile <= MAX_RESIDENT * 16
 
 
 def _precision(x: Tensor) -> str:
