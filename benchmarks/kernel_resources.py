@@ -3,10 +3,13 @@
 Triton lowers a kernel to PTX and assembles it with its own ``ptxas`` on any machine; only loading
 the binary needs a GPU. This script compiles the LSTM and GRU loops, forward and backward, with the
 launch settings ``persistent.plan`` picks on a 132-multiprocessor Hopper GPU (an H100 / H200) for
-the shapes of ``benchmarks/speed.py`` (tied masks, float32 in TF32), and prints what ``ptxas -v``
-reports: registers a thread and bytes spilled to local memory, and the shared memory of a program.
-Spills inside the time loop cost every step; a change to the kernels can be checked here before a
-GPU times it.
+the shapes of ``benchmarks/speed.py`` (tied masks, float32 in TF32), specialised as Triton
+specialises a launch (every tensor 16-byte aligned, as torch allocates them; integers that are
+multiples of 16 marked so), and prints what ``ptxas -v`` reports: registers a thread and bytes
+spilled to local memory, the shared memory of a program, and how wide the loads from global memory
+are (``scalar``: loads and asynchronous copies of one 4-byte value, ``vector``: of 8 or 16 bytes).
+Spills inside the time loop cost every step, and so does each load instruction; a change to the
+kernels can be checked here before a GPU times it.
 
     python benchmarks/kernel_resources.py [--resident] [--stages N] [--json FILE]   # CPU; about 20 s
 
@@ -54,6 +57,28 @@ def signature(kernel, constexprs: dict) -> dict[str, str]:
     }
 
 
+def specialization(kernel, constexprs: dict, integers: dict[str, int]) -> dict:
+    """The attributes Triton gives a launch of ``kernel``: 16-byte alignment for every pointer (torch
+    allocates so) and for each integer of ``integers`` that is a multiple of 16 (other integers,
+    unknown here, get none)."""
+    names = list(inspect.signature(kernel.fn).parameters)
+    aligned = [name for name in names if name not in constexprs
+               and (name.endswith("_ptr") or integers.get(name, 1) % 16 == 0)]
+    return {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+
+
+def load_widths(ptx: str) -> tuple[int, int]:
+    """``(scalar, vector)``: global loads and asynchronous copies to shared memory of one 4-byte
+    value, and of 8 or 16 bytes, in ``ptx``."""
+    copy_sizes = re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*\], (0x[0-9a-f]+)", ptx)
+    copies = [int(size, 16) for size in copy_sizes]
+    loads = re.findall(r"\bld\.global(\S*)\s", ptx)  # the modifiers of each load: .v4.b32, .b32, ...
+    vector_loads = sum(".v2." in mods or ".v4." in mods for mods in loads)
+    scalar = sum(size == 4 for size in copies) + len(loads) - vector_loads
+    vector = sum(size > 4 for size in copies) + vector_loads
+    return scalar, vector
+
+
 def registers_and_spills(ptx: str) -> tuple[int, int]:
     """``(registers a thread, bytes spilled)`` that ``ptxas -v`` reports for ``ptx``."""
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as source:
@@ -75,26 +100,31 @@ def tiles_before_loop(ttgir: str) -> int:
     return len(re.findall(r"ttg\.local_alloc %", head))
 
 
-def loop_constexprs(cell: str, backward: bool, tiles: dict, mask_gates: int = 1) -> dict:
+def loop_constexprs(cell: str, backward: bool, tiles: dict, hidden: int, mask_gates: int = 1) -> dict:
     """The compile-time arguments of a loop launch: ``tiles`` (``BB``, ``BH``, ``BK``, ``RESIDENT``),
-    a mask (``mask_gates`` per gate), float32 in TF32, a grid barrier; what training passes."""
+    the vector width of ``hidden``, a mask (``mask_gates`` per gate), float32 in TF32, a grid barrier;
+    what training passes."""
     extra = dict(HAS_DOUT=True, NEED_DMASK=False) if backward else dict(SAVE=True)
     if cell == "gru" and not backward:
         extra["HAS_BIAS"] = True
-    return dict(MASK_GATES=mask_gates, HAS_MASK=True, SYNC=True, PRECISION="tf32", UPCAST=False, **tiles,
-                **extra)
+    return dict(VEC=persistent._vector(hidden), MASK_GATES=mask_gates, HAS_MASK=True, SYNC=True,
+                PRECISION="tf32", UPCAST=False, **tiles, **extra)
 
 
-def compile_loop(cell: str, backward: bool, constexprs: dict, warps: int, stages: int = 3) -> dict:
-    """Compile one loop for :data:`CAPABILITY` with a load pipeline ``stages`` deep: ``registers``,
-    ``spilled``, ``shared`` and ``tiles_before_loop``."""
+def compile_loop(cell: str, backward: bool, constexprs: dict, warps: int, stages: int = 3,
+                 integers: dict[str, int] | None = None) -> dict:
+    """Compile one loop for :data:`CAPABILITY` with a load pipeline ``stages`` deep, specialised for
+    the values ``integers`` of its integer arguments (:func:`specialization`): ``registers``,
+    ``spilled``, ``shared``, ``tiles_before_loop`` and the ``scalar`` and ``vector`` loads."""
     kernel = getattr(persistent, f"_{cell}_{'backward' if backward else 'forward'}")
-    source = ASTSource(kernel, signature(kernel, constexprs), constexprs=constexprs)
+    source = ASTSource(kernel, signature(kernel, constexprs), constexprs=constexprs,
+                       attrs=specialization(kernel, constexprs, integers or {}))
     compiled = triton.compile(source, target=GPUTarget("cuda", CAPABILITY, 32),
                               options=dict(num_warps=warps, num_stages=stages))
     registers, spilled = registers_and_spills(compiled.asm["ptx"])
+    scalar, vector = load_widths(compiled.asm["ptx"])
     return dict(registers=registers, spilled=spilled, shared=compiled.metadata.shared,
-                tiles_before_loop=tiles_before_loop(compiled.asm["ttgir"]))
+                tiles_before_loop=tiles_before_loop(compiled.asm["ttgir"]), scalar=scalar, vector=vector)
 
 
 class _OnHopper:
@@ -136,15 +166,17 @@ def main(argv: list[str] | None = None) -> int:
             for backward in (False, True):
                 tiles = persistent._tiles(how, batch, hidden, backward)
                 warps = persistent._warps(tiles["BB"], tiles["RESIDENT"])
-                constexprs = loop_constexprs(cell, backward, tiles)
-                found = compile_loop(cell, backward, constexprs, warps, args.stages)
+                constexprs = loop_constexprs(cell, backward, tiles, hidden)
+                integers = persistent._sizes(batch, hidden, 35 * batch)
+                found = compile_loop(cell, backward, constexprs, warps, args.stages, integers)
                 row = dict(cell=cell, hidden=hidden, batch=batch, backward=backward, programs=how.grid,
                            warps=warps, **tiles, **found)
                 rows.append(row)
                 print(f"{cell:4s} {hidden:5d} x {batch:<4d} {'backward' if backward else 'forward '} "
                       f"{how.grid:3d} programs, rows {tiles['BB']:3d}, K {tiles['BK']:3d}, {warps} warps"
                       f"{', resident' if tiles['RESIDENT'] else ''}: {row['registers']:3d} registers, "
-                      f"{row['spilled']:4d} bytes spilled, {row['shared'] // 1024:3d} KiB shared", flush=True)
+                      f"{row['spilled']:4d} bytes spilled, {row['shared'] // 1024:3d} KiB shared, loads "
+                      f"{row['scalar']:3d} scalar / {row['vector']:3d} vector", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -49,6 +49,7 @@ SETTINGS = (
     dict(resident=True), dict(resident=True, warps=4), dict(resident=True, row_blocks=1, warps=8),
     dict(resident=True, row_blocks=4, warps=8),
     dict(stages=4), dict(stages=6), dict(stages=6, warps=8),
+    dict(vector=1),  # rows of W_hh and of the states loaded value by value, as before VEC
 )
 STEPS, REPEATS = 35, 10
 
@@ -114,9 +115,11 @@ def sweep(device: torch.device, cell: str = "lstm") -> list[dict]:
             persistent.tuning.update(setting)
             how = persistent.plan(gates_x, hidden, batch, False)
             block_k, warps, stages = setting.get("block_k"), setting.get("warps"), setting.get("stages")
-            if how is None or (how, block_k, warps, stages) in seen:  # (row blocks that do not fit fall back)
+            vector = setting.get("vector")
+            # (row blocks that do not fit fall back to a setting already timed)
+            if how is None or (how, block_k, warps, stages, vector) in seen:
                 continue
-            seen.add((how, block_k, warps, stages))
+            seen.add((how, block_k, warps, stages, vector))
             try:
                 forward, backward = launches(cell, how, *inputs)
                 forward_ms, backward_ms = time_launches(forward, device), time_launches(backward, device)
@@ -125,13 +128,15 @@ def sweep(device: torch.device, cell: str = "lstm") -> list[dict]:
                       f"{str(error).splitlines()[0][:120]}", flush=True)
                 continue
             row = dict(cell=cell, hidden=hidden, batch=batch, units=how.units, row_blocks=how.row_blocks,
-                       block_k=block_k, warps=warps, resident=how.resident, stages=stages, programs=how.grid,
+                       block_k=block_k, warps=warps, resident=how.resident, stages=stages, vector=vector,
+                       programs=how.grid,
                        built_in=not setting, forward_ms=forward_ms, backward_ms=backward_ms,
                        us_per_step=(forward_ms + backward_ms) * 1e3 / (2 * (STEPS + 1)))
             rows.append(row)
             label = (f"{'built-in ' if row['built_in'] else ''}units {how.units:2d} x rows/{how.row_blocks}"
                      f", K {block_k or 'auto'}, warps {warps or 'auto'}"
-                     f"{', resident' if how.resident else ''}{f', {stages} stages' if stages else ''}")
+                     f"{', resident' if how.resident else ''}{f', {stages} stages' if stages else ''}"
+                     f"{f', vectors of {vector}' if vector else ''}")
             print(f"{cell:4s} {hidden:5d} {batch:4d}  {label:38s} programs {how.grid:3d}  forward "
                   f"{forward_ms:6.3f} ms  backward {backward_ms:6.3f} ms  {row['us_per_step']:6.1f} us/step",
                   flush=True)

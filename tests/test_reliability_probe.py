@@ -147,8 +147,9 @@ class _Loop:
 
 
 def _launch(kernel, resident, block_k):
-    return persistent._run(kernel, Launch(1, 16, resident=resident), 3, (torch.zeros(1),), False, B=4, H=200,
-                           N=12, BB=16, BK=block_k, MASK_GATES=1, RESIDENT=resident)
+    return persistent._run(kernel, Launch(1, 16, resident=resident), 3, (torch.zeros(1),), False,
+                           **persistent._sizes(4, 200, 12), BB=16, BK=block_k, MASK_GATES=1,
+                           RESIDENT=resident)
 
 
 def test_resident_tiles_that_do_not_fit_stream_w_hh_instead_and_are_not_tried_again(monkeypatch):
@@ -417,3 +418,15 @@ def test_cases_404_412_top_k_beyond_the_vocabulary_and_a_tiny_top_p_keep_the_lik
     assert torch.equal(truncated(probs, None, 1e-9), torch.tensor([0.0, 0.6, 0.0]))
     assert torch.equal(truncated(probs, 1, 1e-9), torch.tensor([0.0, 0.6, 0.0]))
     assert torch.equal(truncated(probs, None, 1.0), probs)
+
+
+def test_the_loops_get_the_hidden_size_as_a_multiple_of_its_widest_vector(monkeypatch):
+    """``H = H_VEC · VEC`` with ``VEC`` the largest power of two up to 16 dividing the hidden size
+    (Triton then loads rows in vectors); ``tuning["vector"]`` narrows it for a measurement."""
+    for hidden, vec in ((200, 8), (650, 2), (1500, 4), (1024, 16), (17, 1)):
+        assert persistent._sizes(20, hidden, 700) == dict(B=20, H_VEC=hidden // vec, N=700, VEC=vec)
+    monkeypatch.setitem(persistent.tuning, "vector", 1)
+    assert persistent._sizes(20, 200, 700)["VEC"] == 1
+    monkeypatch.setitem(persistent.tuning, "vector", 3)
+    with pytest.raises(ValueError, match=r'tuning\["vector"\] must be a power of two, got 3'):
+        persistent._sizes(20, 200, 700)

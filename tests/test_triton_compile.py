@@ -1,7 +1,7 @@
 """The persistent loops compiled for a Hopper GPU on a machine without one (tests/triton_compile.py,
 in a subprocess): every loop compiles, forward and backward, streaming ``W_hh`` or keeping its tiles
-resident; resident tiles sit in shared memory before the time loop, and no thread of a resident
-launch spills registers (8 warps)."""
+resident; resident tiles sit in shared memory before the time loop, no thread of a resident
+launch spills registers (8 warps), and streaming loops load rows in vectors."""
 
 import json
 import os
@@ -49,6 +49,15 @@ def test_resident_tiles_spill_no_registers(compiled):
     assert len(resident) == 8 and all(spilled == 0 for spilled in resident.values()), resident
 
 
+def test_streaming_loops_load_rows_in_vectors(compiled):
+    """At hidden 200 (``VEC`` 8: ``H = H_VEC · 8``) the loops that stream ``W_hh`` load its rows, the
+    masked states and the gates mostly in vectors, not value by value (told only that 200 is not a
+    multiple of 16, Triton loaded every one of them as a single 4-byte value)."""
+    streaming = {case: (r["scalar"], r["vector"]) for case, r in compiled.items() if "streaming" in case}
+    assert len(streaming) == 4
+    assert all(vector > scalar for scalar, vector in streaming.values()), streaming
+
+
 @pytest.mark.slow
 def test_kernel_resources_reports_every_planned_launch(tmp_path):
     """benchmarks/kernel_resources.py: every shape of speed.py, both cells and passes, the launch
@@ -65,4 +74,5 @@ def test_kernel_resources_reports_every_planned_launch(tmp_path):
     resident = {(r["hidden"], r["RESIDENT"]) for r in rows}
     assert resident == {(200, True), (650, False), (1500, False)}
     assert all(r["registers"] > 0 and r["spilled"] >= 0 and r["shared"] > 0 for r in rows)
-    assert "bytes spilled" in done.stdout
+    assert all(r["vector"] > 0 for r in rows)  # every planned hidden size is even
+    assert "bytes spilled" in done.stdout and "vector" in done.stdout

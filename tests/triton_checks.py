@@ -136,6 +136,26 @@ def test_persistent_loop_over_several_programs_matches_reference(kind, device, m
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_every_vector_width_of_the_hidden_size_matches_reference(kind, device, monkeypatch):
+    """Hidden sizes whose largest power-of-two divisor (the loops' ``VEC``: rows of ``W_hh``, of the
+    gates and of the masked states loaded in vectors of that many values) is 1, 2, 4, 8 and 16, over
+    three programs of 16 units, tied and per-gate masks (masked states ``G·H`` values a row), both
+    directions, at 1e-5 in float32."""
+    calls = persistent_calls(monkeypatch)
+    hidden_sizes = (17, 18, 20, 24, 48)
+    assert [persistent._vector(H) for H in hidden_sizes] == [1, 2, 4, 8, 16]
+    with persistent.launched_as(persistent.Launch(3, 16, per_step=device.type != "cuda")):
+        for H in hidden_sizes:
+            for mask_shape, reverse in (((1, "B", "P"), False), (("T", "B", "G", "P"), True)):
+                batch_sizes = [4, 3, 3, 1]
+                args = inputs(kind, batch_sizes, mask_shape, 0, device, torch.float32, True, H=H)
+                ours = run("triton", kind, batch_sizes, args, reverse)
+                assert_close(ours, run("autograd", kind, batch_sizes, args, reverse), atol=1e-5, rtol=1e-5,
+                             msg=f"{kind} H {H} mask {mask_shape}")
+    assert calls.count(f"_{kind}_forward") == calls.count(f"_{kind}_backward") == 2 * len(hidden_sizes)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_persistent_loop_over_blocks_of_rows_matches_reference(kind, device, monkeypatch):
     """Two blocks of 16 rows times three blocks of 16 units (20 sequences, 40 units: the last block
     of each runs past the end), packed sequences that leave the second row block before the end,

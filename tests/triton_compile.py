@@ -44,7 +44,7 @@ def main() -> None:
         record: dict = dict(case=name, ok=False, error=None)
         warps = resources.persistent._warps(tiles["BB"], tiles["RESIDENT"])
         try:
-            constexprs = resources.loop_constexprs(cell, backward, tiles, mask_gates)
+            constexprs = resources.loop_constexprs(cell, backward, tiles, 200, mask_gates)
             if backward:
                 constexprs["NEED_DMASK"] = True  # the mask's gradient written too
             record.update(ok=True, **resources.compile_loop(cell, backward, constexprs, warps))

@@ -41,6 +41,14 @@ the step kernel), and from then on that device runs the step kernel. With one pr
 to wait for, which is how Triton's interpreter (programs one after another) runs it on CPU;
 ``per_step=True`` instead launches the same body once per step, several programs without a
 barrier, so that the slicing over programs is tested on CPU too.
+
+The hidden size reaches the loops as ``H = H_VEC · VEC`` with ``VEC`` a compile-time power of two
+dividing it (:func:`_vector`): Triton then knows every row of ``W_hh``, of the masked states and of
+the gates starts on a multiple of ``VEC`` values, and loads them in vectors (16 bytes where ``VEC``
+is 4 or more) instead of one value at a time; an integer argument alone tells it only whether the
+value is a multiple of 16, which 200, 650 or 1500 are not. The masked states ``m`` (and their
+gradients) are the loop's own buffers, laid out ``[N, (G,) H]``, so their row strides follow from
+``H`` and need no argument.
 """
 
 from __future__ import annotations
@@ -94,6 +102,14 @@ RESIDENT = False
 #: variant for each value that is 1 or a multiple of 16): the steps run (variable-length BPTT) and
 #: the rows of the sequence.
 _RUN_TIME_INTS = ["s_begin", "s_end", "N"]
+#: The widest vector a row's length is declared a multiple of (16 bfloat16 values; 4 float32 values
+#: already fill the 16 bytes of a load).
+MAX_VECTOR = 16
+
+
+def _vector(hidden: int) -> int:
+    """``VEC`` of the loops: the largest power of two up to :data:`MAX_VECTOR` dividing ``hidden``."""
+    return min(hidden & -hidden, MAX_VECTOR)
 
 
 @triton.jit
@@ -136,6 +152,14 @@ def _block(B, H, BB: tl.constexpr, BH: tl.constexpr):
     ks = (tl.program_id(0) // unit_blocks) * BB + tl.arange(0, BB)
     cols = (tl.program_id(0) % unit_blocks) * BH + tl.arange(0, BH)
     return ks, cols, (ks < B)[:, None] & (cols < H)[None, :], ks[:, None] * H + cols[None, :]
+
+
+@triton.jit
+def _row_lengths(H_VEC, VEC: tl.constexpr, MASK_GATES: tl.constexpr):
+    """``(H, row stride, gate stride)`` of the hidden size ``H = H_VEC · VEC`` and of the masked
+    states ``[N, (MASK_GATES,) H]``, each known to the compiler as a multiple of ``VEC``."""
+    H = H_VEC * VEC
+    return H, MASK_GATES * H, H
 
 
 @triton.jit
@@ -308,15 +332,17 @@ def _store_gates(ptr, off, ks, cols, H, live, g0, g1, g2, g3, GATES: tl.constexp
 
 @triton.jit(do_not_specialize=_RUN_TIME_INTS)
 def _lstm_forward(
-    gx_ptr, w_ptr, h0_ptr, c0_ptr, mask_ptr, mask_row, mask_gate, table_ptr, m_ptr, m_row, m_gate,
-    acts_ptr, cells_ptr, out_ptr, h_state_ptr, c_state_ptr, counter_ptr, s_begin, s_end, B, H, N,
-    MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, SAVE: tl.constexpr, SYNC: tl.constexpr,
+    gx_ptr, w_ptr, h0_ptr, c0_ptr, mask_ptr, mask_row, mask_gate, table_ptr, m_ptr,
+    acts_ptr, cells_ptr, out_ptr, h_state_ptr, c_state_ptr, counter_ptr, s_begin, s_end, B, H_VEC, N,
+    VEC: tl.constexpr, MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, SAVE: tl.constexpr,
+    SYNC: tl.constexpr,
     RESIDENT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr,
     BK: tl.constexpr,
 ):
     """Steps ``s_begin .. s_end - 1``; ``h_state``/``c_state`` carry the state between launches of
     one step each (their values are read only for rows that have run a step: any at the first).
     ``SAVE``: whether the gates and cells backward reads are written."""
+    H, m_row, m_gate = _row_lengths(H_VEC, VEC, MASK_GATES)
     ks, cols, batch, state = _block(B, H, BB, BH)
     h_reg = tl.load(h_state_ptr + state, mask=batch, other=0.0)
     c_reg = tl.load(c_state_ptr + state, mask=batch, other=0.0)
@@ -355,13 +381,15 @@ def _lstm_forward(
 
 @triton.jit(do_not_specialize=_RUN_TIME_INTS)
 def _gru_forward(
-    gx_ptr, w_ptr, b_hh_ptr, h0_ptr, mask_ptr, mask_row, mask_gate, table_ptr, m_ptr, m_row, m_gate,
-    acts_ptr, a_n_ptr, out_ptr, h_state_ptr, counter_ptr, s_begin, s_end, B, H, N,
-    MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, SAVE: tl.constexpr,
+    gx_ptr, w_ptr, b_hh_ptr, h0_ptr, mask_ptr, mask_row, mask_gate, table_ptr, m_ptr,
+    acts_ptr, a_n_ptr, out_ptr, h_state_ptr, counter_ptr, s_begin, s_end, B, H_VEC, N,
+    VEC: tl.constexpr, MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SAVE: tl.constexpr,
     SYNC: tl.constexpr, RESIDENT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
 ):
     """Steps ``s_begin .. s_end - 1`` (``h_state`` and ``SAVE`` as in :func:`_lstm_forward`)."""
+    H, m_row, m_gate = _row_lengths(H_VEC, VEC, MASK_GATES)
     ks, cols, batch, state = _block(B, H, BB, BH)
     h_reg = tl.load(h_state_ptr + state, mask=batch, other=0.0)
     h0 = tl.load(h0_ptr + state, mask=batch, other=0.0).to(tl.float32)
@@ -536,13 +564,15 @@ def _backward_inputs(table_ptr, s, acts_ptr, here_ptr, prev_ptr, d_out_ptr, mask
 @triton.jit(do_not_specialize=_RUN_TIME_INTS)
 def _lstm_backward(
     d_out_ptr, w_ptr, c0_ptr, mask_ptr, mask_row, mask_gate, table_ptr, acts_ptr, cells_ptr,
-    dz_ptr, d_masked_ptr, dm_row, dm_gate, carry_ptr, dc_ptr, dh0_ptr, dc0_ptr, counter_ptr, s_begin, s_end,
-    B, H, N,
-    MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOUT: tl.constexpr, NEED_DMASK: tl.constexpr,
+    dz_ptr, d_masked_ptr, carry_ptr, dc_ptr, dh0_ptr, dc0_ptr, counter_ptr, s_begin, s_end,
+    B, H_VEC, N,
+    VEC: tl.constexpr, MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOUT: tl.constexpr,
+    NEED_DMASK: tl.constexpr,
     SYNC: tl.constexpr, RESIDENT: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
 ):
     """Steps ``s_end - 1`` down to ``s_begin``."""
+    H, dm_row, dm_gate = _row_lengths(H_VEC, VEC, MASK_GATES)
     ks, cols, batch, state = _block(B, H, BB, BH)
     carry = tl.load(carry_ptr + state, mask=batch, other=0.0)
     dc_reg = tl.load(dc_ptr + state, mask=batch, other=0.0)
@@ -581,12 +611,14 @@ def _lstm_backward(
 @triton.jit(do_not_specialize=_RUN_TIME_INTS)
 def _gru_backward(
     d_out_ptr, w_ptr, h0_ptr, mask_ptr, mask_row, mask_gate, table_ptr, acts_ptr, a_n_ptr, out_ptr,
-    da_ptr, dn_ptr, d_masked_ptr, dm_row, dm_gate, carry_ptr, dh0_ptr, counter_ptr, s_begin, s_end, B, H, N,
-    MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOUT: tl.constexpr, NEED_DMASK: tl.constexpr,
+    da_ptr, dn_ptr, d_masked_ptr, carry_ptr, dh0_ptr, counter_ptr, s_begin, s_end, B, H_VEC, N,
+    VEC: tl.constexpr, MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOUT: tl.constexpr,
+    NEED_DMASK: tl.constexpr,
     SYNC: tl.constexpr, RESIDENT: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
 ):
     """Steps ``s_end - 1`` down to ``s_begin``."""
+    H, dm_row, dm_gate = _row_lengths(H_VEC, VEC, MASK_GATES)
     ks, cols, batch, state = _block(B, H, BB, BH)
     carry = tl.load(carry_ptr + state, mask=batch, other=0.0)
     h0 = tl.load(h0_ptr + state, mask=batch, other=0.0).to(tl.float32)
@@ -784,6 +816,18 @@ def _step_table(schedule: Schedule, mask: Tensor | None, device: torch.device) -
     return table
 
 
+def _sizes(batch: int, hidden: int, rows: int) -> dict[str, int]:
+    """The loops' size arguments: ``B``, the hidden size as ``H_VEC`` times ``VEC`` (:func:`_vector`),
+    and ``N``."""
+    vec = _vector(hidden)
+    if "vector" in tuning:  # a measurement's narrower vectors (1: every row loaded value by value)
+        widest = tuning["vector"]
+        if not (isinstance(widest, int) and widest >= 1 and widest & (widest - 1) == 0):
+            raise ValueError(f'tuning["vector"] must be a power of two, got {widest!r}')
+        vec = min(vec, widest)
+    return dict(B=batch, H_VEC=hidden // vec, N=rows, VEC=vec)
+
+
 def _mask_strides(mask: Tensor | None) -> tuple[int, int]:
     """``(row stride, gate stride)`` of a contiguous ``[T', B', (G,) P]`` mask; 0 where shared."""
     if mask is None:
@@ -874,7 +918,7 @@ def _counter(device: torch.device, pooled: bool) -> Tensor:
 
 #: Launch settings a measurement may set (``benchmarks/persistent_tuning.py``): ``units``,
 #: ``row_blocks``, ``block_k``, ``warps``, ``resident``, ``stages`` (the deepest load pipeline
-#: tried, instead of :data:`_STAGES`); empty in normal use.
+#: tried, instead of :data:`_STAGES`), ``vector`` (the widest ``VEC``); empty in normal use.
 tuning: dict[str, int] = {}
 
 
@@ -936,7 +980,7 @@ def _run(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constex
     else:
         _stages[key] = 0
         if constexprs["RESIDENT"]:  # resident tiles do not fit beside the loads: stream W_hh, as before
-            block_k = _block_k(constexprs["H"], constexprs["BB"], backward)
+            block_k = _block_k(constexprs["H_VEC"] * constexprs["VEC"], constexprs["BB"], backward)
             streaming = dict(constexprs, RESIDENT=False, BK=block_k)
             return _run(kernel, how._replace(resident=False), steps, args, backward, **streaming)
         return "its loads do not fit in shared memory even unpipelined"
@@ -1017,10 +1061,9 @@ def lstm_forward(how: Launch, schedule: Schedule, gates_x, h0, c0, w_hh, mask, k
     h_state, c_state = torch.empty(B, H, device=device), torch.empty(B, H, device=device)
     table = _step_table(schedule, mask, device)
     mask_row, mask_gate = _mask_strides(mask)
-    m_row, m_gate = masked.stride(0), (masked.stride(1) if G > 1 else 0)
-    args = (gates_x, w_hh, h0, c0, h0 if mask is None else mask, mask_row, mask_gate, table, masked, m_row,
-            m_gate, out if acts is None else acts, out if cells is None else cells, out, h_state, c_state)
-    failure = _run(_lstm_forward, how, len(schedule.steps) + 1, args, False, B=B, H=H, N=N, MASK_GATES=G,
+    args = (gates_x, w_hh, h0, c0, h0 if mask is None else mask, mask_row, mask_gate, table, masked,
+            out if acts is None else acts, out if cells is None else cells, out, h_state, c_state)
+    failure = _run(_lstm_forward, how, len(schedule.steps) + 1, args, False, **_sizes(B, H, N), MASK_GATES=G,
               HAS_MASK=mask is not None, SAVE=keep, PRECISION=_precision(gates_x), **_tiles(how, B, H, False))
     if failure is not None:
         gave_up(device, failure)
@@ -1048,8 +1091,8 @@ def lstm_backward(how: Launch, schedule: Schedule, needs: Sequence[bool], saved,
     mask_row, mask_gate = _mask_strides(s.mask)
     args = (s.acts if d_out is None else d_out, s.w_hh, s.c0, s.h0 if s.mask is None else s.mask, mask_row,
             mask_gate, _step_table(schedule, s.mask, device), s.acts, s.cells, d_gates, dm_target,
-            dm_target.stride(0), dm_target.stride(1) if G > 1 else 0, carry, dc, dh0, dc0)
-    failure = _run(_lstm_backward, how, len(schedule.steps) + 1, args, True, B=B, H=H, N=N, MASK_GATES=G,
+            carry, dc, dh0, dc0)
+    failure = _run(_lstm_backward, how, len(schedule.steps) + 1, args, True, **_sizes(B, H, N), MASK_GATES=G,
               HAS_MASK=s.mask is not None, HAS_DOUT=d_out is not None, NEED_DMASK=need_dmask,
               PRECISION=_precision(s.acts), **_tiles(how, B, H, True))
     if failure is not None:
@@ -1071,10 +1114,9 @@ def gru_forward(how: Launch, schedule: Schedule, gates_x, h0, w_hh, b_hh, mask, 
     h_state = torch.empty(B, H, device=device)  # as in lstm_forward
     mask_row, mask_gate = _mask_strides(mask)
     args = (gates_x, w_hh, h0 if b_hh is None else b_hh, h0, h0 if mask is None else mask, mask_row,
-            mask_gate, _step_table(schedule, mask, device), masked, masked.stride(0),
-            masked.stride(1) if G > 1 else 0, out if acts is None else acts, out if a_n is None else a_n, out,
-            h_state)
-    failure = _run(_gru_forward, how, len(schedule.steps) + 1, args, False, B=B, H=H, N=N, MASK_GATES=G,
+            mask_gate, _step_table(schedule, mask, device), masked, out if acts is None else acts,
+            out if a_n is None else a_n, out, h_state)
+    failure = _run(_gru_forward, how, len(schedule.steps) + 1, args, False, **_sizes(B, H, N), MASK_GATES=G,
               HAS_MASK=mask is not None, HAS_BIAS=b_hh is not None, SAVE=keep, PRECISION=_precision(gates_x),
               **_tiles(how, B, H, False))
     if failure is not None:
@@ -1101,8 +1143,8 @@ def gru_backward(how: Launch, schedule: Schedule, needs: Sequence[bool], saved, 
     mask_row, mask_gate = _mask_strides(s.mask)
     args = (s.acts if d_out is None else d_out, s.w_hh, s.h0, s.h0 if s.mask is None else s.mask, mask_row,
             mask_gate, _step_table(schedule, s.mask, device), s.acts, s.a_n, s.out, d_a, d_n, dm_target,
-            dm_target.stride(0), dm_target.stride(1) if G > 1 else 0, carry, dh0)
-    failure = _run(_gru_backward, how, len(schedule.steps) + 1, args, True, B=B, H=H, N=N, MASK_GATES=G,
+            carry, dh0)
+    failure = _run(_gru_backward, how, len(schedule.steps) + 1, args, True, **_sizes(B, H, N), MASK_GATES=G,
               HAS_MASK=s.mask is not None, HAS_DOUT=d_out is not None, NEED_DMASK=need_dmask,
               PRECISION=_precision(s.acts), **_tiles(how, B, H, True))
     if failure is not None:
