@@ -98,6 +98,11 @@ timeout 60 $PY benchmarks/speed.py --device cuda --shapes small,medium --batch 2
     --kernels triton --rounds ${ROUNDS:-8} --json "$OUT/gpu-speed-mc.json" 2>>"$OUT/speed.err" \
     >"$OUT/gpu-speed-mc.txt"
 grep -E "^(lstm|gru) .*(sequence/triton|batch)" "$OUT/gpu-speed-mc.txt"
+step "Monte-Carlo prediction through rnndrop.mc (20 samples a call, stacked), per sample, against cuDNN's inference"
+timeout 60 $PY benchmarks/speed.py --device cuda --shapes small,medium --batch 20,64 --mode mc-predict \
+    --samples 20 --kernels triton --variants sequence/triton,batch/fused --rounds ${ROUNDS:-8} \
+    --json "$OUT/gpu-speed-mc-predict.json" 2>>"$OUT/speed.err" >"$OUT/gpu-speed-mc-predict.txt"
+grep -E "^(lstm|gru) .*(sequence/triton|batch)" "$OUT/gpu-speed-mc-predict.txt"
 }
 
 profile() {

@@ -4,6 +4,7 @@
     python benchmarks/speed.py --shapes large --models lstm --rounds 5
     python benchmarks/speed.py --device cuda --shapes small,medium,large --batch 20,64,128 --json speed.json
     python benchmarks/speed.py --mode mc-eval                # Monte-Carlo prediction: forward only
+    python benchmarks/speed.py --mode mc-predict --samples 20  # ... through rnndrop.mc, per sample
 
 Every variant runs forward + backward of ``out.sum()`` in training mode on the
 Zaremba et al. (2014) shapes: batch 20 (``--batch``: one or more), 35 steps, 2 layers, input
@@ -37,7 +38,12 @@ size = hidden size (small 200, medium 650, large 1500), float32. Variants, for t
 
 ``--mode mc-eval`` times what Monte-Carlo prediction runs instead: the forward pass alone under
 ``torch.no_grad()``, the dropout modules in training mode so that every call draws fresh masks,
-against the baseline's forward under ``no_grad``; memory is not measured then.
+against the baseline's forward under ``no_grad``; memory is not measured then. ``--mode
+mc-predict`` times Monte-Carlo prediction as a user runs it: each variant's call draws ``--samples``
+samples through ``rnndrop.mc.mc_predict`` (stacked into one forward of that many copies of the
+batch where the masks are per sequence, a call a sample where a mask is shared by the batch) and
+its time is divided by them, against one inference forward of the baseline: the time a sample of
+uncertainty costs next to a point prediction.
 
 Timing: warm-up calls, then interleaved rounds; every round runs the variants once each
 in a fresh random order, so load from other processes hits all of them alike. A
@@ -83,6 +89,7 @@ from rnndrop import VariationalGRU, VariationalLSTM
 from rnndrop.kernels import KERNELS, auto_loop_kernel, cuda_graphs, get_kernel
 from rnndrop.kernels.onednn import onednn_enabled
 from rnndrop.kernels.precision import cudnn_rnn_tf32, matmul_precision
+from rnndrop.mc import mc_predict
 
 try:
     from rnndrop.weight_drop import WeightDrop
@@ -173,7 +180,17 @@ def mc_eval_step(module: nn.Module, x: torch.Tensor) -> None:
         module(x)
 
 
-STEPS = {"train": train_step, "mc-eval": mc_eval_step}
+def mc_predict_step(module: nn.Module, x: torch.Tensor, samples: int) -> None:
+    """``samples`` Monte-Carlo samples as a user draws them, through :func:`rnndrop.mc.mc_predict`:
+    stacked into one forward call of ``samples`` copies of the batch where the masks are drawn per
+    sequence, one call a sample where a mask is shared by the batch (its ``method="auto"``), then
+    summarised (mean and variance of the outputs)."""
+    mc_predict(module, x, n_samples=samples, task="regression", batch_dim=1, chunk_size=samples)
+
+
+#: What a call of each mode runs (``mc-predict``: the baseline's call; the variants run
+#: :func:`mc_predict_step`).
+STEPS = {"train": train_step, "mc-eval": mc_eval_step, "mc-predict": mc_eval_step}
 
 
 @contextlib.contextmanager
@@ -296,9 +313,13 @@ def bench_shape(
     x = torch.randn(args.seq_len, batch, hidden, device=device)
     held = {name: graph_whole_layer(m, x) for name, m in variants.items() if name.endswith(WHOLE_GRAPH)}
     step_fn = STEPS[args.mode]
-    calls = {name: with_switches(name, lambda m=m: step_fn(m, x)) for name, m in variants.items()}
     names = list(variants)
     baseline = names[0]
+    # mc-predict: a variant's call draws --samples samples, the baseline's is one inference forward
+    samples = {name: args.samples if args.mode == "mc-predict" and name != baseline else 1 for name in names}
+    calls = {name: with_switches(name, (lambda m=m, n=samples[name]: mc_predict_step(m, x, n))
+                                 if samples[name] > 1 else (lambda m=m: step_fn(m, x)))
+             for name, m in variants.items()}
 
     first = {}
     for name in names:
@@ -323,6 +344,9 @@ def bench_shape(
             variants[name].zero_grad(set_to_none=True)
             times[name].append(timed(calls[name], device))
     load_after = os.getloadavg()[0]
+    for name in names:  # per sample
+        first[name] /= samples[name]
+        times[name] = [t / samples[name] for t in times[name]]
     memory = {}
     if args.memory and args.mode == "train":
         memory = {name: with_switches(name, lambda m=variants[name]: saved_bytes(m, x))() for name in names}
@@ -348,6 +372,7 @@ def bench_shape(
             first_call_s=first[name],
             times_s=times[name],
             load=[load_before, load_after],
+            samples_per_call=samples[name],
         )
         if name in held:
             row["graph_memory_bytes"] = held[name]
@@ -610,7 +635,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--p", type=float, default=0.5, help="every dropout probability")
     parser.add_argument("--mode", default="train", choices=sorted(STEPS),
-                        help="train: forward + backward (default); mc-eval: forward, fresh masks, no grad")
+                        help="train: forward + backward (default); mc-eval: forward, fresh masks, no grad; "
+                             "mc-predict: --samples samples through rnndrop.mc.mc_predict, time per sample")
+    parser.add_argument("--samples", type=int, default=20,
+                        help="mc-predict: Monte-Carlo samples a call draws (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="calls per variant before timing")
     parser.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
@@ -658,6 +686,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.variants = [v for v in args.variants.split(",") if v]
     if args.rounds < 1 or args.warmup < 1:
         parser.error("--rounds and --warmup must be at least 1")
+    if args.samples < 1:
+        parser.error(f"--samples: expected a positive integer, got {args.samples}")
     return args
 
 
@@ -705,6 +735,9 @@ def _run(argv: list[str] | None = None) -> None:
                 print(f"{r['variant']}: {r['ratio_to_graphed_baseline']:.2f}x {r['model']}'s baseline "
                       "replayed "
                       "from CUDA graphs too (the GPU's time alone)", flush=True)
+        if args.mode == "mc-predict":
+            print(f"mc-predict: times per sample; each variant's call drew {args.samples} samples through "
+                  "rnndrop.mc.mc_predict, the baseline's call is one inference forward", flush=True)
         loads = shape_rows[0]["load"]
         print(f"load average during timing: {loads[0]:.2f} -> {loads[1]:.2f}\n", flush=True)
     if device.type == "cuda":

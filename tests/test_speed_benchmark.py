@@ -194,3 +194,27 @@ def test_the_persistent_plan_of_a_shape_is_named_on_cuda_and_nothing_elsewhere(s
     assert speed.persistent_plan(on_cuda, 128) == "; persistent loop: 41 x 2 programs of 16 units x 64 rows"
     monkeypatch.setattr(persistent, "_multiprocessors", lambda device: 4)  # 650 units do not fit
     assert speed.persistent_plan(on_cuda, 128) == "; persistent loop: no (the step kernel runs)"
+
+
+def test_mc_predict_mode_times_samples_through_mc_predict_per_sample(speed, capsys, monkeypatch, tmp_path):
+    """``--mode mc-predict``: each variant's call draws ``--samples`` samples through
+    ``rnndrop.mc.mc_predict`` (the baseline's call is one inference forward), and every time is per
+    sample."""
+    monkeypatch.setitem(speed.SHAPES, "small", 8)
+    drawn, real = [], speed.mc_predict
+
+    def spy(module, x, **kwargs):
+        drawn.append(kwargs["n_samples"])
+        return real(module, x, **kwargs)
+
+    monkeypatch.setattr(speed, "mc_predict", spy)
+    out = tmp_path / "speed.json"
+    speed.main(["--shapes", "small", "--models", "lstm", "--kernels", "manual", "--batch", "2",
+                "--seq-len", "3", "--rounds", "2", "--warmup", "1", "--mode", "mc-predict", "--samples", "3",
+                "--variants", "sequence/manual", "--json", str(out)])
+    rows = {r["variant"].rstrip("*"): r for r in json.loads(out.read_text())["results"]}
+    assert drawn == [3, 3, 3]  # the variant alone draws: its first call, then one a round
+    assert rows["nn.LSTM"]["samples_per_call"] == 1 and rows["sequence/manual"]["samples_per_call"] == 3
+    assert "times per sample" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        speed.parse_args(["--mode", "mc-predict", "--samples", "0"])
