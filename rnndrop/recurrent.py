@@ -513,10 +513,12 @@ class VariationalRNNStack(Stochastic):
         if masks is not None:
             masks = self._given_masks(masks, layout, x)
         elif self.training and self._has_dropout():
-            # Fresh masks are i.i.d. over the batch: they need no sorting. They are checked like
-            # given ones, so that a _draw_mask hook that draws a wrong shape fails here.
+            # Fresh masks are i.i.d. over the batch: they need no sorting. A _draw_mask hook's are
+            # checked like given ones, so that one that draws a wrong shape fails here; the built-in
+            # draw gives every site its shape, dtype and device by construction.
             masks = self.sample_masks(layout.batch_size, layout.seq_len, device=x.device, dtype=x.dtype)
-            masks.check(self._geometry, layout.batch_size, layout.seq_len, x)
+            if type(self)._draw_mask is not draw_mask:
+                masks.check(self._geometry, layout.batch_size, layout.seq_len, x)
         if masks is not None and masks.is_empty():
             masks = None
         raw: list[Tensor] = []

@@ -10,7 +10,14 @@ import pytest
 import torch
 from torch import nn
 
-from rnndrop import EmbeddingDropout, LockedDropout, VariationalLSTM, WeightDrop, bernoulli_mask
+from rnndrop import (
+    EmbeddingDropout,
+    LockedDropout,
+    VariationalGRU,
+    VariationalLSTM,
+    WeightDrop,
+    bernoulli_mask,
+)
 from rnndrop.noise import MaskSite, draw_mask, draw_masks
 from rnndrop.validation import check_bool, check_finite_float, check_positive_int, check_probability
 
@@ -204,3 +211,30 @@ def test_the_masks_of_one_draw_are_independent_and_keep_one_minus_p():
         assert abs(float((m > 0).float().mean()) - 0.5) < 0.01
     agree = float(((a > 0) == (b > 0)).float().mean())
     assert abs(agree - 0.5) < 0.01 and not torch.equal(b, c)
+
+
+def test_a_draw_mask_hook_that_draws_a_wrong_shape_fails_in_forward():
+    """Masks a ``_draw_mask`` hook draws are checked in ``forward`` like given ones."""
+
+    class Wrong(VariationalLSTM):
+        @staticmethod
+        def _draw_mask(site, noise, *, device, dtype, generator):
+            mask = draw_mask(site, noise, device=device, dtype=dtype, generator=generator)
+            return None if mask is None else mask[..., :-1]
+
+    with pytest.raises(ValueError, match=r"masks\.hidden\[0\] must have shape \[2, 4\]"):
+        Wrong(3, 4, dropout_hidden=0.5).train()(torch.randn(5, 2, 3))
+
+
+@pytest.mark.parametrize("scope", ["sequence", "step", "batch"])
+@pytest.mark.parametrize("per_gate", [False, True])
+def test_masks_the_layer_draws_itself_pass_the_check_given_masks_get(scope, per_gate):
+    """``forward`` does not check the masks its built-in draw made (their shapes, dtype and device
+    are right by construction): every scope, per-gate or not, two layers both ways, float64."""
+    for cls in (VariationalLSTM, VariationalGRU):
+        layer = cls(3, 4, num_layers=2, bidirectional=True, mask_scope=scope, per_gate_masks=per_gate,
+                    dropout=0.3, dropout_input=0.2, dropout_hidden=0.5, dropout_output=0.4,
+                    dtype=torch.float64)
+        x = torch.randn(5, 2, 3, dtype=torch.float64)
+        masks = layer.sample_masks(2, 5, dtype=torch.float64)
+        masks.check(layer._geometry, 2, 5, x)
