@@ -62,3 +62,27 @@ def test_the_switch_is_put_back_when_the_block_raises(flags):
     with pytest.raises(KeyError), products_as_cudnn(CUDA_FLOAT32):
         raise KeyError("inside")
     assert matmul_precision() == "ieee"
+
+
+@pytest.mark.skipif(not hasattr(torch.backends.cudnn, "rnn"), reason="torch < 2.9: no precision API")
+def test_the_direct_reads_agree_with_torchs_properties(flags):
+    """The two readers call torch's precision getter directly; they answer as the properties would,
+    whichever of the RNN entry, cuDNN's, cuBLAS's and the global one is set."""
+    cudnn, generic, matmul = torch.backends.cudnn, torch.backends, torch.backends.cuda.matmul
+    before = cudnn.rnn.fp32_precision, cudnn.fp32_precision, generic.fp32_precision, matmul.fp32_precision
+    try:
+        for rnn in ("none", "tf32", "ieee"):
+            for everything in ("none", "tf32", "ieee"):
+                for default in ("tf32", "ieee"):
+                    for products in ("none", "tf32", "ieee"):
+                        generic.fp32_precision = default
+                        cudnn.fp32_precision, cudnn.rnn.fp32_precision = everything, rnn
+                        matmul.fp32_precision = products
+                        modes = [m for m in (cudnn.rnn.fp32_precision, cudnn.fp32_precision,
+                                             generic.fp32_precision) if m != "none"]
+                        assert cudnn_rnn_tf32() is (modes[:1] == ["tf32"])
+                        cublas = matmul.fp32_precision
+                        assert matmul_precision() == (cublas if cublas != "none" else generic.fp32_precision)
+    finally:
+        (cudnn.rnn.fp32_precision, cudnn.fp32_precision, generic.fp32_precision,
+         matmul.fp32_precision) = before

@@ -24,17 +24,22 @@ from torch import Tensor
 __all__ = ["cudnn_rnn_tf32", "matmul_precision", "products_as_cudnn"]
 
 
+#: torch's getter of its precision API (torch >= 2.9), called directly: the properties
+#: ``torch.backends.cuda.matmul.fp32_precision``, ``torch.backends.cudnn.rnn.fp32_precision`` and the
+#: others call it with these ``(backend, op)`` pairs through several Python layers, and every
+#: Triton-kernel call reads them a few times on a host-bound path.
+_precision_of = getattr(torch._C, "_get_fp32_precision_getter", None)
+
+
 def matmul_precision() -> str:
     """How cuBLAS runs float32 products now: "ieee", "tf32" (``allow_tf32``,
     ``set_float32_matmul_precision("high")``, ``fp32_precision = "tf32"``) or "bf16". Read through
     ``fp32_precision`` where torch has it: the legacy getters raise once the new API was used."""
-    matmul = torch.backends.cuda.matmul
-    try:
-        mode = matmul.fp32_precision
-    except AttributeError:  # torch < 2.9: the legacy switch only
-        return "tf32" if matmul.allow_tf32 else "ieee"
-    if mode == "none":  # unset: the global default
-        mode = torch.backends.fp32_precision
+    if _precision_of is None:  # torch < 2.9: the legacy switch only
+        return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    mode = _precision_of("cuda", "matmul")  # torch.backends.cuda.matmul.fp32_precision
+    if mode == "none":  # unset: the global default, torch.backends.fp32_precision
+        mode = _precision_of("generic", "all")
     return "ieee" if mode == "none" else mode
 
 
@@ -43,15 +48,13 @@ def cudnn_rnn_tf32() -> bool:
 
     Read from the RNN entry of torch's precision API where torch has it, which never raises
     (``torch.backends.cudnn.allow_tf32`` does once cuDNN's convolutions and RNNs were set apart)."""
-    cudnn = torch.backends.cudnn
-    try:
-        mode = cudnn.rnn.fp32_precision
-    except AttributeError:  # torch < 2.9: the legacy switch only
-        return bool(cudnn.allow_tf32)
+    if _precision_of is None:  # torch < 2.9: the legacy switch only
+        return bool(torch.backends.cudnn.allow_tf32)
+    mode = _precision_of("cuda", "rnn")  # torch.backends.cudnn.rnn.fp32_precision
     if mode == "none":
-        mode = cudnn.fp32_precision
+        mode = _precision_of("cuda", "all")  # torch.backends.cudnn.fp32_precision
     if mode == "none":
-        mode = torch.backends.fp32_precision
+        mode = _precision_of("generic", "all")  # torch.backends.fp32_precision
     return mode == "tf32"
 
 
