@@ -11,10 +11,11 @@ are (``scalar``: loads and asynchronous copies of one 4-byte value, ``vector``: 
 Spills inside the time loop cost every step, and so does each load instruction; a change to the
 kernels can be checked here before a GPU times it.
 
-    python benchmarks/kernel_resources.py [--resident] [--stages N] [--json FILE]   # CPU; about 20 s
+    python benchmarks/kernel_resources.py [--resident] [--spread] [--stages N] [--json FILE]   # CPU; ~20 s
 
 ``--resident`` asks for resident ``W_hh`` tiles (``persistent.tuning["resident"]``), which the plan
-gives where the hidden size is at most ``persistent.MAX_RESIDENT``. Numbers are this Triton's (the
+gives where the hidden size is at most ``persistent.MAX_RESIDENT``; ``--spread`` for programs of
+fewer units than their tile (``persistent.tuning["spread"]``). Numbers are this Triton's (the
 GPU machine may run another version).
 """
 
@@ -147,6 +148,8 @@ def planned(hidden: int, batch: int) -> persistent.Launch | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--resident", action="store_true", help="ask for resident W_hh tiles where they fit")
+    parser.add_argument("--spread", action="store_true",
+                        help="ask for fewer units a program where multiprocessors would idle")
     parser.add_argument("--stages", type=int, default=3, help="load pipeline depth (default 3, the built-in)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
@@ -154,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--stages: expected a positive integer, got {args.stages}")
     if args.resident:
         persistent.tuning["resident"] = True
+    if args.spread:
+        persistent.tuning["spread"] = True
     print(f"Triton {triton.__version__}, sm_{CAPABILITY}, {MULTIPROCESSORS} multiprocessors, tied masks, "
           f"TF32, {args.stages} pipeline stages")
     rows = []

@@ -89,6 +89,28 @@ def test_the_plan_splits_rows_while_the_grid_has_room(monkeypatch, hidden, batch
     assert persistent.plan(on_cuda, hidden, batch, False).row_blocks == least
 
 
+@pytest.mark.parametrize("hidden, batch, expected, width", [
+    (1500, 20, Launch(125, 12), 16),                 # 94 programs of 16 leave 38 idle
+    (1500, 128, Launch(125, 12), 16),
+    (650, 20, Launch(55, 12, row_blocks=2), 16),     # 41 x 2 programs -> 55 x 2 (units in fours)
+    (200, 20, Launch(50, 4, row_blocks=2), 16),
+    (200, 128, Launch(13, 16, row_blocks=8), 16),    # 16 x 8 would need 13 units: 16 in fours
+    (3000, 20, Launch(125, 24), 32),                 # blocks of 32 units -> 24 of a tile 32 wide
+])
+def test_spread_gives_programs_fewer_units_to_fill_the_multiprocessors(monkeypatch, hidden, batch, expected,
+                                                                       width):
+    """``tuning["spread"]`` (off by default, :data:`persistent.SPREAD`): as many programs as the
+    multiprocessors the row blocks leave, each owning fewer units than its tile is wide."""
+    monkeypatch.setattr(persistent, "_multiprocessors", lambda device: 132)
+    on_cuda = type("Like", (), {"dtype": torch.float32, "device": torch.device("cuda", 0)})()
+    assert persistent.plan(on_cuda, hidden, batch, False).units in (16, 32)  # off by default
+    monkeypatch.setitem(persistent.tuning, "spread", True)
+    how = persistent.plan(on_cuda, hidden, batch, False)
+    assert how == expected and how.grid <= 132 and how.programs * how.units >= hidden and how.units % 4 == 0
+    tiles = persistent._tiles(how, batch, hidden, False)
+    assert (tiles["BH"], tiles["UNITS"]) == (width, how.units)
+
+
 @pytest.mark.parametrize("hidden, batch, forward_k, backward_k", [
     (650, 128, 32, 64),   # row blocks of 64: the forward loop in K blocks of 32
     (1500, 20, 32, 64),   # 32 rows

@@ -156,6 +156,27 @@ def test_every_vector_width_of_the_hidden_size_matches_reference(kind, device, m
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_programs_that_own_fewer_units_than_their_tile_match_reference(kind, device, monkeypatch):
+    """Programs of 12 units in tiles 16 wide (``persistent.SPREAD``: program ``p`` owns units
+    ``12p .. 12p + 11``, and row block ``p div 4``): four programs over 40 units, then with two
+    blocks of rows (20 sequences, packed), every mask shape, both directions, at 1e-5 in float32
+    (one launch per step under the interpreter)."""
+    calls = persistent_calls(monkeypatch)
+    per_step = device.type != "cuda"
+    for how, batch_sizes in ((persistent.Launch(4, 12, per_step=per_step), [4, 3, 3, 1]),
+                             (persistent.Launch(4, 12, per_step=per_step, row_blocks=2), [20, 20, 17, 9, 2])):
+        assert persistent._tiles(how, batch_sizes[0], 40, False)["BH"] == 16
+        with persistent.launched_as(how):
+            for i, mask_shape in enumerate(helpers.MASK_SHAPES):
+                reverse = i % 2 == 1
+                args = inputs(kind, batch_sizes, mask_shape, 0, device, torch.float32, i % 3 != 2, H=40)
+                ours = run("triton", kind, batch_sizes, args, reverse)
+                assert_close(ours, run("autograd", kind, batch_sizes, args, reverse), atol=1e-5, rtol=1e-5,
+                             msg=f"{kind} {how} mask {mask_shape} reverse {reverse}")
+    assert calls.count(f"_{kind}_forward") == calls.count(f"_{kind}_backward") == 2 * len(helpers.MASK_SHAPES)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_persistent_loop_over_blocks_of_rows_matches_reference(kind, device, monkeypatch):
     """Two blocks of 16 rows times three blocks of 16 units (20 sequences, 40 units: the last block
     of each runs past the end), packed sequences that leave the second row block before the end,

@@ -32,7 +32,7 @@ def cases() -> list[tuple[str, str, bool, dict, int]]:
             for label, mask_gates, resident in (("streaming", 1, False), ("resident", 1, True),
                                                 ("resident per-gate", gates, True)):
                 block_k = 256 if resident else 64 if backward else 32
-                tiles = dict(BB=16, BH=16, BK=block_k, RESIDENT=resident)
+                tiles = dict(BB=16, BH=16, BK=block_k, RESIDENT=resident, UNITS=16)
                 name = f"{cell} {'backward' if backward else 'forward'} {label}"
                 found.append((name, cell, backward, tiles, mask_gates))
     return found

@@ -96,6 +96,11 @@ MAX_RESIDENT = 256
 #: ``tuning["resident"]`` says otherwise. Off until a GPU has timed it against streaming them
 #: (``benchmarks/persistent_tuning.py``; docs/gpu.md): a kernel may not run slower than before.
 RESIDENT = False
+#: Whether :func:`plan` gives each program fewer units than a tile holds where that puts programs
+#: on multiprocessors that would idle (hidden 1500 in blocks of 16: 94 of 132), unless
+#: ``tuning["spread"]`` says otherwise: each program then streams fewer rows of ``W_hh`` a step,
+#: for the same ``tl.dot`` work. Off until a GPU has timed it, as :data:`RESIDENT`.
+SPREAD = False
 
 
 #: Integer arguments of the loops compiled as plain integers (Triton would otherwise compile a
@@ -144,13 +149,20 @@ def _poison_if_gave_up(counter_ptr, ptr, rows, width, ks, cols, H, GATES: tl.con
 
 
 @triton.jit
-def _block(B, H, BB: tl.constexpr, BH: tl.constexpr):
-    """This program's rows ``ks``, units ``cols``, which of them exist, and their offsets in a
-    ``[B, H]`` state. Program ``p`` runs unit block ``p mod ceil(H / BH)`` of row block
-    ``p div ceil(H / BH)``."""
-    unit_blocks = tl.cdiv(H, BH)
+def _block(B, H, BB: tl.constexpr, BH: tl.constexpr, UNITS: tl.constexpr):
+    """This program's rows ``ks``, units ``cols`` (a tile ``BH`` wide of which the program owns
+    ``UNITS``), which of them exist, and their offsets in a ``[B, H]`` state. Program ``p`` runs unit
+    block ``p mod ceil(H / UNITS)`` of row block ``p div ceil(H / UNITS)``. Lanes past the program's
+    own units (``UNITS < BH``) are given columns past ``H``: every test ``cols < H`` of the loops then
+    leaves them out, as it leaves out the columns past the hidden size. (Moved by ``H`` rather than
+    set to it, so that Triton still sees the columns in runs of ``UNITS``' largest power of two:
+    the backward loop loads rows of ``W_hh`` along them.)"""
+    unit_blocks = tl.cdiv(H, UNITS)
     ks = (tl.program_id(0) // unit_blocks) * BB + tl.arange(0, BB)
-    cols = (tl.program_id(0) % unit_blocks) * BH + tl.arange(0, BH)
+    lanes = tl.arange(0, BH)
+    cols = (tl.program_id(0) % unit_blocks) * UNITS + lanes
+    if UNITS < BH:
+        cols = tl.where(lanes < UNITS, cols, cols + H)
     return ks, cols, (ks < B)[:, None] & (cols < H)[None, :], ks[:, None] * H + cols[None, :]
 
 
@@ -337,13 +349,13 @@ def _lstm_forward(
     VEC: tl.constexpr, MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, SAVE: tl.constexpr,
     SYNC: tl.constexpr,
     RESIDENT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr,
-    BK: tl.constexpr,
+    BK: tl.constexpr, UNITS: tl.constexpr,
 ):
     """Steps ``s_begin .. s_end - 1``; ``h_state``/``c_state`` carry the state between launches of
     one step each (their values are read only for rows that have run a step: any at the first).
     ``SAVE``: whether the gates and cells backward reads are written."""
     H, m_row, m_gate = _row_lengths(H_VEC, VEC, MASK_GATES)
-    ks, cols, batch, state = _block(B, H, BB, BH)
+    ks, cols, batch, state = _block(B, H, BB, BH, UNITS)
     h_reg = tl.load(h_state_ptr + state, mask=batch, other=0.0)
     c_reg = tl.load(c_state_ptr + state, mask=batch, other=0.0)
     h0 = tl.load(h0_ptr + state, mask=batch, other=0.0).to(tl.float32)
@@ -386,11 +398,11 @@ def _gru_forward(
     VEC: tl.constexpr, MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
     SAVE: tl.constexpr,
     SYNC: tl.constexpr, RESIDENT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
+    BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, UNITS: tl.constexpr,
 ):
     """Steps ``s_begin .. s_end - 1`` (``h_state`` and ``SAVE`` as in :func:`_lstm_forward`)."""
     H, m_row, m_gate = _row_lengths(H_VEC, VEC, MASK_GATES)
-    ks, cols, batch, state = _block(B, H, BB, BH)
+    ks, cols, batch, state = _block(B, H, BB, BH, UNITS)
     h_reg = tl.load(h_state_ptr + state, mask=batch, other=0.0)
     h0 = tl.load(h0_ptr + state, mask=batch, other=0.0).to(tl.float32)
     b_r = tl.zeros((1, BH), dtype=tl.float32)
@@ -569,11 +581,11 @@ def _lstm_backward(
     VEC: tl.constexpr, MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOUT: tl.constexpr,
     NEED_DMASK: tl.constexpr,
     SYNC: tl.constexpr, RESIDENT: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
+    UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, UNITS: tl.constexpr,
 ):
     """Steps ``s_end - 1`` down to ``s_begin``."""
     H, dm_row, dm_gate = _row_lengths(H_VEC, VEC, MASK_GATES)
-    ks, cols, batch, state = _block(B, H, BB, BH)
+    ks, cols, batch, state = _block(B, H, BB, BH, UNITS)
     carry = tl.load(carry_ptr + state, mask=batch, other=0.0)
     dc_reg = tl.load(dc_ptr + state, mask=batch, other=0.0)
     c0 = tl.load(c0_ptr + state, mask=batch, other=0.0).to(tl.float32)
@@ -615,11 +627,11 @@ def _gru_backward(
     VEC: tl.constexpr, MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOUT: tl.constexpr,
     NEED_DMASK: tl.constexpr,
     SYNC: tl.constexpr, RESIDENT: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
+    UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, UNITS: tl.constexpr,
 ):
     """Steps ``s_end - 1`` down to ``s_begin``."""
     H, dm_row, dm_gate = _row_lengths(H_VEC, VEC, MASK_GATES)
-    ks, cols, batch, state = _block(B, H, BB, BH)
+    ks, cols, batch, state = _block(B, H, BB, BH, UNITS)
     carry = tl.load(carry_ptr + state, mask=batch, other=0.0)
     h0 = tl.load(h0_ptr + state, mask=batch, other=0.0).to(tl.float32)
     w0, w1, w2, w3 = _resident_tiles(w_ptr, cols, H, 3, True, RESIDENT, BK)
@@ -769,15 +781,26 @@ def plan(gates_x: Tensor, hidden: int, batch: int, projected: bool) -> Launch | 
         row_blocks //= 2
     if programs * row_blocks > sms:
         return None
+    if tuning.get("spread", SPREAD) and programs * row_blocks < sms:
+        # fewer units a program, so that the unit blocks fill the multiprocessors the row blocks leave
+        spread = -(-hidden // (sms // row_blocks) // 4) * 4  # in fours: the lanes stay in vectors
+        if spread < units:
+            units, programs = spread, -(-hidden // spread)
     return Launch(programs, units, row_blocks=row_blocks, resident=_resident(hidden, units))
+
+
+def _width(units: int) -> int:
+    """``BH``: the width of a program's tile of units, ``units`` rounded up to a power of two of at
+    least 16 (``tl.dot``'s least); the lanes past ``units`` compute nothing that is kept."""
+    return max(16, _next_power_of_2(units))
 
 
 def _resident(hidden: int, units: int) -> bool:
     """Whether a program of ``units`` hidden units keeps its tiles of ``W_hh`` across steps:
     ``tuning["resident"]``, else :data:`RESIDENT`, where a gate's tile (one K block over the whole
-    hidden size, by ``units``) holds at most ``MAX_RESIDENT x 16`` values: hidden sizes up to
-    :data:`MAX_RESIDENT` with blocks of 16 units (``tl.dot``'s least)."""
-    tile = units * _next_power_of_2(max(16, hidden))
+    hidden size, by the tile's width) holds at most ``MAX_RESIDENT x 16`` values: hidden sizes up to
+    :data:`MAX_RESIDENT` with tiles 16 units wide (``tl.dot``'s least)."""
+    tile = _width(units) * _next_power_of_2(max(16, hidden))
     return bool(tuning.get("resident", RESIDENT)) and tile <= MAX_RESIDENT * 16
 
 
@@ -918,7 +941,8 @@ def _counter(device: torch.device, pooled: bool) -> Tensor:
 
 #: Launch settings a measurement may set (``benchmarks/persistent_tuning.py``): ``units``,
 #: ``row_blocks``, ``block_k``, ``warps``, ``resident``, ``stages`` (the deepest load pipeline
-#: tried, instead of :data:`_STAGES`), ``vector`` (the widest ``VEC``); empty in normal use.
+#: tried, instead of :data:`_STAGES`), ``vector`` (the widest ``VEC``), ``spread`` (:data:`SPREAD`);
+#: empty in normal use.
 tuning: dict[str, int] = {}
 
 
@@ -1017,11 +1041,12 @@ def gave_up(device: torch.device, why: str) -> None:
 
 
 def _tiles(how: Launch, batch: int, hidden: int, backward: bool) -> dict[str, int]:
-    """The loops' block sizes: rows ``BB``, hidden units ``BH`` and the K block ``BK`` (resident
-    tiles: one block over the whole hidden size), and ``RESIDENT``."""
+    """The loops' block sizes: rows ``BB``, the tile of hidden units ``BH`` (:func:`_width`) of which
+    a program owns ``UNITS``, and the K block ``BK`` (resident tiles: one block over the whole hidden
+    size), and ``RESIDENT``."""
     rows = _batch_block(batch, how.row_blocks)
     k = max(16, _next_power_of_2(hidden)) if how.resident else _block_k(hidden, rows, backward)
-    return dict(BB=rows, BH=how.units, BK=k, RESIDENT=how.resident)
+    return dict(BB=rows, BH=_width(how.units), BK=k, RESIDENT=how.resident, UNITS=how.units)
 
 
 def _block_k(hidden: int, rows: int, backward: bool) -> int:
