@@ -24,6 +24,8 @@ size = hidden size (small 200, medium 650, large 1500), float32. Variants, for t
   (``rnndrop.kernels.cuda_graphs``, on for this variant only; CUDA);
 - ``sequence/triton-resident``: the persistent loop with its ``W_hh`` tiles resident on chip
   (``persistent.tuning["resident"]``, on for this variant only; hidden 200; CUDA);
+- ``sequence/triton-spread``: the persistent loop with programs of fewer units than their tile on
+  multiprocessors that would idle (``persistent.tuning["spread"]``, on for this variant only; CUDA);
 - ``nn.LSTM+graph`` / ``nn.GRU+graph`` and ``sequence+graph``: the baseline and the per-sequence
   masks on the loop ``kernel="auto"`` runs, each whole layer's forward and backward replayed from
   CUDA graphs (``torch.cuda.make_graphed_callables``: what a user can do at fixed shapes; no host
@@ -118,7 +120,8 @@ def build_variants(
     if "triton" in kernels:
         variants[STEP_KERNEL] = ours_cls(hidden, hidden, layers, kernel="triton", **probs)
         variants[GRAPHED] = ours_cls(hidden, hidden, layers, kernel="triton", **probs)
-        variants[RESIDENT] = ours_cls(hidden, hidden, layers, kernel="triton", **probs)
+        for name in TUNED:
+            variants[name] = ours_cls(hidden, hidden, layers, kernel="triton", **probs)
         variants[f"nn.{base_cls.__name__}{WHOLE_GRAPH}"] = base_cls(hidden, hidden, layers)
         variants[f"sequence{WHOLE_GRAPH}"] = ours_cls(hidden, hidden, layers, **probs)
     variants["batch/fused"] = ours_cls(hidden, hidden, layers, mask_scope="batch", **probs)
@@ -140,6 +143,11 @@ STEP_KERNEL = "sequence/triton-step"
 #: The per-sequence masks on the persistent loop with resident ``W_hh`` tiles (hidden <= 256; off by
 #: default until measured; elsewhere the same launches as ``sequence/triton``).
 RESIDENT = "sequence/triton-resident"
+#: The per-sequence masks on the persistent loop with programs of fewer units on multiprocessors that
+#: would idle (``persistent.SPREAD``; off by default until measured).
+SPREAD = "sequence/triton-spread"
+#: The variants that run with a launch setting of ``persistent.tuning`` on, for them only.
+TUNED = {RESIDENT: {"resident": True}, SPREAD: {"spread": True}}
 #: The suffix of the variants whose whole layer (forward and backward) replays from CUDA graphs.
 WHOLE_GRAPH = "+graph"
 
@@ -228,28 +236,29 @@ def graph_memory(device: torch.device) -> int:
 
 
 @contextlib.contextmanager
-def resident_tiles(on: bool):
-    """The persistent loop's ``W_hh`` tiles kept resident while ``on`` (``persistent.tuning``)."""
-    if not on:
+def tuned(setting: dict | None):
+    """The persistent loop's launch settings ``setting`` (``persistent.tuning``) on in the block."""
+    if not setting:
         yield
         return
     from rnndrop.kernels import persistent
 
-    persistent.tuning["resident"] = True
+    persistent.tuning.update(setting)
     try:
         yield
     finally:
-        del persistent.tuning["resident"]
+        for key in setting:
+            del persistent.tuning[key]
 
 
 def with_switches(name: str, fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` with the switches of variant ``name`` on, and only of it: the Triton loops' CUDA graphs
-    (:data:`GRAPHED`), the step kernel (:data:`STEP_KERNEL`, :data:`GRAPHED`), resident tiles
-    (:data:`RESIDENT`)."""
+    (:data:`GRAPHED`), the step kernel (:data:`STEP_KERNEL`, :data:`GRAPHED`), launch settings
+    (:data:`TUNED`)."""
 
     def run():
         with graphs_on(name == GRAPHED), step_kernel_only(name in (GRAPHED, STEP_KERNEL)), \
-                resident_tiles(name == RESIDENT):
+                tuned(TUNED.get(name)):
             return fn()
 
     return run

@@ -168,19 +168,19 @@ def test_the_graphed_variant_runs_the_triton_kernel_with_graphs_on_for_it_only(s
     assert seen == [8, 0] and speed.cuda_graphs.GRAPHS.max_graphs == 0
 
 
-def test_the_resident_variant_asks_for_resident_tiles_for_itself_only(speed):
+def test_the_tuned_variants_ask_for_their_launch_setting_for_themselves_only(speed):
     from rnndrop.kernels import persistent
 
     variants = speed.build_variants("gru", 8, 2, 0.5, ["triton"], "triton")
-    assert variants[speed.RESIDENT].kernel == "triton"
+    assert variants[speed.RESIDENT].kernel == variants[speed.SPREAD].kernel == "triton"
     seen = []
 
     def probe():
-        seen.append(persistent.tuning.get("resident"))
+        seen.append(dict(persistent.tuning))
 
-    speed.with_switches(speed.RESIDENT, probe)()
-    speed.with_switches("sequence/triton*", probe)()
-    assert seen == [True, None] and "resident" not in persistent.tuning
+    for name in (speed.RESIDENT, speed.SPREAD, "sequence/triton*"):
+        speed.with_switches(name, probe)()
+    assert seen == [{"resident": True}, {"spread": True}, {}] and persistent.tuning == {}
 
 
 def test_the_persistent_plan_of_a_shape_is_named_on_cuda_and_nothing_elsewhere(speed, monkeypatch):
