@@ -24,15 +24,17 @@ _spec.loader.exec_module(resources)
 
 def cases() -> list[tuple[str, str, bool, dict, int]]:
     """``(name, cell, backward, tiles, mask gates)``: each loop, forward and backward, streaming
-    ``W_hh`` (tied masks, blocks of 16 rows and units, K blocks of 32 forward and 64 backward) and
-    with resident tiles (hidden 200: one K block of 256; tied and per-gate masks)."""
+    ``W_hh`` (tied masks, blocks of 16 rows and units, K blocks of 32 forward and 64 backward; and
+    programs of 12 units in tiles of 16, ``persistent.SPREAD``) and with resident tiles (hidden 200:
+    one K block of 256; tied and per-gate masks)."""
     found = []
     for cell, gates in (("lstm", 4), ("gru", 3)):
         for backward in (False, True):
-            for label, mask_gates, resident in (("streaming", 1, False), ("resident", 1, True),
-                                                ("resident per-gate", gates, True)):
+            for label, mask_gates, resident, units in (("streaming", 1, False, 16), ("resident", 1, True, 16),
+                                                       ("resident per-gate", gates, True, 16),
+                                                       ("streaming spread", 1, False, 12)):
                 block_k = 256 if resident else 64 if backward else 32
-                tiles = dict(BB=16, BH=16, BK=block_k, RESIDENT=resident, UNITS=16)
+                tiles = dict(BB=16, BH=16, BK=block_k, RESIDENT=resident, UNITS=units)
                 name = f"{cell} {'backward' if backward else 'forward'} {label}"
                 found.append((name, cell, backward, tiles, mask_gates))
     return found
