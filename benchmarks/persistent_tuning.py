@@ -50,6 +50,7 @@ SETTINGS = (
     dict(resident=True, row_blocks=4, warps=8),
     dict(stages=4), dict(stages=6), dict(stages=6, warps=8),
     dict(vector=1),  # rows of W_hh and of the states loaded value by value, as before VEC
+    dict(vector=2),  # 8-byte loads: Triton copies them through L1 (.ca), 16-byte ones past it (.cg)
     dict(spread=True),  # fewer units a program, on multiprocessors that would idle
 )
 STEPS, REPEATS = 35, 10

@@ -224,6 +224,11 @@ def _tile_of_gate(w0, w1, w2, w3, g: tl.constexpr):
     return w
 
 
+# How the loops read what they stream from global memory: the states ``m`` and ``dz``, which other
+# programs write between steps, past L1 (``.cg``), so never from a stale line; the rows of ``W_hh``
+# through L1 (``.ca``), since a program reads the same rows at every step and at hidden 200-650 they
+# fit in what shared memory leaves of L1. Triton 3.9 copies them so; Triton 3.6 copies every 16-byte
+# piece past L1 whatever the load asks (4- and 8-byte pieces through it).
 @triton.jit
 def _block_products(m_ptr, m_row, m_gate, w_ptr, w0, w1, w2, w3, k0, off, rows, ks, cols, H, a0, a1, a2, a3,
                     CELL_GATES: tl.constexpr, MASK_GATES: tl.constexpr, RESIDENT: tl.constexpr,
@@ -240,10 +245,10 @@ def _block_products(m_ptr, m_row, m_gate, w_ptr, w0, w1, w2, w3, k0, off, rows, 
     for g in tl.static_range(CELL_GATES):
         if MASK_GATES > 1 and g > 0:
             m = tl.load(m_at + g * m_gate, mask=m_in, other=0.0, cache_modifier=".cg")
-        if RESIDENT:  # noqa: SIM108 (a compile-time choice: Triton builds the branch taken)
+        if RESIDENT:  # a compile-time choice: Triton builds the branch taken
             w = _tile_of_gate(w0, w1, w2, w3, g)
         else:
-            w = tl.load(w_at + g * H * H, mask=w_in, other=0.0)
+            w = tl.load(w_at + g * H * H, mask=w_in, other=0.0, cache_modifier=".ca")
         if UPCAST:
             part = tl.dot(m.to(tl.float32), w.to(tl.float32), input_precision=PRECISION)
         else:
@@ -481,7 +486,7 @@ def _dm_block(dz_ptr, w_ptr, w, g, k0, dm, ks, cols, nb, noff, H, CELL_GATES: tl
         tile = w
     else:
         tile = tl.load(w_ptr + (g * H + h)[:, None] * H + cols[None, :],
-                       mask=(h < H)[:, None] & (cols < H)[None, :], other=0.0)
+                       mask=(h < H)[:, None] & (cols < H)[None, :], other=0.0, cache_modifier=".ca")
     if UPCAST:
         return dm + tl.dot(dz.to(tl.float32), tile.to(tl.float32), input_precision=PRECISION)
     return dm + tl.dot(dz, tile, input_precision=PRECISION)
@@ -508,7 +513,8 @@ def _state_grad(dz_ptr, w_ptr, w0, w1, w2, w3, m0, mask_ptr, mask_row, mask_gate
                          mask=(ks < nb)[:, None] & (h < CELL_GATES * H)[None, :], other=0.0,
                          cache_modifier=".cg")
             w = tl.load(w_ptr + h[:, None] * H + cols[None, :],
-                        mask=(h < CELL_GATES * H)[:, None] & (cols < H)[None, :], other=0.0)
+                        mask=(h < CELL_GATES * H)[:, None] & (cols < H)[None, :], other=0.0,
+                        cache_modifier=".ca")
             if UPCAST:
                 dz, w = dz.to(tl.float32), w.to(tl.float32)
             dm += tl.dot(dz, w, input_precision=PRECISION)
