@@ -135,6 +135,19 @@ def test_persistent_loop_over_several_programs_matches_reference(kind, device, m
     assert calls.count(f"_{kind}_forward") == calls.count(f"_{kind}_backward") == 2 * len(helpers.MASK_SHAPES)
 
 
+def check_every_mask_shape(kind, how, batch_sizes, device, reverse_first=False, H=40):
+    """The loop launched as ``how`` against the reference kernel at 1e-5 in float32, for every mask
+    shape: the directions in turn (reversed first where ``reverse_first``), the mask's gradient asked
+    for two shapes in three."""
+    with persistent.launched_as(how):
+        for i, mask_shape in enumerate(helpers.MASK_SHAPES):
+            reverse = i % 2 == (0 if reverse_first else 1)
+            args = inputs(kind, batch_sizes, mask_shape, 0, device, torch.float32, i % 3 != 2, H=H)
+            ours = run("triton", kind, batch_sizes, args, reverse)
+            assert_close(ours, run("autograd", kind, batch_sizes, args, reverse), atol=1e-5, rtol=1e-5,
+                         msg=f"{kind} {how} mask {mask_shape} reverse {reverse}")
+
+
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_every_vector_width_of_the_hidden_size_matches_reference(kind, device, monkeypatch):
     """Hidden sizes whose largest power-of-two divisor (the loops' ``VEC``: rows of ``W_hh``, of the
@@ -166,13 +179,7 @@ def test_programs_that_own_fewer_units_than_their_tile_match_reference(kind, dev
     for how, batch_sizes in ((persistent.Launch(4, 12, per_step=per_step), [4, 3, 3, 1]),
                              (persistent.Launch(4, 12, per_step=per_step, row_blocks=2), [20, 20, 17, 9, 2])):
         assert persistent._tiles(how, batch_sizes[0], 40, False)["BH"] == 16
-        with persistent.launched_as(how):
-            for i, mask_shape in enumerate(helpers.MASK_SHAPES):
-                reverse = i % 2 == 1
-                args = inputs(kind, batch_sizes, mask_shape, 0, device, torch.float32, i % 3 != 2, H=40)
-                ours = run("triton", kind, batch_sizes, args, reverse)
-                assert_close(ours, run("autograd", kind, batch_sizes, args, reverse), atol=1e-5, rtol=1e-5,
-                             msg=f"{kind} {how} mask {mask_shape} reverse {reverse}")
+        check_every_mask_shape(kind, how, batch_sizes, device)
     assert calls.count(f"_{kind}_forward") == calls.count(f"_{kind}_backward") == 2 * len(helpers.MASK_SHAPES)
 
 
@@ -184,15 +191,7 @@ def test_persistent_loop_over_blocks_of_rows_matches_reference(kind, device, mon
     interpreter)."""
     calls = persistent_calls(monkeypatch)
     how = persistent.Launch(3, 16, per_step=device.type != "cuda", row_blocks=2)
-    batch_sizes = [20, 20, 17, 9, 2]
-    with persistent.launched_as(how):
-        for i, mask_shape in enumerate(helpers.MASK_SHAPES):
-            reverse = i % 2 == 1
-            args = inputs(kind, batch_sizes, mask_shape, 0, device, torch.float32, i % 3 != 2, H=40)
-            where = f"{kind} mask {mask_shape} reverse {reverse}"
-            ours = run("triton", kind, batch_sizes, args, reverse)
-            assert_close(ours, run("autograd", kind, batch_sizes, args, reverse), atol=1e-5, rtol=1e-5,
-                         msg=where)
+    check_every_mask_shape(kind, how, [20, 20, 17, 9, 2], device)
     assert calls.count(f"_{kind}_forward") == calls.count(f"_{kind}_backward") == len(helpers.MASK_SHAPES)
 
 
@@ -210,14 +209,7 @@ def test_resident_weight_tiles_match_reference(kind, device, monkeypatch):
 
     monkeypatch.setattr(persistent, "_run", spy)
     how = persistent.Launch(3, 16, per_step=device.type != "cuda", row_blocks=2, resident=True)
-    batch_sizes = [20, 20, 17, 9, 2]
-    with persistent.launched_as(how):
-        for i, mask_shape in enumerate(helpers.MASK_SHAPES):
-            reverse = i % 2 == 0
-            args = inputs(kind, batch_sizes, mask_shape, 0, device, torch.float32, i % 3 != 2, H=40)
-            ours = run("triton", kind, batch_sizes, args, reverse)
-            assert_close(ours, run("autograd", kind, batch_sizes, args, reverse), atol=1e-5, rtol=1e-5,
-                         msg=f"{kind} mask {mask_shape} reverse {reverse}")
+    check_every_mask_shape(kind, how, [20, 20, 17, 9, 2], device, reverse_first=True)
     assert len(constexprs) == 2 * len(helpers.MASK_SHAPES) and set(constexprs) == {(True, 64)}
 
 
