@@ -176,6 +176,26 @@ def host_and_gpu(device: torch.device) -> list[dict]:
     return rows
 
 
+def best_settings(rows: list[dict]) -> list[str]:
+    """A line per swept case: the built-in rule's microseconds a step and pass, and the fastest
+    setting's, with its name and their ratio (what to flip a default by)."""
+    lines = ["fastest setting per case (us a step and pass; ratio to the built-in rule):"]
+    cases: dict[tuple, list[dict]] = {}
+    for row in rows:
+        cases.setdefault((row["cell"], row["hidden"], row["batch"]), []).append(row)
+    for (cell, hidden, batch), timed in cases.items():
+        built_in = next((r for r in timed if r["built_in"]), None)
+        best = min(timed, key=lambda r: r["us_per_step"])
+        name = "built-in" if best["built_in"] else ", ".join(
+            f"{key} {best[key]}" for key in ("units", "row_blocks", "block_k", "warps", "resident", "stages",
+                                             "vector") if best.get(key) not in (None, False))
+        versus = f"{best['us_per_step'] / built_in['us_per_step']:.2f}x" if built_in else "no built-in row"
+        base = f"{built_in['us_per_step']:6.1f}" if built_in else "     -"
+        lines.append(f"{cell:4s} {hidden:5d} {batch:4d}  built-in {base}  fastest {best['us_per_step']:6.1f} "
+                     f"({versus}): {name}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows here")
@@ -190,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda")
     print(torch.cuda.get_device_name(device), torch.__version__, flush=True)
     rows = [row for cell in cells for row in sweep(device, cell)]
+    print("\n".join(best_settings(rows)), flush=True)
     result = dict(sweep=rows, host_and_gpu=host_and_gpu(device))
     if args.json:
         with open(args.json, "w") as f:

@@ -28,3 +28,25 @@ def test_persistent_tuning_refuses_without_cuda_in_one_line():
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "persistent_tuning.py")], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.strip() == "persistent_tuning.py: needs a CUDA GPU"
+
+
+def test_persistent_tuning_names_the_fastest_setting_of_each_case():
+    """The sweep's last lines: per case the built-in rule's time, the fastest setting and the ratio."""
+    import importlib.util
+
+    script = ROOT / "benchmarks" / "persistent_tuning.py"
+    spec = importlib.util.spec_from_file_location("persistent_tuning", script)
+    tuning = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tuning)
+
+    def row(us, built_in=False, **setting):
+        base = dict(units=16, row_blocks=1, block_k=None, warps=None, resident=False, stages=None,
+                    vector=None)
+        return dict(cell="lstm", hidden=1500, batch=20, built_in=built_in, us_per_step=us,
+                    **{**base, **setting})
+
+    lines = tuning.best_settings([row(39.5, built_in=True), row(30.0, units=12), row(41.0, vector=1),
+                                  dict(row(8.0, built_in=True), hidden=200)])
+    assert lines[1].split() == ["lstm", "1500", "20", "built-in", "39.5", "fastest", "30.0",
+                                "(0.76x):", "units", "12,", "row_blocks", "1"]
+    assert lines[2].endswith("fastest    8.0 (1.00x): built-in")
