@@ -60,11 +60,13 @@ def signature(kernel, constexprs: dict) -> dict[str, str]:
 
 def specialization(kernel, constexprs: dict, integers: dict[str, int]) -> dict:
     """The attributes Triton gives a launch of ``kernel``: 16-byte alignment for every pointer (torch
-    allocates so) and for each integer of ``integers`` that is a multiple of 16 (other integers,
-    unknown here, get none)."""
+    allocates so) and for each integer of ``integers`` that is a multiple of 16, except those the
+    kernel keeps unspecialised (``do_not_specialize``: the steps, the rows); other integers, unknown
+    here, get none."""
     names = list(inspect.signature(kernel.fn).parameters)
+    unspecialised = set(persistent._RUN_TIME_INTS)
     aligned = [name for name in names if name not in constexprs
-               and (name.endswith("_ptr") or integers.get(name, 1) % 16 == 0)]
+               and (name.endswith("_ptr") or (name not in unspecialised and integers.get(name, 1) % 16 == 0))]
     return {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
 
 
