@@ -34,6 +34,11 @@ __all__ = ["EmbeddingDropout", "word_keep_mask"]
 EMBEDDING_SCOPES: tuple[str, ...] = ("sequence", "batch")
 
 
+#: The most draws of a dense ``[B, V]`` word mask on a GPU (16 MiB of float32 uniforms): below it
+#: the dense draw runs, which the host issues without waiting for the GPU.
+DENSE_ON_GPU = 2**22
+
+
 def word_keep_mask(
     tokens: Tensor,
     num_embeddings: int,
@@ -54,7 +59,9 @@ def word_keep_mask(
             (one draw per word type for all sequences).
         dense: for ``scope="sequence"``, draw a ``[B, V]`` mask (True) or a mask
             over the unique (sequence, word) pairs (False); None: dense when
-            ``V <= T``. Both give the same distribution.
+            ``V <= T``, and on a GPU whenever ``B * V <= 2**22`` (the unique pairs'
+            count is read by the host: a wait for the GPU at every call). Both give
+            the same distribution.
 
     Returns:
         ``[B, T]`` holding 0 or ``1 / (1 - p)``; equal ids in a row (all rows with
@@ -67,7 +74,7 @@ def word_keep_mask(
     if scope == "batch":
         return bernoulli_mask((num_embeddings,), p, **draw)[tokens]
     if dense is None:
-        dense = num_embeddings <= tokens.shape[1]
+        dense = num_embeddings <= tokens.shape[1] or (tokens.is_cuda and B * num_embeddings <= DENSE_ON_GPU)
     if dense:
         return bernoulli_mask((B, num_embeddings), p, **draw).gather(1, tokens.long())
     rows = torch.arange(B, device=tokens.device).unsqueeze(1)

@@ -10,6 +10,7 @@ checks, which have always raised ``ValueError`` for both).
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -126,10 +127,37 @@ def check_word_ids(name: str, tokens: Any, num_embeddings: int) -> None:
         # Traced (torch.export, torch.compile): the ids are data, unknown to the trace; indexing
         # the embedding with a bad id still fails at run time.
         return
-    low, high = int(tokens.min()), int(tokens.max())
+    low, high = _id_range(tokens)
     if low < 0 or high >= num_embeddings:
+        if tokens._base is not None:  # the tensor it views has an id outside; this view may not
+            low, high = int(tokens.min()), int(tokens.max())
+        if low >= 0 and high < num_embeddings:
+            return
         bad = low if low < 0 else high
         raise ValueError(
             f"{name} must be word ids in [0, {num_embeddings}) (the vocabulary size V = {num_embeddings}), "
             f"got id {bad}"
         )
+
+
+#: The range of ids of recently checked tensors: ``id(tensor) -> (weak reference, version, low, high)``.
+_ID_RANGES: dict[int, tuple[weakref.ref, int, int, int]] = {}
+
+
+def _id_range(tokens: Tensor) -> tuple[int, int]:
+    """``(min, max)`` of the ids ``tokens`` can hold: those of the tensor it views (a language
+    model's batches are slices of one tensor of the whole corpus), read once per tensor and
+    version and then remembered. Reading them waits for the GPU, so a batch of a tensor already
+    read costs no synchronisation; an in-place change of the tensor (or of any view of it) bumps
+    its version and it is read again."""
+    whole = tokens if tokens._base is None or tokens._base.dtype != tokens.dtype else tokens._base
+    if whole.is_inference():  # no version counter to tell a change by
+        return int(tokens.min()), int(tokens.max())
+    known = _ID_RANGES.get(id(whole))
+    if known is not None and known[0]() is whole and known[1] == whole._version:
+        return known[2], known[3]
+    low, high = int(whole.min()), int(whole.max())
+    if len(_ID_RANGES) >= 8:
+        _ID_RANGES.pop(next(iter(_ID_RANGES)))
+    _ID_RANGES[id(whole)] = (weakref.ref(whole), whole._version, low, high)
+    return low, high

@@ -1,6 +1,7 @@
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rnndrop import EmbeddingDropout
 from rnndrop.embedding_dropout import word_keep_mask
@@ -175,6 +176,43 @@ def test_ids_outside_the_vocabulary_are_named_with_the_vocabulary_size(bad_id, m
     tokens = torch.tensor([[1, 2], [bad_id, 4]])
     with pytest.raises(ValueError, match=rf"word ids in \[0, 10\) .*V = 10.*got id {bad_id}"):
         embed(tokens)
+
+
+class _CountReductions(TorchDispatchMode):
+    """Counts the min / max reductions run inside the block (each waits for the GPU there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.min, torch.ops.aten.max):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_batches_of_a_checked_corpus_are_not_reduced_again():
+    """A language model's batches are views of one tensor of the corpus: its ids are read once
+    (a wait for the GPU there), not at every forward; a change of the corpus is seen."""
+    embed = EmbeddingDropout.from_sizes(10, 3, p=0.5)
+    corpus = torch.arange(40).remainder(10).view(10, 4)
+    embed(corpus[0:3])
+    with _CountReductions() as counted:
+        for start in range(1, 8):
+            embed(corpus[start : start + 3])
+    assert counted.count == 0
+    corpus[8, 1] = 10  # in place: the corpus's version changes, so it is read again
+    embed(corpus[0:3])  # ids outside the corpus's range lie outside this view: still accepted
+    with pytest.raises(ValueError, match=r"word ids in \[0, 10\) .*got id 10"):
+        embed(corpus[7:10])
+    with _CountReductions() as counted:
+        embed(torch.tensor([[1, 2], [3, 4]]))  # a tensor of its own is read at every call
+        embed(torch.tensor([[1, 2], [3, 4]]))
+    assert counted.count == 4
+    with torch.inference_mode():
+        held = torch.tensor([[1, 2], [3, 11]])
+    with pytest.raises(ValueError, match="got id 11"):
+        embed(held[0:2])
 
 
 @pytest.mark.parametrize("scope", ["sequence", "batch"])

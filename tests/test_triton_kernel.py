@@ -236,6 +236,36 @@ def test_a_training_step_on_the_persistent_loop_never_waits_for_the_gpu(cls):
 
 
 @cuda_only
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_a_language_model_training_step_never_waits_for_the_gpu(cell):
+    """The same for a whole language model on batches of a corpus held on the GPU (embedding
+    dropout over word types, tied masks, decoder, loss): the word ids are checked once for the
+    corpus, not at every batch (``rnndrop.validation.check_word_ids``)."""
+    from rnndrop.lm.model.language_model import RNNLanguageModel
+
+    model = RNNLanguageModel(50, 24, 40, 2, dropout_embedding=0.1, dropout_input=0.3, dropout_between=0.3,
+                          dropout_hidden=0.5, dropout_output=0.3, cell=cell).cuda()
+    corpus = torch.randint(0, 50, (400, 20), device="cuda")
+
+    def step(start):
+        model.zero_grad(set_to_none=True)
+        logits, _ = model(corpus[start : start + 35])
+        targets = corpus[start + 1 : start + 36].flatten()
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets).backward()
+
+    step(0)  # first use: compiles, checks the corpus's ids
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for start in range(1, 300, 35):
+            step(start)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@cuda_only
 @pytest.mark.parametrize("cls", [VariationalLSTM, VariationalGRU])
 def test_the_whole_layer_replays_from_cuda_graphs_as_eager_computes(cls, monkeypatch):
     """``torch.cuda.make_graphed_callables`` captures a tied-mask layer's forward and backward on
