@@ -11,12 +11,15 @@ are (``scalar``: loads and asynchronous copies of one 4-byte value, ``vector``: 
 Spills inside the time loop cost every step, and so does each load instruction; a change to the
 kernels can be checked here before a GPU times it.
 
-    python benchmarks/kernel_resources.py [--resident] [--spread] [--stages N] [--json FILE]   # CPU; ~20 s
+    python benchmarks/kernel_resources.py [--resident] [--spread] [--per-sm N] [--stages N] [--json FILE]
 
 ``--resident`` asks for resident ``W_hh`` tiles (``persistent.tuning["resident"]``), which the plan
 gives where the hidden size is at most ``persistent.MAX_RESIDENT``; ``--spread`` for programs of
-fewer units than their tile (``persistent.tuning["spread"]``). Numbers are this Triton's (the
-GPU machine may run another version).
+fewer units than their tile (``persistent.tuning["spread"]``); ``--per-sm N`` for a grid of up to
+N programs a multiprocessor (``persistent.tuning["per_sm"]``). Each line also says how many programs
+of the kernel a Hopper multiprocessor holds at once by its registers and shared memory (a
+cooperative launch of more is refused). Numbers are this Triton's (the GPU machine may run another
+version); ~20 s on a CPU.
 """
 
 from __future__ import annotations
@@ -147,20 +150,38 @@ def planned(hidden: int, batch: int) -> persistent.Launch | None:
         persistent._multiprocessors = saved
 
 
+#: A Hopper multiprocessor's registers and shared memory (bytes; 1 KiB of it reserved per program).
+REGISTERS, SHARED, SHARED_RESERVED = 65536, 228 * 1024, 1024
+
+
+def programs_per_multiprocessor(registers: int, warps: int, shared: int) -> int:
+    """How many programs of a kernel a Hopper multiprocessor holds at once: registers are allocated
+    per warp in units of 256, shared memory per program plus its reserve; at most 32 programs."""
+    per_warp = -(-registers * 32 // 256) * 256
+    by_registers = REGISTERS // (per_warp * warps) if registers else 32
+    return min(32, by_registers, SHARED // (shared + SHARED_RESERVED))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--resident", action="store_true", help="ask for resident W_hh tiles where they fit")
     parser.add_argument("--spread", action="store_true",
                         help="ask for fewer units a program where multiprocessors would idle")
+    parser.add_argument("--per-sm", type=int, default=1,
+                        help="programs a multiprocessor may hold (default 1)")
     parser.add_argument("--stages", type=int, default=3, help="load pipeline depth (default 3, the built-in)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
     if args.stages < 1:
         parser.error(f"--stages: expected a positive integer, got {args.stages}")
+    if not 1 <= args.per_sm <= 4:
+        parser.error(f"--per-sm: expected 1, 2, 3 or 4, got {args.per_sm}")
     if args.resident:
         persistent.tuning["resident"] = True
     if args.spread:
         persistent.tuning["spread"] = True
+    if args.per_sm != 1:
+        persistent.tuning["per_sm"] = args.per_sm
     print(f"Triton {triton.__version__}, sm_{CAPABILITY}, {MULTIPROCESSORS} multiprocessors, tied masks, "
           f"TF32, {args.stages} pipeline stages")
     rows = []
@@ -178,12 +199,14 @@ def main(argv: list[str] | None = None) -> int:
                 found = compile_loop(cell, backward, constexprs, warps, args.stages, integers)
                 row = dict(cell=cell, hidden=hidden, batch=batch, backward=backward, programs=how.grid,
                            warps=warps, **tiles, **found)
+                row["fit_per_sm"] = programs_per_multiprocessor(row["registers"], warps, row["shared"])
                 rows.append(row)
                 print(f"{cell:4s} {hidden:5d} x {batch:<4d} {'backward' if backward else 'forward '} "
                       f"{how.grid:3d} programs, rows {tiles['BB']:3d}, K {tiles['BK']:3d}, {warps} warps"
                       f"{', resident' if tiles['RESIDENT'] else ''}: {row['registers']:3d} registers, "
                       f"{row['spilled']:4d} bytes spilled, {row['shared'] // 1024:3d} KiB shared, loads "
-                      f"{row['scalar']:3d} scalar / {row['vector']:3d} vector", flush=True)
+                      f"{row['scalar']:3d} scalar / {row['vector']:3d} vector, {row['fit_per_sm']} fit a "
+                      "multiprocessor", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

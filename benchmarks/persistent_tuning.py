@@ -52,6 +52,8 @@ SETTINGS = (
     dict(vector=1),  # rows of W_hh and of the states loaded value by value, as before VEC
     dict(vector=2),  # 8-byte loads: Triton copies them through L1 (.ca), 16-byte ones past it (.cg)
     dict(spread=True),  # fewer units a program, on multiprocessors that would idle
+    # two programs a multiprocessor: more loads of W_hh in flight (rows split first, or units spread)
+    dict(per_sm=2), dict(per_sm=2, spread=True), dict(per_sm=2, row_blocks=1, spread=True),
 )
 STEPS, REPEATS = 35, 10
 
@@ -128,6 +130,7 @@ def sweep(device: torch.device, cell: str = "lstm") -> list[dict]:
             except Exception as error:  # a setting that does not compile or launch: say so, go on
                 print(f"hidden {hidden} batch {batch} {setting}: {type(error).__name__}: "
                       f"{str(error).splitlines()[0][:120]}", flush=True)
+                persistent._given_up.clear()  # a refused launch must not send later ones to the step kernel
                 continue
             row = dict(cell=cell, hidden=hidden, batch=batch, units=how.units, row_blocks=how.row_blocks,
                        block_k=block_k, warps=warps, resident=how.resident, stages=stages, vector=vector,

@@ -111,6 +111,26 @@ def test_spread_gives_programs_fewer_units_to_fill_the_multiprocessors(monkeypat
     assert (tiles["BH"], tiles["UNITS"]) == (width, how.units)
 
 
+@pytest.mark.parametrize("setting, expected", [
+    ({}, Launch(94, 16)),                                            # one program a multiprocessor
+    (dict(per_sm=2), Launch(94, 16, row_blocks=2)),                  # room for the rows in two blocks
+    (dict(per_sm=2, spread=True), Launch(125, 12, row_blocks=2)),
+    (dict(per_sm=2, row_blocks=1, spread=True), Launch(188, 8)),     # 2 x 94 programs of 8 units
+])
+def test_two_programs_a_multiprocessor_only_where_asked(monkeypatch, setting, expected):
+    """``tuning["per_sm"]`` (1 by default, :data:`persistent.PER_SM`): the grid may hold that many
+    programs a multiprocessor (hidden 1500, batch 20 on 132 multiprocessors)."""
+    monkeypatch.setattr(persistent, "_multiprocessors", lambda device: 132)
+    on_cuda = type("Like", (), {"dtype": torch.float32, "device": torch.device("cuda", 0)})()
+    for name, value in setting.items():
+        monkeypatch.setitem(persistent.tuning, name, value)
+    how = persistent.plan(on_cuda, 1500, 20, False)
+    assert how == expected and how.grid <= 132 * setting.get("per_sm", 1) and how.programs * how.units >= 1500
+    monkeypatch.setitem(persistent.tuning, "per_sm", 0)
+    with pytest.raises(ValueError, match=r'tuning\["per_sm"\] must be 1, 2, 3 or 4 .*got 0'):
+        persistent.plan(on_cuda, 1500, 20, False)
+
+
 @pytest.mark.parametrize("hidden, batch, forward_k, backward_k", [
     (650, 128, 32, 64),   # row blocks of 64: the forward loop in K blocks of 32
     (1500, 20, 32, 64),   # 32 rows

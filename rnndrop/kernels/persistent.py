@@ -101,6 +101,12 @@ RESIDENT = False
 #: ``tuning["spread"]`` says otherwise: each program then streams fewer rows of ``W_hh`` a step,
 #: for the same ``tl.dot`` work. Off until a GPU has timed it, as :data:`RESIDENT`.
 SPREAD = False
+#: Programs a multiprocessor holds at once in :func:`plan`'s grid, unless ``tuning["per_sm"]`` says
+#: otherwise. Where the loop waits on L2 for ``W_hh`` (hidden 1500: each program streams its rows a
+#: step), two programs a multiprocessor keep twice the loads in flight, if the kernel's registers
+#: and shared memory let two be resident at once (a cooperative launch is refused otherwise). One
+#: until a GPU has timed two, as :data:`RESIDENT`.
+PER_SM = 1
 
 
 #: Integer arguments of the loops compiled as plain integers (Triton would otherwise compile a
@@ -752,8 +758,9 @@ def plan(gates_x: Tensor, hidden: int, batch: int, projected: bool) -> Launch | 
     """How the persistent loop runs a call, or None where it cannot and the step kernel runs:
     float64 (``tl.dot`` keeps float32 at most), a projection (``h_t = W_hr r_t`` is a second
     product per step), more hidden units than :data:`MAX_UNITS` times the multiprocessors (one
-    program each, all resident), or a batch whose blocks of at most :data:`MAX_BATCH` rows do not
-    fit beside them (under Triton's interpreter: a batch over :data:`MAX_BATCH`).
+    program each, or :data:`PER_SM`, all resident), or a batch whose blocks of at most
+    :data:`MAX_BATCH` rows do not fit beside them (under Triton's interpreter: a batch over
+    :data:`MAX_BATCH`).
 
     Blocks of 16 units, as few per program as the multiprocessors allow; then, while the grid
     has room for twice the programs, the batch's rows split in two (down to blocks of 16 rows,
@@ -769,7 +776,7 @@ def plan(gates_x: Tensor, hidden: int, batch: int, projected: bool) -> Launch | 
             return _forced
         # Triton's interpreter: one program owns every unit
         return Launch(1, max(16, _next_power_of_2(hidden))) if interpreted() else None
-    sms = _multiprocessors(str(gates_x.device))
+    sms = _multiprocessors(str(gates_x.device)) * _per_sm()
     units = tuning.get("units", 16)
     while units <= MAX_UNITS and -(-hidden // units) > sms:
         units *= 2
@@ -793,6 +800,14 @@ def plan(gates_x: Tensor, hidden: int, batch: int, projected: bool) -> Launch | 
         if spread < units:
             units, programs = spread, -(-hidden // spread)
     return Launch(programs, units, row_blocks=row_blocks, resident=_resident(hidden, units))
+
+
+def _per_sm() -> int:
+    """Programs a multiprocessor holds in :func:`plan`'s grid: ``tuning["per_sm"]``, else :data:`PER_SM`."""
+    per_sm = tuning.get("per_sm", PER_SM)
+    if not (isinstance(per_sm, int) and 1 <= per_sm <= 4):
+        raise ValueError(f'tuning["per_sm"] must be 1, 2, 3 or 4 programs a multiprocessor, got {per_sm!r}')
+    return per_sm
 
 
 def _width(units: int) -> int:
@@ -947,8 +962,8 @@ def _counter(device: torch.device, pooled: bool) -> Tensor:
 
 #: Launch settings a measurement may set (``benchmarks/persistent_tuning.py``): ``units``,
 #: ``row_blocks``, ``block_k``, ``warps``, ``resident``, ``stages`` (the deepest load pipeline
-#: tried, instead of :data:`_STAGES`), ``vector`` (the widest ``VEC``), ``spread`` (:data:`SPREAD`);
-#: empty in normal use.
+#: tried, instead of :data:`_STAGES`), ``vector`` (the widest ``VEC``), ``spread`` (:data:`SPREAD`),
+#: ``per_sm`` (:data:`PER_SM`); empty in normal use.
 tuning: dict[str, int] = {}
 
 
