@@ -119,7 +119,7 @@ def sweep(device: torch.device, cell: str = "lstm") -> list[dict]:
             persistent.tuning.update(setting)
             how = persistent.plan(gates_x, hidden, batch, False)
             block_k, warps, stages = setting.get("block_k"), setting.get("warps"), setting.get("stages")
-            vector = setting.get("vector")
+            vector, per_sm = setting.get("vector"), setting.get("per_sm")
             # (row blocks that do not fit fall back to a setting already timed)
             if how is None or (how, block_k, warps, stages, vector) in seen:
                 continue
@@ -134,14 +134,15 @@ def sweep(device: torch.device, cell: str = "lstm") -> list[dict]:
                 continue
             row = dict(cell=cell, hidden=hidden, batch=batch, units=how.units, row_blocks=how.row_blocks,
                        block_k=block_k, warps=warps, resident=how.resident, stages=stages, vector=vector,
-                       programs=how.grid,
+                       per_sm=per_sm, programs=how.grid,
                        built_in=not setting, forward_ms=forward_ms, backward_ms=backward_ms,
                        us_per_step=(forward_ms + backward_ms) * 1e3 / (2 * (STEPS + 1)))
             rows.append(row)
             label = (f"{'built-in ' if row['built_in'] else ''}units {how.units:2d} x rows/{how.row_blocks}"
                      f", K {block_k or 'auto'}, warps {warps or 'auto'}"
                      f"{', resident' if how.resident else ''}{f', {stages} stages' if stages else ''}"
-                     f"{f', vectors of {vector}' if vector else ''}")
+                     f"{f', vectors of {vector}' if vector else ''}"
+                     f"{f', {per_sm} a multiprocessor' if per_sm else ''}")
             print(f"{cell:4s} {hidden:5d} {batch:4d}  {label:38s} programs {how.grid:3d}  forward "
                   f"{forward_ms:6.3f} ms  backward {backward_ms:6.3f} ms  {row['us_per_step']:6.1f} us/step",
                   flush=True)
@@ -191,7 +192,7 @@ def best_settings(rows: list[dict]) -> list[str]:
         best = min(timed, key=lambda r: r["us_per_step"])
         name = "built-in" if best["built_in"] else ", ".join(
             f"{key} {best[key]}" for key in ("units", "row_blocks", "block_k", "warps", "resident", "stages",
-                                             "vector") if best.get(key) not in (None, False))
+                                             "vector", "per_sm") if best.get(key) not in (None, False))
         versus = f"{best['us_per_step'] / built_in['us_per_step']:.2f}x" if built_in else "no built-in row"
         base = f"{built_in['us_per_step']:6.1f}" if built_in else "     -"
         lines.append(f"{cell:4s} {hidden:5d} {batch:4d}  built-in {base}  fastest {best['us_per_step']:6.1f} "
