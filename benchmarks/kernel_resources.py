@@ -110,7 +110,7 @@ def loop_constexprs(cell: str, backward: bool, tiles: dict, hidden: int, mask_ga
     """The compile-time arguments of a loop launch: ``tiles`` (``BB``, ``BH``, ``BK``, ``RESIDENT``),
     the vector width of ``hidden``, a mask (``mask_gates`` per gate), float32 in TF32, a grid barrier;
     what training passes."""
-    extra = dict(HAS_DOUT=True, NEED_DMASK=False) if backward else dict(SAVE=True)
+    extra = dict(HAS_DOUT=True, NEED_DMASK=False, HAS_CARRY=False) if backward else dict(SAVE=True)
     if cell == "gru" and not backward:
         extra["HAS_BIAS"] = True
     return dict(VEC=persistent._vector(hidden), MASK_GATES=mask_gates, HAS_MASK=True, SYNC=True,

@@ -58,13 +58,15 @@ def inputs(kind, batch_sizes, mask_shape, proj, device, dtype=torch.float64, mas
     return [None if a is None else a.detach().to(device).requires_grad_(a.requires_grad) for a in args]
 
 
-def run(name, kind, batch_sizes, args, reverse):
-    """Outputs and the gradients of a random functional of them, on CPU."""
+def run(name, kind, batch_sizes, args, reverse, output_only=False):
+    """Outputs and the gradients of a random functional of them (of the output alone, the final
+    states without a gradient, where ``output_only``), on CPU."""
     outputs = get_kernel(name, kind)(args[0], batch_sizes, *args[1:], reverse)
     g = torch.Generator().manual_seed(1)
     # drawn in float32 whatever the outputs' dtype: CPU draws in bfloat16 / float16 follow another
     # path and give other numbers, and the low-precision runs must see the reference's functional
-    loss = sum((o * torch.randn(o.shape, generator=g).to(o.device, o.dtype)).sum() for o in outputs)
+    loss = sum((o * torch.randn(o.shape, generator=g).to(o.device, o.dtype)).sum()
+               for o in (outputs[:1] if output_only else outputs))
     leaves = [a for a in args if a is not None and a.requires_grad]
     return [o.cpu() for o in outputs], [d.cpu() for d in torch.autograd.grad(loss, leaves)]
 
@@ -181,6 +183,27 @@ def test_programs_that_own_fewer_units_than_their_tile_match_reference(kind, dev
         assert persistent._tiles(how, batch_sizes[0], 40, False)["BH"] == 16
         check_every_mask_shape(kind, how, batch_sizes, device)
     assert calls.count(f"_{kind}_forward") == calls.count(f"_{kind}_backward") == 2 * len(helpers.MASK_SHAPES)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_a_backward_without_final_state_gradients_starts_from_zeros_of_its_own(kind, device, monkeypatch):
+    """A loss of the output alone (the usual training step): the backward loop starts its running
+    gradients from zeros of its own instead of a filled buffer, in one program (one launch a pass)
+    and over three programs (one launch a step under the interpreter, which carry them in memory),
+    every mask shape, both directions, at 1e-5 in float32."""
+    calls = persistent_calls(monkeypatch)
+    programs = [persistent.Launch(3, 16, per_step=device.type != "cuda")]
+    if device.type != "cuda":
+        programs.append(persistent.Launch(1, 64))
+    for how in programs:
+        with persistent.launched_as(how):
+            for i, mask_shape in enumerate(helpers.MASK_SHAPES):
+                reverse, batch_sizes = i % 2 == 1, helpers.BATCH_SIZES[i % 4]
+                args = inputs(kind, batch_sizes, mask_shape, 0, device, torch.float32, i % 3 != 2, H=40)
+                ours = run("triton", kind, batch_sizes, args, reverse, output_only=True)
+                assert_close(ours, run("autograd", kind, batch_sizes, args, reverse, output_only=True),
+                             atol=1e-5, rtol=1e-5, msg=f"{kind} {how} mask {mask_shape} reverse {reverse}")
+    assert calls.count(f"_{kind}_backward") == len(programs) * len(helpers.MASK_SHAPES)
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])

@@ -591,15 +591,20 @@ def _lstm_backward(
     dz_ptr, d_masked_ptr, carry_ptr, dc_ptr, dh0_ptr, dc0_ptr, counter_ptr, s_begin, s_end,
     B, H_VEC, N,
     VEC: tl.constexpr, MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOUT: tl.constexpr,
-    NEED_DMASK: tl.constexpr,
+    NEED_DMASK: tl.constexpr, HAS_CARRY: tl.constexpr,
     SYNC: tl.constexpr, RESIDENT: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, UNITS: tl.constexpr,
 ):
-    """Steps ``s_end - 1`` down to ``s_begin``."""
+    """Steps ``s_end - 1`` down to ``s_begin``; the running ``dh`` and ``dc`` start from ``carry`` and
+    ``dc`` and are left there where ``HAS_CARRY``, else start from zeros and are not kept."""
     H, dm_row, dm_gate = _row_lengths(H_VEC, VEC, MASK_GATES)
     ks, cols, batch, state = _block(B, H, BB, BH, UNITS)
-    carry = tl.load(carry_ptr + state, mask=batch, other=0.0)
-    dc_reg = tl.load(dc_ptr + state, mask=batch, other=0.0)
+    if HAS_CARRY:
+        carry = tl.load(carry_ptr + state, mask=batch, other=0.0)
+        dc_reg = tl.load(dc_ptr + state, mask=batch, other=0.0)
+    else:
+        carry = tl.zeros((BB, BH), dtype=tl.float32)
+        dc_reg = tl.zeros((BB, BH), dtype=tl.float32)
     c0 = tl.load(c0_ptr + state, mask=batch, other=0.0).to(tl.float32)
     w0, w1, w2, w3 = _resident_tiles(w_ptr, cols, H, 4, True, RESIDENT, BK)
     b, off, carried, nb, noff, nmoff, i, f, g, o, m0, c, c_prev, d_out = _backward_inputs(
@@ -625,8 +630,9 @@ def _lstm_backward(
             table_ptr, tl.maximum(s - 1, s_begin), acts_ptr, cells_ptr, cells_ptr, d_out_ptr, mask_ptr,
             mask_row, ks, cols, H, 4, HAS_MASK, HAS_DOUT)
         _grid_barrier(counter_ptr, (rs + 1 - s_begin) * tl.num_programs(0), SYNC)
-    tl.store(carry_ptr + state, carry, mask=batch)
-    tl.store(dc_ptr + state, dc_reg, mask=batch)
+    if HAS_CARRY:
+        tl.store(carry_ptr + state, carry, mask=batch)
+        tl.store(dc_ptr + state, dc_reg, mask=batch)
     _poison_if_gave_up(counter_ptr, dz_ptr, N, 4 * H, ks, cols, H, 4, SYNC, BB, BH)
     _poison_if_gave_up(counter_ptr, dh0_ptr, B, H, ks, cols, H, 1, SYNC, BB, BH)
     _poison_if_gave_up(counter_ptr, dc0_ptr, B, H, ks, cols, H, 1, SYNC, BB, BH)
@@ -637,14 +643,18 @@ def _gru_backward(
     d_out_ptr, w_ptr, h0_ptr, mask_ptr, mask_row, mask_gate, table_ptr, acts_ptr, a_n_ptr, out_ptr,
     da_ptr, dn_ptr, d_masked_ptr, carry_ptr, dh0_ptr, counter_ptr, s_begin, s_end, B, H_VEC, N,
     VEC: tl.constexpr, MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOUT: tl.constexpr,
-    NEED_DMASK: tl.constexpr,
+    NEED_DMASK: tl.constexpr, HAS_CARRY: tl.constexpr,
     SYNC: tl.constexpr, RESIDENT: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, UNITS: tl.constexpr,
 ):
-    """Steps ``s_end - 1`` down to ``s_begin``."""
+    """Steps ``s_end - 1`` down to ``s_begin``; the running ``dh`` starts from ``carry`` and is left
+    there where ``HAS_CARRY``, else starts from zeros and is not kept."""
     H, dm_row, dm_gate = _row_lengths(H_VEC, VEC, MASK_GATES)
     ks, cols, batch, state = _block(B, H, BB, BH, UNITS)
-    carry = tl.load(carry_ptr + state, mask=batch, other=0.0)
+    if HAS_CARRY:
+        carry = tl.load(carry_ptr + state, mask=batch, other=0.0)
+    else:
+        carry = tl.zeros((BB, BH), dtype=tl.float32)
     h0 = tl.load(h0_ptr + state, mask=batch, other=0.0).to(tl.float32)
     w0, w1, w2, w3 = _resident_tiles(w_ptr, cols, H, 3, True, RESIDENT, BK)
     b, off, carried, nb, noff, nmoff, r, z, n, _, m0, a_n, h_prev, d_out = _backward_inputs(
@@ -668,7 +678,8 @@ def _gru_backward(
             table_ptr, tl.maximum(s - 1, s_begin), acts_ptr, a_n_ptr, out_ptr, d_out_ptr, mask_ptr, mask_row,
             ks, cols, H, 3, HAS_MASK, HAS_DOUT)
         _grid_barrier(counter_ptr, (rs + 1 - s_begin) * tl.num_programs(0), SYNC)
-    tl.store(carry_ptr + state, carry, mask=batch)
+    if HAS_CARRY:
+        tl.store(carry_ptr + state, carry, mask=batch)
     _poison_if_gave_up(counter_ptr, da_ptr, N, 3 * H, ks, cols, H, 3, SYNC, BB, BH)
     _poison_if_gave_up(counter_ptr, dh0_ptr, B, H, ks, cols, H, 1, SYNC, BB, BH)
 
@@ -1117,6 +1128,14 @@ def lstm_forward(how: Launch, schedule: Schedule, gates_x, h0, c0, w_hh, mask, k
     return out, h_state.to(out.dtype), c_state.to(c0.dtype), acts, cells, None, masked
 
 
+def _carries(how: Launch, *final_grads: Tensor | None) -> bool:
+    """Whether a backward launch reads its running gradients from memory and leaves them there:
+    where a final state has a gradient (they start from it), or where one launch runs each step
+    (:attr:`Launch.per_step`: the next launch goes on from them). Else the loop starts from zeros of
+    its own: no fill before the launch."""
+    return how.per_step or any(grad is not None for grad in final_grads)
+
+
 def lstm_backward(how: Launch, schedule: Schedule, needs: Sequence[bool], saved, d_out, d_hn, d_cn):
     """``(d_gates_x, dh_0, dc_0)`` and the whole-sequence products, as the step kernel's backward,
     from its saved tensors (:class:`rnndrop.kernels.triton_lstm._Saved`); None where a barrier gave up."""
@@ -1124,12 +1143,15 @@ def lstm_backward(how: Launch, schedule: Schedule, needs: Sequence[bool], saved,
     (N, H), (B, _), device = s.cells.shape, s.h0.shape, s.cells.device
     G = s.mask.shape[2] if s.mask is not None and s.mask.dim() == 4 else 1
     d_gates = s.acts.new_empty(N, 4 * H)
-    if d_hn is None and d_cn is None:  # one fill for both (the loop's own scratch)
+    # every row starts once, so the loop writes every row of dh_0 and dc_0 (at the step it starts)
+    dh0, dc0 = torch.empty(B, H, device=device), torch.empty(B, H, device=device)
+    has_carry = _carries(how, d_hn, d_cn)
+    if not has_carry:  # the loop starts from zeros of its own (the pointers are never read)
+        carry, dc = dh0, dc0
+    elif d_hn is None and d_cn is None:  # one fill for both (the launches' scratch)
         carry, dc = torch.zeros(2, B, H, device=device).unbind()
     else:
         carry, dc = initial_grad(d_hn, s.h0, torch.float32), initial_grad(d_cn, s.c0, torch.float32)
-    # every row starts once, so the loop writes every row of dh_0 and dc_0 (at the step it starts)
-    dh0, dc0 = torch.empty(B, H, device=device), torch.empty(B, H, device=device)
     need_dmask = bool(needs[5]) and s.mask is not None
     d_masked = s.masked.new_empty(s.masked.shape) if need_dmask else None
     dm_target = d_masked if d_masked is not None else s.masked
@@ -1140,7 +1162,7 @@ def lstm_backward(how: Launch, schedule: Schedule, needs: Sequence[bool], saved,
             carry, dc, dh0, dc0)
     failure = _run(_lstm_backward, how, len(schedule.steps) + 1, args, True, **_sizes(B, H, N), MASK_GATES=G,
               HAS_MASK=s.mask is not None, HAS_DOUT=d_out is not None, NEED_DMASK=need_dmask,
-              PRECISION=_precision(s.acts), **_tiles(how, B, H, True))
+              HAS_CARRY=has_carry, PRECISION=_precision(s.acts), **_tiles(how, B, H, True))
     if failure is not None:
         gave_up(device, failure)
         return None
@@ -1180,8 +1202,9 @@ def gru_backward(how: Launch, schedule: Schedule, needs: Sequence[bool], saved, 
     G = s.mask.shape[2] if s.mask is not None and s.mask.dim() == 4 else 1
     d_a = s.acts.new_empty(N, 3 * H)
     d_n = s.acts.new_empty(N, H)
-    carry = initial_grad(d_hn, s.h0, torch.float32)
     dh0 = torch.empty(B, H, device=device)  # every row written at the step it starts
+    has_carry = _carries(how, d_hn)
+    carry = initial_grad(d_hn, s.h0, torch.float32) if has_carry else dh0  # (dh0: never read then)
     need_dmask = bool(needs[4]) and s.mask is not None
     d_masked = s.masked.new_empty(s.masked.shape) if need_dmask else None
     dm_target = d_masked if d_masked is not None else s.masked
@@ -1192,7 +1215,7 @@ def gru_backward(how: Launch, schedule: Schedule, needs: Sequence[bool], saved, 
             carry, dh0)
     failure = _run(_gru_backward, how, len(schedule.steps) + 1, args, True, **_sizes(B, H, N), MASK_GATES=G,
               HAS_MASK=s.mask is not None, HAS_DOUT=d_out is not None, NEED_DMASK=need_dmask,
-              PRECISION=_precision(s.acts), **_tiles(how, B, H, True))
+              HAS_CARRY=has_carry, PRECISION=_precision(s.acts), **_tiles(how, B, H, True))
     if failure is not None:
         gave_up(device, failure)
         return None
