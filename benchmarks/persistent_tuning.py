@@ -3,19 +3,22 @@
 Part 1 times one forward launch and one backward launch of the LSTM loop (and the GRU's with
 ``--cells lstm,gru``; 2 x 35 steps of rnndrop.kernels.persistent, no autograd, no host work in
 between: the launches queue up, so CUDA events time the GPU alone) for each setting of
-``persistent.tuning``: hidden units per program,
-blocks of the batch's rows, the K block of the loops over ``W_hh``, warps per program, whether the
-programs keep their tiles of ``W_hh`` on chip across steps (``resident``, hidden 200), and how deep
-the load pipeline of the loops over ``W_hh`` is (``stages``; 3 built in). The
-fastest setting per shape is what ``persistent.plan`` / ``_block_k`` / ``_warps`` should pick
-(docs/gpu.md says which they do).
+``persistent.tuning``: hidden units per program, blocks of the batch's rows, the K block of the
+loops over ``W_hh``, warps per program, whether the programs keep their tiles of ``W_hh`` on chip
+across steps (``resident``, hidden 200), how deep the load pipeline of the loops over ``W_hh`` is
+(``stages``; 3 built in), how wide its loads are (``vector``), whether programs own fewer units
+than their tile (``spread``) and how many programs a multiprocessor holds (``per_sm``); with tied
+masks, and with per-gate masks (``--masks``) for a few unit and row blocks at the shapes where the
+loop waits on L2 (:data:`PER_GATE_SETTINGS`). The fastest setting per case is what
+``persistent.plan`` / ``_block_k`` / ``_warps`` should pick (docs/gpu.md says which they do); the
+last lines name it.
 
 Part 2 splits a whole training step (VariationalLSTM, 2 layers, tied masks) into the time the host
 takes to issue it and the time until the GPU has finished it, beside nn.LSTM's: a step whose two
 times are close is host-bound.
 
-    python benchmarks/persistent_tuning.py [--cells lstm,gru] [--json FILE]   # CUDA only, about 1
-                                                                              # minute a cell on an H200
+    python benchmarks/persistent_tuning.py [--cells lstm,gru] [--masks tied,per-gate] [--json FILE]
+    # CUDA only, about 1.5 minutes a cell on an H200
 """
 
 from __future__ import annotations
@@ -55,12 +58,23 @@ SETTINGS = (
     # two programs a multiprocessor: more loads of W_hh in flight (rows split first, or units spread)
     dict(per_sm=2), dict(per_sm=2, spread=True), dict(per_sm=2, row_blocks=1, spread=True),
 )
+#: Per-gate masks: each program loads four masked states a block of ``W_hh`` instead of one, that is
+#: four times the rows of the state for the same products; so the settings that give a program
+#: fewer rows (more row blocks, two programs a multiprocessor to make room for them) and the
+#: load-side ones, timed at the shapes where the loop is bound by the GPU. (Wider unit blocks were
+#: 2-3x slower with tied masks in the H200 sweep: a program's time grows with its rows x units.)
+PER_GATE_SHAPES = ((650, 128), (1500, 20), (1500, 128))
+PER_GATE_SETTINGS = (
+    {}, dict(row_blocks=2), dict(row_blocks=4), dict(row_blocks=8), dict(per_sm=2),
+    dict(per_sm=2, row_blocks=8), dict(block_k=32), dict(warps=8), dict(spread=True),
+)
 STEPS, REPEATS = 35, 10
 
 
-def loop_inputs(cell: str, hidden: int, batch: int, device: torch.device):
+def loop_inputs(cell: str, hidden: int, batch: int, device: torch.device, per_gate: bool = False):
     """The step schedule, ``gates_x`` ``[T * B, G * H]``, ``h_0``, ``c_0`` (LSTM), ``W_hh`` and a
-    tied mask of one layer, direction and batch of ``STEPS`` full steps."""
+    tied mask (``[1, B, H]``; ``per_gate``: one per gate, ``[1, B, G, H]``) of one layer, direction
+    and batch of ``STEPS`` full steps."""
     torch.manual_seed(0)
     gates = 4 if cell == "lstm" else 3
     schedule = Schedule.of([batch] * STEPS, False)
@@ -68,7 +82,8 @@ def loop_inputs(cell: str, hidden: int, batch: int, device: torch.device):
     h0 = torch.zeros(batch, hidden, device=device)
     c0 = torch.zeros(batch, hidden, device=device)
     w_hh = torch.randn(gates * hidden, hidden, device=device) / hidden**0.5
-    mask = (torch.rand(1, batch, hidden, device=device) >= 0.5).float() * 2
+    mask_shape = (1, batch, gates, hidden) if per_gate else (1, batch, hidden)
+    mask = (torch.rand(mask_shape, device=device) >= 0.5).float() * 2
     return schedule, gates_x, h0, c0, w_hh, mask
 
 
@@ -108,13 +123,14 @@ def time_launches(fn, device: torch.device) -> float:
     return statistics.median(times)
 
 
-def sweep(device: torch.device, cell: str = "lstm") -> list[dict]:
+def sweep(device: torch.device, cell: str = "lstm", per_gate: bool = False) -> list[dict]:
     rows = []
-    for hidden, batch in SHAPES:
-        inputs = loop_inputs(cell, hidden, batch, device)
+    masks = "per-gate" if per_gate else "tied"
+    for hidden, batch in PER_GATE_SHAPES if per_gate else SHAPES:
+        inputs = loop_inputs(cell, hidden, batch, device, per_gate)
         gates_x = inputs[1]
         seen = set()
-        for setting in SETTINGS:
+        for setting in PER_GATE_SETTINGS if per_gate else SETTINGS:
             persistent.tuning.clear()
             persistent.tuning.update(setting)
             how = persistent.plan(gates_x, hidden, batch, False)
@@ -132,9 +148,9 @@ def sweep(device: torch.device, cell: str = "lstm") -> list[dict]:
                       f"{str(error).splitlines()[0][:120]}", flush=True)
                 persistent._given_up.clear()  # a refused launch must not send later ones to the step kernel
                 continue
-            row = dict(cell=cell, hidden=hidden, batch=batch, units=how.units, row_blocks=how.row_blocks,
-                       block_k=block_k, warps=warps, resident=how.resident, stages=stages, vector=vector,
-                       per_sm=per_sm, programs=how.grid,
+            row = dict(cell=cell, masks=masks, hidden=hidden, batch=batch, units=how.units,
+                       row_blocks=how.row_blocks, block_k=block_k, warps=warps, resident=how.resident,
+                       stages=stages, vector=vector, per_sm=per_sm, programs=how.grid,
                        built_in=not setting, forward_ms=forward_ms, backward_ms=backward_ms,
                        us_per_step=(forward_ms + backward_ms) * 1e3 / (2 * (STEPS + 1)))
             rows.append(row)
@@ -143,7 +159,7 @@ def sweep(device: torch.device, cell: str = "lstm") -> list[dict]:
                      f"{', resident' if how.resident else ''}{f', {stages} stages' if stages else ''}"
                      f"{f', vectors of {vector}' if vector else ''}"
                      f"{f', {per_sm} a multiprocessor' if per_sm else ''}")
-            print(f"{cell:4s} {hidden:5d} {batch:4d}  {label:38s} programs {how.grid:3d}  forward "
+            print(f"{cell:4s} {masks:8s} {hidden:5d} {batch:4d}  {label:38s} programs {how.grid:3d}  forward "
                   f"{forward_ms:6.3f} ms  backward {backward_ms:6.3f} ms  {row['us_per_step']:6.1f} us/step",
                   flush=True)
     persistent.tuning.clear()
@@ -186,8 +202,8 @@ def best_settings(rows: list[dict]) -> list[str]:
     lines = ["fastest setting per case (us a step and pass; ratio to the built-in rule):"]
     cases: dict[tuple, list[dict]] = {}
     for row in rows:
-        cases.setdefault((row["cell"], row["hidden"], row["batch"]), []).append(row)
-    for (cell, hidden, batch), timed in cases.items():
+        cases.setdefault((row["cell"], row.get("masks", "tied"), row["hidden"], row["batch"]), []).append(row)
+    for (cell, masks, hidden, batch), timed in cases.items():
         built_in = next((r for r in timed if r["built_in"]), None)
         best = min(timed, key=lambda r: r["us_per_step"])
         name = "built-in" if best["built_in"] else ", ".join(
@@ -195,8 +211,8 @@ def best_settings(rows: list[dict]) -> list[str]:
                                              "vector", "per_sm") if best.get(key) not in (None, False))
         versus = f"{best['us_per_step'] / built_in['us_per_step']:.2f}x" if built_in else "no built-in row"
         base = f"{built_in['us_per_step']:6.1f}" if built_in else "     -"
-        lines.append(f"{cell:4s} {hidden:5d} {batch:4d}  built-in {base}  fastest {best['us_per_step']:6.1f} "
-                     f"({versus}): {name}")
+        lines.append(f"{cell:4s} {masks:8s} {hidden:5d} {batch:4d}  built-in {base}  "
+                     f"fastest {best['us_per_step']:6.1f} ({versus}): {name}")
     return lines
 
 
@@ -204,16 +220,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--cells", default="lstm", help="loops to sweep, comma-separated: lstm, gru")
+    parser.add_argument("--masks", default="tied,per-gate",
+                        help="masks to sweep, comma-separated: tied (every shape and setting), per-gate "
+                             "(PER_GATE_SHAPES and PER_GATE_SETTINGS); default both")
     args = parser.parse_args(argv)
-    cells = args.cells.split(",")
+    cells, masks = args.cells.split(","), args.masks.split(",")
     if not cells or any(c not in ("lstm", "gru") for c in cells):
         parser.error(f"--cells: expected a comma-separated list of lstm and gru, got {args.cells!r}")
+    if not masks or any(m not in ("tied", "per-gate") for m in masks):
+        parser.error(f"--masks: expected a comma-separated list of tied and per-gate, got {args.masks!r}")
     if not torch.cuda.is_available():
         print("persistent_tuning.py: needs a CUDA GPU", file=sys.stderr)
         return 2
     device = torch.device("cuda")
     print(torch.cuda.get_device_name(device), torch.__version__, flush=True)
-    rows = [row for cell in cells for row in sweep(device, cell)]
+    rows = [row for cell in cells for kind in masks for row in sweep(device, cell, kind == "per-gate")]
     print("\n".join(best_settings(rows)), flush=True)
     result = dict(sweep=rows, host_and_gpu=host_and_gpu(device))
     if args.json:

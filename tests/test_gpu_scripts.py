@@ -47,6 +47,6 @@ def test_persistent_tuning_names_the_fastest_setting_of_each_case():
 
     lines = tuning.best_settings([row(39.5, built_in=True), row(30.0, units=12), row(41.0, vector=1),
                                   dict(row(8.0, built_in=True), hidden=200)])
-    assert lines[1].split() == ["lstm", "1500", "20", "built-in", "39.5", "fastest", "30.0",
+    assert lines[1].split() == ["lstm", "tied", "1500", "20", "built-in", "39.5", "fastest", "30.0",
                                 "(0.76x):", "units", "12,", "row_blocks", "1"]
     assert lines[2].endswith("fastest    8.0 (1.00x): built-in")

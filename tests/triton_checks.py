@@ -469,10 +469,11 @@ def test_the_first_use_check_passes(device):
     assert gpu.first_use_failure(device) is None
 
 
+@pytest.mark.parametrize("per_gate", [False, True])
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
-def test_the_tuning_scripts_launches_run_the_loops(device, cell):
+def test_the_tuning_scripts_launches_run_the_loops(device, cell, per_gate):
     """benchmarks/persistent_tuning.py's forward and backward launches (one program here) run the
-    loop and give what the loop gives."""
+    loop and give what the loop gives, with a tied mask and with one a gate."""
     import importlib.util
     import pathlib
 
@@ -480,7 +481,8 @@ def test_the_tuning_scripts_launches_run_the_loops(device, cell):
     spec = importlib.util.spec_from_file_location("persistent_tuning", path)
     tuning = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tuning)
-    inputs = tuning.loop_inputs(cell, 20, 4, device)
+    inputs = tuning.loop_inputs(cell, 20, 4, device, per_gate)
+    assert inputs[-1].shape == ((1, 4, 4 if cell == "lstm" else 3, 20) if per_gate else (1, 4, 20))
     forward, backward = tuning.launches(cell, persistent.Launch(1, 32), *inputs)
     out, d_gates = forward()[0], backward()[0]
     assert out.shape == (35 * 4, 20) and torch.isfinite(out).all()
