@@ -11,15 +11,17 @@ are (``scalar``: loads and asynchronous copies of one 4-byte value, ``vector``: 
 Spills inside the time loop cost every step, and so does each load instruction; a change to the
 kernels can be checked here before a GPU times it.
 
-    python benchmarks/kernel_resources.py [--resident] [--spread] [--per-sm N] [--stages N] [--json FILE]
+    python benchmarks/kernel_resources.py [--resident] [--spread] [--per-sm N] [--half-state] [--stages N]
+                                          [--json FILE]
 
 ``--resident`` asks for resident ``W_hh`` tiles (``persistent.tuning["resident"]``), which the plan
 gives where the hidden size is at most ``persistent.MAX_RESIDENT``; ``--spread`` for programs of
 fewer units than their tile (``persistent.tuning["spread"]``); ``--per-sm N`` for a grid of up to
-N programs a multiprocessor (``persistent.tuning["per_sm"]``). Each line also says how many programs
-of the kernel a Hopper multiprocessor holds at once by its registers and shared memory (a
-cooperative launch of more is refused). Numbers are this Triton's (the GPU machine may run another
-version); ~20 s on a CPU.
+N programs a multiprocessor (``persistent.tuning["per_sm"]``); ``--half-state`` for forward loops
+that read the masked states from a float16 copy (``persistent.tuning["half_state"]``). Each line also
+says how many programs of the kernel a Hopper multiprocessor holds at once by its registers and
+shared memory (a cooperative launch of more is refused). Numbers are this Triton's (the GPU machine
+may run another version); ~20 s on a CPU.
 """
 
 from __future__ import annotations
@@ -51,14 +53,16 @@ INT_POINTERS = {"table_ptr", "counter_ptr"}
 
 
 def signature(kernel, constexprs: dict) -> dict[str, str]:
-    """Triton's signature of ``kernel``: ``*_ptr`` arguments are pointers, the rest ``i32``."""
+    """Triton's signature of ``kernel``: ``*_ptr`` arguments are pointers (float16 for the masked
+    states' copy where ``HALF_STATE``), the rest ``i32``."""
     names = inspect.signature(kernel.fn).parameters
-    return {
-        name: "constexpr" if name in constexprs
-        else ("*i32" if name in INT_POINTERS else "*fp32") if name.endswith("_ptr")
-        else "i32"
-        for name in names
-    }
+    half = {"m16_ptr"} if constexprs.get("HALF_STATE") else set()
+
+    def pointer(name: str) -> str:
+        return "*i32" if name in INT_POINTERS else "*fp16" if name in half else "*fp32"
+
+    return {name: "constexpr" if name in constexprs else pointer(name) if name.endswith("_ptr") else "i32"
+            for name in names}
 
 
 def specialization(kernel, constexprs: dict, integers: dict[str, int]) -> dict:
@@ -111,6 +115,8 @@ def loop_constexprs(cell: str, backward: bool, tiles: dict, hidden: int, mask_ga
     the vector width of ``hidden``, a mask (``mask_gates`` per gate), float32 in TF32, a grid barrier;
     what training passes."""
     extra = dict(HAS_DOUT=True, NEED_DMASK=False, HAS_CARRY=False) if backward else dict(SAVE=True)
+    if not backward:
+        extra["HALF_STATE"] = bool(persistent.tuning.get("half_state", persistent.HALF_STATE))
     if cell == "gru" and not backward:
         extra["HAS_BIAS"] = True
     return dict(VEC=persistent._vector(hidden), MASK_GATES=mask_gates, HAS_MASK=True, SYNC=True,
@@ -167,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resident", action="store_true", help="ask for resident W_hh tiles where they fit")
     parser.add_argument("--spread", action="store_true",
                         help="ask for fewer units a program where multiprocessors would idle")
+    parser.add_argument("--half-state", action="store_true",
+                        help="forward loops read the masked states from a float16 copy")
     parser.add_argument("--per-sm", type=int, default=1,
                         help="programs a multiprocessor may hold (default 1)")
     parser.add_argument("--stages", type=int, default=3, help="load pipeline depth (default 3, the built-in)")
@@ -182,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         persistent.tuning["spread"] = True
     if args.per_sm != 1:
         persistent.tuning["per_sm"] = args.per_sm
+    if args.half_state:
+        persistent.tuning["half_state"] = True
     print(f"Triton {triton.__version__}, sm_{CAPABILITY}, {MULTIPROCESSORS} multiprocessors, tied masks, "
           f"TF32, {args.stages} pipeline stages")
     rows = []

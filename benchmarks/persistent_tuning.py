@@ -57,6 +57,7 @@ SETTINGS = (
     dict(spread=True),  # fewer units a program, on multiprocessors that would idle
     # two programs a multiprocessor: more loads of W_hh in flight (rows split first, or units spread)
     dict(per_sm=2), dict(per_sm=2, spread=True), dict(per_sm=2, row_blocks=1, spread=True),
+    dict(half_state=True),  # the forward loop reads the masked states from a float16 copy
 )
 #: Per-gate masks: each program loads four masked states a block of ``W_hh`` instead of one, that is
 #: four times the rows of the state for the same products; so the settings that give a program
@@ -66,7 +67,7 @@ SETTINGS = (
 PER_GATE_SHAPES = ((650, 128), (1500, 20), (1500, 128))
 PER_GATE_SETTINGS = (
     {}, dict(row_blocks=2), dict(row_blocks=4), dict(row_blocks=8), dict(per_sm=2),
-    dict(per_sm=2, row_blocks=8), dict(block_k=32), dict(warps=8), dict(spread=True),
+    dict(per_sm=2, row_blocks=8), dict(block_k=32), dict(warps=8), dict(spread=True), dict(half_state=True),
 )
 STEPS, REPEATS = 35, 10
 
@@ -135,11 +136,11 @@ def sweep(device: torch.device, cell: str = "lstm", per_gate: bool = False) -> l
             persistent.tuning.update(setting)
             how = persistent.plan(gates_x, hidden, batch, False)
             block_k, warps, stages = setting.get("block_k"), setting.get("warps"), setting.get("stages")
-            vector, per_sm = setting.get("vector"), setting.get("per_sm")
+            vector, per_sm, half = setting.get("vector"), setting.get("per_sm"), setting.get("half_state")
             # (row blocks that do not fit fall back to a setting already timed)
-            if how is None or (how, block_k, warps, stages, vector) in seen:
+            if how is None or (how, block_k, warps, stages, vector, half) in seen:
                 continue
-            seen.add((how, block_k, warps, stages, vector))
+            seen.add((how, block_k, warps, stages, vector, half))
             try:
                 forward, backward = launches(cell, how, *inputs)
                 forward_ms, backward_ms = time_launches(forward, device), time_launches(backward, device)
@@ -150,7 +151,7 @@ def sweep(device: torch.device, cell: str = "lstm", per_gate: bool = False) -> l
                 continue
             row = dict(cell=cell, masks=masks, hidden=hidden, batch=batch, units=how.units,
                        row_blocks=how.row_blocks, block_k=block_k, warps=warps, resident=how.resident,
-                       stages=stages, vector=vector, per_sm=per_sm, programs=how.grid,
+                       stages=stages, vector=vector, per_sm=per_sm, half_state=half, programs=how.grid,
                        built_in=not setting, forward_ms=forward_ms, backward_ms=backward_ms,
                        us_per_step=(forward_ms + backward_ms) * 1e3 / (2 * (STEPS + 1)))
             rows.append(row)
@@ -158,7 +159,8 @@ def sweep(device: torch.device, cell: str = "lstm", per_gate: bool = False) -> l
                      f", K {block_k or 'auto'}, warps {warps or 'auto'}"
                      f"{', resident' if how.resident else ''}{f', {stages} stages' if stages else ''}"
                      f"{f', vectors of {vector}' if vector else ''}"
-                     f"{f', {per_sm} a multiprocessor' if per_sm else ''}")
+                     f"{f', {per_sm} a multiprocessor' if per_sm else ''}"
+                     f"{', float16 states' if half else ''}")
             print(f"{cell:4s} {masks:8s} {hidden:5d} {batch:4d}  {label:38s} programs {how.grid:3d}  forward "
                   f"{forward_ms:6.3f} ms  backward {backward_ms:6.3f} ms  {row['us_per_step']:6.1f} us/step",
                   flush=True)
@@ -206,9 +208,10 @@ def best_settings(rows: list[dict]) -> list[str]:
     for (cell, masks, hidden, batch), timed in cases.items():
         built_in = next((r for r in timed if r["built_in"]), None)
         best = min(timed, key=lambda r: r["us_per_step"])
+        keys = ("units", "row_blocks", "block_k", "warps", "resident", "stages", "vector", "per_sm",
+                "half_state")
         name = "built-in" if best["built_in"] else ", ".join(
-            f"{key} {best[key]}" for key in ("units", "row_blocks", "block_k", "warps", "resident", "stages",
-                                             "vector", "per_sm") if best.get(key) not in (None, False))
+            f"{key} {best[key]}" for key in keys if best.get(key) not in (None, False))
         versus = f"{best['us_per_step'] / built_in['us_per_step']:.2f}x" if built_in else "no built-in row"
         base = f"{built_in['us_per_step']:6.1f}" if built_in else "     -"
         lines.append(f"{cell:4s} {masks:8s} {hidden:5d} {batch:4d}  built-in {base}  "

@@ -26,6 +26,8 @@ size = hidden size (small 200, medium 650, large 1500), float32. Variants, for t
   (``persistent.tuning["resident"]``, on for this variant only; hidden 200; CUDA);
 - ``sequence/triton-spread``: the persistent loop with programs of fewer units than their tile on
   multiprocessors that would idle (``persistent.tuning["spread"]``, on for this variant only; CUDA);
+- ``sequence/triton-half``: the persistent loop whose forward reads the masked states from a float16
+  copy (``persistent.tuning["half_state"]``, on for this variant only; CUDA);
 - ``nn.LSTM+graph`` / ``nn.GRU+graph`` and ``sequence+graph``: the baseline and the per-sequence
   masks on the loop ``kernel="auto"`` runs, each whole layer's forward and backward replayed from
   CUDA graphs (``torch.cuda.make_graphed_callables``: what a user can do at fixed shapes; no host
@@ -146,8 +148,11 @@ RESIDENT = "sequence/triton-resident"
 #: The per-sequence masks on the persistent loop with programs of fewer units on multiprocessors that
 #: would idle (``persistent.SPREAD``; off by default until measured).
 SPREAD = "sequence/triton-spread"
+#: The per-sequence masks on the persistent loop whose forward reads the masked states from a float16
+#: copy (``persistent.HALF_STATE``; off by default until measured).
+HALF = "sequence/triton-half"
 #: The variants that run with a launch setting of ``persistent.tuning`` on, for them only.
-TUNED = {RESIDENT: {"resident": True}, SPREAD: {"spread": True}}
+TUNED = {RESIDENT: {"resident": True}, SPREAD: {"spread": True}, HALF: {"half_state": True}}
 #: The suffix of the variants whose whole layer (forward and backward) replays from CUDA graphs.
 WHOLE_GRAPH = "+graph"
 

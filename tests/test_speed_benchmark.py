@@ -178,9 +178,10 @@ def test_the_tuned_variants_ask_for_their_launch_setting_for_themselves_only(spe
     def probe():
         seen.append(dict(persistent.tuning))
 
-    for name in (speed.RESIDENT, speed.SPREAD, "sequence/triton*"):
+    for name in (speed.RESIDENT, speed.SPREAD, speed.HALF, "sequence/triton*"):
         speed.with_switches(name, probe)()
-    assert seen == [{"resident": True}, {"spread": True}, {}] and persistent.tuning == {}
+    assert seen == [{"resident": True}, {"spread": True}, {"half_state": True}, {}]
+    assert persistent.tuning == {}
 
 
 def test_the_persistent_plan_of_a_shape_is_named_on_cuda_and_nothing_elsewhere(speed, monkeypatch):

@@ -207,6 +207,33 @@ def test_a_backward_without_final_state_gradients_starts_from_zeros_of_its_own(k
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_masked_states_read_in_float16_round_only_the_products(kind, device, monkeypatch):
+    """``tuning["half_state"]``: the forward loop's products read the masked states from a float16
+    copy. Against the reference kernel every output and gradient is within float16's rounding of
+    the states (TF32 rounds them the same where they are normal), yet not equal to the float32
+    reading (the copy is what ran); backward still reads the float32 states. Three programs (a
+    launch a step under the interpreter) and one, every mask shape, both directions."""
+    calls = persistent_calls(monkeypatch)
+    programs = [persistent.Launch(3, 16, per_step=device.type != "cuda")]
+    if device.type != "cuda":
+        programs.append(persistent.Launch(1, 64))
+    for how in programs:
+        with persistent.launched_as(how):
+            for i, mask_shape in enumerate(helpers.MASK_SHAPES):
+                reverse, batch_sizes = i % 2 == 0, helpers.BATCH_SIZES[(i + 1) % 4]
+                args = inputs(kind, batch_sizes, mask_shape, 0, device, torch.float32, i % 3 != 2, H=40)
+                exact = run("triton", kind, batch_sizes, args, reverse)
+                monkeypatch.setitem(persistent.tuning, "half_state", True)
+                half = run("triton", kind, batch_sizes, args, reverse)
+                monkeypatch.delitem(persistent.tuning, "half_state")
+                where = f"{kind} {how} mask {mask_shape} reverse {reverse}"
+                assert_close(half, run("autograd", kind, batch_sizes, args, reverse), atol=2e-3, rtol=2e-3,
+                             msg=where)
+                assert any(not torch.equal(a, b) for a, b in zip(half[0], exact[0])), where
+    assert calls.count(f"_{kind}_forward") == 2 * len(programs) * len(helpers.MASK_SHAPES)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_persistent_loop_over_blocks_of_rows_matches_reference(kind, device, monkeypatch):
     """Two blocks of 16 rows times three blocks of 16 units (20 sequences, 40 units: the last block
     of each runs past the end), packed sequences that leave the second row block before the end,

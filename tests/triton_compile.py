@@ -26,7 +26,8 @@ def cases() -> list[tuple[str, str, bool, dict, int]]:
     """``(name, cell, backward, tiles, mask gates)``: each loop, forward and backward, streaming
     ``W_hh`` (tied masks, blocks of 16 rows and units, K blocks of 32 forward and 64 backward; and
     programs of 12 units in tiles of 16, ``persistent.SPREAD``) and with resident tiles (hidden 200:
-    one K block of 256; tied and per-gate masks)."""
+    one K block of 256; tied and per-gate masks); and the forward loops reading the masked states
+    from a float16 copy (``persistent.HALF_STATE``, tied and per-gate masks)."""
     found = []
     for cell, gates in (("lstm", 4), ("gru", 3)):
         for backward in (False, True):
@@ -37,6 +38,10 @@ def cases() -> list[tuple[str, str, bool, dict, int]]:
                 tiles = dict(BB=16, BH=16, BK=block_k, RESIDENT=resident, UNITS=units)
                 name = f"{cell} {'backward' if backward else 'forward'} {label}"
                 found.append((name, cell, backward, tiles, mask_gates))
+        for label, mask_gates in (("streaming float16 states", 1),
+                                  ("streaming float16 states per-gate", gates)):
+            tiles = dict(BB=16, BH=16, BK=32, RESIDENT=False, UNITS=16)
+            found.append((f"{cell} forward {label}", cell, False, tiles, mask_gates))
     return found
 
 
@@ -49,6 +54,8 @@ def main() -> None:
             constexprs = resources.loop_constexprs(cell, backward, tiles, 200, mask_gates)
             if backward:
                 constexprs["NEED_DMASK"] = True  # the mask's gradient written too
+            if "float16" in name:
+                constexprs["HALF_STATE"] = True
             record.update(ok=True, **resources.compile_loop(cell, backward, constexprs, warps))
         except Exception as error:  # reported, not raised: the test names every case that failed
             record["error"] = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"

@@ -48,7 +48,9 @@ the gates starts on a multiple of ``VEC`` values, and loads them in vectors (16 
 is 4 or more) instead of one value at a time; an integer argument alone tells it only whether the
 value is a multiple of 16, which 200, 650 or 1500 are not. The masked states ``m`` (and their
 gradients) are the loop's own buffers, laid out ``[N, (G,) H]``, so their row strides follow from
-``H`` and need no argument.
+``H`` and need no argument. Where :data:`HALF_STATE` (a setting, off until timed), the forward loops
+also write each ``m_{s+1}`` in float16 and read that copy for the products (half the bytes a
+program reads of the state a step); backward reads the float32 states.
 """
 
 from __future__ import annotations
@@ -107,6 +109,15 @@ SPREAD = False
 #: and shared memory let two be resident at once (a cooperative launch is refused otherwise). One
 #: until a GPU has timed two, as :data:`RESIDENT`.
 PER_SM = 1
+#: Whether the forward loops read the masked states ``m`` from a float16 copy where the products
+#: run in TF32, unless ``tuning["half_state"]`` says otherwise. Every program reads the whole state
+#: at every step (rows x H, four times that with per-gate masks), which outweighs its rows of
+#: ``W_hh`` from batch 64 on; float16 halves it. TF32 keeps the same 10 bits of a value as float16
+#: wherever float16 is normal (from 6.1e-5 to 65504 in magnitude; below it, an absolute error under
+#: 3e-8, and the float32 copy that backward reads is kept as it is). A state beyond 65504 (a mask
+#: or an initial state that large) would become inf: off by default until a GPU has timed it and a
+#: check of that range is in the loop.
+HALF_STATE = False
 
 
 #: Integer arguments of the loops compiled as plain integers (Triton would otherwise compile a
@@ -238,19 +249,24 @@ def _tile_of_gate(w0, w1, w2, w3, g: tl.constexpr):
 @triton.jit
 def _block_products(m_ptr, m_row, m_gate, w_ptr, w0, w1, w2, w3, k0, off, rows, ks, cols, H, a0, a1, a2, a3,
                     CELL_GATES: tl.constexpr, MASK_GATES: tl.constexpr, RESIDENT: tl.constexpr,
-                    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BK: tl.constexpr):
+                    PRECISION: tl.constexpr, UPCAST: tl.constexpr, HALF_STATE: tl.constexpr,
+                    BK: tl.constexpr):
     """``a_g += Σ_p m^g[k, p] W[g·H + j, p]`` over the block ``p = k0 .. k0 + BK`` (one load of ``m``
     serves every gate without per-gate masks); ``W_hh``'s tiles loaded here, or where ``RESIDENT``
-    the tiles ``w0 .. w3``."""
+    the tiles ``w0 .. w3``. ``HALF_STATE``: ``m`` is float16 (widened to float32 for the product)."""
     p = k0 + tl.arange(0, BK)
     m_at = m_ptr + (off + ks)[:, None] * m_row + p[None, :]
     m_in = rows & (p < H)[None, :]
     w_at = w_ptr + cols[None, :] * H + p[:, None]
     w_in = (cols < H)[None, :] & (p < H)[:, None]
     m = tl.load(m_at, mask=m_in, other=0.0, cache_modifier=".cg")
+    if HALF_STATE:
+        m = m.to(tl.float32)
     for g in tl.static_range(CELL_GATES):
         if MASK_GATES > 1 and g > 0:
             m = tl.load(m_at + g * m_gate, mask=m_in, other=0.0, cache_modifier=".cg")
+            if HALF_STATE:
+                m = m.to(tl.float32)
         if RESIDENT:  # a compile-time choice: Triton builds the branch taken
             w = _tile_of_gate(w0, w1, w2, w3, g)
         else:
@@ -273,8 +289,8 @@ def _block_products(m_ptr, m_row, m_gate, w_ptr, w0, w1, w2, w3, k0, off, rows, 
 @triton.jit
 def _gate_products(m_ptr, m_row, m_gate, w_ptr, w0, w1, w2, w3, off, b, ks, cols, H,
                    CELL_GATES: tl.constexpr, MASK_GATES: tl.constexpr, RESIDENT: tl.constexpr,
-                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr,
-                   BK: tl.constexpr):
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, HALF_STATE: tl.constexpr, BB: tl.constexpr,
+                   BH: tl.constexpr, BK: tl.constexpr):
     """``[BB, BH]`` per gate ``g``: ``Σ_p m^g[k, p] W[g·H + j, p]`` over the rows ``k < b`` of the state
     at ``off``; the fourth is zeros for a cell of three gates. Streaming ``W_hh``, a loop over blocks of
     ``p``; where ``RESIDENT``, one block (``BK >= H``) with the tiles ``w0 .. w3`` of
@@ -287,12 +303,12 @@ def _gate_products(m_ptr, m_row, m_gate, w_ptr, w0, w1, w2, w3, off, b, ks, cols
     if RESIDENT:
         a0, a1, a2, a3 = _block_products(m_ptr, m_row, m_gate, w_ptr, w0, w1, w2, w3, 0, off, rows, ks, cols,
                                          H, a0, a1, a2, a3, CELL_GATES, MASK_GATES, RESIDENT, PRECISION,
-                                         UPCAST, BK)
+                                         UPCAST, HALF_STATE, BK)
     else:
         for k0 in range(0, H, BK):
             a0, a1, a2, a3 = _block_products(m_ptr, m_row, m_gate, w_ptr, w0, w1, w2, w3, k0, off, rows, ks,
                                              cols, H, a0, a1, a2, a3, CELL_GATES, MASK_GATES, RESIDENT,
-                                             PRECISION, UPCAST, BK)
+                                             PRECISION, UPCAST, HALF_STATE, BK)
     return a0, a1, a2, a3
 
 
@@ -321,10 +337,12 @@ def _step_inputs(table_ptr, s, x_ptr, mask_ptr, mask_row, ks, cols, H, GATES: tl
 
 
 @triton.jit
-def _store_next_state(h, h0, m0, mask_ptr, mask_row, mask_gate, m_ptr, m_row, m_gate, ks, cols, b, nb,
-                      noff, nmoff, H, MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr):
+def _store_next_state(h, h0, m0, mask_ptr, mask_row, mask_gate, m_ptr, m16_ptr, m_row, m_gate, ks, cols, b,
+                      nb, noff, nmoff, H, MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr,
+                      HALF_STATE: tl.constexpr):
     """``m_{s+1}[k] = h'[k] * M_{s+1}[k]`` for ``k < nb`` (``h'``: ``h`` for ``k < b``, else the
-    tile ``h0`` of ``h_0``); ``m0`` is the first gate's mask tile (:func:`_step_inputs`)."""
+    tile ``h0`` of ``h_0``); ``m0`` is the first gate's mask tile (:func:`_step_inputs`). Where
+    ``HALF_STATE``, also in float16 at ``m16_ptr`` (what the programs read for the next product)."""
     nxt = (ks < nb)[:, None] & (cols < H)[None, :]
     src = tl.where((ks < b)[:, None], h, h0)
     for g in tl.static_range(MASK_GATES):
@@ -336,8 +354,10 @@ def _store_next_state(h, h0, m0, mask_ptr, mask_row, mask_gate, m_ptr, m_row, m_
                 m = tl.load(mask_ptr + nmoff + ks[:, None] * mask_row + g * mask_gate + cols[None, :],
                             mask=nxt, other=0.0)
                 value = src * m.to(tl.float32)
-        tl.store(m_ptr + (noff + ks)[:, None] * m_row + g * m_gate + cols[None, :],
-                 value.to(m_ptr.dtype.element_ty), mask=nxt)
+        at = (noff + ks)[:, None] * m_row + g * m_gate + cols[None, :]
+        tl.store(m_ptr + at, value.to(m_ptr.dtype.element_ty), mask=nxt)
+        if HALF_STATE:
+            tl.store(m16_ptr + at, value.to(tl.float16), mask=nxt)
 
 
 @triton.jit
@@ -355,16 +375,17 @@ def _store_gates(ptr, off, ks, cols, H, live, g0, g1, g2, g3, GATES: tl.constexp
 
 @triton.jit(do_not_specialize=_RUN_TIME_INTS)
 def _lstm_forward(
-    gx_ptr, w_ptr, h0_ptr, c0_ptr, mask_ptr, mask_row, mask_gate, table_ptr, m_ptr,
+    gx_ptr, w_ptr, h0_ptr, c0_ptr, mask_ptr, mask_row, mask_gate, table_ptr, m_ptr, m16_ptr,
     acts_ptr, cells_ptr, out_ptr, h_state_ptr, c_state_ptr, counter_ptr, s_begin, s_end, B, H_VEC, N,
     VEC: tl.constexpr, MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, SAVE: tl.constexpr,
-    SYNC: tl.constexpr,
+    HALF_STATE: tl.constexpr, SYNC: tl.constexpr,
     RESIDENT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr,
     BK: tl.constexpr, UNITS: tl.constexpr,
 ):
     """Steps ``s_begin .. s_end - 1``; ``h_state``/``c_state`` carry the state between launches of
     one step each (their values are read only for rows that have run a step: any at the first).
-    ``SAVE``: whether the gates and cells backward reads are written."""
+    ``SAVE``: whether the gates and cells backward reads are written. ``HALF_STATE``: the programs
+    read the masked states from a float16 copy at ``m16_ptr`` (:func:`_half_state`)."""
     H, m_row, m_gate = _row_lengths(H_VEC, VEC, MASK_GATES)
     ks, cols, batch, state = _block(B, H, BB, BH, UNITS)
     h_reg = tl.load(h_state_ptr + state, mask=batch, other=0.0)
@@ -372,12 +393,14 @@ def _lstm_forward(
     h0 = tl.load(h0_ptr + state, mask=batch, other=0.0).to(tl.float32)
     c0 = tl.load(c0_ptr + state, mask=batch, other=0.0).to(tl.float32)
     w0, w1, w2, w3 = _resident_tiles(w_ptr, cols, H, 4, False, RESIDENT, BK)
+    read_ptr = m16_ptr if HALF_STATE else m_ptr  # the masked states the products read
     b, off, carried, _, nb, noff, nmoff, x_i, x_f, x_g, x_o, m0 = _step_inputs(
         table_ptr, s_begin, gx_ptr, mask_ptr, mask_row, ks, cols, H, 4, HAS_MASK)
     for s in range(s_begin, s_end):
         live = (ks < b)[:, None] & (cols < H)[None, :]
-        z_i, z_f, z_g, z_o = _gate_products(m_ptr, m_row, m_gate, w_ptr, w0, w1, w2, w3, off, b, ks, cols, H,
-                                            4, MASK_GATES, RESIDENT, PRECISION, UPCAST, BB, BH, BK)
+        z_i, z_f, z_g, z_o = _gate_products(read_ptr, m_row, m_gate, w_ptr, w0, w1, w2, w3, off, b, ks, cols,
+                                            H, 4, MASK_GATES, RESIDENT, PRECISION, UPCAST, HALF_STATE, BB, BH,
+                                            BK)
         i = sigmoid(z_i + x_i)
         f = sigmoid(z_f + x_f)
         g = tanh(z_g + x_g)
@@ -390,8 +413,8 @@ def _lstm_forward(
         tl.store(out_ptr + (off + ks)[:, None] * H + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=live)
         c_reg = tl.where(live, c, c_reg)
         h_reg = tl.where(live, h, h_reg)
-        _store_next_state(h, h0, m0, mask_ptr, mask_row, mask_gate, m_ptr, m_row, m_gate, ks, cols, b, nb,
-                          noff, nmoff, H, MASK_GATES, HAS_MASK)
+        _store_next_state(h, h0, m0, mask_ptr, mask_row, mask_gate, m_ptr, m16_ptr, m_row, m_gate, ks, cols,
+                          b, nb, noff, nmoff, H, MASK_GATES, HAS_MASK, HALF_STATE)
         b, off, carried, _, nb, noff, nmoff, x_i, x_f, x_g, x_o, m0 = _step_inputs(
             table_ptr, tl.minimum(s + 1, s_end - 1), gx_ptr, mask_ptr, mask_row, ks, cols, H, 4, HAS_MASK)
         _grid_barrier(counter_ptr, (s + 1 - s_begin) * tl.num_programs(0), SYNC)
@@ -404,10 +427,10 @@ def _lstm_forward(
 
 @triton.jit(do_not_specialize=_RUN_TIME_INTS)
 def _gru_forward(
-    gx_ptr, w_ptr, b_hh_ptr, h0_ptr, mask_ptr, mask_row, mask_gate, table_ptr, m_ptr,
+    gx_ptr, w_ptr, b_hh_ptr, h0_ptr, mask_ptr, mask_row, mask_gate, table_ptr, m_ptr, m16_ptr,
     acts_ptr, a_n_ptr, out_ptr, h_state_ptr, counter_ptr, s_begin, s_end, B, H_VEC, N,
     VEC: tl.constexpr, MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SAVE: tl.constexpr,
+    SAVE: tl.constexpr, HALF_STATE: tl.constexpr,
     SYNC: tl.constexpr, RESIDENT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, UNITS: tl.constexpr,
 ):
@@ -424,12 +447,13 @@ def _gru_forward(
         b_z = tl.load(b_hh_ptr + H + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
         b_n = tl.load(b_hh_ptr + 2 * H + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
     w0, w1, w2, w3 = _resident_tiles(w_ptr, cols, H, 3, False, RESIDENT, BK)
+    read_ptr = m16_ptr if HALF_STATE else m_ptr  # the masked states the products read
     b, off, carried, _, nb, noff, nmoff, x_r, x_z, x_n, _, m0 = _step_inputs(
         table_ptr, s_begin, gx_ptr, mask_ptr, mask_row, ks, cols, H, 3, HAS_MASK)
     for s in range(s_begin, s_end):
         live = (ks < b)[:, None] & (cols < H)[None, :]
-        a_r, a_z, a_n, _ = _gate_products(m_ptr, m_row, m_gate, w_ptr, w0, w1, w2, w3, off, b, ks, cols, H, 3,
-                                          MASK_GATES, RESIDENT, PRECISION, UPCAST, BB, BH, BK)
+        a_r, a_z, a_n, _ = _gate_products(read_ptr, m_row, m_gate, w_ptr, w0, w1, w2, w3, off, b, ks, cols, H,
+                                          3, MASK_GATES, RESIDENT, PRECISION, UPCAST, HALF_STATE, BB, BH, BK)
         a_n += b_n
         r = sigmoid(a_r + b_r + x_r)
         z = sigmoid(a_z + b_z + x_z)
@@ -440,8 +464,8 @@ def _gru_forward(
             tl.store(a_n_ptr + (off + ks)[:, None] * H + cols[None, :], a_n, mask=live)
         tl.store(out_ptr + (off + ks)[:, None] * H + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=live)
         h_reg = tl.where(live, h, h_reg)
-        _store_next_state(h, h0, m0, mask_ptr, mask_row, mask_gate, m_ptr, m_row, m_gate, ks, cols, b, nb,
-                          noff, nmoff, H, MASK_GATES, HAS_MASK)
+        _store_next_state(h, h0, m0, mask_ptr, mask_row, mask_gate, m_ptr, m16_ptr, m_row, m_gate, ks, cols,
+                          b, nb, noff, nmoff, H, MASK_GATES, HAS_MASK, HALF_STATE)
         b, off, carried, _, nb, noff, nmoff, x_r, x_z, x_n, _, m0 = _step_inputs(
             table_ptr, tl.minimum(s + 1, s_end - 1), gx_ptr, mask_ptr, mask_row, ks, cols, H, 3, HAS_MASK)
         _grid_barrier(counter_ptr, (s + 1 - s_begin) * tl.num_programs(0), SYNC)
@@ -813,6 +837,16 @@ def plan(gates_x: Tensor, hidden: int, batch: int, projected: bool) -> Launch | 
     return Launch(programs, units, row_blocks=row_blocks, resident=_resident(hidden, units))
 
 
+def _half_state(gates_x: Tensor) -> bool:
+    """Whether a forward launch on ``gates_x`` reads the masked states in float16 (:data:`HALF_STATE`,
+    ``tuning["half_state"]``): float32 calls whose products run in TF32 (a measurement's setting
+    also under IEEE float32, where it then rounds the states as TF32 would not)."""
+    asked = tuning.get("half_state")
+    if asked is None:
+        return HALF_STATE and gates_x.dtype == torch.float32 and _precision(gates_x) == "tf32"
+    return bool(asked) and gates_x.dtype == torch.float32
+
+
 def _per_sm() -> int:
     """Programs a multiprocessor holds in :func:`plan`'s grid: ``tuning["per_sm"]``, else :data:`PER_SM`."""
     per_sm = tuning.get("per_sm", PER_SM)
@@ -974,7 +1008,7 @@ def _counter(device: torch.device, pooled: bool) -> Tensor:
 #: Launch settings a measurement may set (``benchmarks/persistent_tuning.py``): ``units``,
 #: ``row_blocks``, ``block_k``, ``warps``, ``resident``, ``stages`` (the deepest load pipeline
 #: tried, instead of :data:`_STAGES`), ``vector`` (the widest ``VEC``), ``spread`` (:data:`SPREAD`),
-#: ``per_sm`` (:data:`PER_SM`); empty in normal use.
+#: ``per_sm`` (:data:`PER_SM`), ``half_state`` (:data:`HALF_STATE`); empty in normal use.
 tuning: dict[str, int] = {}
 
 
@@ -1118,10 +1152,13 @@ def lstm_forward(how: Launch, schedule: Schedule, gates_x, h0, c0, w_hh, mask, k
     h_state, c_state = torch.empty(B, H, device=device), torch.empty(B, H, device=device)
     table = _step_table(schedule, mask, device)
     mask_row, mask_gate = _mask_strides(mask)
-    args = (gates_x, w_hh, h0, c0, h0 if mask is None else mask, mask_row, mask_gate, table, masked,
+    half = _half_state(gates_x)
+    masked16 = masked.new_empty(masked.shape, dtype=torch.float16) if half else masked
+    args = (gates_x, w_hh, h0, c0, h0 if mask is None else mask, mask_row, mask_gate, table, masked, masked16,
             out if acts is None else acts, out if cells is None else cells, out, h_state, c_state)
     failure = _run(_lstm_forward, how, len(schedule.steps) + 1, args, False, **_sizes(B, H, N), MASK_GATES=G,
-              HAS_MASK=mask is not None, SAVE=keep, PRECISION=_precision(gates_x), **_tiles(how, B, H, False))
+              HAS_MASK=mask is not None, SAVE=keep, HALF_STATE=half, PRECISION=_precision(gates_x),
+              **_tiles(how, B, H, False))
     if failure is not None:
         gave_up(device, failure)
         return None
@@ -1181,12 +1218,14 @@ def gru_forward(how: Launch, schedule: Schedule, gates_x, h0, w_hh, b_hh, mask, 
     masked = gates_x.new_empty(N, G, H) if G > 1 else gates_x.new_empty(N, H)
     h_state = torch.empty(B, H, device=device)  # as in lstm_forward
     mask_row, mask_gate = _mask_strides(mask)
+    half = _half_state(gates_x)
+    masked16 = masked.new_empty(masked.shape, dtype=torch.float16) if half else masked
     args = (gates_x, w_hh, h0 if b_hh is None else b_hh, h0, h0 if mask is None else mask, mask_row,
-            mask_gate, _step_table(schedule, mask, device), masked, out if acts is None else acts,
+            mask_gate, _step_table(schedule, mask, device), masked, masked16, out if acts is None else acts,
             out if a_n is None else a_n, out, h_state)
     failure = _run(_gru_forward, how, len(schedule.steps) + 1, args, False, **_sizes(B, H, N), MASK_GATES=G,
-              HAS_MASK=mask is not None, HAS_BIAS=b_hh is not None, SAVE=keep, PRECISION=_precision(gates_x),
-              **_tiles(how, B, H, False))
+              HAS_MASK=mask is not None, HAS_BIAS=b_hh is not None, SAVE=keep, HALF_STATE=half,
+              PRECISION=_precision(gates_x), **_tiles(how, B, H, False))
     if failure is not None:
         gave_up(device, failure)
         return None
