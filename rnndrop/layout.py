@@ -151,10 +151,10 @@ class SequenceLayout:
             One ``[num_rows, B, size]`` tensor per state.
         """
         B = self.batch_size
-        if hx is None:  # one fill for every state (one launch on a GPU)
-            zeros = x.new_zeros(num_rows * B * sum(sizes))
-            return tuple(part.view(num_rows, B, size)
-                         for part, size in zip(zeros.split([num_rows * B * n for n in sizes]), sizes))
+        if hx is None:
+            if len(set(sizes)) == 1:  # one fill for every state (one launch on a GPU)
+                return x.new_zeros(len(sizes), num_rows, B, sizes[0]).unbind()
+            return tuple(x.new_zeros(num_rows, B, size) for size in sizes)
         if len(sizes) == 1:
             states, names = (hx,), ["hx"]
         else:
