@@ -17,6 +17,7 @@ caller passes in are checked (:meth:`RecurrentMasks.check`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -238,8 +239,24 @@ def mask_sites(
 
     ``input_l{k}`` for every layer (probability ``input_p[k]``), then
     ``hidden_l{k}[_reverse]`` for every layer and direction (``hidden_p``), then
-    ``output`` (``output_p``); shapes from :func:`stack_mask_shapes`.
+    ``output`` (``output_p``); shapes from :func:`stack_mask_shapes`. The sites are immutable and
+    remembered by their arguments (a layer asks for the same ones at every forward pass).
     """
+    return _mask_sites(geometry, batch_size, seq_len, scope, per_gate, tuple(input_p), hidden_p, output_p)
+
+
+@functools.lru_cache(maxsize=256)
+def _mask_sites(
+    geometry: StackGeometry,
+    batch_size: int,
+    seq_len: int | None,
+    scope: str,
+    per_gate: bool,
+    input_p: tuple[float, ...],
+    hidden_p: float,
+    output_p: float,
+) -> tuple[MaskSite, ...]:
+    """:func:`mask_sites`, for hashable arguments."""
     shapes = stack_mask_shapes(geometry, batch_size, seq_len, scope, per_gate)
     return (
         *(MaskSite(f"input_l{k}", shape, p) for k, (shape, p) in enumerate(zip(shapes.inputs, input_p))),

@@ -62,6 +62,14 @@ def functorch_wrapped(*tensors: Tensor) -> bool:
     return is_wrapped is not None and any(is_wrapped(t) for t in tensors)
 
 
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``x @ W^T + b`` of :class:`_Linear`'s forward pass (CUDA or oneDNN), without autograd."""
+    if x.is_cuda:
+        with products_as_cudnn(x):
+            return torch.nn.functional.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 class _Linear(torch.autograd.Function):
     """``x @ W^T + b`` with every product through :func:`matmul` / oneDNN on CPU, and on CUDA in
     the float32 mode cuDNN would use for an ``nn.LSTM`` (:func:`products_as_cudnn`), forward and
@@ -71,10 +79,7 @@ class _Linear(torch.autograd.Function):
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        if x.is_cuda:
-            with products_as_cudnn(x):
-                return torch.nn.functional.linear(x, weight.detach(), bias)
-        return torch.ops.mkldnn._linear_pointwise(x, weight.detach(), bias, "none", [], "")
+        return _linear(x, weight.detach(), bias)
 
     @staticmethod
     def backward(ctx, d_out: Tensor):
@@ -107,6 +112,10 @@ def input_projection(x: Tensor, mask: Tensor | None, weight: Tensor, bias: Tenso
     if functorch_wrapped(*(t for t in (x, mask, weight, bias) if t is not None)):
         return masked_linear(x, mask, weight, bias)
     if mask is None and x.dim() == 2 and (x.is_cuda or onednn_enabled(x)) and weight.dtype == x.dtype:
+        differentiated = torch.is_grad_enabled() and (
+            x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+        if not differentiated:  # Monte-Carlo sampling: no autograd Function
+            return _linear(x.contiguous(), weight, bias)
         return _Linear.apply(x.contiguous(), weight, bias)
     # (not torch.broadcast_shapes: its first call imports torch._refs; docs/speed.md, "Per-gate masks")
     if (mask is not None and mask.dim() == x.dim() + 1
