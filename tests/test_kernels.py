@@ -186,6 +186,22 @@ def test_input_projection_matches_linear_twice_differentiably():
     assert_close(input_projection(x, mask, w), F.linear(x * mask, w), atol=1e-5)
 
 
+def test_input_projection_without_gradients_runs_no_autograd_function():
+    """Under ``torch.no_grad`` (Monte-Carlo sampling) or with nothing requiring a gradient, the
+    product runs without the autograd Function (a host cost a layer and sample): no graph, the same
+    values."""
+    x, w = torch.randn(9, 5, requires_grad=True), torch.randn(12, 5, requires_grad=True)
+    bias = torch.randn(12)
+    with_grad = input_projection(x, None, w, bias)
+    assert with_grad.grad_fn is not None
+    with torch.no_grad():
+        without = input_projection(x, None, w, bias)
+    plain = input_projection(x.detach(), None, w.detach(), bias)
+    assert without.grad_fn is None and plain.grad_fn is None
+    assert_close(without, with_grad.detach(), atol=0, rtol=0)
+    assert_close(plain, with_grad.detach(), atol=0, rtol=0)
+
+
 def test_onednn_or_blas_is_decided_by_weight_rows_and_cpu_family(monkeypatch):
     """Zen 3/4 and other CPUs: oneDNN from 250 k elements, or 150 k with 32 rows or more; AMD Zen 5
     (family 26) and later, where oneDNN's packed products beat BLAS at hidden 200 and 20 rows:
