@@ -185,25 +185,36 @@ def test_programs_that_own_fewer_units_than_their_tile_match_reference(kind, dev
     assert calls.count(f"_{kind}_forward") == calls.count(f"_{kind}_backward") == 2 * len(helpers.MASK_SHAPES)
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
-def test_a_backward_without_final_state_gradients_starts_from_zeros_of_its_own(kind, device, monkeypatch):
-    """A loss of the output alone (the usual training step): the backward loop starts its running
-    gradients from zeros of its own instead of a filled buffer, in one program (one launch a pass)
-    and over three programs (one launch a step under the interpreter, which carry them in memory),
-    every mask shape, both directions, at 1e-5 in float32."""
-    calls = persistent_calls(monkeypatch)
+def mask_shape_cases(kind, device, shift):
+    """``(how, mask shape, reverse, batch sizes, kernel inputs)`` of every mask shape (directions and
+    layouts in turn, ``shift`` picking which come first), run inside ``launched_as(how)``: three
+    programs (a launch a step under the interpreter, which keeps the running state in memory) and,
+    under the interpreter, one (one launch a pass); float32, 40 units."""
     programs = [persistent.Launch(3, 16, per_step=device.type != "cuda")]
     if device.type != "cuda":
         programs.append(persistent.Launch(1, 64))
     for how in programs:
         with persistent.launched_as(how):
             for i, mask_shape in enumerate(helpers.MASK_SHAPES):
-                reverse, batch_sizes = i % 2 == 1, helpers.BATCH_SIZES[i % 4]
+                reverse, batch_sizes = i % 2 == 1 - shift, helpers.BATCH_SIZES[(i + shift) % 4]
                 args = inputs(kind, batch_sizes, mask_shape, 0, device, torch.float32, i % 3 != 2, H=40)
-                ours = run("triton", kind, batch_sizes, args, reverse, output_only=True)
-                assert_close(ours, run("autograd", kind, batch_sizes, args, reverse, output_only=True),
-                             atol=1e-5, rtol=1e-5, msg=f"{kind} {how} mask {mask_shape} reverse {reverse}")
-    assert calls.count(f"_{kind}_backward") == len(programs) * len(helpers.MASK_SHAPES)
+                yield how, mask_shape, reverse, batch_sizes, args
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_a_backward_without_final_state_gradients_starts_from_zeros_of_its_own(kind, device, monkeypatch):
+    """A loss of the output alone (the usual training step): the backward loop starts its running
+    gradients from zeros of its own instead of a filled buffer, in one program and in three, every
+    mask shape, both directions, at 1e-5 in float32."""
+    calls = persistent_calls(monkeypatch)
+    runs = 0
+    for how, mask_shape, reverse, batch_sizes, args in mask_shape_cases(kind, device, 0):
+        ours = run("triton", kind, batch_sizes, args, reverse, output_only=True)
+        assert_close(ours, run("autograd", kind, batch_sizes, args, reverse, output_only=True),
+                     atol=1e-5, rtol=1e-5, msg=f"{kind} {how} mask {mask_shape} reverse {reverse}")
+        runs += 1
+    programs = 2 if device.type != "cuda" else 1
+    assert calls.count(f"_{kind}_backward") == runs == programs * len(helpers.MASK_SHAPES)
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
@@ -211,26 +222,21 @@ def test_masked_states_read_in_float16_round_only_the_products(kind, device, mon
     """``tuning["half_state"]``: the forward loop's products read the masked states from a float16
     copy. Against the reference kernel every output and gradient is within float16's rounding of
     the states (TF32 rounds them the same where they are normal), yet not equal to the float32
-    reading (the copy is what ran); backward still reads the float32 states. Three programs (a
-    launch a step under the interpreter) and one, every mask shape, both directions."""
+    reading (the copy is what ran); backward still reads the float32 states. One and three
+    programs, every mask shape, both directions."""
     calls = persistent_calls(monkeypatch)
-    programs = [persistent.Launch(3, 16, per_step=device.type != "cuda")]
-    if device.type != "cuda":
-        programs.append(persistent.Launch(1, 64))
-    for how in programs:
-        with persistent.launched_as(how):
-            for i, mask_shape in enumerate(helpers.MASK_SHAPES):
-                reverse, batch_sizes = i % 2 == 0, helpers.BATCH_SIZES[(i + 1) % 4]
-                args = inputs(kind, batch_sizes, mask_shape, 0, device, torch.float32, i % 3 != 2, H=40)
-                exact = run("triton", kind, batch_sizes, args, reverse)
-                monkeypatch.setitem(persistent.tuning, "half_state", True)
-                half = run("triton", kind, batch_sizes, args, reverse)
-                monkeypatch.delitem(persistent.tuning, "half_state")
-                where = f"{kind} {how} mask {mask_shape} reverse {reverse}"
-                assert_close(half, run("autograd", kind, batch_sizes, args, reverse), atol=2e-3, rtol=2e-3,
-                             msg=where)
-                assert any(not torch.equal(a, b) for a, b in zip(half[0], exact[0])), where
-    assert calls.count(f"_{kind}_forward") == 2 * len(programs) * len(helpers.MASK_SHAPES)
+    runs = 0
+    for how, mask_shape, reverse, batch_sizes, args in mask_shape_cases(kind, device, 1):
+        exact = run("triton", kind, batch_sizes, args, reverse)
+        monkeypatch.setitem(persistent.tuning, "half_state", True)
+        half = run("triton", kind, batch_sizes, args, reverse)
+        monkeypatch.delitem(persistent.tuning, "half_state")
+        where = f"{kind} {how} mask {mask_shape} reverse {reverse}"
+        assert_close(half, run("autograd", kind, batch_sizes, args, reverse), atol=2e-3, rtol=2e-3, msg=where)
+        assert any(not torch.equal(a, b) for a, b in zip(half[0], exact[0])), where
+        runs += 2
+    programs = 2 if device.type != "cuda" else 1
+    assert calls.count(f"_{kind}_forward") == runs == 2 * programs * len(helpers.MASK_SHAPES)
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
