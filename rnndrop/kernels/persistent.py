@@ -31,7 +31,9 @@ products over all steps after the loop, as in the step kernel, from the very ten
 kernel saves: either kernel's backward runs on either kernel's forward.
 
 The barrier is an atomic counter: every program adds one after its step, then spins until the
-counter reaches ``n_programs`` times the number of steps done. All programs must be resident at
+counter reaches ``n_programs`` times the number of steps done. The forward loops add their one as
+soon as the next state is stored (the one thing other programs read during the launch) and store
+the gates, cells and outputs of the step while the others arrive. All programs must be resident at
 once: the grid is at most one program per multiprocessor, launched cooperatively where Triton can
 (CUDA then co-schedules every program or refuses the launch). A program that spins too long adds a
 large number to the counter (every later barrier then passes at once) and the launch writes NaN
@@ -137,9 +139,26 @@ def _vector(hidden: int) -> int:
 @triton.jit
 def _grid_barrier(counter_ptr, target, SYNC: tl.constexpr):
     """Wait until every program has reached ``target``; give up after :data:`SPIN_LIMIT` spins."""
+    _arrive(counter_ptr, SYNC)
+    _wait(counter_ptr, target, SYNC)
+
+
+@triton.jit
+def _arrive(counter_ptr, SYNC: tl.constexpr):
+    """This program's arrival at the barrier: what it stored before is visible to every program
+    that has waited for it (:func:`_wait`). Stores after it are not: only what no other program
+    reads before the launch ends may follow it (the forward loops' gates, cells and outputs), and
+    the barrier's latency then overlaps them."""
     if SYNC:
         tl.debug_barrier()  # every thread's stores of this step before the release (one thread's)
         tl.atomic_add(counter_ptr, 1, sem="release")
+
+
+@triton.jit
+def _wait(counter_ptr, target, SYNC: tl.constexpr):
+    """Spin until the counter reaches ``target`` (every program has arrived); give up after
+    :data:`SPIN_LIMIT` spins (every later barrier of the launch then passes at once)."""
+    if SYNC:
         seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
         spins = 0
         while (seen < target) & (spins < 2097152):
@@ -407,17 +426,20 @@ def _lstm_forward(
         o = sigmoid(z_o + x_o)
         c = f * tl.where((ks < carried)[:, None], c_reg, c0) + i * g
         h = o * tanh(c)
+        # the next state first: the one thing other programs read in this launch; then arrive, and
+        # store what they do not read while the others arrive
+        _store_next_state(h, h0, m0, mask_ptr, mask_row, mask_gate, m_ptr, m16_ptr, m_row, m_gate, ks, cols,
+                          b, nb, noff, nmoff, H, MASK_GATES, HAS_MASK, HALF_STATE)
+        _arrive(counter_ptr, SYNC)
         if SAVE:
             _store_gates(acts_ptr, off, ks, cols, H, live, i, f, g, o, 4)
             tl.store(cells_ptr + (off + ks)[:, None] * H + cols[None, :], c, mask=live)
         tl.store(out_ptr + (off + ks)[:, None] * H + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=live)
         c_reg = tl.where(live, c, c_reg)
         h_reg = tl.where(live, h, h_reg)
-        _store_next_state(h, h0, m0, mask_ptr, mask_row, mask_gate, m_ptr, m16_ptr, m_row, m_gate, ks, cols,
-                          b, nb, noff, nmoff, H, MASK_GATES, HAS_MASK, HALF_STATE)
         b, off, carried, _, nb, noff, nmoff, x_i, x_f, x_g, x_o, m0 = _step_inputs(
             table_ptr, tl.minimum(s + 1, s_end - 1), gx_ptr, mask_ptr, mask_row, ks, cols, H, 4, HAS_MASK)
-        _grid_barrier(counter_ptr, (s + 1 - s_begin) * tl.num_programs(0), SYNC)
+        _wait(counter_ptr, (s + 1 - s_begin) * tl.num_programs(0), SYNC)
     tl.store(h_state_ptr + state, h_reg, mask=batch)
     tl.store(c_state_ptr + state, c_reg, mask=batch)
     _poison_if_gave_up(counter_ptr, out_ptr, N, H, ks, cols, H, 1, SYNC, BB, BH)
@@ -459,16 +481,17 @@ def _gru_forward(
         z = sigmoid(a_z + b_z + x_z)
         n = tanh(x_n + r * a_n)
         h = n + z * (tl.where((ks < carried)[:, None], h_reg, h0) - n)
+        _store_next_state(h, h0, m0, mask_ptr, mask_row, mask_gate, m_ptr, m16_ptr, m_row, m_gate, ks, cols,
+                          b, nb, noff, nmoff, H, MASK_GATES, HAS_MASK, HALF_STATE)
+        _arrive(counter_ptr, SYNC)  # as in _lstm_forward: what no other program reads after it
         if SAVE:
             _store_gates(acts_ptr, off, ks, cols, H, live, r, z, n, n, 3)
             tl.store(a_n_ptr + (off + ks)[:, None] * H + cols[None, :], a_n, mask=live)
         tl.store(out_ptr + (off + ks)[:, None] * H + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=live)
         h_reg = tl.where(live, h, h_reg)
-        _store_next_state(h, h0, m0, mask_ptr, mask_row, mask_gate, m_ptr, m16_ptr, m_row, m_gate, ks, cols,
-                          b, nb, noff, nmoff, H, MASK_GATES, HAS_MASK, HALF_STATE)
         b, off, carried, _, nb, noff, nmoff, x_r, x_z, x_n, _, m0 = _step_inputs(
             table_ptr, tl.minimum(s + 1, s_end - 1), gx_ptr, mask_ptr, mask_row, ks, cols, H, 3, HAS_MASK)
-        _grid_barrier(counter_ptr, (s + 1 - s_begin) * tl.num_programs(0), SYNC)
+        _wait(counter_ptr, (s + 1 - s_begin) * tl.num_programs(0), SYNC)
     tl.store(h_state_ptr + state, h_reg, mask=batch)
     _poison_if_gave_up(counter_ptr, out_ptr, N, H, ks, cols, H, 1, SYNC, BB, BH)
     _poison_if_gave_up(counter_ptr, h_state_ptr, B, H, ks, cols, H, 1, SYNC, BB, BH)
