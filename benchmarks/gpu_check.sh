@@ -28,7 +28,7 @@ $PY -c "from rnndrop.kernels import persistent as p; print('persistent loop: coo
 
 checks() {
 step "kernels against the reference kernel, compiled (tests/triton_checks.py)"
-timeout 200 $PY -m pytest -q -p no:cacheprovider -n 8 --timeout 150 tests/triton_checks.py 2>&1 \
+timeout 240 $PY -m pytest -q -p no:cacheprovider -n 8 --timeout 180 tests/triton_checks.py 2>&1 \
     | tee "$OUT/triton-checks.log" | tail -n 40
 }
 
