@@ -149,7 +149,9 @@ def _id_range(tokens: Tensor) -> tuple[int, int]:
     model's batches are slices of one tensor of the whole corpus), read once per tensor and
     version and then remembered. Reading them waits for the GPU, so a batch of a tensor already
     read costs no synchronisation; an in-place change of the tensor (or of any view of it) bumps
-    its version and it is read again."""
+    its version and it is read again. A change torch does not count (through ``.data``, or memory
+    shared with numpy) is not seen: a bad id then fails in the embedding's own lookup, with torch's
+    message."""
     whole = tokens if tokens._base is None or tokens._base.dtype != tokens.dtype else tokens._base
     if whole.is_inference():  # no version counter to tell a change by
         return int(tokens.min()), int(tokens.max())
