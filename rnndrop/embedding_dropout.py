@@ -15,7 +15,10 @@ Cost of ``scope="sequence"``: the keep/drop decision is only needed for the
 batch (``torch.unique`` over ``T * B`` keys), whatever the vocabulary size: far
 cheaper than a dense ``[B, V]`` mask for a word vocabulary (docs/speed.md,
 "Embedding dropout's mask"). The dense mask is drawn only when it is no larger
-than the batch itself (``V <= T``, e.g. characters).
+than the batch itself (``V <= T``, e.g. characters), and on a GPU up to
+``B * V = 2**22`` values: there ``torch.unique`` makes the host wait for the GPU
+(it reads how many pairs there are), which costs a host-bound training step more
+than a few million uniforms cost the GPU.
 """
 
 from __future__ import annotations

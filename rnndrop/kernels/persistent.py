@@ -1049,9 +1049,10 @@ def _run(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constex
     barrier cannot then starve; else the host reads it after the launch (a synchronisation) and a
     barrier that gave up sends the call to the step kernel."""
     device = args[0].device
+    cuda = device.type == "cuda"
     warps = _warps(constexprs["BB"], constexprs["RESIDENT"])
     # Triton's interpreter multiplies bfloat16 tiles wrongly: it gets float32 ones (exact products)
-    upcast = interpreted()
+    upcast = not cuda and interpreted()
     if how.per_step:
         counter = _counter(device, pooled=False)
         order = range(steps - 1, -1, -1) if backward else range(steps)
@@ -1059,7 +1060,6 @@ def _run(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constex
             kernel[(how.grid,)](*args, counter, s, s + 1, **constexprs, SYNC=False, UPCAST=upcast,
                                     num_warps=warps)
         return None
-    cuda = device.type == "cuda"
     if not cuda and how.grid > 1:  # the interpreter runs programs one after another
         raise ValueError(f"{how} on CPU: Triton's interpreter runs one program at a time, so a grid "
                          "barrier between programs never opens; use per_step=True or programs=1")
