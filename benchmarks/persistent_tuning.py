@@ -13,9 +13,10 @@ loop waits on L2 (:data:`PER_GATE_SETTINGS`). The fastest setting per case is wh
 ``persistent.plan`` / ``_block_k`` / ``_warps`` should pick (docs/gpu.md says which they do); the
 last lines name it.
 
-Part 2 splits a whole training step (VariationalLSTM, 2 layers, tied masks) into the time the host
-takes to issue it and the time until the GPU has finished it, beside nn.LSTM's: a step whose two
-times are close is host-bound.
+Part 2 splits a whole training step (VariationalLSTM, 2 layers, tied and per-gate masks) and a
+Monte-Carlo forward into the time the host takes to issue it and the time until the GPU has
+finished it, beside nn.LSTM's training step and inference: a call whose two times are close is
+host-bound.
 
     python benchmarks/persistent_tuning.py [--cells lstm,gru] [--masks tied,per-gate] [--json FILE]
     # CUDA only, about 1.5 minutes a cell on an H200
@@ -169,22 +170,30 @@ def sweep(device: torch.device, cell: str = "lstm", per_gate: bool = False) -> l
 
 
 def host_and_gpu(device: torch.device) -> list[dict]:
-    """Milliseconds to issue a training step (host) and to finish it (GPU), tied masks and nn.LSTM."""
+    """Milliseconds to issue (host) and to finish (GPU) a training step of nn.LSTM and of tied and
+    per-gate masks, and a Monte-Carlo forward (no gradient, fresh masks) against nn.LSTM's inference."""
     rows = []
     for hidden, batch in ((200, 20), (650, 20), (650, 128)):
         x = torch.randn(STEPS, batch, hidden, device=device)
-        for name, module in (
-            ("nn.LSTM", nn.LSTM(hidden, hidden, 2)),
-            ("tied", VariationalLSTM(hidden, hidden, 2, dropout=0.5, dropout_input=0.5, dropout_hidden=0.5,
-                                     dropout_output=0.5)),
+        probs = dict(dropout=0.5, dropout_input=0.5, dropout_hidden=0.5, dropout_output=0.5)
+        for name, module, training in (
+            ("nn.LSTM", nn.LSTM(hidden, hidden, 2), True),
+            ("tied", VariationalLSTM(hidden, hidden, 2, **probs), True),
+            ("per-gate", VariationalLSTM(hidden, hidden, 2, per_gate_masks=True, **probs), True),
+            ("nn.LSTM inference", nn.LSTM(hidden, hidden, 2), False),
+            ("tied Monte-Carlo", VariationalLSTM(hidden, hidden, 2, **probs), False),
         ):
-            module.to(device).train()
+            module.to(device).train(name != "nn.LSTM inference")
             issued, finished = [], []
             for k in range(13):
                 module.zero_grad(set_to_none=True)
                 torch.cuda.synchronize(device)
                 start = time.perf_counter()
-                module(x)[0].sum().backward()
+                if training:
+                    module(x)[0].sum().backward()
+                else:
+                    with torch.no_grad():
+                        module(x)
                 issue = time.perf_counter() - start
                 torch.cuda.synchronize(device)
                 if k >= 3:
@@ -193,8 +202,9 @@ def host_and_gpu(device: torch.device) -> list[dict]:
             row = dict(hidden=hidden, batch=batch, variant=name, host_ms=statistics.median(issued),
                        total_ms=statistics.median(finished))
             rows.append(row)
-            print(f"lstm {hidden:5d} {batch:4d}  {name:8s} host issues the step in {row['host_ms']:6.2f} ms, "
-                  f"GPU done at {row['total_ms']:6.2f} ms", flush=True)
+            what = "step" if training else "forward"
+            print(f"lstm {hidden:5d} {batch:4d}  {name:17s} host issues the {what} in "
+                  f"{row['host_ms']:6.2f} ms, GPU done at {row['total_ms']:6.2f} ms", flush=True)
     return rows
 
 
