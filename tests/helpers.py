@@ -91,7 +91,7 @@ def run_kernel(name, kind, batch_sizes, args, reverse):
     args = [a.detach().requires_grad_(a.requires_grad) if a is not None else None for a in args]
     outputs = get_kernel(name, kind)(args[0], batch_sizes, *args[1:], reverse)
     g = torch.Generator().manual_seed(1)
-    loss = sum((o * torch.randn(o.shape, generator=g, dtype=o.dtype)).sum() for o in outputs)
+    loss = sum((o * torch.randn(o.shape, generator=g, dtype=o.dtype).to(o.device)).sum() for o in outputs)
     leaves = [a for a in args if a is not None and a.requires_grad]
     return list(outputs), list(torch.autograd.grad(loss, leaves))
 

@@ -236,6 +236,39 @@ def test_a_training_step_on_the_persistent_loop_never_waits_for_the_gpu(cls):
 
 
 @cuda_only
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_two_programs_a_multiprocessor_run_and_match_reference(kind, monkeypatch):
+    """``tuning["per_sm"] = 2`` (``persistent.PER_SM``): a grid of more programs than the GPU has
+    multiprocessors (programs of 8 units over 1500, one block of rows) launches, every program
+    resident at once, and matches the reference kernel (a tied and a per-gate mask, both
+    directions; IEEE float32, 1e-4 over 1500 units). A GPU only: the interpreter runs one program."""
+    from rnndrop.kernels import persistent
+
+    monkeypatch.setattr(persistent, "_given_up", set())  # a refusal here must not reach later tests
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # IEEE products: 1e-4 means something
+    for name, value in dict(per_sm=2, spread=True, row_blocks=1).items():
+        monkeypatch.setitem(persistent.tuning, name, value)
+    launched = []
+    run = persistent._run
+    monkeypatch.setattr(persistent, "_run", lambda kernel, *a, **k: launched.append(kernel.__name__) or run(
+        kernel, *a, **k))
+    batch_sizes, hidden, device = [20] * 6, 1500, torch.device("cuda")
+    how = persistent.plan(torch.empty(1, device=device), hidden, 20, False)
+    assert how.grid > torch.cuda.get_device_properties(device).multi_processor_count, how
+    for reverse, mask_shape in ((False, (1, "B", "P")), (True, (1, "B", "G", "P"))):
+        args = helpers.kernel_inputs(kind, batch_sizes, mask_shape, 0, dtype=torch.float32, H=hidden)
+        with torch.no_grad():
+            for weight in args[3:4] if kind == "lstm" else args[2:3]:
+                weight /= hidden**0.5  # nn.LSTM's scale: saturated gates would amplify rounding
+        args = [None if a is None else a.detach().cuda().requires_grad_(a.requires_grad) for a in args]
+        ours = helpers.run_kernel("triton", kind, batch_sizes, args, reverse)
+        reference = helpers.run_kernel("autograd", kind, batch_sizes, args, reverse)
+        helpers.assert_close(ours, reference, atol=1e-4, rtol=1e-4, msg=f"{kind} {how} mask {mask_shape}")
+        assert persistent.usable(device), "the launch of two programs a multiprocessor was refused"
+    assert launched.count(f"_{kind}_forward") == launched.count(f"_{kind}_backward") == 2
+
+
+@cuda_only
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 def test_a_language_model_training_step_never_waits_for_the_gpu(cell):
     """The same for a whole language model on batches of a corpus held on the GPU (embedding

@@ -185,32 +185,6 @@ def test_programs_that_own_fewer_units_than_their_tile_match_reference(kind, dev
     assert calls.count(f"_{kind}_forward") == calls.count(f"_{kind}_backward") == 2 * len(helpers.MASK_SHAPES)
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
-def test_two_programs_a_multiprocessor_run_and_match_reference(kind, device, monkeypatch):
-    """``tuning["per_sm"] = 2`` (``persistent.PER_SM``): a grid of more programs than the GPU has
-    multiprocessors (programs of 8 units over 1500, one block of rows) launches, every program
-    resident at once, and matches the reference kernel (a tied and a per-gate mask, both
-    directions; 1e-4 in float32 over 1500 units). A GPU only: the interpreter runs one program."""
-    if device.type != "cuda":
-        pytest.skip("a grid of two programs a multiprocessor needs a GPU")
-    calls = persistent_calls(monkeypatch)
-    monkeypatch.setattr(persistent, "_given_up", set())  # a refusal here must not reach later tests
-    for name, value in dict(per_sm=2, spread=True, row_blocks=1).items():
-        monkeypatch.setitem(persistent.tuning, name, value)
-    batch_sizes, hidden = [20] * 6, 1500
-    like = torch.empty(1, dtype=torch.float32, device=device)
-    how = persistent.plan(like, hidden, 20, False)
-    assert how.grid > torch.cuda.get_device_properties(device).multi_processor_count, how
-    for i, mask_shape in enumerate(((1, "B", "P"), (1, "B", "G", "P"))):
-        reverse = i == 1
-        args = inputs(kind, batch_sizes, mask_shape, 0, device, torch.float32, H=hidden)
-        ours = run("triton", kind, batch_sizes, args, reverse)
-        assert_close(ours, run("autograd", kind, batch_sizes, args, reverse), atol=1e-4, rtol=1e-4,
-                     msg=f"{kind} {how} mask {mask_shape}")
-        assert persistent.usable(device), "the launch of two programs a multiprocessor was refused"
-    assert calls.count(f"_{kind}_forward") == calls.count(f"_{kind}_backward") == 2
-
-
 def mask_shape_cases(kind, device, shift):
     """``(how, mask shape, reverse, batch sizes, kernel inputs)`` of every mask shape (directions and
     layouts in turn, ``shift`` picking which come first), run inside ``launched_as(how)``: three
