@@ -872,10 +872,18 @@ def _half_state(gates_x: Tensor) -> bool:
 
 def _per_sm() -> int:
     """Programs a multiprocessor holds in :func:`plan`'s grid: ``tuning["per_sm"]``, else :data:`PER_SM`."""
-    per_sm = tuning.get("per_sm", PER_SM)
-    if not (isinstance(per_sm, int) and 1 <= per_sm <= 4):
-        raise ValueError(f'tuning["per_sm"] must be 1, 2, 3 or 4 programs a multiprocessor, got {per_sm!r}')
-    return per_sm
+    return _setting("per_sm", PER_SM, lambda n: 1 <= n <= 4, "1, 2, 3 or 4 programs a multiprocessor")
+
+
+def _setting(name: str, default: int, valid: Callable[[int], bool], expected: str) -> int:
+    """The integer launch setting ``tuning[name]``, else ``default``; a measurement's value that is not
+    ``valid`` raises, saying it should be ``expected``."""
+    if name not in tuning:
+        return default
+    value = tuning[name]
+    if not (isinstance(value, int) and valid(value)):
+        raise ValueError(f'tuning["{name}"] must be {expected}, got {value!r}')
+    return value
 
 
 def _width(units: int) -> int:
@@ -931,12 +939,9 @@ def _step_table(schedule: Schedule, mask: Tensor | None, device: torch.device) -
 def _sizes(batch: int, hidden: int, rows: int) -> dict[str, int]:
     """The loops' size arguments: ``B``, the hidden size as ``H_VEC`` times ``VEC`` (:func:`_vector`),
     and ``N``."""
-    vec = _vector(hidden)
-    if "vector" in tuning:  # a measurement's narrower vectors (1: every row loaded value by value)
-        widest = tuning["vector"]
-        if not (isinstance(widest, int) and widest >= 1 and widest & (widest - 1) == 0):
-            raise ValueError(f'tuning["vector"] must be a power of two, got {widest!r}')
-        vec = min(vec, widest)
+    # a measurement may ask for narrower vectors (1: every row loaded value by value)
+    widest = _setting("vector", MAX_VECTOR, lambda n: n >= 1 and n & (n - 1) == 0, "a power of two")
+    vec = min(_vector(hidden), widest)
     return dict(B=batch, H_VEC=hidden // vec, N=rows, VEC=vec)
 
 
@@ -958,9 +963,9 @@ def _cooperative_launches() -> bool:
 
 
 _COOPERATIVE = _cooperative_launches()
-#: Pipeline depths of the loops over ``W_hh``, deepest first; the first whose shared memory fits
-#: is kept per kernel and block shape (0 where none does).
-_STAGES = (3, 2, 1)
+#: The deepest load pipeline of the loops over ``W_hh``; depths from it down to 1 are tried, and the
+#: first whose shared memory fits is kept per kernel and block shape (0 where none does).
+_DEEPEST_STAGES = 3
 _stages: dict[tuple, int] = {}
 #: Pools' counters copied for reading once their launches finished: ``(event, pinned copy, device)``.
 _pending: list[tuple[torch.cuda.Event, Tensor, torch.device]] = []
@@ -1030,7 +1035,7 @@ def _counter(device: torch.device, pooled: bool) -> Tensor:
 
 #: Launch settings a measurement may set (``benchmarks/persistent_tuning.py``): ``units``,
 #: ``row_blocks``, ``block_k``, ``warps``, ``resident``, ``stages`` (the deepest load pipeline
-#: tried, instead of :data:`_STAGES`), ``vector`` (the widest ``VEC``), ``spread`` (:data:`SPREAD`),
+#: tried, instead of :data:`_DEEPEST_STAGES`), ``vector`` (the widest ``VEC``), ``spread`` (:data:`SPREAD`),
 #: ``per_sm`` (:data:`PER_SM`), ``half_state`` (:data:`HALF_STATE`); empty in normal use.
 tuning: dict[str, int] = {}
 
@@ -1069,12 +1074,8 @@ def _run(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constex
     if cuda and not capturing:
         _read_finished_counters()
     counter = _counter(device, pooled=cooperative and not capturing)
-    depths = _STAGES
-    if "stages" in tuning:
-        deepest = tuning["stages"]
-        if not (isinstance(deepest, int) and deepest >= 1):
-            raise ValueError(f'tuning["stages"] must be a positive number of stages, got {deepest!r}')
-        depths = tuple(range(deepest, 0, -1))
+    deepest = _setting("stages", _DEEPEST_STAGES, lambda n: n >= 1, "a positive number of stages")
+    depths = tuple(range(deepest, 0, -1))
     key = (kernel.__name__, constexprs["BB"], constexprs["BK"], constexprs["MASK_GATES"],
            constexprs["RESIDENT"], args[0].dtype, depths[0])
     fitting = _stages.get(key, depths[0])  # 0: nothing fits (remembered, not tried again)
