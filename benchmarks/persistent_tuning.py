@@ -130,43 +130,49 @@ def sweep(device: torch.device, cell: str = "lstm", per_gate: bool = False) -> l
     masks = "per-gate" if per_gate else "tied"
     for hidden, batch in PER_GATE_SHAPES if per_gate else SHAPES:
         inputs = loop_inputs(cell, hidden, batch, device, per_gate)
-        gates_x = inputs[1]
-        seen = set()
+        seen: set = set()
         for setting in PER_GATE_SETTINGS if per_gate else SETTINGS:
-            persistent.tuning.clear()
-            persistent.tuning.update(setting)
-            how = persistent.plan(gates_x, hidden, batch, False)
-            block_k, warps, stages = setting.get("block_k"), setting.get("warps"), setting.get("stages")
-            vector, per_sm, half = setting.get("vector"), setting.get("per_sm"), setting.get("half_state")
-            # (row blocks that do not fit fall back to a setting already timed)
-            if how is None or (how, block_k, warps, stages, vector, half) in seen:
-                continue
-            seen.add((how, block_k, warps, stages, vector, half))
-            try:
-                forward, backward = launches(cell, how, *inputs)
-                forward_ms, backward_ms = time_launches(forward, device), time_launches(backward, device)
-            except Exception as error:  # a setting that does not compile or launch: say so, go on
-                print(f"hidden {hidden} batch {batch} {setting}: {type(error).__name__}: "
-                      f"{str(error).splitlines()[0][:120]}", flush=True)
-                persistent._given_up.clear()  # a refused launch must not send later ones to the step kernel
-                continue
-            row = dict(cell=cell, masks=masks, hidden=hidden, batch=batch, units=how.units,
-                       row_blocks=how.row_blocks, block_k=block_k, warps=warps, resident=how.resident,
-                       stages=stages, vector=vector, per_sm=per_sm, half_state=half, programs=how.grid,
-                       built_in=not setting, forward_ms=forward_ms, backward_ms=backward_ms,
-                       us_per_step=(forward_ms + backward_ms) * 1e3 / (2 * (STEPS + 1)))
-            rows.append(row)
-            label = (f"{'built-in ' if row['built_in'] else ''}units {how.units:2d} x rows/{how.row_blocks}"
-                     f", K {block_k or 'auto'}, warps {warps or 'auto'}"
-                     f"{', resident' if how.resident else ''}{f', {stages} stages' if stages else ''}"
-                     f"{f', vectors of {vector}' if vector else ''}"
-                     f"{f', {per_sm} a multiprocessor' if per_sm else ''}"
-                     f"{', float16 states' if half else ''}")
-            print(f"{cell:4s} {masks:8s} {hidden:5d} {batch:4d}  {label:38s} programs {how.grid:3d}  forward "
-                  f"{forward_ms:6.3f} ms  backward {backward_ms:6.3f} ms  {row['us_per_step']:6.1f} us/step",
-                  flush=True)
-    persistent.tuning.clear()
+            with persistent.tuned(**setting):  # plan, compile and time under the setting
+                row = time_setting(cell, masks, hidden, batch, setting, inputs, seen, device)
+            if row is not None:
+                rows.append(row)
     return rows
+
+
+def time_setting(cell: str, masks: str, hidden: int, batch: int, setting: dict, inputs, seen: set,
+                 device: torch.device) -> dict | None:
+    """One forward and one backward launch of the loop under ``setting`` (in force), timed and printed;
+    None where the setting plans a launch already timed (``seen``) or fails to compile or launch."""
+    how = persistent.plan(inputs[1], hidden, batch, False)  # inputs[1]: gates_x
+    block_k, warps, stages = setting.get("block_k"), setting.get("warps"), setting.get("stages")
+    vector, per_sm, half = setting.get("vector"), setting.get("per_sm"), setting.get("half_state")
+    # (row blocks that do not fit fall back to a setting already timed)
+    if how is None or (how, block_k, warps, stages, vector, half) in seen:
+        return None
+    seen.add((how, block_k, warps, stages, vector, half))
+    try:
+        forward, backward = launches(cell, how, *inputs)
+        forward_ms, backward_ms = time_launches(forward, device), time_launches(backward, device)
+    except Exception as error:  # a setting that does not compile or launch: say so, go on
+        print(f"hidden {hidden} batch {batch} {setting}: {type(error).__name__}: "
+              f"{str(error).splitlines()[0][:120]}", flush=True)
+        persistent._given_up.clear()  # a refused launch must not send later ones to the step kernel
+        return None
+    row = dict(cell=cell, masks=masks, hidden=hidden, batch=batch, units=how.units,
+               row_blocks=how.row_blocks, block_k=block_k, warps=warps, resident=how.resident,
+               stages=stages, vector=vector, per_sm=per_sm, half_state=half, programs=how.grid,
+               built_in=not setting, forward_ms=forward_ms, backward_ms=backward_ms,
+               us_per_step=(forward_ms + backward_ms) * 1e3 / (2 * (STEPS + 1)))
+    label = (f"{'built-in ' if row['built_in'] else ''}units {how.units:2d} x rows/{how.row_blocks}"
+             f", K {block_k or 'auto'}, warps {warps or 'auto'}"
+             f"{', resident' if how.resident else ''}{f', {stages} stages' if stages else ''}"
+             f"{f', vectors of {vector}' if vector else ''}"
+             f"{f', {per_sm} a multiprocessor' if per_sm else ''}"
+             f"{', float16 states' if half else ''}")
+    print(f"{cell:4s} {masks:8s} {hidden:5d} {batch:4d}  {label:38s} programs {how.grid:3d}  forward "
+          f"{forward_ms:6.3f} ms  backward {backward_ms:6.3f} ms  {row['us_per_step']:6.1f} us/step",
+          flush=True)
+    return row
 
 
 def host_and_gpu(device: torch.device) -> list[dict]:

@@ -240,20 +240,14 @@ def graph_memory(device: torch.device) -> int:
     return before - torch.cuda.memory_reserved(device)
 
 
-@contextlib.contextmanager
-def tuned(setting: dict | None):
-    """The persistent loop's launch settings ``setting`` (``persistent.tuning``) on in the block."""
+def tuned(setting: dict | None) -> contextlib.AbstractContextManager:
+    """The persistent loop's launch settings ``setting`` on in the block (``persistent.tuned``; the
+    module, which needs Triton, imported only for a variant that has settings)."""
     if not setting:
-        yield
-        return
+        return contextlib.nullcontext()
     from rnndrop.kernels import persistent
 
-    persistent.tuning.update(setting)
-    try:
-        yield
-    finally:
-        for key in setting:
-            del persistent.tuning[key]
+    return persistent.tuned(**setting)
 
 
 def with_switches(name: str, fn: Callable[[], object]) -> Callable[[], object]:
@@ -747,8 +741,7 @@ def _run(argv: list[str] | None = None) -> None:
                 print(f"{r['variant']}: its CUDA graphs held {held:.1f} MB between calls", flush=True)
             if r.get("ratio_to_graphed_baseline") is not None:
                 print(f"{r['variant']}: {r['ratio_to_graphed_baseline']:.2f}x {r['model']}'s baseline "
-                      "replayed "
-                      "from CUDA graphs too (the GPU's time alone)", flush=True)
+                      "replayed from CUDA graphs too (the GPU's time alone)", flush=True)
         if args.mode == "mc-predict":
             print(f"mc-predict: times per sample; each variant's call drew {args.samples} samples through "
                   "rnndrop.mc.mc_predict, the baseline's call is one inference forward", flush=True)
