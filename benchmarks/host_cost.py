@@ -27,7 +27,6 @@ os.environ["TRITON_INTERPRET"] = "1"  # before anything imports Triton (rnndrop'
 
 import argparse
 import contextlib
-import json
 import statistics
 import sys
 import time
@@ -38,6 +37,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from rnndrop import VariationalGRU, VariationalLSTM
 from rnndrop.kernels import persistent
+from rnndrop.lm.run.checkpoint import write_json_atomic
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from speed import launching_ops, machine, top_level_ops  # one count of ops, one machine line
@@ -131,8 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"Monte-Carlo sample {row['mc_sample_us']:5.0f} us   ops a step {row['ops']:3d} "
                   f"(+ {row['views']} views and allocations)", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json_atomic(rows, args.json)
     return 0
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import os
 import re
 import subprocess
@@ -44,6 +43,7 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
 from rnndrop.kernels import persistent
+from rnndrop.lm.run.checkpoint import write_json_atomic
 
 #: Hopper, where the persistent loop has been measured (H100 / H200), and its multiprocessors.
 CAPABILITY, MULTIPROCESSORS = 90, 132
@@ -218,8 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{row['scalar']:3d} scalar / {row['vector']:3d} vector, {row['fit_per_sm']} fit a "
                       "multiprocessor", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json_atomic(rows, args.json)
     return 0
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 import sys
 import time
@@ -39,6 +38,7 @@ from rnndrop.kernels import persistent
 from rnndrop.kernels.schedule import Schedule
 from rnndrop.kernels.triton_gru import _Saved as _GRUSaved
 from rnndrop.kernels.triton_lstm import _Saved
+from rnndrop.lm.run.checkpoint import write_json_atomic
 
 SHAPES = ((200, 20), (200, 128), (650, 20), (650, 128), (1500, 20), (1500, 128))
 #: Settings of ``persistent.tuning`` to time, the built-in choice first (row blocks: as many as the
@@ -257,8 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(best_settings(rows)), flush=True)
     result = dict(sweep=rows, host_and_gpu=host_and_gpu(device))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json_atomic(result, args.json)
     return 0
 
 

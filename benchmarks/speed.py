@@ -74,7 +74,6 @@ import argparse
 import collections
 import contextlib
 import importlib.metadata
-import json
 import os
 import platform
 import random
@@ -93,6 +92,7 @@ from rnndrop import VariationalGRU, VariationalLSTM
 from rnndrop.kernels import KERNELS, auto_loop_kernel, cuda_graphs, get_kernel
 from rnndrop.kernels.onednn import onednn_enabled
 from rnndrop.kernels.precision import cudnn_rnn_tf32, matmul_precision
+from rnndrop.lm.run.checkpoint import write_json_atomic
 from rnndrop.mc import mc_predict
 
 try:
@@ -750,9 +750,8 @@ def _run(argv: list[str] | None = None) -> None:
     if device.type == "cuda":
         print("against the goals of docs/gpu.md (baseline: cuDNN):\n" + "\n".join(goal_rows(rows, auto)))
     if args.json:
-        with open(args.json, "w") as f:
-            config = dict(vars(args), device=str(device), header=header)
-            json.dump(dict(config=config, results=rows), f, indent=1)
+        config = dict(vars(args), device=str(device), header=header)
+        write_json_atomic(dict(config=config, results=rows), args.json)
 
 
 if __name__ == "__main__":
