@@ -883,6 +883,12 @@ def _half_state(gates_x: Tensor) -> bool:
     return bool(asked) and gates_x.dtype == torch.float32
 
 
+def _products_read(gates_x: Tensor, masked: Tensor) -> Tensor:
+    """The masked states a forward launch's products read: a float16 copy of ``masked``'s shape,
+    which the loop writes beside it, where :func:`_half_state`; else ``masked`` itself."""
+    return masked.new_empty(masked.shape, dtype=torch.float16) if _half_state(gates_x) else masked
+
+
 def _per_sm() -> int:
     """Programs a multiprocessor holds in :func:`plan`'s grid: ``tuning["per_sm"]``, else :data:`PER_SM`."""
     return _setting("per_sm", PER_SM, lambda n: 1 <= n <= 4, "1, 2, 3 or 4 programs a multiprocessor")
@@ -1189,13 +1195,12 @@ def lstm_forward(how: Launch, schedule: Schedule, gates_x, h0, c0, w_hh, mask, k
     h_state, c_state = torch.empty(B, H, device=device), torch.empty(B, H, device=device)
     table = _step_table(schedule, mask, device)
     mask_row, mask_gate = _mask_strides(mask)
-    half = _half_state(gates_x)
-    masked16 = masked.new_empty(masked.shape, dtype=torch.float16) if half else masked
-    args = (gates_x, w_hh, h0, c0, h0 if mask is None else mask, mask_row, mask_gate, table, masked, masked16,
+    read = _products_read(gates_x, masked)
+    args = (gates_x, w_hh, h0, c0, h0 if mask is None else mask, mask_row, mask_gate, table, masked, read,
             out if acts is None else acts, out if cells is None else cells, out, h_state, c_state)
     failure = _run(_lstm_forward, how, len(schedule.steps) + 1, args, False, **_sizes(B, H, N), MASK_GATES=G,
-              HAS_MASK=mask is not None, SAVE=keep, HALF_STATE=half, PRECISION=_precision(gates_x),
-              **_tiles(how, B, H, False))
+              HAS_MASK=mask is not None, SAVE=keep, HALF_STATE=read is not masked,
+              PRECISION=_precision(gates_x), **_tiles(how, B, H, False))
     if failure is not None:
         gave_up(device, failure)
         return None
@@ -1255,13 +1260,12 @@ def gru_forward(how: Launch, schedule: Schedule, gates_x, h0, w_hh, b_hh, mask, 
     masked = gates_x.new_empty(N, G, H) if G > 1 else gates_x.new_empty(N, H)
     h_state = torch.empty(B, H, device=device)  # as in lstm_forward
     mask_row, mask_gate = _mask_strides(mask)
-    half = _half_state(gates_x)
-    masked16 = masked.new_empty(masked.shape, dtype=torch.float16) if half else masked
+    read = _products_read(gates_x, masked)
     args = (gates_x, w_hh, h0 if b_hh is None else b_hh, h0, h0 if mask is None else mask, mask_row,
-            mask_gate, _step_table(schedule, mask, device), masked, masked16, out if acts is None else acts,
+            mask_gate, _step_table(schedule, mask, device), masked, read, out if acts is None else acts,
             out if a_n is None else a_n, out, h_state)
     failure = _run(_gru_forward, how, len(schedule.steps) + 1, args, False, **_sizes(B, H, N), MASK_GATES=G,
-              HAS_MASK=mask is not None, HAS_BIAS=b_hh is not None, SAVE=keep, HALF_STATE=half,
+              HAS_MASK=mask is not None, HAS_BIAS=b_hh is not None, SAVE=keep, HALF_STATE=read is not masked,
               PRECISION=_precision(gates_x), **_tiles(how, B, H, False))
     if failure is not None:
         gave_up(device, failure)
