@@ -67,6 +67,14 @@ def test_cases_333_335_launched_as_and_turned_off_nest_and_restore():
     assert persistent.plan(x, 8, persistent.MAX_BATCH + 1, False) is None
 
 
+@pytest.fixture
+def on_cuda(monkeypatch):
+    """What ``persistent.plan`` reads of a float32 CUDA tensor, on a 132-multiprocessor GPU (an H100
+    / H200): no GPU needed to plan a launch."""
+    monkeypatch.setattr(persistent, "_multiprocessors", lambda device: 132)
+    return type("Like", (), {"dtype": torch.float32, "device": torch.device("cuda", 0)})()
+
+
 @pytest.mark.parametrize("hidden, batch, expected", [
     (200, 20, Launch(13, 16, row_blocks=2)),     # 32 rows -> two blocks of 16
     (200, 128, Launch(13, 16, row_blocks=8)),    # 104 programs of 16 rows
@@ -77,10 +85,8 @@ def test_cases_333_335_launched_as_and_turned_off_nest_and_restore():
     (200, 1000, Launch(13, 16, row_blocks=8)),   # over MAX_BATCH rows: blocks of at most 256 (125)
     (200, 257, Launch(13, 16, row_blocks=8)),
 ])
-def test_the_plan_splits_rows_while_the_grid_has_room(monkeypatch, hidden, batch, expected):
+def test_the_plan_splits_rows_while_the_grid_has_room(on_cuda, monkeypatch, hidden, batch, expected):
     """Which launch a CUDA call of a 132-multiprocessor GPU gets (no GPU needed to plan it)."""
-    monkeypatch.setattr(persistent, "_multiprocessors", lambda device: 132)
-    on_cuda = type("Like", (), {"dtype": torch.float32, "device": torch.device("cuda", 0)})()
     how = persistent.plan(on_cuda, hidden, batch, False)
     assert how == expected and how.grid <= 132
     assert persistent._batch_block(batch, how.row_blocks) * how.row_blocks >= batch
@@ -97,12 +103,10 @@ def test_the_plan_splits_rows_while_the_grid_has_room(monkeypatch, hidden, batch
     (200, 128, Launch(13, 16, row_blocks=8), 16),    # 16 x 8 would need 13 units: 16 in fours
     (3000, 20, Launch(125, 24), 32),                 # blocks of 32 units -> 24 of a tile 32 wide
 ])
-def test_spread_gives_programs_fewer_units_to_fill_the_multiprocessors(monkeypatch, hidden, batch, expected,
-                                                                       width):
+def test_spread_gives_programs_fewer_units_to_fill_the_multiprocessors(on_cuda, monkeypatch, hidden, batch,
+                                                                       expected, width):
     """``tuning["spread"]`` (off by default, :data:`persistent.SPREAD`): as many programs as the
     multiprocessors the row blocks leave, each owning fewer units than its tile is wide."""
-    monkeypatch.setattr(persistent, "_multiprocessors", lambda device: 132)
-    on_cuda = type("Like", (), {"dtype": torch.float32, "device": torch.device("cuda", 0)})()
     assert persistent.plan(on_cuda, hidden, batch, False).units in (16, 32)  # off by default
     monkeypatch.setitem(persistent.tuning, "spread", True)
     how = persistent.plan(on_cuda, hidden, batch, False)
@@ -117,11 +121,9 @@ def test_spread_gives_programs_fewer_units_to_fill_the_multiprocessors(monkeypat
     (dict(per_sm=2, spread=True), Launch(125, 12, row_blocks=2)),
     (dict(per_sm=2, row_blocks=1, spread=True), Launch(188, 8)),     # 2 x 94 programs of 8 units
 ])
-def test_two_programs_a_multiprocessor_only_where_asked(monkeypatch, setting, expected):
+def test_two_programs_a_multiprocessor_only_where_asked(on_cuda, monkeypatch, setting, expected):
     """``tuning["per_sm"]`` (1 by default, :data:`persistent.PER_SM`): the grid may hold that many
     programs a multiprocessor (hidden 1500, batch 20 on 132 multiprocessors)."""
-    monkeypatch.setattr(persistent, "_multiprocessors", lambda device: 132)
-    on_cuda = type("Like", (), {"dtype": torch.float32, "device": torch.device("cuda", 0)})()
     for name, value in setting.items():
         monkeypatch.setitem(persistent.tuning, name, value)
     how = persistent.plan(on_cuda, 1500, 20, False)
@@ -138,10 +140,8 @@ def test_two_programs_a_multiprocessor_only_where_asked(monkeypatch, setting, ex
     (200, 128, 64, 64),   # blocks of 16 rows
     (20, 20, 32, 32),     # 20 units: a K block of 32 either way
 ])
-def test_the_forward_loop_takes_k_blocks_of_32_for_32_to_64_rows(monkeypatch, hidden, batch, forward_k,
-                                                                  backward_k):
-    monkeypatch.setattr(persistent, "_multiprocessors", lambda device: 132)
-    on_cuda = type("Like", (), {"dtype": torch.float32, "device": torch.device("cuda", 0)})()
+def test_the_forward_loop_takes_k_blocks_of_32_for_32_to_64_rows(on_cuda, monkeypatch, hidden, batch,
+                                                                  forward_k, backward_k):
     how = persistent.plan(on_cuda, hidden, batch, False)
     forward, backward = (persistent._tiles(how, batch, hidden, b) for b in (False, True))
     assert (forward["BK"], backward["BK"]) == (forward_k, backward_k)
@@ -151,12 +151,10 @@ def test_the_forward_loop_takes_k_blocks_of_32_for_32_to_64_rows(monkeypatch, hi
 
 
 @pytest.mark.parametrize("hidden, resident", [(200, True), (256, True), (257, False), (650, False)])
-def test_resident_tiles_only_where_asked_and_they_fit(monkeypatch, hidden, resident):
+def test_resident_tiles_only_where_asked_and_they_fit(on_cuda, monkeypatch, hidden, resident):
     """Tiles of ``W_hh`` kept in registers across steps: off by default (not yet timed on a GPU);
     asked for, only up to MAX_RESIDENT hidden units, with one K block over the whole hidden size
     and 8 warps (the same tiles in twice the threads)."""
-    monkeypatch.setattr(persistent, "_multiprocessors", lambda device: 132)
-    on_cuda = type("Like", (), {"dtype": torch.float32, "device": torch.device("cuda", 0)})()
     assert not persistent.plan(on_cuda, hidden, 20, False).resident
     monkeypatch.setitem(persistent.tuning, "resident", True)
     how = persistent.plan(on_cuda, hidden, 20, False)
@@ -221,9 +219,7 @@ def test_a_deeper_load_pipeline_is_tried_first_where_a_measurement_asks(monkeypa
         _launch(kernel, False, 64)
 
 
-def test_a_batch_whose_blocks_of_rows_do_not_fit_runs_the_step_kernel(monkeypatch):
-    monkeypatch.setattr(persistent, "_multiprocessors", lambda device: 132)
-    on_cuda = type("Like", (), {"dtype": torch.float32, "device": torch.device("cuda", 0)})()
+def test_a_batch_whose_blocks_of_rows_do_not_fit_runs_the_step_kernel(on_cuda):
     assert persistent.plan(on_cuda, 650, 256, False) == Launch(41, 16, row_blocks=2)
     assert persistent.plan(on_cuda, 650, 1000, False) is None  # 41 x 4 blocks of 256 rows > 132
     assert persistent.plan(on_cuda, 1500, 257, False) is None  # 94 x 2
