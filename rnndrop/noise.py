@@ -13,6 +13,7 @@ sites a stack of layers has, and how long its masks live: :mod:`rnndrop.masks`.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -226,20 +227,54 @@ def draw_masks(
     The masks are views of one tensor, with the distribution of separate draws."""
     if noise != "bernoulli" or _mask_dtype(dtype) != torch.float32:
         return [draw_mask(site, noise, device=device, dtype=dtype, generator=generator) for site in sites]
-    drawn = [site for site in sites if site.p > 0]
-    sizes = [math.prod(site.shape) for site in drawn]
-    if generator is None and drawn:
+    plan = _draw_plan(tuple(sites))
+    if not plan.runs:
+        return [None] * len(plan.sites)
+    if generator is None:
         ensure_noise_per_rank()
-    uniform = torch.rand(sum(sizes), dtype=torch.float32, device=device, generator=generator)
-    masks: dict[str, Tensor] = {}
+    uniform = torch.rand(plan.total, dtype=torch.float32, device=device, generator=generator)
+    masks: list[Tensor | None] = [None] * len(plan.sites)
+    for run in plan.runs:
+        kept = _kept(uniform if len(plan.runs) == 1 else uniform[run.start : run.end], run.p, run.scale,
+                     torch.float32)
+        parts = kept.split(run.sizes) if len(run.sizes) > 1 else (kept,)
+        for index, part in zip(run.sites, parts):
+            masks[index] = part.view(plan.sites[index].shape)
+    return masks
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Consecutive sites of one ``p``: their uniforms ``[start, end)``, their indices and sizes."""
+
+    start: int
+    end: int
+    p: float
+    scale: float
+    sites: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _DrawPlan:
+    """How :func:`draw_masks` cuts one tensor of uniforms into the masks of ``sites``."""
+
+    sites: tuple[MaskSite, ...]
+    total: int
+    runs: tuple[_Run, ...]
+
+
+@functools.lru_cache(maxsize=256)
+def _draw_plan(sites: tuple[MaskSite, ...]) -> _DrawPlan:
+    """The :class:`_DrawPlan` of ``sites`` (a layer draws the same sites at every forward pass:
+    worked out once)."""
+    runs: list[_Run] = []
     start = 0
-    for p, run in itertools.groupby(zip(drawn, sizes), key=lambda pair: pair[0].p):
-        run = list(run)
-        length = sum(size for _, size in run)
-        kept = _kept(uniform[start : start + length], p, _kept_value(p, torch.float32), torch.float32)
-        offset = 0
-        for site, size in run:
-            masks[site.name] = kept[offset : offset + size].view(site.shape)
-            offset += size
-        start += length
-    return [masks.get(site.name) for site in sites]
+    drawn = [(index, site) for index, site in enumerate(sites) if site.p > 0]
+    for p, group in itertools.groupby(drawn, key=lambda pair: pair[1].p):
+        members = list(group)
+        sizes = tuple(math.prod(site.shape) for _, site in members)
+        end = start + sum(sizes)
+        runs.append(_Run(start, end, p, _kept_value(p, torch.float32), tuple(i for i, _ in members), sizes))
+        start = end
+    return _DrawPlan(sites, start, tuple(runs))
