@@ -187,6 +187,8 @@ class SequenceLayout:
 
     def mask_rows(self, rows: Tensor, mask: Tensor, per_step: bool) -> Tensor:
         """``rows * mask`` ``[N, ...]`` (a mask as for :meth:`broadcastable`)."""
+        if not self.packed:  # [T, B, ...] times [B, ...] / [T, B, ...] / [1, ...]: broadcasts as it is
+            return (rows.reshape(self.seq_len, self.batch_size, *rows.shape[1:]) * mask).view(rows.shape)
         steps, mask = self.broadcastable(rows, mask, per_step)
         return (steps * mask).reshape(rows.shape)
 

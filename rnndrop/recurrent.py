@@ -88,6 +88,11 @@ def _kernel_name(kernel: str, gates_x: Tensor) -> str:
     return auto_loop_kernel(gates_x) if kernel == "auto" else kernel
 
 
+def _rows(gates_x: Tensor) -> Tensor:
+    """The input projection as rows ``[N, G * H]`` (``[T, B, G * H]`` from a per-gate input mask)."""
+    return gates_x if gates_x.dim() == 2 else gates_x.flatten(0, -2)
+
+
 def _lstm_loop(
     kernel: str,
     x: Tensor,
@@ -100,7 +105,7 @@ def _lstm_loop(
 ) -> tuple[Tensor, tuple[Tensor, ...]]:
     """``gates_x = W_ih x + b_ih + b_hh`` of every step in one product, then the LSTM kernel."""
     bias = w["bias_ih"] + w["bias_hh"] if "bias_ih" in w else None
-    gates_x = input_projection(x, in_rows, w["weight_ih"], bias).flatten(0, -2)  # [N, 4H]
+    gates_x = _rows(input_projection(x, in_rows, w["weight_ih"], bias))  # [N, 4H]
     recurrence: LSTMRecurrence = KERNELS[_kernel_name(kernel, gates_x)]["lstm"]
     h0, c0 = states
     out, h, c = recurrence(
@@ -121,11 +126,20 @@ def _gru_loop(
 ) -> tuple[Tensor, tuple[Tensor, ...]]:
     """``gates_x = W_ih x + b_ih`` of every step in one product (``b_hh`` sits inside
     ``r * (W_hn h + b_hn)``), then the GRU kernel."""
-    gates_x = input_projection(x, in_rows, w["weight_ih"], w.get("bias_ih")).flatten(0, -2)  # [N, 3H]
+    gates_x = _rows(input_projection(x, in_rows, w["weight_ih"], w.get("bias_ih")))  # [N, 3H]
     recurrence: GRURecurrence = KERNELS[_kernel_name(kernel, gates_x)]["gru"]
     (h0,) = states
     out, h = recurrence(gates_x, batch_sizes, h0, w["weight_hh"], w.get("bias_hh"), hidden_mask, reverse)
     return out, (h,)
+
+
+@functools.lru_cache(maxsize=256)
+def _weight_names(layer: int, direction: int, bias: bool, projected: bool) -> tuple[tuple[str, str], ...]:
+    """``(name, attribute)`` of one layer's and direction's weights: ``("weight_hh", "weight_hh_l1")``."""
+    suffix = f"_l{layer}" + ("_reverse" if direction else "")
+    names = ["weight_ih", "weight_hh"] + (["bias_ih", "bias_hh"] if bias else [])
+    names += ["weight_hr"] if projected else []
+    return tuple((name, name + suffix) for name in names)
 
 
 @dataclass(frozen=True)
@@ -456,13 +470,8 @@ class VariationalRNNStack(Stochastic):
 
     def _layer_weights(self, layer: int, direction: int) -> LayerWeights:
         """One layer's and direction's weights by their names without the ``_l{k}`` suffix."""
-        suffix = f"_l{layer}" + ("_reverse" if direction else "")
-        names = ["weight_ih", "weight_hh"]
-        if self.bias:
-            names += ["bias_ih", "bias_hh"]
-        if getattr(self, "proj_size", 0):
-            names.append("weight_hr")
-        return {n: getattr(self, n + suffix) for n in names}
+        names = _weight_names(layer, direction, self.bias, bool(getattr(self, "proj_size", 0)))
+        return {name: getattr(self, attribute) for name, attribute in names}
 
     # ------------------------------------------------------------------- forward
 
@@ -684,7 +693,7 @@ class VariationalRNNStack(Stochastic):
         D = self._num_directions
         scope = masks.scope if masks is not None else None
         per_step, per_gate = scope == "step", masks is not None and masks.per_gate
-        finals: list[list[Tensor]] = [[] for _ in states]
+        finals: list[list[Tensor]] = [[] for _ in states]  # per state: [B, size] of each layer and direction
         for layer in range(self.num_layers):
             in_mask = masks.inputs[layer] if masks is not None else None
             x_in, in_rows = x, None
@@ -692,22 +701,22 @@ class VariationalRNNStack(Stochastic):
                 x_in, in_rows = layout.broadcastable(x, in_mask, per_step)
             elif in_mask is not None:
                 x = x_in = layout.mask_rows(x, in_mask, per_step)
-            indices = range(layer * D, (layer + 1) * D)
-            layer_states = tuple(s[layer * D : (layer + 1) * D] for s in states)
-            hidden = [masks.hidden[i] if masks is not None else None for i in indices]
+            hidden = masks.hidden[layer * D : (layer + 1) * D] if masks is not None else (None,) * D
             if self.kernel == "auto" and in_rows is None and all(m is None for m in hidden):
-                x, new_states = self._layer_fused(x, layout, layer, layer_states)
+                layer_states = tuple(s[layer * D : (layer + 1) * D] for s in states)
+                x, fused_states = self._layer_fused(x, layout, layer, layer_states)
+                new_states: tuple[tuple[Tensor, ...], ...] = tuple(s.unbind() for s in fused_states)
             else:
                 # the kernels' form [T', B', (G,) P]: a time dimension of 1 unless per step
                 loop_masks = [m if m is None or per_step else m.unsqueeze(0) for m in hidden]
-                x, new_states = self._layer_loop(x_in, layout, layer, layer_states, in_rows, loop_masks)
+                x, new_states = self._layer_loop(x_in, layout, layer, states, in_rows, loop_masks)
             for acc, s in zip(finals, new_states):
-                acc.append(s)
+                acc.extend(s)
         if masks is not None and masks.output is not None:
             if raw is not None:
                 raw.append(x)
             x = layout.mask_rows(x, masks.output, per_step)
-        return x, tuple(torch.cat(acc) for acc in finals)
+        return x, tuple(torch.stack(acc) for acc in finals)
 
     def _layer_fused(
         self, x: Tensor, layout: SequenceLayout, layer: int, states: tuple[Tensor, ...]
@@ -730,23 +739,23 @@ class VariationalRNNStack(Stochastic):
         states: tuple[Tensor, ...],
         in_rows: Tensor | None,
         hidden: list[Tensor | None],
-    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+    ) -> tuple[Tensor, tuple[tuple[Tensor, ...], ...]]:
         """Path 3: each direction through the cell's loop (:attr:`CellSpec.loop`): the input
         projection of every step at once, with the per-gate input mask ``in_rows`` (paired with
         ``x`` by :meth:`SequenceLayout.broadcastable`), then the loop kernel with the recurrent
-        mask ``hidden[d]`` ``[T', B', (G,) P]``. Returns the rows of both directions side by
-        side ``[N, D * P]`` and the final states ``[D, B, size]``."""
+        mask ``hidden[d]`` ``[T', B', (G,) P]`` from the initial states ``states`` of the whole
+        stack ``[L * D, B, size]``. Returns the rows of both directions side by side ``[N, D * P]``
+        and, per state, the final ``[B, size]`` of each direction."""
+        D = len(hidden)
         outs, finals = [], []
         for d, mask in enumerate(hidden):
             out, final = self._cell.loop(
                 self.kernel, x, in_rows, self._weights(layer, d), layout.batch_sizes,
-                tuple(s[d] for s in states), mask, bool(d),
+                tuple(s[layer * D + d] for s in states), mask, bool(d),
             )
             outs.append(out)
             finals.append(final)
-        if len(outs) == 1:  # views, not copies
-            return outs[0], tuple(state.unsqueeze(0) for state in finals[0])
-        return torch.cat(outs, dim=-1), tuple(torch.stack(parts) for parts in zip(*finals))
+        return (outs[0] if D == 1 else torch.cat(outs, dim=-1)), tuple(zip(*finals))
 
 
 #: A Tensor in gives a Tensor out, a PackedSequence in a PackedSequence out.
