@@ -75,7 +75,7 @@ from triton.runtime.errors import OutOfResources
 from rnndrop.kernels.precision import cudnn_rnn_tf32, products_as_cudnn
 from rnndrop.kernels.schedule import Schedule
 from rnndrop.kernels.triton_common import sigmoid, tanh
-from rnndrop.kernels.triton_plan import accumulation_dtype, autocast_off, initial_grad, interpreted
+from rnndrop.kernels.triton_plan import accumulation_dtype, as_dtype, autocast_off, initial_grad, interpreted
 
 __all__ = [
     "Launch", "first_or_step", "gave_up", "gru_backward", "gru_forward", "launched_as", "lstm_backward",
@@ -1204,7 +1204,7 @@ def lstm_forward(how: Launch, schedule: Schedule, gates_x, h0, c0, w_hh, mask, k
     if failure is not None:
         gave_up(device, failure)
         return None
-    return out, h_state.to(out.dtype), c_state.to(c0.dtype), acts, cells, None, masked
+    return out, as_dtype(h_state, out.dtype), as_dtype(c_state, c0.dtype), acts, cells, None, masked
 
 
 def _carries(how: Launch, *final_grads: Tensor | None) -> bool:
@@ -1270,7 +1270,7 @@ def gru_forward(how: Launch, schedule: Schedule, gates_x, h0, w_hh, b_hh, mask, 
     if failure is not None:
         gave_up(device, failure)
         return None
-    return out, h_state.to(out.dtype), acts, a_n, masked
+    return out, as_dtype(h_state, out.dtype), acts, a_n, masked
 
 
 def gru_backward(how: Launch, schedule: Schedule, needs: Sequence[bool], saved, d_out, d_hn):

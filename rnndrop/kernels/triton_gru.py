@@ -51,6 +51,7 @@ from rnndrop.kernels.triton_common import (
 from rnndrop.kernels.triton_plan import (
     StepProducts,
     accumulation_dtype,
+    as_dtype,
     check_device,
     compute_dtype,
     initial_grad,
@@ -208,7 +209,7 @@ def _all_grads(s: _Saved, schedule: Schedule, needs: Sequence[bool], d_a, d_n, d
         h_prev = gather_previous(s.out, s.h0, schedule.previous_blocks())
     return (
         torch.cat([d_a[:, : 2 * H], d_n], 1) if needs[0] else None,
-        dh0.to(s.h0.dtype) if needs[1] else None,
+        as_dtype(dh0, s.h0.dtype) if needs[1] else None,
         mp.weight_grad(d_a, h_prev if s.masked is None else s.masked) if needs[2] else None,
         d_a.sum(0).to(s.b_hh.dtype) if needs[3] and s.b_hh is not None else None,
         None if d_masked is None else mp.mask_grad(schedule, s.mask, d_masked, h_prev).to(s.mask.dtype),
@@ -276,7 +277,7 @@ def gru_recurrence(
     Under autocast the products run in autocast's dtype: ``gates_x``, ``W_hh`` and the outputs in it."""
     check_device(gates_x)
     dtype = compute_dtype(gates_x)
-    inputs = (gates_x.to(dtype).contiguous(), h0.contiguous(), w_hh.to(dtype).contiguous(),
+    inputs = (as_dtype(gates_x, dtype).contiguous(), h0.contiguous(), as_dtype(w_hh, dtype).contiguous(),
               None if b_hh is None else b_hh.contiguous(),
               None if hidden_mask is None else hidden_mask.contiguous())
     schedule = Schedule.of(batch_sizes, reverse)

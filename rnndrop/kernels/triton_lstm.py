@@ -55,6 +55,7 @@ from rnndrop.kernels.triton_common import (
 from rnndrop.kernels.triton_plan import (
     StepProducts,
     accumulation_dtype,
+    as_dtype,
     check_device,
     compute_dtype,
     initial_grad,
@@ -221,9 +222,9 @@ def _backward(schedule: Schedule, needs: Sequence[bool], *tensors):
     launch(state_grad, first.size * P, device, dh_state, dm, dm_row, dm_gate,
            *mask_rows(s.mask, first.t, dh_state), dh_state, dh_state, 0, first.size, P,
            **dict(flags, HAS_DOUT=False), HAS_NEXT=True)
-    return (d_gates if needs[0] else None, dh_state.to(s.h0.dtype) if needs[1] else None,
-            dc_state.to(s.c0.dtype) if needs[2] else None, *_whole_sequence_grads(s, d_gates, d_h, d_masked,
-                                                                                schedule, needs))
+    return (d_gates if needs[0] else None, as_dtype(dh_state, s.h0.dtype) if needs[1] else None,
+            as_dtype(dc_state, s.c0.dtype) if needs[2] else None,
+            *_whole_sequence_grads(s, d_gates, d_h, d_masked, schedule, needs))
 
 
 def _persistent_backward(how: persistent.Launch, schedule: Schedule, needs: Sequence[bool], *tensors):
@@ -234,8 +235,8 @@ def _persistent_backward(how: persistent.Launch, schedule: Schedule, needs: Sequ
     if result is None:  # the device is marked: the step kernel runs
         return None
     d_gates, dh0, dc0, d_masked = result
-    return (d_gates if needs[0] else None, dh0.to(s.h0.dtype) if needs[1] else None,
-            dc0.to(s.c0.dtype) if needs[2] else None,
+    return (d_gates if needs[0] else None, as_dtype(dh0, s.h0.dtype) if needs[1] else None,
+            as_dtype(dc0, s.c0.dtype) if needs[2] else None,
             *_whole_sequence_grads(s, d_gates, None, d_masked, schedule, needs))
 
 
@@ -306,8 +307,9 @@ def lstm_recurrence(
     outputs ``out``, ``h_n`` in it, ``c_n`` in float32."""
     check_device(gates_x)
     dtype = compute_dtype(gates_x)
-    inputs = (gates_x.to(dtype).contiguous(), h0.contiguous(), c0.contiguous(), w_hh.to(dtype).contiguous(),
-              None if w_hr is None else w_hr.to(dtype).contiguous(),
+    inputs = (as_dtype(gates_x, dtype).contiguous(), h0.contiguous(), c0.contiguous(),
+              as_dtype(w_hh, dtype).contiguous(),
+              None if w_hr is None else as_dtype(w_hr, dtype).contiguous(),
               None if hidden_mask is None else hidden_mask.contiguous())
     schedule = Schedule.of(batch_sizes, reverse)
     if not will_differentiate(*inputs):  # no autograd Function, nothing kept for a backward

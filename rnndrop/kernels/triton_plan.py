@@ -27,6 +27,7 @@ __all__ = [
     "StepPlan",
     "StepProducts",
     "accumulation_dtype",
+    "as_dtype",
     "check_device",
     "compute_dtype",
     "initial_grad",
@@ -108,6 +109,12 @@ def autocast_off(x: Tensor) -> contextlib.AbstractContextManager:
     more than the check)."""
     device = x.device.type
     return torch.autocast(device, enabled=False) if _autocast_enabled(device) else contextlib.nullcontext()
+
+
+def as_dtype(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x.to(dtype)``, without a call into torch where ``x`` has it already (the usual case: a
+    host cost at every launch otherwise)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
