@@ -58,15 +58,23 @@ def cudnn_rnn_tf32() -> bool:
     return mode == "tf32"
 
 
-@contextlib.contextmanager
-def products_as_cudnn(like: Tensor) -> Iterator[None]:
+#: The block of :func:`products_as_cudnn` where nothing changes (one object, entered again and again).
+_UNCHANGED = contextlib.nullcontext()
+
+
+def products_as_cudnn(like: Tensor) -> contextlib.AbstractContextManager[None]:
     """cuBLAS's float32 products in TF32 inside the block where ``like`` is a CUDA float32 tensor,
     cuDNN would run an ``nn.LSTM``'s in TF32 (:func:`cudnn_rnn_tf32`) and cuBLAS is set to IEEE;
-    elsewhere nothing changes. The switch is put back on leaving."""
+    elsewhere nothing changes (the usual case, with no context of its own to build: a host cost of
+    every call of a loop kernel). The switch is put back on leaving."""
     if not (like.is_cuda and like.dtype == torch.float32 and matmul_precision() == "ieee"
             and cudnn_rnn_tf32()):
-        yield
-        return
+        return _UNCHANGED
+    return _tf32_products()
+
+
+@contextlib.contextmanager
+def _tf32_products() -> Iterator[None]:
     torch.backends.cuda.matmul.allow_tf32 = True
     try:
         yield

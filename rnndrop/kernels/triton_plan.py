@@ -108,7 +108,11 @@ def autocast_off(x: Tensor) -> contextlib.AbstractContextManager:
     nothing to enter where it is off already, the usual case (an autocast object costs the host
     more than the check)."""
     device = x.device.type
-    return torch.autocast(device, enabled=False) if _autocast_enabled(device) else contextlib.nullcontext()
+    return torch.autocast(device, enabled=False) if _autocast_enabled(device) else _UNCHANGED
+
+
+#: :func:`autocast_off`'s block where autocast is off already (one object, entered again and again).
+_UNCHANGED = contextlib.nullcontext()
 
 
 def as_dtype(x: Tensor, dtype: torch.dtype) -> Tensor:
