@@ -15,7 +15,6 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from rnndrop.kernels.matmul import functorch_wrapped
 
@@ -44,11 +43,11 @@ class SecondOrderGradientError(RuntimeError):
 
 def first_order_backward(kernel: str) -> Callable[[Callable], Callable]:
     """Decorate the ``backward`` of kernel ``kernel``'s autograd Function: once differentiable,
-    and an error instead of a wrong answer when autograd asks it for a graph."""
+    and an error instead of a wrong answer when autograd asks it for a graph. (It then always runs
+    with gradients off, all that ``once_differentiable`` would add, which is not called: a host cost
+    of every backward pass.)"""
 
     def decorate(backward: Callable) -> Callable:
-        once = once_differentiable(backward)
-
         @functools.wraps(backward)
         def guarded(ctx, *grad_outputs):
             if torch.is_grad_enabled():
@@ -58,7 +57,7 @@ def first_order_backward(kernel: str) -> Callable[[Callable], Callable]:
                     "Hessian-vector product); build the layer with kernel='autograd' for "
                     "second-order gradients"
                 )
-            return once(ctx, *grad_outputs)
+            return backward(ctx, *grad_outputs)
 
         return guarded
 
