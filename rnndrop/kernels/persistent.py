@@ -801,12 +801,14 @@ def disabled() -> bool:
     in the environment (to rule the persistent loop out when something looks wrong on a GPU)."""
     if _off:
         return True
-    value = os.environ.get("RNNDROP_PERSISTENT", "1").strip().lower()
+    raw = os.environ.get("RNNDROP_PERSISTENT")
+    if raw is None:  # the usual case, read at every call
+        return False
+    value = raw.strip().lower()
     if value in ("0", "", "false", "no", "off"):
         return True
     if value in ("1", "true", "yes", "on"):
         return False
-    raw = os.environ["RNNDROP_PERSISTENT"]
     raise ValueError(f"RNNDROP_PERSISTENT must be 0 (off) or 1 (on), got {raw!r}")
 
 
@@ -1158,6 +1160,20 @@ def _tiles(how: Launch, batch: int, hidden: int, backward: bool) -> dict[str, in
     return dict(BB=rows, BH=_width(how.units), BK=k, RESIDENT=how.resident, UNITS=how.units)
 
 
+def _shape(how: Launch, batch: int, hidden: int, rows: int, backward: bool) -> dict[str, int]:
+    """A launch's sizes and blocks: :func:`_sizes` and :func:`_tiles`, worked out once per shape
+    where no measurement's setting is in :data:`tuning` (normal use: a host cost of every launch)."""
+    if tuning:
+        return {**_sizes(batch, hidden, rows), **_tiles(how, batch, hidden, backward)}
+    return dict(_built_in_shape(how, batch, hidden, backward), N=rows)
+
+
+@functools.lru_cache(maxsize=256)
+def _built_in_shape(how: Launch, batch: int, hidden: int, backward: bool) -> dict[str, int]:
+    """:func:`_shape` without ``N``, by the built-in rules (shared: :func:`_shape` copies it)."""
+    return {**_sizes(batch, hidden, 0), **_tiles(how, batch, hidden, backward)}
+
+
 def _block_k(hidden: int, rows: int, backward: bool) -> int:
     """The K block of the loops over ``W_hh``: 64 (less where the hidden size is smaller); the
     forward loop of a program of 32 to 64 rows takes 32, which the H200's launch-setting sweep
@@ -1198,9 +1214,9 @@ def lstm_forward(how: Launch, schedule: Schedule, gates_x, h0, c0, w_hh, mask, k
     read = _products_read(gates_x, masked)
     args = (gates_x, w_hh, h0, c0, h0 if mask is None else mask, mask_row, mask_gate, table, masked, read,
             out if acts is None else acts, out if cells is None else cells, out, h_state, c_state)
-    failure = _run(_lstm_forward, how, len(schedule.steps) + 1, args, False, **_sizes(B, H, N), MASK_GATES=G,
+    failure = _run(_lstm_forward, how, len(schedule.steps) + 1, args, False, MASK_GATES=G,
               HAS_MASK=mask is not None, SAVE=keep, HALF_STATE=read is not masked,
-              PRECISION=_precision(gates_x), **_tiles(how, B, H, False))
+              PRECISION=_precision(gates_x), **_shape(how, B, H, N, False))
     if failure is not None:
         gave_up(device, failure)
         return None
@@ -1239,9 +1255,9 @@ def lstm_backward(how: Launch, schedule: Schedule, needs: Sequence[bool], saved,
     args = (s.acts if d_out is None else d_out, s.w_hh, s.c0, s.h0 if s.mask is None else s.mask, mask_row,
             mask_gate, _step_table(schedule, s.mask, device), s.acts, s.cells, d_gates, dm_target,
             carry, dc, dh0, dc0)
-    failure = _run(_lstm_backward, how, len(schedule.steps) + 1, args, True, **_sizes(B, H, N), MASK_GATES=G,
+    failure = _run(_lstm_backward, how, len(schedule.steps) + 1, args, True, MASK_GATES=G,
               HAS_MASK=s.mask is not None, HAS_DOUT=d_out is not None, NEED_DMASK=need_dmask,
-              HAS_CARRY=has_carry, PRECISION=_precision(s.acts), **_tiles(how, B, H, True))
+              HAS_CARRY=has_carry, PRECISION=_precision(s.acts), **_shape(how, B, H, N, True))
     if failure is not None:
         gave_up(device, failure)
         return None
@@ -1264,9 +1280,9 @@ def gru_forward(how: Launch, schedule: Schedule, gates_x, h0, w_hh, b_hh, mask, 
     args = (gates_x, w_hh, h0 if b_hh is None else b_hh, h0, h0 if mask is None else mask, mask_row,
             mask_gate, _step_table(schedule, mask, device), masked, read, out if acts is None else acts,
             out if a_n is None else a_n, out, h_state)
-    failure = _run(_gru_forward, how, len(schedule.steps) + 1, args, False, **_sizes(B, H, N), MASK_GATES=G,
+    failure = _run(_gru_forward, how, len(schedule.steps) + 1, args, False, MASK_GATES=G,
               HAS_MASK=mask is not None, HAS_BIAS=b_hh is not None, SAVE=keep, HALF_STATE=read is not masked,
-              PRECISION=_precision(gates_x), **_tiles(how, B, H, False))
+              PRECISION=_precision(gates_x), **_shape(how, B, H, N, False))
     if failure is not None:
         gave_up(device, failure)
         return None
@@ -1293,9 +1309,9 @@ def gru_backward(how: Launch, schedule: Schedule, needs: Sequence[bool], saved, 
     args = (s.acts if d_out is None else d_out, s.w_hh, s.h0, s.h0 if s.mask is None else s.mask, mask_row,
             mask_gate, _step_table(schedule, s.mask, device), s.acts, s.a_n, s.out, d_a, d_n, dm_target,
             carry, dh0)
-    failure = _run(_gru_backward, how, len(schedule.steps) + 1, args, True, **_sizes(B, H, N), MASK_GATES=G,
+    failure = _run(_gru_backward, how, len(schedule.steps) + 1, args, True, MASK_GATES=G,
               HAS_MASK=s.mask is not None, HAS_DOUT=d_out is not None, NEED_DMASK=need_dmask,
-              HAS_CARRY=has_carry, PRECISION=_precision(s.acts), **_tiles(how, B, H, True))
+              HAS_CARRY=has_carry, PRECISION=_precision(s.acts), **_shape(how, B, H, N, True))
     if failure is not None:
         gave_up(device, failure)
         return None
