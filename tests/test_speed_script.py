@@ -60,3 +60,30 @@ def test_host_cost_times_the_triton_path_on_the_cpu_with_launches_skipped(tmp_pa
                          timeout=120, cwd=tmp_path)
     assert bad.returncode == 2 and "--rounds: expected a positive integer, got 0" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+TRITON_LAUNCH = SCRIPT.parent / "triton_launch_cost.py"
+
+
+def test_triton_launch_cost_times_tritons_launch_path_with_a_stand_in_gpu(tmp_path):
+    """benchmarks/triton_launch_cost.py: Triton's launch path for a persistent forward launch, the
+    launcher call alone and the whole forward, timed with a stand-in driver (no GPU); a bad --calls is
+    one line and exit code 2, and so is running it under Triton's interpreter."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "launch.json"
+    done = subprocess.run([sys.executable, str(TRITON_LAUNCH), "--rounds", "1", "--calls", "20", "--json",
+                           str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "Triton's launch path" in done.stdout and "the launcher call alone" in done.stdout
+    row = json.loads(out.read_text())
+    assert row["arguments"] > 30
+    assert 0 < row["launcher_alone_us"] < row["triton_path_us"] < row["lstm_forward_us"]
+    bad = subprocess.run([sys.executable, str(TRITON_LAUNCH), "--calls", "0"], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path, env=env)
+    assert bad.returncode == 2 and "--calls: expected a positive integer, got 0" in bad.stderr
+    interpreted = subprocess.run([sys.executable, str(TRITON_LAUNCH)], capture_output=True, text=True,
+                                 timeout=120, cwd=tmp_path, env=dict(env, TRITON_INTERPRET="1"))
+    assert interpreted.returncode == 2 and "Traceback" not in interpreted.stderr
+    assert interpreted.stderr.strip() == "triton_launch_cost.py: unset TRITON_INTERPRET (it times Triton's " \
+        "compiled-kernel launch path)"
