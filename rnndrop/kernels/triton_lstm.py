@@ -249,7 +249,7 @@ def _whole_sequence_grads(s: _Saved, d_gates, d_h, d_masked, schedule: Schedule,
     d_w_hr = matmul(d_h.t(), s.r) if needs[4] and s.w_hr is not None else None
     d_mask = None
     if d_masked is not None:
-        d_mask = mp.mask_grad(schedule, s.mask, d_masked, h_prev).to(s.mask.dtype)
+        d_mask = as_dtype(mp.mask_grad(schedule, s.mask, d_masked, h_prev), s.mask.dtype)
     return d_w_hh, d_w_hr, d_mask
 
 
