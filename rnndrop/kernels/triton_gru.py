@@ -212,7 +212,8 @@ def _all_grads(s: _Saved, schedule: Schedule, needs: Sequence[bool], d_a, d_n, d
         as_dtype(dh0, s.h0.dtype) if needs[1] else None,
         mp.weight_grad(d_a, h_prev if s.masked is None else s.masked) if needs[2] else None,
         as_dtype(d_a.sum(0), s.b_hh.dtype) if needs[3] and s.b_hh is not None else None,
-        None if d_masked is None else as_dtype(mp.mask_grad(schedule, s.mask, d_masked, h_prev), s.mask.dtype),
+        None if d_masked is None else as_dtype(mp.mask_grad(schedule, s.mask, d_masked, h_prev),
+                                               s.mask.dtype),
     )
 
 
