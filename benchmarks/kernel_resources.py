@@ -43,6 +43,7 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
 from rnndrop.kernels import persistent
+from rnndrop.kernels.triton_plan import LAUNCH_OPTIONS
 from rnndrop.lm.run.checkpoint import write_json_atomic
 
 #: Hopper, where the persistent loop has been measured (H100 / H200), and its multiprocessors.
@@ -132,7 +133,7 @@ def compile_loop(cell: str, backward: bool, constexprs: dict, warps: int, stages
     source = ASTSource(kernel, signature(kernel, constexprs), constexprs=constexprs,
                        attrs=specialization(kernel, constexprs, integers or {}))
     compiled = triton.compile(source, target=GPUTarget("cuda", CAPABILITY, 32),
-                              options=dict(num_warps=warps, num_stages=stages))
+                              options=dict(num_warps=warps, num_stages=stages, **LAUNCH_OPTIONS))
     registers, spilled = registers_and_spills(compiled.asm["ptx"])
     scalar, vector = load_widths(compiled.asm["ptx"])
     return dict(registers=registers, spilled=spilled, shared=compiled.metadata.shared,

@@ -41,6 +41,7 @@ from triton.runtime.jit import JITFunction
 
 from rnndrop.kernels import persistent
 from rnndrop.kernels.schedule import Schedule
+from rnndrop.kernels.triton_plan import LAUNCH_OPTIONS
 from rnndrop.lm.run.checkpoint import write_json_atomic
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -118,7 +119,8 @@ def measure(rounds: int, calls: int) -> dict:
     kernel, constexprs = seen["kernel"], seen["constexprs"]
     counter = torch.zeros(1, dtype=torch.int32)
     warps = persistent._warps(constexprs["BB"], False)
-    options = dict(SYNC=True, UPCAST=False, num_warps=warps, num_stages=3, launch_cooperative_grid=True)
+    options = dict(SYNC=True, UPCAST=False, num_warps=warps, num_stages=3, launch_cooperative_grid=True,
+                   **LAUNCH_OPTIONS)
     launch_args = [*seen["args"], counter, 0, seen["steps"]]
 
     def triton_path() -> None:

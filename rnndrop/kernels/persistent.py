@@ -75,7 +75,14 @@ from triton.runtime.errors import OutOfResources
 from rnndrop.kernels.precision import cudnn_rnn_tf32, products_as_cudnn
 from rnndrop.kernels.schedule import Schedule
 from rnndrop.kernels.triton_common import sigmoid, tanh
-from rnndrop.kernels.triton_plan import accumulation_dtype, as_dtype, autocast_off, initial_grad, interpreted
+from rnndrop.kernels.triton_plan import (
+    LAUNCH_OPTIONS,
+    accumulation_dtype,
+    as_dtype,
+    autocast_off,
+    initial_grad,
+    interpreted,
+)
 
 __all__ = [
     "Launch", "first_or_step", "gave_up", "gru_backward", "gru_forward", "launched_as", "lstm_backward",
@@ -1084,13 +1091,13 @@ def _run(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constex
         order = range(steps - 1, -1, -1) if backward else range(steps)
         for s in order:
             kernel[(how.grid,)](*args, counter, s, s + 1, **constexprs, SYNC=False, UPCAST=upcast,
-                                    num_warps=warps)
+                                    num_warps=warps, **LAUNCH_OPTIONS)
         return None
     if not cuda and how.grid > 1:  # the interpreter runs programs one after another
         raise ValueError(f"{how} on CPU: Triton's interpreter runs one program at a time, so a grid "
                          "barrier between programs never opens; use per_step=True or programs=1")
     cooperative = cuda and _COOPERATIVE and how.grid > 1
-    options = dict(launch_cooperative_grid=True) if cooperative else {}
+    options = dict(LAUNCH_OPTIONS, launch_cooperative_grid=True) if cooperative else LAUNCH_OPTIONS
     capturing = cuda and torch.cuda.is_current_stream_capturing()
     if cuda and not capturing:
         _read_finished_counters()

@@ -24,6 +24,7 @@ from rnndrop.kernels.schedule import Schedule
 
 __all__ = [
     "BLOCK",
+    "LAUNCH_OPTIONS",
     "StepPlan",
     "StepProducts",
     "accumulation_dtype",
@@ -40,6 +41,10 @@ __all__ = [
     "state_rows",
 ]
 
+#: Compile options of every launch of rnndrop's Triton kernels: fused multiply-adds, as Triton up to
+#: 3.9 compiles by default and as every measurement of these kernels ran (Triton 3.10 leaves them
+#: out by default, and 3.9 warns at a compile that leaves the choice to it).
+LAUNCH_OPTIONS = {"enable_fp_fusion": True}
 #: Lanes (elements of a step's rows) per program on a GPU; 4 warps run them.
 BLOCK = 512
 NUM_WARPS = 4
@@ -145,7 +150,8 @@ def launch(kernel, n: int, device: torch.device, *args, **constexprs) -> None:
     if n <= 0:
         return
     block = BLOCK if device.type != "cpu" else min(INTERPRETED_BLOCK, max(16, 1 << (n - 1).bit_length()))
-    kernel[(triton_cdiv(n, block),)](*args, n, **constexprs, BLOCK=block, num_warps=NUM_WARPS)
+    kernel[(triton_cdiv(n, block),)](*args, n, **constexprs, BLOCK=block, num_warps=NUM_WARPS,
+                                     **LAUNCH_OPTIONS)
 
 
 def triton_cdiv(n: int, d: int) -> int:
