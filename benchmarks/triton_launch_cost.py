@@ -29,19 +29,8 @@ import sys
 import time
 from unittest import mock
 
-if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # read when Triton is imported
-    print("triton_launch_cost.py: unset TRITON_INTERPRET (it times Triton's compiled-kernel launch path)",
-          file=sys.stderr)
-    sys.exit(2)
-
 import torch
-import triton
-from triton.runtime import driver
-from triton.runtime.jit import JITFunction
 
-from rnndrop.kernels import persistent
-from rnndrop.kernels.schedule import Schedule
-from rnndrop.kernels.triton_plan import LAUNCH_OPTIONS
 from rnndrop.lm.run.checkpoint import write_json_atomic
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -102,6 +91,12 @@ def microseconds(fn, rounds: int, calls: int) -> float:
 
 
 def measure(rounds: int, calls: int) -> dict:
+    """The three times, in microseconds, and the number of arguments a launch passes (Triton and
+    the persistent loop imported here: after the check that Triton's interpreter is off)."""
+    from rnndrop.kernels import persistent
+    from rnndrop.kernels.schedule import Schedule
+    from rnndrop.kernels.triton_plan import LAUNCH_OPTIONS
+
     gates_x = torch.randn(BATCH * STEPS, 4 * HIDDEN)
     w_hh = torch.randn(4 * HIDDEN, HIDDEN)
     h0, c0 = torch.zeros(BATCH, HIDDEN), torch.zeros(BATCH, HIDDEN)
@@ -151,6 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("rounds", "calls"):
         if getattr(args, name) < 1:
             parser.error(f"--{name}: expected a positive integer, got {getattr(args, name)}")
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # read when the kernels are defined
+        print("triton_launch_cost.py: unset TRITON_INTERPRET (it times Triton's compiled-kernel launch path)",
+              file=sys.stderr)
+        return 2
+    import triton
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
     torch.set_num_threads(1)
     try:
         with (mock.patch.object(driver, "_active", _StandInDriver()),
