@@ -27,9 +27,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before anything imports Triton (rnndrop'
 
 import argparse
 import contextlib
-import statistics
 import sys
-import time
 from unittest import mock
 
 import torch
@@ -40,7 +38,7 @@ from rnndrop.kernels import persistent
 from rnndrop.lm.run.checkpoint import write_json_atomic
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from speed import launching_ops, machine, top_level_ops  # one count of ops, one machine line
+from speed import launching_ops, machine, microseconds, top_level_ops  # shared with speed.py
 
 HIDDEN, BATCH, STEPS, LAYERS = 16, 4, 35, 2
 
@@ -71,19 +69,6 @@ def build(cell: str) -> torch.nn.Module:
     cls = VariationalLSTM if cell == "lstm" else VariationalGRU
     return cls(HIDDEN, HIDDEN, LAYERS, dropout=0.5, dropout_input=0.5, dropout_hidden=0.5, dropout_output=0.5,
                kernel="triton")
-
-
-def microseconds(fn, rounds: int, calls: int = 200) -> float:
-    """Median over ``rounds`` of the mean time of ``calls`` calls of ``fn``, in microseconds."""
-    for _ in range(20):
-        fn()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(times)
 
 
 def measure(cell: str, rounds: int) -> dict:

@@ -273,6 +273,21 @@ def timed(fn: Callable[[], None], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+def microseconds(fn: Callable[[], object], rounds: int, calls: int = 200, warmup: int = 20) -> float:
+    """Median over ``rounds`` of the mean time of ``calls`` calls of ``fn`` (after ``warmup`` calls), in
+    microseconds: the host's time of calls that do not wait for a device (``host_cost.py``,
+    ``triton_launch_cost.py``)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(times)
+
+
 def saved_bytes(module: nn.Module, x: torch.Tensor) -> int:
     """Bytes the forward pass keeps for backward (CPU) or the peak allocation (CUDA)."""
     module.zero_grad(set_to_none=True)

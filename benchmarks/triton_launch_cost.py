@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from unittest import mock
 
 import torch
@@ -34,7 +32,7 @@ import torch
 from rnndrop.lm.run.checkpoint import write_json_atomic
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from speed import machine  # one machine line for every benchmark
+from speed import machine, microseconds  # shared with speed.py
 
 BATCH, HIDDEN, STEPS = 20, 200, 35
 
@@ -75,19 +73,6 @@ def _compile_nothing(self, key, signature, device, constexprs, options, attrs, w
     kernel = _StandInKernel()
     self.device_caches[device][0][key] = kernel
     return kernel
-
-
-def microseconds(fn, rounds: int, calls: int) -> float:
-    """Median over ``rounds`` of the mean time of ``calls`` calls of ``fn``, in microseconds."""
-    for _ in range(min(calls, 100)):
-        fn()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(times)
 
 
 def measure(rounds: int, calls: int) -> dict:
