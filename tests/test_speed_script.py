@@ -67,13 +67,18 @@ TRITON_LAUNCH = SCRIPT.parent / "triton_launch_cost.py"
 
 def test_triton_launch_cost_times_tritons_launch_path_with_a_stand_in_gpu(tmp_path):
     """benchmarks/triton_launch_cost.py: Triton's launch path for a persistent forward launch, the
-    launcher call alone and the whole forward, timed with a stand-in driver (no GPU); a bad --calls is
-    one line and exit code 2, and so is running it under Triton's interpreter."""
-    pytest.importorskip("triton")
+    launcher call alone and the whole forward, timed with a stand-in driver (no GPU), or with a
+    Triton whose internals differ from those it stands in for (checked: 3.6, 3.9) one line saying so;
+    a bad --calls is one line and exit code 2, and so is running it under Triton's interpreter."""
+    triton = pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "launch.json"
     done = subprocess.run([sys.executable, str(TRITON_LAUNCH), "--rounds", "1", "--calls", "20", "--json",
                            str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    if triton.__version__.split(".")[:2] not in (["3", "6"], ["3", "9"]) and done.returncode == 2:
+        assert done.stderr.strip().startswith(f"triton_launch_cost.py: Triton {triton.__version__}'s launch")
+        assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+        return
     assert done.returncode == 0, done.stderr
     assert "Triton's launch path" in done.stdout and "the launcher call alone" in done.stdout
     row = json.loads(out.read_text())
