@@ -79,7 +79,7 @@ class _Linear(torch.autograd.Function):
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return _linear(x, weight.detach(), bias)
+        return _linear(x, weight, bias)  # (forward runs with gradients off: nothing to detach)
 
     @staticmethod
     def backward(ctx, d_out: Tensor):
