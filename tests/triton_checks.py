@@ -223,7 +223,8 @@ def test_masked_states_read_in_float16_round_only_the_products(kind, device, mon
     copy. Against the reference kernel every output and gradient is within float16's rounding of
     the states (TF32 rounds them the same where they are normal), yet not equal to the float32
     reading (the copy is what ran); backward still reads the float32 states. One and three
-    programs, every mask shape, both directions."""
+    programs, every mask shape, both directions; a mask a step (``T' > 1``) reads float32 as without
+    the setting (the loop checks float16's range of one mask before the first step)."""
     calls = persistent_calls(monkeypatch)
     runs = 0
     for how, mask_shape, reverse, batch_sizes, args in mask_shape_cases(kind, device, 1):
@@ -233,10 +234,41 @@ def test_masked_states_read_in_float16_round_only_the_products(kind, device, mon
         monkeypatch.delitem(persistent.tuning, "half_state")
         where = f"{kind} {how} mask {mask_shape} reverse {reverse}"
         assert_close(half, run("autograd", kind, batch_sizes, args, reverse), atol=2e-3, rtol=2e-3, msg=where)
-        assert any(not torch.equal(a, b) for a, b in zip(half[0], exact[0])), where
+        per_step = mask_shape is not None and mask_shape[0] == "T" and len(batch_sizes) > 1
+        assert all(map(torch.equal, half[0], exact[0])) == per_step, where
         runs += 2
     programs = 2 if device.type != "cuda" else 1
     assert calls.count(f"_{kind}_forward") == runs == 2 * programs * len(helpers.MASK_SHAPES)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_masked_states_beyond_float16_are_read_in_float32_by_every_program(kind, device, monkeypatch):
+    """``tuning["half_state"]`` where a masked state could leave float16's range (beyond 65504): a
+    mask value of 1e5 in the last program's block (tied masks, shared by the batch, per gate), or no
+    mask and an initial state of 1e5 there. Every program then reads the float32 states: outputs and
+    gradients equal the float32 reading bit for bit. One program, and three (a launch a step under
+    the interpreter, where the first launch's flag reaches the later ones)."""
+    programs = [persistent.Launch(3, 16, per_step=device.type != "cuda")]
+    if device.type != "cuda":
+        programs.append(persistent.Launch(1, 64))
+    batch_sizes = [4, 3, 3, 1]
+    for how in programs:
+        for mask_shape in (None, (1, "B", "P"), (1, 1, "P"), (1, "B", "G", "P")):
+            args = inputs(kind, batch_sizes, mask_shape, 0, device, torch.float32, mask_grad=True, H=40)
+            with torch.no_grad():
+                if mask_shape is None:
+                    args[1][-1, -1] = 1e5  # h_0: the last sequence's last unit
+                else:
+                    args[-1][(0,) * (args[-1].dim() - 1) + (-1,)] = 1e5
+            with persistent.launched_as(how):
+                exact = run("triton", kind, batch_sizes, args, False)
+                monkeypatch.setitem(persistent.tuning, "half_state", True)
+                half = run("triton", kind, batch_sizes, args, False)
+                monkeypatch.delitem(persistent.tuning, "half_state")
+            where = f"{kind} {how} mask {mask_shape}"
+            assert all(map(torch.equal, half[0], exact[0])), where
+            assert all(map(torch.equal, half[1], exact[1])), where
+            assert all(torch.isfinite(t).all() for t in exact[0]), where
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])

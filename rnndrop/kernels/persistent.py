@@ -52,7 +52,9 @@ value is a multiple of 16, which 200, 650 or 1500 are not. The masked states ``m
 gradients) are the loop's own buffers, laid out ``[N, (G,) H]``, so their row strides follow from
 ``H`` and need no argument. Where :data:`HALF_STATE` (a setting, off until timed), the forward loops
 also write each ``m_{s+1}`` in float16 and read that copy for the products (half the bytes a
-program reads of the state a step); backward reads the float32 states.
+program reads of the state a step), unless a program finds, before the first step, that a state
+could leave float16's range (:func:`_flag_beyond_half`): then every program reads the float32
+states (two compiled copies of the time loop, one per reading); backward reads the float32 states.
 """
 
 from __future__ import annotations
@@ -124,8 +126,9 @@ PER_SM = 1
 #: ``W_hh`` from batch 64 on; float16 halves it. TF32 keeps the same 10 bits of a value as float16
 #: wherever float16 is normal (from 6.1e-5 to 65504 in magnitude; below it, an absolute error under
 #: 3e-8, and the float32 copy that backward reads is kept as it is). A state beyond 65504 (a mask
-#: or an initial state that large) would become inf: off by default until a GPU has timed it and a
-#: check of that range is in the loop.
+#: or an initial state that large) would become inf: the loop checks that range before the first
+#: step and reads the float32 states where it fails (:func:`_flag_beyond_half`). Off by default until
+#: a GPU has timed it.
 HALF_STATE = False
 
 
@@ -399,33 +402,54 @@ def _store_gates(ptr, off, ks, cols, H, live, g0, g1, g2, g3, GATES: tl.constexp
         tl.store(here + 3 * H, g3.to(kind), mask=live)
 
 
-@triton.jit(do_not_specialize=_RUN_TIME_INTS)
-def _lstm_forward(
-    gx_ptr, w_ptr, h0_ptr, c0_ptr, mask_ptr, mask_row, mask_gate, table_ptr, m_ptr, m16_ptr,
-    acts_ptr, cells_ptr, out_ptr, h_state_ptr, c_state_ptr, counter_ptr, s_begin, s_end, B, H_VEC, N,
-    VEC: tl.constexpr, MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, SAVE: tl.constexpr,
-    HALF_STATE: tl.constexpr, SYNC: tl.constexpr,
-    RESIDENT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr,
-    BK: tl.constexpr, UNITS: tl.constexpr,
-):
-    """Steps ``s_begin .. s_end - 1``; ``h_state``/``c_state`` carry the state between launches of
-    one step each (their values are read only for rows that have run a step: any at the first).
-    ``SAVE``: whether the gates and cells backward reads are written. ``HALF_STATE``: the programs
-    read the masked states from a float16 copy at ``m16_ptr`` (:func:`_half_state`)."""
-    H, m_row, m_gate = _row_lengths(H_VEC, VEC, MASK_GATES)
-    ks, cols, batch, state = _block(B, H, BB, BH, UNITS)
-    h_reg = tl.load(h_state_ptr + state, mask=batch, other=0.0)
-    c_reg = tl.load(c_state_ptr + state, mask=batch, other=0.0)
-    h0 = tl.load(h0_ptr + state, mask=batch, other=0.0).to(tl.float32)
-    c0 = tl.load(c0_ptr + state, mask=batch, other=0.0).to(tl.float32)
-    w0, w1, w2, w3 = _resident_tiles(w_ptr, cols, H, 4, False, RESIDENT, BK)
-    read_ptr = m16_ptr if HALF_STATE else m_ptr  # the masked states the products read
-    b, off, carried, _, nb, noff, nmoff, x_i, x_f, x_g, x_o, m0 = _step_inputs(
-        table_ptr, s_begin, gx_ptr, mask_ptr, mask_row, ks, cols, H, 4, HAS_MASK)
-    for s in range(s_begin, s_end):
+@triton.jit
+def _flag_beyond_half(counter_ptr, h0, mask_ptr, mask_row, mask_gate, ks, cols, batch,
+                      MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Add 1 to the flag after the barrier's counter (``counter_ptr + 1``) where a masked state of
+    this program's rows and units could leave float16's range (beyond 65504). Both cells keep
+    ``|h_t| <= max(1, |h_0|)`` elementwise (an LSTM's ``|h_t| < 1``; a GRU's ``h_t`` lies between
+    ``n_t`` and ``h_{t-1}``), so every masked state is bounded by ``|M| * max(1, |h_0|)``, checked
+    here for the mask shared by every step (per-step masks never read float16: :func:`_half_state`)."""
+    bound = tl.maximum(tl.abs(h0), 1.0)
+    if HAS_MASK:
+        largest = tl.zeros_like(bound)
+        for g in tl.static_range(MASK_GATES):
+            at = mask_ptr + ks[:, None] * mask_row + g * mask_gate + cols[None, :]
+            m = tl.load(at, mask=batch, other=0.0)
+            largest = tl.maximum(largest, tl.abs(m.to(tl.float32)) * bound)
+        bound = largest
+    beyond = tl.max(tl.max(tl.where(batch, bound, 0.0), axis=1), axis=0) > 65504.0
+    tl.atomic_add(counter_ptr + 1, beyond.to(tl.int32))
+
+
+@triton.jit
+def _half_first_step(s_begin, s_end):
+    """Where a launch with float16 copies starts reading them: after step 0 (no rows: it writes the
+    first masked state and, with the barrier after it, every program's flag is in), else at once."""
+    return tl.maximum(s_begin, tl.minimum(s_end, 1))
+
+
+@triton.jit
+def _within_half(counter_ptr):
+    """Whether no program flagged a masked state beyond float16's range (:func:`_flag_beyond_half`)."""
+    return tl.atomic_add(counter_ptr + 1, 0) == 0
+
+
+@triton.jit
+def _lstm_steps(s_lo, s_hi, s_begin, s_end, read_ptr, gx_ptr, w_ptr, w0, w1, w2, w3, mask_ptr, mask_row,
+                mask_gate, table_ptr, m_ptr, m16_ptr, m_row, m_gate, acts_ptr, cells_ptr, out_ptr,
+                counter_ptr, ks, cols, H, h0, c0, h_reg, c_reg, b, off, carried, nb, noff, nmoff, x_i, x_f,
+                x_g, x_o, m0, MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, SAVE: tl.constexpr,
+                HALF_STATE: tl.constexpr, READ_HALF: tl.constexpr, SYNC: tl.constexpr, RESIDENT: tl.constexpr,
+                PRECISION: tl.constexpr, UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr,
+                BK: tl.constexpr):
+    """Steps ``s_lo .. s_hi - 1`` of a launch of steps ``s_begin .. s_end - 1``, the products reading
+    the masked states at ``read_ptr`` (``READ_HALF``: the float16 copy); what a step carries to the
+    next in, and out."""
+    for s in range(s_lo, s_hi):
         live = (ks < b)[:, None] & (cols < H)[None, :]
         z_i, z_f, z_g, z_o = _gate_products(read_ptr, m_row, m_gate, w_ptr, w0, w1, w2, w3, off, b, ks, cols,
-                                            H, 4, MASK_GATES, RESIDENT, PRECISION, UPCAST, HALF_STATE, BB, BH,
+                                            H, 4, MASK_GATES, RESIDENT, PRECISION, UPCAST, READ_HALF, BB, BH,
                                             BK)
         i = sigmoid(z_i + x_i)
         f = sigmoid(z_f + x_f)
@@ -447,11 +471,95 @@ def _lstm_forward(
         b, off, carried, _, nb, noff, nmoff, x_i, x_f, x_g, x_o, m0 = _step_inputs(
             table_ptr, tl.minimum(s + 1, s_end - 1), gx_ptr, mask_ptr, mask_row, ks, cols, H, 4, HAS_MASK)
         _wait(counter_ptr, (s + 1 - s_begin) * tl.num_programs(0), SYNC)
+    return h_reg, c_reg, b, off, carried, nb, noff, nmoff, x_i, x_f, x_g, x_o, m0
+
+
+@triton.jit(do_not_specialize=_RUN_TIME_INTS)
+def _lstm_forward(
+    gx_ptr, w_ptr, h0_ptr, c0_ptr, mask_ptr, mask_row, mask_gate, table_ptr, m_ptr, m16_ptr,
+    acts_ptr, cells_ptr, out_ptr, h_state_ptr, c_state_ptr, counter_ptr, s_begin, s_end, B, H_VEC, N,
+    VEC: tl.constexpr, MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, SAVE: tl.constexpr,
+    HALF_STATE: tl.constexpr, SYNC: tl.constexpr,
+    RESIDENT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr,
+    BK: tl.constexpr, UNITS: tl.constexpr,
+):
+    """Steps ``s_begin .. s_end - 1``; ``h_state``/``c_state`` carry the state between launches of
+    one step each (their values are read only for rows that have run a step: any at the first).
+    ``SAVE``: whether the gates and cells backward reads are written. ``HALF_STATE``: the loop also
+    writes each masked state in float16 at ``m16_ptr``, and the products read that copy unless a
+    program flagged a state beyond float16's range (:func:`_flag_beyond_half`; then every program
+    reads the float32 states, exactly as without the setting)."""
+    H, m_row, m_gate = _row_lengths(H_VEC, VEC, MASK_GATES)
+    ks, cols, batch, state = _block(B, H, BB, BH, UNITS)
+    h_reg = tl.load(h_state_ptr + state, mask=batch, other=0.0)
+    c_reg = tl.load(c_state_ptr + state, mask=batch, other=0.0)
+    h0 = tl.load(h0_ptr + state, mask=batch, other=0.0).to(tl.float32)
+    c0 = tl.load(c0_ptr + state, mask=batch, other=0.0).to(tl.float32)
+    w0, w1, w2, w3 = _resident_tiles(w_ptr, cols, H, 4, False, RESIDENT, BK)
+    b, off, carried, _, nb, noff, nmoff, x_i, x_f, x_g, x_o, m0 = _step_inputs(
+        table_ptr, s_begin, gx_ptr, mask_ptr, mask_row, ks, cols, H, 4, HAS_MASK)
+    s_half = s_end  # where the products start reading the float16 copy: never, without one
+    if HALF_STATE:
+        _flag_beyond_half(counter_ptr, h0, mask_ptr, mask_row, mask_gate, ks, cols, batch, MASK_GATES,
+                          HAS_MASK)
+        s_half = _half_first_step(s_begin, s_end)
+    h_reg, c_reg, b, off, carried, nb, noff, nmoff, x_i, x_f, x_g, x_o, m0 = _lstm_steps(
+        s_begin, s_half, s_begin, s_end, m_ptr, gx_ptr, w_ptr, w0, w1, w2, w3, mask_ptr, mask_row, mask_gate,
+        table_ptr, m_ptr, m16_ptr, m_row, m_gate, acts_ptr, cells_ptr, out_ptr, counter_ptr, ks, cols, H, h0,
+        c0, h_reg, c_reg, b, off, carried, nb, noff, nmoff, x_i, x_f, x_g, x_o, m0, MASK_GATES, HAS_MASK,
+        SAVE, HALF_STATE, False, SYNC, RESIDENT, PRECISION, UPCAST, BB, BH, BK)
+    if HALF_STATE:
+        if _within_half(counter_ptr):
+            h_reg, c_reg, b, off, carried, nb, noff, nmoff, x_i, x_f, x_g, x_o, m0 = _lstm_steps(
+                s_half, s_end, s_begin, s_end, m16_ptr, gx_ptr, w_ptr, w0, w1, w2, w3, mask_ptr, mask_row,
+                mask_gate, table_ptr, m_ptr, m16_ptr, m_row, m_gate, acts_ptr, cells_ptr, out_ptr,
+                counter_ptr, ks, cols, H, h0, c0, h_reg, c_reg, b, off, carried, nb, noff, nmoff, x_i, x_f,
+                x_g, x_o, m0, MASK_GATES, HAS_MASK, SAVE, HALF_STATE, True, SYNC, RESIDENT, PRECISION,
+                UPCAST, BB, BH, BK)
+        else:
+            h_reg, c_reg, b, off, carried, nb, noff, nmoff, x_i, x_f, x_g, x_o, m0 = _lstm_steps(
+                s_half, s_end, s_begin, s_end, m_ptr, gx_ptr, w_ptr, w0, w1, w2, w3, mask_ptr, mask_row,
+                mask_gate, table_ptr, m_ptr, m16_ptr, m_row, m_gate, acts_ptr, cells_ptr, out_ptr,
+                counter_ptr, ks, cols, H, h0, c0, h_reg, c_reg, b, off, carried, nb, noff, nmoff, x_i, x_f,
+                x_g, x_o, m0, MASK_GATES, HAS_MASK, SAVE, HALF_STATE, False, SYNC, RESIDENT, PRECISION,
+                UPCAST, BB, BH, BK)
     tl.store(h_state_ptr + state, h_reg, mask=batch)
     tl.store(c_state_ptr + state, c_reg, mask=batch)
     _poison_if_gave_up(counter_ptr, out_ptr, N, H, ks, cols, H, 1, SYNC, BB, BH)
     _poison_if_gave_up(counter_ptr, h_state_ptr, B, H, ks, cols, H, 1, SYNC, BB, BH)
     _poison_if_gave_up(counter_ptr, c_state_ptr, B, H, ks, cols, H, 1, SYNC, BB, BH)
+
+
+@triton.jit
+def _gru_steps(s_lo, s_hi, s_begin, s_end, read_ptr, gx_ptr, w_ptr, w0, w1, w2, w3, mask_ptr, mask_row,
+               mask_gate, table_ptr, m_ptr, m16_ptr, m_row, m_gate, acts_ptr, a_n_ptr, out_ptr, counter_ptr,
+               ks, cols, H, h0, b_r, b_z, b_n, h_reg, b, off, carried, nb, noff, nmoff, x_r, x_z, x_n, m0,
+               MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, SAVE: tl.constexpr,
+               HALF_STATE: tl.constexpr, READ_HALF: tl.constexpr, SYNC: tl.constexpr, RESIDENT: tl.constexpr,
+               PRECISION: tl.constexpr, UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr,
+               BK: tl.constexpr):
+    """:func:`_lstm_steps` for the GRU."""
+    for s in range(s_lo, s_hi):
+        live = (ks < b)[:, None] & (cols < H)[None, :]
+        a_r, a_z, a_n, _ = _gate_products(read_ptr, m_row, m_gate, w_ptr, w0, w1, w2, w3, off, b, ks, cols, H,
+                                          3, MASK_GATES, RESIDENT, PRECISION, UPCAST, READ_HALF, BB, BH, BK)
+        a_n += b_n
+        r = sigmoid(a_r + b_r + x_r)
+        z = sigmoid(a_z + b_z + x_z)
+        n = tanh(x_n + r * a_n)
+        h = n + z * (tl.where((ks < carried)[:, None], h_reg, h0) - n)
+        _store_next_state(h, h0, m0, mask_ptr, mask_row, mask_gate, m_ptr, m16_ptr, m_row, m_gate, ks, cols,
+                          b, nb, noff, nmoff, H, MASK_GATES, HAS_MASK, HALF_STATE)
+        _arrive(counter_ptr, SYNC)  # as in _lstm_steps: what no other program reads after it
+        if SAVE:
+            _store_gates(acts_ptr, off, ks, cols, H, live, r, z, n, n, 3)
+            tl.store(a_n_ptr + (off + ks)[:, None] * H + cols[None, :], a_n, mask=live)
+        tl.store(out_ptr + (off + ks)[:, None] * H + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=live)
+        h_reg = tl.where(live, h, h_reg)
+        b, off, carried, _, nb, noff, nmoff, x_r, x_z, x_n, _, m0 = _step_inputs(
+            table_ptr, tl.minimum(s + 1, s_end - 1), gx_ptr, mask_ptr, mask_row, ks, cols, H, 3, HAS_MASK)
+        _wait(counter_ptr, (s + 1 - s_begin) * tl.num_programs(0), SYNC)
+    return h_reg, b, off, carried, nb, noff, nmoff, x_r, x_z, x_n, m0
 
 
 @triton.jit(do_not_specialize=_RUN_TIME_INTS)
@@ -463,7 +571,8 @@ def _gru_forward(
     SYNC: tl.constexpr, RESIDENT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, UNITS: tl.constexpr,
 ):
-    """Steps ``s_begin .. s_end - 1`` (``h_state`` and ``SAVE`` as in :func:`_lstm_forward`)."""
+    """Steps ``s_begin .. s_end - 1`` (``h_state``, ``SAVE`` and ``HALF_STATE`` as in
+    :func:`_lstm_forward`)."""
     H, m_row, m_gate = _row_lengths(H_VEC, VEC, MASK_GATES)
     ks, cols, batch, state = _block(B, H, BB, BH, UNITS)
     h_reg = tl.load(h_state_ptr + state, mask=batch, other=0.0)
@@ -476,29 +585,31 @@ def _gru_forward(
         b_z = tl.load(b_hh_ptr + H + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
         b_n = tl.load(b_hh_ptr + 2 * H + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
     w0, w1, w2, w3 = _resident_tiles(w_ptr, cols, H, 3, False, RESIDENT, BK)
-    read_ptr = m16_ptr if HALF_STATE else m_ptr  # the masked states the products read
     b, off, carried, _, nb, noff, nmoff, x_r, x_z, x_n, _, m0 = _step_inputs(
         table_ptr, s_begin, gx_ptr, mask_ptr, mask_row, ks, cols, H, 3, HAS_MASK)
-    for s in range(s_begin, s_end):
-        live = (ks < b)[:, None] & (cols < H)[None, :]
-        a_r, a_z, a_n, _ = _gate_products(read_ptr, m_row, m_gate, w_ptr, w0, w1, w2, w3, off, b, ks, cols, H,
-                                          3, MASK_GATES, RESIDENT, PRECISION, UPCAST, HALF_STATE, BB, BH, BK)
-        a_n += b_n
-        r = sigmoid(a_r + b_r + x_r)
-        z = sigmoid(a_z + b_z + x_z)
-        n = tanh(x_n + r * a_n)
-        h = n + z * (tl.where((ks < carried)[:, None], h_reg, h0) - n)
-        _store_next_state(h, h0, m0, mask_ptr, mask_row, mask_gate, m_ptr, m16_ptr, m_row, m_gate, ks, cols,
-                          b, nb, noff, nmoff, H, MASK_GATES, HAS_MASK, HALF_STATE)
-        _arrive(counter_ptr, SYNC)  # as in _lstm_forward: what no other program reads after it
-        if SAVE:
-            _store_gates(acts_ptr, off, ks, cols, H, live, r, z, n, n, 3)
-            tl.store(a_n_ptr + (off + ks)[:, None] * H + cols[None, :], a_n, mask=live)
-        tl.store(out_ptr + (off + ks)[:, None] * H + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=live)
-        h_reg = tl.where(live, h, h_reg)
-        b, off, carried, _, nb, noff, nmoff, x_r, x_z, x_n, _, m0 = _step_inputs(
-            table_ptr, tl.minimum(s + 1, s_end - 1), gx_ptr, mask_ptr, mask_row, ks, cols, H, 3, HAS_MASK)
-        _wait(counter_ptr, (s + 1 - s_begin) * tl.num_programs(0), SYNC)
+    s_half = s_end  # as in _lstm_forward
+    if HALF_STATE:
+        _flag_beyond_half(counter_ptr, h0, mask_ptr, mask_row, mask_gate, ks, cols, batch, MASK_GATES,
+                          HAS_MASK)
+        s_half = _half_first_step(s_begin, s_end)
+    h_reg, b, off, carried, nb, noff, nmoff, x_r, x_z, x_n, m0 = _gru_steps(
+        s_begin, s_half, s_begin, s_end, m_ptr, gx_ptr, w_ptr, w0, w1, w2, w3, mask_ptr, mask_row, mask_gate,
+        table_ptr, m_ptr, m16_ptr, m_row, m_gate, acts_ptr, a_n_ptr, out_ptr, counter_ptr, ks, cols, H, h0,
+        b_r, b_z, b_n, h_reg, b, off, carried, nb, noff, nmoff, x_r, x_z, x_n, m0, MASK_GATES, HAS_MASK, SAVE,
+        HALF_STATE, False, SYNC, RESIDENT, PRECISION, UPCAST, BB, BH, BK)
+    if HALF_STATE:
+        if _within_half(counter_ptr):
+            h_reg, b, off, carried, nb, noff, nmoff, x_r, x_z, x_n, m0 = _gru_steps(
+                s_half, s_end, s_begin, s_end, m16_ptr, gx_ptr, w_ptr, w0, w1, w2, w3, mask_ptr, mask_row,
+                mask_gate, table_ptr, m_ptr, m16_ptr, m_row, m_gate, acts_ptr, a_n_ptr, out_ptr, counter_ptr,
+                ks, cols, H, h0, b_r, b_z, b_n, h_reg, b, off, carried, nb, noff, nmoff, x_r, x_z, x_n, m0,
+                MASK_GATES, HAS_MASK, SAVE, HALF_STATE, True, SYNC, RESIDENT, PRECISION, UPCAST, BB, BH, BK)
+        else:
+            h_reg, b, off, carried, nb, noff, nmoff, x_r, x_z, x_n, m0 = _gru_steps(
+                s_half, s_end, s_begin, s_end, m_ptr, gx_ptr, w_ptr, w0, w1, w2, w3, mask_ptr, mask_row,
+                mask_gate, table_ptr, m_ptr, m16_ptr, m_row, m_gate, acts_ptr, a_n_ptr, out_ptr, counter_ptr,
+                ks, cols, H, h0, b_r, b_z, b_n, h_reg, b, off, carried, nb, noff, nmoff, x_r, x_z, x_n, m0,
+                MASK_GATES, HAS_MASK, SAVE, HALF_STATE, False, SYNC, RESIDENT, PRECISION, UPCAST, BB, BH, BK)
     tl.store(h_state_ptr + state, h_reg, mask=batch)
     _poison_if_gave_up(counter_ptr, out_ptr, N, H, ks, cols, H, 1, SYNC, BB, BH)
     _poison_if_gave_up(counter_ptr, h_state_ptr, B, H, ks, cols, H, 1, SYNC, BB, BH)
@@ -882,20 +993,24 @@ def plan(gates_x: Tensor, hidden: int, batch: int, projected: bool) -> Launch | 
     return Launch(programs, units, row_blocks=row_blocks, resident=_resident(hidden, units))
 
 
-def _half_state(gates_x: Tensor) -> bool:
-    """Whether a forward launch on ``gates_x`` reads the masked states in float16 (:data:`HALF_STATE`,
-    ``tuning["half_state"]``): float32 calls whose products run in TF32 (a measurement's setting
-    also under IEEE float32, where it then rounds the states as TF32 would not)."""
+def _half_state(gates_x: Tensor, mask: Tensor | None) -> bool:
+    """Whether a forward launch on ``gates_x`` writes float16 copies of the masked states for its
+    products to read (:data:`HALF_STATE`, ``tuning["half_state"]``): float32 calls whose products run
+    in TF32 (a measurement's setting also under IEEE float32, where it then rounds the states as TF32
+    would not), with one mask for every step or none (the loop checks that mask against float16's
+    range before the first step: :func:`_flag_beyond_half`; a mask a step would need every step's)."""
+    if mask is not None and mask.shape[0] > 1:
+        return False
     asked = tuning.get("half_state")
     if asked is None:
         return HALF_STATE and gates_x.dtype == torch.float32 and _precision(gates_x) == "tf32"
     return bool(asked) and gates_x.dtype == torch.float32
 
 
-def _products_read(gates_x: Tensor, masked: Tensor) -> Tensor:
-    """The masked states a forward launch's products read: a float16 copy of ``masked``'s shape,
+def _products_read(gates_x: Tensor, masked: Tensor, mask: Tensor | None) -> Tensor:
+    """The masked states a forward launch's products may read: a float16 copy of ``masked``'s shape,
     which the loop writes beside it, where :func:`_half_state`; else ``masked`` itself."""
-    return masked.new_empty(masked.shape, dtype=torch.float16) if _half_state(gates_x) else masked
+    return masked.new_empty(masked.shape, dtype=torch.float16) if _half_state(gates_x, mask) else masked
 
 
 def _per_sm() -> int:
@@ -1020,7 +1135,7 @@ class _CounterPool:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         # 16 bytes apart: every slot as aligned as a fresh counter (Triton compiles a variant per
-        # pointer alignment)
+        # pointer alignment); a slot's second word is the float16 range flag (_flag_beyond_half)
         self.values = torch.zeros(self.SLOTS, 4, dtype=torch.int32, device=device)
         self.slots = [row[:1] for row in self.values]
         self.used = 0
@@ -1051,8 +1166,8 @@ def _counter(device: torch.device, pooled: bool) -> Tensor:
     """A zero counter for one launch: from the pool of ``device``'s current stream where
     ``pooled``, else a fresh one (CPU, a launch being captured into a CUDA graph, whose replays
     need it zeroed each time, or a counter the host reads at once)."""
-    if not pooled:
-        return torch.zeros(1, dtype=torch.int32, device=device)
+    if not pooled:  # 16 bytes, as a pool's slot: the counter, then the float16 range flag (_flag_beyond_half)
+        return torch.zeros(4, dtype=torch.int32, device=device)[:1]
     key = (_key(device), torch.cuda.current_stream(device).cuda_stream)
     with _pools_lock:
         pool = _pools.get(key)
@@ -1218,7 +1333,7 @@ def lstm_forward(how: Launch, schedule: Schedule, gates_x, h0, c0, w_hh, mask, k
     h_state, c_state = torch.empty(B, H, device=device), torch.empty(B, H, device=device)
     table = _step_table(schedule, mask, device)
     mask_row, mask_gate = _mask_strides(mask)
-    read = _products_read(gates_x, masked)
+    read = _products_read(gates_x, masked, mask)
     args = (gates_x, w_hh, h0, c0, h0 if mask is None else mask, mask_row, mask_gate, table, masked, read,
             out if acts is None else acts, out if cells is None else cells, out, h_state, c_state)
     failure = _run(_lstm_forward, how, len(schedule.steps) + 1, args, False, MASK_GATES=G,
@@ -1283,7 +1398,7 @@ def gru_forward(how: Launch, schedule: Schedule, gates_x, h0, w_hh, b_hh, mask, 
     masked = gates_x.new_empty(N, G, H) if G > 1 else gates_x.new_empty(N, H)
     h_state = torch.empty(B, H, device=device)  # as in lstm_forward
     mask_row, mask_gate = _mask_strides(mask)
-    read = _products_read(gates_x, masked)
+    read = _products_read(gates_x, masked, mask)
     args = (gates_x, w_hh, h0 if b_hh is None else b_hh, h0, h0 if mask is None else mask, mask_row,
             mask_gate, _step_table(schedule, mask, device), masked, read, out if acts is None else acts,
             out if a_n is None else a_n, out, h_state)
