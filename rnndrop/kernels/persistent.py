@@ -436,7 +436,7 @@ def _within_half(counter_ptr):
 
 
 @triton.jit
-def _lstm_steps(s_lo, s_hi, s_begin, s_end, read_ptr, gx_ptr, w_ptr, w0, w1, w2, w3, mask_ptr, mask_row,
+def _lstm_steps(s_lo, s_hi, s_begin, s_end, gx_ptr, w_ptr, w0, w1, w2, w3, mask_ptr, mask_row,
                 mask_gate, table_ptr, m_ptr, m16_ptr, m_row, m_gate, acts_ptr, cells_ptr, out_ptr,
                 counter_ptr, ks, cols, H, h0, c0, h_reg, c_reg, b, off, carried, nb, noff, nmoff, x_i, x_f,
                 x_g, x_o, m0, MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, SAVE: tl.constexpr,
@@ -444,8 +444,9 @@ def _lstm_steps(s_lo, s_hi, s_begin, s_end, read_ptr, gx_ptr, w_ptr, w0, w1, w2,
                 PRECISION: tl.constexpr, UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr,
                 BK: tl.constexpr):
     """Steps ``s_lo .. s_hi - 1`` of a launch of steps ``s_begin .. s_end - 1``, the products reading
-    the masked states at ``read_ptr`` (``READ_HALF``: the float16 copy); what a step carries to the
-    next in, and out."""
+    the masked states at ``m_ptr``, or where ``READ_HALF`` their float16 copy at ``m16_ptr``; what a
+    step carries to the next in, and out."""
+    read_ptr = m16_ptr if READ_HALF else m_ptr
     for s in range(s_lo, s_hi):
         live = (ks < b)[:, None] & (cols < H)[None, :]
         z_i, z_f, z_g, z_o = _gate_products(read_ptr, m_row, m_gate, w_ptr, w0, w1, w2, w3, off, b, ks, cols,
@@ -504,21 +505,21 @@ def _lstm_forward(
                           HAS_MASK)
         s_half = _half_first_step(s_begin, s_end)
     h_reg, c_reg, b, off, carried, nb, noff, nmoff, x_i, x_f, x_g, x_o, m0 = _lstm_steps(
-        s_begin, s_half, s_begin, s_end, m_ptr, gx_ptr, w_ptr, w0, w1, w2, w3, mask_ptr, mask_row, mask_gate,
+        s_begin, s_half, s_begin, s_end, gx_ptr, w_ptr, w0, w1, w2, w3, mask_ptr, mask_row, mask_gate,
         table_ptr, m_ptr, m16_ptr, m_row, m_gate, acts_ptr, cells_ptr, out_ptr, counter_ptr, ks, cols, H, h0,
         c0, h_reg, c_reg, b, off, carried, nb, noff, nmoff, x_i, x_f, x_g, x_o, m0, MASK_GATES, HAS_MASK,
         SAVE, HALF_STATE, False, SYNC, RESIDENT, PRECISION, UPCAST, BB, BH, BK)
-    if HALF_STATE:
+    if HALF_STATE:  # the rest of the launch in one of two compiled loops: READ_HALF is compile-time
         if _within_half(counter_ptr):
             h_reg, c_reg, b, off, carried, nb, noff, nmoff, x_i, x_f, x_g, x_o, m0 = _lstm_steps(
-                s_half, s_end, s_begin, s_end, m16_ptr, gx_ptr, w_ptr, w0, w1, w2, w3, mask_ptr, mask_row,
+                s_half, s_end, s_begin, s_end, gx_ptr, w_ptr, w0, w1, w2, w3, mask_ptr, mask_row,
                 mask_gate, table_ptr, m_ptr, m16_ptr, m_row, m_gate, acts_ptr, cells_ptr, out_ptr,
                 counter_ptr, ks, cols, H, h0, c0, h_reg, c_reg, b, off, carried, nb, noff, nmoff, x_i, x_f,
                 x_g, x_o, m0, MASK_GATES, HAS_MASK, SAVE, HALF_STATE, True, SYNC, RESIDENT, PRECISION,
                 UPCAST, BB, BH, BK)
         else:
             h_reg, c_reg, b, off, carried, nb, noff, nmoff, x_i, x_f, x_g, x_o, m0 = _lstm_steps(
-                s_half, s_end, s_begin, s_end, m_ptr, gx_ptr, w_ptr, w0, w1, w2, w3, mask_ptr, mask_row,
+                s_half, s_end, s_begin, s_end, gx_ptr, w_ptr, w0, w1, w2, w3, mask_ptr, mask_row,
                 mask_gate, table_ptr, m_ptr, m16_ptr, m_row, m_gate, acts_ptr, cells_ptr, out_ptr,
                 counter_ptr, ks, cols, H, h0, c0, h_reg, c_reg, b, off, carried, nb, noff, nmoff, x_i, x_f,
                 x_g, x_o, m0, MASK_GATES, HAS_MASK, SAVE, HALF_STATE, False, SYNC, RESIDENT, PRECISION,
@@ -531,7 +532,7 @@ def _lstm_forward(
 
 
 @triton.jit
-def _gru_steps(s_lo, s_hi, s_begin, s_end, read_ptr, gx_ptr, w_ptr, w0, w1, w2, w3, mask_ptr, mask_row,
+def _gru_steps(s_lo, s_hi, s_begin, s_end, gx_ptr, w_ptr, w0, w1, w2, w3, mask_ptr, mask_row,
                mask_gate, table_ptr, m_ptr, m16_ptr, m_row, m_gate, acts_ptr, a_n_ptr, out_ptr, counter_ptr,
                ks, cols, H, h0, b_r, b_z, b_n, h_reg, b, off, carried, nb, noff, nmoff, x_r, x_z, x_n, m0,
                MASK_GATES: tl.constexpr, HAS_MASK: tl.constexpr, SAVE: tl.constexpr,
@@ -539,6 +540,7 @@ def _gru_steps(s_lo, s_hi, s_begin, s_end, read_ptr, gx_ptr, w_ptr, w0, w1, w2, 
                PRECISION: tl.constexpr, UPCAST: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr,
                BK: tl.constexpr):
     """:func:`_lstm_steps` for the GRU."""
+    read_ptr = m16_ptr if READ_HALF else m_ptr
     for s in range(s_lo, s_hi):
         live = (ks < b)[:, None] & (cols < H)[None, :]
         a_r, a_z, a_n, _ = _gate_products(read_ptr, m_row, m_gate, w_ptr, w0, w1, w2, w3, off, b, ks, cols, H,
@@ -593,20 +595,20 @@ def _gru_forward(
                           HAS_MASK)
         s_half = _half_first_step(s_begin, s_end)
     h_reg, b, off, carried, nb, noff, nmoff, x_r, x_z, x_n, m0 = _gru_steps(
-        s_begin, s_half, s_begin, s_end, m_ptr, gx_ptr, w_ptr, w0, w1, w2, w3, mask_ptr, mask_row, mask_gate,
+        s_begin, s_half, s_begin, s_end, gx_ptr, w_ptr, w0, w1, w2, w3, mask_ptr, mask_row, mask_gate,
         table_ptr, m_ptr, m16_ptr, m_row, m_gate, acts_ptr, a_n_ptr, out_ptr, counter_ptr, ks, cols, H, h0,
         b_r, b_z, b_n, h_reg, b, off, carried, nb, noff, nmoff, x_r, x_z, x_n, m0, MASK_GATES, HAS_MASK, SAVE,
         HALF_STATE, False, SYNC, RESIDENT, PRECISION, UPCAST, BB, BH, BK)
-    if HALF_STATE:
+    if HALF_STATE:  # as in _lstm_forward
         if _within_half(counter_ptr):
             h_reg, b, off, carried, nb, noff, nmoff, x_r, x_z, x_n, m0 = _gru_steps(
-                s_half, s_end, s_begin, s_end, m16_ptr, gx_ptr, w_ptr, w0, w1, w2, w3, mask_ptr, mask_row,
+                s_half, s_end, s_begin, s_end, gx_ptr, w_ptr, w0, w1, w2, w3, mask_ptr, mask_row,
                 mask_gate, table_ptr, m_ptr, m16_ptr, m_row, m_gate, acts_ptr, a_n_ptr, out_ptr, counter_ptr,
                 ks, cols, H, h0, b_r, b_z, b_n, h_reg, b, off, carried, nb, noff, nmoff, x_r, x_z, x_n, m0,
                 MASK_GATES, HAS_MASK, SAVE, HALF_STATE, True, SYNC, RESIDENT, PRECISION, UPCAST, BB, BH, BK)
         else:
             h_reg, b, off, carried, nb, noff, nmoff, x_r, x_z, x_n, m0 = _gru_steps(
-                s_half, s_end, s_begin, s_end, m_ptr, gx_ptr, w_ptr, w0, w1, w2, w3, mask_ptr, mask_row,
+                s_half, s_end, s_begin, s_end, gx_ptr, w_ptr, w0, w1, w2, w3, mask_ptr, mask_row,
                 mask_gate, table_ptr, m_ptr, m16_ptr, m_row, m_gate, acts_ptr, a_n_ptr, out_ptr, counter_ptr,
                 ks, cols, H, h0, b_r, b_z, b_n, h_reg, b, off, carried, nb, noff, nmoff, x_r, x_z, x_n, m0,
                 MASK_GATES, HAS_MASK, SAVE, HALF_STATE, False, SYNC, RESIDENT, PRECISION, UPCAST, BB, BH, BK)
