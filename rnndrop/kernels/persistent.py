@@ -1285,17 +1285,17 @@ def _tiles(how: Launch, batch: int, hidden: int, backward: bool) -> dict[str, in
 
 
 def _shape(how: Launch, batch: int, hidden: int, rows: int, backward: bool) -> dict[str, int]:
-    """A launch's sizes and blocks: :func:`_sizes` and :func:`_tiles`, worked out once per shape
-    where no measurement's setting is in :data:`tuning` (normal use: a host cost of every launch)."""
-    if tuning:
-        return {**_sizes(batch, hidden, rows), **_tiles(how, batch, hidden, backward)}
-    return dict(_built_in_shape(how, batch, hidden, backward), N=rows)
+    """A launch's sizes and blocks, :func:`_sizes` and :func:`_tiles` (a dict its caller unpacks and
+    never changes): worked out once per shape where no measurement's setting is in :data:`tuning`
+    (normal use: a host cost of every launch), at every call where one is."""
+    return (_shape_of if tuning else _built_in_shape)(how, batch, hidden, rows, backward)
 
 
-@functools.lru_cache(maxsize=256)
-def _built_in_shape(how: Launch, batch: int, hidden: int, backward: bool) -> dict[str, int]:
-    """:func:`_shape` without ``N``, by the built-in rules (shared: :func:`_shape` copies it)."""
-    return {**_sizes(batch, hidden, 0), **_tiles(how, batch, hidden, backward)}
+def _shape_of(how: Launch, batch: int, hidden: int, rows: int, backward: bool) -> dict[str, int]:
+    return {**_sizes(batch, hidden, rows), **_tiles(how, batch, hidden, backward)}
+
+
+_built_in_shape = functools.lru_cache(maxsize=1024)(_shape_of)
 
 
 def _block_k(hidden: int, rows: int, backward: bool) -> int:
