@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-__all__ = ["cudnn_rnn_tf32", "matmul_precision", "products_as_cudnn"]
+__all__ = ["UNCHANGED", "cudnn_rnn_tf32", "matmul_precision", "products_as_cudnn"]
 
 
 #: torch's getter of its precision API (torch >= 2.9), called directly: the properties
@@ -58,8 +58,9 @@ def cudnn_rnn_tf32() -> bool:
     return mode == "tf32"
 
 
-#: The block of :func:`products_as_cudnn` where nothing changes (one object, entered again and again).
-_UNCHANGED = contextlib.nullcontext()
+#: A block where nothing changes: one object, entered again and again (:func:`products_as_cudnn`,
+#: and ``triton_plan.autocast_off``, where autocast is off already).
+UNCHANGED = contextlib.nullcontext()
 
 
 def products_as_cudnn(like: Tensor) -> contextlib.AbstractContextManager[None]:
@@ -69,7 +70,7 @@ def products_as_cudnn(like: Tensor) -> contextlib.AbstractContextManager[None]:
     every call of a loop kernel). The switch is put back on leaving."""
     if not (like.is_cuda and like.dtype == torch.float32 and matmul_precision() == "ieee"
             and cudnn_rnn_tf32()):
-        return _UNCHANGED
+        return UNCHANGED
     return _tf32_products()
 
 

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from rnndrop.kernels.precision import UNCHANGED
 from rnndrop.kernels.schedule import Schedule
 
 __all__ = [
@@ -113,11 +114,8 @@ def autocast_off(x: Tensor) -> contextlib.AbstractContextManager:
     nothing to enter where it is off already, the usual case (an autocast object costs the host
     more than the check)."""
     device = x.device.type
-    return torch.autocast(device, enabled=False) if _autocast_enabled(device) else _UNCHANGED
+    return torch.autocast(device, enabled=False) if _autocast_enabled(device) else UNCHANGED
 
-
-#: :func:`autocast_off`'s block where autocast is off already (one object, entered again and again).
-_UNCHANGED = contextlib.nullcontext()
 
 
 def as_dtype(x: Tensor, dtype: torch.dtype) -> Tensor:
