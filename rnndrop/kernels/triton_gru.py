@@ -202,16 +202,26 @@ def _backward(schedule: Schedule, needs: Sequence[bool], *tensors):
 
 def _all_grads(s: _Saved, schedule: Schedule, needs: Sequence[bool], d_a, d_n, dh0, d_masked):
     """The gradients of ``(gates_x, h0, w_hh, b_hh, mask)`` from those of the loop: ``d_a`` ``[N, 3H]``
-    (of ``W_hh m + b_hh``), ``d_n`` ``[N, H]`` (of ``x̂_n``), ``dh_0`` and ``dm`` of every row."""
+    (of ``W_hh m + b_hh``), ``d_n`` ``[N, H]`` (of ``x̂_n``), ``dh_0`` and ``dm`` of every row.
+
+    ``d gates_x`` is ``d_a`` with its last gate's block replaced by ``d_n`` (``d a_r = d x̂_r``,
+    ``d a_z = d x̂_z``), written into ``d_a`` itself once the products over ``d_a`` are queued: a
+    new ``[N, 3H]`` would be the largest buffer alive at backward's peak."""
     H = s.out.shape[1]
     h_prev = None
     if (needs[2] and s.masked is None) or d_masked is not None:
         h_prev = gather_previous(s.out, s.h0, schedule.previous_blocks())
+    d_w_hh = mp.weight_grad(d_a, h_prev if s.masked is None else s.masked) if needs[2] else None
+    d_b_hh = as_dtype(d_a.sum(0), s.b_hh.dtype) if needs[3] and s.b_hh is not None else None
+    d_gates_x = None
+    if needs[0]:
+        d_gates_x = d_a
+        d_gates_x[:, 2 * H :].copy_(d_n)
     return (
-        torch.cat([d_a[:, : 2 * H], d_n], 1) if needs[0] else None,
+        d_gates_x,
         as_dtype(dh0, s.h0.dtype) if needs[1] else None,
-        mp.weight_grad(d_a, h_prev if s.masked is None else s.masked) if needs[2] else None,
-        as_dtype(d_a.sum(0), s.b_hh.dtype) if needs[3] and s.b_hh is not None else None,
+        d_w_hh,
+        d_b_hh,
         None if d_masked is None else as_dtype(mp.mask_grad(schedule, s.mask, d_masked, h_prev),
                                                s.mask.dtype),
     )
