@@ -194,6 +194,26 @@ def test_the_counter_pool_hands_its_counters_in_when_used_up_and_a_give_up_is_re
     assert not persistent.usable(device) and persistent._pending == []
 
 
+def test_pooled_counters_are_kept_apart_per_device_and_stream(monkeypatch):
+    """A launch on one stream takes the next slot of that stream's pool: launches on another
+    stream (or device) never share a pool, whose slots are zeroed in its own stream's order."""
+    from rnndrop.kernels import persistent
+
+    streams = {0: 11}
+    monkeypatch.setattr(persistent, "_pools", {})
+    monkeypatch.setattr(persistent, "_current_raw_stream", lambda index: streams[index])
+    first, second = (persistent._counter(torch.device("cpu", 0), pooled=True) for _ in range(2))
+    streams[0] = 12  # another stream made current
+    other = persistent._counter(torch.device("cpu", 0), pooled=True)
+    streams[1] = 11  # the first stream's handle, on another device
+    elsewhere = persistent._counter(torch.device("cpu", 1), pooled=True)
+    assert sorted(persistent._pools) == [(0, 11), (0, 12), (1, 11)]
+    pool = persistent._pools[(0, 11)]
+    assert (first.data_ptr(), second.data_ptr()) == (pool.slots[0].data_ptr(), pool.slots[1].data_ptr())
+    assert other.data_ptr() == persistent._pools[(0, 12)].slots[0].data_ptr()
+    assert elsewhere.data_ptr() == persistent._pools[(1, 11)].slots[0].data_ptr()
+
+
 class _WithMasks(torch.nn.Module):
     """``layer(x, masks=masks)`` with fixed masks: a callable of tensors alone, as
     ``torch.cuda.make_graphed_callables`` wants, whose replays can be compared with eager calls."""

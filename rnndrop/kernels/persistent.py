@@ -1108,6 +1108,7 @@ def _cooperative_launches() -> bool:
 
 
 _COOPERATIVE = _cooperative_launches()
+_COOPERATIVE_OPTIONS = dict(LAUNCH_OPTIONS, launch_cooperative_grid=True)
 #: The deepest load pipeline of the loops over ``W_hh``; depths from it down to 1 are tried, and the
 #: first whose shared memory fits is kept per kernel and block shape (0 where none does).
 _DEEPEST_STAGES = 3
@@ -1160,7 +1161,14 @@ class _CounterPool:
         return event, copy, self.device
 
 
-_pools: dict[tuple[str, int], _CounterPool] = {}
+try:  # the current stream's handle without building a torch.cuda.Stream (as Triton's launcher reads it)
+    from torch._C import _cuda_getCurrentRawStream as _current_raw_stream
+except ImportError:  # a torch without CUDA (pooled counters are CUDA's alone)
+    def _current_raw_stream(index: int) -> int:
+        return torch.cuda.current_stream(index).cuda_stream
+
+
+_pools: dict[tuple[int, int], _CounterPool] = {}  # by device index and stream
 _pools_lock = threading.Lock()  # threads launching on one stream take distinct slots
 
 
@@ -1170,7 +1178,8 @@ def _counter(device: torch.device, pooled: bool) -> Tensor:
     need it zeroed each time, or a counter the host reads at once)."""
     if not pooled:  # 16 bytes, as a pool's slot: the counter, then the float16 range flag (_flag_beyond_half)
         return torch.zeros(4, dtype=torch.int32, device=device)[:1]
-    key = (_key(device), torch.cuda.current_stream(device).cuda_stream)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, _current_raw_stream(index))
     with _pools_lock:
         pool = _pools.get(key)
         if pool is None:
@@ -1214,7 +1223,7 @@ def _run(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constex
         raise ValueError(f"{how} on CPU: Triton's interpreter runs one program at a time, so a grid "
                          "barrier between programs never opens; use per_step=True or programs=1")
     cooperative = cuda and _COOPERATIVE and how.grid > 1
-    options = dict(LAUNCH_OPTIONS, launch_cooperative_grid=True) if cooperative else LAUNCH_OPTIONS
+    options = _COOPERATIVE_OPTIONS if cooperative else LAUNCH_OPTIONS
     capturing = cuda and torch.cuda.is_current_stream_capturing()
     if cuda and not capturing:
         _read_finished_counters()
