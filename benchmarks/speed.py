@@ -194,10 +194,11 @@ def mc_eval_step(module: nn.Module, x: torch.Tensor) -> None:
 
 
 def mc_predict_step(module: nn.Module, x: torch.Tensor, samples: int) -> None:
-    """``samples`` Monte-Carlo samples as a user draws them, through :func:`rnndrop.mc.mc_predict`:
-    stacked into one forward call of ``samples`` copies of the batch where the masks are drawn per
-    sequence, one call a sample where a mask is shared by the batch (its ``method="auto"``), then
-    summarised (mean and variance of the outputs)."""
+    """``samples`` Monte-Carlo samples as a user draws them, through :func:`rnndrop.mc.mc_predict`
+    (its ``method="auto"``): stacked into one forward call of ``samples`` copies of the batch, each
+    copy with masks of its own (masks shared by a batch drawn per sequence then), except for masks
+    shared by the batch off CUDA and for noise on weights (one call a sample), then summarised
+    (mean and variance of the outputs)."""
     mc_predict(module, x, n_samples=samples, task="regression", batch_dim=1, chunk_size=samples)
 
 

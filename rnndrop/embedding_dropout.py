@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from rnndrop.noise import bernoulli_mask
-from rnndrop.stochastic import Stochastic
+from rnndrop.stochastic import Stochastic, drawing_noise_per_sequence
 from rnndrop.validation import check_bool, check_choice, check_instance, check_probability, check_word_ids
 
 __all__ = ["EmbeddingDropout", "word_keep_mask"]
@@ -148,6 +148,9 @@ class EmbeddingDropout(Stochastic, nn.Module):
     def shares_noise_across_batch(self) -> bool:
         return self.scope == "batch"
 
+    def switches_to_noise_per_sequence(self) -> bool:
+        return self.scope == "batch"
+
     def forward(self, tokens: Tensor) -> Tensor:
         if not isinstance(tokens, Tensor) or tokens.dtype not in (torch.long, torch.int):
             got = tokens.dtype if isinstance(tokens, Tensor) else type(tokens).__name__
@@ -163,9 +166,9 @@ class EmbeddingDropout(Stochastic, nn.Module):
         if not (self.training and self.p > 0):
             return out
         rows = tokens.unsqueeze(0) if tokens.dim() == 1 else tokens if self.batch_first else tokens.t()
-        keep = word_keep_mask(
-            rows, self.embedding.num_embeddings, self.p, self.scope, dtype=out.dtype
-        )  # [B, T]
+        # one word mask a sequence where asked, even with scope "batch" (Monte-Carlo samples stacked)
+        scope = "sequence" if self.scope == "batch" and drawing_noise_per_sequence() else self.scope
+        keep = word_keep_mask(rows, self.embedding.num_embeddings, self.p, scope, dtype=out.dtype)  # [B, T]
         if tokens.dim() == 1:
             keep = keep.squeeze(0)
         elif not self.batch_first:

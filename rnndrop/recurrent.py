@@ -63,7 +63,7 @@ from rnndrop.kernels.gates import GRU_GATES, LSTM_GATES
 from rnndrop.layout import SequenceLayout
 from rnndrop.masks import MASK_SCOPES, RecurrentMasks, StackGeometry, check_seq_len, mask_sites
 from rnndrop.noise import NOISES, draw_mask, draw_masks
-from rnndrop.stochastic import Stochastic, run_eagerly
+from rnndrop.stochastic import Stochastic, drawing_noise_per_sequence, run_eagerly
 from rnndrop.validation import check_bool, check_choice, check_positive_int, check_probability
 
 __all__ = ["GRU_CELL", "LSTM_CELL", "CellSpec", "VariationalGRU", "VariationalLSTM", "VariationalRNNStack"]
@@ -409,6 +409,9 @@ class VariationalRNNStack(Stochastic):
         between = self.dropout if self.num_layers > 1 else 0.0
         return self.mask_scope == "batch" and (self.dropout_hidden > 0 or between > 0)
 
+    def switches_to_noise_per_sequence(self) -> bool:
+        return self.mask_scope == "batch"
+
     def extra_repr(self) -> str:
         s = super().extra_repr()  # type: ignore[misc]
         for name in ("dropout_input", "dropout_hidden", "dropout_output"):
@@ -445,6 +448,18 @@ class VariationalRNNStack(Stochastic):
         """
         check_positive_int("batch_size", batch_size)
         check_seq_len(self.mask_scope, seq_len)
+        return self._sample_masks(batch_size, seq_len, self.mask_scope, device, dtype, generator)
+
+    def _sample_masks(
+        self,
+        batch_size: int,
+        seq_len: int | None,
+        scope: str,
+        device: torch.device | str | None,
+        dtype: torch.dtype | None,
+        generator: torch.Generator | None = None,
+    ) -> RecurrentMasks:
+        """:meth:`sample_masks` with masks of ``scope`` (checked arguments)."""
         weight = self.weight_ih_l0
         device = weight.device if device is None else device
         dtype = weight.dtype if dtype is None else dtype
@@ -452,7 +467,7 @@ class VariationalRNNStack(Stochastic):
             self._geometry,
             batch_size,
             seq_len,
-            self.mask_scope,
+            scope,
             self.per_gate_masks,
             input_p=[self.dropout_input] + [self.dropout] * (self.num_layers - 1),
             hidden_p=self.dropout_hidden,
@@ -464,9 +479,7 @@ class VariationalRNNStack(Stochastic):
             drawn = [self._draw_mask(site, self.noise, device=device, dtype=dtype, generator=generator)
                      for site in sites]
         L = self.num_layers
-        return RecurrentMasks(
-            tuple(drawn[:L]), tuple(drawn[L:-1]), drawn[-1], self.mask_scope, self.per_gate_masks
-        )
+        return RecurrentMasks(tuple(drawn[:L]), tuple(drawn[L:-1]), drawn[-1], scope, self.per_gate_masks)
 
     def _layer_weights(self, layer: int, direction: int) -> LayerWeights:
         """One layer's and direction's weights by their names without the ``_l{k}`` suffix."""
@@ -524,8 +537,12 @@ class VariationalRNNStack(Stochastic):
         elif self.training and self._has_dropout():
             # Fresh masks are i.i.d. over the batch: they need no sorting. A _draw_mask hook's are
             # checked like given ones, so that one that draws a wrong shape fails here; the built-in
-            # draw gives every site its shape, dtype and device by construction.
-            masks = self.sample_masks(layout.batch_size, layout.seq_len, device=x.device, dtype=x.dtype)
+            # draw gives every site its shape, dtype and device by construction. Masks shared by the
+            # batch are drawn per sequence where asked (Monte-Carlo samples stacked in one batch).
+            scope = self.mask_scope
+            if scope == "batch" and drawing_noise_per_sequence():
+                scope = "sequence"
+            masks = self._sample_masks(layout.batch_size, layout.seq_len, scope, x.device, x.dtype)
             if type(self)._draw_mask is not draw_mask:
                 masks.check(self._geometry, layout.batch_size, layout.seq_len, x)
         if masks is not None and masks.is_empty():

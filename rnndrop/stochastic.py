@@ -12,8 +12,10 @@ module and the ways that work.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 import torch
@@ -59,5 +61,37 @@ class Stochastic:
     def shares_noise_across_batch(self) -> bool:
         """True when one draw serves every sequence of a batch (a weight mask, a mask
         with scope ``"batch"``): copies of an input in one batch then see the same
-        noise, so Monte-Carlo samples must come from separate calls."""
+        noise, so Monte-Carlo samples must come from separate calls, unless the module
+        :meth:`switches_to_noise_per_sequence`."""
         return False
+
+    def switches_to_noise_per_sequence(self) -> bool:
+        """True when the module, whose noise is shared by the batch, draws the same noise
+        for each sequence of its own instead inside :func:`noise_per_sequence` (masks of
+        ``mask_scope="batch"``, word masks of ``scope="batch"``: a mask, not a weight)."""
+        return False
+
+
+_NOISE_PER_SEQUENCE: contextvars.ContextVar[bool] = contextvars.ContextVar("rnndrop_noise_per_sequence",
+                                                                           default=False)
+
+
+@contextlib.contextmanager
+def noise_per_sequence() -> Iterator[None]:
+    """In the block, modules that :meth:`~Stochastic.switches_to_noise_per_sequence` draw their
+    noise for each sequence of a batch on its own rather than once for the batch.
+
+    Sequences are computed independently, so each sequence's output has the same distribution
+    either way; only sequences of one call stop sharing a draw. Monte-Carlo prediction
+    (:mod:`rnndrop.mc`) uses it to stack copies of a batch into one call, each copy an
+    independent sample (:func:`drawing_noise_per_sequence` reads it)."""
+    token = _NOISE_PER_SEQUENCE.set(True)
+    try:
+        yield
+    finally:
+        _NOISE_PER_SEQUENCE.reset(token)
+
+
+def drawing_noise_per_sequence() -> bool:
+    """Whether the call runs inside :func:`noise_per_sequence`."""
+    return _NOISE_PER_SEQUENCE.get()

@@ -333,3 +333,30 @@ def test_monte_carlo_knows_which_batch_scoped_stacks_share_noise_across_the_batc
     assert shares(dropout_hidden=0.3) and shares(num_layers=2, dropout=0.3)
     assert not shares(dropout_input=0.3, dropout_output=0.3)
     assert not shares(num_layers=1, dropout=0.0, dropout_input=0.2)
+
+
+@pytest.mark.parametrize("cls", [VariationalLSTM, VariationalGRU])
+@pytest.mark.parametrize("per_gate", [False, True])
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_masks_drawn_per_sequence_when_asked_give_each_row_its_own(cls, per_gate, bidirectional):
+    """Inside ``noise_per_sequence`` (Monte-Carlo samples stacked in one batch) the masks a batch
+    shares are drawn for each sequence: copies of one sequence, packed in any order too, get
+    outputs of their own; outside it they share them. Only the masks inside the stack are shared."""
+    from rnndrop.stochastic import noise_per_sequence
+
+    torch.manual_seed(21)
+    layer = cls(I, H, num_layers=2, dropout=0.5, dropout_hidden=0.5, mask_scope="batch",
+                per_gate_masks=per_gate, bidirectional=bidirectional)
+    assert layer.switches_to_noise_per_sequence()
+    same = torch.randn(T, 1, I).expand(T, 6, I).contiguous()
+    packed = pack_sequence([same[:, 0]] * 3 + [same[:4, 0]] * 3, enforce_sorted=False)
+    with torch.no_grad():
+        shared = layer(same)[0]
+        with noise_per_sequence():
+            apart = layer(same)[0]
+            apart_packed = nn.utils.rnn.pad_packed_sequence(layer(packed)[0])[0]
+        again = layer(same)[0]  # the setting ends with the block
+    assert all(torch.equal(shared[:, 0], shared[:, b]) for b in range(6))
+    assert all(torch.equal(again[:, 0], again[:, b]) for b in range(6))
+    assert len({tuple(apart[:, b].flatten().tolist()) for b in range(6)}) == 6
+    assert len({tuple(apart_packed[:, b].flatten().tolist()) for b in range(6)}) == 6

@@ -220,3 +220,21 @@ def test_word_keep_mask_rejects_ids_that_would_alias(scope):
     """Id V in sequence 0 would share the key of id 0 in sequence 1."""
     with pytest.raises(ValueError, match="got id 5"):
         word_keep_mask(torch.tensor([[5, 1], [0, 2]]), 5, 0.5, scope)
+
+
+def test_a_batch_scope_draws_per_sequence_when_asked():
+    """``scope="batch"`` inside ``noise_per_sequence`` (Monte-Carlo samples stacked in one batch):
+    each sequence drops words of its own, each word still the same at every occurrence."""
+    from rnndrop.stochastic import noise_per_sequence
+
+    torch.manual_seed(3)
+    drop = EmbeddingDropout(nn.Embedding(4, 3), 0.5, scope="batch").train()
+    assert drop.switches_to_noise_per_sequence()
+    tokens = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3]).unsqueeze(1).expand(8, 64)  # [T, B]: 64 equal rows
+    with torch.no_grad():
+        shared = drop(tokens).ne(0).all(-1)  # [T, B]: kept
+        with noise_per_sequence():
+            apart = drop(tokens).ne(0).all(-1)
+    assert all(torch.equal(shared[:, 0], shared[:, b]) for b in range(64))
+    assert torch.equal(apart[:4], apart[4:])  # a word's occurrences agree within a sequence
+    assert len({tuple(apart[:, b].tolist()) for b in range(64)}) > 8  # sequences differ

@@ -14,7 +14,7 @@ from rnndrop.mc import (
     sampling_modules,
 )
 from rnndrop.sparse import SparseLSTM
-from rnndrop.stochastic import Stochastic
+from rnndrop.stochastic import Stochastic, noise_per_sequence
 from rnndrop.weight_drop import WeightDrop
 
 
@@ -241,17 +241,52 @@ def test_time_major_inputs_tuple_outputs_and_extra_tensor_arguments():
     torch.testing.assert_close(batched.samples, looped.samples)
 
 
-def test_noise_shared_by_the_batch_forces_looping():
+def test_masks_shared_by_the_batch_are_drawn_per_sequence_when_samples_are_stacked():
+    """``mask_scope="batch"``: copies stacked in one call (``"batched"``; ``"auto"`` on CUDA) draw
+    masks of their own, so that they are independent samples, with the distribution of one sample
+    a call (``"loop"``, where the batch shares its masks; ``"auto"`` elsewhere)."""
     torch.manual_seed(5)
-    model = Classifier(p=0.3, mask_scope="batch").eval()
-    x = torch.randn(3, 4, 3)
-    with pytest.raises(ValueError, match="method='batched' cannot draw independent samples"):
-        mc_predict(model, x, n_samples=3, method="batched")
-    torch.manual_seed(6)
-    auto = mc_predict(model, x, n_samples=3, return_samples=True)
-    torch.manual_seed(6)
-    loop = mc_predict(model, x, n_samples=3, method="loop", return_samples=True)
-    torch.testing.assert_close(auto.samples, loop.samples)
+    model = Classifier(p=0.3, p_dense=0.2, features=2, hidden=5, classes=3, mask_scope="batch").eval()
+    x = torch.randn(2, 4, 2)
+    calls = []
+    model.lstm.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape[0]))
+    n = 300
+    batched = mc_predict(model, x, n_samples=n, method="batched", chunk_size=n, return_samples=True)
+    assert calls == [2 * n]  # every sample in one call
+    assert len({tuple(sample.flatten().tolist()) for sample in batched.samples}) == n
+    looped = mc_predict(model, x, n_samples=n, method="loop", return_samples=True)
+    probs_l, probs_b = looped.samples.softmax(-1), batched.samples.softmax(-1)
+    tol = 5 * (probs_l.std(0) / math.sqrt(n)) * math.sqrt(2) + 1e-4
+    assert ((looped.mean - batched.mean).abs() < tol).all()
+    assert ((probs_l.std(0) - probs_b.std(0)).abs() < 0.25 * probs_l.std(0) + 1e-4).all()
+    # the rows of a call share the recurrent mask, unless drawn per sequence (stacked samples)
+    layer = VariationalLSTM(2, 5, num_layers=2, dropout=0.5, dropout_hidden=0.5, batch_first=True,
+                            mask_scope="batch")
+    same = torch.randn(1, 4, 2).expand(6, 4, 2).contiguous()
+    with torch.no_grad():
+        shared = layer(same)[0]
+        with noise_per_sequence():
+            apart = layer(same)[0]
+    assert all(torch.equal(shared[0], row) for row in shared)
+    assert len({tuple(row.flatten().tolist()) for row in apart}) == 6
+
+
+def test_auto_stacks_samples_of_masks_shared_by_the_batch_on_cuda_alone():
+    """Where one call a sample pays a GPU host's launch path, ``"auto"`` stacks the samples of a
+    model whose masks a call shares (drawn per sequence then); on the CPU it loops, as before; noise
+    on weights loops everywhere."""
+    from rnndrop.mc.sampling import _resolve_method
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    shared_mask = Classifier(mask_scope="batch")
+    words = EmbeddingDropout(nn.Embedding(9, 5), 0.5, scope="batch")
+    weights = WeightDrop(nn.LSTM(3, 4), ["weight_hh_l0"], p=0.5)
+    for model in (shared_mask, words):
+        assert _resolve_method(model, "auto", cuda) == "batched"
+        assert _resolve_method(model, "auto", cpu) == "loop"
+        assert _resolve_method(model, "batched", cpu) == "batched"
+    assert _resolve_method(weights, "auto", cuda) == "loop"
+    assert _resolve_method(Classifier(), "auto", cpu) == "batched"
 
 
 class Encoder(nn.Module):
@@ -270,9 +305,8 @@ class Encoder(nn.Module):
     [
         lambda: WeightDrop(nn.LSTM(3, 4), ["weight_hh_l0"], p=0.5),
         lambda: SparseLSTM(3, 4),
-        lambda: VariationalLSTM(3, 4, dropout_hidden=0.5, mask_scope="batch"),
     ],
-    ids=["WeightDrop", "SparseLSTM", "mask_scope_batch"],
+    ids=["WeightDrop", "SparseLSTM"],
 )
 def test_weight_noise_forces_looping(make):
     torch.manual_seed(13)
@@ -290,18 +324,22 @@ def test_weight_noise_forces_looping(make):
     assert not torch.allclose(auto.samples[0], auto.samples[1])
 
 
-def test_a_wrapped_module_stays_in_eval_and_embedding_scope_decides_the_method():
+def test_a_wrapped_module_stays_in_eval_and_word_masks_of_either_scope_stack_samples():
     wrapped = WeightDrop(nn.LSTM(3, 4), ["weight_hh_l0"], p=0.5)
     with mc_dropout(wrapped):
         assert wrapped.training and not wrapped.module.training
-    tokens = torch.randint(9, (4, 3))
-    for scope, expected in (("sequence", "batched"), ("batch", "loop")):
+    with pytest.raises(ValueError, match="WeightDrop"):
+        mc_predict(Encoder(wrapped), torch.randn(5, 3, 3), n_samples=2, batch_dim=1, output_batch_dim=0,
+                   method="batched")
+    torch.manual_seed(8)
+    tokens = torch.full((4, 1), 3)  # one sequence of one word: a sample keeps it or drops it
+    for scope in ("sequence", "batch"):
         model = EmbeddingDropout(nn.Embedding(9, 5), 0.5, scope=scope)
-        if expected == "loop":
-            with pytest.raises(ValueError, match="EmbeddingDropout"):
-                mc_predict(model, tokens, n_samples=2, batch_dim=1, method="batched")
-        else:
-            mc_predict(model, tokens, n_samples=2, batch_dim=1, method="batched")
+        result = mc_predict(model, tokens, n_samples=64, batch_dim=1, method="batched", chunk_size=64,
+                            task="regression", return_samples=True)
+        kept = result.samples.ne(0).all(-1)  # [S, T, B]: the word's every occurrence kept or not
+        assert torch.equal(kept.all(1), kept.any(1))  # one draw a sequence, tied over time
+        assert 10 < int(kept[:, 0, 0].sum()) < 54  # but drawn apart for each stacked copy
 
 
 def test_bad_arguments_are_named():
@@ -396,6 +434,40 @@ def test_mc_perplexity_averages_probabilities_with_a_state_per_sample():
         torch.manual_seed(12)
         scores.append(mc_perplexity(lm, batches, n_samples=5, **kwargs))
     assert scores == pytest.approx([scores[0]] * 4, rel=1e-5)
+
+
+class SharedMaskLM(nn.Module):
+    """The LM protocol with masks a call shares across its batch: word masks of ``scope="batch"``
+    and recurrent masks of ``mask_scope="batch"`` (the LM benchmark's "batch" regime)."""
+
+    def __init__(self, vocab=7, hidden=8):
+        super().__init__()
+        self.embedding = EmbeddingDropout(nn.Embedding(vocab, 5), 0.3, scope="batch")
+        self.lstm = VariationalLSTM(5, hidden, dropout_hidden=0.5, mask_scope="batch")
+        self.decoder = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens, hidden=None):
+        out, hidden = self.lstm(self.embedding(tokens), hidden)
+        return self.decoder(out), hidden
+
+
+def test_mc_perplexity_stacks_samples_of_masks_shared_by_the_batch_when_asked():
+    """``method="batched"``: one call a chunk, every copy with masks of its own; the perplexity
+    agrees with one call a sample (masks shared by the batch) up to the sampling noise."""
+    torch.manual_seed(15)
+    lm = SharedMaskLM()
+    batches = token_batches(segments=4, T=5, B=1)
+    outputs = []
+    lm.lstm.register_forward_hook(lambda module, args, out: outputs.append(out[0]))
+    torch.manual_seed(16)
+    batched = mc_perplexity(lm, batches, n_samples=400, method="batched", chunk_size=400)
+    assert [out.shape[1] for out in outputs] == [400] * 4  # each segment: all samples in one call
+    distinct = {tuple(row.flatten().tolist()) for row in outputs[0].transpose(0, 1)}
+    assert len(distinct) > 200  # the copies of the one sequence drew masks of their own
+    torch.manual_seed(16)
+    looped = mc_perplexity(lm, batches, n_samples=400, method="loop")
+    assert batched == pytest.approx(looped, rel=0.02)
+    assert lm.training  # restored
 
 
 class LogitsOnly(nn.Module):

@@ -23,14 +23,18 @@ Sampling strategies (``method``):
                in one forward call, ``k`` bounded by ``chunk_size`` or a memory budget.
                Masks are drawn per sequence, so every copy gets masks of its own.
 ``"loop"``     one forward call per sample.
-``"auto"``     batched, unless a sampling module shares its noise across the batch
-               (the masks of ``mask_scope="batch"``, an embedding dropout with
-               ``scope="batch"``, a weight-dropped layer): copies in one batch would
-               then share one draw and the samples would not be independent, so it loops.
+``"auto"``     batched, unless a sampling module shares noise on its weights across the
+               batch (a weight-dropped layer): copies in one batch would then share one
+               draw and the samples would not be independent, so it loops. With masks a
+               call shares across its batch (below), batched on CUDA and looped elsewhere.
 
 The same holds for sampled weights (``SparseLSTM``, ``SparseGRU``, ``SparseEmbedding``,
-``SparseLinear(local_reparameterization=False)``). Every module says so itself through
-:meth:`rnndrop.stochastic.Stochastic.shares_noise_across_batch`.
+``SparseLinear(local_reparameterization=False)``). Masks that a call shares across its batch
+(``mask_scope="batch"``, an embedding dropout with ``scope="batch"``) are drawn per sequence in
+a batched call instead (:func:`rnndrop.stochastic.noise_per_sequence`): sequences are computed
+independently, so each sequence's samples keep their distribution. Every module says which it
+does through :meth:`rnndrop.stochastic.Stochastic.shares_noise_across_batch` and
+:meth:`~rnndrop.stochastic.Stochastic.switches_to_noise_per_sequence`.
 
 All randomness comes from torch's global generator: seed it with ``torch.manual_seed``.
 

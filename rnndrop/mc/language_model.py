@@ -15,6 +15,7 @@ from rnndrop.calibration import ReliabilityDiagram, reliability_from_predictions
 from rnndrop.mc.sampling import (
     DEFAULT_MEMORY_BUDGET,
     ChunkPlan,
+    _copies_drawn_apart,
     _plan_chunks,
     _replicate,
     _resolve_method,
@@ -122,8 +123,8 @@ def mc_language_model_loss(
         check_positive_int("calibration_bins", calibration_bins)
     totals = _Totals(n_samples, calibration_bins)
     with mc_dropout(model, strict=strict), torch.no_grad():
-        samples = _SampleChunks(model, n_samples, _resolve_method(model, method), chunk_size, memory_budget,
-                                calibration_bins)
+        _resolve_method(model, method)  # a method that cannot serve fails before the first segment
+        samples = _SampleChunks(model, n_samples, method, chunk_size, memory_budget, calibration_bins)
         batch_size: int | None = None
         for index, batch in enumerate(batches):
             tokens, targets = _check_lm_batch(batch, index)
@@ -145,6 +146,7 @@ class _SampleChunks:
 
     def __init__(self, model: nn.Module, n_samples: int, method: str, chunk_size: int | None,
                  memory_budget: int, calibration_bins: int | None) -> None:
+        # ``method`` as asked; resolved at the first segment, by the device of its tokens
         self.model, self.n_samples, self.method = model, n_samples, method
         self.chunk_size, self.memory_budget = chunk_size, memory_budget
         self.calibration_bins = calibration_bins
@@ -157,6 +159,7 @@ class _SampleChunks:
         log_prob: Tensor | None = None
         first = 0
         if self.plan is None:
+            self.method = _resolve_method(self.model, self.method, tokens.device)  # asked -> resolved
 
             def probe() -> int:
                 nonlocal log_prob
@@ -174,7 +177,8 @@ class _SampleChunks:
     def _run(self, copies: int, tokens: Tensor, targets: Tensor, hidden: Any) -> tuple[Tensor, Any, int]:
         """``copies`` samples of one segment: log-probabilities summed in probability space
         over the copies (as :meth:`log_prob`), the new state, and the bytes of one copy's logits."""
-        output = self.model(_replicate(tokens, copies, 1), hidden)
+        with _copies_drawn_apart(self.method):
+            output = self.model(_replicate(tokens, copies, 1), hidden)
         if not (isinstance(output, (tuple, list)) and len(output) == 2):
             raise TypeError(
                 "the language model must return (logits [T, B, V], hidden), got "

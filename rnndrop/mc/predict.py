@@ -12,6 +12,8 @@ from torch import Tensor, nn
 from rnndrop.mc.sampling import (
     DEFAULT_MEMORY_BUDGET,
     _batch_size,
+    _copies_drawn_apart,
+    _first_input,
     _first_tensor,
     _plan_chunks,
     _replicate,
@@ -206,7 +208,9 @@ def mc_predict(
         return accumulator.mean.numel() * accumulator.mean.element_size() * _COPIES_PER_SAMPLE[task]
 
     with mc_dropout(model, strict=strict), torch.no_grad():
-        plan, done = _plan_chunks(_resolve_method(model, method), n_samples, chunk_size, memory_budget, probe)
-        for copies in itertools.islice(plan, done, None):
-            run(copies)
+        resolved = _resolve_method(model, method, _first_input(args).device)
+        with _copies_drawn_apart(resolved):
+            plan, done = _plan_chunks(resolved, n_samples, chunk_size, memory_budget, probe)
+            for copies in itertools.islice(plan, done, None):
+                run(copies)
     return accumulator.result()
