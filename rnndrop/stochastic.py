@@ -13,8 +13,8 @@ module and the ways that work.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
@@ -72,26 +72,28 @@ class Stochastic:
         return False
 
 
-_NOISE_PER_SEQUENCE: contextvars.ContextVar[bool] = contextvars.ContextVar("rnndrop_noise_per_sequence",
-                                                                           default=False)
+#: Per thread: whether :func:`noise_per_sequence` is on (a thread-local, which torch.compile reads
+#: and guards on, where it refuses a ``ContextVar``: a module that reads it still compiles whole).
+_PER_SEQUENCE = threading.local()
 
 
 @contextlib.contextmanager
 def noise_per_sequence() -> Iterator[None]:
-    """In the block, modules that :meth:`~Stochastic.switches_to_noise_per_sequence` draw their
-    noise for each sequence of a batch on its own rather than once for the batch.
+    """In the block (this thread), modules that :meth:`~Stochastic.switches_to_noise_per_sequence`
+    draw their noise for each sequence of a batch on its own rather than once for the batch.
 
     Sequences are computed independently, so each sequence's output has the same distribution
     either way; only sequences of one call stop sharing a draw. Monte-Carlo prediction
     (:mod:`rnndrop.mc`) uses it to stack copies of a batch into one call, each copy an
     independent sample (:func:`drawing_noise_per_sequence` reads it)."""
-    token = _NOISE_PER_SEQUENCE.set(True)
+    before = drawing_noise_per_sequence()
+    _PER_SEQUENCE.on = True
     try:
         yield
     finally:
-        _NOISE_PER_SEQUENCE.reset(token)
+        _PER_SEQUENCE.on = before
 
 
 def drawing_noise_per_sequence() -> bool:
-    """Whether the call runs inside :func:`noise_per_sequence`."""
-    return _NOISE_PER_SEQUENCE.get()
+    """Whether this thread runs inside :func:`noise_per_sequence`."""
+    return getattr(_PER_SEQUENCE, "on", False)

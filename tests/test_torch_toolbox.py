@@ -47,6 +47,24 @@ def test_torch_compile_runs_the_layers_with_their_eager_results(make):
     _compiled_equals_eager(make(), backend="eager")
 
 
+def test_word_dropout_of_a_batch_scope_compiles_whole_and_follows_noise_per_sequence():
+    """``EmbeddingDropout(scope="batch")`` compiles as one graph (``fullgraph=True``), and the
+    compiled module follows ``noise_per_sequence`` (Monte-Carlo samples stacked in one batch): it
+    reads the switch where torch.compile can guard on it, a thread-local."""
+    from rnndrop.stochastic import noise_per_sequence
+
+    torch._dynamo.reset()
+    drop = EmbeddingDropout(nn.Embedding(4, 3), 0.5, scope="batch").train()
+    compiled = torch.compile(drop, backend="eager", fullgraph=True)
+    tokens = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3]).unsqueeze(1).expand(8, 32)  # [T, B], V <= T: dense draws
+    torch.manual_seed(4)
+    shared = compiled(tokens).ne(0).all(-1)
+    with noise_per_sequence():
+        apart = compiled(tokens).ne(0).all(-1)
+    assert all(torch.equal(shared[:, 0], shared[:, b]) for b in range(32))
+    assert len({tuple(apart[:, b].tolist()) for b in range(32)}) > 4
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("make", LAYERS[:2])
 def test_torch_compile_with_the_default_backend_runs_a_model_around_the_layer(make):
