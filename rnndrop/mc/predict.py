@@ -11,10 +11,10 @@ from torch import Tensor, nn
 
 from rnndrop.mc.sampling import (
     DEFAULT_MEMORY_BUDGET,
-    _batch_size,
     _copies_drawn_apart,
     _first_input,
     _first_tensor,
+    _normalize_dim,
     _plan_chunks,
     _replicate,
     _resolve_method,
@@ -188,9 +188,10 @@ def mc_predict(
     out_name = ("output_batch_dim" if output_batch_dim is not None
                 else "batch_dim (the output's batch dimension too: output_batch_dim is not given)")
     args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-    batch_size = _batch_size(args, batch_dim)
-    if batch_size is None:
+    first = _first_input(args)
+    if first is None:
         raise TypeError(f"inputs must be a Tensor or hold at least one, got {type(inputs).__name__}")
+    batch_size = first.shape[_normalize_dim(batch_dim, first.dim(), "batch_dim")]
     accumulator = _Accumulator(task, return_samples)
 
     def run(copies: int) -> None:
@@ -208,7 +209,7 @@ def mc_predict(
         return accumulator.mean.numel() * accumulator.mean.element_size() * _COPIES_PER_SAMPLE[task]
 
     with mc_dropout(model, strict=strict), torch.no_grad():
-        resolved = _resolve_method(model, method, _first_input(args).device)
+        resolved = _resolve_method(model, method, first.device)
         with _copies_drawn_apart(resolved):
             plan, done = _plan_chunks(resolved, n_samples, chunk_size, memory_budget, probe)
             for copies in itertools.islice(plan, done, None):

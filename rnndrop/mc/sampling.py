@@ -46,9 +46,9 @@ def sampling_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if _is_sampling(m)]
 
 
-def _shares_noise_across_batch(module: nn.Module) -> bool:
-    """Whether copies of an input in one batch would share ``module``'s noise, even inside
-    :func:`~rnndrop.stochastic.noise_per_sequence` (a weight's noise)."""
+def _noise_shared_by_copies(module: nn.Module) -> bool:
+    """Whether copies of an input stacked in one batch would share ``module``'s noise, even inside
+    :func:`~rnndrop.stochastic.noise_per_sequence` (noise on a weight)."""
     return (isinstance(module, Stochastic) and module.shares_noise_across_batch()
             and not module.switches_to_noise_per_sequence())
 
@@ -146,18 +146,6 @@ def _first_input(obj: Any) -> Tensor | None:
     return None
 
 
-def _batch_size(obj: Any, batch_dim: int) -> int | None:
-    """Size along ``batch_dim`` of the first tensor in ``obj`` (nested tuples/lists)."""
-    if isinstance(obj, Tensor):
-        return obj.shape[_normalize_dim(batch_dim, obj.dim(), "batch_dim")]
-    if isinstance(obj, (tuple, list)):
-        for x in obj:
-            size = _batch_size(x, batch_dim)
-            if size is not None:
-                return size
-    return None
-
-
 def _split_samples(
     out: Tensor, copies: int, batch_size: int, batch_dim: int, name: str = "output_batch_dim"
 ) -> Tensor:
@@ -186,7 +174,7 @@ def _resolve_method(model: nn.Module, method: str, device: torch.device | None =
     1.1-1.4x faster, a GRU 1.6-1.9x slower, 20 samples at hidden 200 and 650, one thread), so
     looping stays the default there."""
     check_choice("method", method, METHODS)
-    shared = [type(m).__name__ for m in sampling_modules(model) if _shares_noise_across_batch(m)]
+    shared = [type(m).__name__ for m in sampling_modules(model) if _noise_shared_by_copies(m)]
     if method == "batched" and shared:
         raise ValueError(
             f"method='batched' cannot draw independent samples: {', '.join(sorted(set(shared)))} "
