@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from rnndrop.noise import bernoulli_mask
-from rnndrop.stochastic import Stochastic, drawing_noise_per_sequence
+from rnndrop.stochastic import Stochastic
 from rnndrop.validation import check_bool, check_choice, check_instance, check_probability, check_word_ids
 
 __all__ = ["EmbeddingDropout", "word_keep_mask"]
@@ -167,7 +167,7 @@ class EmbeddingDropout(Stochastic, nn.Module):
             return out
         rows = tokens.unsqueeze(0) if tokens.dim() == 1 else tokens if self.batch_first else tokens.t()
         # one word mask a sequence where asked, even with scope "batch" (Monte-Carlo samples stacked)
-        scope = "sequence" if self.scope == "batch" and drawing_noise_per_sequence() else self.scope
+        scope = "sequence" if self.scope == "batch" and self._noise_per_sequence else self.scope
         keep = word_keep_mask(rows, self.embedding.num_embeddings, self.p, scope, dtype=out.dtype)  # [B, T]
         if tokens.dim() == 1:
             keep = keep.squeeze(0)

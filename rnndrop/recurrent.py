@@ -63,7 +63,7 @@ from rnndrop.kernels.gates import GRU_GATES, LSTM_GATES
 from rnndrop.layout import SequenceLayout
 from rnndrop.masks import MASK_SCOPES, RecurrentMasks, StackGeometry, check_seq_len, mask_sites
 from rnndrop.noise import NOISES, draw_mask, draw_masks
-from rnndrop.stochastic import Stochastic, drawing_noise_per_sequence, run_eagerly
+from rnndrop.stochastic import Stochastic, run_eagerly
 from rnndrop.validation import check_bool, check_choice, check_positive_int, check_probability
 
 __all__ = ["GRU_CELL", "LSTM_CELL", "CellSpec", "VariationalGRU", "VariationalLSTM", "VariationalRNNStack"]
@@ -540,7 +540,7 @@ class VariationalRNNStack(Stochastic):
             # draw gives every site its shape, dtype and device by construction. Masks shared by the
             # batch are drawn per sequence where asked (Monte-Carlo samples stacked in one batch).
             scope = self.mask_scope
-            if scope == "batch" and drawing_noise_per_sequence():
+            if scope == "batch" and self._noise_per_sequence:
                 scope = "sequence"
             masks = self._sample_masks(layout.batch_size, layout.seq_len, scope, x.device, x.dtype)
             if type(self)._draw_mask is not draw_mask:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
@@ -68,32 +67,40 @@ class Stochastic:
     def switches_to_noise_per_sequence(self) -> bool:
         """True when the module, whose noise is shared by the batch, draws the same noise
         for each sequence of its own instead inside :func:`noise_per_sequence` (masks of
-        ``mask_scope="batch"``, word masks of ``scope="batch"``: a mask, not a weight)."""
+        ``mask_scope="batch"``, word masks of ``scope="batch"``: a mask, not a weight); it reads
+        :attr:`_noise_per_sequence` when it draws."""
         return False
 
-
-#: Per thread: whether :func:`noise_per_sequence` is on (a thread-local, which torch.compile reads
-#: and guards on, where it refuses a ``ContextVar``: a module that reads it still compiles whole).
-_PER_SEQUENCE = threading.local()
+    #: Set by :func:`noise_per_sequence` on the modules that switch, for the block.
+    _noise_per_sequence: bool = False
 
 
 @contextlib.contextmanager
-def noise_per_sequence() -> Iterator[None]:
-    """In the block (this thread), modules that :meth:`~Stochastic.switches_to_noise_per_sequence`
-    draw their noise for each sequence of a batch on its own rather than once for the batch.
+def noise_per_sequence(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """In the block, the modules of ``model`` (itself included) that
+    :meth:`~Stochastic.switches_to_noise_per_sequence` draw their noise for each sequence of a batch
+    on its own rather than once for the batch; after it, as they did before.
 
     Sequences are computed independently, so each sequence's output has the same distribution
     either way; only sequences of one call stop sharing a draw. Monte-Carlo prediction
-    (:mod:`rnndrop.mc`) uses it to stack copies of a batch into one call, each copy an
-    independent sample (:func:`drawing_noise_per_sequence` reads it)."""
-    before = drawing_noise_per_sequence()
-    _PER_SEQUENCE.on = True
+    (:mod:`rnndrop.mc`) uses it to stack copies of a batch into one call, each copy an independent
+    sample. The switch is an attribute of each module, as its training mode is: replicas of
+    ``nn.DataParallel`` (which run in threads of their own) and torch.compile (which guards on it)
+    see it.
+
+    Yields:
+        ``model``.
+    """
+    switching = [m for m in model.modules()
+                 if isinstance(m, Stochastic) and m.switches_to_noise_per_sequence()]
+    before = [m.__dict__.get("_noise_per_sequence") for m in switching]
+    for m in switching:
+        m._noise_per_sequence = True
     try:
-        yield
+        yield model
     finally:
-        _PER_SEQUENCE.on = before
-
-
-def drawing_noise_per_sequence() -> bool:
-    """Whether this thread runs inside :func:`noise_per_sequence`."""
-    return getattr(_PER_SEQUENCE, "on", False)
+        for m, value in zip(switching, before):
+            if value is None:
+                del m._noise_per_sequence  # back to the class's False
+            else:
+                m._noise_per_sequence = value

@@ -352,7 +352,7 @@ def test_masks_drawn_per_sequence_when_asked_give_each_row_its_own(cls, per_gate
     packed = pack_sequence([same[:, 0]] * 3 + [same[:4, 0]] * 3, enforce_sorted=False)
     with torch.no_grad():
         shared = layer(same)[0]
-        with noise_per_sequence():
+        with noise_per_sequence(layer):
             apart = layer(same)[0]
             apart_packed = nn.utils.rnn.pad_packed_sequence(layer(packed)[0])[0]
         again = layer(same)[0]  # the setting ends with the block
@@ -360,3 +360,36 @@ def test_masks_drawn_per_sequence_when_asked_give_each_row_its_own(cls, per_gate
     assert all(torch.equal(again[:, 0], again[:, b]) for b in range(6))
     assert len({tuple(apart[:, b].flatten().tolist()) for b in range(6)}) == 6
     assert len({tuple(apart_packed[:, b].flatten().tolist()) for b in range(6)}) == 6
+
+
+def test_drawing_per_sequence_is_each_module_s_switch_seen_by_threads_and_replicas():
+    """``noise_per_sequence(model)`` sets a switch on the model's modules for the block, as their
+    training mode is set: a call from another thread (``nn.DataParallel`` runs its replicas in
+    threads) and a copy of the module's attributes (what ``nn.DataParallel``'s replicas are) see it; after
+    the block, or an error in it, the modules draw as before."""
+    import threading
+
+    from rnndrop.stochastic import noise_per_sequence
+
+    torch.manual_seed(22)
+    layer = VariationalLSTM(I, H, dropout_hidden=0.5, mask_scope="batch")
+    model = nn.Sequential(layer)
+    same = torch.randn(T, 1, I).expand(T, 6, I).contiguous()
+
+    def rows_apart(module):
+        with torch.no_grad():
+            out = module(same)[0]
+        return len({tuple(out[:, b].flatten().tolist()) for b in range(6)})
+
+    results = []
+    with noise_per_sequence(model) as given:
+        assert given is model
+        thread = threading.Thread(target=lambda: results.append(rows_apart(layer)))
+        thread.start()
+        thread.join()
+        results.append(rows_apart(copy.copy(layer)))  # its attributes copied, as a replica's are
+    assert results == [6, 6]
+    assert rows_apart(layer) == 1
+    with pytest.raises(RuntimeError, match="inside"), noise_per_sequence(model):
+        raise RuntimeError("inside")
+    assert rows_apart(layer) == 1 and "_noise_per_sequence" not in layer.__dict__

@@ -233,7 +233,7 @@ def test_a_batch_scope_draws_per_sequence_when_asked():
     tokens = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3]).unsqueeze(1).expand(8, 64)  # [T, B]: 64 equal rows
     with torch.no_grad():
         shared = drop(tokens).ne(0).all(-1)  # [T, B]: kept
-        with noise_per_sequence():
+        with noise_per_sequence(drop):
             apart = drop(tokens).ne(0).all(-1)
     assert all(torch.equal(shared[:, 0], shared[:, b]) for b in range(64))
     assert torch.equal(apart[:4], apart[4:])  # a word's occurrences agree within a sequence

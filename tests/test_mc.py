@@ -265,7 +265,7 @@ def test_masks_shared_by_the_batch_are_drawn_per_sequence_when_samples_are_stack
     same = torch.randn(1, 4, 2).expand(6, 4, 2).contiguous()
     with torch.no_grad():
         shared = layer(same)[0]
-        with noise_per_sequence():
+        with noise_per_sequence(layer):
             apart = layer(same)[0]
     assert all(torch.equal(shared[0], row) for row in shared)
     assert len({tuple(row.flatten().tolist()) for row in apart}) == 6

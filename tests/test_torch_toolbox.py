@@ -59,7 +59,7 @@ def test_word_dropout_of_a_batch_scope_compiles_whole_and_follows_noise_per_sequ
     tokens = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3]).unsqueeze(1).expand(8, 32)  # [T, B], V <= T: dense draws
     torch.manual_seed(4)
     shared = compiled(tokens).ne(0).all(-1)
-    with noise_per_sequence():
+    with noise_per_sequence(drop):
         apart = compiled(tokens).ne(0).all(-1)
     assert all(torch.equal(shared[:, 0], shared[:, b]) for b in range(32))
     assert len({tuple(apart[:, b].tolist()) for b in range(32)}) > 4

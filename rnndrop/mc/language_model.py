@@ -177,7 +177,7 @@ class _SampleChunks:
     def _run(self, copies: int, tokens: Tensor, targets: Tensor, hidden: Any) -> tuple[Tensor, Any, int]:
         """``copies`` samples of one segment: log-probabilities summed in probability space
         over the copies (as :meth:`log_prob`), the new state, and the bytes of one copy's logits."""
-        with _copies_drawn_apart(self.method):
+        with _copies_drawn_apart(self.model, self.method):
             output = self.model(_replicate(tokens, copies, 1), hidden)
         if not (isinstance(output, (tuple, list)) and len(output) == 2):
             raise TypeError(

@@ -210,7 +210,7 @@ def mc_predict(
 
     with mc_dropout(model, strict=strict), torch.no_grad():
         resolved = _resolve_method(model, method, first.device)
-        with _copies_drawn_apart(resolved):
+        with _copies_drawn_apart(model, resolved):
             plan, done = _plan_chunks(resolved, n_samples, chunk_size, memory_budget, probe)
             for copies in itertools.islice(plan, done, None):
                 run(copies)

@@ -195,11 +195,11 @@ def _resolve_method(model: nn.Module, method: str, device: torch.device | None =
     return "batched"
 
 
-def _copies_drawn_apart(method: str) -> contextlib.AbstractContextManager:
-    """The context the calls of ``method`` (resolved) run in: for ``"batched"``,
+def _copies_drawn_apart(model: nn.Module, method: str) -> contextlib.AbstractContextManager:
+    """The context ``model``'s calls by ``method`` (resolved) run in: for ``"batched"``,
     :func:`~rnndrop.stochastic.noise_per_sequence`, so that masks shared by a batch are drawn per
     sequence and the copies stacked in one call are independent samples."""
-    return noise_per_sequence() if method == "batched" else contextlib.nullcontext()
+    return noise_per_sequence(model) if method == "batched" else contextlib.nullcontext()
 
 
 class ChunkPlan(Sequence[int]):
