@@ -7,7 +7,9 @@ torch) cannot express what these modules do (masks drawn per call and passed aro
 dataclasses, loop kernels that are autograd Functions, keyword-only arguments).
 ``torch.jit.script`` calls ``__prepare_scriptable__`` on a module and each of its submodules
 first; :func:`refuse_torchscript` answers there with a one-line :class:`TypeError` that names the
-module and the ways that work.
+module and the ways that work. A module whose noise a batch shares says whether it can draw it per
+sequence instead, which :func:`noise_per_sequence` asks of it for a block (Monte-Carlo samples
+stacked into one batch).
 """
 
 from __future__ import annotations
