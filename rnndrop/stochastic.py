@@ -21,6 +21,8 @@ from typing import Any, NoReturn
 
 import torch
 
+from rnndrop.validation import check_instance
+
 
 def refuse_torchscript(module: object) -> NoReturn:
     """``__prepare_scriptable__`` of rnndrop's modules: ``torch.jit.script(module)`` (or of a model
@@ -93,6 +95,7 @@ def noise_per_sequence(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     Yields:
         ``model``.
     """
+    check_instance("model", model, torch.nn.Module, "an nn.Module")
     switching = [m for m in model.modules()
                  if isinstance(m, Stochastic) and m.switches_to_noise_per_sequence()]
     before = [m.__dict__.get("_noise_per_sequence") for m in switching]

@@ -393,3 +393,5 @@ def test_drawing_per_sequence_is_each_module_s_switch_seen_by_threads_and_replic
     with pytest.raises(RuntimeError, match="inside"), noise_per_sequence(model):
         raise RuntimeError("inside")
     assert rows_apart(layer) == 1 and "_noise_per_sequence" not in layer.__dict__
+    with pytest.raises(TypeError, match="model must be an nn.Module, got str"), noise_per_sequence("lstm"):
+        pass
