@@ -289,6 +289,28 @@ def test_auto_stacks_samples_of_masks_shared_by_the_batch_on_cuda_alone():
     assert _resolve_method(Classifier(), "auto", cpu) == "batched"
 
 
+def test_batched_calls_on_the_cpu_stack_at_most_a_cache_s_worth_of_rows():
+    """Without ``chunk_size``, a batched call on the CPU stacks at most ``CPU_STACKED_ROWS`` rows
+    (copies times the batch; measured faster there than larger stacks and than looping), whatever
+    the memory budget allows; a GPU's calls are bounded by the budget alone."""
+    from rnndrop.mc.sampling import CPU_STACKED_ROWS, _most_copies
+
+    assert CPU_STACKED_ROWS == 128
+    assert _most_copies(torch.device("cpu"), 40) == 3 and _most_copies(torch.device("cpu"), 500) == 1
+    assert _most_copies(torch.device("cuda", 0), 40) is None
+    torch.manual_seed(9)
+    model = Classifier()
+    rows = []
+    model.lstm.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[0]))
+    mc_predict(model, torch.randn(40, 4, 3), n_samples=10, memory_budget=1 << 40)
+    assert rows == [40, 120, 120, 120]  # the probe's one copy, then three copies a call
+    lm, batches = TinyLM(), token_batches(segments=2, T=3, B=50)
+    rows.clear()
+    lm.lstm.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[1]))
+    mc_perplexity(lm, batches, n_samples=5, memory_budget=1 << 40)
+    assert rows == [50, 100, 100] * 2  # each segment: the probe's copy, then two copies a call
+
+
 class Encoder(nn.Module):
     """Time-major [T, B, F] -> last output [B, H] of any recurrent layer."""
 

@@ -14,6 +14,7 @@ from rnndrop.mc.sampling import (
     _copies_drawn_apart,
     _first_input,
     _first_tensor,
+    _most_copies,
     _normalize_dim,
     _plan_chunks,
     _replicate,
@@ -158,7 +159,9 @@ def mc_predict(
             element is the prediction.
         method: ``"auto"``, ``"batched"`` or ``"loop"`` (see the module docstring).
         chunk_size: batched: at most this many samples per forward call. None:
-            chosen from ``memory_budget`` after one single-sample probe call.
+            chosen from ``memory_budget`` after one single-sample probe call, and on the
+            CPU at most ``max(1, 128 // B)`` copies of a batch of ``B`` a call
+            (``rnndrop.mc.sampling.CPU_STACKED_ROWS``).
         memory_budget: bytes allowed for one chunk's outputs and the tensors derived
             from them (probabilities, entropies). Activations inside the model are
             not counted; for models whose outputs are small next to their hidden
@@ -211,7 +214,8 @@ def mc_predict(
     with mc_dropout(model, strict=strict), torch.no_grad():
         resolved = _resolve_method(model, method, first.device)
         with _copies_drawn_apart(model, resolved):
-            plan, done = _plan_chunks(resolved, n_samples, chunk_size, memory_budget, probe)
+            plan, done = _plan_chunks(resolved, n_samples, chunk_size, memory_budget, probe,
+                                      _most_copies(first.device, batch_size))
             for copies in itertools.islice(plan, done, None):
                 run(copies)
     return accumulator.result()
