@@ -240,10 +240,8 @@ class ChunkPlan(Sequence[int]):
 
 #: The most rows (copies times the batch) a batched call stacks on the CPU when no ``chunk_size`` is
 #: given. There the loop kernels are bound by their products and the memory they stream, not by the
-#: host: a few copies a call beat one call a sample (fewer, larger products), many lose (a step's
-#: rows and gates leave the core's caches). Measured on an AMD EPYC Zen 5, 1 and 2 threads, 16
-#: samples of a 2-layer tied LSTM / GRU encoder, hidden 200 and 650, batch 8 / 20 / 64: stacks of
-#: 64-256 rows took 0.37-0.95x the loop's time, stacks of 512-1024 rows 0.92-1.24x.
+#: host: a few copies a call beat one call a sample (fewer, larger products), many lose to it (a
+#: step's rows and gates leave the core's caches); docs/usage.md ("Monte-Carlo") has the numbers.
 CPU_STACKED_ROWS = 128
 
 
