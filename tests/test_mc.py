@@ -289,15 +289,24 @@ def test_auto_stacks_samples_of_masks_shared_by_the_batch_on_cuda_alone():
     assert _resolve_method(Classifier(), "auto", cpu) == "batched"
 
 
-def test_batched_calls_on_the_cpu_stack_at_most_a_cache_s_worth_of_rows():
+def test_batched_calls_on_the_cpu_stack_at_most_a_cache_s_worth():
     """Without ``chunk_size``, a batched call on the CPU stacks at most ``CPU_STACKED_ROWS`` rows
-    (copies times the batch; measured faster there than larger stacks and than looping), whatever
-    the memory budget allows; a GPU's calls are bounded by the budget alone."""
-    from rnndrop.mc.sampling import CPU_STACKED_ROWS, _most_copies
+    (copies times the batch) and ``CPU_CHUNK_BYTES`` of outputs as the probe counts them, whatever
+    the memory budget allows (measured faster there than larger stacks, and than looping); a GPU's
+    calls are bounded by the budget alone."""
+    from rnndrop.mc.sampling import CPU_CHUNK_BYTES, CPU_STACKED_ROWS, _plan_chunks
 
-    assert CPU_STACKED_ROWS == 128
-    assert _most_copies(torch.device("cpu"), 40) == 3 and _most_copies(torch.device("cpu"), 500) == 1
-    assert _most_copies(torch.device("cuda", 0), 40) is None
+    assert (CPU_STACKED_ROWS, CPU_CHUNK_BYTES) == (128, 64 << 20)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+
+    def plan(device, batch, per_sample):
+        chunks, probed = _plan_chunks("batched", 40, None, 1 << 40, lambda: per_sample, device, batch)
+        return probed, list(chunks)[:3]
+
+    assert plan(cpu, 40, 1000) == (1, [1, 3, 3])  # rows: 128 // 40
+    assert plan(cpu, 500, 1000) == (1, [1, 1, 1])
+    assert plan(cpu, 4, 16 << 20) == (1, [1, 4, 4])  # bytes: 64 MiB of 16 MiB samples
+    assert plan(cuda, 40, 16 << 20) == (1, [1, 39])
     torch.manual_seed(9)
     model = Classifier()
     rows = []

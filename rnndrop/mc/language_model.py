@@ -16,7 +16,6 @@ from rnndrop.mc.sampling import (
     DEFAULT_MEMORY_BUDGET,
     ChunkPlan,
     _copies_drawn_apart,
-    _most_copies,
     _plan_chunks,
     _replicate,
     _resolve_method,
@@ -168,7 +167,7 @@ class _SampleChunks:
                 return 3 * per_copy  # logits, log-probabilities, gathered values
 
             self.plan, first = _plan_chunks(self.method, self.n_samples, self.chunk_size, self.memory_budget,
-                                            probe, _most_copies(tokens.device, tokens.shape[1]))
+                                            probe, tokens.device, tokens.shape[1])
         for i, copies in enumerate(itertools.islice(self.plan, first, None), start=first):
             chunk_log_prob, self.states[i], _ = self._run(copies, tokens, targets, self.states.get(i))
             log_prob = chunk_log_prob if log_prob is None else torch.logaddexp(log_prob, chunk_log_prob)

@@ -14,7 +14,6 @@ from rnndrop.mc.sampling import (
     _copies_drawn_apart,
     _first_input,
     _first_tensor,
-    _most_copies,
     _normalize_dim,
     _plan_chunks,
     _replicate,
@@ -160,8 +159,8 @@ def mc_predict(
         method: ``"auto"``, ``"batched"`` or ``"loop"`` (see the module docstring).
         chunk_size: batched: at most this many samples per forward call. None:
             chosen from ``memory_budget`` after one single-sample probe call, and on the
-            CPU at most ``max(1, 128 // B)`` copies of a batch of ``B`` a call
-            (``rnndrop.mc.sampling.CPU_STACKED_ROWS``).
+            CPU at most ``max(1, 128 // B)`` copies of a batch of ``B`` a call and 64 MiB
+            (``rnndrop.mc.sampling.CPU_STACKED_ROWS``, ``CPU_CHUNK_BYTES``).
         memory_budget: bytes allowed for one chunk's outputs and the tensors derived
             from them (probabilities, entropies). Activations inside the model are
             not counted; for models whose outputs are small next to their hidden
@@ -214,8 +213,8 @@ def mc_predict(
     with mc_dropout(model, strict=strict), torch.no_grad():
         resolved = _resolve_method(model, method, first.device)
         with _copies_drawn_apart(model, resolved):
-            plan, done = _plan_chunks(resolved, n_samples, chunk_size, memory_budget, probe,
-                                      _most_copies(first.device, batch_size))
+            plan, done = _plan_chunks(resolved, n_samples, chunk_size, memory_budget, probe, first.device,
+                                      batch_size)
             for copies in itertools.islice(plan, done, None):
                 run(copies)
     return accumulator.result()

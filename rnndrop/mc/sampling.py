@@ -238,30 +238,27 @@ class ChunkPlan(Sequence[int]):
             yield self.rest
 
 
-#: The most rows (copies times the batch) a batched call stacks on the CPU when no ``chunk_size`` is
-#: given. There the loop kernels are bound by their products and the memory they stream, not by the
-#: host: a few copies a call beat one call a sample (fewer, larger products), many lose to it (a
-#: step's rows and gates leave the core's caches); docs/usage.md ("Monte-Carlo") has the numbers.
+#: On the CPU, the most rows (copies times the batch) one batched call stacks, and the most bytes
+#: its outputs may take as the probe counts them (:func:`_plan_chunks`), when no ``chunk_size`` is
+#: given. There the calls are bound by their products and the memory they stream, not by the host:
+#: a few copies a call beat one call a sample (larger products for the recurrence), many lose to it
+#: (a step's rows and gates, or a language model's logits, leave the caches); docs/usage.md
+#: ("Monte-Carlo prediction") has the numbers.
 CPU_STACKED_ROWS = 128
-
-
-def _most_copies(device: torch.device, batch_size: int) -> int | None:
-    """The most copies of a batch of ``batch_size`` one batched call stacks on ``device`` when no
-    ``chunk_size`` is given (:data:`CPU_STACKED_ROWS` on the CPU; None elsewhere: the memory
-    budget alone, a GPU's calls being bound by the host)."""
-    return max(1, CPU_STACKED_ROWS // batch_size) if device.type == "cpu" else None
+CPU_CHUNK_BYTES = 64 << 20
 
 
 def _plan_chunks(
     method: str, n_samples: int, chunk_size: int | None, memory_budget: int, probe: Callable[[], int],
-    most_copies: int | None = None,
+    device: torch.device | None = None, batch_size: int = 1,
 ) -> tuple[ChunkPlan, int]:
     """How many samples each forward call takes, and how many calls the probe already made.
 
     ``method`` is resolved (``"loop"`` or ``"batched"``). Batched without ``chunk_size``:
     ``probe()`` runs one single-sample call and returns the bytes one sample needs;
-    the remaining samples then go in chunks that fit ``memory_budget``, of at most
-    ``most_copies`` (:func:`_most_copies`) where given.
+    the remaining samples then go in chunks that fit ``memory_budget``, on the CPU (``device``) in
+    chunks of at most :data:`CPU_STACKED_ROWS` rows (copies of a batch of ``batch_size``) and
+    :data:`CPU_CHUNK_BYTES`.
     """
     if method == "loop":
         return ChunkPlan(n_samples, 1), 0
@@ -271,5 +268,9 @@ def _plan_chunks(
     remaining = n_samples - 1
     if not remaining:
         return ChunkPlan(1, 1), 1
-    size = max(1, min(remaining, memory_budget // max(1, bytes_per_sample), most_copies or remaining))
+    most = remaining
+    if device is not None and device.type == "cpu":
+        memory_budget = min(memory_budget, CPU_CHUNK_BYTES)
+        most = max(1, CPU_STACKED_ROWS // batch_size)
+    size = max(1, min(remaining, memory_budget // max(1, bytes_per_sample), most))
     return ChunkPlan(n_samples, size, first=1), 1
