@@ -20,7 +20,9 @@ fresh, untied masks at every step; use :class:`rnndrop.VariationalLSTM`.
 Sampling strategies (``method``):
 
 ``"batched"``  the batch is replicated ``k`` times along its batch dimension and run
-               in one forward call, ``k`` bounded by ``chunk_size`` or a memory budget.
+               in one forward call, ``k`` bounded by ``chunk_size`` or a memory budget,
+               and on the CPU by a cache's worth (``CPU_STACKED_ROWS`` rows and
+               ``CPU_CHUNK_BYTES`` of outputs in :mod:`rnndrop.mc.sampling`).
                Masks are drawn per sequence, so every copy gets masks of its own.
 ``"loop"``     one forward call per sample.
 ``"auto"``     batched, unless a sampling module shares noise on its weights across the
