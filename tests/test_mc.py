@@ -532,11 +532,12 @@ def test_a_plan_of_any_number_of_samples_costs_no_memory():
     sizes was a MemoryError with no message): they add up to the samples asked for."""
     from rnndrop.mc.sampling import ChunkPlan, _plan_chunks
 
-    plan, done = _plan_chunks("batched", 10**12, 1, 0, lambda: 0)
+    cpu = torch.device("cpu")
+    plan, done = _plan_chunks("batched", 10**12, 1, 0, lambda: 0, cpu, 1)
     assert (len(plan), plan[0], plan[-1], done) == (10**12, 1, 1, 0)
-    plan, done = _plan_chunks("batched", 10, None, 300, lambda: 100)  # probe: one sample, then 3 a chunk
+    plan, done = _plan_chunks("batched", 10, None, 300, lambda: 100, cpu, 1)  # a probe, then 3 a chunk
     assert (list(plan), done) == ([1, 3, 3, 3], 1)
     assert list(ChunkPlan(7, 3)) == [3, 3, 1] == ChunkPlan(7, 3)[:] and ChunkPlan(6, 3)[-1] == 3
-    assert list(_plan_chunks("loop", 3, None, 0, lambda: 0)[0]) == [1, 1, 1]
+    assert list(_plan_chunks("loop", 3, None, 0, lambda: 0, cpu, 1)[0]) == [1, 1, 1]
     with pytest.raises(IndexError):
         ChunkPlan(6, 3)[2]

@@ -250,7 +250,7 @@ CPU_CHUNK_BYTES = 64 << 20
 
 def _plan_chunks(
     method: str, n_samples: int, chunk_size: int | None, memory_budget: int, probe: Callable[[], int],
-    device: torch.device | None = None, batch_size: int = 1,
+    device: torch.device, batch_size: int,
 ) -> tuple[ChunkPlan, int]:
     """How many samples each forward call takes, and how many calls the probe already made.
 
@@ -269,7 +269,7 @@ def _plan_chunks(
     if not remaining:
         return ChunkPlan(1, 1), 1
     most = remaining
-    if device is not None and device.type == "cpu":
+    if device.type == "cpu":
         memory_budget = min(memory_budget, CPU_CHUNK_BYTES)
         most = max(1, CPU_STACKED_ROWS // batch_size)
     size = max(1, min(remaining, memory_budget // max(1, bytes_per_sample), most))
