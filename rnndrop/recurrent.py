@@ -31,7 +31,9 @@ Execution, three paths (:meth:`VariationalRNNStack._forward`):
                  for the whole batch, folded into the columns of the weight it multiplies
                  (between-layer masks into ``W_ih``, recurrent masks into ``W_hh``), and the
                  fused op runs every layer in one call; the first input and the output masks
-                 (per sequence) multiply the rows.
+                 (per sequence) multiply the rows. Not for the GRU on the CPU where the compiled
+                 loop kernel runs: it takes the loop path, faster there than oneDNN's GRU
+                 (:attr:`CellSpec.fold_on_cpu`).
 ``loop``         otherwise, layer by layer: the fused op for a layer without a recurrent
                  mask, else the input projection of all steps hoisted out of the loop and a
                  loop kernel (:mod:`rnndrop.kernels`) for the recurrence.
@@ -153,6 +155,10 @@ class CellSpec:
         num_states: states in ``hx``: 2 (``h``, ``c``) or 1 (``h``).
         fused: torch's op for whole sequences and stacks of layers (``torch.lstm`` / ``torch.gru``).
         loop: one layer and direction on a loop kernel (:data:`LayerLoop`).
+        fold_on_cpu: whether masks shared by the batch are folded into the weights for ``fused``
+            on the CPU where the compiled loop kernel could run them instead (``kernel="auto"``):
+            oneDNN's LSTM runs about as fast as that kernel, its GRU slower (docs/cpu-speed.md,
+            "Masks shared by the batch"), so the GRU's run on the loop kernel there.
     """
 
     mode: str
@@ -160,10 +166,11 @@ class CellSpec:
     num_states: int
     fused: Callable[..., tuple[Tensor, ...]]
     loop: LayerLoop
+    fold_on_cpu: bool
 
 
-LSTM_CELL = CellSpec("LSTM", LSTM_GATES, 2, torch.lstm, _lstm_loop)
-GRU_CELL = CellSpec("GRU", GRU_GATES, 1, torch.gru, _gru_loop)
+LSTM_CELL = CellSpec("LSTM", LSTM_GATES, 2, torch.lstm, _lstm_loop, fold_on_cpu=True)
+GRU_CELL = CellSpec("GRU", GRU_GATES, 1, torch.gru, _gru_loop, fold_on_cpu=False)
 
 _COMPACTION_WARNING = "RNN module weights are not part of single contiguous chunk of memory"
 
@@ -550,7 +557,7 @@ class VariationalRNNStack(Stochastic):
         raw: list[Tensor] = []
         if masks is None and self.kernel == "auto":
             out, states = self._forward_fused(x, layout, states)
-        elif self.kernel == "auto" and masks.scope == "batch" and not masks.per_gate:
+        elif self.kernel == "auto" and masks.scope == "batch" and not masks.per_gate and self._folds(x):
             out, states = self._forward_folded(x, layout, states, masks, raw if return_raw_output else None)
         else:
             out, states = self._forward_by_layer(x, layout, states, masks, raw if return_raw_output else None)
@@ -559,6 +566,13 @@ class VariationalRNNStack(Stochastic):
         if not return_raw_output:
             return output, final
         return output, final, layout.restore(raw[0], ())[0] if raw else output
+
+    def _folds(self, x: Tensor) -> bool:
+        """Whether ``kernel="auto"`` folds masks shared by the batch into the weights and runs the
+        fused op (path 2) for rows like ``x``, rather than the loop kernel with those masks (path
+        3): everywhere, except for a cell that is not :attr:`CellSpec.fold_on_cpu` where the compiled
+        loop kernel runs."""
+        return self._cell.fold_on_cpu or x.device.type != "cpu" or auto_loop_kernel(x) != "compiled"
 
     def _computes_as_torch(self, masks: RecurrentMasks | None) -> bool:
         """Whether this call computes exactly ``nn.LSTM.forward`` with the module's parameters:

@@ -170,9 +170,10 @@ def _resolve_method(model: nn.Module, method: str, device: torch.device | None =
     (``mask_scope="batch"``, word masks of ``scope="batch"``), batched on CUDA alone. There one
     call a sample pays the host's launch path every time (cuDNN's inference is bound by it at
     hidden 200-650), while the stacked copies run the persistent loop once. On the CPU oneDNN's
-    fused LSTM a sample is as fast as the loop kernel over stacked copies or faster (stacked:
-    0.73-1.28x its time), its GRU much slower (stacked: 0.33-0.53x; 16 samples, hidden 200 and 650,
-    batch 8-64, 1-2 threads, AMD EPYC Zen 5): a mixed answer, so looping stays the default there."""
+    fused LSTM a sample is about as fast as the loop kernel over stacked copies (stacked:
+    0.73-1.28x its time), a GRU's compiled loop a sample slower than over stacked copies (stacked:
+    0.39-0.96x; 16 samples, hidden 200 and 650, batch 8-64, 1-2 threads, AMD EPYC Zen 5): a mixed
+    answer, so looping stays the default there."""
     check_choice("method", method, METHODS)
     shared = [type(m).__name__ for m in sampling_modules(model) if _noise_shared_by_copies(m)]
     if method == "batched" and shared:
