@@ -33,10 +33,11 @@ Execution, three paths (:meth:`VariationalRNNStack._forward`):
                  fused op runs every layer in one call; the first input and the output masks
                  (per sequence) multiply the rows. Not for the GRU on the CPU where the compiled
                  loop kernel runs: it takes the loop path, faster there than oneDNN's GRU
-                 (:attr:`CellSpec.fold_on_cpu`).
+                 (:attr:`CellSpec.fused_on_cpu`).
 ``loop``         otherwise, layer by layer: the fused op for a layer without a recurrent
-                 mask, else the input projection of all steps hoisted out of the loop and a
-                 loop kernel (:mod:`rnndrop.kernels`) for the recurrence.
+                 mask (not the GRU's on the CPU, as above), else the input projection of all
+                 steps hoisted out of the loop and a loop kernel (:mod:`rnndrop.kernels`) for the
+                 recurrence.
 
 Site names: ``masks.inputs[k]`` / site ``input_l{k}`` is the input of layer ``k``;
 for ``k = 0`` its probability is ``dropout_input``, for ``k >= 1`` it is nn.LSTM's
@@ -155,10 +156,12 @@ class CellSpec:
         num_states: states in ``hx``: 2 (``h``, ``c``) or 1 (``h``).
         fused: torch's op for whole sequences and stacks of layers (``torch.lstm`` / ``torch.gru``).
         loop: one layer and direction on a loop kernel (:data:`LayerLoop`).
-        fold_on_cpu: whether masks shared by the batch are folded into the weights for ``fused``
-            on the CPU where the compiled loop kernel could run them instead (``kernel="auto"``):
-            oneDNN's LSTM runs about as fast as that kernel, its GRU slower (docs/cpu-speed.md,
-            "Masks shared by the batch"), so the GRU's run on the loop kernel there.
+        fused_on_cpu: whether a call with masks uses ``fused`` on the CPU where the compiled loop
+            kernel could run it instead (``kernel="auto"``: masks shared by the batch folded into
+            the weights, a layer without a recurrent mask): oneDNN's LSTM runs about as fast as
+            that kernel, its GRU slower (docs/cpu-speed.md, "The GRU's masked calls"), so the
+            GRU's run on the loop kernel there. Calls without masks (eval mode, every ``p`` 0)
+            always run ``fused``: they compute ``nn.LSTM`` / ``nn.GRU`` exactly.
     """
 
     mode: str
@@ -166,11 +169,11 @@ class CellSpec:
     num_states: int
     fused: Callable[..., tuple[Tensor, ...]]
     loop: LayerLoop
-    fold_on_cpu: bool
+    fused_on_cpu: bool
 
 
-LSTM_CELL = CellSpec("LSTM", LSTM_GATES, 2, torch.lstm, _lstm_loop, fold_on_cpu=True)
-GRU_CELL = CellSpec("GRU", GRU_GATES, 1, torch.gru, _gru_loop, fold_on_cpu=False)
+LSTM_CELL = CellSpec("LSTM", LSTM_GATES, 2, torch.lstm, _lstm_loop, fused_on_cpu=True)
+GRU_CELL = CellSpec("GRU", GRU_GATES, 1, torch.gru, _gru_loop, fused_on_cpu=False)
 
 _COMPACTION_WARNING = "RNN module weights are not part of single contiguous chunk of memory"
 
@@ -557,7 +560,7 @@ class VariationalRNNStack(Stochastic):
         raw: list[Tensor] = []
         if masks is None and self.kernel == "auto":
             out, states = self._forward_fused(x, layout, states)
-        elif self.kernel == "auto" and masks.scope == "batch" and not masks.per_gate and self._folds(x):
+        elif self.kernel == "auto" and masks.scope == "batch" and not masks.per_gate and self._fuses(x):
             out, states = self._forward_folded(x, layout, states, masks, raw if return_raw_output else None)
         else:
             out, states = self._forward_by_layer(x, layout, states, masks, raw if return_raw_output else None)
@@ -567,12 +570,12 @@ class VariationalRNNStack(Stochastic):
             return output, final
         return output, final, layout.restore(raw[0], ())[0] if raw else output
 
-    def _folds(self, x: Tensor) -> bool:
-        """Whether ``kernel="auto"`` folds masks shared by the batch into the weights and runs the
-        fused op (path 2) for rows like ``x``, rather than the loop kernel with those masks (path
-        3): everywhere, except for a cell that is not :attr:`CellSpec.fold_on_cpu` where the compiled
-        loop kernel runs."""
-        return self._cell.fold_on_cpu or x.device.type != "cpu" or auto_loop_kernel(x) != "compiled"
+    def _fuses(self, x: Tensor) -> bool:
+        """Whether ``kernel="auto"`` runs the fused op for a call with masks on rows like ``x``
+        (masks shared by the batch folded into the weights, path 2; a layer without a recurrent
+        mask in path 3) rather than the loop kernel: everywhere, except for a cell that is not
+        :attr:`CellSpec.fused_on_cpu` where the compiled loop kernel runs."""
+        return self._cell.fused_on_cpu or x.device.type != "cpu" or auto_loop_kernel(x) != "compiled"
 
     def _computes_as_torch(self, masks: RecurrentMasks | None) -> bool:
         """Whether this call computes exactly ``nn.LSTM.forward`` with the module's parameters:
@@ -733,7 +736,8 @@ class VariationalRNNStack(Stochastic):
             elif in_mask is not None:
                 x = x_in = layout.mask_rows(x, in_mask, per_step)
             hidden = masks.hidden[layer * D : (layer + 1) * D] if masks is not None else (None,) * D
-            if self.kernel == "auto" and in_rows is None and all(m is None for m in hidden):
+            plain_layer = in_rows is None and all(m is None for m in hidden)  # no mask inside the layer
+            if self.kernel == "auto" and plain_layer and self._fuses(x):
                 layer_states = tuple(s[layer * D : (layer + 1) * D] for s in states)
                 x, fused_states = self._layer_fused(x, layout, layer, layer_states)
                 new_states: tuple[tuple[Tensor, ...], ...] = tuple(s.unbind() for s in fused_states)

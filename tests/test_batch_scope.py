@@ -25,7 +25,7 @@ GRU_CELL = VariationalGRU._cell
 def gru_folds_on_cpu(monkeypatch):
     """These tests are about folding masks into the weights, which the GRU does on CUDA: here it
     folds on the CPU too (by default it runs the compiled loop kernel there; tested below)."""
-    monkeypatch.setattr(VariationalGRU, "_cell", dataclasses.replace(GRU_CELL, fold_on_cpu=True))
+    monkeypatch.setattr(VariationalGRU, "_cell", dataclasses.replace(GRU_CELL, fused_on_cpu=True))
 
 
 class FusedCalls(TorchFunctionMode):
@@ -406,28 +406,32 @@ def test_drawing_per_sequence_is_each_module_s_switch_seen_by_threads_and_replic
         pass
 
 
+@pytest.mark.parametrize("scope", ["batch", "step"])
 @pytest.mark.parametrize("cls", [VariationalLSTM, VariationalGRU])
-def test_on_the_cpu_the_gru_runs_masks_shared_by_the_batch_on_the_compiled_loop_kernel(cls, monkeypatch):
+def test_on_the_cpu_the_gru_runs_its_masked_calls_on_the_compiled_loop_kernel(cls, scope, monkeypatch):
     """On the CPU oneDNN's GRU is slower than the compiled loop kernel: ``kernel="auto"`` runs a
-    GRU's batch-shared masks there on that kernel (no fused call), with the folded path's results;
-    the LSTM, which oneDNN runs about as fast, stays folded into one fused call."""
+    GRU's calls with masks there on that kernel (no fused call: batch-shared masks not folded,
+    layers of naive dropout without a recurrent mask not fused), with the fused path's results;
+    the LSTM, which oneDNN runs about as fast, keeps the fused op (one call folded, or one a layer)."""
     from rnndrop.kernels import compiled
 
     if not compiled.is_available():
         pytest.skip("the compiled loop kernel cannot be built here")
     monkeypatch.setattr(VariationalGRU, "_cell", GRU_CELL)  # the default rule, not the fixture's
     torch.manual_seed(23)
-    layer = cls(I, H, num_layers=2, **ALL_P, mask_scope="batch")
-    folded = copy.deepcopy(layer)
-    monkeypatch.setattr(folded, "_folds", lambda x: True)
-    masks = layer.sample_masks(B)
+    probs = ALL_P if scope == "batch" else dict(dropout=0.3, dropout_input=0.2, dropout_output=0.4)
+    layer = cls(I, H, num_layers=2, **probs, mask_scope=scope)
+    fused = copy.deepcopy(layer)
+    monkeypatch.setattr(fused, "_fuses", lambda x: True)
+    masks = layer.sample_masks(B, T)
     x = torch.randn(T, B, I, requires_grad=True)
     with FusedCalls() as mode:
         out, state = layer(x, masks=masks)
-    assert mode.calls == ([torch.lstm] if cls is VariationalLSTM else [])
-    expected, expected_state = folded(x, masks=masks)
+    fused_calls = 1 if scope == "batch" else 2
+    assert mode.calls == ([torch.lstm] * fused_calls if cls is VariationalLSTM else [])
+    expected, expected_state = fused(x, masks=masks)
     assert_close(out, expected)
     assert_close(state, expected_state)
     d_out = torch.randn_like(out)
     grads = torch.autograd.grad(out, [x, *layer.parameters()], d_out)
-    assert_close(grads, torch.autograd.grad(expected, [x, *folded.parameters()], d_out), atol=1e-5, rtol=1e-5)
+    assert_close(grads, torch.autograd.grad(expected, [x, *fused.parameters()], d_out), atol=1e-5, rtol=1e-5)
