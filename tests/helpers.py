@@ -269,3 +269,8 @@ def flattened(module):
     sizes = {n: getattr(module, n).numel() for n in names}
     starts = {n: 3 + sum(sizes[m] for m in order[: order.index(n)]) for n in names}
     return weights_in(module, torch.zeros(sum(sizes.values()) + 11), [starts[n] for n in names])
+
+
+def distinct(t: torch.Tensor, dim: int = 0) -> int:
+    """How many different slices ``t`` holds along ``dim`` (rows drawn apart, or sharing a draw)."""
+    return len({tuple(part.flatten().tolist()) for part in t.unbind(dim)})

@@ -13,7 +13,7 @@ from torch.nn.utils.rnn import pack_sequence
 from torch.overrides import TorchFunctionMode
 
 from rnndrop import GaussianLSTM, VariationalGRU, VariationalLSTM, flat_weights
-from tests.helpers import flattened, weights_in
+from tests.helpers import distinct, flattened, weights_in
 from tests.oracle import assert_close, plain_twin
 
 I, H, T, B = 5, 6, 7, 4
@@ -367,8 +367,7 @@ def test_masks_drawn_per_sequence_when_asked_give_each_row_its_own(cls, per_gate
         again = layer(same)[0]  # the setting ends with the block
     assert all(torch.equal(shared[:, 0], shared[:, b]) for b in range(6))
     assert all(torch.equal(again[:, 0], again[:, b]) for b in range(6))
-    assert len({tuple(apart[:, b].flatten().tolist()) for b in range(6)}) == 6
-    assert len({tuple(apart_packed[:, b].flatten().tolist()) for b in range(6)}) == 6
+    assert distinct(apart, 1) == 6 and distinct(apart_packed, 1) == 6
 
 
 def test_drawing_per_sequence_is_each_module_s_switch_seen_by_threads_and_replicas():
@@ -388,7 +387,7 @@ def test_drawing_per_sequence_is_each_module_s_switch_seen_by_threads_and_replic
     def rows_apart(module):
         with torch.no_grad():
             out = module(same)[0]
-        return len({tuple(out[:, b].flatten().tolist()) for b in range(6)})
+        return distinct(out, 1)
 
     results = []
     with noise_per_sequence(model) as given:
@@ -413,10 +412,6 @@ def test_on_the_cpu_the_gru_runs_its_masked_calls_on_the_compiled_loop_kernel(cl
     GRU's calls with masks there on that kernel (no fused call: batch-shared masks not folded,
     layers of naive dropout without a recurrent mask not fused), with the fused path's results;
     the LSTM, which oneDNN runs about as fast, keeps the fused op (one call folded, or one a layer)."""
-    from rnndrop.kernels import compiled
-
-    if not compiled.is_available():
-        pytest.skip("the compiled loop kernel cannot be built here")
     monkeypatch.setattr(VariationalGRU, "_cell", GRU_CELL)  # the default rule, not the fixture's
     torch.manual_seed(23)
     probs = ALL_P if scope == "batch" else dict(dropout=0.3, dropout_input=0.2, dropout_output=0.4)

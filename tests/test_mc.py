@@ -16,6 +16,7 @@ from rnndrop.mc import (
 from rnndrop.sparse import SparseLSTM
 from rnndrop.stochastic import Stochastic, noise_per_sequence
 from rnndrop.weight_drop import WeightDrop
+from tests.helpers import distinct
 
 
 class Classifier(nn.Module):
@@ -253,7 +254,7 @@ def test_masks_shared_by_the_batch_are_drawn_per_sequence_when_samples_are_stack
     n = 300
     batched = mc_predict(model, x, n_samples=n, method="batched", chunk_size=n, return_samples=True)
     assert calls == [2 * n]  # every sample in one call
-    assert len({tuple(sample.flatten().tolist()) for sample in batched.samples}) == n
+    assert distinct(batched.samples) == n
     looped = mc_predict(model, x, n_samples=n, method="loop", return_samples=True)
     probs_l, probs_b = looped.samples.softmax(-1), batched.samples.softmax(-1)
     tol = 5 * (probs_l.std(0) / math.sqrt(n)) * math.sqrt(2) + 1e-4
@@ -268,7 +269,7 @@ def test_masks_shared_by_the_batch_are_drawn_per_sequence_when_samples_are_stack
         with noise_per_sequence(layer):
             apart = layer(same)[0]
     assert all(torch.equal(shared[0], row) for row in shared)
-    assert len({tuple(row.flatten().tolist()) for row in apart}) == 6
+    assert distinct(apart) == 6
 
 
 def test_auto_stacks_samples_of_masks_shared_by_the_batch_on_cuda_alone():
