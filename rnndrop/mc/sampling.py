@@ -46,13 +46,6 @@ def sampling_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if _is_sampling(m)]
 
 
-def _noise_shared_by_copies(module: nn.Module) -> bool:
-    """Whether copies of an input stacked in one batch would share ``module``'s noise, even inside
-    :func:`~rnndrop.stochastic.noise_per_sequence` (noise on a weight)."""
-    return (isinstance(module, Stochastic) and module.shares_noise_across_batch()
-            and not module.switches_to_noise_per_sequence())
-
-
 @contextmanager
 def mc_dropout(model: nn.Module, *, strict: bool = True) -> Iterator[nn.Module]:
     """Context under which only the sampling modules of ``model`` are in training mode.
@@ -175,7 +168,10 @@ def _resolve_method(model: nn.Module, method: str, device: torch.device | None =
     0.39-0.96x; 16 samples, hidden 200 and 650, batch 8-64, 1-2 threads, AMD EPYC Zen 5): a mixed
     answer, so looping stays the default there."""
     check_choice("method", method, METHODS)
-    shared = [type(m).__name__ for m in sampling_modules(model) if _noise_shared_by_copies(m)]
+    # modules whose noise a batch shares; copies stacked in one call share it too unless it switches
+    sharing = [m for m in sampling_modules(model)
+               if isinstance(m, Stochastic) and m.shares_noise_across_batch()]
+    shared = [type(m).__name__ for m in sharing if not m.switches_to_noise_per_sequence()]
     if method == "batched" and shared:
         raise ValueError(
             f"method='batched' cannot draw independent samples: {', '.join(sorted(set(shared)))} "
@@ -186,13 +182,10 @@ def _resolve_method(model: nn.Module, method: str, device: torch.device | None =
     if shared:
         logger.debug("mc: looping over samples because %s share noise across the batch", shared)
         return "loop"
-    if device is None or device.type != "cuda":
-        switching = [type(m).__name__ for m in sampling_modules(model)
-                     if isinstance(m, Stochastic) and m.shares_noise_across_batch()]
-        if switching:
-            logger.debug("mc: looping over samples off CUDA because %s share a mask across the batch",
-                         switching)
-            return "loop"
+    if sharing and (device is None or device.type != "cuda"):
+        logger.debug("mc: looping over samples off CUDA because %s share a mask across the batch",
+                     [type(m).__name__ for m in sharing])
+        return "loop"
     return "batched"
 
 
