@@ -552,3 +552,14 @@ def test_the_tuning_scripts_launches_run_the_loops(device, cell, per_gate):
     out, d_gates = forward()[0], backward()[0]
     assert out.shape == (35 * 4, 20) and torch.isfinite(out).all()
     assert d_gates.shape == inputs[1].shape and torch.isfinite(d_gates).all() and d_gates.abs().sum() > 0
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_configurations_on_the_triton_kernel(device, seed):
+    """``tests/test_random_configurations.py``'s two properties with the layer on the "triton"
+    kernel: against nn.LSTM / nn.GRU without dropout or in eval mode, and against another kernel
+    with the same masks."""
+    from tests import test_random_configurations as random_configurations
+
+    random_configurations.check_without_dropout_or_in_eval_mode(seed, ("triton",), device)
+    random_configurations.check_two_kernels_agree(seed, "triton", device)
