@@ -164,9 +164,9 @@ def _resolve_method(model: nn.Module, method: str, device: torch.device | None =
     call a sample pays the host's launch path every time (cuDNN's inference is bound by it at
     hidden 200-650), while the stacked copies run the persistent loop once. On the CPU oneDNN's
     fused LSTM a sample is about as fast as the loop kernel over stacked copies (stacked:
-    0.73-1.28x its time), a GRU's compiled loop a sample slower than over stacked copies (stacked:
-    0.39-0.96x; 16 samples, hidden 200 and 650, batch 8-64, 1-2 threads, AMD EPYC Zen 5): a mixed
-    answer, so looping stays the default there."""
+    0.73-1.28x its time), and a GRU's compiled loop over stacked copies faster at batch 8-20 and
+    slower at 64 (0.40-1.26x; 16 samples, hidden 200 and 650, 1-2 threads, AMD EPYC Zen 5): a
+    mixed answer, so looping stays the default there."""
     check_choice("method", method, METHODS)
     # modules whose noise a batch shares; copies stacked in one call share it too unless it switches
     sharing = [m for m in sampling_modules(model)
