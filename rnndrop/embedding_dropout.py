@@ -166,8 +166,7 @@ class EmbeddingDropout(Stochastic, nn.Module):
         if not (self.training and self.p > 0):
             return out
         rows = tokens.unsqueeze(0) if tokens.dim() == 1 else tokens if self.batch_first else tokens.t()
-        # one word mask a sequence where asked, even with scope "batch" (Monte-Carlo samples stacked)
-        scope = "sequence" if self.scope == "batch" and self._noise_per_sequence else self.scope
+        scope = self._scope_to_draw(self.scope)  # per sequence where asked (Monte-Carlo samples stacked)
         keep = word_keep_mask(rows, self.embedding.num_embeddings, self.p, scope, dtype=out.dtype)  # [B, T]
         if tokens.dim() == 1:
             keep = keep.squeeze(0)

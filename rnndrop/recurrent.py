@@ -549,9 +549,7 @@ class VariationalRNNStack(Stochastic):
             # checked like given ones, so that one that draws a wrong shape fails here; the built-in
             # draw gives every site its shape, dtype and device by construction. Masks shared by the
             # batch are drawn per sequence where asked (Monte-Carlo samples stacked in one batch).
-            scope = self.mask_scope
-            if scope == "batch" and self._noise_per_sequence:
-                scope = "sequence"
+            scope = self._scope_to_draw(self.mask_scope)
             masks = self._sample_masks(layout.batch_size, layout.seq_len, scope, x.device, x.dtype)
             if type(self)._draw_mask is not draw_mask:
                 masks.check(self._geometry, layout.batch_size, layout.seq_len, x)

@@ -78,6 +78,11 @@ class Stochastic:
     #: Set by :func:`noise_per_sequence` on the modules that switch, for the block.
     _noise_per_sequence: bool = False
 
+    def _scope_to_draw(self, scope: str) -> str:
+        """The scope a draw of masks of ``scope`` takes now: ``"sequence"`` for ``"batch"`` inside
+        :func:`noise_per_sequence`, else ``scope``."""
+        return "sequence" if scope == "batch" and self._noise_per_sequence else scope
+
 
 @contextlib.contextmanager
 def noise_per_sequence(model: torch.nn.Module) -> Iterator[torch.nn.Module]:

@@ -162,11 +162,9 @@ def _resolve_method(model: nn.Module, method: str, device: torch.device | None =
     module shares a mask across the batch but draws it per sequence when asked
     (``mask_scope="batch"``, word masks of ``scope="batch"``), batched on CUDA alone. There one
     call a sample pays the host's launch path every time (cuDNN's inference is bound by it at
-    hidden 200-650), while the stacked copies run the persistent loop once. On the CPU oneDNN's
-    fused LSTM a sample is about as fast as the loop kernel over stacked copies (stacked:
-    0.73-1.28x its time), and a GRU's compiled loop over stacked copies faster at batch 8-20 and
-    slower at 64 (0.40-1.26x; 16 samples, hidden 200 and 650, 1-2 threads, AMD EPYC Zen 5): a
-    mixed answer, so looping stays the default there."""
+    hidden 200-650), while the stacked copies run the persistent loop once. On the CPU stacking is
+    faster for some models and batches and slower for others (docs/usage.md, "Monte-Carlo
+    prediction"), so looping stays the default there."""
     check_choice("method", method, METHODS)
     # modules whose noise a batch shares; copies stacked in one call share it too unless it switches
     sharing = [m for m in sampling_modules(model)
