@@ -5,7 +5,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from rnndrop import EmbeddingDropout
 from rnndrop.embedding_dropout import word_keep_mask
-from rnndrop.stochastic import Stochastic
+from rnndrop.stochastic import Stochastic, noise_per_sequence
 from tests.helpers import distinct
 
 
@@ -226,8 +226,6 @@ def test_word_keep_mask_rejects_ids_that_would_alias(scope):
 def test_a_batch_scope_draws_per_sequence_when_asked():
     """``scope="batch"`` inside ``noise_per_sequence`` (Monte-Carlo samples stacked in one batch):
     each sequence drops words of its own, each word still the same at every occurrence."""
-    from rnndrop.stochastic import noise_per_sequence
-
     torch.manual_seed(3)
     drop = EmbeddingDropout(nn.Embedding(4, 3), 0.5, scope="batch").train()
     assert drop.switches_to_noise_per_sequence()

@@ -18,6 +18,7 @@ from rnndrop import (
     WeightDrop,
 )
 from rnndrop.lm import RNNLanguageModel
+from rnndrop.stochastic import noise_per_sequence
 from tests.helpers import distinct
 
 LAYERS = [
@@ -50,10 +51,8 @@ def test_torch_compile_runs_the_layers_with_their_eager_results(make):
 
 def test_word_dropout_of_a_batch_scope_compiles_whole_and_follows_noise_per_sequence():
     """``EmbeddingDropout(scope="batch")`` compiles as one graph (``fullgraph=True``), and the
-    compiled module follows ``noise_per_sequence`` (Monte-Carlo samples stacked in one batch): it
-    reads the switch where torch.compile can guard on it, a thread-local."""
-    from rnndrop.stochastic import noise_per_sequence
-
+    compiled module follows ``noise_per_sequence`` (Monte-Carlo samples stacked in one batch): the
+    switch is an attribute of the module, which torch.compile guards on."""
     torch._dynamo.reset()
     drop = EmbeddingDropout(nn.Embedding(4, 3), 0.5, scope="batch").train()
     compiled = torch.compile(drop, backend="eager", fullgraph=True)
