@@ -4,6 +4,7 @@ layers, one per batch) into W_hh / W_ih, and the fused kernel runs every layer i
 import contextlib
 import copy
 import dataclasses
+import threading
 import warnings
 
 import pytest
@@ -13,6 +14,7 @@ from torch.nn.utils.rnn import pack_sequence
 from torch.overrides import TorchFunctionMode
 
 from rnndrop import GaussianLSTM, VariationalGRU, VariationalLSTM, flat_weights
+from rnndrop.stochastic import noise_per_sequence
 from tests.helpers import distinct, flattened, weights_in
 from tests.oracle import assert_close, plain_twin
 
@@ -351,8 +353,6 @@ def test_masks_drawn_per_sequence_when_asked_give_each_row_its_own(cls, per_gate
     """Inside ``noise_per_sequence`` (Monte-Carlo samples stacked in one batch) the masks a batch
     shares are drawn for each sequence: copies of one sequence, packed in any order too, get
     outputs of their own; outside it they share them. Only the masks inside the stack are shared."""
-    from rnndrop.stochastic import noise_per_sequence
-
     torch.manual_seed(21)
     layer = cls(I, H, num_layers=2, dropout=0.5, dropout_hidden=0.5, mask_scope="batch",
                 per_gate_masks=per_gate, bidirectional=bidirectional)
@@ -375,10 +375,6 @@ def test_drawing_per_sequence_is_each_module_s_switch_seen_by_threads_and_replic
     training mode is set: a call from another thread (``nn.DataParallel`` runs its replicas in
     threads) and a copy of the module's attributes (what ``nn.DataParallel``'s replicas are) see it; after
     the block, or an error in it, the modules draw as before."""
-    import threading
-
-    from rnndrop.stochastic import noise_per_sequence
-
     torch.manual_seed(22)
     layer = VariationalLSTM(I, H, dropout_hidden=0.5, mask_scope="batch")
     model = nn.Sequential(layer)
