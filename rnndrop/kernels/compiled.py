@@ -51,8 +51,9 @@ from rnndrop.kernels.first_order import first_order_backward, refuse_transforms,
 from rnndrop.kernels.onednn import sequence_through_onednn
 from rnndrop.kernels.optional import available_or_warn
 
-__all__ = ["GRUInputs", "GRUSaved", "LSTMInputs", "LSTMSaved", "build", "gru_recurrence", "is_available",
-           "lstm_recurrence"]
+__all__ = ["GRUInputs", "GRUSaved", "LSTMInputs", "LSTMSaved", "build", "gru_backward_saved",
+           "gru_forward_saving", "gru_recurrence", "gru_saved_like", "is_available", "lstm_backward_saved",
+           "lstm_forward_saving", "lstm_recurrence", "lstm_saved_like"]
 
 logger = logging.getLogger(__name__)
 
@@ -345,6 +346,112 @@ def _gru_forward(inputs: GRUInputs, batch_sizes: list[int], reverse: bool, keep:
     )
 
 
+def _kept_masked(mask: Tensor | None) -> bool:
+    """Whether the LSTM's forward pass keeps the masked states: with a mask shared by the gates
+    (per-gate ones are rebuilt by backward)."""
+    return mask is not None and mask.dim() == 3
+
+
+def lstm_forward_saving(
+    gates_x: Tensor, batch_sizes: Sequence[int], h0: Tensor, c0: Tensor, w_hh: Tensor, w_hr: Tensor | None,
+    hidden_mask: Tensor | None, reverse: bool, keep: bool,
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """``(out, h_n, c_n, saved)``: the forward pass, with ``keep`` what backward reads besides the
+    arguments and ``out`` as :func:`lstm_saved_like` lays it out."""
+    inputs = LSTMInputs(gates_x=gates_x, h0=h0, c0=c0, w_hh=w_hh, w_hr=w_hr, mask=hidden_mask)
+    result = _lstm_forward(inputs, _sizes(batch_sizes), bool(reverse), keep)
+    if not keep:
+        return result.out, result.h_n, result.c_n, []
+    saved = [result.acts, result.cells, result.tanh_cells]
+    saved += [result.r] if w_hr is not None else []
+    saved += [result.masked] if _kept_masked(hidden_mask) else []
+    return result.out, result.h_n, result.c_n, saved
+
+
+def lstm_saved_like(gates_x: Tensor, h0: Tensor, c0: Tensor, w_hh: Tensor, w_hr: Tensor | None,
+                    hidden_mask: Tensor | None) -> list[Tensor]:
+    """Empty tensors shaped as :func:`lstm_forward_saving`'s ``saved`` (for torch.compile's
+    tracing): ``acts [N, 4H]``, ``cells, tanh_cells [N, H]``, ``r [N, H]`` with a projection,
+    ``masked [N, P]`` with a mask shared by the gates."""
+    N, H, P = gates_x.shape[0], c0.shape[1], h0.shape[1]
+    saved = [gates_x.new_empty(N, 4 * H), gates_x.new_empty(N, H), gates_x.new_empty(N, H)]
+    saved += [gates_x.new_empty(N, H)] if w_hr is not None else []
+    saved += [gates_x.new_empty(N, P)] if _kept_masked(hidden_mask) else []
+    return saved
+
+
+def lstm_backward_saved(
+    batch_sizes: Sequence[int], reverse: bool, needs: Sequence[bool], h0: Tensor, c0: Tensor, w_hh: Tensor,
+    w_hr: Tensor | None, hidden_mask: Tensor | None, out: Tensor, saved: Sequence[Tensor],
+    d_out: Tensor | None, d_hn: Tensor | None, d_cn: Tensor | None,
+) -> tuple[Tensor | None, ...]:
+    """The gradients of the :class:`LSTMInputs` (None where not ``needs``) from
+    :func:`lstm_forward_saving`'s ``out`` and ``saved``."""
+    acts, cells, tanh_cells, *rest = saved
+    r = rest.pop(0) if w_hr is not None else None
+    state = LSTMSaved(acts=acts, cells=cells, tanh_cells=tanh_cells, out=out, r=r,
+                      masked=rest[0] if rest else None, h0=h0, c0=c0, w_hh=w_hh, w_hr=w_hr, mask=hidden_mask)
+    sizes = _sizes(batch_sizes)
+    wanted = LSTMInputs._make(needs)._asdict()
+    extension = build()
+    grads = extension.lstm_backward(
+        grads=_struct(extension.LSTMOutputGrads, out=d_out, h_n=d_hn, c_n=d_cn),
+        saved=_struct(extension.LSTMSaved, **state._asdict()), schedule=_schedule(sizes, bool(reverse)),
+        needs=_struct(extension.LSTMNeeds, **wanted),
+        w_t_packed=packed_weights(w_hh, hidden_mask, sizes[0], transposed=True),
+        onednn_weight_grad=sequence_through_onednn(w_hh),
+    )
+    return tuple(getattr(grads, name) if need else None for name, need in wanted.items())
+
+
+def gru_forward_saving(
+    gates_x: Tensor, batch_sizes: Sequence[int], h0: Tensor, w_hh: Tensor, b_hh: Tensor | None,
+    hidden_mask: Tensor | None, reverse: bool, keep: bool,
+) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """``(out, h_n, saved)``, as :func:`lstm_forward_saving`; ``saved`` as :func:`gru_saved_like`."""
+    inputs = GRUInputs(gates_x=gates_x, h0=h0, w_hh=w_hh, b_hh=b_hh, mask=hidden_mask)
+    result = _gru_forward(inputs, _sizes(batch_sizes), bool(reverse), keep)
+    if not keep:
+        return result.out, result.h_n, []
+    masked = [] if hidden_mask is None else [result.masked]
+    return result.out, result.h_n, [result.acts, result.a_n, *masked]
+
+
+def gru_saved_like(gates_x: Tensor, h0: Tensor, w_hh: Tensor, b_hh: Tensor | None,
+                   hidden_mask: Tensor | None) -> list[Tensor]:
+    """Empty tensors shaped as :func:`gru_forward_saving`'s ``saved``: ``acts [N, 3H]``,
+    ``a_n [N, H]``, with a mask ``masked [N, H]`` (per gate gate-major ``[G, N, H]``)."""
+    N, H = gates_x.shape[0], h0.shape[1]
+    saved = [gates_x.new_empty(N, 3 * H), gates_x.new_empty(N, H)]
+    if hidden_mask is not None:
+        gates = () if hidden_mask.dim() == 3 else (hidden_mask.shape[2],)
+        saved.append(gates_x.new_empty(*gates, N, H))
+    return saved
+
+
+def gru_backward_saved(
+    batch_sizes: Sequence[int], reverse: bool, needs: Sequence[bool], h0: Tensor, w_hh: Tensor,
+    b_hh: Tensor | None, hidden_mask: Tensor | None, out: Tensor, saved: Sequence[Tensor],
+    d_out: Tensor | None, d_hn: Tensor | None,
+) -> tuple[Tensor | None, ...]:
+    """The gradients of the :class:`GRUInputs` (None where not ``needs``) from
+    :func:`gru_forward_saving`'s ``out`` and ``saved``."""
+    acts, a_n, *rest = saved
+    state = GRUSaved(acts=acts, a_n=a_n, out=out, masked=rest[0] if rest else None, h0=h0, w_hh=w_hh,
+                     mask=hidden_mask)
+    sizes = _sizes(batch_sizes)
+    wanted = GRUInputs._make(needs)._asdict()
+    extension = build()
+    grads = extension.gru_backward(
+        grads=_struct(extension.GRUOutputGrads, out=d_out, h_n=d_hn),
+        saved=_struct(extension.GRUSaved, **state._asdict()), schedule=_schedule(sizes, bool(reverse)),
+        needs=_struct(extension.GRUNeeds, **wanted),
+        w_t_packed=packed_weights(w_hh, hidden_mask, sizes[0], transposed=True),
+        onednn_weight_grad=sequence_through_onednn(w_hh),
+    )
+    return tuple(getattr(grads, name) if need else None for name, need in wanted.items())
+
+
 class _LSTMRecurrence(torch.autograd.Function):
     """Differentiable in the :class:`LSTMInputs` that follow ``batch_sizes`` and ``reverse``."""
 
@@ -352,35 +459,22 @@ class _LSTMRecurrence(torch.autograd.Function):
     def forward(
         ctx: FunctionCtx, batch_sizes: list[int], reverse: bool, *tensors: Tensor | None
     ) -> tuple[Tensor, Tensor, Tensor]:
-        inputs = LSTMInputs(*tensors)
-        result = _lstm_forward(inputs, batch_sizes, reverse, keep=True)
-        saved = LSTMSaved(
-            acts=result.acts, cells=result.cells, tanh_cells=result.tanh_cells, out=result.out, r=result.r,
-            masked=result.masked, h0=inputs.h0, c0=inputs.c0, w_hh=inputs.w_hh, w_hr=inputs.w_hr,
-            mask=inputs.mask,
-        )
-        ctx.save_for_backward(*saved)
+        out, h_n, c_n, saved = lstm_forward_saving(tensors[0], batch_sizes, *tensors[1:], reverse, keep=True)
+        ctx.save_for_backward(*tensors[1:], out, *saved)
         ctx.schedule = (batch_sizes, reverse)
         ctx.set_materialize_grads(False)
-        return result.out, result.h_n, result.c_n
+        return out, h_n, c_n
 
     @staticmethod
     @first_order_backward("compiled")
     def backward(
         ctx: Any, d_out: Tensor | None, d_hn: Tensor | None, d_cn: Tensor | None
     ) -> tuple[Tensor | None, ...]:
-        needs = LSTMInputs._make(ctx.needs_input_grad[2:])._asdict()
-        saved = LSTMSaved._make(ctx.saved_tensors)
+        h0, c0, w_hh, w_hr, mask, out, *saved = ctx.saved_tensors
         batch_sizes, reverse = ctx.schedule
-        extension = build()
-        grads = extension.lstm_backward(
-            grads=_struct(extension.LSTMOutputGrads, out=d_out, h_n=d_hn, c_n=d_cn),
-            saved=_struct(extension.LSTMSaved, **saved._asdict()), schedule=_schedule(batch_sizes, reverse),
-            needs=_struct(extension.LSTMNeeds, **needs),
-            w_t_packed=packed_weights(saved.w_hh, saved.mask, batch_sizes[0], transposed=True),
-            onednn_weight_grad=sequence_through_onednn(saved.w_hh),
-        )
-        return (None, None, *(getattr(grads, name) if need else None for name, need in needs.items()))
+        grads = lstm_backward_saved(batch_sizes, reverse, ctx.needs_input_grad[2:], h0, c0, w_hh, w_hr, mask,
+                                    out, saved, d_out, d_hn, d_cn)
+        return (None, None, *grads)
 
 
 class _GRURecurrence(torch.autograd.Function):
@@ -390,32 +484,20 @@ class _GRURecurrence(torch.autograd.Function):
     def forward(
         ctx: FunctionCtx, batch_sizes: list[int], reverse: bool, *tensors: Tensor | None
     ) -> tuple[Tensor, Tensor]:
-        inputs = GRUInputs(*tensors)
-        result = _gru_forward(inputs, batch_sizes, reverse, keep=True)
-        saved = GRUSaved(
-            acts=result.acts, a_n=result.a_n, out=result.out, masked=result.masked, h0=inputs.h0,
-            w_hh=inputs.w_hh, mask=inputs.mask,
-        )
-        ctx.save_for_backward(*saved)
+        out, h_n, saved = gru_forward_saving(tensors[0], batch_sizes, *tensors[1:], reverse, keep=True)
+        ctx.save_for_backward(*tensors[1:], out, *saved)
         ctx.schedule = (batch_sizes, reverse)
         ctx.set_materialize_grads(False)
-        return result.out, result.h_n
+        return out, h_n
 
     @staticmethod
     @first_order_backward("compiled")
     def backward(ctx: Any, d_out: Tensor | None, d_hn: Tensor | None) -> tuple[Tensor | None, ...]:
-        needs = GRUInputs._make(ctx.needs_input_grad[2:])._asdict()
-        saved = GRUSaved._make(ctx.saved_tensors)
+        h0, w_hh, b_hh, mask, out, *saved = ctx.saved_tensors
         batch_sizes, reverse = ctx.schedule
-        extension = build()
-        grads = extension.gru_backward(
-            grads=_struct(extension.GRUOutputGrads, out=d_out, h_n=d_hn),
-            saved=_struct(extension.GRUSaved, **saved._asdict()), schedule=_schedule(batch_sizes, reverse),
-            needs=_struct(extension.GRUNeeds, **needs),
-            w_t_packed=packed_weights(saved.w_hh, saved.mask, batch_sizes[0], transposed=True),
-            onednn_weight_grad=sequence_through_onednn(saved.w_hh),
-        )
-        return (None, None, *(getattr(grads, name) if need else None for name, need in needs.items()))
+        grads = gru_backward_saved(batch_sizes, reverse, ctx.needs_input_grad[2:], h0, w_hh, b_hh, mask, out,
+                                   saved, d_out, d_hn)
+        return (None, None, *grads)
 
 
 def lstm_recurrence(

@@ -63,7 +63,7 @@ from rnndrop.kernels.triton_plan import (
     state_rows,
 )
 
-__all__ = ["gru_recurrence"]
+__all__ = ["backward_saved", "forward_saving", "gru_recurrence", "saved_like"]
 
 
 @triton.jit
@@ -248,6 +248,22 @@ def _forward_pass(schedule: Schedule, inputs: tuple, keep: bool):
     )
 
 
+def _backward_pass(schedule: Schedule, how: persistent.Launch | None, needs: Sequence[bool], saved: Sequence,
+                   d_out, d_hn):
+    """As :func:`rnndrop.kernels.triton_lstm._backward_pass`, for the GRU: the gradients of
+    ``(gates_x, h0, w_hh, b_hh, mask)`` from the fields of :class:`_Saved`."""
+    run = functools.partial(_backward, schedule, needs)
+    grads, _ = persistent.first_or_step(
+        how, saved[0],
+        lambda how: _persistent_backward(how, schedule, needs, *saved, d_out, d_hn),
+        lambda: GRAPHS(  # a mask's gradient copies an index from the host: not capturable
+            ("gru backward", *loop_key(schedule), needs), run, (*saved, d_out, d_hn),
+            capturable=not needs[4],
+        ),
+    )
+    return grads
+
+
 class _GRURecurrence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, gates_x, h0, w_hh, b_hh, mask, schedule: Schedule):
@@ -261,17 +277,18 @@ class _GRURecurrence(torch.autograd.Function):
     @staticmethod
     @first_order_backward("triton")
     def backward(ctx, d_out, d_hn):
-        needs, saved = tuple(ctx.needs_input_grad[:5]), ctx.saved_tensors
-        run = functools.partial(_backward, ctx.schedule, needs)
-        grads, _ = persistent.first_or_step(
-            ctx.how, saved[0],
-            lambda how: _persistent_backward(how, ctx.schedule, needs, *saved, d_out, d_hn),
-            lambda: GRAPHS(  # a mask's gradient copies an index from the host: not capturable
-                ("gru backward", *loop_key(ctx.schedule), needs), run, (*saved, d_out, d_hn),
-                capturable=not needs[4],
-            ),
-        )
-        return (*grads, None)
+        needs = tuple(ctx.needs_input_grad[:5])
+        return (*_backward_pass(ctx.schedule, ctx.how, needs, ctx.saved_tensors, d_out, d_hn), None)
+
+
+def _prepare(gates_x: Tensor, h0: Tensor, w_hh: Tensor, b_hh: Tensor | None,
+             hidden_mask: Tensor | None) -> tuple:
+    """As :func:`rnndrop.kernels.triton_lstm._prepare`, for the GRU."""
+    check_device(gates_x)
+    dtype = compute_dtype(gates_x)
+    return (as_dtype(gates_x, dtype).contiguous(), h0.contiguous(), as_dtype(w_hh, dtype).contiguous(),
+            None if b_hh is None else b_hh.contiguous(),
+            None if hidden_mask is None else hidden_mask.contiguous())
 
 
 def gru_recurrence(
@@ -286,14 +303,54 @@ def gru_recurrence(
     """The GRU recurrence of one layer and direction (contract in :mod:`rnndrop.kernels`).
 
     Under autocast the products run in autocast's dtype: ``gates_x``, ``W_hh`` and the outputs in it."""
-    check_device(gates_x)
-    dtype = compute_dtype(gates_x)
-    inputs = (as_dtype(gates_x, dtype).contiguous(), h0.contiguous(), as_dtype(w_hh, dtype).contiguous(),
-              None if b_hh is None else b_hh.contiguous(),
-              None if hidden_mask is None else hidden_mask.contiguous())
+    inputs = _prepare(gates_x, h0, w_hh, b_hh, hidden_mask)
     schedule = Schedule.of(batch_sizes, reverse)
     if not will_differentiate(*inputs):  # as in triton_lstm.lstm_recurrence
         out, h_n = _forward_pass(schedule, inputs, keep=False)[0][:2]
         return out, h_n
     out, h_n = _GRURecurrence.apply(*inputs, schedule)
     return out, h_n
+
+
+# ---------------------------------------- the same passes as torch operators (rnndrop.kernels.ops)
+
+
+def forward_saving(
+    gates_x: Tensor, batch_sizes: list[int], h0: Tensor, w_hh: Tensor, b_hh: Tensor | None,
+    hidden_mask: Tensor | None, reverse: bool, keep: bool,
+) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """``(out, h_n, saved)``, as :func:`rnndrop.kernels.triton_lstm.forward_saving`: ``saved`` is
+    ``[acts, a_n, masked]`` (``masked`` kept even without a mask)."""
+    inputs = _prepare(gates_x, h0, w_hh, b_hh, hidden_mask)
+    schedule = Schedule.of(batch_sizes, reverse)
+    (out, h_n, acts, a_n, masked), _ = _forward_pass(schedule, inputs, keep)
+    if not keep:
+        return out, h_n, []
+    if masked is None:
+        masked = gather_previous(out, inputs[1], schedule.previous_blocks())
+    return out, h_n, [acts, a_n, masked]
+
+
+def saved_like(gates_x: Tensor, h0: Tensor, w_hh: Tensor, b_hh: Tensor | None,
+               hidden_mask: Tensor | None) -> list[Tensor]:
+    """Empty tensors shaped as :func:`forward_saving`'s ``saved``: ``acts [N, 3H]``, ``a_n [N, H]``
+    (accumulation dtype), ``masked [N, (G,) H]``."""
+    N, H = gates_x.shape[0], h0.shape[1]
+    masked = (N, H) if hidden_mask is None else (N, *hidden_mask.shape[2:])
+    return [gates_x.new_empty(N, 3 * H), gates_x.new_empty(N, H, dtype=accumulation_dtype(gates_x.dtype)),
+            gates_x.new_empty(masked)]
+
+
+def backward_saved(
+    batch_sizes: list[int], reverse: bool, needs: Sequence[bool], h0: Tensor, w_hh: Tensor,
+    b_hh: Tensor | None, hidden_mask: Tensor | None, out: Tensor, saved: Sequence[Tensor],
+    d_out: Tensor | None, d_hn: Tensor | None,
+) -> tuple[Tensor | None, ...]:
+    """The gradients of ``(gates_x, h0, w_hh, b_hh, hidden_mask)`` (None where not ``needs``) from
+    :func:`forward_saving`'s ``out`` and ``saved``; the loop is planned again as forward planned it."""
+    acts, a_n, masked = saved
+    _, h0, w_hh, b_hh, mask = _prepare(acts, h0, w_hh, b_hh, hidden_mask)
+    schedule = Schedule.of(batch_sizes, reverse)
+    how = persistent.plan(acts, h0.shape[1], h0.shape[0], False)
+    s = _Saved(acts, a_n, out, masked, h0, w_hh, b_hh, mask)
+    return _backward_pass(schedule, how, needs, s, d_out, d_hn)

@@ -67,7 +67,7 @@ from rnndrop.kernels.triton_plan import (
     state_rows,
 )
 
-__all__ = ["lstm_recurrence"]
+__all__ = ["backward_saved", "forward_saving", "lstm_recurrence", "saved_like"]
 
 
 @triton.jit
@@ -265,6 +265,23 @@ def _forward_pass(schedule: Schedule, inputs: tuple, keep: bool):
     )
 
 
+def _backward_pass(schedule: Schedule, how: persistent.Launch | None, needs: Sequence[bool], saved: Sequence,
+                   d_out, d_hn, d_cn):
+    """The gradients of ``(gates_x, h0, c0, w_hh, w_hr, mask)`` from the fields of :class:`_Saved`, by
+    the persistent loop where ``how`` plans it and the device has not given it up, else by the step
+    kernel."""
+    run = functools.partial(_backward, schedule, needs)
+    grads, _ = persistent.first_or_step(
+        how, saved[0],
+        lambda how: _persistent_backward(how, schedule, needs, *saved, d_out, d_hn, d_cn),
+        lambda: GRAPHS(  # a mask's gradient copies an index from the host: not capturable
+            ("lstm backward", *loop_key(schedule), needs), run, (*saved, d_out, d_hn, d_cn),
+            capturable=not needs[5],
+        ),
+    )
+    return grads
+
+
 class _LSTMRecurrence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, gates_x, h0, c0, w_hh, w_hr, mask, schedule: Schedule):
@@ -278,17 +295,20 @@ class _LSTMRecurrence(torch.autograd.Function):
     @staticmethod
     @first_order_backward("triton")
     def backward(ctx, d_out, d_hn, d_cn):
-        needs, saved = tuple(ctx.needs_input_grad[:6]), ctx.saved_tensors
-        run = functools.partial(_backward, ctx.schedule, needs)
-        grads, _ = persistent.first_or_step(
-            ctx.how, saved[0],
-            lambda how: _persistent_backward(how, ctx.schedule, needs, *saved, d_out, d_hn, d_cn),
-            lambda: GRAPHS(  # a mask's gradient copies an index from the host: not capturable
-                ("lstm backward", *loop_key(ctx.schedule), needs), run, (*saved, d_out, d_hn, d_cn),
-                capturable=not needs[5],
-            ),
-        )
-        return (*grads, None)
+        needs = tuple(ctx.needs_input_grad[:6])
+        return (*_backward_pass(ctx.schedule, ctx.how, needs, ctx.saved_tensors, d_out, d_hn, d_cn), None)
+
+
+def _prepare(gates_x: Tensor, h0: Tensor, c0: Tensor, w_hh: Tensor, w_hr: Tensor | None,
+             hidden_mask: Tensor | None) -> tuple:
+    """The arguments as the loops read them: contiguous, the products' operands in the compute
+    dtype (autocast's, under autocast)."""
+    check_device(gates_x)
+    dtype = compute_dtype(gates_x)
+    return (as_dtype(gates_x, dtype).contiguous(), h0.contiguous(), c0.contiguous(),
+            as_dtype(w_hh, dtype).contiguous(),
+            None if w_hr is None else as_dtype(w_hr, dtype).contiguous(),
+            None if hidden_mask is None else hidden_mask.contiguous())
 
 
 def lstm_recurrence(
@@ -305,15 +325,58 @@ def lstm_recurrence(
 
     Under autocast the products run in autocast's dtype: ``gates_x``, ``W_hh``, ``W_hr`` and the
     outputs ``out``, ``h_n`` in it, ``c_n`` in float32."""
-    check_device(gates_x)
-    dtype = compute_dtype(gates_x)
-    inputs = (as_dtype(gates_x, dtype).contiguous(), h0.contiguous(), c0.contiguous(),
-              as_dtype(w_hh, dtype).contiguous(),
-              None if w_hr is None else as_dtype(w_hr, dtype).contiguous(),
-              None if hidden_mask is None else hidden_mask.contiguous())
+    inputs = _prepare(gates_x, h0, c0, w_hh, w_hr, hidden_mask)
     schedule = Schedule.of(batch_sizes, reverse)
     if not will_differentiate(*inputs):  # no autograd Function, nothing kept for a backward
         out, h_n, c_n = _forward_pass(schedule, inputs, keep=False)[0][:3]
         return out, h_n, c_n
     out, h_n, c_n = _LSTMRecurrence.apply(*inputs, schedule)
     return out, h_n, c_n
+
+
+# ---------------------------------------- the same passes as torch operators (rnndrop.kernels.ops)
+
+
+def forward_saving(
+    gates_x: Tensor, batch_sizes: list[int], h0: Tensor, c0: Tensor, w_hh: Tensor, w_hr: Tensor | None,
+    hidden_mask: Tensor | None, reverse: bool, keep: bool,
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """``(out, h_n, c_n, saved)``: the forward pass, with ``keep`` what backward reads besides the
+    arguments and ``out`` as :func:`saved_like` lays it out: ``[acts, cells, masked]`` and ``r``
+    with a projection. ``masked`` is kept even without a mask (then ``h_{t-1}`` of every row, which
+    the persistent loop keeps anyway), so that the list's layout does not depend on which loop ran."""
+    inputs = _prepare(gates_x, h0, c0, w_hh, w_hr, hidden_mask)
+    schedule = Schedule.of(batch_sizes, reverse)
+    (out, h_n, c_n, acts, cells, r, masked), _ = _forward_pass(schedule, inputs, keep)
+    if not keep:
+        return out, h_n, c_n, []
+    if masked is None:
+        masked = gather_previous(out, inputs[1], schedule.previous_blocks())
+    return out, h_n, c_n, [acts, cells, masked, *([] if r is None else [r])]
+
+
+def saved_like(gates_x: Tensor, h0: Tensor, c0: Tensor, w_hh: Tensor, w_hr: Tensor | None,
+               hidden_mask: Tensor | None) -> list[Tensor]:
+    """Empty tensors shaped as :func:`forward_saving`'s ``saved`` (for torch.compile's tracing):
+    ``acts [N, 4H]``, ``cells [N, H]`` (accumulation dtype), ``masked [N, (G,) P]``, ``r [N, H]``."""
+    N, H, P = gates_x.shape[0], c0.shape[1], h0.shape[1]
+    masked = (N, P) if hidden_mask is None else (N, *hidden_mask.shape[2:])
+    saved = [gates_x.new_empty(N, 4 * H), gates_x.new_empty(N, H, dtype=accumulation_dtype(gates_x.dtype)),
+             gates_x.new_empty(masked)]
+    return saved if w_hr is None else [*saved, gates_x.new_empty(N, H)]
+
+
+def backward_saved(
+    batch_sizes: list[int], reverse: bool, needs: Sequence[bool], h0: Tensor, c0: Tensor, w_hh: Tensor,
+    w_hr: Tensor | None, hidden_mask: Tensor | None, out: Tensor, saved: Sequence[Tensor],
+    d_out: Tensor | None, d_hn: Tensor | None, d_cn: Tensor | None,
+) -> tuple[Tensor | None, ...]:
+    """The gradients of ``(gates_x, h0, c0, w_hh, w_hr, hidden_mask)`` (None where not ``needs``)
+    from :func:`forward_saving`'s ``out`` and ``saved``; the loop is planned again as forward
+    planned it."""
+    acts, cells, masked, *projected = saved
+    _, h0, c0, w_hh, w_hr, mask = _prepare(acts, h0, c0, w_hh, w_hr, hidden_mask)
+    schedule = Schedule.of(batch_sizes, reverse)
+    how = persistent.plan(acts, c0.shape[1], c0.shape[0], w_hr is not None)
+    s = _Saved(acts, cells, out, projected[0] if projected else None, masked, h0, c0, w_hh, w_hr, mask)
+    return _backward_pass(schedule, how, needs, s, d_out, d_hn, d_cn)
