@@ -18,7 +18,8 @@ cheaper than a dense ``[B, V]`` mask for a word vocabulary (docs/speed.md,
 than the batch itself (``V <= T``, e.g. characters), and on a GPU up to
 ``B * V = 2**22`` values: there ``torch.unique`` makes the host wait for the GPU
 (it reads how many pairs there are), which costs a host-bound training step more
-than a few million uniforms cost the GPU.
+than a few million uniforms cost the GPU. While torch.compile traces, the dense mask
+too (``torch.unique``'s output shape depends on the data: a graph break).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from rnndrop.noise import bernoulli_mask
-from rnndrop.stochastic import Stochastic
+from rnndrop.stochastic import Stochastic, tracing_for_compile
 from rnndrop.validation import check_bool, check_choice, check_instance, check_probability, check_word_ids
 
 __all__ = ["EmbeddingDropout", "word_keep_mask"]
@@ -64,7 +65,8 @@ def word_keep_mask(
             over the unique (sequence, word) pairs (False); None: dense when
             ``V <= T``, and on a GPU whenever ``B * V <= 2**22`` (the unique pairs'
             count is read by the host: a wait for the GPU at every call). Both give
-            the same distribution.
+            the same distribution. While torch.compile traces, dense (``torch.unique``'s
+            output shape depends on the data: a graph break).
 
     Returns:
         ``[B, T]`` holding 0 or ``1 / (1 - p)``; equal ids in a row (all rows with
@@ -76,8 +78,9 @@ def word_keep_mask(
     draw = {"device": tokens.device, "dtype": dtype, "generator": generator}
     if scope == "batch":
         return bernoulli_mask((num_embeddings,), p, **draw)[tokens]
-    if dense is None:
-        dense = num_embeddings <= tokens.shape[1] or (tokens.is_cuda and B * num_embeddings <= DENSE_ON_GPU)
+    if dense is None:  # while torch.compile traces, dense: unique's output shape would be a graph break
+        dense = (num_embeddings <= tokens.shape[1] or (tokens.is_cuda and B * num_embeddings <= DENSE_ON_GPU)
+                 or tracing_for_compile())
     if dense:
         return bernoulli_mask((B, num_embeddings), p, **draw).gather(1, tokens.long())
     rows = torch.arange(B, device=tokens.device).unsqueeze(1)

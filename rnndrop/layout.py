@@ -13,15 +13,18 @@ indexing with it, which is also how :class:`rnndrop.LockedDropout` masks a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import overload
 
 import torch
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
+from rnndrop.stochastic import tracing_for_compile
 from rnndrop.validation import check_tensor_like
 
-__all__ = ["SequenceLayout", "mask_packed_sequence", "packed_sequence_index"]
+__all__ = ["EqualBatchSizes", "SequenceLayout", "mask_packed_sequence", "packed_sequence_index"]
 
 
 def packed_sequence_index(batch_sizes: Tensor) -> Tensor:
@@ -51,29 +54,45 @@ def mask_packed_sequence(x: PackedSequence, mask: Tensor) -> PackedSequence:
     return PackedSequence(x.data * mask[rows], x.batch_sizes, x.sorted_indices, x.unsorted_indices)
 
 
+class EqualBatchSizes(Sequence[int]):
+    """``batch_sizes`` of padded input while torch.compile traces: ``steps`` times ``size``, held
+    as the two numbers, so that a number of steps the graph keeps symbolic (one graph for every
+    length) stays so; a list of one entry per step would fix it."""
+
+    def __init__(self, steps: int, size: int) -> None:
+        self.steps, self.size = steps, size
+
+    def __len__(self) -> int:
+        return int(self.steps)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        return [self.size] * len(range(self.steps)[index]) if isinstance(index, slice) else self.size
+
+    def __repr__(self) -> str:
+        return f"EqualBatchSizes(steps={self.steps}, size={self.size})"
+
+
 @dataclass
 class SequenceLayout:
     """Where the rows ``[N, F]`` of a time-major batch come from, and how to give them back."""
 
-    batch_sizes: list[int]  # rows per time step, non-increasing
+    batch_sizes: Sequence[int]  # rows per time step, non-increasing (a list, or EqualBatchSizes)
     packed_batch_sizes: Tensor | None  # the PackedSequence's, None for padded input
     sorted_indices: Tensor | None
     unsorted_indices: Tensor | None
     batch_first: bool
     unbatched: bool
+    seq_len: int
+    batch_size: int
     _row_index: dict[bool, Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def packed(self) -> bool:
         return self.packed_batch_sizes is not None
-
-    @property
-    def seq_len(self) -> int:
-        return len(self.batch_sizes)
-
-    @property
-    def batch_size(self) -> int:
-        return self.batch_sizes[0]
 
     @classmethod
     def from_input(
@@ -88,13 +107,16 @@ class SequenceLayout:
             x = input.data
             if x.dim() != 2:
                 raise ValueError(f"{owner}: PackedSequence data must be 2-D, got {x.dim()}-D")
+            sizes: Sequence[int] = input.batch_sizes.tolist()
             layout = cls(
-                input.batch_sizes.tolist(),
+                sizes,
                 input.batch_sizes,
                 input.sorted_indices,
                 input.unsorted_indices,
                 batch_first,
                 False,
+                len(sizes),
+                sizes[0],
             )
         else:
             if not isinstance(input, Tensor):
@@ -118,7 +140,8 @@ class SequenceLayout:
                     f"got shape {list(input.shape)}"
                 )
             x = x.reshape(T * B, x.shape[-1])
-            layout = cls([B] * T, None, None, None, batch_first, unbatched)
+            sizes = EqualBatchSizes(T, B) if tracing_for_compile() else [B] * T
+            layout = cls(sizes, None, None, None, batch_first, unbatched, T, B)
         if x.shape[-1] != input_size:
             raise ValueError(
                 f"{owner}: input.size(-1) must be equal to input_size={input_size}, got {x.shape[-1]}"

@@ -17,13 +17,13 @@ caller passes in are checked (:meth:`RecurrentMasks.check`).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import Tensor
 
 from rnndrop.noise import MaskSite
+from rnndrop.stochastic import traced_cache
 from rnndrop.validation import (
     check_bool,
     check_choice,
@@ -245,7 +245,7 @@ def mask_sites(
     return _mask_sites(geometry, batch_size, seq_len, scope, per_gate, tuple(input_p), hidden_p, output_p)
 
 
-@functools.lru_cache(maxsize=256)
+@traced_cache(256)
 def _mask_sites(
     geometry: StackGeometry,
     batch_size: int,

@@ -13,21 +13,32 @@ sites a stack of layers has, and how long its masks live: :mod:`rnndrop.masks`.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from rnndrop.distributed import ensure_noise_per_rank
+from rnndrop.stochastic import traced_cache
 from rnndrop.validation import check_probability
 
 __all__ = ["NOISES", "MaskSite", "bernoulli_mask", "draw_mask", "draw_masks", "gaussian_mask", "sample_mask"]
 
 NOISES: tuple[str, ...] = ("bernoulli", "gaussian")
+
+
+def _draw(sampler: Callable[..., Tensor], shape: tuple, generator: torch.Generator | None,
+          **options: Any) -> Tensor:
+    """``sampler(shape, **options)`` (``torch.rand``, ``torch.randn``) from ``generator``, or from
+    the global one where None: then without the keyword, whose overload torch.compile can trace
+    with a symbolic shape (a batch or a length that changes from call to call)."""
+    if generator is None:
+        return sampler(shape, **options)
+    return sampler(shape, generator=generator, **options)
 
 
 def bernoulli_mask(
@@ -65,7 +76,7 @@ def _bernoulli(
     scale = _kept_value(p, dtype)
     if generator is None:
         ensure_noise_per_rank()
-    uniform = torch.rand(tuple(shape), dtype=torch.float32, device=device, generator=generator)
+    uniform = _draw(torch.rand, tuple(shape), generator, dtype=torch.float32, device=device)
     return _kept(uniform, p, scale, dtype)
 
 
@@ -119,7 +130,7 @@ def gaussian_mask(
     dtype = _mask_dtype(dtype)
     if generator is None:
         ensure_noise_per_rank()
-    eps = torch.randn(tuple(shape), device=device, dtype=dtype, generator=generator)
+    eps = _draw(torch.randn, tuple(shape), generator, device=device, dtype=dtype)
     if isinstance(alpha, Tensor):
         return 1.0 + alpha.sqrt() * eps
     return eps.mul_(math.sqrt(alpha)).add_(1.0)
@@ -150,7 +161,7 @@ def learned_gaussian_mask(
     std = (0.5 * log_alpha.clamp(max=MAX_NOISE_LOG_ALPHA)).exp().to(device=device, dtype=dtype)
     if generator is None:
         ensure_noise_per_rank()
-    eps = torch.randn(tuple(shape), device=device, dtype=dtype, generator=generator)
+    eps = _draw(torch.randn, tuple(shape), generator, device=device, dtype=dtype)
     return 1.0 + std * eps
 
 
@@ -232,7 +243,7 @@ def draw_masks(
         return [None] * len(plan.sites)
     if generator is None:
         ensure_noise_per_rank()
-    uniform = torch.rand(plan.total, dtype=torch.float32, device=device, generator=generator)
+    uniform = _draw(torch.rand, (plan.total,), generator, dtype=torch.float32, device=device)
     masks: list[Tensor | None] = [None] * len(plan.sites)
     for run in plan.runs:
         kept = _kept(uniform if len(plan.runs) == 1 else uniform[run.start : run.end], run.p, run.scale,
@@ -264,7 +275,7 @@ class _DrawPlan:
     runs: tuple[_Run, ...]
 
 
-@functools.lru_cache(maxsize=256)
+@traced_cache(256)
 def _draw_plan(sites: tuple[MaskSite, ...]) -> _DrawPlan:
     """The :class:`_DrawPlan` of ``sites`` (a layer draws the same sites at every forward pass:
     worked out once)."""

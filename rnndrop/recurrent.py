@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import ClassVar, Literal, TypeVar, overload
@@ -61,12 +61,19 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from rnndrop.flat_weights import masked_weights
-from rnndrop.kernels import KERNELS, GRURecurrence, LSTMRecurrence, auto_loop_kernel, input_projection
+from rnndrop.kernels import (
+    KERNELS,
+    auto_loop_kernel,
+    auto_loop_kernel_on,
+    input_projection,
+    recurrence_of,
+)
 from rnndrop.kernels.gates import GRU_GATES, LSTM_GATES
+from rnndrop.kernels.ops import TRACEABLE
 from rnndrop.layout import SequenceLayout
 from rnndrop.masks import MASK_SCOPES, RecurrentMasks, StackGeometry, check_seq_len, mask_sites
 from rnndrop.noise import NOISES, draw_mask, draw_masks
-from rnndrop.stochastic import Stochastic, run_eagerly
+from rnndrop.stochastic import Stochastic, run_eagerly, traced_cache, tracing_for_compile
 from rnndrop.validation import check_bool, check_choice, check_positive_int, check_probability
 
 __all__ = ["GRU_CELL", "LSTM_CELL", "CellSpec", "VariationalGRU", "VariationalLSTM", "VariationalRNNStack"]
@@ -80,7 +87,7 @@ LayerWeights = dict[str, Tensor]
 #: -> (rows [N, P], final states)``: one layer and direction on a loop kernel (see
 #: :meth:`VariationalRNNStack._layer_loop` for the arguments).
 LayerLoop = Callable[
-    [str, Tensor, Tensor | None, LayerWeights, list[int], tuple[Tensor, ...], Tensor | None, bool],
+    [str, Tensor, Tensor | None, LayerWeights, Sequence[int], tuple[Tensor, ...], Tensor | None, bool],
     tuple[Tensor, tuple[Tensor, ...]],
 ]
 
@@ -101,7 +108,7 @@ def _lstm_loop(
     x: Tensor,
     in_rows: Tensor | None,
     w: LayerWeights,
-    batch_sizes: list[int],
+    batch_sizes: Sequence[int],
     states: tuple[Tensor, ...],
     hidden_mask: Tensor | None,
     reverse: bool,
@@ -109,7 +116,7 @@ def _lstm_loop(
     """``gates_x = W_ih x + b_ih + b_hh`` of every step in one product, then the LSTM kernel."""
     bias = w["bias_ih"] + w["bias_hh"] if "bias_ih" in w else None
     gates_x = _rows(input_projection(x, in_rows, w["weight_ih"], bias))  # [N, 4H]
-    recurrence: LSTMRecurrence = KERNELS[_kernel_name(kernel, gates_x)]["lstm"]
+    recurrence = recurrence_of(_kernel_name(kernel, gates_x), "lstm")
     h0, c0 = states
     out, h, c = recurrence(
         gates_x, batch_sizes, h0, c0, w["weight_hh"], w.get("weight_hr"), hidden_mask, reverse
@@ -122,7 +129,7 @@ def _gru_loop(
     x: Tensor,
     in_rows: Tensor | None,
     w: LayerWeights,
-    batch_sizes: list[int],
+    batch_sizes: Sequence[int],
     states: tuple[Tensor, ...],
     hidden_mask: Tensor | None,
     reverse: bool,
@@ -130,13 +137,13 @@ def _gru_loop(
     """``gates_x = W_ih x + b_ih`` of every step in one product (``b_hh`` sits inside
     ``r * (W_hn h + b_hn)``), then the GRU kernel."""
     gates_x = _rows(input_projection(x, in_rows, w["weight_ih"], w.get("bias_ih")))  # [N, 3H]
-    recurrence: GRURecurrence = KERNELS[_kernel_name(kernel, gates_x)]["gru"]
+    recurrence = recurrence_of(_kernel_name(kernel, gates_x), "gru")
     (h0,) = states
     out, h = recurrence(gates_x, batch_sizes, h0, w["weight_hh"], w.get("bias_hh"), hidden_mask, reverse)
     return out, (h,)
 
 
-@functools.lru_cache(maxsize=256)
+@traced_cache(256)
 def _weight_names(layer: int, direction: int, bias: bool, projected: bool) -> tuple[tuple[str, str], ...]:
     """``(name, attribute)`` of one layer's and direction's weights: ``("weight_hh", "weight_hh_l1")``."""
     suffix = f"_l{layer}" + ("_reverse" if direction else "")
@@ -365,7 +372,7 @@ class VariationalRNNStack(Stochastic):
         legacy ONNX exporter. The copy is in eval mode and shares no tensor with this layer.
         :func:`rnndrop.to_torch` converts every such layer of a model.
         """
-        forward_methods = ("_forward", "_forward_eagerly")
+        forward_methods = ("_forward", "_forward_body")
         if any(getattr(type(self), f) is not getattr(VariationalRNNStack, f) for f in forward_methods):
             raise TypeError(
                 f"{type(self).__name__}.to_plain: the class overrides the forward pass, so its "
@@ -510,20 +517,35 @@ class VariationalRNNStack(Stochastic):
         Returns ``(output, h_n)`` for one state, ``(output, (h_n, c_n))`` for two, and the
         output before the output mask as a third element with ``return_raw_output``.
         """
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and not self._traces(input):
             # torch.compile runs the layer eagerly, as it runs nn.LSTM: a graph break, not an error.
-            eager = run_eagerly(VariationalRNNStack._forward_eagerly)
+            eager = run_eagerly(VariationalRNNStack._forward_body)
             return eager(self, input, hx, masks, return_raw_output)
-        return self._forward_eagerly(input, hx, masks, return_raw_output)
+        return self._forward_body(input, hx, masks, return_raw_output)
 
-    def _forward_eagerly(
+    def _traces(self, input: Tensor | PackedSequence) -> bool:
+        """Whether torch.compile traces this call into its graph (it can only where
+        ``torch._dynamo.config.allow_rnn`` is set: docs/ecosystem.md): in training mode (masks;
+        eval mode is the fused op, which runs eagerly) on a loop kernel that runs as an operator
+        (:mod:`rnndrop.kernels.ops`), outside autocast, for a padded batch (a packed one's batch
+        sizes are data the graph would depend on), and not while torch.export traces (an exported
+        program must not need rnndrop's operators: export runs as before). Its masks, projections
+        and states are then part of the graph, and the fused op where it still runs (a layer
+        without masks, masks shared by the batch) a graph break."""
+        weight = self.weight_ih_l0
+        kernel = auto_loop_kernel_on(weight.device, weight.dtype) if self.kernel == "auto" else self.kernel
+        return (self.training and kernel in TRACEABLE and not isinstance(input, PackedSequence)
+                and not torch.is_autocast_enabled(weight.device.type) and tracing_for_compile())
+
+    def _forward_body(
         self,
         input: Tensor | PackedSequence,
         hx: Tensor | tuple[Tensor, ...] | None,
         masks: RecurrentMasks | None,
         return_raw_output: bool,
     ) -> tuple:
-        """:meth:`_forward` without the check for torch.compile (it calls this one eagerly)."""
+        """:meth:`_forward` without the check for torch.compile (which calls this one eagerly, or
+        traces it: :meth:`_traces`)."""
         if torch.compiler.is_exporting() and self._computes_as_torch(masks):
             # torch.export of the eval-mode layer: nn.LSTM's own forward, the same function, which
             # exports with dynamic shapes (the row layout below would specialise the batch size).
@@ -621,7 +643,7 @@ class VariationalRNNStack(Stochastic):
         self._caller_autocast = (device_type, torch.get_autocast_dtype(device_type))
         try:
             with torch.autocast(device_type, enabled=False):
-                return self._forward_eagerly(input, hx, masks, return_raw_output)
+                return self._forward_body(input, hx, masks, return_raw_output)
         finally:
             self._compute_dtype, self._caller_autocast = previous
 
@@ -652,6 +674,8 @@ class VariationalRNNStack(Stochastic):
         ``weights`` are the flat weights of every layer and direction in nn.LSTM's order;
         the op's own dropout is always 0 (the layers apply theirs as masks).
         """
+        if tracing_for_compile():  # Inductor cannot compile torch's fused RNN ops
+            return run_eagerly(VariationalRNNStack._run_fused)(self, x, layout, states, weights, num_layers)
         hx = states if self._cell.num_states > 1 else states[0]
         common = (weights, self.bias, num_layers, 0.0, self.training, self.bidirectional)
         if self._caller_autocast is not None:

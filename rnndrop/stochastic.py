@@ -17,11 +17,13 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import torch
 
 from rnndrop.validation import check_instance
+
+T = TypeVar("T")
 
 
 def refuse_torchscript(module: object) -> NoReturn:
@@ -35,7 +37,30 @@ def refuse_torchscript(module: object) -> NoReturn:
     )
 
 
-@functools.cache
+def tracing_for_compile() -> bool:
+    """Whether torch.compile is tracing this call (and not torch.export, whose programs must run
+    without rnndrop's operators: the layers export as before)."""
+    return torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+
+
+def traced_cache(maxsize: int | None) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """``functools.lru_cache(maxsize)`` for a pure function of hashable arguments that a forward
+    pass calls, which torch.compile may trace: while it traces, the function itself runs (what
+    dynamo does with a cached function anyway, here without its warning that it does so)."""
+
+    def decorate(fn: Callable[..., T]) -> Callable[..., T]:
+        cached = functools.lru_cache(maxsize)(fn)
+
+        @functools.wraps(fn)
+        def call(*args: Any) -> T:
+            return fn(*args) if torch.compiler.is_compiling() else cached(*args)
+
+        return call
+
+    return decorate
+
+
+@traced_cache(None)
 def run_eagerly(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` under ``torch.compiler.disable``, made on first use: the layers call it only
     while torch.compile traces them (``torch.compiler.is_compiling()``), so ``import rnndrop``

@@ -46,13 +46,14 @@ A new cell is one more file here, one more protocol and one more entry per kerne
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol, TypedDict
+from typing import Literal, Protocol, TypedDict, overload
 
 import torch
 from torch import Tensor
 
-from rnndrop.kernels import compiled, gpu, gru, lstm, reference
+from rnndrop.kernels import compiled, gpu, gru, lstm, ops, reference
 from rnndrop.kernels.matmul import functorch_wrapped, input_projection
+from rnndrop.stochastic import tracing_for_compile
 
 
 class LSTMRecurrence(Protocol):
@@ -120,17 +121,47 @@ def auto_loop_kernel(x: Tensor) -> str:
     """The loop kernel ``kernel="auto"`` runs on tensors like ``x``: ``"autograd"`` inside a
     ``torch.func`` transform (``grad``, ``vmap``, ...: the hand-written backward passes are
     autograd Functions those transforms cannot run) and while ``torch.export`` traces (it
-    cannot trace into the C++ loop nor the manual kernel's ``out=`` calls), ``"compiled"`` on CPU in float32 /
-    float64 where it can be built (the first call builds it), ``"triton"`` on CUDA where Triton
-    imports (the first call imports it) and passes its first-use check on the device, else
-    :data:`DEFAULT_LOOP_KERNEL`."""
-    if functorch_wrapped(x) or torch.compiler.is_exporting():
+    cannot trace into the C++ loop nor the manual kernel's ``out=`` calls), else
+    :func:`auto_loop_kernel_on` for ``x``'s device and dtype."""
+    if torch.compiler.is_exporting():
         return "autograd"
-    if x.device.type == "cuda" and gpu.is_available() and gpu.passes_first_use_check(x.device):
+    if torch.compiler.is_compiling():  # the functorch check is a graph break: torch.compile's choice
+        return auto_loop_kernel_on(x.device, x.dtype)
+    if functorch_wrapped(x):
+        return "autograd"
+    return auto_loop_kernel_on(x.device, x.dtype)
+
+
+def auto_loop_kernel_on(device: torch.device, dtype: torch.dtype) -> str:
+    """``kernel="auto"``'s loop kernel for tensors of ``dtype`` on ``device``: ``"compiled"`` on
+    CPU in float32 / float64 where it can be built (the first call builds it), ``"triton"`` on CUDA
+    where Triton imports (the first call imports it) and passes its first-use check on the device,
+    else :data:`DEFAULT_LOOP_KERNEL`. torch.compile calls it while it traces and keeps the answer
+    as a constant of the graph."""
+    if device.type == "cuda" and gpu.is_available() and gpu.passes_first_use_check(device):
         return "triton"
-    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and compiled.is_available():
+    if device.type == "cpu" and dtype in (torch.float32, torch.float64) and compiled.is_available():
         return "compiled"
     return DEFAULT_LOOP_KERNEL
+
+
+# What torch.compiler.assume_constant_result(auto_loop_kernel_on) sets (torch/_dynamo/decorators.py),
+# set here without importing torch._dynamo (seconds): `import rnndrop` leaves dynamo to torch.compile.
+# tests/test_traced_layers.py fails (a graph break in fullgraph=True) if torch stops reading it.
+auto_loop_kernel_on._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+@overload
+def recurrence_of(name: str, cell: Literal["lstm"]) -> LSTMRecurrence: ...
+@overload
+def recurrence_of(name: str, cell: Literal["gru"]) -> GRURecurrence: ...
+def recurrence_of(name: str, cell: Literal["lstm", "gru"]) -> LSTMRecurrence | GRURecurrence:
+    """The recurrence function of kernel ``name`` for ``cell``: from :data:`KERNELS`, or while
+    torch.compile traces, one that calls the kernel's operators (:mod:`rnndrop.kernels.ops`) where
+    it has them."""
+    if tracing_for_compile() and name in ops.TRACEABLE:
+        return ops.lstm_recurrence(name) if cell == "lstm" else ops.gru_recurrence(name)
+    return KERNELS[name][cell]
 
 
 def get_kernel(name: str, cell: str) -> LSTMRecurrence | GRURecurrence:
@@ -150,6 +181,8 @@ __all__ = [
     "GRURecurrence",
     "LSTMRecurrence",
     "auto_loop_kernel",
+    "auto_loop_kernel_on",
     "get_kernel",
     "input_projection",
+    "recurrence_of",
 ]

@@ -20,6 +20,7 @@ from rnndrop.kernels.gates import masked_linear
 from rnndrop.kernels.onednn import matmul, onednn_enabled
 from rnndrop.kernels.per_gate_projection import per_gate_projection
 from rnndrop.kernels.precision import products_as_cudnn
+from rnndrop.stochastic import tracing_for_compile
 
 
 class StepWeight:
@@ -107,10 +108,12 @@ def input_projection(x: Tensor, mask: Tensor | None, weight: Tensor, bias: Tenso
     (:func:`~rnndrop.kernels.precision.products_as_cudnn`), else ``F.linear``; with a mask per gate
     ``[..., G, in]`` (broadcasting against ``x`` ``[..., in]`` row by row), through
     :func:`~rnndrop.kernels.per_gate_projection.per_gate_projection`. Twice differentiable
-    either way.
+    either way. While torch.compile traces, and inside ``torch.func`` transforms, it is
+    :func:`~rnndrop.kernels.gates.masked_linear` itself.
     """
-    if functorch_wrapped(*(t for t in (x, mask, weight, bias) if t is not None)):
-        return masked_linear(x, mask, weight, bias)
+    given = (t for t in (x, mask, weight, bias) if t is not None)
+    if tracing_for_compile() or functorch_wrapped(*given):
+        return masked_linear(x, mask, weight, bias)  # torch's ops, which torch.compile traces
     if mask is None and x.dim() == 2 and (x.is_cuda or onednn_enabled(x)) and weight.dtype == x.dtype:
         differentiated = torch.is_grad_enabled() and (
             x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
