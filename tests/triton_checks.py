@@ -563,3 +563,35 @@ def test_random_configurations_on_the_triton_kernel(device, seed):
 
     random_configurations.check_without_dropout_or_in_eval_mode(seed, ("triton",), device)
     random_configurations.check_two_kernels_agree(seed, "triton", device)
+
+
+# ------------------------------------------------ the kernel as torch operators (torch.compile)
+
+
+@pytest.mark.parametrize("mask", [None, "tied", "per gate"])
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_operators_pass_opcheck_on_the_triton_kernel(cell, mask, dtype, device):
+    """``rnndrop::lstm_recurrence`` / ``gru_recurrence`` on the "triton" kernel: the persistent loop
+    in float32, the step kernel in float64; their fake tensors shaped as what either keeps."""
+    from tests.test_traced_layers import operator_arguments
+
+    args = operator_arguments(cell, False, mask, False, dtype, kernel="triton", device=device)
+    op = torch.ops.rnndrop.lstm_recurrence if cell == "lstm" else torch.ops.rnndrop.gru_recurrence
+    torch.library.opcheck(op.default, args, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_compiled_layer_on_the_triton_kernel_computes_what_the_eager_one_computes(device, seed):
+    """torch.compile (``aot_eager``, one graph) of a training step of a layer on the "triton"
+    kernel, against the same layer eagerly with the same masks."""
+    from tests.test_traced_layers import compiled_and_eager, traceable_configuration
+
+    c = traceable_configuration(seed, kernels=("triton",))
+    c["dtype"] = torch.float32
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(allow_rnn=True):
+        eager, compiled = compiled_and_eager(c, seed, "aot_eager", device=device)
+    torch._dynamo.reset()
+    assert_close(compiled, eager, atol=1e-5, rtol=1e-5, msg=str(c))
+

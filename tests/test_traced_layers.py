@@ -1,0 +1,265 @@
+"""torch.compile traces the layers into its graph (with ``torch._dynamo.config.allow_rnn`` set: the
+layers are ``nn.LSTM`` / ``nn.GRU``, which dynamo otherwise leaves out), each recurrence one call of
+an operator of :mod:`rnndrop.kernels.ops` (the "compiled" kernel here; the "triton" kernel's in
+``tests/triton_checks.py``).
+
+Properties: the operators pass ``torch.library.opcheck`` (schema, fake tensors shaped as the real
+ones, autograd, AOT dispatch); a compiled layer computes what the eager layer computes with the same
+masks, in one graph (``fullgraph=True``), on random configurations; one graph serves every length;
+masks drawn inside the graph are tied across time and fresh at every call; the calls that cannot
+be traced (eval mode, packed input, autocast, another kernel) still run, eagerly, with eager results.
+"""
+
+import random
+
+import pytest
+import torch
+from torch.nn.utils.rnn import pack_padded_sequence
+
+from rnndrop import VariationalGRU, VariationalLSTM
+from rnndrop.kernels import ops
+from tests.helpers import assert_close
+from tests.test_random_configurations import build, draw_configuration, inputs, tolerance
+
+pytestmark = pytest.mark.filterwarnings("ignore:LSTM with projections is not supported")
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def allow_rnn():
+    """Dynamo traces into nn.RNNBase subclasses only with this switch; each test compiles afresh."""
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(allow_rnn=True):
+        yield
+    torch._dynamo.reset()
+
+
+def counting_backend(graphs: list):
+    """A torch.compile backend that runs each graph as traced (AOT autograd's forward and backward,
+    eagerly) and appends it to ``graphs``."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=keep, bw_compiler=lambda gm, _: make_boxed_func(gm.forward))
+
+
+# ------------------------------------------------------------------------------ the operators
+
+
+def operator_arguments(cell: str, projected: bool, mask: str | None, reverse: bool, dtype: torch.dtype,
+                       kernel: str = "compiled", device: torch.device = CPU) -> tuple:
+    """Arguments of ``rnndrop::{cell}_recurrence`` for kernel ``kernel``: 4 steps of 3 sequences,
+    5 units, with a mask of kind ``mask`` (None, "tied", "per step", "per gate", "shared")."""
+    g = torch.Generator().manual_seed(0)
+    H, B, T = 5, 3, 4
+    P = 4 if projected else H
+    G = 4 if cell == "lstm" else 3
+
+    def r(*shape):
+        return (0.5 * torch.randn(*shape, generator=g, dtype=dtype)).to(device).requires_grad_()
+
+    masks = {None: None, "tied": (1, B, P), "per step": (T, B, P), "per gate": (1, B, G, P),
+             "shared": (1, 1, P)}
+    hidden_mask = None if mask is None else r(*masks[mask]).abs().detach().requires_grad_()
+    if cell == "lstm":
+        return (kernel, r(T * B, G * H), r(B, P), r(B, H), r(G * H, P), r(P, H) if projected else None,
+                hidden_mask, reverse, True)
+    return (kernel, r(T * B, G * H), r(B, H), r(G * H, H), r(G * H), hidden_mask, reverse, True)
+
+
+@pytest.mark.parametrize("mask", [None, "tied", "per step", "per gate", "shared"])
+@pytest.mark.parametrize("cell, projected", [("lstm", False), ("lstm", True), ("gru", False)])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_the_operators_pass_opcheck(cell, projected, mask, reverse):
+    args = operator_arguments(cell, projected, mask, reverse, torch.float64)
+    op = torch.ops.rnndrop.lstm_recurrence if cell == "lstm" else torch.ops.rnndrop.gru_recurrence
+    torch.library.opcheck(op.default, args)
+
+
+def test_an_operator_without_autograd_keeps_nothing():
+    args = operator_arguments("lstm", False, "tied", False, torch.float32)
+    with torch.no_grad():
+        *_, saved = torch.ops.rnndrop.lstm_recurrence(*args[:-1], False)
+    assert saved == []
+
+
+def test_the_operators_refuse_the_batch_sizes_of_packed_input():
+    _, gates_x, h0, c0, w_hh, *_ = operator_arguments("lstm", False, None, False, torch.float32)
+    with pytest.raises(ValueError, match=r"equal batch sizes \(padded input\), got \[3, 3, 3, 2\]"):
+        ops.lstm_recurrence("compiled")(gates_x[:11], [3, 3, 3, 2], h0, c0, w_hh, None, None)
+
+
+def test_an_unknown_kernel_is_refused_by_name():
+    _, gates_x, h0, c0, w_hh, *_ = operator_arguments("lstm", False, None, False, torch.float32)
+    with pytest.raises(ValueError, match=r"kernel must be one of 'compiled', 'triton', got 'manual'"):
+        ops.lstm_recurrence("manual")(gates_x, [3] * 4, h0, c0, w_hh, None, None)
+
+
+# ------------------------------------------------------------------------------ compiled layers
+
+
+def _step(layer, c: dict, masks, hx):
+    """A function of the input: outputs, final states and a fixed functional of them (weights
+    ``cos(k)`` of element ``k``), with the masks given."""
+
+    def step(x):
+        out, state = layer(x, hx if hx is None or c["cell"] == "lstm" else hx[0], masks)
+        states = state if isinstance(state, tuple) else (state,)
+        loss = sum((t * torch.arange(t.numel(), dtype=t.dtype).view(t.shape).cos()).sum()
+                   for t in (out, *states))
+        return out, states, loss
+
+    return step
+
+
+def compiled_and_eager(c: dict, seed: int, backend, with_grad: bool = True,
+                       device: torch.device = CPU) -> tuple[list, list]:
+    """Outputs, final states and gradients (input, initial state, every weight) of the
+    configuration's layer in training mode, eagerly and compiled in one graph, with one set of
+    masks."""
+    torch.manual_seed(seed)
+    layer = build(c, 0.4, c["kernel"], device)
+    x, hx, _ = inputs(c, seed, device)
+    batch = 1 if c["unbatched"] else c["batch"]
+    masks = layer.sample_masks(batch, c["steps"], device="cpu", generator=torch.Generator().manual_seed(seed))
+    masks = masks.map(lambda m: m.to(device))
+    results = []
+    for compiled in (False, True):
+        leaf = x.clone().requires_grad_(with_grad)
+        state = None if hx is None else tuple(h.clone().requires_grad_(with_grad)
+                                              for h in (hx if isinstance(hx, tuple) else (hx,)))
+        step = _step(layer, c, masks, state)
+        if compiled:
+            step = torch.compile(step, backend=backend, fullgraph=True)
+        with torch.set_grad_enabled(with_grad):
+            out, states, loss = step(leaf)
+        result = [out, *states]
+        if with_grad:
+            result += torch.autograd.grad(loss, [leaf, *(state or ()), *layer.parameters()])
+        results.append([t.detach() for t in result])
+    return results[0], results[1]
+
+
+def traceable_configuration(seed: int, kernels: tuple[str, ...] = ("auto", "compiled")) -> dict:
+    """A configuration of ``tests.test_random_configurations`` whose training calls trace whole:
+    padded input, a kernel of ``kernels``, and where the eager layer would run the fused op (an
+    LSTM's masks shared by the batch) a GRU instead."""
+    c = draw_configuration(random.Random(5000 + seed), kernels=kernels)
+    c["packed"] = False
+    if c["mask_scope"] == "batch" and not c["per_gate_masks"]:
+        c["cell"], c["proj_size"] = "gru", 0  # an LSTM folds those into oneDNN's op: a graph break
+    return c
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_a_compiled_layer_computes_what_the_eager_one_computes(seed):
+    c = traceable_configuration(seed)
+    graphs: list = []
+    eager, compiled = compiled_and_eager(c, seed, counting_backend(graphs))
+    assert len(graphs) == 1, c  # one forward graph: nothing ran outside it
+    assert_close(compiled, eager, atol=10 * tolerance(c), rtol=10 * tolerance(c), msg=str(c))
+
+
+def test_a_compiled_forward_without_autograd_computes_what_the_eager_one_computes():
+    c = traceable_configuration(0)
+    eager, compiled = compiled_and_eager(c, 0, "aot_eager", with_grad=False)
+    assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_inductor_compiles_a_training_step_with_the_eager_results(cell):
+    c = traceable_configuration(0)
+    c.update(cell=cell, proj_size=0, dtype=torch.float32, num_layers=2, bidirectional=True,
+             mask_scope="sequence", unbatched=False, steps=5, batch=3)
+    eager, compiled = compiled_and_eager(c, 7, "inductor")
+    assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+
+
+def test_one_graph_serves_every_length_and_batch():
+    """After the first shapes the graph keeps the number of steps and the batch symbolic: a
+    variable truncated-BPTT length recompiles once, not at every length."""
+    graphs: list = []
+    layer = VariationalLSTM(8, 16, 2, dropout_input=0.3, dropout_hidden=0.3, dropout_output=0.3)
+
+    def step(x):
+        out, _ = layer(x)
+        return out.pow(2).mean()
+
+    compiled = torch.compile(step, backend=counting_backend(graphs), fullgraph=True)
+    for T, B in [(5, 3), (7, 3), (9, 3), (11, 3), (13, 3), (6, 4), (8, 5), (12, 2)]:
+        compiled(torch.randn(T, B, 8)).backward()
+    assert len(graphs) <= 3
+
+
+@pytest.mark.parametrize("scope", ["sequence", "step"])
+def test_masks_drawn_inside_the_graph_are_tied_across_time_and_fresh_at_every_call(scope):
+    """The output mask of a compiled layer (p 0.5, no other mask but the recurrent one): a unit of a
+    sequence is dropped at every step or at none with tied masks, at about half the steps with
+    per-step masks; two calls draw apart."""
+    torch.manual_seed(0)
+    layer = VariationalGRU(4, 64, dropout_hidden=0.2, dropout_output=0.5, mask_scope=scope)
+    compiled = torch.compile(lambda x: layer(x)[0], backend="aot_eager", fullgraph=True)
+    x = torch.randn(12, 8, 4)
+    first, second = compiled(x).eq(0), compiled(x).eq(0)
+    per_unit = first.float().mean(0)  # [B, H]: the share of steps where the unit is dropped
+    if scope == "sequence":
+        assert set(per_unit.unique().tolist()) <= {0.0, 1.0}
+    else:
+        assert per_unit.gt(0).logical_and(per_unit.lt(1)).float().mean() > 0.9
+    assert 0.4 < first.float().mean() < 0.6
+    assert not torch.equal(first, second)
+
+
+@pytest.mark.parametrize("case", ["eval", "packed", "autocast", "manual kernel", "fused lstm"])
+def test_calls_that_are_not_traced_run_eagerly_inside_the_graph(case):
+    torch.manual_seed(0)
+    scope = "batch" if case == "fused lstm" else "sequence"
+    kernel = "manual" if case == "manual kernel" else "auto"
+    layer = VariationalLSTM(4, 6, 2, dropout_input=0.3, dropout_hidden=0.3, mask_scope=scope, kernel=kernel)
+    layer.train(case != "eval")
+    x = torch.randn(5, 3, 4)
+    masks = layer.sample_masks(3, 5, generator=torch.Generator().manual_seed(1))
+
+    def call(x):
+        if case == "packed":
+            out = layer(pack_padded_sequence(x, torch.tensor([5, 3, 2])), None, masks)[0].data
+        elif case == "autocast":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = layer(x, None, masks)[0]
+        else:
+            out = layer(x, None, masks if layer.training else None)[0]
+        return out.float().sum(), out
+
+    expected = call(x)
+    actual = torch.compile(call, backend="aot_eager")(x)
+    assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_step_replayed_from_cuda_graphs_by_torch_compile_matches_eager(cell):
+    """torch.compile's CUDA-graph backend (what ``mode="reduce-overhead"`` replays) over a training
+    step of a layer on the "triton" kernel: the persistent loops captured in the step's graphs,
+    recorded once and replayed, against the eager layer with the same masks at every call."""
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    layer = (VariationalLSTM if cell == "lstm" else VariationalGRU)(
+        16, 32, 2, dropout=0.3, dropout_input=0.3, dropout_hidden=0.3, dropout_output=0.3).to(device)
+
+    def step(x, masks):
+        out, _ = layer(x, None, masks)
+        loss = (out * out).sum()
+        return [loss.detach(), *torch.autograd.grad(loss, [x, *layer.parameters()])]
+
+    compiled = torch.compile(step, backend="cudagraphs")
+    for call in range(3):  # the first calls warm up and record, the last replays
+        x = torch.randn(7, 20, 16, device=device, requires_grad=True)
+        masks = layer.sample_masks(20, 7)
+        expected = step(x, masks)
+        assert_close([t.clone() for t in compiled(x, masks)], expected, atol=1e-5, rtol=1e-5,
+                     msg=f"{cell}, call {call}")
