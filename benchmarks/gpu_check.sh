@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_check.sh                    # every section, about 9 minutes on an H200
 #   bash benchmarks/gpu_check.sh checks tf32 lms    # some of them: machine checks tests buffers speed tf32 mc
 #                                                   # profile loop_profile tuning projection host_profile lms
+#                                                   # compile
 #                                                   # weight_drop_memory
 set -u
 OUT=${OUT:-gpu-out}
@@ -37,8 +38,9 @@ timeout 240 $PY -m pytest -q -p no:cacheprovider -n 8 --timeout 180 tests/triton
 
 tests() {
 step "the layers on CUDA (auto picks triton), CUDA graphs, cuDNN given masked weights without a copy"
-timeout 120 $PY -m pytest -q -p no:cacheprovider --timeout 100 tests/test_cuda_graphs.py \
-    tests/test_triton_kernel.py -k "not match_the_reference" 2>&1 | tee "$OUT/cuda-tests.log" | tail -n 30
+timeout 150 $PY -m pytest -q -p no:cacheprovider --timeout 100 tests/test_cuda_graphs.py \
+    tests/test_triton_kernel.py tests/test_traced_layers.py -k "not match_the_reference and (cuda or triton)" \
+    2>&1 | tee "$OUT/cuda-tests.log" | tail -n 30
 buffers
 }
 
@@ -84,6 +86,17 @@ timeout ${SPEED_TIMEOUT:-300} $PY benchmarks/speed.py --device cuda --shapes ${S
     --rounds ${ROUNDS:-8} --json "$OUT/gpu-speed-train.json" 2>>"$OUT/speed.err" >"$OUT/gpu-speed-train.txt"
 grep -E "^(lstm|gru) |GPU's time alone" "$OUT/gpu-speed-train.txt" \
     | grep -vE "^(lstm|gru) +[0-9]+ +[0-9]+ +nn\.(LSTM|GRU) " | head -n 90
+}
+
+compile() {
+step "torch.compile(mode='reduce-overhead'), allow_rnn: the layers traced, each recurrence an operator, steps from CUDA graphs"
+# COMPILE_SHAPES and COMPILE_TIMEOUT narrow it; each +compile variant compiles once a shape (tens of seconds)
+timeout ${COMPILE_TIMEOUT:-240} $PY benchmarks/speed.py --device cuda --shapes ${COMPILE_SHAPES:-small,medium} \
+    --batch 20 --models lstm --kernels triton --rounds ${ROUNDS:-8} --no-memory \
+    --variants nn.LSTM+compile,sequence+compile,sequence/triton,nn.LSTM+graph,sequence+graph \
+    --json "$OUT/gpu-speed-compile.json" 2>>"$OUT/speed.err" >"$OUT/gpu-speed-compile.txt"
+grep -E "^lstm |GPU's time alone" "$OUT/gpu-speed-compile.txt"
+grep -E "left out" "$OUT/speed.err" | tail -n 4
 }
 
 tf32() {

@@ -32,6 +32,12 @@ size = hidden size (small 200, medium 650, large 1500), float32. Variants, for t
   masks on the loop ``kernel="auto"`` runs, each whole layer's forward and backward replayed from
   CUDA graphs (``torch.cuda.make_graphed_callables``: what a user can do at fixed shapes; no host
   work is left in a step, so their ratio is the GPU's time alone; CUDA);
+- ``nn.LSTM+compile`` / ``nn.GRU+compile`` and ``sequence+compile`` (only when ``--variants`` names
+  them: each compiles for a while): the baseline and the per-sequence masks, each module under
+  ``torch.compile`` (``mode="reduce-overhead"`` on CUDA: forward and backward replayed from CUDA
+  graphs; the default mode on CPU) with ``torch._dynamo.config.allow_rnn``, so that the layer's
+  masks and projections are in the graph and each recurrence one operator
+  (``rnndrop.kernels.ops``): what a user who compiles the model gets;
 - ``batch/fused``: ``mask_scope="batch"``: the recurrent mask is shared by the batch and
   folded into ``W_hh``, so torch's fused kernel runs;
 - ``naive/fused``: Zaremba's naive dropout (the ``naive`` regime of rnndrop-lm): per-step masks on
@@ -105,9 +111,11 @@ SHAPES = {"small": 200, "medium": 650, "large": 1500}
 
 
 def build_variants(
-    model: str, hidden: int, layers: int, p: float, kernels: list[str], auto: str = ""
+    model: str, hidden: int, layers: int, p: float, kernels: list[str], auto: str = "",
+    compiled: bool = False,
 ) -> dict[str, nn.Module]:
-    """The modules to time, baseline first (``auto``: the loop kernel ``kernel="auto"`` runs)."""
+    """The modules to time, baseline first (``auto``: the loop kernel ``kernel="auto"`` runs;
+    ``compiled``: with the ``+compile`` variants)."""
     base_cls, ours_cls = (nn.LSTM, VariationalLSTM) if model == "lstm" else (nn.GRU, VariationalGRU)
     probs = dict(dropout=p, dropout_input=p, dropout_hidden=p, dropout_output=p)
     variants: dict[str, nn.Module] = {f"nn.{base_cls.__name__}": base_cls(hidden, hidden, layers)}
@@ -126,6 +134,9 @@ def build_variants(
             variants[name] = ours_cls(hidden, hidden, layers, kernel="triton", **probs)
         variants[f"nn.{base_cls.__name__}{WHOLE_GRAPH}"] = base_cls(hidden, hidden, layers)
         variants[f"sequence{WHOLE_GRAPH}"] = ours_cls(hidden, hidden, layers, **probs)
+    if compiled:
+        variants[f"nn.{base_cls.__name__}{COMPILED}"] = base_cls(hidden, hidden, layers)
+        variants[f"sequence{COMPILED}"] = ours_cls(hidden, hidden, layers, **probs)
     variants["batch/fused"] = ours_cls(hidden, hidden, layers, mask_scope="batch", **probs)
     # Zaremba's naive dropout: fresh masks every step between layers, none on the recurrent state
     # (each layer alone through the fused kernel)
@@ -155,6 +166,26 @@ HALF = "sequence/triton-half"
 TUNED = {RESIDENT: {"resident": True}, SPREAD: {"spread": True}, HALF: {"half_state": True}}
 #: The suffix of the variants whose whole layer (forward and backward) replays from CUDA graphs.
 WHOLE_GRAPH = "+graph"
+#: The suffix of the variants that run under torch.compile.
+COMPILED = "+compile"
+
+
+class Compiled(nn.Module):
+    """``module`` under ``torch.compile`` as a user compiles a model: ``mode="reduce-overhead"`` on
+    CUDA, the default mode elsewhere, ``torch._dynamo.config.allow_rnn`` on while it compiles and
+    runs (without it dynamo leaves every ``nn.LSTM`` out of its graphs)."""
+
+    def __init__(self, module: nn.Module, device: torch.device) -> None:
+        super().__init__()
+        self.module = module
+        self.cuda_graphs = device.type == "cuda"
+        self.compiled = torch.compile(module, mode="reduce-overhead" if self.cuda_graphs else None)
+
+    def forward(self, x: torch.Tensor):
+        if self.cuda_graphs:  # a new training step: the graphs' outputs of the last one are dead
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch._dynamo.config.patch(allow_rnn=True):
+            return self.compiled(x)
 
 
 def graph_whole_layer(module: nn.Module, x: torch.Tensor) -> int:
@@ -328,12 +359,21 @@ def bench_shape(
     hidden = SHAPES[shape]
     torch.manual_seed(0)
     auto = auto_loop_kernel(torch.ones(1, device=device))
-    variants = build_variants(model, hidden, args.layers, args.p, args.kernels, auto)
+    compiled = any(name.endswith(COMPILED) for name in args.variants or ())
+    variants = build_variants(model, hidden, args.layers, args.p, args.kernels, auto, compiled)
     if args.variants is not None:  # the baseline, then the variants asked for
         variants = {name: m for k, (name, m) in enumerate(variants.items())
                     if k == 0 or name.rstrip("*") in args.variants}
     for m in variants.values():
         m.to(device).train()
+    variants = {name: Compiled(m, device) if name.endswith(COMPILED) else m for name, m in variants.items()}
+    for name in [n for n in variants if n.endswith(COMPILED)]:
+        try:  # compiles: a variant torch cannot compile here is reported and left out, not the run
+            train_step(variants[name], torch.randn(args.seq_len, batch, hidden, device=device))
+        except Exception as error:  # whatever dynamo, Inductor or the backend raise
+            note(f"{model} {shape}: {name} left out, torch.compile failed: "
+                 f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}")
+            del variants[name]
     x = torch.randn(args.seq_len, batch, hidden, device=device)
     held = {name: graph_whole_layer(m, x) for name, m in variants.items() if name.endswith(WHOLE_GRAPH)}
     step_fn = STEPS[args.mode]
