@@ -81,6 +81,16 @@ def test_the_operators_pass_opcheck(cell, projected, mask, reverse):
     torch.library.opcheck(op.default, args)
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_projection_operator_passes_opcheck(bias):
+    """``rnndrop::linear``: the whole-sequence input projection through oneDNN (float32 on the CPU)."""
+    g = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(12, 5, generator=g), torch.randn(8, 5, generator=g)
+    b = torch.randn(8, generator=g) if bias else None
+    args = [t.requires_grad_() if t is not None else None for t in (x, weight, b)]
+    torch.library.opcheck(torch.ops.rnndrop.linear.default, tuple(args), atol=1e-5, rtol=1e-5)
+
+
 def test_an_operator_without_autograd_keeps_nothing():
     args = operator_arguments("lstm", False, "tied", False, torch.float32)
     with torch.no_grad():

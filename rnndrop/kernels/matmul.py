@@ -13,6 +13,8 @@ probe sends every product to the fallback.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -71,6 +73,16 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def _linear_grads(d_out: Tensor, x: Tensor, weight: Tensor, needs: Sequence[bool], has_bias: bool):
+    """``(d_x, d_w, d_b)`` of ``x @ W^T + b`` (None where not ``needs``), first-order, through
+    :func:`matmul` and on CUDA in cuDNN's float32 mode."""
+    need_x, need_w, need_b = needs
+    with products_as_cudnn(d_out):
+        d_x = matmul(d_out, weight) if need_x else None
+        d_w = matmul(d_out.t(), x) if need_w else None
+    return d_x, d_w, d_out.sum(0) if need_b and has_bias else None
+
+
 class _Linear(torch.autograd.Function):
     """``x @ W^T + b`` with every product through :func:`matmul` / oneDNN on CPU, and on CUDA in
     the float32 mode cuDNN would use for an ``nn.LSTM`` (:func:`products_as_cudnn`), forward and
@@ -85,18 +97,71 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out: Tensor):
         x, weight = ctx.saved_tensors
+        if not torch.is_grad_enabled():
+            return _linear_grads(d_out, x, weight, ctx.needs_input_grad, ctx.has_bias)
+        # create_graph: differentiable ops for a double backward
         need_x, need_w, need_b = ctx.needs_input_grad
-        d_x = d_w = d_b = None
         with products_as_cudnn(d_out):
-            if torch.is_grad_enabled():  # create_graph: differentiable ops for a double backward
-                d_x = d_out.mm(weight) if need_x else None
-                d_w = d_out.t().mm(x) if need_w else None
-            else:
-                d_x = matmul(d_out, weight) if need_x else None
-                d_w = matmul(d_out.t(), x) if need_w else None
-        if need_b and ctx.has_bias:
-            d_b = d_out.sum(0)
-        return d_x, d_w, d_b
+            d_x = d_out.mm(weight) if need_x else None
+            d_w = d_out.t().mm(x) if need_w else None
+        return d_x, d_w, d_out.sum(0) if need_b and ctx.has_bias else None
+
+
+# ``_Linear`` as a torch operator, for torch.compile: its graph would run ``x @ W^T`` through
+# ``aten.mm`` (BLAS on the CPU, slower there than oneDNN; cuBLAS in its own float32 mode on CUDA,
+# IEEE by default where cuDNN runs an LSTM's products in TF32), so while it traces the projection
+# is this opaque call instead, computing what the eager layer computes.
+
+
+@torch.library.custom_op("rnndrop::linear", mutates_args=())
+def _linear_op(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return _linear(x.contiguous(), weight, bias)
+
+
+@_linear_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("rnndrop::linear_backward", mutates_args=())
+def _linear_backward_op(d_out: Tensor, x: Tensor, weight: Tensor, needs: list[bool],
+                        has_bias: bool) -> list[Tensor]:
+    grads = _linear_grads(d_out, x, weight, needs, has_bias)
+    return [g.contiguous() for g in grads if g is not None]
+
+
+@_linear_backward_op.register_fake
+def _(d_out, x, weight, needs, has_bias):
+    like = (x, weight, d_out[0]) if has_bias else (x, weight)
+    return [torch.empty_like(t, memory_format=torch.contiguous_format)
+            for t, need in zip(like, needs, strict=False) if need]
+
+
+def _linear_setup(ctx, inputs: tuple, output: Tensor) -> None:
+    x, weight, bias = inputs
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(x, weight)
+
+
+def _linear_backward(ctx, d_out: Tensor) -> tuple[Tensor | None, ...]:
+    x, weight = ctx.saved_tensors
+    needs = [*ctx.needs_input_grad[:2], ctx.needs_input_grad[2] and ctx.has_bias]
+    given = iter(_linear_backward_op(d_out, x, weight, needs, ctx.has_bias))
+    return tuple(next(given) if need else None for need in needs)
+
+
+_linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
+def _through_linear(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether products of rows of ``dtype`` on ``device`` run through :class:`_Linear` (CUDA, or
+    oneDNN on the CPU). torch.compile calls it while it traces and keeps the answer."""
+    return device.type == "cuda" or (device.type == "cpu" and onednn_enabled(torch.empty(0, dtype=dtype)))
+
+
+# What torch.compiler.assume_constant_result sets, without importing torch._dynamo (as
+# rnndrop.kernels.auto_loop_kernel_on).
+_through_linear._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def input_projection(x: Tensor, mask: Tensor | None, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -108,13 +173,18 @@ def input_projection(x: Tensor, mask: Tensor | None, weight: Tensor, bias: Tenso
     (:func:`~rnndrop.kernels.precision.products_as_cudnn`), else ``F.linear``; with a mask per gate
     ``[..., G, in]`` (broadcasting against ``x`` ``[..., in]`` row by row), through
     :func:`~rnndrop.kernels.per_gate_projection.per_gate_projection`. Twice differentiable
-    either way. While torch.compile traces, and inside ``torch.func`` transforms, it is
-    :func:`~rnndrop.kernels.gates.masked_linear` itself.
+    either way. While torch.compile traces, the first is the operator ``rnndrop::linear`` (the
+    same products) and the second :func:`~rnndrop.kernels.gates.masked_linear`; inside
+    ``torch.func`` transforms both are ``masked_linear``.
     """
-    given = (t for t in (x, mask, weight, bias) if t is not None)
-    if tracing_for_compile() or functorch_wrapped(*given):
+    plain = mask is None and x.dim() == 2 and weight.dtype == x.dtype
+    if tracing_for_compile():
+        if plain and _through_linear(x.device, x.dtype):
+            return _linear_op(x, weight, bias)
         return masked_linear(x, mask, weight, bias)  # torch's ops, which torch.compile traces
-    if mask is None and x.dim() == 2 and (x.is_cuda or onednn_enabled(x)) and weight.dtype == x.dtype:
+    if functorch_wrapped(*(t for t in (x, mask, weight, bias) if t is not None)):
+        return masked_linear(x, mask, weight, bias)
+    if plain and (x.is_cuda or onednn_enabled(x)):
         differentiated = torch.is_grad_enabled() and (
             x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
         if not differentiated:  # Monte-Carlo sampling: no autograd Function
