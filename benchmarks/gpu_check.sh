@@ -252,11 +252,12 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob('*/*/results.json')):
     print(f'{sys.argv[1]:26} {f.parts[-3]:12} {r[\"words_per_second\"]:9.0f} words/s, valid {r[\"best_valid_ppl\"]:.2f}')" "$out"
 }
 lms() {
-# LMS: space-separated name:config:regimes runs (default: the goal's pairs of issue 41)
-step "rnndrop-lm on CUDA: words/s (${LMS:-zaremba-medium none,tied; AWD tied,weight_drop})"
-for run in ${LMS:-medium:zaremba-medium:none,tied awd:awd:tied,weight_drop}; do
-    IFS=: read -r name config regimes <<<"$run"
-    lm "$name" --config "$config" --regimes "$regimes"
+# LMS: space-separated name:config:regimes[:compile] runs (default: the goal's pairs of issue 41, and
+# the AWD pair again under --compile: the training step replayed from CUDA graphs)
+step "rnndrop-lm on CUDA: words/s (${LMS:-zaremba-medium none,tied; AWD tied,weight_drop, eager and compiled})"
+for run in ${LMS:-medium:zaremba-medium:none,tied awd:awd:tied,weight_drop awd-compiled:awd:tied,weight_drop:compile}; do
+    IFS=: read -r name config regimes flag <<<"$run"
+    lm "$name" --config "$config" --regimes "$regimes" ${flag:+--$flag}
 done
 }
 

@@ -34,10 +34,10 @@ size = hidden size (small 200, medium 650, large 1500), float32. Variants, for t
   work is left in a step, so their ratio is the GPU's time alone; CUDA);
 - ``nn.LSTM+compile`` / ``nn.GRU+compile`` and ``sequence+compile`` (only when ``--variants`` names
   them: each compiles for a while): the baseline and the per-sequence masks, each module under
-  ``torch.compile`` (``mode="reduce-overhead"`` on CUDA: forward and backward replayed from CUDA
-  graphs; the default mode on CPU) with ``torch._dynamo.config.allow_rnn``, so that the layer's
-  masks and projections are in the graph and each recurrence one operator
-  (``rnndrop.kernels.ops``): what a user who compiles the model gets;
+  ``rnndrop.compile_model`` (``torch.compile`` with ``allow_rnn``; ``mode="reduce-overhead"`` on
+  CUDA: forward and backward replayed from CUDA graphs), so that the layer's masks and projections
+  are in the graph and each recurrence one operator (``rnndrop.kernels.ops``): what a user who
+  compiles the model gets;
 - ``batch/fused``: ``mask_scope="batch"``: the recurrent mask is shared by the batch and
   folded into ``W_hh``, so torch's fused kernel runs;
 - ``naive/fused``: Zaremba's naive dropout (the ``naive`` regime of rnndrop-lm): per-step masks on
@@ -94,7 +94,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from rnndrop import VariationalGRU, VariationalLSTM
+from rnndrop import VariationalGRU, VariationalLSTM, compile_model
 from rnndrop.kernels import KERNELS, auto_loop_kernel, cuda_graphs, get_kernel
 from rnndrop.kernels.onednn import onednn_enabled
 from rnndrop.kernels.precision import cudnn_rnn_tf32, matmul_precision
@@ -168,24 +168,6 @@ TUNED = {RESIDENT: {"resident": True}, SPREAD: {"spread": True}, HALF: {"half_st
 WHOLE_GRAPH = "+graph"
 #: The suffix of the variants that run under torch.compile.
 COMPILED = "+compile"
-
-
-class Compiled(nn.Module):
-    """``module`` under ``torch.compile`` as a user compiles a model: ``mode="reduce-overhead"`` on
-    CUDA, the default mode elsewhere, ``torch._dynamo.config.allow_rnn`` on while it compiles and
-    runs (without it dynamo leaves every ``nn.LSTM`` out of its graphs)."""
-
-    def __init__(self, module: nn.Module, device: torch.device) -> None:
-        super().__init__()
-        self.module = module
-        self.cuda_graphs = device.type == "cuda"
-        self.compiled = torch.compile(module, mode="reduce-overhead" if self.cuda_graphs else None)
-
-    def forward(self, x: torch.Tensor):
-        if self.cuda_graphs:  # a new training step: the graphs' outputs of the last one are dead
-            torch.compiler.cudagraph_mark_step_begin()
-        with torch._dynamo.config.patch(allow_rnn=True):
-            return self.compiled(x)
 
 
 def graph_whole_layer(module: nn.Module, x: torch.Tensor) -> int:
@@ -366,7 +348,7 @@ def bench_shape(
                     if k == 0 or name.rstrip("*") in args.variants}
     for m in variants.values():
         m.to(device).train()
-    variants = {name: Compiled(m, device) if name.endswith(COMPILED) else m for name, m in variants.items()}
+    variants = {name: compile_model(m) if name.endswith(COMPILED) else m for name, m in variants.items()}
     for name in [n for n in variants if n.endswith(COMPILED)]:
         try:  # compiles: a variant torch cannot compile here is reported and left out, not the run
             train_step(variants[name], torch.randn(args.seq_len, batch, hidden, device=device))

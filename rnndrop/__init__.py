@@ -10,6 +10,7 @@ from rnndrop.averaging import NonMonotoneTrigger, NTAveraging
 from rnndrop.bptt import VariableBPTT, scaled_learning_rate
 from rnndrop.calibration import ReliabilityDiagram, expected_calibration_error, reliability_diagram
 from rnndrop.cells import VariationalGRUCell, VariationalLSTMCell
+from rnndrop.compiled_model import CompiledModel, compile_model
 from rnndrop.deploy import to_torch
 from rnndrop.embedding_dropout import EmbeddingDropout
 from rnndrop.gaussian import GaussianGRU, GaussianLockedDropout, GaussianLSTM
@@ -33,6 +34,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ActivationRegularization",
+    "CompiledModel",
     "EmbeddingDropout",
     "GaussianGRU",
     "GaussianLSTM",
@@ -59,6 +61,7 @@ __all__ = [
     "WeightDrop",
     "activation_regularization",
     "bernoulli_mask",
+    "compile_model",
     "expected_calibration_error",
     "gaussian_mask",
     "mc_dropout",

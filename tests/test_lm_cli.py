@@ -266,6 +266,23 @@ def test_flags_override_the_config_and_are_recorded(tmp_path, capsys):
     assert isinstance(model.rnn, torch.nn.GRU)
 
 
+@pytest.mark.slow
+def test_compile_trains_under_torch_compile_records_it_and_resumes(tmp_path, capsys):
+    """``--compile``: the runs train under ``rnndrop.compile_model`` (a variable BPTT length and
+    the last, shorter segment: one graph for them), the result says so, and a second epoch
+    resumes from the first's checkpoint."""
+    data = write_corpus(tmp_path / "data")
+    out = tmp_path / "out"
+    common = ["ptb", "--data", str(data), "--regimes", "tied", "--mc-samples", "0", "--hidden-size", "12",
+              "--emb-size", "12", "--layers", "2", "--batch-size", "4", "--bptt", "6", "--compile",
+              "--out", str(out), "--no-progress"]
+    assert run_cli([*common, "--epochs", "1"]) == 0, capsys.readouterr().err
+    assert run_cli([*common, "--epochs", "2", "--resume"]) == 0, capsys.readouterr().err
+    result = json.loads(next(out.glob("tied/*/results.json")).read_text())
+    assert result["compiled"] is True and [e["epoch"] for e in result["epochs"]] == [1, 2]
+    assert all(math.isfinite(e["valid_ppl"]) for e in result["epochs"])
+
+
 def _write_non_utf8(folder: Path) -> Path:
     write_corpus(folder)
     (folder / "ptb.valid.txt").write_bytes(b"the cat\nthe caf\xe9 sees\n")

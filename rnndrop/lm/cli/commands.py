@@ -112,7 +112,7 @@ def _train(
                 jobs=args.jobs, threads=threads, device=str(device) if ctx.enabled else args.device,
                 progress=not args.no_progress and ctx.is_main, command=command,
                 # the estimate times one process: no guide to N of them
-                estimate=not ctx.enabled, init_from=args.init_from,
+                estimate=not ctx.enabled, init_from=args.init_from, compile=args.compile,
             )
     except JobInterrupted as e:
         where = f"in epoch {e.epoch} of {e.label or e.folder}" if e.epoch is not None else "during training"

@@ -27,13 +27,14 @@ from rnndrop.weight_drop import WeightDrop
 __all__ = ["RNNLanguageModel", "detach_hidden"]
 
 
-def detach_hidden(hidden: Any) -> Any:
-    """``hidden`` (a tensor or nested tuples/lists of tensors) cut from the autograd graph."""
+def detach_hidden(hidden: Any, copy: bool = False) -> Any:
+    """``hidden`` (a tensor or nested tuples/lists of tensors) cut from the autograd graph; with
+    ``copy``, copies of it."""
     if hidden is None:
         return None
     if isinstance(hidden, Tensor):
-        return hidden.detach()
-    return type(hidden)(detach_hidden(h) for h in hidden)
+        return hidden.detach().clone() if copy else hidden.detach()
+    return type(hidden)(detach_hidden(h, copy) for h in hidden)
 
 
 class RNNLanguageModel(nn.Module):

@@ -125,12 +125,15 @@ class _Job:
     #: per-epoch bars of the runs (only when one run trains at a time)
     progress: bool
     init_from: str | None
+    #: train under torch.compile (rnndrop.compile_model)
+    compile: bool = False
 
     def spec(self, regime: str, probabilities: Mapping[str, float], seed: int, mc_samples: int) -> RunSpec:
         p = regime_probabilities(get_regime(regime), probabilities)
         folder = self.out / regime / f"{run_tag(p)}-seed{seed}"
         return RunSpec(self.corpus_dir, self.dataset, self.config, regime, p, seed, str(folder), mc_samples,
-                       self.resume, self.device, self.threads, self.progress, init_from=self.init_from)
+                       self.resume, self.device, self.threads, self.progress, init_from=self.init_from,
+                       compile=self.compile)
 
 
 @dataclass(frozen=True)
@@ -360,6 +363,7 @@ def run_benchmark(
     estimate: bool = False,
     command: str = "",
     init_from: str | Path | None = None,
+    compile: bool = False,
 ) -> dict[str, Any]:
     """Run the benchmark and write its summary files; returns the summary.
 
@@ -378,6 +382,7 @@ def run_benchmark(
             bar's ETA starts from the same number, then follows the measured speed.
         init_from: a finished run (its folder or ``best.pt``) every run starts from, e.g.
             a dense ``tied`` run that regime ``sparse_vd`` fine-tunes.
+        compile: train every run under torch.compile (``train_run(compile=True)``).
     """
     if not regimes:
         raise ValueError("regimes must name at least one regime, got none")
@@ -387,7 +392,7 @@ def run_benchmark(
         raise ValueError("seeds must name at least one seed, got none")
     mc = config.mc_samples if mc_samples is None else mc_samples
     job = _Job(str(corpus_dir), dataset, config, Path(out_dir), resume, device, threads,
-               progress and jobs <= 1, None if init_from is None else str(init_from))
+               progress and jobs <= 1, None if init_from is None else str(init_from), compile)
     with ExitStack() as claim:  # one job per folder (the command line took it already: re-entrant)
         files_on_main(functools.partial(_claim, job.out, claim), current(),
                       f"taking the output folder {str(job.out)!r}")
@@ -451,6 +456,8 @@ class RunSpec:
     label: str = ""
     #: a finished run (folder or best.pt) whose weights the run starts from
     init_from: str | None = None
+    #: train under torch.compile (rnndrop.compile_model)
+    compile: bool = False
 
 
 class JobInterrupted(KeyboardInterrupt):
@@ -581,7 +588,7 @@ def execute(spec: RunSpec, progress: JobProgress | EpochRelay | None = None) -> 
             cached_corpus(spec.data_dir), spec.config, spec.regime, spec.folder, dropout=spec.dropout,
             seed=spec.seed, resume=spec.resume, device=spec.device, mc_samples=spec.mc_samples,
             progress=spec.progress, dataset=spec.dataset, on_epoch_end=on_epoch_end,
-            init_from=spec.init_from,
+            init_from=spec.init_from, compile=spec.compile,
         )
     except KeyboardInterrupt as e:
         if isinstance(e, RunInterrupted) and e.epoch is None:  # not "epoch N + 1" of N epochs

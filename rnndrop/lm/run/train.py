@@ -58,6 +58,7 @@ from torch.nn.parallel import DistributedDataParallel
 import rnndrop
 from rnndrop.activation_regularization import ActivationRegularization
 from rnndrop.bptt import scaled_learning_rate
+from rnndrop.compiled_model import CompiledModel, compile_model
 from rnndrop.distributed import check_parameters_agree, seed_noise_per_rank
 from rnndrop.lm.data.corpus import Corpus, batchify
 from rnndrop.lm.model.build import build_model, build_optimizer, trainable_parameters
@@ -188,6 +189,7 @@ def train_run(
     dataset: str = "",
     on_epoch_end: EpochCallback | None = None,
     init_from: str | Path | None = None,
+    compile: bool = False,
 ) -> dict[str, Any]:
     """Train one run to the end (or resume it) and return its result (also in results.json).
 
@@ -212,6 +214,11 @@ def train_run(
             tensor of the same name and shape; the others, e.g. the ``log_sigma2_*`` of
             sparse VD, keep their initialisation). With regime ``sparse_vd`` this is the
             recipe "train dense, then fine-tune with sparse VD". Recorded in the results.
+        compile: train under ``torch.compile`` (:func:`rnndrop.compile_model`: the whole step
+            replayed from CUDA graphs on a GPU); evaluation runs eagerly. The same model and
+            distribution, other masks than an eager run of the same seed (Inductor draws its
+            own random numbers); a run resumed in the other mode goes on, not bit for bit.
+            Recorded in the results.
 
     Under torchrun (an initialised default process group of N > 1 ranks, e.g. from
     :func:`rnndrop.lm.run.process_group.init_from_env`) call it on every rank with the same
@@ -237,7 +244,7 @@ def train_run(
     with ExitStack() as stack:
         claim_folder(out, stack, ctx)
         run = prepare(corpus, config, regime, out, dropout=dropout, seed=seed, resume=resume, device=device,
-                      mc_samples=mc_samples, init_from=init_from, dataset=dataset, ctx=ctx)
+                      mc_samples=mc_samples, init_from=init_from, dataset=dataset, ctx=ctx, compile=compile)
         # The epoch loop: set the rate, train an epoch, validate, keep the best, checkpoint.
         # It ends at the epoch cap or when the schedule stops the run; NT-ASGD's fine-tuning
         # stage then goes on through the same loop (_stages). Ctrl-C becomes RunInterrupted
@@ -337,7 +344,8 @@ def _train_epoch(
             targets = segment.targets
             logits, hidden, penalty = forward_with_penalty(run.net, segment.inputs, hidden,
                                                            run.activation_reg)
-            hidden = detach_hidden(hidden)
+            # copied where CUDA graphs replay the step: the next replay overwrites this one's outputs
+            hidden = detach_hidden(hidden, copy=isinstance(run.net, CompiledModel) and run.net.cuda_graphs)
             loss = token_loss(logits, targets)
             objective = loss if penalty is None else loss + penalty
             if run.extra_loss is not None:
@@ -382,8 +390,8 @@ class Training:
         identity: :func:`rnndrop.lm.run.checkpoint.run_identity` of the run.
         device, ctx: where it trains, and its process group.
         mc_samples: samples of the Monte-Carlo test perplexity (0: none).
-        model: the language model; ``net`` what is called in training (``model`` or its
-            DDP wrapper; ``model`` again once training is over).
+        model: the language model; ``net`` what is called in training (``model``, its DDP
+            wrapper, either compiled; ``model`` again once training is over).
         optimizer: the config's optimiser over the trainable parameters.
         extra_loss: ``progress -> tensor`` the regime adds to the loss, or None.
         train_stream: this rank's training streams ``[N, B]``; ``valid_data``,
@@ -392,6 +400,8 @@ class Training:
         wall_start: ``time.perf_counter()`` when wall time was last added to ``state``.
         activation_reg: AR / TAR at the config's weights, or None (:mod:`rnndrop.lm.run.recipe`).
         averaging: NT-ASGD (:class:`~rnndrop.lm.run.recipe.RunAveraging`), or None.
+        compiled: whether it trains under torch.compile (``net`` a
+            :class:`~rnndrop.compiled_model.CompiledModel`).
     """
 
     corpus: Corpus
@@ -417,6 +427,7 @@ class Training:
     wall_start: float
     activation_reg: ActivationRegularization | None = None
     averaging: RunAveraging | None = None
+    compiled: bool = False
 
     @property
     def evaluation_model(self) -> nn.Module:
@@ -469,7 +480,7 @@ def rank_device(device: str | torch.device, ctx: Distributed) -> torch.device:
 def prepare(
     corpus: Corpus, config: TrainConfig, regime: str, out: Path, *, dropout: Mapping[str, float] | None,
     seed: int, resume: bool, device: str | torch.device, mc_samples: int | None,
-    init_from: str | Path | None, dataset: str, ctx: Distributed,
+    init_from: str | Path | None, dataset: str, ctx: Distributed, compile: bool = False,
 ) -> Training:
     """Check the arguments, seed, build the model, the data and the optimiser, and restore
     the checkpoint in ``out`` when resuming (see :func:`rnndrop.lm.run.checkpoint.read_checkpoint`)."""
@@ -514,12 +525,14 @@ def prepare(
     if ctx.enabled:
         net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         train_stream = shard_columns(train_data, ctx.rank, ctx.world_size)
+    if compile:
+        net = compile_model(net)
     return Training(
         corpus=corpus, config=config, regime=regime, rules=rules, dropout=probabilities, seed=seed,
         out=out, dataset=dataset, identity=identity, device=device, ctx=ctx, mc_samples=mc_samples,
         model=model, net=net, optimizer=optimizer, extra_loss=extra_loss, train_stream=train_stream,
         valid_data=valid_data, test_data=test_data, state=state, wall_start=wall_start,
-        activation_reg=activation_regularizer(config), averaging=averaging,
+        activation_reg=activation_regularizer(config), averaging=averaging, compiled=compile,
     )
 
 
@@ -786,6 +799,7 @@ def _result(run: Training, test: Score, test_mc: Score | None) -> dict[str, Any]
         "peak_memory_kind": memory_kind,
         "parameters": sum(p.numel() for p in run.model.parameters()),
         "device": str(run.device),
+        "compiled": run.compiled,
         "threads": torch.get_num_threads(),
         # Processes that trained the model together (DDP) and their backend (None: one process).
         "world_size": run.ctx.world_size,
