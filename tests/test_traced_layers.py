@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch.nn.utils.rnn import pack_padded_sequence
 
+import rnndrop
 from rnndrop import VariationalGRU, VariationalLSTM
 from rnndrop.kernels import ops
 from tests.helpers import assert_close
@@ -223,6 +224,26 @@ def test_masks_drawn_inside_the_graph_are_tied_across_time_and_fresh_at_every_ca
         assert per_unit.gt(0).logical_and(per_unit.lt(1)).float().mean() > 0.9
     assert 0.4 < first.float().mean() < 0.6
     assert not torch.equal(first, second)
+
+
+def test_compile_model_traces_the_layers_and_leaves_the_switch_as_it_was():
+    """``rnndrop.compile_model``: the layer in one graph (``fullgraph=True``) with the eager
+    results, ``allow_rnn`` set only while it compiles and runs; the module's parameters once."""
+    torch.manual_seed(0)
+    layer = VariationalLSTM(4, 6, 2, dropout_input=0.3, dropout_hidden=0.3, dropout_output=0.3)
+    masks = layer.sample_masks(3, 5, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(5, 3, 4)
+    graphs: list = []
+    with torch._dynamo.config.patch(allow_rnn=False):
+        compiled = rnndrop.compile_model(layer, mode=None, backend=counting_backend(graphs), fullgraph=True)
+        actual = compiled(x, None, masks)
+        assert torch._dynamo.config.allow_rnn is False
+    assert len(graphs) == 1
+    assert_close(actual, layer(x, None, masks), atol=1e-6, rtol=1e-6)
+    assert list(compiled.state_dict()) == [f"module.{k}" for k in layer.state_dict()]
+    assert len(list(compiled.parameters())) == len(list(layer.parameters()))
+    with pytest.raises(TypeError, match="module must be an nn.Module, got function"):
+        rnndrop.compile_model(lambda x: x)
 
 
 @pytest.mark.parametrize("case", ["eval", "packed", "autocast", "manual kernel", "fused lstm"])

@@ -32,3 +32,8 @@ assert_type(lstm.to_plain(), nn.RNNBase)
 assert_type(rnndrop.to_torch(lstm), nn.Module)
 assert_type(rnndrop.distributed.seed_noise_per_rank(0), int)
 rnndrop.distributed.auto_noise_per_rank(True)
+
+# torch.compile with the layers traced
+compiled = rnndrop.compile_model(lstm, mode=None)
+assert_type(compiled, rnndrop.CompiledModel)
+assert_type(compiled.module, nn.Module)
