@@ -16,10 +16,10 @@ step ``B = h0.size(0)`` rows (``batch_sizes = [B] * (N // B)``), so that a graph
 number of steps symbolic: one graph for every length (packed input runs eagerly). ``saved`` is
 what the kernel's backward pass reads besides the arguments and ``out`` (empty unless ``keep``);
 the backward operator returns the gradients of the tensor arguments that ``needs`` asks for, in
-order. With no
-Python between the operators of a training step, ``torch.compile(mode="reduce-overhead")`` can
-replay the whole step from CUDA graphs: the host's work per step, which bounds a small batch on
-a GPU (docs/gpu.md), is then one replay.
+order. (The input projection before the loop is ``rnndrop::linear``, in
+:mod:`rnndrop.kernels.matmul`.) With no Python between the operators of a training step,
+``torch.compile(mode="reduce-overhead")`` can replay the whole step from CUDA graphs: the host's
+work per step, which bounds a small batch on a GPU (docs/gpu.md), is then one replay.
 
 The kernels that run as operators are :data:`TRACEABLE`: ``"compiled"`` (CPU) and ``"triton"``
 (CUDA); each module gives three functions per cell, ``forward_saving`` (the forward pass and its
