@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from rnndrop.kernels import auto_loop_kernel_on
+
 __all__ = ["CompiledModel", "compile_model"]
 
 
@@ -36,6 +38,9 @@ class CompiledModel(nn.Module):
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
         self.module = module
+        # kernel="auto"'s choice (with the Triton kernel's first-use check) made now, not while tracing
+        for device, dtype in {(p.device, p.dtype) for p in module.parameters()}:
+            auto_loop_kernel_on(device, dtype)
         if mode == "auto":
             on_cuda = any(p.is_cuda for p in module.parameters())
             mode = "reduce-overhead" if on_cuda else None
