@@ -13,7 +13,8 @@ indexing with it, which is also how :class:`rnndrop.LockedDropout` masks a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import overload
 
@@ -65,12 +66,19 @@ class EqualBatchSizes(Sequence[int]):
     def __len__(self) -> int:
         return int(self.steps)
 
+    def __iter__(self) -> Iterator[int]:
+        return itertools.repeat(self.size, int(self.steps))
+
     @overload
     def __getitem__(self, index: int) -> int: ...
     @overload
     def __getitem__(self, index: slice) -> list[int]: ...
     def __getitem__(self, index: int | slice) -> int | list[int]:
-        return [self.size] * len(range(self.steps)[index]) if isinstance(index, slice) else self.size
+        steps = range(int(self.steps))
+        if isinstance(index, slice):
+            return [self.size] * len(steps[index])
+        steps[index]  # an IndexError past the last step, as a list's
+        return self.size
 
     def __repr__(self) -> str:
         return f"EqualBatchSizes(steps={self.steps}, size={self.size})"

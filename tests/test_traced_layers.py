@@ -18,7 +18,8 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 import rnndrop
 from rnndrop import VariationalGRU, VariationalLSTM
-from rnndrop.kernels import ops
+from rnndrop.kernels import get_kernel, ops
+from rnndrop.layout import EqualBatchSizes
 from tests.helpers import assert_close
 from tests.test_random_configurations import build, draw_configuration, inputs, tolerance
 
@@ -109,6 +110,21 @@ def test_an_unknown_kernel_is_refused_by_name():
     _, gates_x, h0, c0, w_hh, *_ = operator_arguments("lstm", False, None, False, torch.float32)
     with pytest.raises(ValueError, match=r"kernel must be one of 'compiled', 'triton', got 'manual'"):
         ops.lstm_recurrence("manual")(gates_x, [3] * 4, h0, c0, w_hh, None, None)
+
+
+@pytest.mark.parametrize("kernel", ["manual", "autograd", "compiled"])
+def test_equal_batch_sizes_read_as_the_list_of_sizes_by_every_kernel(kernel):
+    """``EqualBatchSizes`` (what a traced layout holds for padded input) is a sequence like
+    ``[B] * T``: iterated, indexed (an IndexError past the end: iteration ends), sliced, and a
+    kernel that reads it eagerly (a frame dynamo compiles on its own) computes what the list gives."""
+    sizes = EqualBatchSizes(4, 3)
+    assert list(sizes) == [3] * 4 and len(sizes) == 4 and sizes[-1] == 3 and sizes[1:3] == [3, 3]
+    with pytest.raises(IndexError):
+        sizes[4]
+    _, gates_x, h0, c0, w_hh, *_ = operator_arguments("lstm", False, None, False, torch.float64)
+    recurrence = get_kernel(kernel, "lstm")
+    expected = recurrence(gates_x, [3] * 4, h0, c0, w_hh, None, None)
+    assert_close(recurrence(gates_x, sizes, h0, c0, w_hh, None, None), expected, atol=1e-12, rtol=1e-12)
 
 
 # ------------------------------------------------------------------------------ compiled layers
