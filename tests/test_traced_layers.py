@@ -310,3 +310,24 @@ def test_a_step_replayed_from_cuda_graphs_by_torch_compile_matches_eager(cell):
         expected = step(x, masks)
         assert_close([t.clone() for t in compiled(x, masks)], expected, atol=1e-5, rtol=1e-5,
                      msg=f"{cell}, call {call}")
+
+
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda: rnndrop.GaussianLSTM(3, 4, 2, dropout_hidden=0.3), id="gaussian-lstm"),
+    pytest.param(lambda: rnndrop.GaussianGRU(3, 4, dropout_hidden=0.3), id="gaussian-gru"),
+    pytest.param(lambda: rnndrop.SparseLSTM(3, 4, 2), id="sparse-lstm"),
+    pytest.param(lambda: rnndrop.SparseGRU(3, 4), id="sparse-gru"),
+])
+def test_the_gaussian_and_sparse_layers_compile_with_their_eager_results(make):
+    """The layers that draw noise of their own (learned Gaussian noise, sparse weights) under
+    ``compile_model`` (``aot_eager``: eager's random numbers): outputs and every gradient."""
+    layer = make()
+    x = torch.randn(5, 2, 3)
+    results = []
+    for call in (layer, rnndrop.compile_model(layer, mode=None, backend="aot_eager")):
+        layer.zero_grad()
+        torch.manual_seed(1)
+        out = call(x)[0]
+        out.sum().backward()
+        results.append([out.detach(), *(p.grad.clone() for p in layer.parameters())])
+    assert_close(results[1], results[0], atol=1e-6, rtol=1e-6)
