@@ -90,12 +90,13 @@ grep -E "^(lstm|gru) |GPU's time alone" "$OUT/gpu-speed-train.txt" \
 
 compile() {
 step "torch.compile(mode='reduce-overhead'), allow_rnn: the layers traced, each recurrence an operator, steps from CUDA graphs"
-# COMPILE_SHAPES and COMPILE_TIMEOUT narrow it; each +compile variant compiles once a shape (tens of seconds)
+# COMPILE_SHAPES, COMPILE_MODELS (lstm,gru doubles it) and COMPILE_TIMEOUT set its size; each +compile
+# variant compiles once a shape (tens of seconds)
 timeout ${COMPILE_TIMEOUT:-240} $PY benchmarks/speed.py --device cuda --shapes ${COMPILE_SHAPES:-small,medium} \
-    --batch 20 --models lstm --kernels triton --rounds ${ROUNDS:-8} --no-memory \
-    --variants nn.LSTM+compile,sequence+compile,sequence/triton,nn.LSTM+graph,sequence+graph \
+    --batch 20 --models ${COMPILE_MODELS:-lstm} --kernels triton --rounds ${ROUNDS:-8} --no-memory \
+    --variants nn.LSTM+compile,nn.GRU+compile,sequence+compile,sequence/triton,nn.LSTM+graph,nn.GRU+graph,sequence+graph \
     --json "$OUT/gpu-speed-compile.json" 2>>"$OUT/speed.err" >"$OUT/gpu-speed-compile.txt"
-grep -E "^lstm |GPU's time alone" "$OUT/gpu-speed-compile.txt"
+grep -E "^(lstm|gru) |GPU's time alone" "$OUT/gpu-speed-compile.txt"
 grep -E "left out" "$OUT/speed.err" | tail -n 4
 }
 
