@@ -110,10 +110,12 @@ class _Linear(torch.autograd.Function):
 # ``_Linear`` as a torch operator, for torch.compile: its graph would run ``x @ W^T`` through
 # ``aten.mm`` (BLAS on the CPU, slower there than oneDNN; cuBLAS in its own float32 mode on CUDA,
 # IEEE by default where cuDNN runs an LSTM's products in TF32), so while it traces the projection
-# is this opaque call instead, computing what the eager layer computes.
+# is this opaque call instead, computing what the eager layer computes. (Schemas given, as in
+# rnndrop.kernels.ops.)
 
 
-@torch.library.custom_op("rnndrop::linear", mutates_args=())
+@torch.library.custom_op("rnndrop::linear", mutates_args=(), schema=(
+    "(Tensor x, Tensor weight, Tensor? bias) -> Tensor"))
 def _linear_op(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return _linear(x.contiguous(), weight, bias)
 
@@ -123,7 +125,8 @@ def _(x, weight, bias):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
-@torch.library.custom_op("rnndrop::linear_backward", mutates_args=())
+@torch.library.custom_op("rnndrop::linear_backward", mutates_args=(), schema=(
+    "(Tensor d_out, Tensor x, Tensor weight, bool[] needs, bool has_bias) -> Tensor[]"))
 def _linear_backward_op(d_out: Tensor, x: Tensor, weight: Tensor, needs: list[bool],
                         has_bias: bool) -> list[Tensor]:
     grads = _linear_grads(d_out, x, weight, needs, has_bias)

@@ -92,7 +92,11 @@ def _spread(needs: Sequence[bool], grads: Sequence[Tensor]) -> list[Tensor | Non
 # ------------------------------------------------------------------------------------------ LSTM
 
 
-@torch.library.custom_op("rnndrop::lstm_recurrence", mutates_args=())
+# The schemas are given, not inferred from the annotations, which this module keeps as strings
+# (``from __future__ import annotations``): torch versions parse those differently.
+@torch.library.custom_op("rnndrop::lstm_recurrence", mutates_args=(), schema=(
+    "(str kernel, Tensor gates_x, Tensor h0, Tensor c0, Tensor w_hh, Tensor? w_hr, "
+    "Tensor? hidden_mask, bool reverse, bool keep) -> (Tensor, Tensor, Tensor, Tensor[])"))
 def _lstm_op(
     kernel: str, gates_x: Tensor, h0: Tensor, c0: Tensor, w_hh: Tensor, w_hr: Tensor | None,
     hidden_mask: Tensor | None, reverse: bool, keep: bool,
@@ -111,7 +115,10 @@ def _(kernel, gates_x, h0, c0, w_hh, w_hr, hidden_mask, reverse, keep):
     return out, gates_x.new_empty(h0.shape), c0.new_empty(c0.shape), saved
 
 
-@torch.library.custom_op("rnndrop::lstm_recurrence_backward", mutates_args=())
+@torch.library.custom_op("rnndrop::lstm_recurrence_backward", mutates_args=(), schema=(
+    "(str kernel, bool reverse, bool[] needs, Tensor h0, Tensor c0, Tensor w_hh, "
+    "Tensor? w_hr, Tensor? hidden_mask, Tensor out, Tensor[] saved, Tensor? d_out, "
+    "Tensor? d_hn, Tensor? d_cn) -> Tensor[]"))
 def _lstm_backward_op(
     kernel: str, reverse: bool, needs: list[bool], h0: Tensor, c0: Tensor, w_hh: Tensor,
     w_hr: Tensor | None, hidden_mask: Tensor | None, out: Tensor, saved: list[Tensor],
@@ -167,7 +174,9 @@ def lstm_recurrence(kernel: str) -> Callable[..., tuple[Tensor, Tensor, Tensor]]
 # ------------------------------------------------------------------------------------------- GRU
 
 
-@torch.library.custom_op("rnndrop::gru_recurrence", mutates_args=())
+@torch.library.custom_op("rnndrop::gru_recurrence", mutates_args=(), schema=(
+    "(str kernel, Tensor gates_x, Tensor h0, Tensor w_hh, Tensor? b_hh, "
+    "Tensor? hidden_mask, bool reverse, bool keep) -> (Tensor, Tensor, Tensor[])"))
 def _gru_op(
     kernel: str, gates_x: Tensor, h0: Tensor, w_hh: Tensor, b_hh: Tensor | None,
     hidden_mask: Tensor | None, reverse: bool, keep: bool,
@@ -185,7 +194,10 @@ def _(kernel, gates_x, h0, w_hh, b_hh, hidden_mask, reverse, keep):
     return gates_x.new_empty(gates_x.shape[0], h0.shape[1]), gates_x.new_empty(h0.shape), saved
 
 
-@torch.library.custom_op("rnndrop::gru_recurrence_backward", mutates_args=())
+@torch.library.custom_op("rnndrop::gru_recurrence_backward", mutates_args=(), schema=(
+    "(str kernel, bool reverse, bool[] needs, Tensor h0, Tensor w_hh, Tensor? b_hh, "
+    "Tensor? hidden_mask, Tensor out, Tensor[] saved, Tensor? d_out, "
+    "Tensor? d_hn) -> Tensor[]"))
 def _gru_backward_op(
     kernel: str, reverse: bool, needs: list[bool], h0: Tensor, w_hh: Tensor, b_hh: Tensor | None,
     hidden_mask: Tensor | None, out: Tensor, saved: list[Tensor], d_out: Tensor | None, d_hn: Tensor | None,
