@@ -10,7 +10,7 @@ from rnndrop.averaging import NonMonotoneTrigger, NTAveraging
 from rnndrop.bptt import VariableBPTT, scaled_learning_rate
 from rnndrop.calibration import ReliabilityDiagram, expected_calibration_error, reliability_diagram
 from rnndrop.cells import VariationalGRUCell, VariationalLSTMCell
-from rnndrop.compiled_model import CompiledModel, compile_model
+from rnndrop.compiling import CompiledModel, compile_model
 from rnndrop.deploy import to_torch
 from rnndrop.embedding_dropout import EmbeddingDropout
 from rnndrop.gaussian import GaussianGRU, GaussianLockedDropout, GaussianLSTM

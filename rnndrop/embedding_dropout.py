@@ -29,8 +29,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from rnndrop.compiling import tracing_for_compile
 from rnndrop.noise import bernoulli_mask
-from rnndrop.stochastic import Stochastic, tracing_for_compile
+from rnndrop.stochastic import Stochastic
 from rnndrop.validation import check_bool, check_choice, check_instance, check_probability, check_word_ids
 
 __all__ = ["EmbeddingDropout", "word_keep_mask"]

@@ -60,6 +60,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
+from rnndrop.compiling import run_eagerly, traced_cache, tracing_for_compile
 from rnndrop.flat_weights import masked_weights
 from rnndrop.kernels import (
     KERNELS,
@@ -73,7 +74,7 @@ from rnndrop.kernels.ops import TRACEABLE
 from rnndrop.layout import SequenceLayout
 from rnndrop.masks import MASK_SCOPES, RecurrentMasks, StackGeometry, check_seq_len, mask_sites
 from rnndrop.noise import NOISES, draw_mask, draw_masks
-from rnndrop.stochastic import Stochastic, run_eagerly, traced_cache, tracing_for_compile
+from rnndrop.stochastic import Stochastic
 from rnndrop.validation import check_bool, check_choice, check_positive_int, check_probability
 
 __all__ = ["GRU_CELL", "LSTM_CELL", "CellSpec", "VariationalGRU", "VariationalLSTM", "VariationalRNNStack"]

@@ -1,10 +1,10 @@
-"""Modules that sample noise, and how they meet torch's compilers.
+"""Modules that sample noise.
 
 :class:`Stochastic` marks the modules that draw noise in training mode, for Monte-Carlo
-prediction. They refuse ``torch.jit.script`` with a reason instead of a parser error, and run
-eagerly inside ``torch.compile`` (a graph break, not an error): TorchScript (deprecated in current
-torch) cannot express what these modules do (masks drawn per call and passed around as
-dataclasses, loop kernels that are autograd Functions, keyword-only arguments).
+prediction. They refuse ``torch.jit.script`` with a reason instead of a parser error: TorchScript
+(deprecated in current torch) cannot express what these modules do (masks drawn per call and
+passed around as dataclasses, loop kernels that are autograd Functions, keyword-only arguments);
+``torch.compile`` runs them (:mod:`rnndrop.compiling`).
 ``torch.jit.script`` calls ``__prepare_scriptable__`` on a module and each of its submodules
 first; :func:`refuse_torchscript` answers there with a one-line :class:`TypeError` that names the
 module and the ways that work. A module whose noise a batch shares says whether it can draw it per
@@ -15,15 +15,12 @@ stacked into one batch).
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Callable, Iterator
-from typing import Any, NoReturn, TypeVar
+from collections.abc import Iterator
+from typing import NoReturn
 
 import torch
 
 from rnndrop.validation import check_instance
-
-T = TypeVar("T")
 
 
 def refuse_torchscript(module: object) -> NoReturn:
@@ -35,40 +32,6 @@ def refuse_torchscript(module: object) -> NoReturn:
         f"{type(module).__name__} cannot be compiled by torch.jit.script (TorchScript cannot express "
         "its per-call masks and loop kernels); use torch.compile, which runs it, or the module as it is"
     )
-
-
-def tracing_for_compile() -> bool:
-    """Whether torch.compile is tracing this call (and not torch.export, whose programs must run
-    without rnndrop's operators: the layers export as before)."""
-    return torch.compiler.is_compiling() and not torch.compiler.is_exporting()
-
-
-def traced_cache(maxsize: int | None) -> Callable[[Callable[..., T]], Callable[..., T]]:
-    """``functools.lru_cache(maxsize)`` for a pure function of hashable arguments that a forward
-    pass calls, which torch.compile may trace: while it traces, the function itself runs (what
-    dynamo does with a cached function anyway, here without its warning that it does so)."""
-
-    def decorate(fn: Callable[..., T]) -> Callable[..., T]:
-        cached = functools.lru_cache(maxsize)(fn)
-
-        @functools.wraps(fn)
-        def call(*args: Any) -> T:
-            return fn(*args) if torch.compiler.is_compiling() else cached(*args)
-
-        return call
-
-    return decorate
-
-
-@traced_cache(None)
-def run_eagerly(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` under ``torch.compiler.disable``, made on first use: the layers call it only
-    while torch.compile traces them (``torch.compiler.is_compiling()``), so ``import rnndrop``
-    does not import torch._dynamo (seconds). torch.compile then runs the layer eagerly, as it
-    runs nn.LSTM: the loop kernels are autograd Functions over a Python time loop, and tracing
-    torch's fused RNN ops fails in Inductor."""
-    return torch.compiler.disable(fn)
-
 
 
 class Stochastic:

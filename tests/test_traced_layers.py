@@ -18,7 +18,8 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 import rnndrop
 from rnndrop import VariationalGRU, VariationalLSTM
-from rnndrop.kernels import get_kernel, ops
+from rnndrop.compiling import BEFORE_TRACING
+from rnndrop.kernels import auto_loop_kernel_on, get_kernel, ops
 from rnndrop.layout import EqualBatchSizes
 from tests.helpers import assert_close
 from tests.test_random_configurations import build, draw_configuration, inputs, tolerance
@@ -250,6 +251,7 @@ def test_compile_model_traces_the_layers_and_leaves_the_switch_as_it_was():
     masks = layer.sample_masks(3, 5, generator=torch.Generator().manual_seed(1))
     x = torch.randn(5, 3, 4)
     graphs: list = []
+    assert auto_loop_kernel_on in BEFORE_TRACING  # the kernel choice made before tracing
     with torch._dynamo.config.patch(allow_rnn=False):
         compiled = rnndrop.compile_model(layer, mode=None, backend=counting_backend(graphs), fullgraph=True)
         actual = compiled(x, None, masks)

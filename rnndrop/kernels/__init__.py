@@ -51,9 +51,9 @@ from typing import Literal, Protocol, TypedDict, overload
 import torch
 from torch import Tensor
 
+from rnndrop.compiling import BEFORE_TRACING, constant_for_compile, tracing_for_compile
 from rnndrop.kernels import compiled, gpu, gru, lstm, ops, reference
 from rnndrop.kernels.matmul import functorch_wrapped, input_projection
-from rnndrop.stochastic import tracing_for_compile
 
 
 class LSTMRecurrence(Protocol):
@@ -132,6 +132,7 @@ def auto_loop_kernel(x: Tensor) -> str:
     return auto_loop_kernel_on(x.device, x.dtype)
 
 
+@constant_for_compile
 def auto_loop_kernel_on(device: torch.device, dtype: torch.dtype) -> str:
     """``kernel="auto"``'s loop kernel for tensors of ``dtype`` on ``device``: ``"compiled"`` on
     CPU in float32 / float64 where it can be built (the first call builds it), ``"triton"`` on CUDA
@@ -145,10 +146,7 @@ def auto_loop_kernel_on(device: torch.device, dtype: torch.dtype) -> str:
     return DEFAULT_LOOP_KERNEL
 
 
-# What torch.compiler.assume_constant_result(auto_loop_kernel_on) sets (torch/_dynamo/decorators.py),
-# set here without importing torch._dynamo (seconds): `import rnndrop` leaves dynamo to torch.compile.
-# tests/test_traced_layers.py fails (a graph break in fullgraph=True) if torch stops reading it.
-auto_loop_kernel_on._dynamo_marked_constant = True  # type: ignore[attr-defined]
+BEFORE_TRACING.append(auto_loop_kernel_on)
 
 
 @overload

@@ -18,11 +18,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from rnndrop.compiling import constant_for_compile, tracing_for_compile
 from rnndrop.kernels.gates import masked_linear
 from rnndrop.kernels.onednn import matmul, onednn_enabled
 from rnndrop.kernels.per_gate_projection import per_gate_projection
 from rnndrop.kernels.precision import products_as_cudnn
-from rnndrop.stochastic import tracing_for_compile
 
 
 class StepWeight:
@@ -156,15 +156,11 @@ def _linear_backward(ctx, d_out: Tensor) -> tuple[Tensor | None, ...]:
 _linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
 
 
+@constant_for_compile
 def _through_linear(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether products of rows of ``dtype`` on ``device`` run through :class:`_Linear` (CUDA, or
     oneDNN on the CPU). torch.compile calls it while it traces and keeps the answer."""
     return device.type == "cuda" or (device.type == "cpu" and onednn_enabled(torch.empty(0, dtype=dtype)))
-
-
-# What torch.compiler.assume_constant_result sets, without importing torch._dynamo (as
-# rnndrop.kernels.auto_loop_kernel_on).
-_through_linear._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def input_projection(x: Tensor, mask: Tensor | None, weight: Tensor, bias: Tensor | None = None) -> Tensor:

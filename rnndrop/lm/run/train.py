@@ -58,7 +58,7 @@ from torch.nn.parallel import DistributedDataParallel
 import rnndrop
 from rnndrop.activation_regularization import ActivationRegularization
 from rnndrop.bptt import scaled_learning_rate
-from rnndrop.compiled_model import CompiledModel, compile_model
+from rnndrop.compiling import CompiledModel, compile_model
 from rnndrop.distributed import check_parameters_agree, seed_noise_per_rank
 from rnndrop.lm.data.corpus import Corpus, batchify
 from rnndrop.lm.model.build import build_model, build_optimizer, trainable_parameters
@@ -401,7 +401,7 @@ class Training:
         activation_reg: AR / TAR at the config's weights, or None (:mod:`rnndrop.lm.run.recipe`).
         averaging: NT-ASGD (:class:`~rnndrop.lm.run.recipe.RunAveraging`), or None.
         compiled: whether it trains under torch.compile (``net`` a
-            :class:`~rnndrop.compiled_model.CompiledModel`).
+            :class:`~rnndrop.compiling.CompiledModel`).
     """
 
     corpus: Corpus

@@ -1,0 +1,118 @@
+"""rnndrop under ``torch.compile``: what the layers need while it traces, and a model compiled with
+its layers traced.
+
+Dynamo leaves every ``nn.LSTM`` / ``nn.GRU`` (rnndrop's layers are such subclasses) out of its
+graphs unless ``torch._dynamo.config.allow_rnn`` is set. :func:`compile_model` sets it only while
+the compiled model compiles and runs, and picks ``mode="reduce-overhead"`` (the whole step replayed
+from CUDA graphs) on CUDA::
+
+    model = rnndrop.compile_model(model)        # instead of torch.compile(model)
+    loss = criterion(model(x), y)               # each call one step
+
+The rest serves the library's own code while torch.compile traces it: whether it does
+(:func:`tracing_for_compile`), a function whose answer is a constant of the graph
+(:func:`constant_for_compile`), caches it traces through (:func:`traced_cache`) and what it runs
+eagerly (:func:`run_eagerly`). What is traced and what still runs eagerly: docs/ecosystem.md,
+"torch.compile".
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+__all__ = ["CompiledModel", "compile_model", "constant_for_compile", "run_eagerly", "traced_cache",
+           "tracing_for_compile"]
+
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: Called eagerly with each device and dtype of a model's parameters before :func:`compile_model`
+#: traces it: :mod:`rnndrop.kernels` registers ``kernel="auto"``'s choice there, so that the Triton
+#: kernel's first-use check runs before tracing, not inside it.
+BEFORE_TRACING: list[Callable[[torch.device, torch.dtype], object]] = []
+
+
+def tracing_for_compile() -> bool:
+    """Whether torch.compile is tracing this call (and not torch.export, whose programs must run
+    without rnndrop's operators: the layers export as before)."""
+    return torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+
+
+def traced_cache(maxsize: int | None) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """``functools.lru_cache(maxsize)`` for a pure function of hashable arguments that a forward
+    pass calls, which torch.compile may trace: while it traces, the function itself runs (what
+    dynamo does with a cached function anyway, here without its warning that it does so)."""
+
+    def decorate(fn: Callable[..., T]) -> Callable[..., T]:
+        cached = functools.lru_cache(maxsize)(fn)
+
+        @functools.wraps(fn)
+        def call(*args: Any) -> T:
+            return fn(*args) if torch.compiler.is_compiling() else cached(*args)
+
+        return call
+
+    return decorate
+
+
+@traced_cache(None)
+def run_eagerly(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` under ``torch.compiler.disable``, made on first use: the layers call it only
+    while torch.compile traces them (``torch.compiler.is_compiling()``), so ``import rnndrop``
+    does not import torch._dynamo (seconds). torch.compile then runs the layer eagerly, as it
+    runs nn.LSTM: the loop kernels are autograd Functions over a Python time loop, and tracing
+    torch's fused RNN ops fails in Inductor."""
+    return torch.compiler.disable(fn)
+
+
+def constant_for_compile(fn: F) -> F:
+    """Mark ``fn`` (of arguments dynamo holds as constants: devices, dtypes) as one whose answer
+    torch.compile calls while it traces and keeps as a constant of the graph. It sets what
+    ``torch.compiler.assume_constant_result`` sets (torch/_dynamo/decorators.py) without importing
+    torch._dynamo (seconds at ``import rnndrop``); tests/test_traced_layers.py fails (a graph break
+    in ``fullgraph=True``) if torch stops reading it."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+class CompiledModel(nn.Module):
+    """``module`` under ``torch.compile`` (``mode``; ``"auto"``: ``"reduce-overhead"`` on CUDA,
+    torch's default elsewhere), with ``torch._dynamo.config.allow_rnn`` on while it compiles and
+    runs. Its ``state_dict`` is the module's under ``module.``; save ``module``'s own.
+
+    With CUDA graphs each call is a new step (``torch.compiler.cudagraph_mark_step_begin``): the
+    outputs of a call may be overwritten by the next one, so clone what a loop carries over (a
+    recurrent state to the next batch, as truncated BPTT does).
+    """
+
+    def __init__(self, module: nn.Module, *, mode: str | None = "auto", **compile_kwargs: Any) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+        self.module = module
+        for device, dtype in {(p.device, p.dtype) for p in module.parameters()}:
+            for choose in BEFORE_TRACING:
+                choose(device, dtype)
+        if mode == "auto":
+            on_cuda = any(p.is_cuda for p in module.parameters())
+            mode = "reduce-overhead" if on_cuda else None
+        self.cuda_graphs = mode in ("reduce-overhead", "max-autotune")
+        # not a submodule: the compiled wrapper holds the same parameters under other names
+        self.__dict__["_compiled"] = torch.compile(module, mode=mode, **compile_kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch._dynamo.config.patch(allow_rnn=True):
+            return self._compiled(*args, **kwargs)
+
+
+def compile_model(module: nn.Module, *, mode: str | None = "auto", **compile_kwargs: Any) -> CompiledModel:
+    """``module`` under ``torch.compile`` with rnndrop's layers traced: a :class:`CompiledModel`
+    (``compile_kwargs`` go to ``torch.compile``)."""
+    return CompiledModel(module, mode=mode, **compile_kwargs)
