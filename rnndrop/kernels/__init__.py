@@ -53,7 +53,8 @@ from torch import Tensor
 
 from rnndrop.compiling import BEFORE_TRACING, constant_for_compile, tracing_for_compile
 from rnndrop.kernels import compiled, gpu, gru, lstm, ops, reference
-from rnndrop.kernels.matmul import functorch_wrapped, input_projection
+from rnndrop.kernels.first_order import functorch_wrapped
+from rnndrop.kernels.matmul import input_projection
 
 
 class LSTMRecurrence(Protocol):

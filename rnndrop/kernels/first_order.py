@@ -1,5 +1,7 @@
 """The backward passes of the hand-written kernels are first-order only, and say so; nor do those
 kernels run under torch.func or torch.export, and they say that too (:func:`refuse_transforms`).
+The backward operators torch.compile traces return only the gradients asked for (:func:`needed`,
+:func:`grads_like`, :func:`spread`).
 
 ``torch.autograd.function.once_differentiable`` alone is not enough: asked for a graph
 (``create_graph=True``, as a gradient penalty ``d/dW ||dy/dx||²`` or a Hessian-vector
@@ -11,12 +13,18 @@ cut off from the weights, so the second-order gradient comes out wrong or missin
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from rnndrop.kernels.matmul import functorch_wrapped
+
+def functorch_wrapped(*tensors: Tensor) -> bool:
+    """Whether any of ``tensors`` is inside a ``torch.func`` transform (``grad``, ``vmap``, ...),
+    where autograd Functions without ``setup_context`` (the loop kernels', the projection's in
+    :mod:`rnndrop.kernels.matmul`) cannot run."""
+    is_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+    return is_wrapped is not None and any(is_wrapped(t) for t in tensors)
 
 
 def refuse_transforms(kernel: str, gates_x: Tensor) -> None:
@@ -62,3 +70,25 @@ def first_order_backward(kernel: str) -> Callable[[Callable], Callable]:
         return guarded
 
     return decorate
+
+
+# A backward operator (rnndrop.kernels.ops, the projection's in rnndrop.kernels.matmul) returns the
+# gradients its ``needs`` asks for, in order: a torch operator cannot return None in a list.
+
+
+def needed(grads: Sequence[Tensor | None], needs: Sequence[bool]) -> list[Tensor]:
+    """The gradients ``needs`` asks for, contiguous (the strides their traced shapes say)."""
+    return [g.contiguous() for g, need in zip(grads, needs, strict=True) if need and g is not None]
+
+
+def grads_like(needs: Sequence[bool], like: Sequence[Tensor | None]) -> list[Tensor]:
+    """Empty gradients shaped as the arguments ``like`` that ``needs`` asks for (a backward
+    operator's result as torch.compile traces it)."""
+    return [torch.empty_like(t, memory_format=torch.contiguous_format)
+            for t, need in zip(like, needs, strict=True) if need and t is not None]
+
+
+def spread(needs: Sequence[bool], grads: Sequence[Tensor]) -> list[Tensor | None]:
+    """A backward operator's gradients back in their arguments' places (None where not needed)."""
+    given = iter(grads)
+    return [next(given) if need else None for need in needs]

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from rnndrop.compiling import constant_for_compile, tracing_for_compile
+from rnndrop.kernels.first_order import functorch_wrapped, grads_like, needed, spread
 from rnndrop.kernels.gates import masked_linear
 from rnndrop.kernels.onednn import matmul, onednn_enabled
 from rnndrop.kernels.per_gate_projection import per_gate_projection
@@ -56,13 +57,6 @@ class StepWeight:
         if bias is not None:
             return torch.addmm(bias, x, self.transposed)
         return torch.mm(x, self.transposed)
-
-
-def functorch_wrapped(*tensors: Tensor) -> bool:
-    """Whether any of ``tensors`` is inside a ``torch.func`` transform (``grad``, ``vmap``, ...),
-    where autograd Functions without ``setup_context`` (this module's, the loop kernels') cannot run."""
-    is_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
-    return is_wrapped is not None and any(is_wrapped(t) for t in tensors)
 
 
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -129,15 +123,12 @@ def _(x, weight, bias):
     "(Tensor d_out, Tensor x, Tensor weight, bool[] needs, bool has_bias) -> Tensor[]"))
 def _linear_backward_op(d_out: Tensor, x: Tensor, weight: Tensor, needs: list[bool],
                         has_bias: bool) -> list[Tensor]:
-    grads = _linear_grads(d_out, x, weight, needs, has_bias)
-    return [g.contiguous() for g in grads if g is not None]
+    return needed(_linear_grads(d_out, x, weight, needs, has_bias), needs)
 
 
 @_linear_backward_op.register_fake
 def _(d_out, x, weight, needs, has_bias):
-    like = (x, weight, d_out[0]) if has_bias else (x, weight)
-    return [torch.empty_like(t, memory_format=torch.contiguous_format)
-            for t, need in zip(like, needs, strict=False) if need]
+    return grads_like(needs, (x, weight, d_out[0] if has_bias else None))
 
 
 def _linear_setup(ctx, inputs: tuple, output: Tensor) -> None:
@@ -149,8 +140,7 @@ def _linear_setup(ctx, inputs: tuple, output: Tensor) -> None:
 def _linear_backward(ctx, d_out: Tensor) -> tuple[Tensor | None, ...]:
     x, weight = ctx.saved_tensors
     needs = [*ctx.needs_input_grad[:2], ctx.needs_input_grad[2] and ctx.has_bias]
-    given = iter(_linear_backward_op(d_out, x, weight, needs, ctx.has_bias))
-    return tuple(next(given) if need else None for need in needs)
+    return tuple(spread(needs, _linear_backward_op(d_out, x, weight, needs, ctx.has_bias)))
 
 
 _linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from rnndrop.kernels import compiled, gpu
-from rnndrop.kernels.first_order import will_differentiate
+from rnndrop.kernels.first_order import grads_like, needed, spread, will_differentiate
 from rnndrop.layout import EqualBatchSizes
 
 __all__ = ["TRACEABLE", "gru_recurrence", "lstm_recurrence"]
@@ -64,12 +64,6 @@ def _contiguous(tensors: Sequence[Tensor]) -> list[Tensor]:
     return [t.contiguous() for t in tensors]
 
 
-def _wanted(needs: Sequence[bool], like: Sequence[Tensor | None]) -> list[Tensor]:
-    """Empty gradients shaped as the arguments ``like`` that ``needs`` asks for."""
-    return [torch.empty_like(t, memory_format=torch.contiguous_format)
-            for t, need in zip(like, needs, strict=True) if need and t is not None]
-
-
 def _equal_sizes(gates_x: Tensor, h0: Tensor) -> list[int]:
     """The batch sizes of ``gates_x``'s rows, ``h0.size(0)`` at every step."""
     batch = h0.shape[0]
@@ -81,12 +75,6 @@ def _check_equal_sizes(batch_sizes: Sequence[int]) -> None:
     if not isinstance(batch_sizes, EqualBatchSizes) and any(b != batch_sizes[0] for b in batch_sizes):
         raise ValueError("rnndrop's recurrence operators take equal batch sizes (padded input), "
                          f"got {list(batch_sizes)}")
-
-
-def _spread(needs: Sequence[bool], grads: Sequence[Tensor]) -> list[Tensor | None]:
-    """The backward operator's gradients back in their arguments' places (None where not needed)."""
-    given = iter(grads)
-    return [next(given) if need else None for need in needs]
 
 
 # ------------------------------------------------------------------------------------------ LSTM
@@ -127,12 +115,12 @@ def _lstm_backward_op(
     grads = _split(kernel, "lstm", "backward_saved")(
         _equal_sizes(out, h0), reverse, needs, h0, c0, w_hh, w_hr, hidden_mask, out, saved, d_out, d_hn, d_cn
     )
-    return _contiguous([g for g, need in zip(grads, needs, strict=True) if need])
+    return needed(grads, needs)
 
 
 @_lstm_backward_op.register_fake
 def _(kernel, reverse, needs, h0, c0, w_hh, w_hr, hidden_mask, out, saved, d_out, d_hn, d_cn):
-    return _wanted(needs, (saved[0], h0, c0, w_hh, w_hr, hidden_mask))  # saved[0]: acts, shaped as gates_x
+    return grads_like(needs, (saved[0], h0, c0, w_hh, w_hr, hidden_mask))  # saved[0]: acts, shaped as gates_x
 
 
 def _lstm_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
@@ -146,7 +134,7 @@ def _lstm_backward(ctx: Any, d_out: Tensor | None, d_hn: Tensor | None, d_cn: Te
                    _: list[Tensor] | None) -> tuple:
     h0, c0, w_hh, w_hr, hidden_mask, out, *saved = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[1:7])
-    grads = _spread(needs, _lstm_backward_op(
+    grads = spread(needs, _lstm_backward_op(
         ctx.kernel, ctx.reverse, needs, h0, c0, w_hh, w_hr, hidden_mask, out, saved,
         d_out, d_hn, d_cn,
     ))
@@ -205,12 +193,12 @@ def _gru_backward_op(
     grads = _split(kernel, "gru", "backward_saved")(
         _equal_sizes(out, h0), reverse, needs, h0, w_hh, b_hh, hidden_mask, out, saved, d_out, d_hn
     )
-    return _contiguous([g for g, need in zip(grads, needs, strict=True) if need])
+    return needed(grads, needs)
 
 
 @_gru_backward_op.register_fake
 def _(kernel, reverse, needs, h0, w_hh, b_hh, hidden_mask, out, saved, d_out, d_hn):
-    return _wanted(needs, (saved[0], h0, w_hh, b_hh, hidden_mask))  # saved[0]: acts, shaped as gates_x
+    return grads_like(needs, (saved[0], h0, w_hh, b_hh, hidden_mask))  # saved[0]: acts, shaped as gates_x
 
 
 def _gru_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
@@ -223,7 +211,7 @@ def _gru_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
 def _gru_backward(ctx: Any, d_out: Tensor | None, d_hn: Tensor | None, _: list[Tensor] | None) -> tuple:
     h0, w_hh, b_hh, hidden_mask, out, *saved = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[1:6])
-    grads = _spread(needs, _gru_backward_op(
+    grads = spread(needs, _gru_backward_op(
         ctx.kernel, ctx.reverse, needs, h0, w_hh, b_hh, hidden_mask, out, saved, d_out, d_hn,
     ))
     return None, *grads, None, None
