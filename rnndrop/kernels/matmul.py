@@ -21,7 +21,7 @@ from torch import Tensor
 from rnndrop.compiling import constant_for_compile, tracing_for_compile
 from rnndrop.kernels.first_order import functorch_wrapped, grads_like, needed, spread
 from rnndrop.kernels.gates import masked_linear
-from rnndrop.kernels.onednn import matmul, onednn_enabled
+from rnndrop.kernels.onednn import matmul, onednn_enabled, onednn_enabled_on
 from rnndrop.kernels.per_gate_projection import per_gate_projection
 from rnndrop.kernels.precision import products_as_cudnn
 
@@ -149,8 +149,9 @@ _linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
 @constant_for_compile
 def _through_linear(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether products of rows of ``dtype`` on ``device`` run through :class:`_Linear` (CUDA, or
-    oneDNN on the CPU). torch.compile calls it while it traces and keeps the answer."""
-    return device.type == "cuda" or (device.type == "cpu" and onednn_enabled(torch.empty(0, dtype=dtype)))
+    oneDNN on the CPU), eagerly or, as ``rnndrop::linear``, while torch.compile traces (which
+    keeps the answer as a constant of the graph)."""
+    return device.type == "cuda" or onednn_enabled_on(device, dtype)
 
 
 def input_projection(x: Tensor, mask: Tensor | None, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -173,7 +174,7 @@ def input_projection(x: Tensor, mask: Tensor | None, weight: Tensor, bias: Tenso
         return masked_linear(x, mask, weight, bias)  # torch's ops, which torch.compile traces
     if functorch_wrapped(*(t for t in (x, mask, weight, bias) if t is not None)):
         return masked_linear(x, mask, weight, bias)
-    if plain and (x.is_cuda or onednn_enabled(x)):
+    if plain and _through_linear(x.device, x.dtype):
         differentiated = torch.is_grad_enabled() and (
             x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
         if not differentiated:  # Monte-Carlo sampling: no autograd Function

@@ -66,9 +66,14 @@ def _onednn_ops_work() -> bool:
 
 def onednn_enabled(t: Tensor) -> bool:
     """Whether products with ``t``'s dtype and device go through oneDNN."""
+    return onednn_enabled_on(t.device, t.dtype)
+
+
+def onednn_enabled_on(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether products of ``dtype`` on ``device`` go through oneDNN."""
     return (
-        t.device.type == "cpu"
-        and t.dtype == torch.float32
+        device.type == "cpu"
+        and dtype == torch.float32
         and bool(torch.backends.mkldnn.enabled)
         and _onednn_ops_work()
     )
