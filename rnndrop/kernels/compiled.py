@@ -353,13 +353,13 @@ def _kept_masked(mask: Tensor | None) -> bool:
 
 
 def lstm_forward_saving(
-    gates_x: Tensor, batch_sizes: Sequence[int], h0: Tensor, c0: Tensor, w_hh: Tensor, w_hr: Tensor | None,
+    gates_x: Tensor, batch_sizes: list[int], h0: Tensor, c0: Tensor, w_hh: Tensor, w_hr: Tensor | None,
     hidden_mask: Tensor | None, reverse: bool, keep: bool,
 ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     """``(out, h_n, c_n, saved)``: the forward pass, with ``keep`` what backward reads besides the
-    arguments and ``out`` as :func:`lstm_saved_like` lays it out."""
+    arguments and ``out`` as :func:`lstm_saved_like` lays it out (``batch_sizes``: Python ints)."""
     inputs = LSTMInputs(gates_x=gates_x, h0=h0, c0=c0, w_hh=w_hh, w_hr=w_hr, mask=hidden_mask)
-    result = _lstm_forward(inputs, _sizes(batch_sizes), bool(reverse), keep)
+    result = _lstm_forward(inputs, batch_sizes, reverse, keep)
     if not keep:
         return result.out, result.h_n, result.c_n, []
     saved = [result.acts, result.cells, result.tanh_cells]
@@ -381,7 +381,7 @@ def lstm_saved_like(gates_x: Tensor, h0: Tensor, c0: Tensor, w_hh: Tensor, w_hr:
 
 
 def lstm_backward_saved(
-    batch_sizes: Sequence[int], reverse: bool, needs: Sequence[bool], h0: Tensor, c0: Tensor, w_hh: Tensor,
+    batch_sizes: list[int], reverse: bool, needs: Sequence[bool], h0: Tensor, c0: Tensor, w_hh: Tensor,
     w_hr: Tensor | None, hidden_mask: Tensor | None, out: Tensor, saved: Sequence[Tensor],
     d_out: Tensor | None, d_hn: Tensor | None, d_cn: Tensor | None,
 ) -> tuple[Tensor | None, ...]:
@@ -391,26 +391,25 @@ def lstm_backward_saved(
     r = rest.pop(0) if w_hr is not None else None
     state = LSTMSaved(acts=acts, cells=cells, tanh_cells=tanh_cells, out=out, r=r,
                       masked=rest[0] if rest else None, h0=h0, c0=c0, w_hh=w_hh, w_hr=w_hr, mask=hidden_mask)
-    sizes = _sizes(batch_sizes)
     wanted = LSTMInputs._make(needs)._asdict()
     extension = build()
     grads = extension.lstm_backward(
         grads=_struct(extension.LSTMOutputGrads, out=d_out, h_n=d_hn, c_n=d_cn),
-        saved=_struct(extension.LSTMSaved, **state._asdict()), schedule=_schedule(sizes, bool(reverse)),
+        saved=_struct(extension.LSTMSaved, **state._asdict()), schedule=_schedule(batch_sizes, reverse),
         needs=_struct(extension.LSTMNeeds, **wanted),
-        w_t_packed=packed_weights(w_hh, hidden_mask, sizes[0], transposed=True),
+        w_t_packed=packed_weights(w_hh, hidden_mask, batch_sizes[0], transposed=True),
         onednn_weight_grad=sequence_through_onednn(w_hh),
     )
     return tuple(getattr(grads, name) if need else None for name, need in wanted.items())
 
 
 def gru_forward_saving(
-    gates_x: Tensor, batch_sizes: Sequence[int], h0: Tensor, w_hh: Tensor, b_hh: Tensor | None,
+    gates_x: Tensor, batch_sizes: list[int], h0: Tensor, w_hh: Tensor, b_hh: Tensor | None,
     hidden_mask: Tensor | None, reverse: bool, keep: bool,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """``(out, h_n, saved)``, as :func:`lstm_forward_saving`; ``saved`` as :func:`gru_saved_like`."""
     inputs = GRUInputs(gates_x=gates_x, h0=h0, w_hh=w_hh, b_hh=b_hh, mask=hidden_mask)
-    result = _gru_forward(inputs, _sizes(batch_sizes), bool(reverse), keep)
+    result = _gru_forward(inputs, batch_sizes, reverse, keep)
     if not keep:
         return result.out, result.h_n, []
     masked = [] if hidden_mask is None else [result.masked]
@@ -430,7 +429,7 @@ def gru_saved_like(gates_x: Tensor, h0: Tensor, w_hh: Tensor, b_hh: Tensor | Non
 
 
 def gru_backward_saved(
-    batch_sizes: Sequence[int], reverse: bool, needs: Sequence[bool], h0: Tensor, w_hh: Tensor,
+    batch_sizes: list[int], reverse: bool, needs: Sequence[bool], h0: Tensor, w_hh: Tensor,
     b_hh: Tensor | None, hidden_mask: Tensor | None, out: Tensor, saved: Sequence[Tensor],
     d_out: Tensor | None, d_hn: Tensor | None,
 ) -> tuple[Tensor | None, ...]:
@@ -439,14 +438,13 @@ def gru_backward_saved(
     acts, a_n, *rest = saved
     state = GRUSaved(acts=acts, a_n=a_n, out=out, masked=rest[0] if rest else None, h0=h0, w_hh=w_hh,
                      mask=hidden_mask)
-    sizes = _sizes(batch_sizes)
     wanted = GRUInputs._make(needs)._asdict()
     extension = build()
     grads = extension.gru_backward(
         grads=_struct(extension.GRUOutputGrads, out=d_out, h_n=d_hn),
-        saved=_struct(extension.GRUSaved, **state._asdict()), schedule=_schedule(sizes, bool(reverse)),
+        saved=_struct(extension.GRUSaved, **state._asdict()), schedule=_schedule(batch_sizes, reverse),
         needs=_struct(extension.GRUNeeds, **wanted),
-        w_t_packed=packed_weights(w_hh, hidden_mask, sizes[0], transposed=True),
+        w_t_packed=packed_weights(w_hh, hidden_mask, batch_sizes[0], transposed=True),
         onednn_weight_grad=sequence_through_onednn(w_hh),
     )
     return tuple(getattr(grads, name) if need else None for name, need in wanted.items())
@@ -515,8 +513,7 @@ def lstm_recurrence(
     inputs = LSTMInputs(gates_x=gates_x, h0=h0, c0=c0, w_hh=w_hh, w_hr=w_hr, mask=hidden_mask)
     sizes, reverse = _sizes(batch_sizes), bool(reverse)
     if not will_differentiate(*inputs):
-        result = _lstm_forward(inputs, sizes, reverse, keep=False)
-        return result.out, result.h_n, result.c_n
+        return lstm_forward_saving(gates_x, sizes, h0, c0, w_hh, w_hr, hidden_mask, reverse, keep=False)[:3]
     out, h_n, c_n = _LSTMRecurrence.apply(sizes, reverse, *inputs)
     return out, h_n, c_n
 
@@ -535,7 +532,6 @@ def gru_recurrence(
     inputs = GRUInputs(gates_x=gates_x, h0=h0, w_hh=w_hh, b_hh=b_hh, mask=hidden_mask)
     sizes, reverse = _sizes(batch_sizes), bool(reverse)
     if not will_differentiate(*inputs):
-        result = _gru_forward(inputs, sizes, reverse, keep=False)
-        return result.out, result.h_n
+        return gru_forward_saving(gates_x, sizes, h0, w_hh, b_hh, hidden_mask, reverse, keep=False)[:2]
     out, h_n = _GRURecurrence.apply(sizes, reverse, *inputs)
     return out, h_n
