@@ -337,6 +337,8 @@ def _train_epoch(
     run.net.train()
     bar = EpochProgress(segments.count, f"epoch {epoch}", progress and ctx.is_main)
     total, words, hidden = 0.0, 0, None
+    # copied where CUDA graphs replay the step: the next replay overwrites this one's outputs
+    copy_state = isinstance(run.net, CompiledModel) and run.net.cuda_graphs
     read_words = 0  # the words of the steps read (checked, summed: in order, a few steps behind)
     start = time.perf_counter()
     try:
@@ -344,8 +346,7 @@ def _train_epoch(
             targets = segment.targets
             logits, hidden, penalty = forward_with_penalty(run.net, segment.inputs, hidden,
                                                            run.activation_reg)
-            # copied where CUDA graphs replay the step: the next replay overwrites this one's outputs
-            hidden = detach_hidden(hidden, copy=isinstance(run.net, CompiledModel) and run.net.cuda_graphs)
+            hidden = detach_hidden(hidden, copy=copy_state)
             loss = token_loss(logits, targets)
             objective = loss if penalty is None else loss + penalty
             if run.extra_loss is not None:
