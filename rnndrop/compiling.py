@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-__all__ = ["CompiledModel", "compile_model", "constant_for_compile", "run_eagerly", "traced_cache",
+__all__ = ["CompiledModel", "compile_model", "constant_for_compile", "exporting", "run_eagerly", "traced_cache",
            "tracing_for_compile"]
 
 T = TypeVar("T")
@@ -40,7 +40,16 @@ BEFORE_TRACING: list[Callable[[torch.device, torch.dtype], object]] = []
 def tracing_for_compile() -> bool:
     """Whether torch.compile is tracing this call (and not torch.export, whose programs must run
     without rnndrop's operators: the layers export as before)."""
-    return torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+    return torch.compiler.is_compiling() and not exporting()
+
+
+def exporting() -> bool:
+    """Whether torch.export is tracing this call: ``torch.compiler.is_exporting()``, read from the
+    flag torch.export sets, for torch 2.11's dynamo answers the call itself with True under
+    torch.compile too (later versions read the flag), which sent every layer there down the
+    export path."""
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    return torch.compiler.is_exporting() if flag is None else bool(flag)
 
 
 def traced_cache(maxsize: int | None) -> Callable[[Callable[..., T]], Callable[..., T]]:

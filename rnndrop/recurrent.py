@@ -60,7 +60,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from rnndrop.compiling import run_eagerly, traced_cache, tracing_for_compile
+from rnndrop.compiling import exporting, run_eagerly, traced_cache, tracing_for_compile
 from rnndrop.flat_weights import masked_weights
 from rnndrop.kernels import (
     KERNELS,
@@ -547,7 +547,7 @@ class VariationalRNNStack(Stochastic):
     ) -> tuple:
         """:meth:`_forward` without the check for torch.compile (which calls this one eagerly, or
         traces it: :meth:`_traces`)."""
-        if torch.compiler.is_exporting() and self._computes_as_torch(masks):
+        if exporting() and self._computes_as_torch(masks):
             # torch.export of the eval-mode layer: nn.LSTM's own forward, the same function, which
             # exports with dynamic shapes (the row layout below would specialise the batch size).
             torch_forward = (nn.LSTM if self._cell.mode == "LSTM" else nn.GRU).forward

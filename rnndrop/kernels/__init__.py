@@ -51,7 +51,7 @@ from typing import Literal, Protocol, TypedDict, overload
 import torch
 from torch import Tensor
 
-from rnndrop.compiling import BEFORE_TRACING, constant_for_compile, tracing_for_compile
+from rnndrop.compiling import BEFORE_TRACING, constant_for_compile, exporting, tracing_for_compile
 from rnndrop.kernels import compiled, gpu, gru, lstm, ops, reference
 from rnndrop.kernels.first_order import functorch_wrapped
 from rnndrop.kernels.matmul import input_projection
@@ -124,7 +124,7 @@ def auto_loop_kernel(x: Tensor) -> str:
     autograd Functions those transforms cannot run) and while ``torch.export`` traces (it
     cannot trace into the C++ loop nor the manual kernel's ``out=`` calls), else
     :func:`auto_loop_kernel_on` for ``x``'s device and dtype."""
-    if torch.compiler.is_exporting():
+    if exporting():
         return "autograd"
     if torch.compiler.is_compiling():  # the functorch check is a graph break: torch.compile's choice
         return auto_loop_kernel_on(x.device, x.dtype)

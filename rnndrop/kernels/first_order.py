@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from rnndrop.compiling import exporting
+
 
 def functorch_wrapped(*tensors: Tensor) -> bool:
     """Whether any of ``tensors`` is inside a ``torch.func`` transform (``grad``, ``vmap``, ...),
@@ -31,7 +33,7 @@ def refuse_transforms(kernel: str, gates_x: Tensor) -> None:
     """A one-line RuntimeError instead of an error from deep inside torch where kernel ``kernel``
     cannot run: under a ``torch.func`` transform (its autograd Function has no ``setup_context``)
     or while ``torch.export`` traces (it cannot trace the C++ loop nor ``out=`` calls)."""
-    if functorch_wrapped(gates_x) or torch.compiler.is_exporting():
+    if functorch_wrapped(gates_x) or exporting():
         raise RuntimeError(
             f"the {kernel!r} loop kernel cannot run under torch.func transforms (vmap, grad, ...) nor "
             "torch.export; build the layer with kernel='auto' or kernel='autograd'"
