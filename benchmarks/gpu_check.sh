@@ -8,14 +8,27 @@
 #                                                   # profile loop_profile tuning projection host_profile lms
 #                                                   # compile
 #                                                   # weight_drop_memory
+#   DEADLINE=540 BUNDLE=x.tgz bash benchmarks/gpu_check.sh ...   # for a lease: below
+#
+# DEADLINE (seconds from the start) makes one call end inside its limit: the steps run in the order
+# named, each step's time limits are cut to what is left of it, and a step that would start with
+# under 30 s left is skipped (and says so). BUNDLE names a .tgz of everything written to $OUT (a
+# lease returns a few files, not dozens).
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
+DEADLINE=${DEADLINE:-}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET
 PY=${PYTHON:-python3}
 
 step() { echo; echo "=== $1 ($(date +%T))"; }
+
+limit() {  # a time limit of $1 s, cut to what DEADLINE leaves (at least 1 s)
+    if [ -z "$DEADLINE" ]; then echo "$1"; return; fi
+    local left=$((DEADLINE - SECONDS))
+    echo $((left < $1 ? (left > 1 ? left : 1) : $1))
+}
 
 machine() {
 step "machine"
@@ -32,13 +45,13 @@ step "kernels against the reference kernel, compiled (tests/triton_checks.py)"
 # The random configurations compile a dozen more shapes (a minute of a short lease): CHECKS_ALL=1 runs them
 local select=(-k "not random_configurations")
 [ -n "${CHECKS_ALL:-}" ] && select=()
-timeout 240 $PY -m pytest -q -p no:cacheprovider -n 8 --timeout 180 tests/triton_checks.py "${select[@]}" 2>&1 \
+timeout $(limit 240) $PY -m pytest -q -p no:cacheprovider -n 8 --timeout $(limit 180) tests/triton_checks.py "${select[@]}" 2>&1 \
     | tee "$OUT/triton-checks.log" | tail -n 40
 }
 
 tests() {
 step "the layers on CUDA (auto picks triton), CUDA graphs, cuDNN given masked weights without a copy"
-timeout 150 $PY -m pytest -q -p no:cacheprovider --timeout 100 tests/test_cuda_graphs.py \
+timeout $(limit 150) $PY -m pytest -q -p no:cacheprovider --timeout $(limit 100) tests/test_cuda_graphs.py \
     tests/test_triton_kernel.py tests/test_traced_layers.py -k "not match_the_reference and (cuda or triton)" \
     2>&1 | tee "$OUT/cuda-tests.log" | tail -n 30
 buffers
@@ -46,7 +59,7 @@ buffers
 
 buffers() {
 step "cuDNN runs the masked weights' buffers as they are: no compaction, no flatten (odd sizes too)"
-timeout 60 $PY -m pytest -q -p no:cacheprovider --timeout 50 tests/test_batch_scope.py tests/test_weight_drop.py \
+timeout $(limit 60) $PY -m pytest -q -p no:cacheprovider --timeout $(limit 50) tests/test_batch_scope.py tests/test_weight_drop.py \
     tests/test_flat_weights.py -k "on_cuda" 2>&1 | tee -a "$OUT/cuda-tests.log" | tail -n 10
 }
 
@@ -54,7 +67,7 @@ weight_drop_memory() {
 step "WeightDrop's peak memory in a training step: the op on the masked views, or the module's forward (a hook)"
 # A wrapped RNN with a hook goes through its own forward, which flattens the views into a buffer of
 # its own at every call (the path before 2026-11-26's seventh session): the A/B of that change.
-timeout 60 $PY - <<'MEMORY' 2>&1 | tee "$OUT/weight-drop-memory.txt"
+timeout $(limit 60) $PY - <<'MEMORY' 2>&1 | tee "$OUT/weight-drop-memory.txt"
 import torch
 from torch import nn
 from rnndrop import WeightDrop
@@ -81,7 +94,7 @@ MEMORY
 speed() {
 step "training speed against cuDNN, torch's defaults (cuDNN TF32, cuBLAS IEEE)"
 # SPEED_SHAPES, SPEED_BATCH, SPEED_VARIANTS (speed.py --variants) and SPEED_TIMEOUT narrow it
-timeout ${SPEED_TIMEOUT:-300} $PY benchmarks/speed.py --device cuda --shapes ${SPEED_SHAPES:-small,medium,large} \
+timeout $(limit ${SPEED_TIMEOUT:-300}) $PY benchmarks/speed.py --device cuda --shapes ${SPEED_SHAPES:-small,medium,large} \
     --batch ${SPEED_BATCH:-20,64,128} ${SPEED_VARIANTS:+--variants $SPEED_VARIANTS} --kernels triton \
     --rounds ${ROUNDS:-8} --json "$OUT/gpu-speed-train.json" 2>>"$OUT/speed.err" >"$OUT/gpu-speed-train.txt"
 grep -E "^(lstm|gru) |GPU's time alone" "$OUT/gpu-speed-train.txt" \
@@ -92,7 +105,7 @@ compile() {
 step "torch.compile(mode='reduce-overhead'), allow_rnn: the layers traced, each recurrence an operator, steps from CUDA graphs"
 # COMPILE_SHAPES, COMPILE_MODELS (lstm,gru doubles it) and COMPILE_TIMEOUT set its size; each +compile
 # variant compiles once a shape (tens of seconds)
-timeout ${COMPILE_TIMEOUT:-240} $PY benchmarks/speed.py --device cuda --shapes ${COMPILE_SHAPES:-small,medium} \
+timeout $(limit ${COMPILE_TIMEOUT:-240}) $PY benchmarks/speed.py --device cuda --shapes ${COMPILE_SHAPES:-small,medium} \
     --batch 20 --models ${COMPILE_MODELS:-lstm} --kernels triton --rounds ${ROUNDS:-8} --no-memory \
     --variants nn.LSTM+compile,nn.GRU+compile,sequence+compile,sequence/triton,nn.LSTM+graph,nn.GRU+graph,sequence+graph \
     --json "$OUT/gpu-speed-compile.json" 2>>"$OUT/speed.err" >"$OUT/gpu-speed-compile.txt"
@@ -103,7 +116,7 @@ grep -E "left out" "$OUT/speed.err" | tail -n 4
 tf32() {
 for tf32 in on off; do
     step "training speed, the Triton kernel, every float32 product in ${tf32/on/TF32}${tf32/off/IEEE}"
-    timeout 80 $PY benchmarks/speed.py --device cuda --shapes medium,large --batch 20,128 --kernels triton \
+    timeout $(limit 80) $PY benchmarks/speed.py --device cuda --shapes medium,large --batch 20,128 --kernels triton \
         --tf32 $tf32 --rounds ${ROUNDS:-8} --no-memory --json "$OUT/gpu-speed-tf32-$tf32.json" \
         2>>"$OUT/speed.err" | grep -E "^(lstm|gru) .*(nn\.|sequence/triton|batch|weight)"
 done
@@ -111,12 +124,12 @@ done
 
 mc() {
 step "Monte-Carlo forward speed against cuDNN"
-timeout 60 $PY benchmarks/speed.py --device cuda --shapes small,medium --batch 20,64 --mode mc-eval \
+timeout $(limit 60) $PY benchmarks/speed.py --device cuda --shapes small,medium --batch 20,64 --mode mc-eval \
     --kernels triton --rounds ${ROUNDS:-8} --json "$OUT/gpu-speed-mc.json" 2>>"$OUT/speed.err" \
     >"$OUT/gpu-speed-mc.txt"
 grep -E "^(lstm|gru) .*(sequence/triton|batch)" "$OUT/gpu-speed-mc.txt"
 step "Monte-Carlo prediction through rnndrop.mc (20 samples a call, stacked), per sample, against cuDNN's inference"
-timeout 60 $PY benchmarks/speed.py --device cuda --shapes small,medium --batch 20,64 --mode mc-predict \
+timeout $(limit 60) $PY benchmarks/speed.py --device cuda --shapes small,medium --batch 20,64 --mode mc-predict \
     --samples 20 --kernels triton --variants sequence/triton,batch/fused --rounds ${ROUNDS:-8} \
     --json "$OUT/gpu-speed-mc-predict.json" 2>>"$OUT/speed.err" >"$OUT/gpu-speed-mc-predict.txt"
 grep -E "^(lstm|gru) .*(sequence/triton|batch)" "$OUT/gpu-speed-mc-predict.txt"
@@ -124,7 +137,7 @@ grep -E "^(lstm|gru) .*(sequence/triton|batch)" "$OUT/gpu-speed-mc-predict.txt"
 
 profile() {
 step "where batch-shared masks and WeightDrop spend a training step (LSTM 650, batch 20)"
-timeout 60 $PY - <<'PROFILE' 2>&1 | tee "$OUT/profile.txt" | head -n 60
+timeout $(limit 60) $PY - <<'PROFILE' 2>&1 | tee "$OUT/profile.txt" | head -n 60
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
@@ -157,7 +170,7 @@ PROFILE
 
 loop_profile() {
 step "where a tied-mask training step spends GPU time (LSTM, 2 layers, batch 20, the persistent loop)"
-timeout 90 $PY - <<'PROFILE' 2>&1 | tee "$OUT/loop-profile.txt" | head -n 40
+timeout $(limit 90) $PY - <<'PROFILE' 2>&1 | tee "$OUT/loop-profile.txt" | head -n 40
 import torch
 from torch.profiler import ProfilerActivity, profile
 from rnndrop import VariationalLSTM
@@ -184,13 +197,13 @@ PROFILE
 tuning() {
 step "the persistent loop's GPU time by launch setting; host vs GPU time of a training step"
 # TUNING_CELLS: the loops to sweep (persistent_tuning.py --cells; default lstm)
-timeout 330 $PY benchmarks/persistent_tuning.py --cells "${TUNING_CELLS:-lstm}" --json "$OUT/persistent-tuning.json" 2>&1 \
+timeout $(limit 330) $PY benchmarks/persistent_tuning.py --cells "${TUNING_CELLS:-lstm}" --json "$OUT/persistent-tuning.json" 2>&1 \
     | tee "$OUT/persistent-tuning.txt" | tail -n 100
 }
 
 projection() {
 step "the per-gate input projection's batched CUDA path against a masked copy per gate (float64)"
-timeout 60 $PY - <<'CHECK' 2>&1 | tee "$OUT/projection-check.txt"
+timeout $(limit 60) $PY - <<'CHECK' 2>&1 | tee "$OUT/projection-check.txt"
 import torch
 from rnndrop.kernels.gates import masked_linear
 from rnndrop.kernels.per_gate_projection import per_gate_projection
@@ -213,7 +226,7 @@ CHECK
 
 host_profile() {
 step "where the host's time goes in a tied-mask training step (LSTM 200, batch 20: host-bound)"
-timeout 90 $PY - <<'PROFILE' 2>&1 | tee "$OUT/host-profile.txt" | head -n 75
+timeout $(limit 90) $PY - <<'PROFILE' 2>&1 | tee "$OUT/host-profile.txt" | head -n 75
 import cProfile, pstats, torch
 from torch.profiler import ProfilerActivity, profile
 from rnndrop import VariationalLSTM
@@ -244,7 +257,7 @@ PROFILE
 
 lm() {  # words/s of rnndrop-lm's own training loop on CUDA (one epoch of the shipped PTB sample)
     local out=runs/gpu-$1; shift
-    timeout 90 $PY -c "import sys; from rnndrop.lm.cli import main; sys.exit(main())" ptb --data sample \
+    timeout $(limit 90) $PY -c "import sys; from rnndrop.lm.cli import main; sys.exit(main())" ptb --data sample \
         --epochs 1 --mc-samples 0 --device cuda --no-progress --out "$out" "$@" >"$OUT/lm.log" 2>&1 \
         || tail -n 3 "$OUT/lm.log"
     $PY -c "import json, pathlib, sys
@@ -263,6 +276,13 @@ done
 }
 
 for section in "${@:-machine checks tests speed tf32 mc profile lms}"; do
-    for name in $section; do "$name"; done
+    for name in $section; do
+        if [ -n "$DEADLINE" ] && ((DEADLINE - SECONDS < 30)); then
+            step "$name skipped: $((DEADLINE - SECONDS)) s left before DEADLINE=$DEADLINE"
+            continue
+        fi
+        "$name"
+    done
 done
 step "done"
+if [ -n "${BUNDLE:-}" ]; then tar czf "$BUNDLE" -C "$OUT" . && echo "bundled $OUT into $BUNDLE"; fi

@@ -50,3 +50,20 @@ def test_persistent_tuning_names_the_fastest_setting_of_each_case():
     assert lines[1].split() == ["lstm", "tied", "1500", "20", "built-in", "39.5", "fastest", "30.0",
                                 "(0.76x):", "units", "12,", "row_blocks", "1"]
     assert lines[2].endswith("fastest    8.0 (1.00x): built-in")
+
+
+def test_gpu_check_cuts_its_steps_to_the_deadline_and_bundles_what_it_wrote(tmp_path):
+    """With DEADLINE a lease's one call ends in time: a step's limits are cut to what is left, a step
+    with under 30 s left is skipped and says so, and BUNDLE packs $OUT into one file."""
+    limit = re.search(r"^limit\(\) \{.*?^\}", CHECK.read_text(), re.M | re.S).group(0)
+    cut = subprocess.run(["bash", "-c", f"{limit}\nDEADLINE=100; SECONDS=70; limit 240; limit 20; "
+                          "SECONDS=120; limit 60; DEADLINE=; limit 240"],
+                         capture_output=True, text=True, check=True)
+    assert cut.stdout.split() == ["30", "20", "1", "240"]
+    out, bundle = tmp_path / "out", tmp_path / "gpu.tgz"
+    done = subprocess.run(["bash", str(CHECK), "checks tuning"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env={"PATH": "/usr/bin:/bin", "OUT": str(out), "DEADLINE": "20",
+                                           "BUNDLE": str(bundle), "PYTHON": "false"})
+    assert re.search(r"checks skipped: (19|20) s left before DEADLINE=20", done.stdout), done.stdout
+    assert "tuning skipped" in done.stdout and "=== done" in done.stdout
+    assert bundle.is_file() and bundle.stat().st_size > 0
