@@ -25,8 +25,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-__all__ = ["CompiledModel", "compile_model", "constant_for_compile", "exporting", "run_eagerly", "traced_cache",
-           "tracing_for_compile"]
+__all__ = ["CompiledModel", "compile_model", "constant_for_compile", "exporting", "run_eagerly",
+           "traced_cache", "tracing_for_compile"]
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
