@@ -94,6 +94,22 @@ def test_the_projection_operator_passes_opcheck(bias):
     torch.library.opcheck(torch.ops.rnndrop.linear.default, tuple(args), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("mask_shape", [(1, 3, 4, 5), (4, 3, 4, 5), (1, 1, 4, 5)],
+                         ids=["tied", "per step", "shared"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_per_gate_projection_operator_passes_opcheck(mask_shape, bias):
+    """``rnndrop::per_gate_linear``: the projection of ``[T, B, in]`` with a mask per gate, in float64
+    (BLAS) and float32 (oneDNN where it serves), the mask's gradient too (Gaussian noise learns it)."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float64, torch.float32):
+        x = torch.randn(4, 3, 5, generator=g, dtype=dtype)
+        weight = torch.randn(4 * 6, 5, generator=g, dtype=dtype)
+        mask = torch.rand(*mask_shape, generator=g, dtype=dtype) * 2
+        b = torch.randn(4 * 6, generator=g, dtype=dtype) if bias else None
+        args = [t.requires_grad_() if t is not None else None for t in (x, mask, weight, b)]
+        torch.library.opcheck(torch.ops.rnndrop.per_gate_linear.default, tuple(args), atol=1e-5, rtol=1e-5)
+
+
 def test_an_operator_without_autograd_keeps_nothing():
     args = operator_arguments("lstm", False, "tied", False, torch.float32)
     with torch.no_grad():
@@ -206,6 +222,24 @@ def test_inductor_compiles_a_training_step_with_the_eager_results(cell):
              mask_scope="sequence", unbatched=False, steps=5, batch=3)
     eager, compiled = compiled_and_eager(c, 7, "inductor")
     assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("per_gate", [False, True])
+def test_every_product_of_a_traced_layer_is_one_of_rnndrops_operators(per_gate):
+    """The input projections run as ``rnndrop::linear`` / ``rnndrop::per_gate_linear`` (the eager
+    layer's products: oneDNN on the CPU, cuDNN's float32 mode on CUDA), the recurrences as
+    ``rnndrop::*_recurrence``: no product of torch's own in the forward graph (backward: their
+    backward operators)."""
+    graphs: list = []
+    layer = VariationalLSTM(8, 16, 2, dropout_input=0.3, dropout_hidden=0.3, dropout_output=0.3,
+                            per_gate_masks=per_gate)
+    compiled = torch.compile(lambda x: layer(x)[0].pow(2).mean(), backend=counting_backend(graphs),
+                             fullgraph=True)
+    compiled(torch.randn(5, 3, 8)).backward()
+    targets = {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
+    projection = "rnndrop.per_gate_linear.default" if per_gate else "rnndrop.linear.default"
+    assert {projection, "rnndrop.lstm_recurrence.default"} <= targets, targets
+    assert not {t for t in targets if t.split(".")[1:2] in (["mm"], ["addmm"], ["bmm"], ["baddbmm"])}, targets
 
 
 def test_one_graph_serves_every_length_and_batch():

@@ -22,7 +22,7 @@ from rnndrop.compiling import constant_for_compile, tracing_for_compile
 from rnndrop.kernels.first_order import functorch_wrapped, grads_like, needed, spread
 from rnndrop.kernels.gates import masked_linear
 from rnndrop.kernels.onednn import matmul, onednn_enabled, onednn_enabled_on
-from rnndrop.kernels.per_gate_projection import per_gate_projection
+from rnndrop.kernels.per_gate_projection import per_gate_projection, per_gate_projection_op
 from rnndrop.kernels.precision import products_as_cudnn
 
 
@@ -163,14 +163,19 @@ def input_projection(x: Tensor, mask: Tensor | None, weight: Tensor, bias: Tenso
     (:func:`~rnndrop.kernels.precision.products_as_cudnn`), else ``F.linear``; with a mask per gate
     ``[..., G, in]`` (broadcasting against ``x`` ``[..., in]`` row by row), through
     :func:`~rnndrop.kernels.per_gate_projection.per_gate_projection`. Twice differentiable
-    either way. While torch.compile traces, the first is the operator ``rnndrop::linear`` (the
-    same products) and the second :func:`~rnndrop.kernels.gates.masked_linear`; inside
-    ``torch.func`` transforms both are ``masked_linear``.
+    either way. While torch.compile traces, they are the operators ``rnndrop::linear`` and
+    ``rnndrop::per_gate_linear`` (the same products; first-order); inside ``torch.func``
+    transforms both are ``masked_linear``.
     """
     plain = mask is None and x.dim() == 2 and weight.dtype == x.dtype
+    # (not torch.broadcast_shapes: its first call imports torch._refs; docs/speed.md, "Per-gate masks")
+    per_gate = (mask is not None and mask.dim() == x.dim() + 1
+                and all(m in (1, n) for m, n in zip(mask.shape[:-2], x.shape[:-1])))
     if tracing_for_compile():
         if plain and _through_linear(x.device, x.dtype):
             return _linear_op(x, weight, bias)
+        if per_gate:
+            return per_gate_projection_op(x, mask, weight, bias)
         return masked_linear(x, mask, weight, bias)  # torch's ops, which torch.compile traces
     if functorch_wrapped(*(t for t in (x, mask, weight, bias) if t is not None)):
         return masked_linear(x, mask, weight, bias)
@@ -180,8 +185,6 @@ def input_projection(x: Tensor, mask: Tensor | None, weight: Tensor, bias: Tenso
         if not differentiated:  # Monte-Carlo sampling: no autograd Function
             return _linear(x.contiguous(), weight, bias)
         return _Linear.apply(x.contiguous(), weight, bias)
-    # (not torch.broadcast_shapes: its first call imports torch._refs; docs/speed.md, "Per-gate masks")
-    if (mask is not None and mask.dim() == x.dim() + 1
-            and all(m in (1, n) for m, n in zip(mask.shape[:-2], x.shape[:-1]))):
+    if per_gate:
         return per_gate_projection(x, mask, weight, bias)
     return masked_linear(x, mask, weight, bias)

@@ -28,10 +28,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rnndrop.kernels.first_order import grads_like, needed, spread
 from rnndrop.kernels.onednn import matmul, sequence_through_onednn, worth_onednn
 from rnndrop.kernels.precision import products_as_cudnn
 
-__all__ = ["per_gate_projection"]
+__all__ = ["per_gate_projection", "per_gate_projection_op"]
 
 #: Devices whose tensors take the batched products (tests add "cpu" to run them there).
 BATCHED_DEVICES = {"cuda"}
@@ -44,6 +45,13 @@ def per_gate_projection(x: Tensor, mask: Tensor, weight: Tensor, bias: Tensor | 
     Twice differentiable (a double backward runs plain differentiable ops).
     """
     return _PerGateProjection.apply(x, mask, weight, bias)
+
+
+def per_gate_projection_op(x: Tensor, mask: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """:func:`per_gate_projection` as the operator ``rnndrop::per_gate_linear``, for torch.compile
+    to trace: the same products (on CUDA in cuDNN's float32 mode, where torch's own ops traced
+    would run cuBLAS in its mode, IEEE by default), first-order."""
+    return _per_gate_op(x, mask, weight, bias)
 
 
 def _gate(mask: Tensor, g: int) -> Tensor:
@@ -69,54 +77,70 @@ def _product(a: Tensor, b: Tensor, out: Tensor, onednn: bool) -> None:
         torch.mm(a, b, out=out)
 
 
+def _forward(x: Tensor, mask: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``gates_x`` of :func:`per_gate_projection`, without autograd (``weight`` and ``bias`` detached)."""
+    if x.device.type in BATCHED_DEVICES:
+        with products_as_cudnn(x):
+            return _batched_forward(x, mask, weight, bias)
+    gates, size = mask.shape[-2], weight.shape[0] // mask.shape[-2]
+    out = x.new_empty(*x.shape[:-1], weight.shape[0])
+    rows, masked = out.view(-1, weight.shape[0]), x.new_empty(x.shape)
+    onednn = x.dtype == weight.dtype and (worth_onednn(weight[:size], rows.shape[0])
+                                          or sequence_through_onednn(weight))
+    for g, w_g in enumerate(weight.chunk(gates)):
+        torch.mul(x, _gate(mask, g), out=masked)
+        b_g = None if bias is None else bias[g * size : (g + 1) * size]
+        _gate_product(masked.view(-1, x.shape[-1]), w_g, b_g, rows[:, g * size : (g + 1) * size], onednn)
+    return out
+
+
+def _first_order_grads(
+    d_out: Tensor, x: Tensor, mask: Tensor, weight: Tensor, need_x: bool, need_mask: bool, need_w: bool
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The gradients of ``x``, the mask and the weight (None where not needed), first-order."""
+    if x.device.type in BATCHED_DEVICES:
+        with products_as_cudnn(x):
+            return _batched_backward(x, mask, weight, d_out, need_x, need_mask, need_w)
+    gates, size, width = mask.shape[-2], weight.shape[0] // mask.shape[-2], x.shape[-1]
+    d_rows = d_out.reshape(-1, weight.shape[0])
+    d_x = torch.zeros_like(x) if need_x else None
+    d_mask = torch.empty_like(mask) if need_mask else None
+    d_w = torch.empty_like(weight) if need_w else None
+    buffer = x.new_empty(x.shape)
+    onednn = sequence_through_onednn(weight) and d_out.dtype == weight.dtype
+    for g, w_g in enumerate(weight.chunk(gates)):
+        d_g = d_rows[:, g * size : (g + 1) * size]
+        if need_x or need_mask:
+            _product(d_g, w_g, buffer.view(-1, width), onednn)  # d(x * M_g)
+            if need_x:
+                d_x.addcmul_(buffer, _gate(mask, g))
+            if need_mask:
+                _gate(d_mask, g).copy_((buffer * x).sum_to_size(_gate(mask, g).shape))
+        if need_w:
+            torch.mul(x, _gate(mask, g), out=buffer)
+            _product(d_g.t(), buffer.view(-1, width), d_w[g * size : (g + 1) * size], onednn)
+    return d_x, d_mask, d_w
+
+
+def _bias_grad(d_out: Tensor) -> Tensor:
+    return d_out.reshape(-1, d_out.shape[-1]).sum(0)
+
+
 class _PerGateProjection(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, mask: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         ctx.save_for_backward(x, mask, weight)
         ctx.has_bias = bias is not None
-        if x.device.type in BATCHED_DEVICES:
-            with products_as_cudnn(x):
-                return _batched_forward(x, mask, weight.detach(), None if bias is None else bias.detach())
-        gates, size = mask.shape[-2], weight.shape[0] // mask.shape[-2]
-        out = x.new_empty(*x.shape[:-1], weight.shape[0])
-        rows, masked = out.view(-1, weight.shape[0]), x.new_empty(x.shape)
-        onednn = x.dtype == weight.dtype and (worth_onednn(weight[:size], rows.shape[0])
-                                              or sequence_through_onednn(weight))
-        for g, w_g in enumerate(weight.detach().chunk(gates)):
-            torch.mul(x, _gate(mask, g), out=masked)
-            b_g = None if bias is None else bias.detach()[g * size : (g + 1) * size]
-            _gate_product(masked.view(-1, x.shape[-1]), w_g, b_g, rows[:, g * size : (g + 1) * size], onednn)
-        return out
+        return _forward(x, mask, weight.detach(), None if bias is None else bias.detach())
 
     @staticmethod
     def backward(ctx, d_out: Tensor):
         x, mask, weight = ctx.saved_tensors
         need_x, need_mask, need_w, need_b = ctx.needs_input_grad
-        d_b = d_out.reshape(-1, d_out.shape[-1]).sum(0) if need_b and ctx.has_bias else None
+        d_b = _bias_grad(d_out) if need_b and ctx.has_bias else None
         if torch.is_grad_enabled():  # create_graph: differentiable ops for a double backward
             return (*_differentiable_grads(x, mask, weight, d_out, need_x, need_mask, need_w), d_b)
-        if x.device.type in BATCHED_DEVICES:
-            with products_as_cudnn(x):
-                return (*_batched_backward(x, mask, weight, d_out, need_x, need_mask, need_w), d_b)
-        gates, size, width = mask.shape[-2], weight.shape[0] // mask.shape[-2], x.shape[-1]
-        d_rows = d_out.reshape(-1, weight.shape[0])
-        d_x = torch.zeros_like(x) if need_x else None
-        d_mask = torch.empty_like(mask) if need_mask else None
-        d_w = torch.empty_like(weight) if need_w else None
-        buffer = x.new_empty(x.shape)
-        onednn = sequence_through_onednn(weight) and d_out.dtype == weight.dtype
-        for g, w_g in enumerate(weight.chunk(gates)):
-            d_g = d_rows[:, g * size : (g + 1) * size]
-            if need_x or need_mask:
-                _product(d_g, w_g, buffer.view(-1, width), onednn)  # d(x * M_g)
-                if need_x:
-                    d_x.addcmul_(buffer, _gate(mask, g))
-                if need_mask:
-                    _gate(d_mask, g).copy_((buffer * x).sum_to_size(_gate(mask, g).shape))
-            if need_w:
-                torch.mul(x, _gate(mask, g), out=buffer)
-                _product(d_g.t(), buffer.view(-1, width), d_w[g * size : (g + 1) * size], onednn)
-        return d_x, d_mask, d_w, d_b
+        return (*_first_order_grads(d_out, x, mask, weight, need_x, need_mask, need_w), d_b)
 
 
 def _differentiable_grads(
@@ -170,3 +194,46 @@ def _batched_backward(
     if need_w:
         d_w = torch.bmm(d_gates.transpose(1, 2), _masked_by_gate(x, mask)).view(weight.shape)
     return d_x, d_mask, d_w
+
+
+# ``per_gate_projection`` as a torch operator, for torch.compile (schemas given, as in
+# rnndrop.kernels.ops).
+
+
+@torch.library.custom_op("rnndrop::per_gate_linear", mutates_args=(), schema=(
+    "(Tensor x, Tensor mask, Tensor weight, Tensor? bias) -> Tensor"))
+def _per_gate_op(x: Tensor, mask: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return _forward(x, mask, weight, bias)
+
+
+@_per_gate_op.register_fake
+def _(x, mask, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("rnndrop::per_gate_linear_backward", mutates_args=(), schema=(
+    "(Tensor d_out, Tensor x, Tensor mask, Tensor weight, bool[] needs) -> Tensor[]"))
+def _per_gate_backward_op(d_out: Tensor, x: Tensor, mask: Tensor, weight: Tensor,
+                          needs: list[bool]) -> list[Tensor]:
+    grads = _first_order_grads(d_out, x, mask, weight, *needs[:3])
+    return needed((*grads, _bias_grad(d_out) if needs[3] else None), needs)
+
+
+@_per_gate_backward_op.register_fake
+def _(d_out, x, mask, weight, needs):
+    return grads_like(needs, (x, mask, weight, d_out.new_empty(weight.shape[0])))
+
+
+def _per_gate_setup(ctx, inputs: tuple, output: Tensor) -> None:
+    x, mask, weight, bias = inputs
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(x, mask, weight)
+
+
+def _per_gate_backward(ctx, d_out: Tensor) -> tuple[Tensor | None, ...]:
+    x, mask, weight = ctx.saved_tensors
+    needs = [*ctx.needs_input_grad[:3], ctx.needs_input_grad[3] and ctx.has_bias]
+    return tuple(spread(needs, _per_gate_backward_op(d_out, x, mask, weight, needs)))
+
+
+_per_gate_op.register_autograd(_per_gate_backward, setup_context=_per_gate_setup)
