@@ -255,23 +255,28 @@ pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
 PROFILE
 }
 
-lm() {  # words/s of rnndrop-lm's own training loop on CUDA (one epoch of the shipped PTB sample)
-    local out=runs/gpu-$1; shift
-    timeout $(limit 90) $PY -c "import sys; from rnndrop.lm.cli import main; sys.exit(main())" ptb --data sample \
-        --epochs 1 --mc-samples 0 --device cuda --no-progress --out "$out" "$@" >"$OUT/lm.log" 2>&1 \
-        || tail -n 3 "$OUT/lm.log"
-    $PY -c "import json, pathlib, sys
+lm() {  # words/s of rnndrop-lm's own training loop on CUDA (the shipped PTB sample; $2 epochs, default 1)
+    local out=runs/gpu-$1 epochs=${2:-1}; shift 2
+    timeout $(limit $((90 * epochs))) $PY -c "import sys; from rnndrop.lm.cli import main; sys.exit(main())" \
+        ptb --data sample --epochs "$epochs" --mc-samples 0 --device cuda --no-progress --out "$out" "$@" \
+        >"$OUT/lm.log" 2>&1 || tail -n 3 "$OUT/lm.log"
+    # the whole run's words/s (the first epoch's compiles count), and its last epoch's
+    $PY -c "import csv, json, pathlib, sys
 for f in sorted(pathlib.Path(sys.argv[1]).glob('*/*/results.json')):
     r = json.loads(f.read_text())
-    print(f'{sys.argv[1]:26} {f.parts[-3]:12} {r[\"words_per_second\"]:9.0f} words/s, valid {r[\"best_valid_ppl\"]:.2f}')" "$out"
+    rows = list(csv.DictReader(f.with_name('metrics.csv').open()))
+    last = float(rows[-1]['words_per_second']) if rows else float('nan')
+    print(f'{sys.argv[1]:26} {f.parts[-3]:12} {r[\"words_per_second\"]:9.0f} words/s, last epoch {last:9.0f},'
+          f' valid {r[\"best_valid_ppl\"]:.2f}')" "$out"
 }
 lms() {
-# LMS: space-separated name:config:regimes[:compile] runs (default: the goal's pairs of issue 41, and
-# the AWD pair again under --compile: the training step replayed from CUDA graphs)
+# LMS: space-separated name:config:regimes[:flag[:epochs]] runs (default: the goal's pairs of issue 41,
+# and the AWD pair again under --compile for 3 epochs: a step replayed from CUDA graphs once each
+# truncated-BPTT length has been recorded, which the last epoch's words/s shows)
 step "rnndrop-lm on CUDA: words/s (${LMS:-zaremba-medium none,tied; AWD tied,weight_drop, eager and compiled})"
-for run in ${LMS:-medium:zaremba-medium:none,tied awd:awd:tied,weight_drop awd-compiled:awd:tied,weight_drop:compile}; do
-    IFS=: read -r name config regimes flag <<<"$run"
-    lm "$name" --config "$config" --regimes "$regimes" ${flag:+--$flag}
+for run in ${LMS:-medium:zaremba-medium:none,tied awd:awd:tied,weight_drop awd-compiled:awd:tied,weight_drop:compile:3}; do
+    IFS=: read -r name config regimes flag epochs <<<"$run"
+    lm "$name" "${epochs:-1}" --config "$config" --regimes "$regimes" ${flag:+--$flag}
 done
 }
 
