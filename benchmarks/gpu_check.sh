@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu_check.sh                    # every section, about 9 minutes on an H200
 #   bash benchmarks/gpu_check.sh checks tf32 lms    # some of them: machine checks tests buffers speed tf32 mc
 #                                                   # profile loop_profile tuning projection host_profile lms
-#                                                   # compile
+#                                                   # compile mc_compile
 #                                                   # weight_drop_memory
 #   DEADLINE=540 BUNDLE=x.tgz bash benchmarks/gpu_check.sh ...   # for a lease: below
 #
@@ -110,6 +110,16 @@ timeout $(limit ${COMPILE_TIMEOUT:-240}) $PY benchmarks/speed.py --device cuda -
     --variants nn.LSTM+compile,nn.GRU+compile,sequence+compile,sequence/triton,nn.LSTM+graph,nn.GRU+graph,sequence+graph \
     --json "$OUT/gpu-speed-compile.json" 2>>"$OUT/speed.err" >"$OUT/gpu-speed-compile.txt"
 grep -E "^(lstm|gru) |GPU's time alone" "$OUT/gpu-speed-compile.txt"
+grep -E "left out" "$OUT/speed.err" | tail -n 4
+}
+
+mc_compile() {
+step "Monte-Carlo prediction under torch.compile (rnndrop.compile_model, steps from CUDA graphs), per sample"
+timeout $(limit ${COMPILE_TIMEOUT:-240}) $PY benchmarks/speed.py --device cuda --shapes ${COMPILE_SHAPES:-small,medium} \
+    --batch 20 --models ${COMPILE_MODELS:-lstm} --mode mc-predict --samples 20 --kernels triton --no-memory \
+    --rounds ${ROUNDS:-8} --variants sequence/triton,sequence+compile --json "$OUT/gpu-speed-mc-compile.json" \
+    2>>"$OUT/speed.err" >"$OUT/gpu-speed-mc-compile.txt"
+grep -E "^(lstm|gru) " "$OUT/gpu-speed-mc-compile.txt"
 grep -E "left out" "$OUT/speed.err" | tail -n 4
 }
 

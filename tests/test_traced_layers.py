@@ -298,6 +298,24 @@ def test_compile_model_traces_the_layers_and_leaves_the_switch_as_it_was():
         rnndrop.compile_model(lambda x: x)
 
 
+def test_monte_carlo_prediction_through_a_compiled_model_samples_in_its_graph():
+    """``mc_predict`` on ``compile_model(model)``: the layer's samples (stacked copies of the batch,
+    under ``torch.no_grad``) run in the compiled graph (``fullgraph=True``: nothing outside it), each
+    copy with masks of its own, fresh at every call; the model is in eval mode again afterwards."""
+    torch.manual_seed(0)
+    layer = VariationalLSTM(4, 16, dropout_hidden=0.3, dropout_output=0.3).eval()
+    graphs: list = []
+    compiled = rnndrop.compile_model(layer, mode=None, backend=counting_backend(graphs), fullgraph=True)
+    x = torch.randn(6, 2, 4)
+    first = rnndrop.mc_predict(compiled, x, 8, task="regression", batch_dim=1, return_samples=True)
+    second = rnndrop.mc_predict(compiled, x, 8, task="regression", batch_dim=1, return_samples=True)
+    assert len(graphs) >= 1 and not layer.training  # traced (training mode inside), eval mode again
+    samples = first.samples  # [S, T, B, H]
+    assert samples.shape == (8, 6, 2, 16)
+    assert all(not torch.equal(samples[0], samples[k]) for k in range(1, 8))
+    assert not torch.equal(first.mean, second.mean)
+
+
 @pytest.mark.parametrize("case", ["eval", "packed", "autocast", "manual kernel", "fused lstm"])
 def test_calls_that_are_not_traced_run_eagerly_inside_the_graph(case):
     torch.manual_seed(0)
