@@ -60,7 +60,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from rnndrop.compiling import exporting, run_eagerly, traced_cache, tracing_for_compile
+from rnndrop.compiling import constant_for_compile, exporting, run_eagerly, traced_cache, tracing_for_compile
 from rnndrop.flat_weights import masked_weights
 from rnndrop.kernels import (
     KERNELS,
@@ -211,18 +211,28 @@ def compact_weights(model: nn.Module) -> None:
             module.flatten_parameters()
 
 
-@functools.cache
+@constant_for_compile
 def _autocast_result_dtype(
-    cell: CellSpec, device_type: str, weight_dtype: torch.dtype, autocast_dtype: torch.dtype
+    mode: str, device_type: str, weight_dtype: torch.dtype, autocast_dtype: torch.dtype
 ) -> torch.dtype:
-    """The dtype ``nn.LSTM`` / ``nn.GRU`` (torch's fused op) computes in under autocast to
-    ``autocast_dtype`` on ``device_type``, with weights and input of ``weight_dtype``.
+    """The dtype ``nn.LSTM`` / ``nn.GRU`` (torch's fused op; ``mode`` ``"LSTM"`` or ``"GRU"``)
+    computes in under autocast to ``autocast_dtype`` on ``device_type``, with weights and input of
+    ``weight_dtype``; torch.compile keeps the answer as a constant of the graph.
 
     Asked of torch on a one-unit probe, not hard-coded: on the CPU torch 2.13 runs ``torch.lstm``
     in bfloat16 but ``torch.gru`` in float32; on CUDA both in the autocast dtype. Where torch's op
     cannot run under that autocast (so ``nn.LSTM`` could not either), the layer computes in its own
     dtype, after one warning with torch's reason (once per case: the answer is cached).
     """
+    return _probed_result_dtype(LSTM_CELL if mode == "LSTM" else GRU_CELL, device_type, weight_dtype,
+                                autocast_dtype)
+
+
+@functools.cache
+def _probed_result_dtype(
+    cell: CellSpec, device_type: str, weight_dtype: torch.dtype, autocast_dtype: torch.dtype
+) -> torch.dtype:
+    """:func:`_autocast_result_dtype` of ``cell``, probed once per case."""
     try:
         with torch.autocast(device_type, dtype=autocast_dtype):
             device = torch.device(device_type)
@@ -528,15 +538,21 @@ class VariationalRNNStack(Stochastic):
         """Whether torch.compile traces this call into its graph (it can only where
         ``torch._dynamo.config.allow_rnn`` is set: docs/ecosystem.md): in training mode (masks;
         eval mode is the fused op, which runs eagerly) on a loop kernel that runs as an operator
-        (:mod:`rnndrop.kernels.ops`), outside autocast, for a padded batch (a packed one's batch
-        sizes are data the graph would depend on), and not while torch.export traces (an exported
-        program must not need rnndrop's operators: export runs as before). Its masks, projections
-        and states are then part of the graph, and the fused op where it still runs (a layer
-        without masks, masks shared by the batch) a graph break."""
+        (:mod:`rnndrop.kernels.ops`) in the dtype it computes in (under autocast the one
+        ``nn.LSTM`` / ``nn.GRU`` would: on CUDA the autocast dtype, which the "triton" kernel runs;
+        on the CPU a bfloat16 LSTM's loop is the "manual" kernel's, which runs eagerly), for a
+        padded batch (a packed one's batch sizes are data the graph would depend on), and not while
+        torch.export traces (an exported program must not need rnndrop's operators: export runs as
+        before). Its masks, projections and states are then part of the graph, and the fused op
+        where it still runs (a layer without masks, masks shared by the batch) a graph break."""
         weight = self.weight_ih_l0
-        kernel = auto_loop_kernel_on(weight.device, weight.dtype) if self.kernel == "auto" else self.kernel
+        dtype, device_type = weight.dtype, weight.device.type
+        if torch.is_autocast_enabled(device_type):
+            dtype = _autocast_result_dtype(self._cell.mode, device_type, dtype,
+                                           torch.get_autocast_dtype(device_type))
+        kernel = auto_loop_kernel_on(weight.device, dtype) if self.kernel == "auto" else self.kernel
         return (self.training and kernel in TRACEABLE and not isinstance(input, PackedSequence)
-                and not torch.is_autocast_enabled(weight.device.type) and tracing_for_compile())
+                and tracing_for_compile())
 
     def _forward_body(
         self,
@@ -626,7 +642,7 @@ class VariationalRNNStack(Stochastic):
         bit for bit. The casts are differentiable: gradients reach the float32 parameters.
         """
         dtype = _autocast_result_dtype(
-            self._cell, device_type, self.weight_ih_l0.dtype, torch.get_autocast_dtype(device_type)
+            self._cell.mode, device_type, self.weight_ih_l0.dtype, torch.get_autocast_dtype(device_type)
         )
 
         def cast(t: Tensor) -> Tensor:

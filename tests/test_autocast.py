@@ -104,12 +104,12 @@ def test_a_cell_torch_cannot_run_under_autocast_computes_in_its_dtype_with_one_w
     layer keeps its weights' dtype and says why once, instead of falling back silently."""
     import dataclasses
 
-    from rnndrop.recurrent import LSTM_CELL, _autocast_result_dtype
+    from rnndrop.recurrent import LSTM_CELL, _autocast_result_dtype, _probed_result_dtype
 
     def refuses(*args):
         raise RuntimeError("no such kernel for this dtype\nsecond line")
 
     cell = dataclasses.replace(LSTM_CELL, fused=refuses)
     with pytest.warns(RuntimeWarning, match=r"cannot run under autocast .*\(no such kernel for this dtype\)"):
-        assert _autocast_result_dtype(cell, "cpu", torch.float32, torch.bfloat16) == torch.float32
-    assert _autocast_result_dtype(LSTM_CELL, "cpu", torch.float32, torch.bfloat16) == torch.bfloat16
+        assert _probed_result_dtype(cell, "cpu", torch.float32, torch.bfloat16) == torch.float32
+    assert _autocast_result_dtype("LSTM", "cpu", torch.float32, torch.bfloat16) == torch.bfloat16

@@ -6,8 +6,9 @@ an operator of :mod:`rnndrop.kernels.ops` (the "compiled" kernel here; the "trit
 Properties: the operators pass ``torch.library.opcheck`` (schema, fake tensors shaped as the real
 ones, autograd, AOT dispatch); a compiled layer computes what the eager layer computes with the same
 masks, in one graph (``fullgraph=True``), on random configurations; one graph serves every length;
-masks drawn inside the graph are tied across time and fresh at every call; the calls that cannot
-be traced (eval mode, packed input, autocast, another kernel) still run, eagerly, with eager results.
+masks drawn inside the graph are tied across time and fresh at every call; under autocast a layer
+is traced where its loop runs the dtype it computes in; the calls that cannot be traced (eval mode,
+packed input, another kernel, a bfloat16 LSTM on the CPU) still run, eagerly, with eager results.
 """
 
 import random
@@ -314,6 +315,39 @@ def test_monte_carlo_prediction_through_a_compiled_model_samples_in_its_graph():
     assert samples.shape == (8, 6, 2, 16)
     assert all(not torch.equal(samples[0], samples[k]) for k in range(1, 8))
     assert not torch.equal(first.mean, second.mean)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_under_autocast_a_layer_is_traced_where_its_loop_runs_as_an_operator(cell):
+    """Under autocast a layer computes in the dtype ``nn.LSTM`` / ``nn.GRU`` would (asked of torch
+    once, outside the graph: no probe of torch's fused op in it). On the CPU that is float32 for the
+    GRU, whose loop is then the "compiled" kernel's operator: traced, with eager's results; and
+    bfloat16 for the LSTM, whose loop is the "manual" kernel's: eager, with eager's results (CUDA's
+    autocast dtype runs the "triton" kernel's operator: tests/triton_checks.py)."""
+    torch.manual_seed(0)
+    layer = (VariationalLSTM if cell == "lstm" else VariationalGRU)(
+        4, 8, 2, dropout_input=0.3, dropout_hidden=0.3, dropout_output=0.3)
+    masks = layer.sample_masks(3, 5, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(5, 3, 4)
+
+    def step(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, _ = layer(x, None, masks)
+        return out.float().pow(2).sum(), out
+
+    graphs: list = []
+
+    def keep(gm, example_inputs):  # dynamo's own graphs: what it traced, before AOT autograd
+        graphs.append(gm)
+        return gm.forward
+
+    expected = step(x)
+    actual = torch.compile(step, backend=keep, fullgraph=cell == "gru")(x)
+    assert_close(actual, expected, atol=1e-6, rtol=1e-6)
+    targets = {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
+    assert ("rnndrop.gru_recurrence.default" in targets) == (cell == "gru"), targets
+    probes = {t for t in targets if t.startswith(("<built-in method lstm", "<built-in method gru"))}
+    assert not probes, targets
 
 
 @pytest.mark.parametrize("case", ["eval", "packed", "autocast", "manual kernel", "fused lstm"])

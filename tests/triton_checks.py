@@ -595,3 +595,39 @@ def test_a_compiled_layer_on_the_triton_kernel_computes_what_the_eager_one_compu
     torch._dynamo.reset()
     assert_close(compiled, eager, atol=1e-5, rtol=1e-5, msg=str(c))
 
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_a_compiled_layer_on_the_triton_kernel_under_autocast_computes_the_eager_result(cell, device):
+    """Under autocast (bfloat16) a training step of a layer on the "triton" kernel is traced (the
+    loop an operator on bfloat16 rows with a float32 state, as a CUDA model under AMP runs it):
+    outputs, states and every gradient as eagerly, with the same masks."""
+    torch.manual_seed(0)
+    layer = (VariationalLSTM if cell == "lstm" else VariationalGRU)(
+        4, 8, 2, dropout_input=0.3, dropout_hidden=0.3, dropout_output=0.3, kernel="triton").to(device)
+    masks = layer.sample_masks(3, 5, generator=torch.Generator().manual_seed(1), device="cpu")
+    masks = masks.map(lambda m: m.to(device))
+
+    def step(x):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            out, state = layer(x, None, masks)
+        states = state if isinstance(state, tuple) else (state,)
+        loss = sum(t.float().pow(2).sum() for t in (out, *states))
+        return [out, *states, *torch.autograd.grad(loss, [x, *layer.parameters()])]
+
+    x = torch.randn(5, 3, 4, device=device, requires_grad=True)
+    graphs: list = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    expected = step(x)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(allow_rnn=True):
+        actual = torch.compile(step, backend=keep)(x)
+    torch._dynamo.reset()
+    targets = {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
+    assert f"rnndrop.{cell}_recurrence.default" in targets, targets
+    assert [t.dtype for t in actual] == [t.dtype for t in expected]
+    assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
