@@ -103,11 +103,12 @@ grep -E "^(lstm|gru) |GPU's time alone" "$OUT/gpu-speed-train.txt" \
 
 compile() {
 step "torch.compile(mode='reduce-overhead'), allow_rnn: the layers traced, each recurrence an operator, steps from CUDA graphs"
-# COMPILE_SHAPES, COMPILE_MODELS (lstm,gru doubles it) and COMPILE_TIMEOUT set its size; each +compile
-# variant compiles once a shape (tens of seconds)
+# COMPILE_SHAPES, COMPILE_MODELS (lstm,gru doubles it), COMPILE_VARIANTS (gates+compile and
+# batch+compile besides) and COMPILE_TIMEOUT set its size; each +compile variant compiles once a shape
+# (tens of seconds)
 timeout $(limit ${COMPILE_TIMEOUT:-240}) $PY benchmarks/speed.py --device cuda --shapes ${COMPILE_SHAPES:-small,medium} \
     --batch 20 --models ${COMPILE_MODELS:-lstm} --kernels triton --rounds ${ROUNDS:-8} --no-memory \
-    --variants nn.LSTM+compile,nn.GRU+compile,sequence+compile,sequence/triton,nn.LSTM+graph,nn.GRU+graph,sequence+graph \
+    --variants ${COMPILE_VARIANTS:-nn.LSTM+compile,nn.GRU+compile,sequence+compile,sequence/triton,nn.LSTM+graph,nn.GRU+graph,sequence+graph} \
     --json "$OUT/gpu-speed-compile.json" 2>>"$OUT/speed.err" >"$OUT/gpu-speed-compile.txt"
 grep -E "^(lstm|gru) |GPU's time alone" "$OUT/gpu-speed-compile.txt"
 grep -E "left out" "$OUT/speed.err" | tail -n 4

@@ -32,12 +32,13 @@ size = hidden size (small 200, medium 650, large 1500), float32. Variants, for t
   masks on the loop ``kernel="auto"`` runs, each whole layer's forward and backward replayed from
   CUDA graphs (``torch.cuda.make_graphed_callables``: what a user can do at fixed shapes; no host
   work is left in a step, so their ratio is the GPU's time alone; CUDA);
-- ``nn.LSTM+compile`` / ``nn.GRU+compile`` and ``sequence+compile`` (only when ``--variants`` names
-  them: each compiles for a while): the baseline and the per-sequence masks, each module under
-  ``rnndrop.compile_model`` (``torch.compile`` with ``allow_rnn``; ``mode="reduce-overhead"`` on
-  CUDA: forward and backward replayed from CUDA graphs), so that the layer's masks and projections
-  are in the graph and each recurrence one operator (``rnndrop.kernels.ops``): what a user who
-  compiles the model gets;
+- ``nn.LSTM+compile`` / ``nn.GRU+compile``, ``sequence+compile``, ``gates+compile`` and
+  ``batch+compile`` (only when ``--variants`` names them: each compiles for a while): the baseline,
+  the per-sequence, per-gate and batch-shared masks, each module under ``rnndrop.compile_model``
+  (``torch.compile`` with ``allow_rnn``; ``mode="reduce-overhead"`` on CUDA: forward and backward
+  replayed from CUDA graphs), so that the layer's masks and projections are in the graph and each
+  recurrence one operator (``rnndrop.kernels.ops``; batch-shared masks run torch's fused op
+  eagerly between graphs): what a user who compiles the model gets;
 - ``batch/fused``: ``mask_scope="batch"``: the recurrent mask is shared by the batch and
   folded into ``W_hh``, so torch's fused kernel runs;
 - ``naive/fused``: Zaremba's naive dropout (the ``naive`` regime of rnndrop-lm): per-step masks on
@@ -137,6 +138,8 @@ def build_variants(
     if compiled:
         variants[f"nn.{base_cls.__name__}{COMPILED}"] = base_cls(hidden, hidden, layers)
         variants[f"sequence{COMPILED}"] = ours_cls(hidden, hidden, layers, **probs)
+        variants[f"gates{COMPILED}"] = ours_cls(hidden, hidden, layers, per_gate_masks=True, **probs)
+        variants[f"batch{COMPILED}"] = ours_cls(hidden, hidden, layers, mask_scope="batch", **probs)
     variants["batch/fused"] = ours_cls(hidden, hidden, layers, mask_scope="batch", **probs)
     # Zaremba's naive dropout: fresh masks every step between layers, none on the recurrent state
     # (each layer alone through the fused kernel)
