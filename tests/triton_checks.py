@@ -629,5 +629,8 @@ def test_a_compiled_layer_on_the_triton_kernel_under_autocast_computes_the_eager
     targets = {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
     assert f"rnndrop.{cell}_recurrence.default" in targets, targets
     assert [t.dtype for t in actual] == [t.dtype for t in expected]
-    assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    # the same kernels either way; on a GPU cuBLAS may pick another algorithm for a product of the
+    # other run, which bfloat16 rounds a step apart
+    tolerance = 1e-5 if device.type == "cpu" else 2e-2
+    assert_close(actual, expected, atol=tolerance, rtol=tolerance)
 
