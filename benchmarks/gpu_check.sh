@@ -9,6 +9,7 @@
 #                                                   # compile mc_compile
 #                                                   # weight_drop_memory
 #   DEADLINE=540 BUNDLE=x.tgz bash benchmarks/gpu_check.sh ...   # for a lease: below
+#   DEADLINE=560 BUNDLE=x.tgz bash benchmarks/gpu_check.sh lease1  # the next lease's first call; lease2
 #
 # DEADLINE (seconds from the start) makes one call end inside its limit: the steps run in the order
 # named, each step's time limits are cut to what is left of it, and a step that would start with
@@ -291,7 +292,20 @@ for run in ${LMS:-medium:zaremba-medium:none,tied awd:awd:tied,weight_drop awd-c
 done
 }
 
-for section in "${@:-machine checks tests speed tf32 mc profile lms}"; do
+# The next lease's two calls (docs/gpu.md, "How to measure"), steps in the order of what they decide:
+# are the kernels and the CUDA-only tests right compiled, what do compiled steps give, the table;
+# then the launch sweep, Monte-Carlo and the language models.
+LEASE1="machine checks tests compile speed"
+LEASE2="tuning mc mc_compile lms"
+sections="${*:-machine checks tests speed tf32 mc profile lms}"
+if [[ " $sections " == *" lease1 "* ]]; then  # the speed table's variants, the settings off until timed among them
+    : "${SPEED_SHAPES:=small,medium,large}" "${SPEED_BATCH:=20,128}" "${ROUNDS:=4}"
+    : "${SPEED_VARIANTS:=sequence/triton,gates/triton,sequence/triton-resident,sequence/triton-spread,sequence/triton-half,batch/fused,naive/fused,weight_drop,nn.LSTM+graph,nn.GRU+graph,sequence+graph}"
+fi
+sections=${sections//lease1/$LEASE1}
+sections=${sections//lease2/$LEASE2}
+
+for section in $sections; do
     for name in $section; do
         if [ -n "$DEADLINE" ] && ((DEADLINE - SECONDS < 30)); then
             step "$name skipped: $((DEADLINE - SECONDS)) s left before DEADLINE=$DEADLINE"

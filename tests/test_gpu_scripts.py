@@ -54,16 +54,23 @@ def test_persistent_tuning_names_the_fastest_setting_of_each_case():
 
 def test_gpu_check_cuts_its_steps_to_the_deadline_and_bundles_what_it_wrote(tmp_path):
     """With DEADLINE a lease's one call ends in time: a step's limits are cut to what is left, a step
-    with under 30 s left is skipped and says so, and BUNDLE packs $OUT into one file."""
+    with under 30 s left is skipped and says so (``lease2``: the second call's steps), and BUNDLE
+    packs $OUT into one file."""
     limit = re.search(r"^limit\(\) \{.*?^\}", CHECK.read_text(), re.M | re.S).group(0)
     cut = subprocess.run(["bash", "-c", f"{limit}\nDEADLINE=100; SECONDS=70; limit 240; limit 20; "
                           "SECONDS=120; limit 60; DEADLINE=; limit 240"],
                          capture_output=True, text=True, check=True)
     assert cut.stdout.split() == ["30", "20", "1", "240"]
     out, bundle = tmp_path / "out", tmp_path / "gpu.tgz"
-    done = subprocess.run(["bash", str(CHECK), "checks tuning"], cwd=ROOT, capture_output=True, text=True,
+    done = subprocess.run(["bash", str(CHECK), "checks lease2"], cwd=ROOT, capture_output=True, text=True,
                           timeout=60, env={"PATH": "/usr/bin:/bin", "OUT": str(out), "DEADLINE": "20",
                                            "BUNDLE": str(bundle), "PYTHON": "false"})
     assert re.search(r"checks skipped: (19|20) s left before DEADLINE=20", done.stdout), done.stdout
-    assert "tuning skipped" in done.stdout and "=== done" in done.stdout
+    assert all(f"=== {name} skipped" in done.stdout for name in ("tuning", "mc", "mc_compile", "lms"))
+    assert "=== done" in done.stdout
     assert bundle.is_file() and bundle.stat().st_size > 0
+    first = subprocess.run(["bash", str(CHECK), "lease1"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=60, env={"PATH": "/usr/bin:/bin", "OUT": str(out), "DEADLINE": "0",
+                                            "PYTHON": "false"})
+    steps = re.findall(r"^=== (\w+) skipped", first.stdout, re.M)
+    assert steps == ["machine", "checks", "tests", "compile", "speed"], first.stdout
