@@ -126,9 +126,8 @@ def auto_loop_kernel(x: Tensor) -> str:
     :func:`auto_loop_kernel_on` for ``x``'s device and dtype."""
     if exporting():
         return "autograd"
-    if torch.compiler.is_compiling():  # the functorch check is a graph break: torch.compile's choice
-        return auto_loop_kernel_on(x.device, x.dtype)
-    if functorch_wrapped(x):
+    # (no functorch check while torch.compile traces: it would be a graph break)
+    if not torch.compiler.is_compiling() and functorch_wrapped(x):
         return "autograd"
     return auto_loop_kernel_on(x.device, x.dtype)
 

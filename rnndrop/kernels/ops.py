@@ -24,8 +24,9 @@ work per step, which bounds a small batch on a GPU (docs/gpu.md), is then one re
 The kernels that run as operators are :data:`TRACEABLE`: ``"compiled"`` (CPU) and ``"triton"``
 (CUDA); each module gives three functions per cell, ``forward_saving`` (the forward pass and its
 ``saved`` list), ``saved_like`` (that list's shapes, empty: what tracing sees) and
-``backward_saved``. A layer on another kernel (or under autocast) runs eagerly inside
-``torch.compile``, as before: see :meth:`rnndrop.recurrent.VariationalRNNStack._forward`.
+``backward_saved``. A layer on another kernel (or, under autocast, whose loop runs the "manual"
+kernel in the dtype it computes in) runs eagerly inside ``torch.compile``, as before: see
+:meth:`rnndrop.recurrent.VariationalRNNStack._traces`.
 """
 
 from __future__ import annotations
