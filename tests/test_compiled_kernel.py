@@ -21,7 +21,6 @@ from rnndrop.kernels import (
     auto_loop_kernel,
     compiled,
     compiled_cache,
-    compiled_plan,
     get_kernel,
     onednn,
 )
@@ -152,7 +151,7 @@ def test_forward_split_by_units_matches_reference_kernel(threads, H, dtype):
                 args = helpers.kernel_inputs("lstm", batch_sizes, mask_shape, 0, dtype=dtype, H=H)
                 with torch.no_grad():
                     args[3] /= H**0.5
-                parts = compiled_plan.split_parts(args[3], None, args[5], [], batch_sizes)
+                parts = compiled.split_parts(args[3], None, args[5], [], batch_sizes)
                 assert parts == min(threads, H // 32)  # the split runs
                 for reverse in (False, True):
                     where = f"{batch_sizes} mask {mask_shape} reverse {reverse}"
@@ -203,17 +202,17 @@ def test_forward_split_by_units_only_where_it_applies():
     with_threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert compiled_plan.split_parts(w, None, None, [], [20] * 5) == 0
+        assert compiled.split_parts(w, None, None, [], [20] * 5) == 0
         torch.set_num_threads(2)
-        assert compiled_plan.split_parts(w, None, None, [], [20] * 5) == 2
-        assert compiled_plan.split_parts(w, None, torch.ones(1, 20, 200), [], [20] * 5) == 2
-        assert compiled_plan.split_parts(w, None, torch.ones(1, 20, 4, 200), [], [20] * 5) == 2  # per gate
-        assert compiled_plan.split_parts(w, torch.randn(200, 50), None, [], [20] * 5) == 0  # projection
-        assert compiled_plan.split_parts(w, None, None, [torch.empty(0)], [20] * 5) == 0  # oneDNN's products
-        assert compiled_plan.split_parts(w, None, None, [], [20, 20, 19]) == 0  # packed sequences
-        assert compiled_plan.split_parts(w, None, None, [], []) == 0  # no step
+        assert compiled.split_parts(w, None, None, [], [20] * 5) == 2
+        assert compiled.split_parts(w, None, torch.ones(1, 20, 200), [], [20] * 5) == 2
+        assert compiled.split_parts(w, None, torch.ones(1, 20, 4, 200), [], [20] * 5) == 2  # per gate
+        assert compiled.split_parts(w, torch.randn(200, 50), None, [], [20] * 5) == 0  # projection
+        assert compiled.split_parts(w, None, None, [torch.empty(0)], [20] * 5) == 0  # oneDNN's products
+        assert compiled.split_parts(w, None, None, [], [20, 20, 19]) == 0  # packed sequences
+        assert compiled.split_parts(w, None, None, [], []) == 0  # no step
         narrow = torch.randn(4 * 63, 63)  # under 32 units a part
-        assert compiled_plan.split_parts(narrow, None, None, [], [20] * 5) == 0
+        assert compiled.split_parts(narrow, None, None, [], [20] * 5) == 0
     finally:
         torch.set_num_threads(with_threads)
 
@@ -247,7 +246,7 @@ def test_onednn_products_chosen_by_weight_size_and_rows(monkeypatch):
     rows (on AMD Zen 5: from 100 k elements at any rows), never for small ones or float64; with
     per-gate masks one a gate, judged by its size."""
     def packed(h, rows, dtype=torch.float32, mask=None):
-        return len(compiled_plan.packed_weights(torch.randn(4 * h, h, dtype=dtype), mask, rows))
+        return len(compiled.packed_weights(torch.randn(4 * h, h, dtype=dtype), mask, rows))
 
     one = int(onednn_enabled(torch.randn(2, 2)))
     monkeypatch.setattr(onednn, "amd_cpu_family", lambda: 25)  # Zen 3 / 4 (and any other CPU)
@@ -277,7 +276,7 @@ def test_onednn_products_match_reference_kernel(kind, monkeypatch):
             weight /= weight.shape[1] ** 0.5
         # With oneDNN the step products go through its packed weights; a torch without it
         # runs the same comparison through BLAS.
-        packed = compiled_plan.packed_weights(weight, args[-1], batch_sizes[0])
+        packed = compiled.packed_weights(weight, args[-1], batch_sizes[0])
         gates = 1 if mask_shape is None or len(mask_shape) == 3 else weight.shape[0] // 40
         assert len(packed) == (gates if onednn_enabled(weight) else 0)
         ours = helpers.run_kernel("compiled", kind, batch_sizes, args, reverse)
@@ -307,9 +306,9 @@ def test_per_gate_onednn_products_cut_to_share_the_threads_match_reference_kerne
                 weight = args[3] if kind == "lstm" else args[2]
                 weight /= weight.shape[1] ** 0.5
             gates = weight.shape[0] // 96
-            parts = compiled_plan.gate_parts(gates, 96)
+            parts = compiled.gate_parts(gates, 96)
             assert parts == threads // math.gcd(gates, threads) > 1
-            packed = compiled_plan.packed_weights(weight, args[-1], batch_sizes[0])
+            packed = compiled.packed_weights(weight, args[-1], batch_sizes[0])
             assert len(packed) == (gates * parts if onednn_enabled(weight) else 0)
             for reverse in (False, True):
                 ours = helpers.run_kernel("compiled", kind, batch_sizes, args, reverse)

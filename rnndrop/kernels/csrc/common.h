@@ -138,7 +138,7 @@ inline StepWeight forward_weight(const Tensor& w_hh, const std::vector<Tensor>& 
 }
 
 // The per-gate oneDNN products of one step, one a thread: G gates cut into S blocks of output
-// columns each (w.packed holds G S packed blocks, gate-major; compiled_plan.gate_parts chose S so
+// columns each (w.packed holds G S packed blocks, gate-major; compiled.gate_parts chose S so
 // that the threads share them evenly). f(g, task, c0, c1): gate g's columns c0..c1-1 of `out`
 // output columns, through w.packed[task]. Small products split over the threads beat each one
 // threaded in turn.

@@ -74,7 +74,7 @@ struct LSTMOutputGrads {
   OptTensor out, h_n, c_n;
 };
 
-// parts > 0: the forward step split by hidden units, one part a thread (compiled_plan.split_parts).
+// parts > 0: the forward step split by hidden units, one part a thread (compiled.split_parts).
 LSTMForward lstm_forward(const LSTMInputs& inputs, const Schedule& schedule, const std::vector<Tensor>& w_packed,
                          bool keep, int64_t parts);
 // onednn_weight_grad: dW_hh through oneDNN (float32, where the Python side found it faster), else BLAS.

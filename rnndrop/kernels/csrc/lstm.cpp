@@ -65,7 +65,7 @@ void lstm_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>&
 
 // The forward loop for several threads split by hidden units instead of rows (padded input:
 // every step has all B rows; no projection; products through BLAS; at least 32 units a part: the
-// Python side decides, compiled_plan.split_parts). Part j owns units [u0, u1) and the columns of
+// Python side decides, compiled.split_parts). Part j owns units [u0, u1) and the columns of
 // W_hhᵀ its gates need, in a copy of its own that stays in its core's cache ([P, 4 n]; per-gate
 // masks: [G, P, n], gate g's product reading gate g's masked state): per step, in one parallel
 // region instead of three (mask, product, rows), each part runs its product zr_j = m W_jᵀ (per
