@@ -19,14 +19,17 @@ eagerly (:func:`run_eagerly`). What is traced and what still runs eagerly: docs/
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
-__all__ = ["CompiledModel", "compile_model", "constant_for_compile", "exporting", "run_eagerly",
-           "traced_cache", "tracing_for_compile"]
+from rnndrop.stochastic import Stochastic
+
+__all__ = ["CompiledModel", "compile_model", "constant_for_compile", "eager_under_compile", "exporting",
+           "is_torch_rnn", "make_eager_calls", "run_eagerly", "traced_cache", "tracing_for_compile"]
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -69,14 +72,45 @@ def traced_cache(maxsize: int | None) -> Callable[[Callable[..., T]], Callable[.
     return decorate
 
 
-@traced_cache(None)
-def run_eagerly(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` under ``torch.compiler.disable``, made on first use: the layers call it only
-    while torch.compile traces them (``torch.compiler.is_compiling()``), so ``import rnndrop``
-    does not import torch._dynamo (seconds). torch.compile then runs the layer eagerly, as it
-    runs nn.LSTM: the loop kernels are autograd Functions over a Python time loop, and tracing
-    torch's fused RNN ops fails in Inductor."""
-    return torch.compiler.disable(fn)
+#: What the layers run eagerly under torch.compile, by the reason dynamo's error names when
+#: ``fullgraph=True`` forbids the graph break: ``reason -> (function, its torch.compiler.disable
+#: wrapper or None until made)``. Filled by :func:`eager_under_compile` at import.
+_EAGER_CALLS: dict[str, tuple[Callable[..., Any], Callable[..., Any] | None]] = {}
+
+
+def eager_under_compile(fn: Callable[..., Any], *reasons: str) -> None:
+    """Register ``fn`` as run eagerly under torch.compile (:func:`run_eagerly`) for each of
+    ``reasons``: one sentence each, which dynamo prints when ``fullgraph=True`` forbids the break."""
+    for reason in reasons:
+        _EAGER_CALLS[reason] = (fn, None)
+    if "torch._dynamo" in sys.modules:  # torch.compile has run: making the wrappers costs nothing
+        make_eager_calls()
+
+
+def make_eager_calls() -> None:
+    """Make every registered function's ``torch.compiler.disable`` wrapper now, outside a trace
+    (:class:`CompiledModel` calls this before it compiles). Made inside one, the call that makes it
+    would itself be dynamo's graph break, and with ``fullgraph=True`` its error would name
+    ``torch.compiler.disable`` instead of the reason."""
+    for reason, (fn, made) in _EAGER_CALLS.items():
+        if made is None:
+            _EAGER_CALLS[reason] = (fn, torch.compiler.disable(fn, reason=_explained(reason)))
+
+
+def _explained(reason: str) -> str:
+    return f"rnndrop: {reason}; compile without fullgraph=True to let it break the graph"
+
+
+def run_eagerly(reason: str) -> Callable[..., Any]:
+    """The function registered for ``reason`` under ``torch.compiler.disable``: the layers call it
+    only while torch.compile traces them (``torch.compiler.is_compiling()``), so ``import rnndrop``
+    does not import torch._dynamo (seconds). torch.compile then runs the call eagerly, as it runs
+    nn.LSTM (a graph break): the loop kernels are autograd Functions over a Python time loop, and
+    tracing torch's fused RNN ops fails in Inductor."""
+    fn, made = _EAGER_CALLS[reason]
+    if made is None:  # not made ahead (torch.compile called directly): made here, while tracing
+        made = torch.compiler.disable(fn, reason=_explained(reason))
+    return made
 
 
 def constant_for_compile(fn: F) -> F:
@@ -104,6 +138,9 @@ class CompiledModel(nn.Module):
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
         self.module = module
+        if compile_kwargs.get("backend", "inductor") == "inductor":
+            _refuse_torch_rnns_on_the_cpu(module)
+        make_eager_calls()
         for device, dtype in {(p.device, p.dtype) for p in module.parameters()}:
             for choose in BEFORE_TRACING:
                 choose(device, dtype)
@@ -119,6 +156,33 @@ class CompiledModel(nn.Module):
             torch.compiler.cudagraph_mark_step_begin()
         with torch._dynamo.config.patch(allow_rnn=True):
             return self._compiled(*args, **kwargs)
+
+
+def is_torch_rnn(module: nn.Module) -> bool:
+    """Whether ``module`` is torch's own ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` (not one of rnndrop's
+    layers, which are subclasses)."""
+    return isinstance(module, nn.RNNBase) and not isinstance(module, Stochastic)
+
+
+def _refuse_torch_rnns_on_the_cpu(model: nn.Module) -> None:
+    """A one-line error for a model whose torch RNN on the CPU Inductor would fail on at its first
+    call (``mkldnn_rnn_layer``, torch 2.11-2.13), once ``allow_rnn`` lets dynamo trace it; a
+    :class:`~rnndrop.WeightDrop` runs the one it wraps eagerly."""
+    from rnndrop.weight_drop import WeightDrop  # it imports this module
+
+    wrapped = {id(m.module) for m in model.modules() if isinstance(m, WeightDrop)}
+    for name, sub in model.named_modules():
+        if (is_torch_rnn(sub) and id(sub) not in wrapped
+                and any(p.device.type == "cpu" for p in sub.parameters())):
+            where = f"submodule {name!r}" if name else "the model"
+            kind = sub.mode if sub.mode in ("LSTM", "GRU") else "RNN"
+            swap = (f"make it rnndrop.Variational{kind}.from_module(...) (no dropout: the same function, "
+                    "run eagerly in the graph), or " if kind != "RNN" else "")
+            raise ValueError(
+                f"compile_model: {where} is torch's nn.{kind} on the CPU, which Inductor cannot compile "
+                f"once rnndrop's layers are traced (torch._dynamo.config.allow_rnn); {swap}compile "
+                "with torch.compile (rnndrop's layers then run eagerly)"
+            )
 
 
 def compile_model(module: nn.Module, *, mode: str | None = "auto", **compile_kwargs: Any) -> CompiledModel:

@@ -60,7 +60,14 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from rnndrop.compiling import constant_for_compile, exporting, run_eagerly, traced_cache, tracing_for_compile
+from rnndrop.compiling import (
+    constant_for_compile,
+    eager_under_compile,
+    exporting,
+    run_eagerly,
+    traced_cache,
+    tracing_for_compile,
+)
 from rnndrop.flat_weights import masked_weights
 from rnndrop.kernels import (
     KERNELS,
@@ -75,7 +82,13 @@ from rnndrop.layout import SequenceLayout
 from rnndrop.masks import MASK_SCOPES, RecurrentMasks, StackGeometry, check_seq_len, mask_sites
 from rnndrop.noise import NOISES, draw_mask, draw_masks
 from rnndrop.stochastic import Stochastic
-from rnndrop.validation import check_bool, check_choice, check_positive_int, check_probability
+from rnndrop.validation import (
+    check_bool,
+    check_choice,
+    check_positive_int,
+    check_probability,
+    checked_setting,
+)
 
 __all__ = ["GRU_CELL", "LSTM_CELL", "CellSpec", "VariationalGRU", "VariationalLSTM", "VariationalRNNStack"]
 
@@ -309,6 +322,16 @@ class VariationalRNNStack(Stochastic):
 
     # ------------------------------------------------------------------ settings
 
+    # Checked whenever they are set, in the constructor and after it (validation.checked_setting).
+    dropout = checked_setting("dropout", check_probability)
+    dropout_input = checked_setting("dropout_input", check_probability)
+    dropout_hidden = checked_setting("dropout_hidden", check_probability)
+    dropout_output = checked_setting("dropout_output", check_probability)
+    mask_scope = checked_setting("mask_scope", lambda name, value: check_choice(name, value, MASK_SCOPES))
+    per_gate_masks = checked_setting("per_gate_masks", check_bool)
+    noise = checked_setting("noise", lambda name, value: check_choice(name, value, NOISES))
+    kernel = checked_setting("kernel", lambda name, value: check_choice(name, value, ("auto", *KERNELS)))
+
     def _init_dropout(
         self,
         dropout: float,
@@ -320,8 +343,8 @@ class VariationalRNNStack(Stochastic):
         noise: str,
         kernel: str,
     ) -> None:
-        """Check and keep the dropout arguments; everything after the constructor trusts them."""
-        self.dropout = check_probability("dropout", dropout)  # the input of layers 1..L-1
+        """Keep the dropout arguments (each checked as it is set: the class attributes above)."""
+        self.dropout = dropout  # the input of layers 1..L-1
         if self.dropout > 0 and self.num_layers == 1:  # nn.RNNBase's warning, word for word
             warnings.warn(
                 "dropout option adds dropout after all but last recurrent layer, so non-zero dropout "
@@ -329,13 +352,13 @@ class VariationalRNNStack(Stochastic):
                 f"num_layers={self.num_layers}",
                 stacklevel=3,
             )
-        self.dropout_input = check_probability("dropout_input", dropout_input)
-        self.dropout_hidden = check_probability("dropout_hidden", dropout_hidden)
-        self.dropout_output = check_probability("dropout_output", dropout_output)
-        self.mask_scope = check_choice("mask_scope", mask_scope, MASK_SCOPES)
-        self.per_gate_masks = check_bool("per_gate_masks", per_gate_masks)
-        self.noise = check_choice("noise", noise, NOISES)
-        self.kernel = check_choice("kernel", kernel, ("auto", *KERNELS))
+        self.dropout_input = dropout_input
+        self.dropout_hidden = dropout_hidden
+        self.dropout_output = dropout_output
+        self.mask_scope = mask_scope
+        self.per_gate_masks = per_gate_masks
+        self.noise = noise
+        self.kernel = kernel
 
     @classmethod
     def from_module(cls: type[_Stack], module: nn.RNNBase, **dropout_kwargs) -> _Stack:
@@ -353,7 +376,7 @@ class VariationalRNNStack(Stochastic):
             got = type(module).__name__
             if isinstance(module, nn.RNNBase):
                 got += f" (mode {module.mode!r})"
-            raise TypeError(f"{cls.__name__}.from_module: module must be an {mode}, got {got}")
+            raise TypeError(f"{cls.__name__}.from_module: module must be an nn.{mode}, got {got}")
         config = dict(
             num_layers=module.num_layers,
             bias=module.bias,
@@ -378,7 +401,9 @@ class VariationalRNNStack(Stochastic):
         in eval mode its outputs equal this layer's. Learned Gaussian noise, like every mask, is
         not drawn in eval mode, so a :class:`~rnndrop.GaussianLSTM` converts too. What the plain
         module cannot do is the stochastic part: it has no dropout masks and no ``masks`` argument
-        (Monte-Carlo prediction needs this layer). Tools made for ``nn.LSTM`` then apply:
+        (Monte-Carlo prediction needs this layer); it keeps ``dropout`` (between layers, which
+        ``nn.LSTM`` draws afresh at every step when trained), so that ``from_module`` and
+        ``to_plain`` give back the module they started from. Tools made for ``nn.LSTM`` then apply:
         ``torch.ao.quantization.quantize_dynamic``, ``torch.export`` with dynamic shapes, the
         legacy ONNX exporter. The copy is in eval mode and shares no tensor with this layer.
         :func:`rnndrop.to_torch` converts every such layer of a model.
@@ -395,6 +420,7 @@ class VariationalRNNStack(Stochastic):
         plain = plain_cls(  # type: ignore[call-overload]
             self.input_size, self.hidden_size, self.num_layers, bias=self.bias,
             batch_first=self.batch_first, bidirectional=self.bidirectional,
+            dropout=self.dropout if self.num_layers > 1 else 0.0,  # one layer: nn.RNNBase's warning
             device=weight.device, dtype=weight.dtype, **({"proj_size": proj_size} if proj_size else {}),
         )
         training = self.training
@@ -528,15 +554,17 @@ class VariationalRNNStack(Stochastic):
         Returns ``(output, h_n)`` for one state, ``(output, (h_n, c_n))`` for two, and the
         output before the output mask as a third element with ``return_raw_output``.
         """
-        if torch.compiler.is_compiling() and not self._traces(input):
-            # torch.compile runs the layer eagerly, as it runs nn.LSTM: a graph break, not an error.
-            eager = run_eagerly(VariationalRNNStack._forward_body)
-            return eager(self, input, hx, masks, return_raw_output)
+        if torch.compiler.is_compiling():
+            reason = self._untraced_because(input)
+            if reason is not None:
+                # torch.compile runs the layer eagerly, as it runs nn.LSTM: a graph break, not an error.
+                return run_eagerly(reason)(self, input, hx, masks, return_raw_output)
         return self._forward_body(input, hx, masks, return_raw_output)
 
-    def _traces(self, input: Tensor | PackedSequence) -> bool:
-        """Whether torch.compile traces this call into its graph (it can only where
-        ``torch._dynamo.config.allow_rnn`` is set: docs/ecosystem.md): in training mode (masks;
+    def _untraced_because(self, input: Tensor | PackedSequence) -> str | None:
+        """Why torch.compile runs this call eagerly (one of :data:`_UNTRACED`), or None where it
+        traces it into its graph (it can only where ``torch._dynamo.config.allow_rnn`` is set:
+        docs/ecosystem.md): in training mode (masks;
         eval mode is the fused op, which runs eagerly) on a loop kernel that runs as an operator
         (:mod:`rnndrop.kernels.ops`) in the dtype it computes in (under autocast the one
         ``nn.LSTM`` / ``nn.GRU`` would: on CUDA the autocast dtype, which the "triton" kernel runs;
@@ -545,14 +573,19 @@ class VariationalRNNStack(Stochastic):
         torch.export traces (an exported program must not need rnndrop's operators: export runs as
         before). Its masks, projections and states are then part of the graph, and the fused op
         where it still runs (a layer without masks, masks shared by the batch) a graph break."""
+        if not tracing_for_compile():
+            return _UNTRACED["export"]
+        if not self.training:
+            return _UNTRACED["eval"]
+        if isinstance(input, PackedSequence):
+            return _UNTRACED["packed"]
         weight = self.weight_ih_l0
         dtype, device_type = weight.dtype, weight.device.type
         if torch.is_autocast_enabled(device_type):
             dtype = _autocast_result_dtype(self._cell.mode, device_type, dtype,
                                            torch.get_autocast_dtype(device_type))
         kernel = auto_loop_kernel_on(weight.device, dtype) if self.kernel == "auto" else self.kernel
-        return (self.training and kernel in TRACEABLE and not isinstance(input, PackedSequence)
-                and tracing_for_compile())
+        return None if kernel in TRACEABLE else _UNTRACED["kernel"]
 
     def _forward_body(
         self,
@@ -692,7 +725,7 @@ class VariationalRNNStack(Stochastic):
         the op's own dropout is always 0 (the layers apply theirs as masks).
         """
         if tracing_for_compile():  # Inductor cannot compile torch's fused RNN ops
-            return run_eagerly(VariationalRNNStack._run_fused)(self, x, layout, states, weights, num_layers)
+            return run_eagerly(_UNTRACED["fused"])(self, x, layout, states, weights, num_layers)
         hx = states if self._cell.num_states > 1 else states[0]
         common = (weights, self.bias, num_layers, 0.0, self.training, self.bidirectional)
         if self._caller_autocast is not None:
@@ -830,6 +863,25 @@ class VariationalRNNStack(Stochastic):
             outs.append(out)
             finals.append(final)
         return (outs[0] if D == 1 else torch.cat(outs, dim=-1)), tuple(zip(*finals))
+
+
+#: Why torch.compile runs a call eagerly (a graph break, the same results; with ``fullgraph=True``
+#: dynamo's error quotes the reason): docs/ecosystem.md, "torch.compile".
+_UNTRACED = {
+    "export": "under torch.export a layer runs without rnndrop's operators (an exported program must "
+              "not need them)",
+    "eval": "in eval mode a layer runs torch's fused RNN op, as nn.LSTM does, which Inductor cannot "
+            "compile: it runs eagerly",
+    "packed": "on a packed sequence a layer runs eagerly: its batch sizes are data the graph would "
+              "depend on",
+    "kernel": "this layer's loop kernel is a Python time loop, not an operator (kernel='manual' or "
+              "'autograd', or a bfloat16 LSTM on the CPU under autocast): it runs eagerly",
+    "fused": "torch's fused RNN op (a layer without masks, or mask_scope='batch' masks folded into the "
+             "weights) runs eagerly: Inductor cannot compile it",
+}
+eager_under_compile(VariationalRNNStack._forward_body,
+                    *(why for case, why in _UNTRACED.items() if case != "fused"))
+eager_under_compile(VariationalRNNStack._run_fused, _UNTRACED["fused"])
 
 
 #: A Tensor in gives a Tensor out, a PackedSequence in a PackedSequence out.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ __all__ = [
     "check_probability",
     "check_tensor_like",
     "check_word_ids",
+    "checked_setting",
 ]
 
 
@@ -163,3 +164,22 @@ def _id_range(tokens: Tensor) -> tuple[int, int]:
         _ID_RANGES.pop(next(iter(_ID_RANGES)))
     _ID_RANGES[id(whole)] = (weakref.ref(whole), whole._version, low, high)
     return low, high
+
+
+def checked_setting(name: str, check: Callable[[str, Any], Any]) -> property:
+    """A class attribute ``name`` that passes every value set on it through ``check(name, value)``
+    and keeps what that returns: a setting changed after the constructor (a dropout schedule,
+    a typo in a script) is checked as the constructor checked it, not met as a wrong answer or a
+    bare ``KeyError`` at the next forward pass. Reading it is an attribute lookup."""
+    # Kept twice in the instance's __dict__: under its own name, which nn.RNNBase's extra_repr
+    # formats and pickles from before the property hold, and under ``stored``, which the property
+    # reads (torch 2.11's dynamo reads ``self.__dict__[name]`` as the attribute: the property again).
+    stored = f"_checked_{name}"
+
+    def get(self: Any) -> Any:
+        return getattr(self, stored)
+
+    def set_(self: Any, value: Any) -> None:
+        self.__dict__[name] = self.__dict__[stored] = check(name, value)
+
+    return property(get, set_, doc=f"``{name}``, checked whenever it is set.")

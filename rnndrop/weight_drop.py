@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from rnndrop.compiling import eager_under_compile, is_torch_rnn, run_eagerly, tracing_for_compile
 from rnndrop.flat_weights import forward_with_weights, masked_views, runs_without_hooks, shares_one_buffer
 from rnndrop.noise import MaskSite, bernoulli_mask, draw_masks
 from rnndrop.recurrent import quiet_weight_compaction
@@ -140,7 +141,7 @@ class WeightDrop(Stochastic, nn.Module):
         drawn = draw_masks(sites, "bernoulli", device=first.device, dtype=first.dtype, generator=generator)
         return {site.name: mask for site, mask in zip(sites, drawn) if mask is not None}
 
-    def forward_with_masks(self, masks: Mapping[str, Tensor], *args: Any, **kwargs: Any) -> Any:
+    def forward_with_masks(self, masks: Mapping[str, Tensor], /, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's forward with ``weight * masks[name]`` for each named weight.
 
         Use it to apply the same masks over several calls (truncated BPTT,
@@ -166,6 +167,9 @@ class WeightDrop(Stochastic, nn.Module):
         (:mod:`rnndrop.flat_weights`), which cuDNN runs without copying its weights first, through
         torch's fused op called as its forward calls it (:func:`forward_with_weights`: its forward,
         given other weights, would copy them into a new buffer first) unless it has hooks."""
+        if tracing_for_compile() and is_torch_rnn(self.module):
+            dropped = {name: weights[name] * m for name, m in masks.items()}
+            return run_eagerly(_TORCH_RNN_UNTRACED)(self.module, dropped, args, kwargs)
         if not masks:
             return self.module(*args, **kwargs)
         if (not torch.compiler.is_compiling() and shares_one_buffer(self.module)
@@ -174,15 +178,12 @@ class WeightDrop(Stochastic, nn.Module):
             if runs_without_hooks(self.module):
                 return forward_with_weights(self.module, list(views.values()), *args, **kwargs)
             return functional_call(self.module, views, args, kwargs)
-        dropped = {name: weights[name] * m for name, m in masks.items()}
-        # A dropped weight can never live in cuDNN's flat weight buffer, so cuDNN copies it
-        # at every call by design; its warning asks for flatten_parameters(), which cannot help.
-        with quiet_weight_compaction(next(iter(dropped.values())).device):
-            return functional_call(self.module, dropped, args, kwargs)
+        return _call_with_weights(self.module, {name: weights[name] * m for name, m in masks.items()},
+                                  args, kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.training and self.p > 0):
-            return self.module(*args, **kwargs)
+            return self._forward_dropped({}, {}, args, kwargs)
         weights = {name: self._weight(name) for name in self.weights}
         return self._forward_dropped(weights, self._sample_masks(weights, None), args, kwargs)
 
@@ -213,3 +214,20 @@ def _dropping_wrapper(module: nn.Module, name: str) -> str | None:
         ):
             return ".".join(parts[:i])
     return None
+
+
+def _call_with_weights(module: nn.Module, weights: Mapping[str, Tensor], args: tuple, kwargs: dict) -> Any:
+    """``module(*args, **kwargs)`` with ``weights`` in place of the parameters of those names."""
+    if not weights:
+        return module(*args, **kwargs)
+    # A dropped weight can never live in cuDNN's flat weight buffer, so cuDNN copies it
+    # at every call by design; its warning asks for flatten_parameters(), which cannot help.
+    with quiet_weight_compaction(next(iter(weights.values())).device):
+        return functional_call(module, weights, args, kwargs)
+
+
+# rnndrop.compile_model lets dynamo trace nn.LSTM and its subclasses (allow_rnn), and Inductor
+# fails on torch's fused RNN ops on the CPU: a wrapped torch RNN runs eagerly, as without the switch.
+_TORCH_RNN_UNTRACED = ("torch's own nn.LSTM / nn.GRU / nn.RNN inside WeightDrop runs eagerly: "
+                       "Inductor cannot compile torch's fused RNN op")
+eager_under_compile(_call_with_weights, _TORCH_RNN_UNTRACED)

@@ -375,8 +375,17 @@ def test_a_graph_of_the_backward_is_refused_not_silently_wrong(cell):
 
 def test_rejects_tensors_it_cannot_run():
     args = helpers.kernel_inputs("gru", [2, 2], None, 0, dtype=torch.float16)
-    with pytest.raises(RuntimeError, match="float32 or float64"):
+    with pytest.raises(RuntimeError, match="float32 and float64 tensors, got torch.float16"):
         get_kernel("compiled", "gru")(args[0], [2, 2], *args[1:])
+
+
+@pytest.mark.parametrize("layer_cls", [VariationalLSTM, VariationalGRU])
+def test_a_layer_built_with_it_names_the_fix_for_a_dtype_it_cannot_run(layer_cls):
+    """kernel="compiled" is a choice of the user's (the layer runs it even in eval mode): on half
+    or bfloat16 tensors the error names the argument that fixes it, not the C++ function."""
+    layer = layer_cls(3, 4, kernel="compiled").to(torch.bfloat16).eval()
+    with pytest.raises(RuntimeError, match=r"got torch.bfloat16; build the layer with kernel='auto'"):
+        layer(torch.randn(5, 2, 3, dtype=torch.bfloat16))
 
 
 # ------------------------------------------------------------------ in the layers

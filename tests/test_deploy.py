@@ -63,6 +63,18 @@ def test_to_plain_is_an_nn_rnn_with_the_eval_function(make):
     assert not any(p.data_ptr() == q.data_ptr() for p in plain.parameters() for q in layer.parameters())
 
 
+@pytest.mark.parametrize("torch_cls", [nn.LSTM, nn.GRU])
+def test_from_module_and_to_plain_give_back_the_module_they_started_from(torch_cls):
+    """nn.LSTM -> from_module -> to_plain: the same configuration, ``dropout`` included (between
+    layers: the one dropout both have), and the same weights."""
+    start = torch_cls(4, 6, 3, dropout=0.25, batch_first=True, bidirectional=True)
+    back = (VariationalLSTM if torch_cls is nn.LSTM else VariationalGRU).from_module(start).to_plain()
+    for setting in ("input_size", "hidden_size", "num_layers", "bias", "batch_first", "dropout",
+                    "bidirectional"):
+        assert getattr(back, setting) == getattr(start, setting), setting
+    torch.testing.assert_close(back.state_dict(), start.state_dict(), rtol=0, atol=0)
+
+
 def test_to_plain_refuses_a_class_that_overrides_the_forward_pass():
     class Custom(VariationalLSTM):
         def _forward(self, *args):

@@ -8,7 +8,14 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import pack_sequence
 
-from rnndrop import RecurrentMasks, VariationalGRU, VariationalGRUCell, VariationalLSTM, VariationalLSTMCell
+from rnndrop import (
+    GaussianLSTM,
+    RecurrentMasks,
+    VariationalGRU,
+    VariationalGRUCell,
+    VariationalLSTM,
+    VariationalLSTMCell,
+)
 from rnndrop.kernels import KERNELS
 from tests.oracle import assert_close, check_against_oracle, plain_twin, random_state
 
@@ -123,7 +130,7 @@ def test_from_module_swaps_an_existing_layer_in_a_model():
     assert_close(model.rnn(x)[0], before)
     gru = VariationalGRU.from_module(nn.GRU(I, H, dtype=torch.float64), dropout_input=0.1)
     assert gru.weight_hh_l0.dtype == torch.float64
-    with pytest.raises(TypeError, match="module must be an LSTM, got GRU"):
+    with pytest.raises(TypeError, match="module must be an nn.LSTM, got GRU"):
         VariationalLSTM.from_module(nn.GRU(I, H))
 
 
@@ -357,6 +364,32 @@ def test_bad_options_are_rejected_by_name():
         VariationalGRU(I, H, dropout_hidden="0.5")
 
 
+@pytest.mark.parametrize(("name", "bad", "error", "message"), [
+    ("dropout_hidden", 1.5, ValueError, r"must be a probability in \[0, 1\), got 1.5"),
+    ("dropout", 1.0, ValueError, r"must be a probability in \[0, 1\), got 1.0"),
+    ("dropout_input", float("nan"), ValueError, r"must be a probability in \[0, 1\), got nan"),
+    ("dropout_output", "0.5", TypeError, "must be a float"),
+    ("mask_scope", "bogus", ValueError, "must be one of .*got 'bogus'"),
+    ("noise", "uniform", ValueError, "must be one of .*got 'uniform'"),
+    ("per_gate_masks", 1, TypeError, "must be True or False, got int 1"),
+    ("kernel", "nope", ValueError, "must be one of .*got 'nope'"),
+])
+@pytest.mark.parametrize("cls", [VariationalLSTM, VariationalGRU, GaussianLSTM])
+def test_a_setting_changed_after_the_constructor_is_checked_as_it_checked(cls, name, bad, error, message):
+    """A dropout schedule or a typo sets a layer's attribute after the constructor: the same check
+    then, not all-dropped states (p 1.5), no dropout (NaN) or a bare KeyError at the next call."""
+    layer = cls(I, H, 2, dropout=0.1, dropout_hidden=0.2)
+    before = getattr(layer, name)
+    with pytest.raises(error, match=f"{name} {message}"):
+        setattr(layer, name, bad)
+    assert getattr(layer, name) == before  # unchanged
+    setattr(layer, name, before)
+    layer.dropout_hidden = 0.4  # a good value is kept, normalised as the constructor keeps it
+    assert layer.dropout_hidden == 0.4 and "dropout_hidden=0.4" in repr(layer)
+    layer.dropout = 0
+    assert type(layer.dropout) is float and layer(torch.randn(3, 2, I))[0].shape == (3, 2, H)
+
+
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_bad_inputs_name_what_was_expected_and_what_came(kind):
     _, layer = make_pair(kind, num_layers=2, **ALL_P)
@@ -431,5 +464,5 @@ def test_dropout_with_one_layer_warns_like_nn_lstm(cls):
 )
 def test_from_module_takes_only_its_own_cell(cls, module):
     expected = "LSTM" if cls is VariationalLSTM else "GRU"
-    with pytest.raises(TypeError, match=rf"module must be an {expected}, got {type(module).__name__}"):
+    with pytest.raises(TypeError, match=rf"module must be an nn.{expected}, got {type(module).__name__}"):
         cls.from_module(module)

@@ -375,6 +375,58 @@ def test_calls_that_are_not_traced_run_eagerly_inside_the_graph(case):
     assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_weight_drop_around_torchs_lstm_compiles_and_runs_it_eagerly():
+    """docs/usage.md's AWD pattern, ``WeightDrop(nn.LSTM)``, under ``compile_model`` (Inductor, on
+    the CPU): the torch LSTM runs eagerly inside the graph (traced with ``allow_rnn``, Inductor
+    failed on its fused op), its dropped weights drawn in the graph; eval mode is nn.LSTM's."""
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(4, 6)
+    model = rnndrop.WeightDrop(lstm, ["weight_hh_l0"], p=0.5)
+    compiled = rnndrop.compile_model(model)
+    x = torch.randn(5, 3, 4)
+    out, _ = compiled(x)
+    out.sum().backward()
+    assert out.shape == (5, 3, 6) and lstm.weight_hh_l0.grad.abs().sum() > 0
+    again, _ = compiled(x)
+    assert not torch.equal(out, again)  # fresh weight masks at every call
+    model.eval()
+    assert_close(compiled(x)[0], lstm(x)[0], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize(("torch_rnn", "fix"), [(torch.nn.LSTM, "VariationalLSTM.from_module"),
+                                                (torch.nn.GRU, "VariationalGRU.from_module"),
+                                                (torch.nn.RNN, "compile with torch.compile")])
+def test_compile_model_names_a_torch_rnn_inductor_would_fail_on(torch_rnn, fix):
+    """A torch RNN on the CPU outside a WeightDrop: a one-line error at compile_model naming it and
+    the fix, not Inductor's ``mkldnn_rnn_layer`` error at the first call."""
+    model = torch.nn.ModuleDict({"encoder": torch_rnn(4, 6), "decoder": VariationalLSTM(6, 6)})
+    with pytest.raises(ValueError, match=f"submodule 'encoder' is torch's nn.* on the CPU.*{fix}"):
+        rnndrop.compile_model(model)
+    rnndrop.compile_model(model, backend="aot_eager")  # other backends compile torch's ops
+
+
+@pytest.mark.parametrize(("case", "named"), [("eval", "eval mode"), ("packed", "packed sequence"),
+                                              ("manual kernel", "kernel='manual'"),
+                                              ("fused lstm", "mask_scope='batch'")])
+def test_fullgraph_names_why_a_call_cannot_be_traced(case, named):
+    """``compile_model(..., fullgraph=True)`` over a call that must run eagerly: dynamo's error
+    quotes rnndrop's reason (the case, and what to do), not ``torch.compiler.disable`` itself,
+    which it named when the eager wrapper was made while tracing."""
+    torch.manual_seed(0)
+    scope = "batch" if case == "fused lstm" else "sequence"
+    kernel = "manual" if case == "manual kernel" else "auto"
+    layer = VariationalLSTM(4, 6, 1, dropout_hidden=0.3, mask_scope=scope, kernel=kernel)
+    layer.train(case != "eval")
+    x = torch.randn(5, 3, 4)
+    if case == "packed":
+        x = pack_padded_sequence(x, torch.tensor([5, 3, 2]))
+    compiled = rnndrop.compile_model(layer, mode=None, backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match="compile without fullgraph=True") as error:
+        compiled(x)
+    assert named in str(error.value) and "rnndrop: " in str(error.value)
+    assert "Attempted to call function marked as skipped" not in str(error.value)
+
+
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_a_step_replayed_from_cuda_graphs_by_torch_compile_matches_eager(cell):

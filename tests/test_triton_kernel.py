@@ -3,6 +3,7 @@ run in a subprocess: under Triton's interpreter on CPU, compiled on a GPU); kern
 on CUDA only; rnndrop imports and runs without Triton; the switch that turns it off.
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -33,6 +34,8 @@ def test_the_kernels_match_the_reference_kernel():
     else:
         env["TRITON_INTERPRET"] = "1"
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/triton_checks.py"]
+    if importlib.util.find_spec("xdist") is not None:  # the interpreter's checks are independent
+        command += ["-n", str(min(os.cpu_count() or 1, 4))]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]

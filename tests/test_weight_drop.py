@@ -107,6 +107,8 @@ def test_wraps_variational_lstm_together_with_its_own_masks():
         ref = _with_weight(ref, name, layer.get_parameter(name) * m)
     x = torch.randn(T, B, I)
     assert_close(wd.forward_with_masks(masks, x, None, layer_masks), ref(x, masks=layer_masks))
+    # the layer's own keyword passes through (WeightDrop's masks are positional only)
+    assert_close(wd.forward_with_masks(masks, x, masks=layer_masks), ref(x, masks=layer_masks))
     out, _ = wd(x)  # training: both kinds of masks drawn
     assert out.shape == (T, B, H)
 

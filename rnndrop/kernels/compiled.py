@@ -554,6 +554,16 @@ class _GRURecurrence(torch.autograd.Function):
         return (None, None, *grads)
 
 
+def _refuse_dtype(gates_x: Tensor) -> None:
+    """A one-line error naming the fix where a layer built with ``kernel="compiled"`` meets a dtype
+    the C++ loop does not run (it would fail there, naming its own function)."""
+    if gates_x.dtype not in (torch.float32, torch.float64):
+        raise RuntimeError(
+            f"the 'compiled' loop kernel runs float32 and float64 tensors, got {gates_x.dtype}; build "
+            "the layer with kernel='auto' (a kernel for every dtype) or kernel='manual'"
+        )
+
+
 def lstm_recurrence(
     gates_x: Tensor,
     batch_sizes: Sequence[int],
@@ -566,6 +576,7 @@ def lstm_recurrence(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The LSTM recurrence of one layer and direction (contract in :mod:`rnndrop.kernels`)."""
     refuse_transforms("compiled", gates_x)
+    _refuse_dtype(gates_x)
     inputs = LSTMInputs(gates_x=gates_x, h0=h0, c0=c0, w_hh=w_hh, w_hr=w_hr, mask=hidden_mask)
     sizes, reverse = _sizes(batch_sizes), bool(reverse)
     if not will_differentiate(*inputs):
@@ -585,6 +596,7 @@ def gru_recurrence(
 ) -> tuple[Tensor, Tensor]:
     """The GRU recurrence of one layer and direction (contract in :mod:`rnndrop.kernels`)."""
     refuse_transforms("compiled", gates_x)
+    _refuse_dtype(gates_x)
     inputs = GRUInputs(gates_x=gates_x, h0=h0, w_hh=w_hh, b_hh=b_hh, mask=hidden_mask)
     sizes, reverse = _sizes(batch_sizes), bool(reverse)
     if not will_differentiate(*inputs):
