@@ -166,11 +166,11 @@ def is_torch_rnn(module: nn.Module) -> bool:
 
 def _refuse_torch_rnns_on_the_cpu(model: nn.Module) -> None:
     """A one-line error for a model whose torch RNN on the CPU Inductor would fail on at its first
-    call (``mkldnn_rnn_layer``, torch 2.11-2.13), once ``allow_rnn`` lets dynamo trace it; a
-    :class:`~rnndrop.WeightDrop` runs the one it wraps eagerly."""
-    from rnndrop.weight_drop import WeightDrop  # it imports this module
-
-    wrapped = {id(m.module) for m in model.modules() if isinstance(m, WeightDrop)}
+    call (``mkldnn_rnn_layer``, torch 2.11-2.13), once ``allow_rnn`` lets dynamo trace it; what a
+    module that says it runs the torch RNNs it wraps eagerly (``runs_torch_rnns_eagerly``, as
+    :class:`~rnndrop.WeightDrop` does) is let through."""
+    wrapped = {id(child) for m in model.modules() if getattr(m, "runs_torch_rnns_eagerly", False)
+               for child in m.children()}
     for name, sub in model.named_modules():
         if (is_torch_rnn(sub) and id(sub) not in wrapped
                 and any(p.device.type == "cpu" for p in sub.parameters())):

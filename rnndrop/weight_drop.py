@@ -18,7 +18,7 @@ care.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -62,6 +62,10 @@ class WeightDrop(Stochastic, nn.Module):
         lstm = WeightDrop(nn.LSTM(400, 1150), ["weight_hh_l0"], p=0.5)
         out, (h, c) = lstm(x)
     """
+
+    #: Under torch.compile a wrapped torch RNN runs eagerly (:meth:`_forward_dropped`), which
+    #: :func:`rnndrop.compile_model` reads before it refuses a torch RNN on the CPU.
+    runs_torch_rnns_eagerly: ClassVar[bool] = True
 
     def __init__(
         self,
