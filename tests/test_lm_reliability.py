@@ -11,12 +11,12 @@ import torch
 
 from rnndrop.lm import cli
 from rnndrop.lm.atomic import atomic_write
-from rnndrop.lm.data.corpus import Vocabulary
+from rnndrop.lm.data.corpus import Vocabulary, load_corpus
 from rnndrop.lm.model.language_model import RNNLanguageModel
 from rnndrop.lm.run import train
 from rnndrop.lm.run.evaluate import generate
 from rnndrop.lm.run.train import resolve_device, train_run
-from tests.lm_helpers import TINY, run_cli, write_corpus
+from tests.lm_helpers import TINY, Killed, kill_after_first_epoch, run_cli, write_corpus
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -135,6 +135,28 @@ def test_evaluate_from_another_folder_never_scores_another_corpus_as_the_runs(tm
     assert "draws no dropout noise" in text  # MC of a run without dropout: said, not a traceback
     result = json.loads((run / "results.json").read_text())
     assert os.path.isabs(result["corpus"]["source"])
+
+
+@pytest.mark.slow
+def test_evaluate_knows_the_corpus_of_a_run_that_has_not_finished(tmp_path, capsys):
+    """An interrupted run has best.pt but no results.json yet: its corpus is known by the
+    fingerprint best.pt holds, so its own corpus is scored without "not the corpus the run was
+    trained on", another one with it, and without --data the error says what to pass."""
+    data = write_corpus(tmp_path / "data")
+    other = write_corpus(tmp_path / "other", sizes=(60, 20, 20))
+    run = tmp_path / "run"
+    with pytest.raises(Killed):
+        train_run(load_corpus(data), replace(ONE, epochs=2), "tied", run, progress=False,
+                  on_epoch_end=kill_after_first_epoch)
+    assert (run / "best.pt").is_file() and not (run / "results.json").exists()
+    capsys.readouterr()
+    assert cli.main(["evaluate", str(run), "--data", str(data)]) == 0
+    assert "not the corpus" not in capsys.readouterr().out
+    assert cli.main(["evaluate", str(run), "--data", str(other)]) == 0
+    assert "not the corpus the run was trained on" in capsys.readouterr().out
+    assert cli.main(["evaluate", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "has not finished" in err and "--data DIR" in err
 
 
 @pytest.mark.slow

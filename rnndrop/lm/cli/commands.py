@@ -214,19 +214,27 @@ def _run_result(best: Path) -> dict[str, Any]:
 def _evaluation_data(data: str | None, run: LoadedModel, result: dict[str, Any]) -> tuple[Path, bool]:
     """The corpus folder to score and whether it holds the run's own corpus: ``--data``
     (``sample``: the run's corpus' sample), or the folder the run was trained on (UsageError
-    when its results do not say, or when that folder now holds another corpus)."""
+    when its results do not say, or when that folder now holds another corpus). A run that has
+    not finished has no results.json: its corpus is then known by the fingerprint in best.pt, and
+    found among the samples shipped with the package when it is one of them."""
+    expected = _corpus_fingerprint(run, result)
     if data == "sample":
-        dataset = result.get("dataset") or "ptb"
-        data_dir = sample_dir(dataset if dataset in CORPORA.values() else "ptb")
+        dataset = result.get("dataset")
+        if dataset in CORPORA.values():
+            data_dir = sample_dir(dataset)
+        else:  # not finished: the sample that holds its corpus, if one does
+            data_dir = _sample_holding(expected) or sample_dir("ptb")
     elif data:
         data_dir = Path(data)
     else:
         source = result.get("corpus", {}).get("source")
-        if not source:
+        found = Path(source) if source else _sample_holding(expected)
+        if found is None:
             raise UsageError(f"{str(run.path.parent)!r} does not say which corpus it was trained "
-                             "on: pass --data sample or --data DIR")
-        data_dir = Path(source)
-    own = _is_training_corpus(data_dir, result)
+                             "on (a run that has not finished names it only by its fingerprint): "
+                             "pass --data DIR, the folder it was trained on")
+        data_dir = found
+    own = _is_training_corpus(data_dir, expected)
     if not data and not own:
         raise UsageError(f"{str(data_dir)!r}, the corpus folder {str(run.path.parent)!r} names, does not "
                          "hold the corpus the run was trained on (a relative path read from here, or a "
@@ -234,9 +242,24 @@ def _evaluation_data(data: str | None, run: LoadedModel, result: dict[str, Any])
     return data_dir, own
 
 
-def _is_training_corpus(data_dir: Path, result: dict[str, Any]) -> bool:
-    """Whether ``data_dir`` holds the very corpus of the run's results (its fingerprint)."""
+def _corpus_fingerprint(run: LoadedModel, result: dict[str, Any]) -> str | None:
+    """The fingerprint of the run's training corpus: its results', else its best.pt's."""
     expected = result.get("identity", {}).get("corpus")
+    if expected is None and isinstance(run.identity, dict):
+        expected = run.identity.get("corpus")
+    return expected if isinstance(expected, str) else None
+
+
+def _sample_holding(expected: str | None) -> Path | None:
+    """The folder of the package's sample whose corpus has fingerprint ``expected``, if any."""
+    for name in dict.fromkeys(CORPORA.values()):
+        if expected is not None and _is_training_corpus(sample_dir(name), expected):
+            return sample_dir(name)
+    return None
+
+
+def _is_training_corpus(data_dir: Path, expected: str | None) -> bool:
+    """Whether ``data_dir`` holds the corpus of fingerprint ``expected`` (the run's)."""
     try:
         return expected is not None and corpus_fingerprint(load_corpus(data_dir)) == expected
     except (CorpusError, OSError, ValueError):
