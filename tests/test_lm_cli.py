@@ -299,6 +299,25 @@ def _awkward_files(folder: Path) -> dict[str, Path]:
             "dangling": folder / "dangling"}
 
 
+@pytest.mark.parametrize(("config", "given", "expected"), [
+    ("awd", "hidden=0.3", {"embedding": 0.1, "input": 0.3, "between": 0.25, "hidden": 0.3, "output": 0.3}),
+    ("mini", "hidden=0.3,input=0", {"embedding": 0.1, "input": 0.0, "between": 0.5, "hidden": 0.3,
+                                    "output": 0.5}),
+    ("zaremba-small", "hidden=0.3", {"hidden": 0.3}),  # no dropout in the config: only what is named
+])
+def test_dropout_sets_the_sites_it_names_and_keeps_the_configs_others(tmp_path, config, given, expected):
+    """``--dropout hidden=P`` (the AWD table's flag for the recurrent rate) keeps the config's
+    embedding, input, between and output dropout; it set them to 0."""
+    from rnndrop.lm.cli.checks import checked_job
+    from rnndrop.lm.cli.parser import corpus_parser
+
+    data = write_corpus(tmp_path / "data")
+    args = corpus_parser("ptb").parse_args(["--data", str(data), "--config", config, "--dropout", given,
+                                            "--out", str(tmp_path / "out")])
+    dropout = checked_job(args, "ptb")[3]
+    assert {site: p for site, p in dropout.items() if p or site in given} == expected
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--regimes", ""], "--regimes must name at least one regime"),
     (["--regimes", "none,nonsense"], "regime must be one of"),

@@ -102,7 +102,8 @@ def checked_job(args: argparse.Namespace, dataset: str, claim: ExitStack | None 
         _no_repeats(flag, values, given)
     if args.grid and args.dropout:
         raise UsageError("--dropout cannot be combined with --grid (the grid sets the dropout)")
-    dropout = parse_dropout(args.dropout) if args.dropout else None
+    # the sites it names, the others the config's (the AWD table's "--dropout hidden=P")
+    dropout = {**config.dropout, **parse_dropout(args.dropout)} if args.dropout else None
     if args.dropout_from and (args.grid or args.dropout):
         raise UsageError("--dropout-from cannot be combined with --grid or --dropout")
     by_regime = chosen_dropout(args.dropout_from) if args.dropout_from else None

@@ -115,7 +115,8 @@ def add_train_arguments(parser: argparse.ArgumentParser, dataset: str) -> None:
                      help="search each regime's dropout grid on validation with the first seed")
     job.add_argument("--seeds", default="1", help="comma-separated seeds")
     job.add_argument("--dropout", default=None,
-                     help="override the config's dropout, e.g. input=0.5,hidden=0.2 (not with --grid)")
+                     help="override the config's dropout at the sites named, e.g. input=0.5,hidden=0.2 "
+                     "(the other sites keep the config's; site=0 drops nothing there; not with --grid)")
     job.add_argument("--init-from", default=None, metavar="RUN",
                      help="start every run from the weights of a finished run (its folder or best.pt), "
                      "e.g. --regimes sparse_vd --config sparse-vd-cpu-200 fine-tuning a dense tied run")
