@@ -323,6 +323,29 @@ def test_resume_with_fewer_epochs_than_already_run_is_an_error(corpus, tmp_path)
     assert (tmp_path / "run" / "results.json").read_bytes() == before
 
 
+@pytest.mark.slow
+def test_a_finished_run_trained_on_to_a_higher_cap_keeps_what_it_finished_with(corpus, tmp_path, capsys):
+    """Nothing finished is lost: ``--resume --epochs 2`` on a run that finished after 1 epoch trains
+    on, and its 1-epoch results.json and best.pt stay, byte for byte, in
+    ``finished-after-1-epochs/``, which ``rnndrop-lm evaluate`` reads as a run."""
+    from rnndrop.lm import cli
+
+    run = tmp_path / "run"
+    first = train_run(corpus, ONE, "tied", run, progress=False)
+    before = {name: (run / name).read_bytes() for name in ("results.json", "best.pt")}
+    second = train_run(corpus, replace(ONE, epochs=2), "tied", run, progress=False, resume=True)
+    assert first["epochs_run"] == 1 and second["epochs_run"] == 2
+    kept = run / "finished-after-1-epochs"
+    assert {name: (kept / name).read_bytes() for name in before} == before
+    assert json.loads((run / "results.json").read_text())["epochs_run"] == 2
+    capsys.readouterr()
+    assert cli.main(["evaluate", str(kept), "--data", str(tmp_path / "data")]) == 0
+    assert f"the run reported {first['test_ppl']:.2f}" in capsys.readouterr().out
+    # the same command again reuses the finished 2-epoch run: nothing trains, nothing moves
+    again = train_run(corpus, replace(ONE, epochs=2), "tied", run, progress=False, resume=True)
+    assert again["test_ppl"] == second["test_ppl"] and not (run / "finished-after-2-epochs").exists()
+
+
 # -- leftovers, permissions, a read-only folder -------------------------------------------------
 
 @pytest.mark.slow

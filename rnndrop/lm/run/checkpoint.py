@@ -59,6 +59,7 @@ import math
 import os
 import pickle
 import random
+import shutil
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -116,6 +117,7 @@ __all__ = [
     "get_rng_state",
     "has_checkpoint",
     "identity_differences",
+    "keep_finished_run",
     "load_checkpoint",
     "load_initial_weights",
     "load_latest",
@@ -1049,6 +1051,45 @@ def _read_checkpoint(
                 "own best.pt, or start the run again in another folder"
             )
     return ckpt, state, None
+
+
+def keep_finished_run(out: Path) -> Path | None:
+    """Before a finished run trains on (its epoch cap raised, ``--resume``), what it finished with
+    is kept: its files (:data:`RUN_OUTPUTS`: results.json, best.pt, metrics.csv, plots) are linked
+    (copied where the file system has no hard links; every one of them is replaced, never
+    rewritten in place) into ``finished-after-N-epochs/`` beside them, which ``rnndrop-lm
+    evaluate`` reads as a run, and results.json leaves the run folder: the run is unfinished until
+    it ends again. Returns that folder, or None where the run had not finished."""
+    results = out / RESULTS
+    if not results.is_file():
+        return None
+    try:
+        epochs = int(read_verified_result(results)["epochs_run"])
+    except (ResultsError, KeyError, TypeError, ValueError) as e:
+        raise ResultsError(f"{str(results)!r} cannot be kept before the run trains on ({e}); nothing "
+                           "was trained: move it away by hand, or start the run again in another "
+                           "folder") from None
+    kept = out / f"finished-after-{epochs}-epochs"
+    if not kept.exists():  # else kept already by a call stopped before results.json was removed
+        staged = out / (kept.name + ".partial")
+        if staged.exists():
+            for leftover in staged.iterdir():
+                leftover.unlink()
+        staged.mkdir(exist_ok=True)
+        for name in RUN_OUTPUTS:
+            if (out / name).is_file():
+                try:
+                    os.link(out / name, staged / name)
+                except OSError:
+                    shutil.copy2(out / name, staged / name)
+        fsync_folder(staged)
+        os.replace(staged, kept)
+        fsync_folder(out)
+    results.unlink()
+    fsync_folder(out)
+    log.warning("%s: the run had finished after %d epoch%s and trains on to its new epoch cap; what "
+                "it finished with is kept in %s", out, epochs, "" if epochs == 1 else "s", kept)
+    return kept
 
 
 def _refuse_to_overwrite(out: Path, identity: dict[str, Any], resume: bool) -> None:

@@ -10,7 +10,8 @@ the best validation epoch with what rebuilds the model, :func:`rnndrop.lm.load_m
 from ``checkpoint.prev.pt`` when the newest is corrupt) into the very state (bit for bit) an
 uninterrupted run with the same seed reaches, and no finished epoch is lost. A run resumes
 only into the same run (:func:`rnndrop.lm.run.checkpoint.run_identity`); the epoch cap may
-grow but not shrink below the epochs already run (an error).
+grow but not shrink below the epochs already run (an error). A finished run whose cap grew trains
+on, what it had finished with kept first (:func:`~rnndrop.lm.run.checkpoint.keep_finished_run`).
 
 Training follows Zaremba et al.: contiguous batches, truncated BPTT with the state carried
 (detached) across segments and reset every epoch, gradient-norm clipping, SGD or Adam.
@@ -81,6 +82,7 @@ from rnndrop.lm.run.checkpoint import (
     file_sha256,
     files_on_main,
     get_rng_state,
+    keep_finished_run,
     load_checkpoint,
     load_model,
     load_state,
@@ -251,8 +253,12 @@ def train_run(
         # (the epochs before it are in the checkpoint).
         state, schedule = run.state, LRSchedule(config)
         epoch = state.epoch + 1
+        trains = False
         try:
             for epoch in _stages(run, schedule):
+                if not trains:  # a finished run whose epoch cap grew: what it finished with is kept
+                    files_on_main(partial(keep_finished_run, run.out), run.ctx, "keeping the finished run")
+                    trains = True
                 lr = schedule.rate(epoch, state.lr)
                 for group in run.optimizer.param_groups:
                     group["lr"] = lr
