@@ -354,6 +354,25 @@ def test_usage_and_data_errors_are_one_line_with_exit_2(tmp_path, capsys, args, 
     assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
 
 
+@pytest.mark.parametrize("error", [
+    RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you tried "
+                 "to allocate 160000000000 bytes"),
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 40.00 GiB"),
+    MemoryError(),
+])
+def test_a_model_too_large_for_memory_is_one_line_not_a_traceback(monkeypatch, capsys, error):
+    def too_large(*args):
+        raise error
+
+    monkeypatch.setattr(cli, "train", too_large)
+    assert cli.main(["ptb", "--data", "sample"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: out of memory") and "--hidden-size" in err
+    monkeypatch.setattr(cli, "train", lambda *args: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):  # any other error is not dressed up as memory
+        cli.main(["ptb", "--data", "sample"])
+
+
 def test_a_failed_download_names_the_sample_and_a_folder(tmp_path, capsys):
     argv = ["ptb", "--cache-dir", str(tmp_path / "cache"), "--mirror", "http://127.0.0.1:9/",
             "--source", "url", "--out", str(tmp_path / "out")]

@@ -9,8 +9,8 @@
     rnndrop-lm generate runs/ptb-sample-mini/tied/<run> --words 50
 
 ``python -m rnndrop.lm`` is the same command. Exit status: 0 done, 2 a data or usage
-problem, 3 training diverged, 130 interrupted (Ctrl-C or SIGTERM); the reason is one line on
-stderr, never a traceback.
+problem (a model too large for memory included), 3 training diverged, 130 interrupted (Ctrl-C or
+SIGTERM); the reason is one line on stderr, never a traceback.
 
 The parsers are in :mod:`~rnndrop.lm.cli.parser`, the checks of a training job in
 :mod:`~rnndrop.lm.cli.checks`, one function per sub-command in
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from rnndrop.kernels.cuda_graphs import check_environment
 from rnndrop.lm.cli.commands import carve, evaluate, generate, train, train_main
-from rnndrop.lm.cli.errors import EXIT_DATA, EXIT_DIVERGED, EXIT_INTERRUPTED, UsageError, fail
+from rnndrop.lm.cli.errors import EXIT_DATA, EXIT_DIVERGED, EXIT_INTERRUPTED, UsageError, fail, out_of_memory
 from rnndrop.lm.cli.parser import CORPORA, build_parser
 from rnndrop.lm.run.process_group import end_worker, torchrun_world_size
 
@@ -70,6 +70,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:  # outside training (reading data, scoring, sampling)
             sys.stderr.write("error: interrupted\n")
             code = EXIT_INTERRUPTED
+        except (MemoryError, RuntimeError) as e:
+            message = out_of_memory(e)
+            if message is None:
+                raise
+            fail(message, EXIT_DATA)
+            code = EXIT_DATA
     if dist.is_available() and dist.is_initialized():
         end_worker(code)
     return code

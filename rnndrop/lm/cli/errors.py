@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["EXIT_DATA", "EXIT_DIVERGED", "EXIT_INTERRUPTED", "UsageError", "check_seed", "fail", "positive"]
+__all__ = ["EXIT_DATA", "EXIT_DIVERGED", "EXIT_INTERRUPTED", "UsageError", "check_seed", "fail",
+           "out_of_memory", "positive"]
 
 EXIT_DATA = 2
 EXIT_DIVERGED = 3
@@ -40,3 +41,15 @@ def check_seed(name: str, value: int) -> int:
         raise UsageError(f"{name} must be seeds in [{low}, {high}] (what torch's generators take), "
                          f"got {value}")
     return value
+
+
+def out_of_memory(error: BaseException) -> str | None:
+    """The one line for an allocation that failed (torch's allocator on the CPU or a GPU, or
+    Python's), or None for any other error: the sizes asked for, not a bug, so no traceback."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if isinstance(error, MemoryError) or (isinstance(error, RuntimeError) and (
+            "out of memory" in text.lower() or "can't allocate memory" in text)):
+        return (f"out of memory ({' '.join(text.split())[:200]}): the model or its batches are too large for "
+                "this machine; try a smaller --hidden-size, --emb-size, --batch-size or --bptt (finished "
+                "epochs are kept)")
+    return None
