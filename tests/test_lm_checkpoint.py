@@ -63,6 +63,8 @@ def _weights_equal(a, b):
 
 @pytest.mark.slow
 def test_corrupt_checkpoint_is_refused_with_the_file_named(corpus, tmp_path):
+    """Resuming (--resume) a run whose only checkpoint is damaged: the file and the damage named,
+    and what to do (not the advice to resume, which the user was doing)."""
     config = replace(TINY, epochs=2, mc_samples=0)
     with pytest.raises(_Killed):
         train_run(corpus, config, "tied", tmp_path / "run", progress=False, on_epoch_end=_kill_after(1))
@@ -72,7 +74,7 @@ def test_corrupt_checkpoint_is_refused_with_the_file_named(corpus, tmp_path):
     ckpt.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"checkpoint '.*checkpoint.pt' is corrupted: "
                        r"(the SHA-256|torch cannot read it)"
-                       r".*restart from its previous good state"):
+                       r".*; no checkpoint.prev.pt beside it, the run cannot resume: start it again"):
         train_run(corpus, config, "tied", tmp_path / "run", progress=False, resume=True)
 
 

@@ -115,6 +115,10 @@ def test_evaluate_and_generate_on_a_missing_device_are_one_line(tmp_path, capsys
         assert err.count("\n") == 1 and "--device 'cuda'" in err
     assert _job(data, tmp_path / "other", "--device", "cuda") == 2
     assert capsys.readouterr().err.count("\n") == 1
+    for folder in (out, out / "tied"):  # a job's or a regime's folder: says so and names the run
+        assert cli.main(["evaluate", str(folder)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "holds runs, not one run" in err and str(run).rstrip("/") in err
 
 
 @pytest.mark.slow

@@ -35,6 +35,7 @@ from rnndrop.lm.data.carve import carve as carve_corpus
 from rnndrop.lm.data.corpus import CorpusError, batchify, encode_split, load_corpus, sample_dir
 from rnndrop.lm.data.download import DownloadError
 from rnndrop.lm.run.checkpoint import (
+    BEST,
     CHECKPOINT,
     LEARNING_CURVES,
     RESULTS,
@@ -174,10 +175,23 @@ def _load_run(path: str, device: str) -> LoadedModel:
         resolved = resolve_device(device)
     except ValueError as e:
         raise fail(f"--{e}", EXIT_DATA) from None
+    runs = _runs_below(Path(path))
+    if runs:  # a job's or a regime's folder: best.pt is in the run folders below it
+        shown = ", ".join(runs[:3]) + (f" and {len(runs) - 3} more" if len(runs) > 3 else "")
+        raise fail(f"{path!r} holds runs, not one run: pass one run's folder ({shown})", EXIT_DATA)
     try:
         return load_model(path, resolved)
     except (FileNotFoundError, CheckpointError, ValueError) as e:
         raise fail(f"cannot load the model of {path!r}: {e}", EXIT_DATA) from None
+
+
+def _runs_below(folder: Path) -> list[str]:
+    """The run folders (holding best.pt) one or two levels below ``folder``, when ``folder``
+    itself holds none: a job's folder (regime/run) or a regime's (run)."""
+    if not folder.is_dir() or (folder / BEST).exists():
+        return []
+    found = sorted({*folder.glob(f"*/{BEST}"), *folder.glob(f"*/*/{BEST}")})
+    return [str(best.parent) for best in found if best.parent != folder]
 
 
 def _check_own_weights(run: LoadedModel, result: dict[str, Any]) -> None:

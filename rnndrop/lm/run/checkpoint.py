@@ -61,6 +61,7 @@ import pickle
 import random
 import shutil
 import socket
+import textwrap
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
@@ -291,7 +292,8 @@ def _unpickled(path: Path, data: bytes) -> Any:
         raise _bad(path, f"holds data that cannot be loaded as plain tensors and data "
                          f"({type(e).__name__})") from None
     except Exception as e:  # whatever torch's reader meets in a damaged archive
-        first = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
+        lines = str(e).strip().splitlines()
+        first = textwrap.shorten(lines[0], 120, placeholder=" ...") if lines else ""
         detail = f"{type(e).__name__}: {first}" if first else type(e).__name__
         if b"PK\x05\x06" not in data[-65558:]:  # a zip archive ends with this record
             raise _bad(path, f"is truncated: the end of its zip archive is missing ({detail})") from None
@@ -487,7 +489,7 @@ def load_latest(ckpt_path: Path) -> dict[str, Any] | None:
             return load_checkpoint(ckpt_path)
         except CheckpointError as e:
             if not prev.exists():
-                raise
+                raise _nothing_to_resume_from(ckpt_path, e, f"no {prev.name} beside it") from None
             corrupt = ckpt_path.with_name(f"{ckpt_path.stem}.corrupt{ckpt_path.suffix}")
             ckpt_path.replace(corrupt)
             log.warning("%s; moved it to %s and resuming from the previous checkpoint %s",
@@ -496,7 +498,20 @@ def load_latest(ckpt_path: Path) -> dict[str, Any] | None:
         log.warning("%s is missing; resuming from the previous checkpoint %s", ckpt_path, prev)
     else:
         return None
-    return load_checkpoint(prev)
+    try:
+        return load_checkpoint(prev)
+    except CheckpointError as e:
+        raise _nothing_to_resume_from(prev, e, "the newest one unreadable too") from None
+
+
+def _nothing_to_resume_from(path: Path, error: CheckpointError, why: str) -> CheckpointError:
+    """The error of a run that cannot resume (``path`` damaged, ``why`` no other is intact), with
+    what to do instead of the hint to resume, which the caller was doing."""
+    what = error.what or str(error)
+    stuck = CheckpointError(f"checkpoint {str(path)!r} {what}; {why}, the run cannot resume: start "
+                            "it again in another folder (or move this one away first)")
+    stuck.what = what
+    return stuck
 
 
 def load_state(target: Any, state: Any, path: str | Path, what: str = "model") -> None:
