@@ -291,12 +291,14 @@ def _write_non_utf8(folder: Path) -> Path:
 
 def _awkward_files(folder: Path) -> dict[str, Path]:
     """Awkward inputs a user may pass: a JSON list as --dropout-from, a grid summary that chose
-    for regime none only, a symbolic link to nowhere as --out."""
+    for regime none only, a symbolic link to nowhere as --out, another corpus' job as --out."""
     (folder / "list.json").write_text("[1, 2]")
     (folder / "grid.json").write_text(json.dumps({"grid": True, "runs": [{"regime": "none", "dropout": {}}]}))
     (folder / "dangling").symlink_to(folder / "nowhere")
+    (folder / "wikitext-job").mkdir()
+    (folder / "wikitext-job" / "summary.json").write_text(json.dumps({"dataset": "wikitext-2", "runs": []}))
     return {"a_list": folder / "list.json", "grid_of_none": folder / "grid.json",
-            "dangling": folder / "dangling"}
+            "dangling": folder / "dangling", "wikitext_job": folder / "wikitext-job"}
 
 
 @pytest.mark.parametrize(("config", "given", "expected"), [
@@ -342,6 +344,8 @@ def test_dropout_sets_the_sites_it_names_and_keeps_the_configs_others(tmp_path, 
     (["--dropout-from", "{grid_of_none}", "--regimes", "none,tied"], "holds no choice for regime(s) tied"),
     (["--device", "tpu"], "--device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
     (["--out", "{dangling}"], "is a symbolic link to"),
+    # its report would have mixed the two corpora's runs under one title
+    (["--out", "{wikitext_job}", "--resume"], "holds a wikitext-2 job (its summary.json); a ptb job writes"),
 ])
 def test_usage_and_data_errors_are_one_line_with_exit_2(tmp_path, capsys, args, message):
     data = write_corpus(tmp_path / "data")

@@ -4,6 +4,7 @@ config, regimes, seeds, dropout, the corpus (read once) and the output folder.""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 from contextlib import ExitStack
@@ -18,7 +19,7 @@ from rnndrop.lm.data.download import download_corpus
 from rnndrop.lm.model.presets import get_config
 from rnndrop.lm.model.regimes import get_regime
 from rnndrop.lm.model.train_config import TrainConfig
-from rnndrop.lm.run.checkpoint import JobLock, best_file, run_files
+from rnndrop.lm.run.checkpoint import SUMMARY, JobLock, best_file, run_files
 from rnndrop.lm.run.job import chosen_dropout, parse_dropout
 
 __all__ = ["check_writable", "checked_job", "config_from_args", "resolve_data"]
@@ -125,6 +126,10 @@ def checked_job(args: argparse.Namespace, dataset: str, claim: ExitStack | None 
     check_writable(out)
     if claim is not None:
         claim.enter_context(JobLock(out))
+    earlier = _dataset_of_job(out)
+    if earlier is not None and earlier != dataset:  # its report would mix the two under one title
+        raise UsageError(f"{str(out)!r} holds a {earlier} job (its summary.json); a {dataset} job "
+                         "writes into another --out")
     if not args.resume:
         held = sorted(folder for folder in out.glob("*/*/") if run_files(folder))
         if held:
@@ -133,3 +138,14 @@ def checked_job(args: argparse.Namespace, dataset: str, claim: ExitStack | None 
                 "to continue them (finished runs are reused), or pass another --out"
             )
     return config, regimes, seeds, dropout, by_regime, data_dir, out
+
+
+def _dataset_of_job(out: Path) -> str | None:
+    """The corpus name of the job whose summary.json is in ``out`` (None: none there, or unreadable,
+    which the job's report then writes again)."""
+    try:
+        summary = json.loads((out / SUMMARY).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    dataset = summary.get("dataset") if isinstance(summary, dict) else None
+    return dataset if isinstance(dataset, str) and dataset else None
