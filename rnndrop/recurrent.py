@@ -564,8 +564,8 @@ class VariationalRNNStack(Stochastic):
     def _untraced_because(self, input: Tensor | PackedSequence) -> str | None:
         """Why torch.compile runs this call eagerly (one of :data:`_UNTRACED`), or None where it
         traces it into its graph (it can only where ``torch._dynamo.config.allow_rnn`` is set:
-        docs/ecosystem.md): in training mode (masks;
-        eval mode is the fused op, which runs eagerly) on a loop kernel that runs as an operator
+        docs/ecosystem.md): in training mode (masks; eval mode is the fused op, which runs
+        eagerly) on a loop kernel that runs as an operator
         (:mod:`rnndrop.kernels.ops`) in the dtype it computes in (under autocast the one
         ``nn.LSTM`` / ``nn.GRU`` would: on CUDA the autocast dtype, which the "triton" kernel runs;
         on the CPU a bfloat16 LSTM's loop is the "manual" kernel's, which runs eagerly), for a

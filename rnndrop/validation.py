@@ -172,8 +172,8 @@ def checked_setting(name: str, check: Callable[[str, Any], Any]) -> property:
     a typo in a script) is checked as the constructor checked it, not met as a wrong answer or a
     bare ``KeyError`` at the next forward pass. Reading it is an attribute lookup."""
     # Kept twice in the instance's __dict__: under its own name, which nn.RNNBase's extra_repr
-    # formats and pickles from before the property hold, and under ``stored``, which the property
-    # reads (torch 2.11's dynamo reads ``self.__dict__[name]`` as the attribute: the property again).
+    # formats, and under ``stored``, which the property reads (torch 2.11's dynamo reads
+    # ``self.__dict__[name]`` as the attribute itself: the property again, without end).
     stored = f"_checked_{name}"
 
     def get(self: Any) -> Any:
