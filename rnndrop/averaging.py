@@ -138,7 +138,7 @@ class NTAveraging:
             raise TypeError("model must be the module itself, not its DistributedDataParallel wrapper "
                             "(pass ddp.module)")
         self.model = model
-        self.trigger = NonMonotoneTrigger(nonmono)
+        self.trigger = NonMonotoneTrigger(check_positive_int("nonmono", nonmono))
         self.averaged: AveragedModel | None = None
         self.should_stop = False
         self.switches = 0
@@ -157,8 +157,8 @@ class NTAveraging:
         return self.averaged.module if self.averaged is not None else self.model
 
     def update(self) -> None:
-        """Add the model's current weights to the average (call after every optimizer step);
-        nothing before the switch.
+        """Add the model's current weights to the average (call after every optimizer step),
+        and give it the model's current buffers; nothing before the switch.
 
         ``AveragedModel.update_parameters``'s arithmetic (a copy first, then ``+= (x - avg) /
         (n + 1)``: one foreach lerp on CUDA, weight by weight elsewhere), with the count ``n``
@@ -178,6 +178,10 @@ class NTAveraging:
                 mine.copy_(_SWA_AVERAGE(mine, theirs, self._steps))
         self._steps += 1
         self.averaged.n_averaged.fill_(self._steps)  # AveragedModel's own count, for its state dict
+        # Buffers (BatchNorm's running statistics) are the model's latest, not an average: the
+        # copy was made with use_buffers=False, whose buffers torch leaves as they were copied.
+        for mine, theirs in zip(self.averaged.module.buffers(), self.model.buffers(), strict=True):
+            mine.copy_(theirs)
 
     def validation(self, loss: float) -> bool:
         """Feed the validation loss of :attr:`evaluation_model` after a pass; returns True when

@@ -129,6 +129,9 @@ class VariableBPTT:
             raise TypeError(f"batched must be a tensor with a time dimension, got {type(batched).__name__}")
         if time_dim not in (0, 1) or time_dim >= batched.dim():
             raise ValueError(f"time_dim must be 0 or 1 and within the tensor's dimensions, got {time_dim!r}")
+        if batched.shape[time_dim] < 2:  # no target to predict
+            raise ValueError(f"batched must hold at least 2 rows along time_dim {time_dim} (inputs and "
+                             f"the targets one row ahead), got shape {tuple(batched.shape)}")
         start = 0
         for length in self.lengths(batched.shape[time_dim]):
             yield (batched.narrow(time_dim, start, length), batched.narrow(time_dim, start + 1, length),

@@ -58,7 +58,14 @@ from rnndrop.layout import mask_packed_sequence
 from rnndrop.noise import MaskSite, learned_gaussian_mask
 from rnndrop.recurrent import VariationalGRU, VariationalLSTM
 from rnndrop.stochastic import Stochastic
-from rnndrop.validation import check_bool, check_choice, check_positive_int, check_probability
+from rnndrop.validation import (
+    check_bool,
+    check_choice,
+    check_positive_int,
+    check_probability,
+    checked_setting,
+    fix_settings,
+)
 
 __all__ = ["GRANULARITIES", "GaussianGRU", "GaussianLSTM", "GaussianLockedDropout", "rnn_state_dict"]
 
@@ -79,8 +86,33 @@ def _alpha_shape(granularity: str, size: int, gates: int | None) -> tuple[int, .
     return (size,)
 
 
+def _as_given(name: str, value: Any) -> Any:
+    """No check of its own: the constructor checks these settings together."""
+    return value
+
+
+#: Why a Gaussian layer's noise settings cannot change once it is built.
+_SITES_MADE = "the constructor made its noise sites and their learned log alpha from it"
+
+
+def _fixed(name: str, check: Any = _as_given) -> property:
+    return checked_setting(name, check, fixed=_SITES_MADE)
+
+
 class _LearnedAlphaMixin(KLRegularized):
     """Learned ``log_alpha`` per mask site; placed before VariationalLSTM / VariationalGRU."""
+
+    # Fixed once built (a change would be ignored: the sites and their alphas are parameters).
+    dropout = _fixed("dropout", check_probability)
+    dropout_input = _fixed("dropout_input", check_probability)
+    dropout_hidden = _fixed("dropout_hidden", check_probability)
+    dropout_output = _fixed("dropout_output", check_probability)
+    noise = _fixed("noise")
+    per_gate_masks = _fixed("per_gate_masks", check_bool)
+    granularity = _fixed("granularity")
+    max_alpha = _fixed("max_alpha")
+    kl_approximation = _fixed("kl_approximation")
+    output_fan_out = _fixed("output_fan_out")
 
     def __init__(
         self,
@@ -98,6 +130,7 @@ class _LearnedAlphaMixin(KLRegularized):
             )
         super().__init__(*args, noise="gaussian", **kwargs)
         self._init_learned_alpha(granularity, max_alpha, kl_approximation, output_fan_out)
+        fix_settings(self)
 
     def _init_learned_alpha(
         self, granularity: str, max_alpha: float | None, kl_approximation: str, output_fan_out: int | None
@@ -259,6 +292,15 @@ class GaussianLockedDropout(KLRegularized, Stochastic, nn.Module):
 
     """
 
+    # Fixed once built (``log_alpha`` was made from them); batch_first may change, checked.
+    size = _fixed("size")
+    p = _fixed("p")
+    granularity = _fixed("granularity")
+    max_alpha = _fixed("max_alpha")
+    kl_approximation = _fixed("kl_approximation")
+    fan_out = _fixed("fan_out")
+    batch_first = checked_setting("batch_first", check_bool)
+
     def __init__(
         self,
         size: int,
@@ -282,9 +324,10 @@ class GaussianLockedDropout(KLRegularized, Stochastic, nn.Module):
         self.max_alpha = check_max_alpha(max_alpha, kl_approximation)
         self.kl_approximation = kl_approximation
         self.fan_out = checked_fan_out(type(self).__name__, "fan_out", fan_out, stacklevel=2)
-        self.batch_first = check_bool("batch_first", batch_first)
+        self.batch_first = batch_first
         shape = (1,) if granularity == "layer" else (size,)
         self.log_alpha = nn.Parameter(torch.full(shape, initial_log_alpha(p, self.max_alpha)))
+        fix_settings(self)
 
     def is_stochastic(self) -> bool:
         return True

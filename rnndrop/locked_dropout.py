@@ -46,6 +46,9 @@ class LockedDropout(Stochastic, nn.Module):
         return self.p > 0
 
     def forward(self, x: Tensor | PackedSequence) -> Tensor | PackedSequence:
+        values = x.data if isinstance(x, PackedSequence) else x
+        if isinstance(values, Tensor) and not values.is_floating_point():
+            raise TypeError(f"x must hold floating-point values (dropout scales them), got {values.dtype}")
         if isinstance(x, PackedSequence):
             if not (self.training and self.p > 0):
                 return x

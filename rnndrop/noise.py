@@ -185,7 +185,7 @@ def sample_mask(
         return bernoulli_mask(shape, p, device=device, dtype=dtype, generator=generator)
     if noise == "gaussian":
         return gaussian_mask(shape, p / (1.0 - p), device=device, dtype=dtype, generator=generator)
-    raise ValueError(f"noise must be one of {NOISES}, got {noise!r}")
+    raise ValueError(f"noise must be one of {', '.join(map(repr, NOISES))}, got {noise!r}")
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ counterpart with the zeros (``to_dense``).
 from __future__ import annotations
 
 import copy
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
@@ -49,7 +50,7 @@ from rnndrop.distributed import ensure_noise_per_rank
 from rnndrop.kl import KLRegularized, kl_molchanov
 from rnndrop.recurrent import VariationalGRU, VariationalLSTM
 from rnndrop.stochastic import Stochastic
-from rnndrop.validation import check_bool, check_finite_float, check_instance, check_word_ids
+from rnndrop.validation import check_bool, check_finite_float, check_instance, check_word_ids, checked_setting
 
 __all__ = [
     "DEFAULT_THRESHOLD",
@@ -94,8 +95,12 @@ class _SparseWeightsMixin(KLRegularized, Stochastic, Sparsified):
 
     _sparse_names: tuple[str, ...]
 
+    # Checked whenever it is set: a threshold may change after training (how much to prune).
+    threshold = checked_setting("threshold",
+                                functools.partial(check_finite_float, meaning="a float (a log alpha)"))
+
     def _init_sparse(self, names: tuple[str, ...], threshold: float) -> None:
-        self.threshold = check_finite_float("threshold", threshold, "a float (a log alpha)")
+        self.threshold = threshold
         self._sparse_names = names
         for name in names:
             weight = getattr(self, name)
@@ -378,8 +383,12 @@ class SparsityReport:
 
     @property
     def model_compression(self) -> float:
-        """All parameters of the pruned model / its nonzero parameters (dense ones kept)."""
-        return (self.total + self.dense_params) / (self.total - self.zeros + self.dense_params)
+        """All parameters of the pruned model / its nonzero parameters (dense ones kept; ``inf``
+        when nothing is left, 1 for a model without parameters)."""
+        everything, kept = self.total + self.dense_params, self.total - self.zeros + self.dense_params
+        if not everything:
+            return 1.0
+        return everything / kept if kept else float("inf")
 
     def __str__(self) -> str:
         width = max([len(layer.name) for layer in self.layers] + [6])

@@ -28,6 +28,7 @@ __all__ = [
     "check_tensor_like",
     "check_word_ids",
     "checked_setting",
+    "fix_settings",
 ]
 
 
@@ -166,11 +167,19 @@ def _id_range(tokens: Tensor) -> tuple[int, int]:
     return low, high
 
 
-def checked_setting(name: str, check: Callable[[str, Any], Any]) -> property:
+#: Set in an instance's ``__dict__`` by :func:`fix_settings`: its settings made ``fixed`` refuse changes.
+SETTINGS_FIXED = "_settings_fixed"
+
+
+def checked_setting(name: str, check: Callable[[str, Any], Any], *, fixed: str | None = None) -> property:
     """A class attribute ``name`` that passes every value set on it through ``check(name, value)``
     and keeps what that returns: a setting changed after the constructor (a dropout schedule,
     a typo in a script) is checked as the constructor checked it, not met as a wrong answer or a
-    bare ``KeyError`` at the next forward pass. Reading it is an attribute lookup."""
+    bare ``KeyError`` at the next forward pass. Reading it is an attribute lookup.
+
+    With ``fixed`` (why, in a few words) the setting cannot change once the constructor has called
+    :func:`fix_settings`: what the constructor built from it (parameters, noise sites) would no
+    longer match, and the change would be silently ignored."""
     # Kept twice in the instance's __dict__: under its own name, which nn.RNNBase's extra_repr
     # formats, and under ``stored``, which the property reads (torch 2.11's dynamo reads
     # ``self.__dict__[name]`` as the attribute itself: the property again, without end).
@@ -180,6 +189,19 @@ def checked_setting(name: str, check: Callable[[str, Any], Any]) -> property:
         return getattr(self, stored)
 
     def set_(self: Any, value: Any) -> None:
-        self.__dict__[name] = self.__dict__[stored] = check(name, value)
+        value = check(name, value)
+        if fixed is not None and self.__dict__.get(SETTINGS_FIXED) and value != self.__dict__[stored]:
+            owner = type(self).__name__
+            raise AttributeError(
+                f"{owner}.{name} cannot change after construction ({fixed}): it is "
+                f"{self.__dict__[stored]!r}, got {value!r}; build a new {owner} with it"
+            )
+        self.__dict__[name] = self.__dict__[stored] = value
 
     return property(get, set_, doc=f"``{name}``, checked whenever it is set.")
+
+
+def fix_settings(module: Any) -> None:
+    """Called at the end of a constructor: from now on the module's settings made with ``fixed``
+    (:func:`checked_setting`) refuse another value."""
+    module.__dict__[SETTINGS_FIXED] = True

@@ -409,3 +409,25 @@ def test_on_cuda_the_averaged_copys_weights_share_one_storage():
     model = VariationalLSTM(3, 4, num_layers=2, dropout_hidden=0.2).cuda()
     averaged = NTAveraging(model, start=True).evaluation_model
     assert len({w.untyped_storage().data_ptr() for w in averaged._flat_weights}) == 1
+
+
+def test_the_average_evaluates_with_the_models_latest_buffers():
+    """BatchNorm's running statistics in the averaged copy were those of the moment averaging
+    began (AveragedModel with use_buffers=False copies buffers once): they follow the model."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    averaging = NTAveraging(model, start=True)
+    for _ in range(5):
+        model(torch.randn(8, 3) * 3 + 1)  # training mode: the running statistics move
+        averaging.update()
+    batch_norm = averaging.evaluation_model[1]
+    assert torch.equal(batch_norm.running_mean, model[1].running_mean)
+    assert torch.equal(batch_norm.num_batches_tracked, model[1].num_batches_tracked)
+    assert model[1].running_mean.abs().sum() > 0
+
+
+def test_recipe_arguments_are_named_as_the_user_wrote_them():
+    with pytest.raises(ValueError, match="nonmono must be a positive int, got 0"):
+        NTAveraging(nn.Linear(2, 2), nonmono=0)
+    with pytest.raises(ValueError, match=r"batched must hold at least 2 rows along time_dim 0 .*\(1, 2\)"):
+        next(VariableBPTT(5).batches(torch.zeros(1, 2)))

@@ -253,3 +253,32 @@ def test_site_kl_sums_to_kl():
     per_site = layer.site_kl()
     assert set(per_site) == set(layer.alphas())
     torch.testing.assert_close(torch.stack(list(per_site.values())).sum(), layer.kl())
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("dropout_input", 0.0), ("dropout_hidden", 0.3), ("dropout_output", 0.5), ("dropout", 0.2),
+    ("noise", "bernoulli"), ("granularity", "layer"), ("max_alpha", 100.0), ("kl_approximation", "molchanov"),
+    ("output_fan_out", -10),
+])
+def test_a_noise_setting_of_a_built_gaussian_layer_cannot_change(name, value):
+    """Its noise sites and their log alpha are parameters the constructor made: a change after it
+    was ignored (p 0 still drew noise, max_alpha 100 gave a KL of -5.8e6 under kingma); now it
+    is an error naming the setting. The same value set again, and the loop's settings, may change."""
+    layer = GaussianLSTM(4, 5, 2, dropout=0.1, dropout_input=0.5, dropout_hidden=0.2)
+    before = getattr(layer, name)
+    with pytest.raises(AttributeError, match=f"GaussianLSTM.{name} cannot change after construction .*got "):
+        setattr(layer, name, value)
+    assert getattr(layer, name) == before
+    setattr(layer, name, before)
+    layer.mask_scope, layer.kernel = "step", "manual"
+    assert layer(torch.randn(3, 2, 4))[0].shape == (3, 2, 5)
+
+
+def test_a_built_gaussian_locked_dropout_keeps_its_noise_settings():
+    drop = GaussianLockedDropout(4, 0.5, fan_out=3)
+    for name, value in (("max_alpha", -1.0), ("fan_out", 0), ("p", 0.1), ("granularity", "layer")):
+        with pytest.raises(AttributeError, match=f"GaussianLockedDropout.{name} cannot change"):
+            setattr(drop, name, value)
+    drop.batch_first = True  # how it reads its input: checked, and free to change
+    with pytest.raises(TypeError, match="batch_first must be True or False"):
+        drop.batch_first = 1

@@ -89,3 +89,12 @@ def test_bad_arguments():
         LockedDropout(0.1)(torch.ones(5))
     with pytest.raises(TypeError, match="x must be a Tensor or PackedSequence"):
         LockedDropout(0.1)([1.0, 2.0])
+
+
+def test_integer_input_is_refused_by_name():
+    with pytest.raises(TypeError, match="x must hold floating-point values .*got torch.int64"):
+        LockedDropout(0.5)(torch.ones(2, 2, 2, dtype=torch.long))
+    drop = LockedDropout(0.5)
+    drop.noise = "foo"
+    with pytest.raises(ValueError, match="noise must be one of 'bernoulli', 'gaussian', got 'foo'"):
+        drop(torch.ones(2, 2, 2))

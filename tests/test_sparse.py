@@ -221,3 +221,26 @@ def test_bad_arguments():
 def test_threshold_must_be_finite(threshold):
     with pytest.raises(ValueError, match=r"threshold must be a finite number .*got"):
         SparseLSTM(4, 6, threshold=threshold)
+
+
+@pytest.mark.parametrize("make", [lambda: SparseLinear(3, 2), lambda: SparseLSTM(3, 4)])
+def test_the_threshold_is_checked_whenever_it_is_set(make):
+    """NaN pruned every weight (nothing is < NaN), a string failed at the next call: now both are
+    the constructor's errors; a finite threshold may change (how much to prune)."""
+    layer = make().eval()
+    with pytest.raises(ValueError, match=r"threshold must be a finite number .*got nan"):
+        layer.threshold = float("nan")
+    with pytest.raises(TypeError, match="threshold must be a float .*got str '3'"):
+        layer.threshold = "3"
+    layer.threshold = 2
+    assert layer.threshold == 2.0 and isinstance(layer.threshold, float)
+
+
+def test_a_report_of_a_model_with_nothing_left_or_nothing_at_all_divides_by_no_zero():
+    gone = SparseLinear(3, 2, bias=False)
+    with torch.no_grad():
+        gone.log_sigma2_weight.fill_(10.0)  # every log alpha over the threshold
+    report = sparsity_report(gone)
+    assert report.compression == report.model_compression == math.inf and "xinf" in str(report)
+    empty = sparsity_report(nn.Sequential())
+    assert empty.compression == empty.model_compression == 1.0 and "x1.00" in str(empty)
