@@ -147,3 +147,19 @@ def test_the_bundled_samples_are_real_corpora_with_a_notice(name, layout):
     assert "CC BY-SA 3.0" in notice and "simple-examples" in notice and "wikitext-2-v1.zip" in notice
     with pytest.raises(ValueError, match="name must be one of"):
         sample_dir("ptb-full")
+
+
+def test_a_string_where_words_are_expected_is_refused_not_read_letter_by_letter():
+    vocab = Vocabulary(["<unk>", "<eos>", "the", "c", "a", "t"])
+    with pytest.raises(TypeError, match=r"words must be a sequence of words, got a string 'the cat'.*split"):
+        vocab.encode("the cat")
+    assert vocab.encode(["the", "cat"]).tolist() == [2, 0]
+    with pytest.raises(ValueError, match=r"ids must be in \[0, 6\).*got \[-1, 6\]"):
+        vocab.decode([1, -1, 6])  # -1 read the last word
+
+
+def test_a_stream_too_short_names_the_split_and_the_setting():
+    with pytest.raises(CorpusError, match="the valid split of 3 words is too short for eval_batch_size=10"):
+        batchify(torch.arange(3), 10, split="the valid split", size_name="eval_batch_size")
+    with pytest.raises(ValueError, match="batch_size must be a positive int, got True"):
+        batchify(torch.arange(30), True)

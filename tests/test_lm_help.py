@@ -102,3 +102,21 @@ def test_training_help_says_how_the_estimate_adapts():
     for text in (_help("ptb"), " ".join(corpus_parser("ptb").format_help().split())):
         assert "The progress bar's ETA starts from that same number; once the first epoch ends, the " \
                "measured speed replaces the timed one" in text
+
+
+@pytest.mark.parametrize(("words", "top_p", "kept"),
+                         [(10, 0.8, 8), (10, 0.9, 9), (1748, 0.25, 437), (10000, 0.5, 5000)])
+def test_top_p_keeps_the_fewest_words_reaching_p_when_the_sum_rounds_below_it(words, top_p, kept):
+    """Equal probabilities (a very high temperature): the running sum of the first 8 tenths is
+    0.7999..., which kept a ninth word for p 0.8."""
+    probs = torch.full((words,), 1 / words, dtype=torch.float64)
+    assert int((truncated(probs, top_p=top_p) > 0).sum()) == kept
+
+
+def test_a_string_prompt_is_refused_not_read_letter_by_letter():
+    from rnndrop.lm.data.corpus import Vocabulary
+    from rnndrop.lm.model.language_model import RNNLanguageModel
+
+    vocab = Vocabulary(["<unk>", "<eos>", "the", "c", "a"])
+    with pytest.raises(TypeError, match="prompt must be a sequence of words, got a string 'the cat'"):
+        generate(RNNLanguageModel(5, 4, 4, 1), vocab, "the cat", 3)

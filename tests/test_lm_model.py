@@ -133,3 +133,51 @@ def test_custom_rnn_factory_keeps_its_own_initialisation():
     assert model(torch.randint(V, (4, 2)))[0].shape == (4, 2, V)
     with pytest.raises(ValueError, match="custom rnn.*dropout_hidden must be 0"):
         RNNLanguageModel(V, 8, 8, rnn=nn.LSTM(8, 8), dropout_hidden=0.1)
+
+
+def test_a_config_made_from_a_preset_never_changes_the_preset():
+    """dataclasses.replace shared the preset's dropout and grid dicts: changing a copy's dropout
+    changed the preset's for every later get_config in the process."""
+    from dataclasses import replace
+
+    from rnndrop.lm.model.presets import CONFIGS, get_config
+
+    mine = replace(get_config("mini"), hidden_size=32)
+    mine.dropout["hidden"] = 0.9
+    mine.grid.clear()
+    again = get_config("mini")
+    assert again.dropout["hidden"] == CONFIGS["mini"].dropout["hidden"] != 0.9 and again.grid
+    got = get_config("mini")
+    got.dropout["hidden"] = 0.8
+    assert CONFIGS["mini"].dropout["hidden"] != 0.8
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("tie_weights", "no", "tie_weights must be True or False, got 'no'"),
+    ("decay_after", float("nan"), "decay_after must be an int >= 0, got nan"),
+    ("decay_after", -3, "decay_after must be an int >= 0, got -3"),
+    ("decay_after", "4", "decay_after must be an int >= 0, got '4'"),
+    ("mc_samples", -5, "mc_samples must be an int >= 0, got -5"),
+    ("name", None, "name must be a string, got None"),
+    ("min_lr", True, "min_lr must be a number"),
+    ("lr_decay", 0.5, "lr_decay must be >= 1 (the rate is divided by it), got 0.5"),
+    ("dropout", {"hidden": "0.2"}, "dropout['hidden'] must be a float in [0, 1), got str '0.2'"),
+    ("dropout", {"hidden": b"0.2"}, "dropout['hidden'] must be a float in [0, 1), got bytes"),
+    ("grid", {"tied": ({"hidden": 2.0},)}, "dropout['hidden'] must be a probability in [0, 1), got 2.0"),
+    ("grid", {"nonsense": ()}, "grid: regime must be one of"),
+])
+def test_every_config_field_is_checked(field, value, message):
+    """Fields that were taken as they came: "no" tied the weights, a NaN decay_after never decayed,
+    -3 started decayed, lr_decay 0.5 made the plateau schedule raise the rate."""
+    from dataclasses import replace
+
+    with pytest.raises((ValueError, TypeError)) as error:
+        replace(TINY, **{field: value})
+    assert message in str(error.value)
+
+
+def test_a_language_model_names_its_own_arguments():
+    with pytest.raises(ValueError, match=r"dropout_embedding must be a probability in \[0, 1\), got 1.0"):
+        RNNLanguageModel(10, 4, 4, 1, dropout_embedding=1.0)
+    with pytest.raises(TypeError, match="tie_weights must be True or False, got str 'no'"):
+        RNNLanguageModel(10, 4, 4, 1, tie_weights="no")

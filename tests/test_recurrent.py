@@ -9,7 +9,6 @@ from torch import nn
 from torch.nn.utils.rnn import pack_sequence
 
 from rnndrop import (
-    GaussianLSTM,
     RecurrentMasks,
     VariationalGRU,
     VariationalGRUCell,
@@ -374,10 +373,11 @@ def test_bad_options_are_rejected_by_name():
     ("per_gate_masks", 1, TypeError, "must be True or False, got int 1"),
     ("kernel", "nope", ValueError, "must be one of .*got 'nope'"),
 ])
-@pytest.mark.parametrize("cls", [VariationalLSTM, VariationalGRU, GaussianLSTM])
+@pytest.mark.parametrize("cls", [VariationalLSTM, VariationalGRU])
 def test_a_setting_changed_after_the_constructor_is_checked_as_it_checked(cls, name, bad, error, message):
     """A dropout schedule or a typo sets a layer's attribute after the constructor: the same check
-    then, not all-dropped states (p 1.5), no dropout (NaN) or a bare KeyError at the next call."""
+    then, not all-dropped states (p 1.5), no dropout (NaN) or a bare KeyError at the next call.
+    (A Gaussian layer's noise settings cannot change at all: tests/test_gaussian.py.)"""
     layer = cls(I, H, 2, dropout=0.1, dropout_hidden=0.2)
     before = getattr(layer, name)
     with pytest.raises(error, match=f"{name} {message}"):

@@ -27,6 +27,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -42,6 +43,7 @@ __all__ = [
     "batchify",
     "bptt_batches",
     "cached_corpus",
+    "check_words",
     "encode_split",
     "find_split_files",
     "load_corpus",
@@ -180,11 +182,25 @@ class Vocabulary:
 
     def encode(self, words: Sequence[str]) -> Tensor:
         """Word ids ``[len(words)]`` (int64); unknown words map to ``<unk>``."""
+        check_words("words", words)
         unk = self.unk_id
         return torch.tensor([self.stoi.get(w, unk) for w in words], dtype=torch.long)
 
     def decode(self, ids: Sequence[int] | Tensor) -> list[str]:
-        return [self.itos[int(i)] for i in ids]
+        """The words of ``ids``, each in ``[0, len(self))``."""
+        ids = [int(i) for i in ids]
+        wrong = [i for i in ids if not 0 <= i < len(self.itos)]
+        if wrong:
+            raise ValueError(f"ids must be in [0, {len(self.itos)}) (the vocabulary's size), got {wrong[:5]}")
+        return [self.itos[i] for i in ids]
+
+
+def check_words(name: str, words: Any) -> None:
+    """TypeError for a string where a sequence of words is expected: iterated, it would be read as
+    one word per character."""
+    if isinstance(words, (str, bytes)):
+        raise TypeError(f"{name} must be a sequence of words, got a string {words[:40]!r}: split it "
+                        f"first ({name}.split())")
 
 
 @dataclass
@@ -279,20 +295,22 @@ def sample_dir(name: str) -> Path:
     return Path(__file__).resolve().parent / SAMPLES[name]
 
 
-def batchify(data: Tensor, batch_size: int) -> Tensor:
+def batchify(data: Tensor, batch_size: int, *, split: str = "a split",
+             size_name: str = "batch_size") -> Tensor:
     """Cut a stream ``[N]`` into ``batch_size`` contiguous columns: ``[N // batch_size, B]``.
 
     Column ``b`` holds words ``b * rows ... (b + 1) * rows - 1``; the last
-    ``N % batch_size`` words are dropped.
+    ``N % batch_size`` words are dropped. ``split`` and ``size_name`` name the stream and the
+    setting in the error of a stream too short.
     """
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"{size_name} must be a positive int, got {batch_size!r}")
     if data.dim() != 1:
         raise ValueError(f"data must be a 1-D stream of word ids, got shape {list(data.shape)}")
     rows = data.numel() // batch_size
     if rows < 2:
         raise CorpusError(
-            f"a split of {data.numel()} words is too short for batch_size={batch_size}: "
+            f"{split} of {data.numel()} words is too short for {size_name}={batch_size}: "
             "each column needs at least 2 words"
         )
     return data[: rows * batch_size].view(batch_size, rows).t().contiguous()

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from rnndrop.activation_regularization import RecurrentOutputs
 from rnndrop.embedding_dropout import EmbeddingDropout
 from rnndrop.recurrent import VariationalGRU, VariationalLSTM, VariationalRNNStack
-from rnndrop.validation import check_probability
+from rnndrop.validation import check_bool, check_probability
 from rnndrop.weight_drop import WeightDrop
 
 __all__ = ["RNNLanguageModel", "detach_hidden"]
@@ -99,6 +99,8 @@ class RNNLanguageModel(nn.Module):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         weight_drop = check_probability("weight_drop", weight_drop)
+        dropout_embedding = check_probability("dropout_embedding", dropout_embedding)
+        check_bool("tie_weights", tie_weights)
         if cell not in ("lstm", "gru"):
             raise ValueError(f"cell must be 'lstm' or 'gru', got {cell!r}")
         if tie_weights and embedding_size != hidden_size:

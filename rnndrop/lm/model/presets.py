@@ -9,6 +9,7 @@ the validation split.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 from rnndrop.lm.model.train_config import TrainConfig
 
@@ -185,7 +186,7 @@ CONFIGS: dict[str, TrainConfig] = {
 
 
 def get_config(name: str) -> TrainConfig:
-    try:
-        return CONFIGS[name]
+    try:  # a copy of its own (dropout and grid too): changing it leaves the preset as it is
+        return replace(CONFIGS[name])
     except KeyError:
         raise ValueError(f"config must be one of {', '.join(CONFIGS)}, got {name!r}") from None

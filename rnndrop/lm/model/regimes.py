@@ -273,6 +273,9 @@ def regime_probabilities(regime: Regime, probabilities: Mapping[str, float]) -> 
     unknown = [s for s in probabilities if s not in SITES]
     if unknown:
         raise ValueError(f"dropout sites must be among {SITES}, got {unknown}")
+    for site, p in probabilities.items():
+        if isinstance(p, (str, bytes, bool)):  # float() would take "0.2"
+            raise TypeError(f"dropout[{site!r}] must be a float in [0, 1), got {type(p).__name__} {p!r}")
     return {
         site: check_probability(f"dropout[{site!r}]", float(probabilities.get(site, 0.0)))
         if site in regime.sites else 0.0

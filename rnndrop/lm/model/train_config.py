@@ -152,10 +152,37 @@ class TrainConfig:
         if isinstance(self.freeze, str) or not all(isinstance(p, str) and p for p in self.freeze):
             raise ValueError(f"freeze must be a tuple of parameter-name prefixes, got {self.freeze!r}")
         object.__setattr__(self, "freeze", tuple(self.freeze))
+        for name in ("name", "reference"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
+        if not isinstance(self.tie_weights, bool):
+            raise ValueError(f"tie_weights must be True or False, got {self.tie_weights!r}")
+        for name in ("decay_after", "mc_samples"):  # decay_after: the last epoch at the full rate
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if self.lr_decay < 1:  # the rate is divided by it: below 1 it would grow
+            raise ValueError(f"lr_decay must be >= 1 (the rate is divided by it), got {self.lr_decay!r}")
+        self._own_dropout()
         self._check_recipe()
-        if not (isinstance(self.min_lr, (int, float)) and 0 <= self.min_lr < self.lr):
+        min_lr = self.min_lr
+        if isinstance(min_lr, bool) or not (isinstance(min_lr, (int, float)) and 0 <= min_lr < self.lr):
             raise ValueError(f"min_lr must be a number in [0, lr = {self.lr}), got {self.min_lr!r}")
+
+    def _own_dropout(self) -> None:
+        """``dropout`` and ``grid`` as this config's own copies, checked: a config made from a preset
+        (``dataclasses.replace``) shared the preset's dicts, so that changing its dropout changed
+        the preset's for everyone after."""
         regime_probabilities(REGIMES["tied"], self.dropout)
+        object.__setattr__(self, "dropout", dict(self.dropout))
+        grid: dict[str, tuple[dict[str, float], ...]] = {}
+        for regime, candidates in self.grid.items():
+            if regime not in REGIMES:
+                raise ValueError(f"grid: regime must be one of {', '.join(REGIMES)}, got {regime!r}")
+            for candidate in candidates:
+                regime_probabilities(REGIMES["tied"], candidate)
+            grid[regime] = tuple(dict(candidate) for candidate in candidates)
+        object.__setattr__(self, "grid", grid)
 
     def _check_recipe(self) -> None:
         """The AWD-LSTM fields (see the class docstring)."""

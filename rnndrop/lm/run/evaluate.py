@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rnndrop.calibration import ReliabilityDiagram, reliability_from_predictions
-from rnndrop.lm.data.corpus import EOS, Vocabulary, bptt_batches
+from rnndrop.lm.data.corpus import EOS, Vocabulary, bptt_batches, check_words
 from rnndrop.lm.run.process_group import Distributed, all_reduce_reliability, all_reduce_sums, shard_columns
 from rnndrop.lm.run.report import EpochProgress
 from rnndrop.mc import mc_language_model_loss, sampling_modules
@@ -100,6 +100,9 @@ def score(model: nn.Module, batched: Tensor, bptt: int, calibration_bins: int | 
     the weight-scaling approximation) on a batched stream ``[N, B]``, the state carried
     across segments."""
     total, count, diagram = score_sums(model, batched, bptt, calibration_bins)
+    if not count:
+        raise ValueError(f"batched must hold at least 2 rows (inputs and the targets one row ahead), "
+                         f"got shape {list(batched.shape)}: no word to predict")
     return Score(total / count, count, None if diagram is None else diagram.ece)
 
 
@@ -250,6 +253,7 @@ def generate(
             With ``top_k`` too, the nucleus is taken within the ``top_k`` words.
         generator: for reproducible samples.
     """
+    check_words("prompt", prompt)
     if isinstance(n_words, bool) or not isinstance(n_words, int) or n_words < 0:
         raise ValueError(f"n_words must be an int >= 0, got {n_words!r}")
     if not temperature > 0:
@@ -298,7 +302,10 @@ def truncated(probs: Tensor, top_k: int | None = None, top_p: float | None = Non
     if top_p is not None and top_p < 1:
         ranked = probs[order] * keep[order]
         before = ranked.cumsum(0) - ranked  # probability of the likelier words
-        keep[order[before >= top_p * ranked.sum()]] = False
+        # within the sum's rounding of the target counts as reaching it (p 0.8 of ten equal words:
+        # eight, where the eight summed to 0.7999...)
+        reached = top_p * ranked.sum() * (1 - torch.finfo(ranked.dtype).eps * ranked.numel())
+        keep[order[before >= reached]] = False
     return probs * keep
 
 

@@ -506,11 +506,13 @@ def prepare(
     torch.manual_seed(seed)
     random.seed(seed)
     model = build_model(len(corpus.vocab), config, rules, probabilities).to(device)
-    train_data = batchify(corpus.train, config.batch_size).to(device)
+    train_data = batchify(corpus.train, config.batch_size, split="the train split").to(device)
     # The KL of an ELBO is divided by the whole training stream, not by one rank's shard.
     extra_loss = _extra_loss(model, config, rules, train_data.numel())
-    valid_data = batchify(corpus.valid, config.eval_batch_size).to(device)
-    test_data = batchify(corpus.test, config.eval_batch_size).to(device)
+    valid_data = batchify(corpus.valid, config.eval_batch_size, split="the valid split",
+                          size_name="eval_batch_size").to(device)
+    test_data = batchify(corpus.test, config.eval_batch_size, split="the test split",
+                         size_name="eval_batch_size").to(device)
 
     ckpt, state, loaded_init = read_checkpoint(out, identity, config, model, resume=resume,
                                                init_from=init_from, vocab=corpus.vocab.itos, ctx=ctx)
