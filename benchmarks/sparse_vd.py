@@ -225,18 +225,23 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="runs/sparse-vd/report", help="folder of the report files")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    if args.threads < 1 or args.rounds < 1:
+        parser.error(f"--threads and --rounds: expected positive integers, got {args.threads} and "
+                     f"{args.rounds}")
     warnings.filterwarnings("ignore", message="Sparse (CSR tensor support|invariant checks)")
-    try:
+    try:  # every argument checked before anything trains: one line each, not a traceback
         kl_weights = [float(w) for w in args.kl_weights.split(",")]
         thresholds = [float(t) for t in args.thresholds.split(",")]
         dense = read_verified_result(Path(args.dense) / "results.json")
+        corpus = load_corpus(args.data)
+        base = get_config(args.config)
+        if args.freeze is not None:
+            base = replace(base, freeze=tuple(p for p in args.freeze.split(",") if p))
+        for weight in kl_weights:
+            replace(base, kl_weight=weight)
     except (ValueError, OSError) as e:
-        raise SystemExit(f"sparse_vd.py: {e}") from None
-    corpus = load_corpus(args.data)
-    base = get_config(args.config)
-    if args.freeze is not None:
-        base = replace(base, freeze=tuple(p for p in args.freeze.split(",") if p))
+        raise SystemExit(f"sparse_vd.py: error: {e}") from None
+    torch.set_num_threads(args.threads)
     runs = {}
     for weight in kl_weights:
         folder = Path(args.runs) / f"kl{weight:g}"

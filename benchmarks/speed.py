@@ -100,6 +100,7 @@ from rnndrop.kernels import KERNELS, auto_loop_kernel, cuda_graphs, get_kernel
 from rnndrop.kernels.onednn import onednn_enabled
 from rnndrop.kernels.precision import cudnn_rnn_tf32, matmul_precision
 from rnndrop.lm.run.checkpoint import write_json_atomic
+from rnndrop.lm.run.train import resolve_device
 from rnndrop.mc import mc_predict
 
 try:
@@ -711,6 +712,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--device: expected cpu or cuda[:N], got {args.device!r}")
     if args.device.type not in ("cpu", "cuda"):
         parser.error(f"--device: expected cpu or cuda[:N], got {str(args.device)!r}")
+    if not args.shapes or not args.models:
+        parser.error(f"--shapes and --models: expected a name each at least, got {args.shapes} and "
+                     f"{args.models}")
+    if not 0 <= args.p < 1:
+        parser.error(f"--p: expected a probability in [0, 1), got {args.p}")
+    for name in ("seq_len", "layers", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')}: expected a positive integer, got {value}")
     runs_here = [k for k in KERNELS if k != ("compiled" if args.device.type == "cuda" else "triton")]
     args.kernels = runs_here if args.kernels is None else [k for k in args.kernels.split(",") if k]
     try:
@@ -733,6 +743,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--kernels: on {args.device.type} expected one of {here}, got {k!r}")
     if args.variants is not None:
         args.variants = [v for v in args.variants.split(",") if v]
+        known = {name.rstrip("*") for model in ("lstm", "gru")
+                 for name in build_variants(model, 1, 1, 0.0, args.kernels, compiled=True)}
+        unknown = [v for v in args.variants if v not in known]
+        if unknown or not args.variants:  # else only the baseline would be timed
+            parser.error(f"--variants: expected names among {', '.join(sorted(known))}, "
+                         f"got {unknown or 'none'}")
     if args.rounds < 1 or args.warmup < 1:
         parser.error("--rounds and --warmup must be at least 1")
     if args.samples < 1:
@@ -750,6 +766,11 @@ def main(argv: list[str] | None = None) -> None:
 
 def _run(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    try:
+        resolve_device(args.device)  # a GPU this machine lacks: one line, not torch's AssertionError
+    except ValueError as error:
+        print(f"speed.py: error: --{error}", file=sys.stderr)
+        sys.exit(2)
     # kernel="auto" would time "manual" while the compiled kernel builds in the background: build first
     os.environ.setdefault("RNNDROP_COMPILE_WAIT", "1")
     if args.count_ops:
@@ -757,7 +778,7 @@ def _run(argv: list[str] | None = None) -> None:
         print_op_counts()
         return
     device = args.device
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     set_tf32(args.tf32)
     auto = auto_loop_kernel(torch.ones(1, device=device))

@@ -94,6 +94,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
+    for name in ("size", "layers", "batch_size", "bptt", "samples", "eval_batch_size", "threads"):
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    for name in ("train_seconds", "lr", "clip"):
+        if not getattr(args, name) > 0:
+            fail(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if args.show < 0:
+        fail(f"--show must be >= 0, got {args.show}")
     try:  # imported only to run the example (--help works without it)
         import matplotlib
 

@@ -408,8 +408,9 @@ class VariationalRNNStack(Stochastic):
         legacy ONNX exporter. The copy is in eval mode and shares no tensor with this layer.
         :func:`rnndrop.to_torch` converts every such layer of a model.
         """
-        forward_methods = ("_forward", "_forward_body")
-        if any(getattr(type(self), f) is not getattr(VariationalRNNStack, f) for f in forward_methods):
+        layer_cls = VariationalLSTM if self._cell.mode == "LSTM" else VariationalGRU
+        forward_methods = ("forward", "_forward", "_forward_body")
+        if any(getattr(type(self), f) is not getattr(layer_cls, f) for f in forward_methods):
             raise TypeError(
                 f"{type(self).__name__}.to_plain: the class overrides the forward pass, so its "
                 f"eval-mode function may not be an nn.{self._cell.mode}'s; convert it by hand"

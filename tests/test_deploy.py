@@ -80,8 +80,16 @@ def test_to_plain_refuses_a_class_that_overrides_the_forward_pass():
         def _forward(self, *args):
             return super()._forward(*args)
 
-    with pytest.raises(TypeError, match="Custom.to_plain: the class overrides the forward pass"):
-        Custom(4, 6).to_plain()
+    class Scaled(VariationalGRU):  # the public forward: its copy computed half of this
+        def forward(self, x, *args, **kwargs):
+            out, state = super().forward(x, *args, **kwargs)
+            return out * 2, state
+
+    for custom in (Custom(4, 6), Scaled(4, 6)):
+        with pytest.raises(TypeError, match=f"{type(custom).__name__}.to_plain: the class overrides"):
+            custom.to_plain()
+        with pytest.raises(TypeError, match="overrides the forward pass"):
+            rnndrop.to_torch(nn.Sequential(custom))
 
 
 def _language_model() -> RNNLanguageModel:

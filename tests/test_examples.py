@@ -43,3 +43,16 @@ def test_language_model_example_defaults_to_the_bundled_sample(monkeypatch, caps
     _run("mc_language_model.py", ["--help"], monkeypatch)
     assert "../shared" not in capsys.readouterr().out
     assert "shared" not in (EXAMPLES / "mc_language_model.py").read_text()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--samples", "0"], "--samples must be a positive integer, got 0"),
+    (["--layers", "0"], "--layers must be a positive integer, got 0"),
+    (["--threads", "0"], "--threads must be a positive integer, got 0"),
+    (["--lr", "nan"], "--lr must be > 0, got nan"),
+])
+def test_language_model_example_numbers_are_checked_in_one_line(monkeypatch, capsys, tmp_path, argv, message):
+    """They were tracebacks from the library (n_samples, num_layers, set_num_threads)."""
+    assert _run("mc_language_model.py", [*argv, "--out", str(tmp_path)], monkeypatch) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err

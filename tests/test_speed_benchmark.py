@@ -40,11 +40,26 @@ def test_defaults_time_the_kernels_that_run_on_the_device(speed):
     (["--batch", "0"], "--batch: expected comma-separated positive integers"),
     (["--device", "tpu"], "--device: expected cpu or cuda"),
     (["--shapes", "huge"], "--shapes: expected names from"),
+    # tracebacks from deep inside torch, or nothing timed, before they were checked here
+    (["--shapes", ","], "--shapes and --models: expected a name each at least"),
+    (["--p", "1.5"], "--p: expected a probability in [0, 1), got 1.5"),
+    (["--layers", "0"], "--layers: expected a positive integer, got 0"),
+    (["--seq-len", "0"], "--seq-len: expected a positive integer, got 0"),
+    (["--threads", "0"], "--threads: expected a positive integer, got 0"),
+    (["--variants", "sequence/manual,bogus"], "--variants: expected names among "),
 ])
 def test_bad_arguments_are_refused_naming_the_flag(speed, capsys, argv, message):
     with pytest.raises(SystemExit):
         speed.parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_a_gpu_this_machine_lacks_is_one_line(speed, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as done:
+        speed.main(["--device", "cuda"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.count("\n") == 1 and "--device 'cuda'" in err
 
 
 def test_a_tiny_run_prints_a_table_per_shape_model_and_batch(speed, capsys, monkeypatch, tmp_path):
