@@ -288,3 +288,9 @@ def test_ctrl_c_while_the_test_split_is_scored_is_not_called_an_epoch(tmp_path, 
     assert "epoch 2" not in err
     assert _job(data, out, "--mc-samples", "0", "--resume") == 0
     assert len(list(out.glob("tied/*/results.json"))) == 1
+
+
+def test_a_misspelt_regime_leaves_no_empty_run_folder(corpus, tmp_path):
+    with pytest.raises(ValueError, match="regime must be one of .*got 'tide'"):
+        train_run(corpus, ONE, "tide", tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()

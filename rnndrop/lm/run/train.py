@@ -243,6 +243,7 @@ def train_run(
     """
     out = Path(out_dir)
     ctx = current()
+    get_regime(regime)  # before the folder is made: a misspelt regime leaves no empty folder
     with ExitStack() as stack:
         claim_folder(out, stack, ctx)
         run = prepare(corpus, config, regime, out, dropout=dropout, seed=seed, resume=resume, device=device,
