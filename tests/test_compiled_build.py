@@ -52,6 +52,7 @@ SCRIPT = textwrap.dedent(
 
     logging.getLogger("rnndrop").addHandler(Keep())
     if action == "build":
+        sys.argv = ["rnndrop.kernels"]  # as `python -m rnndrop.kernels` runs: no arguments of its own
         runpy.run_module("rnndrop.kernels", run_name="__main__")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
