@@ -40,6 +40,7 @@ are extra. Load an ``nn.LSTM`` state dict with ``load_state_dict(sd, strict=Fals
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -92,10 +93,10 @@ def _as_given(name: str, value: Any) -> Any:
 
 
 #: Why a Gaussian layer's noise settings cannot change once it is built.
-_SITES_MADE = "the constructor made its noise sites and their learned log alpha from it"
+_SITES_MADE = "the constructor built its noise sites, their learned log alpha and KL terms from it"
 
 
-def _fixed(name: str, check: Any = _as_given) -> property:
+def _fixed(name: str, check: Callable[[str, Any], Any] = _as_given) -> property:
     return checked_setting(name, check, fixed=_SITES_MADE)
 
 
@@ -292,7 +293,8 @@ class GaussianLockedDropout(KLRegularized, Stochastic, nn.Module):
 
     """
 
-    # Fixed once built (``log_alpha`` was made from them); batch_first may change, checked.
+    # Fixed once built (``log_alpha`` and the KL term were made from them); batch_first may
+    # change, checked.
     size = _fixed("size")
     p = _fixed("p")
     granularity = _fixed("granularity")
