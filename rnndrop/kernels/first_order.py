@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -94,3 +95,21 @@ def spread(needs: Sequence[bool], grads: Sequence[Tensor]) -> list[Tensor | None
     """A backward operator's gradients back in their arguments' places (None where not needed)."""
     given = iter(grads)
     return [next(given) if need else None for need in needs]
+
+
+def register_first_order(op: Any, backward_op: Callable[..., list[Tensor]]) -> None:
+    """Autograd for a torch operator ``op(*tensors, bias)`` (``bias`` optional, last) whose
+    first-order backward is the operator ``backward_op(d_out, *tensors, needs)``: it returns the
+    gradients ``needs`` asks for (one flag per argument, the bias's False without a bias), in
+    order (:func:`needed`), which come back in their arguments' places (:func:`spread`)."""
+
+    def setup(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        *tensors, bias = inputs
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(*tensors)
+
+    def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
+        needs = [*ctx.needs_input_grad[:-1], ctx.needs_input_grad[-1] and ctx.has_bias]
+        return tuple(spread(needs, backward_op(d_out, *ctx.saved_tensors, needs)))
+
+    op.register_autograd(backward, setup_context=setup)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from rnndrop.compiling import constant_for_compile, tracing_for_compile
-from rnndrop.kernels.first_order import functorch_wrapped, grads_like, needed, spread
+from rnndrop.kernels.first_order import functorch_wrapped, grads_like, needed, register_first_order
 from rnndrop.kernels.gates import masked_linear
 from rnndrop.kernels.onednn import matmul, onednn_enabled, onednn_enabled_on
 from rnndrop.kernels.per_gate_projection import per_gate_projection, per_gate_projection_op
@@ -120,30 +120,17 @@ def _(x, weight, bias):
 
 
 @torch.library.custom_op("rnndrop::linear_backward", mutates_args=(), schema=(
-    "(Tensor d_out, Tensor x, Tensor weight, bool[] needs, bool has_bias) -> Tensor[]"))
-def _linear_backward_op(d_out: Tensor, x: Tensor, weight: Tensor, needs: list[bool],
-                        has_bias: bool) -> list[Tensor]:
-    return needed(_linear_grads(d_out, x, weight, needs, has_bias), needs)
+    "(Tensor d_out, Tensor x, Tensor weight, bool[] needs) -> Tensor[]"))
+def _linear_backward_op(d_out: Tensor, x: Tensor, weight: Tensor, needs: list[bool]) -> list[Tensor]:
+    return needed(_linear_grads(d_out, x, weight, needs, True), needs)  # needs[2]: False without a bias
 
 
 @_linear_backward_op.register_fake
-def _(d_out, x, weight, needs, has_bias):
-    return grads_like(needs, (x, weight, d_out[0] if has_bias else None))
+def _(d_out, x, weight, needs):
+    return grads_like(needs, (x, weight, d_out[0]))
 
 
-def _linear_setup(ctx, inputs: tuple, output: Tensor) -> None:
-    x, weight, bias = inputs
-    ctx.has_bias = bias is not None
-    ctx.save_for_backward(x, weight)
-
-
-def _linear_backward(ctx, d_out: Tensor) -> tuple[Tensor | None, ...]:
-    x, weight = ctx.saved_tensors
-    needs = [*ctx.needs_input_grad[:2], ctx.needs_input_grad[2] and ctx.has_bias]
-    return tuple(spread(needs, _linear_backward_op(d_out, x, weight, needs, ctx.has_bias)))
-
-
-_linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
+register_first_order(_linear_op, _linear_backward_op)
 
 
 @constant_for_compile

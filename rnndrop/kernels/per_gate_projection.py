@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rnndrop.kernels.first_order import grads_like, needed, spread
+from rnndrop.kernels.first_order import grads_like, needed, register_first_order
 from rnndrop.kernels.onednn import matmul, sequence_through_onednn, worth_onednn
 from rnndrop.kernels.precision import products_as_cudnn
 
@@ -224,16 +224,4 @@ def _(d_out, x, mask, weight, needs):
     return grads_like(needs, (x, mask, weight, d_out.new_empty(weight.shape[0])))
 
 
-def _per_gate_setup(ctx, inputs: tuple, output: Tensor) -> None:
-    x, mask, weight, bias = inputs
-    ctx.has_bias = bias is not None
-    ctx.save_for_backward(x, mask, weight)
-
-
-def _per_gate_backward(ctx, d_out: Tensor) -> tuple[Tensor | None, ...]:
-    x, mask, weight = ctx.saved_tensors
-    needs = [*ctx.needs_input_grad[:3], ctx.needs_input_grad[3] and ctx.has_bias]
-    return tuple(spread(needs, _per_gate_backward_op(d_out, x, mask, weight, needs)))
-
-
-_per_gate_op.register_autograd(_per_gate_backward, setup_context=_per_gate_setup)
+register_first_order(_per_gate_op, _per_gate_backward_op)
