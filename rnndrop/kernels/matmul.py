@@ -119,18 +119,22 @@ def _(x, weight, bias):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
+# (The schema keeps ``has_bias``, which ``needs[2]`` already says: a changed schema would break the
+# code Inductor cached on disk for it, which calls the operator with its old arguments.)
 @torch.library.custom_op("rnndrop::linear_backward", mutates_args=(), schema=(
-    "(Tensor d_out, Tensor x, Tensor weight, bool[] needs) -> Tensor[]"))
-def _linear_backward_op(d_out: Tensor, x: Tensor, weight: Tensor, needs: list[bool]) -> list[Tensor]:
-    return needed(_linear_grads(d_out, x, weight, needs, True), needs)  # needs[2]: False without a bias
+    "(Tensor d_out, Tensor x, Tensor weight, bool[] needs, bool has_bias) -> Tensor[]"))
+def _linear_backward_op(d_out: Tensor, x: Tensor, weight: Tensor, needs: list[bool],
+                        has_bias: bool) -> list[Tensor]:
+    return needed(_linear_grads(d_out, x, weight, needs, has_bias), needs)
 
 
 @_linear_backward_op.register_fake
-def _(d_out, x, weight, needs):
-    return grads_like(needs, (x, weight, d_out[0]))
+def _(d_out, x, weight, needs, has_bias):
+    return grads_like(needs, (x, weight, d_out[0] if has_bias else None))
 
 
-register_first_order(_linear_op, _linear_backward_op)
+register_first_order(_linear_op, lambda d_out, x, weight, needs: _linear_backward_op(
+    d_out, x, weight, needs, needs[2]))
 
 
 @constant_for_compile
