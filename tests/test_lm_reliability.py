@@ -294,3 +294,24 @@ def test_a_misspelt_regime_leaves_no_empty_run_folder(corpus, tmp_path):
     with pytest.raises(ValueError, match="regime must be one of .*got 'tide'"):
         train_run(corpus, ONE, "tide", tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_run_that_fails_before_writing_removes_the_folder_it_made_and_keeps_one_it_did_not(
+        corpus, tmp_path):
+    too_wide = replace(ONE, eval_batch_size=10_000)  # more columns than the valid split has words
+    with pytest.raises(ValueError, match="too short for eval_batch_size=10000"):
+        train_run(corpus, too_wide, "tied", tmp_path / "made" / "run", progress=False)
+    assert not (tmp_path / "made" / "run").exists()
+    (tmp_path / "mine").mkdir()  # the user's folder: left where it was, empty
+    with pytest.raises(ValueError, match="too short"):
+        train_run(corpus, too_wide, "tied", tmp_path / "mine", progress=False)
+    assert (tmp_path / "mine").is_dir() and not any((tmp_path / "mine").iterdir())
+
+
+def test_resume_without_a_dataset_name_keeps_the_name_the_results_were_written_with(corpus, tmp_path):
+    run = tmp_path / "run"
+    train_run(corpus, ONE, "tied", run, seed=1, progress=False, dataset="my corpus")
+    assert train_run(corpus, ONE, "tied", run, seed=1, resume=True, progress=False)["dataset"] == "my corpus"
+    assert json.loads((run / "results.json").read_text())["dataset"] == "my corpus"
+    renamed = train_run(corpus, ONE, "tied", run, seed=1, resume=True, progress=False, dataset="renamed")
+    assert renamed["dataset"] == "renamed"  # a name given is the name written

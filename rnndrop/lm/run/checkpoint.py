@@ -51,6 +51,7 @@ what rank 0 read, or the error it met (:func:`rnndrop.lm.run.process_group.run_o
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -986,20 +987,30 @@ class JobLock(RunLock):
 
 def claim_folder(out: Path, stack: ExitStack, ctx: Distributed) -> None:
     """Create ``out``, lock it until ``stack`` closes, and remove what a killed write left
-    (rank 0 alone; the others learn whether it could)."""
+    (rank 0 alone; the others learn whether it could). A folder made here that is still
+    empty when ``stack`` closes (the run failed before writing anything: a split too short,
+    a model too large) is removed again."""
     run_on_main(partial(_claim_folder, out, stack), ctx, f"taking the run folder {str(out)!r}")
 
 
 def _claim_folder(out: Path, stack: ExitStack) -> None:
+    made = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except PermissionError as e:
         raise PermissionError(f"output folder {str(out)!r} cannot be created ({e.strerror})") from None
+    if made:  # registered first, so it runs after the lock is released
+        stack.callback(_remove_if_empty, out)
     stack.enter_context(RunLock(out))
     removed = remove_stale_temporaries(out)
     if removed:
         log.warning("%s: removed %d temporary files left by a killed write: %s", out, len(removed),
                     ", ".join(p.name for p in removed))
+
+
+def _remove_if_empty(folder: Path) -> None:
+    with contextlib.suppress(OSError):
+        folder.rmdir()  # refused unless empty: nothing a run wrote is removed
 
 
 # -- where a run starts from: its own checkpoint, another run's weights, or its initialisation -----

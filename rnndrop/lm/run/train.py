@@ -75,6 +75,7 @@ from rnndrop.lm.run.checkpoint import (
     RESULTS,
     SCHEMA,
     CheckpointError,
+    ResultsError,
     RunLock,
     RunState,
     best_file,
@@ -498,6 +499,9 @@ def prepare(
     # rank 0 reads init_from's best.pt for its checksum
     identity = files_on_main(partial(run_identity, corpus, config, regime, probabilities, seed, init_from),
                             ctx, "making the run's identity")
+    if resume and not dataset:  # resumed without a name: the one its results were written with stays
+        dataset = files_on_main(partial(_previous_dataset_name, out / RESULTS), ctx,
+                                "reading the run's results")
     device = rank_device(device, ctx)
     mc_samples = config.mc_samples if mc_samples is None else mc_samples
     if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 0:
@@ -754,6 +758,17 @@ def finish_run(run: Training, bar: bool = False) -> dict[str, Any]:
         return result
 
     return files_on_main(write_result, ctx, "writing results.json")
+
+
+def _previous_dataset_name(path: Path) -> str:
+    """The ``dataset`` name of the results.json at ``path``, or "" (none, or not verified)."""
+    if not path.is_file():
+        return ""
+    try:
+        name = read_verified_result(path).get("dataset")
+    except ResultsError:
+        return ""
+    return name if isinstance(name, str) else ""
 
 
 def _announce_mc(name: str, model: nn.Module, test_data: Tensor, bptt: int, n_samples: int) -> None:
