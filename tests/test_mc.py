@@ -396,7 +396,8 @@ def test_bad_arguments_are_named():
 def test_a_negative_batch_dim_out_of_the_outputs_range_names_batch_dim_not_output_batch_dim():
     """The error names batch_dim, the argument the call gave, and output_batch_dim as the way out."""
     model = Classifier()  # [B, T, F] -> [B, C]: batch_dim=-3 is the input's batch, not the output's
-    with pytest.raises(ValueError, match=r"^batch_dim \(the output's batch dimension too: output_batch_dim "):
+    note = r"\(the output's batch dimension: output_batch_dim is not given\)"
+    with pytest.raises(ValueError, match=r"^batch_dim=-3 is out of range .* " + note):
         mc_predict(model, torch.randn(2, 3, 3), n_samples=2, batch_dim=-3)
     result = mc_predict(model, torch.randn(2, 3, 3), n_samples=2, batch_dim=-3, output_batch_dim=0)
     assert result.mean.shape[0] == 2
@@ -542,3 +543,136 @@ def test_a_plan_of_any_number_of_samples_costs_no_memory():
     assert list(_plan_chunks("loop", 3, None, 0, lambda: 0, cpu, 1)[0]) == [1, 1, 1]
     with pytest.raises(IndexError):
         ChunkPlan(6, 3)[2]
+
+
+# ------------------------------------------------------------------ inputs of other shapes
+
+
+NEARLY_ZERO = 1e-12  # a model that samples (strict mc_dropout lets it through), all but deterministic
+
+
+class PackedTagger(nn.Module):
+    """A PackedSequence -> per-word logits ``[N, C]`` (``output.data``) or, with ``per_sequence``,
+    per-sequence logits ``[B, C]`` from the last state (in the batch's own order)."""
+
+    def __init__(self, p, per_sequence=False):
+        super().__init__()
+        self.lstm = VariationalLSTM(4, 8, dropout_hidden=p, dropout_output=p)
+        self.head = nn.Linear(8, 3)
+        self.per_sequence = per_sequence
+
+    def forward(self, packed):
+        out, (h, _) = self.lstm(packed)
+        return self.head(h[-1] if self.per_sequence else out.data)
+
+
+def _packed():
+    from torch.nn.utils.rnn import pack_padded_sequence
+    torch.manual_seed(0)
+    return pack_padded_sequence(torch.randn(7, 3, 4), torch.tensor([7, 5, 2]), enforce_sorted=False)
+
+
+@pytest.mark.parametrize("per_sequence", [False, True], ids=["per-word", "per-sequence"])
+def test_a_packed_sequence_is_sampled_one_copy_a_call_and_never_stacked(per_sequence):
+    packed = _packed()
+    model = PackedTagger(NEARLY_ZERO, per_sequence).eval()
+    expected = model(packed).detach()
+    for inputs in (packed, (packed,)):  # alone, or as the one positional argument
+        result = mc_predict(model, inputs, n_samples=4, return_samples=True)
+        for sample in result.samples:  # every sample the model's own output, not rows of other copies
+            torch.testing.assert_close(sample, expected)
+    with pytest.raises(ValueError, match="method='batched' cannot stack copies of a PackedSequence"):
+        mc_predict(model, packed, n_samples=4, method="batched")
+    noisy = mc_predict(PackedTagger(0.5, per_sequence), packed, n_samples=3, return_samples=True)
+    assert distinct(noisy.samples) == len(noisy.samples)
+
+
+def test_statistics_of_half_precision_outputs_are_summed_in_float32():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Dropout(0.5), nn.Linear(16, 10)).to(torch.bfloat16)
+    x = torch.randn(6, 16, dtype=torch.bfloat16)
+    result = mc_predict(model, x, n_samples=1000, method="loop", return_samples=True)
+    probs = result.samples.double().softmax(-1)
+    mean = probs.mean(0)
+    torch.testing.assert_close(result.mean.double(), mean, atol=1e-5, rtol=1e-4)
+    expected = -torch.special.xlogy(probs, probs).sum(-1).mean(0)
+    torch.testing.assert_close(result.expected_entropy.double(), expected, atol=1e-5, rtol=1e-4)
+    assert result.mean.dtype == torch.float32 and result.samples.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("shape", ["[B]", "[B, 1]"])
+def test_a_binary_classifiers_single_logit_is_refused_for_classification(shape):
+    class Binary(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.drop, self.head = nn.Dropout(0.5), nn.Linear(4, 1)
+
+        def forward(self, x):
+            z = self.head(self.drop(x))
+            return z.squeeze(-1) if shape == "[B]" else z
+
+    expected = "the classes on the output's last dimension" if shape == "[B]" else "at least two classes"
+    with pytest.raises(ValueError, match=expected + r".*torch.stack\(\[torch.zeros_like\(z\), z\], -1\)"):
+        mc_predict(Binary(), torch.randn(5, 4), n_samples=3)
+    assert mc_predict(Binary(), torch.randn(5, 4), n_samples=3, task="regression").mean.shape[0] == 5
+
+
+class TimeMajorWithLengths(nn.Module):
+    """``(x [T, B, F], lengths [B])`` -> logits ``[B, C]``."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.lstm = VariationalLSTM(3, 8, dropout_input=p, dropout_hidden=p)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x, lengths):
+        from torch.nn.utils.rnn import pack_padded_sequence
+        _, (h, _) = self.lstm(pack_padded_sequence(x, lengths, enforce_sorted=False))
+        return self.head(h[-1])
+
+
+class BatchFirstWithState(nn.Module):
+    """``(x [B, T, F], (h0, c0) [1, B, H])`` -> logits ``[B, C]``."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.lstm = VariationalLSTM(3, 8, batch_first=True, dropout_input=p, dropout_hidden=p)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x, state):
+        out, _ = self.lstm(x, state)
+        return self.head(out[:, -1])
+
+
+def test_one_batch_dimension_per_argument_stacks_copies_of_each_argument_along_its_own():
+    torch.manual_seed(1)
+    x_tm, lengths = torch.randn(6, 5, 3), torch.tensor([6, 2, 4, 1, 3])
+    x_bf, state = torch.randn(5, 6, 3), (torch.randn(1, 5, 8), torch.randn(1, 5, 8))
+    cases = [(TimeMajorWithLengths, (x_tm, lengths), (1, 0)), (BatchFirstWithState, (x_bf, state), (0, 1))]
+    for make, inputs, dims in cases:
+        model = make(NEARLY_ZERO).eval()
+        expected = model(*inputs).detach()
+        result = mc_predict(model, inputs, n_samples=6, batch_dim=dims, output_batch_dim=0, method="batched",
+                            chunk_size=3, return_samples=True)
+        for sample in result.samples:  # copy s, row b: the model's row b
+            torch.testing.assert_close(sample, expected)
+        noisy = mc_predict(make(0.5), inputs, n_samples=4, batch_dim=dims, output_batch_dim=0,
+                           method="batched", chunk_size=4, return_samples=True)
+        assert distinct(noisy.samples) == len(noisy.samples)
+
+
+def test_batch_dims_and_untiled_lists_are_checked():
+    model = TimeMajorWithLengths(0.5)
+    x = torch.randn(6, 5, 3)
+    with pytest.raises(ValueError, match=r"batch_dim gives 3 batch dimensions for 2 positional arguments"):
+        mc_predict(model, (x, torch.tensor([6, 2, 4, 1, 3])), batch_dim=(1, 0, 0))
+    with pytest.raises(TypeError, match="batch_dim must be an int .* one int or None per argument"):
+        mc_predict(model, (x, torch.tensor([6, 2, 4, 1, 3])), batch_dim=(1, "0"))
+    with pytest.raises(ValueError, match=r"inputs\[1\] hold\(s\) a tensor of 1 dim.*batch_dim=\(1, 0\)"):
+        mc_predict(model, (x, torch.tensor([6, 2, 4, 1, 3])), batch_dim=1, output_batch_dim=0,
+                   method="batched", chunk_size=3)
+    with pytest.raises(TypeError, match=r"inputs\[1\] holds a list of 5 numbers, as long as the batch"):
+        mc_predict(model, (x, [6, 2, 4, 1, 3]), batch_dim=1, output_batch_dim=0, method="batched")
+    looped = mc_predict(model, (x, [6, 2, 4, 1, 3]), n_samples=3, batch_dim=(1, None), output_batch_dim=0,
+                        method="loop")  # one copy a call: the list goes as it is
+    assert looped.mean.shape == (5, 4)

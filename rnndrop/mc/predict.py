@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
 
 from rnndrop.mc.sampling import (
     DEFAULT_MEMORY_BUDGET,
     _copies_drawn_apart,
     _first_input,
     _first_tensor,
+    _holds_packed,
     _normalize_dim,
+    _numbers_as_long_as,
     _plan_chunks,
     _replicate,
     _resolve_method,
@@ -37,7 +41,8 @@ class MCPrediction:
     """Summary of ``n_samples`` stochastic forward passes.
 
     Shapes refer to one deterministic output ``[*out]`` (for classification the last
-    dimension holds the ``C`` class logits, ``[*out] = [*lead, C]``).
+    dimension holds the ``C`` class logits, ``[*out] = [*lead, C]``). The statistics are
+    computed in float32 for bfloat16 / float16 outputs (autocast), else in the outputs' dtype.
 
     Attributes:
         mean: classification: mean predicted probabilities ``[*lead, C]``;
@@ -83,6 +88,8 @@ class _Accumulator:
         k = chunk.shape[0]
         if self.samples is not None:
             self.samples.append(chunk)
+        # Sums over thousands of samples in bfloat16 / float16 (autocast) lose whole digits.
+        chunk = chunk.to(torch.promote_types(chunk.dtype, torch.float32))
         if self.task == "classification":
             probs = chunk.softmax(-1)
             entropy = _entropy(probs).sum(0)
@@ -129,7 +136,7 @@ def mc_predict(
     n_samples: int = 100,
     *,
     task: str = "classification",
-    batch_dim: int = 0,
+    batch_dim: int | Sequence[int | None] = 0,
     output_batch_dim: int | None = None,
     method: str = "auto",
     chunk_size: int | None = None,
@@ -144,19 +151,26 @@ def mc_predict(
 
     Args:
         model: any ``nn.Module`` with rnndrop modules or ``nn.Dropout`` inside.
-        inputs: a Tensor, or a tuple/list of positional arguments for ``model``.
-            Every tensor in it (nested tuples/lists included, e.g. an LSTM state
-            ``(h, c)``) must have the batch on ``batch_dim``; other values are
-            passed unchanged.
+        inputs: a Tensor or a PackedSequence, or a tuple/list of positional arguments for
+            ``model``. Every tensor in it (nested tuples/lists included, e.g. an LSTM state
+            ``(h, c)``) must have the batch on its argument's ``batch_dim``; other values
+            are passed unchanged (give per-sequence lengths as a tensor, not a list).
         n_samples: ``S``, the number of stochastic passes.
-        task: ``"classification"`` (outputs are logits, classes on the last
-            dimension; next-token prediction is classification) or ``"regression"``.
+        task: ``"classification"`` (outputs are logits, classes on the last dimension,
+            at least two of them; next-token prediction is classification) or
+            ``"regression"``.
         batch_dim: the batch dimension of the input tensors (0 for batch-first
-            models, 1 for time-major ones such as ``[T, B]`` token batches).
-        output_batch_dim: the batch dimension of the output; defaults to ``batch_dim``.
-            If the model returns a tuple (e.g. ``(logits, hidden)``), the first
-            element is the prediction.
-        method: ``"auto"``, ``"batched"`` or ``"loop"`` (see the module docstring).
+            models, 1 for time-major ones such as ``[T, B]`` token batches); or one entry
+            per positional argument, e.g. ``(1, 0)`` for ``model(x [T, B, F], lengths [B])``
+            or ``(0, 1)`` for ``model(x [B, T, F], (h0, c0) [L, B, H])``, None for an
+            argument the batch does not split (a constant).
+        output_batch_dim: the batch dimension of the output; defaults to ``batch_dim``
+            (its first entry that is not None). If the model returns a tuple (e.g.
+            ``(logits, hidden)``), the first element is the prediction. With a
+            PackedSequence input the output may also be per word (``output.data``): its
+            batch dimension is then not checked.
+        method: ``"auto"``, ``"batched"`` or ``"loop"`` (see the module docstring); a
+            PackedSequence is never stacked (``"auto"`` loops).
         chunk_size: batched: at most this many samples per forward call. None:
             chosen from ``memory_budget`` after one single-sample probe call, and on the
             CPU at most ``max(1, 128 // B)`` copies of a batch of ``B`` a call and 64 MiB
@@ -180,41 +194,99 @@ def mc_predict(
     for name, flag in (("return_samples", return_samples), ("strict", strict)):
         if not isinstance(flag, bool):  # a string such as "no" would read as True
             raise TypeError(f"{name} must be True or False, got {flag!r} of type {type(flag).__name__}")
-    dims = (("batch_dim", batch_dim, "inputs"), ("output_batch_dim", output_batch_dim, "output"))
-    for name, dim, of in dims:
-        if (dim is not None or name == "batch_dim") and (isinstance(dim, bool) or not isinstance(dim, int)):
-            raise TypeError(f"{name} must be an int (the batch dimension of the {of}), got {dim!r} "
-                            f"of type {type(dim).__name__}")
-    out_dim = batch_dim if output_batch_dim is None else output_batch_dim
+    single = not isinstance(inputs, (tuple, list)) or isinstance(inputs, PackedSequence)
+    args = (inputs,) if single else tuple(inputs)
+    dims = _argument_batch_dims(batch_dim, len(args))
+    if output_batch_dim is not None and not _is_int(output_batch_dim):
+        raise TypeError("output_batch_dim must be an int (the batch dimension of the output), got "
+                        f"{output_batch_dim!r} of type {type(output_batch_dim).__name__}")
+    batched_args = [(i, d) for i, d in enumerate(dims) if d is not None]
+    first_index, first_dim = next(
+        ((i, d) for i, d in batched_args if _first_input(args[i]) is not None), (None, None))
+    if first_index is None or first_dim is None:
+        raise TypeError(f"inputs must be a Tensor or hold at least one (in an argument batch_dim does not "
+                        f"set to None), got {type(inputs).__name__}")
+    out_dim = first_dim if output_batch_dim is None else output_batch_dim
     # errors about the output's batch dimension name the argument it came from
-    out_name = ("output_batch_dim" if output_batch_dim is not None
-                else "batch_dim (the output's batch dimension too: output_batch_dim is not given)")
-    args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-    first = _first_input(args)
-    if first is None:
-        raise TypeError(f"inputs must be a Tensor or hold at least one, got {type(inputs).__name__}")
-    batch_size = first.shape[_normalize_dim(batch_dim, first.dim(), "batch_dim")]
+    out_name = "batch_dim" if output_batch_dim is None else "output_batch_dim"
+    out_note = ("" if output_batch_dim is not None
+                else " (the output's batch dimension: output_batch_dim is not given)")
+    packed = _holds_packed(args)
+    first = _first_input(args[first_index])
+    assert first is not None
+    if isinstance(first, PackedSequence):
+        device, batch_size = first.data.device, int(first.batch_sizes[0])
+    else:
+        device = first.device
+        batch_size = first.shape[_normalize_dim(first_dim, first.dim(), _arg_name(batch_dim, first_index))]
     accumulator = _Accumulator(task, return_samples)
 
     def run(copies: int) -> None:
-        out = _first_tensor(model(*_replicate(args, copies, batch_dim)))
+        stacked = tuple(arg if d is None else _replicate(arg, copies, d, f"inputs[{i}]")
+                        for i, (arg, d) in enumerate(zip(args, dims)))
+        out = _first_tensor(model(*stacked))
         if not (out.is_floating_point() or out.is_complex()):
             raise TypeError(f"the model's output is a {out.dtype} tensor; mc_predict averages "
                             f"task={task!r} outputs, which must be floating point (logits or values, "
                             "not predicted classes)")
-        if task == "classification" and out.dim() == 0:
-            raise ValueError("task='classification' needs outputs with a class dimension, got a scalar")
-        accumulator.add(_split_samples(out, copies, batch_size, out_dim, out_name))
+        if task == "classification":
+            _check_classes(out, out_dim, out_name, out_note)
+        checked_size = None if packed else batch_size
+        accumulator.add(_split_samples(out, copies, checked_size, out_dim, out_name, out_note))
 
     def probe() -> int:
         run(1)
         return accumulator.mean.numel() * accumulator.mean.element_size() * _COPIES_PER_SAMPLE[task]
 
     with mc_dropout(model, strict=strict), torch.no_grad():
-        resolved = _resolve_method(model, method, first.device)
+        resolved = _resolve_method(model, method, device, packed)
+        if resolved == "batched":
+            lists = [i for i, _ in batched_args if _numbers_as_long_as(args[i], batch_size)]
+            if lists:
+                raise TypeError(f"inputs[{lists[0]}] holds a list of {batch_size} numbers, as long as the "
+                                "batch, which stacked copies would not tile; pass it as a tensor (lengths, "
+                                "say), or use method='loop'")
         with _copies_drawn_apart(model, resolved):
-            plan, done = _plan_chunks(resolved, n_samples, chunk_size, memory_budget, probe, first.device,
+            plan, done = _plan_chunks(resolved, n_samples, chunk_size, memory_budget, probe, device,
                                       batch_size)
             for copies in itertools.islice(plan, done, None):
                 run(copies)
     return accumulator.result()
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _argument_batch_dims(batch_dim: Any, n_args: int) -> list[int | None]:
+    """``batch_dim`` (an int, or one int or None per positional argument) as one entry per argument."""
+    if _is_int(batch_dim):
+        return [batch_dim] * n_args
+    if isinstance(batch_dim, (tuple, list)) and all(d is None or _is_int(d) for d in batch_dim):
+        if len(batch_dim) != n_args:
+            raise ValueError(f"batch_dim gives {len(batch_dim)} batch dimensions for {n_args} positional "
+                             f"argument{'' if n_args == 1 else 's'} of the model, got {batch_dim!r}")
+        return list(batch_dim)
+    raise TypeError(f"batch_dim must be an int (the batch dimension of the inputs) or a tuple of one int "
+                    f"or None per argument, got {batch_dim!r} of type {type(batch_dim).__name__}")
+
+
+def _arg_name(batch_dim: Any, index: int) -> str:
+    """How the errors name the batch dimension of argument ``index``."""
+    return "batch_dim" if _is_int(batch_dim) else f"batch_dim[{index}]"
+
+
+def _check_classes(out: Tensor, out_dim: int, out_name: str, out_note: str) -> None:
+    """Classification needs a class dimension of at least two classes after the batch's."""
+    binary = ("a binary classifier's one logit z gives the two classes' logits as "
+              "torch.stack([torch.zeros_like(z), z], -1)")
+    if out.dim() == 0:
+        raise ValueError("task='classification' needs outputs with a class dimension, got a scalar")
+    if _normalize_dim(out_dim, out.dim(), out_name, out_note) == out.dim() - 1:
+        raise ValueError(f"task='classification' needs the classes on the output's last dimension, but "
+                         f"the output of shape {list(out.shape)} has its batch there "
+                         f"({out_name}={out_dim}{out_note}); "
+                         f"{binary}")
+    if out.shape[-1] < 2:
+        raise ValueError(f"task='classification' needs at least two classes on the output's last dimension, "
+                         f"got shape {list(out.shape)} (a softmax over one class is always 1); {binary}")

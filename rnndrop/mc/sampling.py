@@ -17,6 +17,7 @@ from typing import Any, overload
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.dropout import _DropoutNd
+from torch.nn.utils.rnn import PackedSequence
 
 from rnndrop.stochastic import Stochastic, noise_per_sequence
 from rnndrop.validation import check_choice, check_instance
@@ -88,31 +89,53 @@ def mc_dropout(model: nn.Module, *, strict: bool = True) -> Iterator[nn.Module]:
 # ------------------------------------------------------------------ batching
 
 
-def _normalize_dim(dim: int, ndim: int, name: str) -> int:
+def _normalize_dim(dim: int, ndim: int, name: str, note: str = "") -> int:
     if not -ndim <= dim < ndim:
-        raise ValueError(f"{name}={dim} is out of range for a tensor with {ndim} dimensions")
+        raise ValueError(f"{name}={dim} is out of range for a tensor with {ndim} dimensions{note}")
     return dim % ndim
 
 
-def _replicate(obj: Any, copies: int, batch_dim: int) -> Any:
-    """Tile every tensor in ``obj`` (nested tuples/lists) ``copies`` times along ``batch_dim``.
+def _replicate(obj: Any, copies: int, batch_dim: int, where: str = "the inputs") -> Any:
+    """Tile every tensor in ``obj`` (nested tuples/lists) ``copies`` times along ``batch_dim``;
+    ``where`` names ``obj`` for the errors.
 
-    Row ``s * B + b`` of the result is row ``b`` of copy ``s``.
+    Row ``s * B + b`` of the result is row ``b`` of copy ``s``. A PackedSequence is passed as it
+    is to a single copy and refused for several (:func:`_resolve_method` loops over them).
     """
+    if copies == 1:
+        return obj
     if isinstance(obj, Tensor):
-        if copies == 1:
-            return obj
-        d = _normalize_dim(batch_dim, obj.dim(), "batch_dim")
+        if not -obj.dim() <= batch_dim < obj.dim():
+            raise ValueError(
+                f"{where} hold(s) a tensor of {obj.dim()} dimension(s), for which batch_dim={batch_dim} is "
+                "out of range: give one batch dimension per positional argument (batch_dim=(1, 0), say; None "
+                "for one the batch does not split), or use method='loop'")
         reps = [1] * obj.dim()
-        reps[d] = copies
+        reps[batch_dim % obj.dim()] = copies
         return obj.repeat(*reps)
+    if isinstance(obj, PackedSequence):
+        raise TypeError(f"{where}: a PackedSequence cannot be stacked into copies; use method='loop'")
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a NamedTuple
-        return type(obj)(*(_replicate(x, copies, batch_dim) for x in obj))
+        return type(obj)(*(_replicate(x, copies, batch_dim, where) for x in obj))
     if isinstance(obj, (tuple, list)):
-        return type(obj)(_replicate(x, copies, batch_dim) for x in obj)
-    if isinstance(obj, torch.nn.utils.rnn.PackedSequence):
-        raise TypeError("inputs must not hold a PackedSequence: pad it, or use method='loop'")
+        return type(obj)(_replicate(x, copies, batch_dim, where) for x in obj)
     return obj
+
+
+def _holds_packed(obj: Any) -> bool:
+    if isinstance(obj, PackedSequence):
+        return True
+    return isinstance(obj, (tuple, list)) and any(_holds_packed(x) for x in obj)
+
+
+def _numbers_as_long_as(obj: Any, batch_size: int) -> bool:
+    """Whether ``obj`` holds a list or tuple of ``batch_size`` Python numbers (lengths given as a
+    list, say): stacking copies would not tile it, and nothing tells it from a constant."""
+    if isinstance(obj, (tuple, list)) and not isinstance(obj, PackedSequence):
+        if len(obj) == batch_size and obj and all(isinstance(x, (int, float)) for x in obj):
+            return True
+        return any(_numbers_as_long_as(x, batch_size) for x in obj)
+    return False
 
 
 def _first_tensor(output: Any) -> Tensor:
@@ -127,9 +150,9 @@ def _first_tensor(output: Any) -> Tensor:
     return output
 
 
-def _first_input(obj: Any) -> Tensor | None:
-    """The first tensor in ``obj`` (nested tuples/lists)."""
-    if isinstance(obj, Tensor):
+def _first_input(obj: Any) -> Tensor | PackedSequence | None:
+    """The first tensor or PackedSequence in ``obj`` (nested tuples/lists)."""
+    if isinstance(obj, (Tensor, PackedSequence)):
         return obj
     if isinstance(obj, (tuple, list)):
         for x in obj:
@@ -140,23 +163,31 @@ def _first_input(obj: Any) -> Tensor | None:
 
 
 def _split_samples(
-    out: Tensor, copies: int, batch_size: int, batch_dim: int, name: str = "output_batch_dim"
+    out: Tensor, copies: int, batch_size: int | None, batch_dim: int, name: str = "output_batch_dim",
+    note: str = "",
 ) -> Tensor:
     """``[..., copies * B, ...]`` (copies along ``batch_dim``) -> ``[copies, ..., B, ...]``;
-    ``name`` is the argument that gave ``batch_dim``, for the errors."""
-    d = _normalize_dim(batch_dim, out.dim(), name)
+    ``name`` is the argument that gave ``batch_dim`` and ``note`` says more of it, for the errors.
+    ``batch_size`` None (one copy of a packed batch, whose outputs may be per sequence or per
+    word): not checked."""
+    d = _normalize_dim(batch_dim, out.dim(), name, note)
+    if batch_size is None:
+        assert copies == 1
+        return out.unsqueeze(0)
     if out.shape[d] != copies * batch_size:
         raise ValueError(
-            f"the model's output has size {out.shape[d]} along {name}={batch_dim} "
+            f"the model's output has size {out.shape[d]} along {name}={batch_dim}{note} "
             f"for {copies} copies of a batch of {batch_size}, expected {copies * batch_size}; "
             "set batch_dim / output_batch_dim to the batch dimension of inputs / outputs"
         )
     return out.unflatten(d, (copies, batch_size)).movedim(d, 0)
 
 
-def _resolve_method(model: nn.Module, method: str, device: torch.device | None = None) -> str:
+def _resolve_method(
+    model: nn.Module, method: str, device: torch.device | None = None, packed: bool = False
+) -> str:
     """``"batched"`` or ``"loop"`` for ``method`` and the sampling modules of ``model``, its inputs
-    on ``device``.
+    on ``device`` (``packed``: they hold a PackedSequence, which is never stacked into copies).
 
     ``"auto"``: batched, unless a module shares noise on its weights across the batch; where a
     module shares a mask across the batch but draws it per sequence when asked
@@ -175,8 +206,14 @@ def _resolve_method(model: nn.Module, method: str, device: torch.device | None =
             f"method='batched' cannot draw independent samples: {', '.join(sorted(set(shared)))} "
             "share(s) one noise draw on weights across the batch; use method='loop' or 'auto'"
         )
+    if method == "batched" and packed:
+        raise ValueError("method='batched' cannot stack copies of a PackedSequence (each copy would "
+                         "need its own packing); use method='loop' or 'auto'")
     if method != "auto":
         return method
+    if packed:
+        logger.debug("mc: looping over samples of a PackedSequence")
+        return "loop"
     if shared:
         logger.debug("mc: looping over samples because %s share noise across the batch", shared)
         return "loop"
