@@ -153,8 +153,14 @@ class NTAveraging:
     @property
     def evaluation_model(self) -> nn.Module:
         """What to validate, test and save: the averaged weights (a module of the model's class,
-        ``averaged.module``) once averaging is on, else the model itself."""
-        return self.averaged.module if self.averaged is not None else self.model
+        ``averaged.module``) once averaging is on, else the model itself. The average is handed
+        out in the modes its model has now (``model.eval()`` then ``evaluation_model`` validates
+        without dropout, as it would before the switch)."""
+        if self.averaged is None:
+            return self.model
+        for mine, averaged in zip(self.model.modules(), self.averaged.module.modules()):
+            averaged.training = mine.training
+        return self.averaged.module
 
     def update(self) -> None:
         """Add the model's current weights to the average (call after every optimizer step),

@@ -57,6 +57,10 @@ class VariableBPTT:
         min_len: the shortest length drawn (AWD-LSTM: 5).
         max_len: the longest length drawn, or None (no cap, as in AWD-LSTM).
         seed: seeds the generator; or pass ``generator`` (a CPU ``torch.Generator``) instead.
+            Neither: a fresh generator's fixed default seed, not torch's global generator, so
+            every process and every run draws the same lengths (what DDP needs, see below;
+            ``torch.manual_seed`` does not change them): pass a seed of each run's own to a
+            seed sweep.
 
     The lengths depend on the generator only: equal seeds give equal lengths on every
     process (what DistributedDataParallel needs: every rank takes the same number of steps).

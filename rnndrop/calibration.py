@@ -163,11 +163,13 @@ def reliability_from_predictions(confidence: Tensor, correct: Tensor, n_bins: in
     _check_probabilities("confidence", confidence)
     if correct.dtype != torch.bool and not bool(((correct == 0) | (correct == 1)).all()):
         raise ValueError("correct must be bool or hold only 0 and 1, got other values")
+    precision = confidence.dtype
     confidence = confidence.reshape(-1).double().cpu()
     correct = correct.reshape(-1).double().cpu()
     edges = torch.linspace(0, 1, n_bins + 1, dtype=torch.float64)
-    # Bin i holds (edges[i], edges[i + 1]]; confidence 0 goes to bin 0.
-    index = torch.bucketize(confidence, edges[1:-1], right=False)
+    # Bin i holds (edges[i], edges[i + 1]]; confidence 0 goes to bin 0. The inner edges are
+    # rounded to the confidences' precision first: a float32 0.6 (0.6000000238) is the edge 0.6.
+    index = torch.bucketize(confidence, edges[1:-1].to(precision).double(), right=False)
     count = torch.bincount(index, minlength=n_bins)
     conf_sum = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, index, confidence)
     correct_sum = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, index, correct)

@@ -426,6 +426,22 @@ def test_the_average_evaluates_with_the_models_latest_buffers():
     assert model[1].running_mean.abs().sum() > 0
 
 
+def test_the_average_is_handed_out_in_the_modes_its_model_has_now():
+    """Switched on in training mode, the copy kept it: model.eval() then validating the
+    average ran it with dropout on."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5))
+    averaging = NTAveraging(model, start=True)  # the switch, in training mode
+    averaging.update()
+    model.eval()
+    averaged = averaging.evaluation_model
+    assert not any(m.training for m in averaged.modules())
+    x = torch.randn(5, 3)
+    assert torch.equal(averaged(x), averaged(x))  # no dropout
+    model.train()
+    model[1].eval()  # a mixed setting is mirrored module by module
+    assert [m.training for m in averaging.evaluation_model.modules()] == [True, True, False]
+
+
 def test_recipe_arguments_are_named_as_the_user_wrote_them():
     with pytest.raises(ValueError, match="nonmono must be a positive int, got 0"):
         NTAveraging(nn.Linear(2, 2), nonmono=0)

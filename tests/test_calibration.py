@@ -24,6 +24,16 @@ def test_hand_computed_ece_and_bins():
     torch.testing.assert_close(diagram.bin_edges, torch.linspace(0, 1, 5, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_a_confidence_on_an_edge_falls_in_the_bin_below_in_every_precision(dtype):
+    """Bin i holds (i/n, (i+1)/n]: a float32 0.6 (0.6000000238 as a double) is the edge 0.6."""
+    probs = torch.tensor([[0.6, 0.4]] * 2 + [[0.7, 0.3]] * 2, dtype=dtype)
+    labels = torch.tensor([0, 0, 1, 1])
+    diagram = reliability_diagram(probs, labels, n_bins=5)
+    assert diagram.count.tolist() == [0, 0, 2, 2, 0]
+    assert diagram.ece == pytest.approx(0.55, abs=0.01)  # 2/4 * (1 - 0.6) + 2/4 * 0.7
+
+
 def test_calibrated_and_overconfident_cases():
     calibrated = torch.tensor([[0.75, 0.25]] * 4)
     assert expected_calibration_error(calibrated, torch.tensor([0, 0, 0, 1])) == pytest.approx(0.0)
