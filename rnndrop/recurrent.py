@@ -75,6 +75,7 @@ from rnndrop.kernels import (
     auto_loop_kernel_on,
     input_projection,
     recurrence_of,
+    under_transform,
 )
 from rnndrop.kernels.gates import GRU_GATES, LSTM_GATES
 from rnndrop.kernels.ops import TRACEABLE
@@ -629,9 +630,10 @@ class VariationalRNNStack(Stochastic):
         if masks is not None and masks.is_empty():
             masks = None
         raw: list[Tensor] = []
-        if masks is None and self.kernel == "auto":
+        if masks is None and self.kernel == "auto" and not under_transform(x):
             out, states = self._forward_fused(x, layout, states)
-        elif self.kernel == "auto" and masks.scope == "batch" and not masks.per_gate and self._fuses(x):
+        elif (self.kernel == "auto" and masks is not None and masks.scope == "batch" and not masks.per_gate
+              and self._fuses(x)):
             out, states = self._forward_folded(x, layout, states, masks, raw if return_raw_output else None)
         else:
             out, states = self._forward_by_layer(x, layout, states, masks, raw if return_raw_output else None)
@@ -645,7 +647,11 @@ class VariationalRNNStack(Stochastic):
         """Whether ``kernel="auto"`` runs the fused op for a call with masks on rows like ``x``
         (masks shared by the batch folded into the weights, path 2; a layer without a recurrent
         mask in path 3) rather than the loop kernel: everywhere, except for a cell that is not
-        :attr:`CellSpec.fused_on_cpu` where the compiled loop kernel runs."""
+        :attr:`CellSpec.fused_on_cpu` where the compiled loop kernel runs, and under a
+        ``torch.func`` transform or forward-mode AD (the fused op has no vmap rule: the loop of
+        torch's own ops runs there)."""
+        if under_transform(x):
+            return False
         return self._cell.fused_on_cpu or x.device.type != "cpu" or auto_loop_kernel(x) != "compiled"
 
     def _computes_as_torch(self, masks: RecurrentMasks | None) -> bool:

@@ -172,6 +172,51 @@ def test_torch_func_vmap_gives_each_sample_its_own_masks_with_different_randomne
     torch.testing.assert_close(same, layer(x)[0].expand(4, 5, 2, 4))
 
 
+WITHOUT_RECURRENT_MASKS = [  # the configurations kernel="auto" runs through torch's fused op outside vmap
+    pytest.param(lambda: VariationalLSTM(3, 4, num_layers=2, dropout=0.3), id="lstm-between-layers"),
+    pytest.param(lambda: VariationalLSTM(3, 4, dropout_input=0.3, dropout_output=0.3), id="lstm-in-out"),
+    pytest.param(lambda: VariationalLSTM(3, 4, dropout_hidden=0.3, mask_scope="batch"),
+                 id="lstm-batch-scope"),
+    pytest.param(lambda: VariationalGRU(3, 4, dropout_input=0.3), id="gru-input"),
+    pytest.param(lambda: VariationalGRU(3, 4, dropout_hidden=0.3, mask_scope="batch"), id="gru-batch-scope"),
+    pytest.param(lambda: VariationalLSTM(3, 4, num_layers=2, bidirectional=True), id="lstm-no-dropout"),
+]
+
+
+@pytest.mark.parametrize("make", WITHOUT_RECURRENT_MASKS)
+def test_torch_func_vmap_runs_the_configurations_torchs_fused_op_would_take(make):
+    """torch's fused RNN op has no vmap rule: under vmap those configurations run layer by layer
+    on torch's own ops, training and eval mode alike, and in eval give each sample's own output."""
+    layer = make()
+    xs = torch.randn(4, 5, 2, 3)
+    different = torch.func.vmap(lambda x: layer(x)[0], randomness="different")(xs)
+    assert different.shape == (4, 5, 2, layer.hidden_size * (2 if layer.bidirectional else 1))
+    layer.eval()
+    batched = torch.func.vmap(lambda x: layer(x)[0])(xs)
+    torch.testing.assert_close(batched, torch.stack([layer(x)[0] for x in xs]))
+
+
+@pytest.mark.parametrize("make", WITHOUT_RECURRENT_MASKS + DROPPING)
+def test_forward_mode_ad_gives_the_tangent_autograd_gives(make):
+    """Forward-mode AD (torch.autograd.forward_ad) through a training-mode layer: the hand-written
+    Functions have no jvp, so the layer runs torch's own ops; the tangent is the Jacobian-vector
+    product double backward gives with the same masks."""
+    layer = make().double()
+    x, v = torch.randn(5, 2, 3, dtype=torch.float64), torch.randn(5, 2, 3, dtype=torch.float64)
+    masks = layer.sample_masks(2)
+    with torch.autograd.forward_ad.dual_level():
+        dual = layer(torch.autograd.forward_ad.make_dual(x, v), masks=masks)[0]
+        tangent = torch.autograd.forward_ad.unpack_dual(dual).tangent
+    layer.kernel = "autograd"  # double backward, which the hand-written kernels refuse
+    expected = torch.autograd.functional.jvp(lambda x: layer(x, masks=masks)[0], x, v)[1]
+    torch.testing.assert_close(tangent, expected)
+    layer.kernel = "auto"
+    layer.float()
+    with torch.autograd.forward_ad.dual_level():  # float32: the input projection's Function too
+        dual = layer(torch.autograd.forward_ad.make_dual(x.float(), v.float()))[0]
+        assert torch.autograd.forward_ad.unpack_dual(dual).tangent is not None
+
+
 @pytest.mark.parametrize("kernel", ["manual", "compiled"])
 @pytest.mark.parametrize("cls", [VariationalLSTM, VariationalGRU])
 def test_hand_written_kernels_refuse_vmap_and_export_in_one_line_naming_the_way_out(cls, kernel):

@@ -53,7 +53,7 @@ from torch import Tensor
 
 from rnndrop.compiling import BEFORE_TRACING, constant_for_compile, exporting, tracing_for_compile
 from rnndrop.kernels import compiled, gpu, gru, lstm, ops, reference
-from rnndrop.kernels.first_order import functorch_wrapped
+from rnndrop.kernels.first_order import transformed
 from rnndrop.kernels.matmul import input_projection
 
 
@@ -120,16 +120,21 @@ DEFAULT_LOOP_KERNEL = "manual"
 
 def auto_loop_kernel(x: Tensor) -> str:
     """The loop kernel ``kernel="auto"`` runs on tensors like ``x``: ``"autograd"`` inside a
-    ``torch.func`` transform (``grad``, ``vmap``, ...: the hand-written backward passes are
-    autograd Functions those transforms cannot run) and while ``torch.export`` traces (it
-    cannot trace into the C++ loop nor the manual kernel's ``out=`` calls), else
-    :func:`auto_loop_kernel_on` for ``x``'s device and dtype."""
-    if exporting():
-        return "autograd"
-    # (no functorch check while torch.compile traces: it would be a graph break)
-    if not torch.compiler.is_compiling() and functorch_wrapped(x):
+    ``torch.func`` transform (``grad``, ``vmap``, ...) or under forward-mode AD (the hand-written
+    backward passes are autograd Functions those cannot run: :func:`under_transform`) and while
+    ``torch.export`` traces (it cannot trace into the C++ loop nor the manual kernel's ``out=``
+    calls), else :func:`auto_loop_kernel_on` for ``x``'s device and dtype."""
+    if exporting() or under_transform(x):
         return "autograd"
     return auto_loop_kernel_on(x.device, x.dtype)
+
+
+def under_transform(x: Tensor) -> bool:
+    """Whether a call on ``x`` runs inside a ``torch.func`` transform or under forward-mode AD
+    (:func:`~rnndrop.kernels.first_order.transformed`): only torch's own ops run there, layer by
+    layer (torch's fused RNN op has no vmap rule). Never while torch.compile traces: the check
+    would be a graph break."""
+    return not torch.compiler.is_compiling() and transformed(x)
 
 
 @constant_for_compile
@@ -183,4 +188,5 @@ __all__ = [
     "get_kernel",
     "input_projection",
     "recurrence_of",
+    "under_transform",
 ]

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from rnndrop.compiling import exporting
 
@@ -30,14 +31,31 @@ def functorch_wrapped(*tensors: Tensor) -> bool:
     return is_wrapped is not None and any(is_wrapped(t) for t in tensors)
 
 
+def has_tangent(*tensors: Tensor) -> bool:
+    """Whether any of ``tensors`` carries a forward-mode tangent (``torch.autograd.forward_ad``),
+    which the hand-written autograd Functions (no ``jvp``) cannot propagate. Outside a dual level
+    (``forward_ad._current_level`` -1, what every call but forward-mode AD's sees) one attribute read."""
+    if forward_ad._current_level < 0:
+        return False
+    return any(forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+
+
+def transformed(*tensors: Tensor) -> bool:
+    """Whether any of ``tensors`` is inside a ``torch.func`` transform or carries a forward-mode
+    tangent: there only torch's own ops run (the hand-written Functions cannot), and torch's fused
+    RNN op has no vmap rule."""
+    return functorch_wrapped(*tensors) or has_tangent(*tensors)
+
+
 def refuse_transforms(kernel: str, gates_x: Tensor) -> None:
     """A one-line RuntimeError instead of an error from deep inside torch where kernel ``kernel``
-    cannot run: under a ``torch.func`` transform (its autograd Function has no ``setup_context``)
-    or while ``torch.export`` traces (it cannot trace the C++ loop nor ``out=`` calls)."""
-    if functorch_wrapped(gates_x) or exporting():
+    cannot run: under a ``torch.func`` transform or forward-mode AD (its autograd Function has no
+    ``setup_context`` nor ``jvp``) or while ``torch.export`` traces (it cannot trace the C++ loop
+    nor ``out=`` calls)."""
+    if transformed(gates_x) or exporting():
         raise RuntimeError(
-            f"the {kernel!r} loop kernel cannot run under torch.func transforms (vmap, grad, ...) nor "
-            "torch.export; build the layer with kernel='auto' or kernel='autograd'"
+            f"the {kernel!r} loop kernel cannot run under torch.func transforms (vmap, grad, ...), "
+            "forward-mode AD nor torch.export; build the layer with kernel='auto' or kernel='autograd'"
         )
 
 

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from rnndrop.compiling import constant_for_compile, tracing_for_compile
-from rnndrop.kernels.first_order import functorch_wrapped, grads_like, needed, register_first_order
+from rnndrop.kernels.first_order import grads_like, needed, register_first_order, transformed
 from rnndrop.kernels.gates import masked_linear
 from rnndrop.kernels.onednn import matmul, onednn_enabled, onednn_enabled_on
 from rnndrop.kernels.per_gate_projection import per_gate_projection, per_gate_projection_op
@@ -168,7 +168,7 @@ def input_projection(x: Tensor, mask: Tensor | None, weight: Tensor, bias: Tenso
         if per_gate:
             return per_gate_projection_op(x, mask, weight, bias)
         return masked_linear(x, mask, weight, bias)  # torch's ops, which torch.compile traces
-    if functorch_wrapped(*(t for t in (x, mask, weight, bias) if t is not None)):
+    if transformed(*(t for t in (x, mask, weight, bias) if t is not None)):
         return masked_linear(x, mask, weight, bias)
     if plain and _through_linear(x.device, x.dtype):
         differentiated = torch.is_grad_enabled() and (
