@@ -619,14 +619,17 @@ class VariationalRNNStack(Stochastic):
         if masks is not None:
             masks = self._given_masks(masks, layout, x)
         elif self.training and self._has_dropout():
-            # Fresh masks are i.i.d. over the batch: they need no sorting. A _draw_mask hook's are
-            # checked like given ones, so that one that draws a wrong shape fails here; the built-in
-            # draw gives every site its shape, dtype and device by construction. Masks shared by the
-            # batch are drawn per sequence where asked (Monte-Carlo samples stacked in one batch).
+            # Fresh masks are drawn in the batch's own order and sorted as given ones are: a seed
+            # gives a sequence the same mask packed or padded, drawn here or by sample_masks. A
+            # _draw_mask hook's are checked like given ones, so that one that draws a wrong shape
+            # fails here; the built-in draw gives every site its shape, dtype and device by
+            # construction. Masks shared by the batch are drawn per sequence where asked
+            # (Monte-Carlo samples stacked in one batch).
             scope = self._scope_to_draw(self.mask_scope)
             masks = self._sample_masks(layout.batch_size, layout.seq_len, scope, x.device, x.dtype)
             if type(self)._draw_mask is not draw_mask:
                 masks.check(self._geometry, layout.batch_size, layout.seq_len, x)
+            masks = masks.in_sorted_order(layout.sorted_indices)
         if masks is not None and masks.is_empty():
             masks = None
         raw: list[Tensor] = []

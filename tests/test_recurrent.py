@@ -256,6 +256,27 @@ def test_packed_sequences_use_masks_in_input_batch_order(kind, scope):
             assert_close(s[:, b], s_b[:, 0], msg=f"sequence {b}")
 
 
+@pytest.mark.parametrize("scope", ["sequence", "step"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_fresh_masks_of_a_packed_batch_are_those_sample_masks_gives_in_input_order(kind, scope):
+    """With one seed a sequence gets one mask whether the layer draws it or sample_masks does, and
+    whether the batch comes packed (unsorted) or padded: the drawn masks are sorted as given ones."""
+    _, layer = make_pair(kind, num_layers=2, mask_scope=scope, **ALL_P)
+    lengths = [3, T, 1, 5]
+    seqs = [torch.randn(n, I) for n in lengths]
+    packed = pack_sequence(seqs, enforce_sorted=False)
+    torch.manual_seed(5)
+    drawn, _ = layer(packed)
+    torch.manual_seed(5)
+    given, _ = layer(packed, masks=layer.sample_masks(len(lengths), T))
+    assert_close(drawn.data, given.data)
+    torch.manual_seed(5)
+    padded, _ = layer(torch.nn.utils.rnn.pad_sequence(seqs))
+    unpacked, _ = torch.nn.utils.rnn.pad_packed_sequence(drawn)
+    for b, n in enumerate(lengths):
+        assert_close(unpacked[:n, b], padded[:n, b], msg=f"sequence {b}")
+
+
 def test_sampled_masks_are_tied_over_time_and_differ_between_sequences():
     layer = VariationalLSTM(I, H, num_layers=2, **ALL_P)
     m = layer.sample_masks(64)
