@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from rnndrop.distributed import ensure_noise_per_rank
 from rnndrop.stochastic import Stochastic
 
 __all__ = ["CompiledModel", "compile_model", "constant_for_compile", "eager_under_compile", "exporting",
@@ -152,6 +153,7 @@ class CompiledModel(nn.Module):
         self.__dict__["_compiled"] = torch.compile(module, mode=mode, **compile_kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        ensure_noise_per_rank()  # under DDP: the check cannot run inside the graph
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
         with torch._dynamo.config.patch(allow_rnn=True):

@@ -22,7 +22,12 @@ rank alike and never call :func:`seed_noise_per_rank` (Lightning's ``seed_everyt
 scripts) are caught at rnndrop's first draw of noise from torch's global generator in a process
 whose default process group is initialised with two ranks or more: every rank hashes its CPU
 generator state and the ranks compare the hashes (one ``all_gather_object``, once per process;
-under DDP every rank reaches its first draw in the same step). If any two ranks hold the same
+under DDP every rank reaches its first draw in the same step). Only a draw under autograd (a
+training step) checks: a draw under ``torch.no_grad`` (evaluation, Monte-Carlo prediction, which
+a script may run on one rank alone, where a collective would wait forever) leaves the check to
+the first training step. Inside a graph of ``torch.compile`` no check can run:
+:func:`rnndrop.compile_model` checks before each call, a bare ``torch.compile`` needs
+:func:`seed_noise_per_rank`. If any two ranks hold the same
 state, every rank calls ``seed_noise_per_rank(torch.initial_seed())``, the recipe above, and
 warns once: the masks are then reproducible from the seed and the rank
 (:func:`rank_seed`). If the states already differ (each rank seeded its own way, or a resumed run
@@ -44,6 +49,7 @@ one rank).
 from __future__ import annotations
 
 import hashlib
+import os
 import warnings
 
 import torch
@@ -80,11 +86,16 @@ def rank_seed(seed: int, rank: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def _rank(rank: int | None) -> int:
+def _rank(rank: int | None) -> int | None:
+    """``rank``, else the rank of the default process group, else torchrun's ``RANK`` variable;
+    None where nothing says it."""
     if rank is not None:
         return rank
     dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    from_env = os.environ.get("RANK", "")
+    return int(from_env) if from_env.isdigit() else None
 
 
 def seed_noise_per_rank(seed: int, rank: int | None = None) -> int:
@@ -95,16 +106,19 @@ def seed_noise_per_rank(seed: int, rank: int | None = None) -> int:
 
     Args:
         seed: the run's seed, the same on every rank.
-        rank: this process's rank; default the rank in the default process group (0
-            when none is initialised).
+        rank: this process's rank; default the rank in the default process group, or before
+            one is initialised torchrun's ``RANK`` variable, else 0. Where nothing gave the rank
+            (0 taken), the check of the first training step under a process group still runs:
+            ranks that all took 0 are caught there.
 
     Returns:
         The seed given to ``torch.manual_seed``.
     """
     global _settled
-    chosen = rank_seed(seed, _rank(rank))
+    known = _rank(rank)
+    chosen = rank_seed(seed, 0 if known is None else known)
     torch.manual_seed(chosen)
-    _settled = True
+    _settled = _settled or known is not None
     return chosen
 
 
@@ -120,11 +134,12 @@ def ensure_noise_per_rank() -> None:
     """Give each rank its own noise stream if the ranks share one (see the module docstring).
 
     rnndrop calls it before it draws noise from torch's global generator; it returns at once
-    except at the first draw in a process with an initialised process group of two ranks or
-    more, where it is a collective (all ranks reach their first draw together under DDP).
+    except at the first draw under autograd in a process with an initialised process group of
+    two ranks or more, where it is a collective (all ranks reach their first training step
+    together under DDP).
     """
     global _settled
-    if _settled or not _auto:
+    if _settled or not _auto or not torch.is_grad_enabled():
         return
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or torch.compiler.is_compiling():

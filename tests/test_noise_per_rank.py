@@ -71,6 +71,41 @@ def test_seed_noise_per_rank_or_turning_it_off_skips_the_check(fake_group, monke
         rd.auto_noise_per_rank(1)
 
 
+def test_a_draw_without_autograd_neither_checks_nor_settles(fake_group, monkeypatch):
+    """Evaluation or Monte-Carlo prediction on one rank alone would wait forever in a collective:
+    the check waits for the first draw under autograd (a training step)."""
+    monkeypatch.setattr(rd, "_gather_digests", lambda d: pytest.fail("no collective under no_grad"))
+    with torch.no_grad():
+        bernoulli_mask((2, 2), 0.5)
+    assert not rd._settled
+    monkeypatch.setattr(rd, "_gather_digests", lambda d: [d, d])
+    with pytest.warns(UserWarning, match="each rank now draws its own"):
+        bernoulli_mask((2, 2), 0.5)
+    assert rd._settled
+
+
+def test_compile_model_checks_before_the_graph_runs(fake_group):
+    """Inside a graph the check cannot run; rnndrop.compile_model makes it before each call."""
+    import rnndrop
+    torch.manual_seed(3)
+    compiled = rnndrop.compile_model(VariationalLSTM(3, 4, dropout_hidden=0.5), mode=None, backend="eager")
+    with pytest.warns(UserWarning, match="each rank now draws its own"):
+        compiled(torch.randn(5, 2, 3))
+
+
+@pytest.mark.parametrize("env", [None, "3"])
+def test_seed_noise_per_rank_before_the_group_settles_only_where_the_rank_is_known(env, monkeypatch):
+    monkeypatch.setattr(rd, "_settled", False)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    if env is None:
+        monkeypatch.delenv("RANK", raising=False)
+    else:
+        monkeypatch.setenv("RANK", env)
+    chosen = rd.seed_noise_per_rank(11)
+    assert chosen == rd.rank_seed(11, 0 if env is None else 3)
+    assert rd._settled is (env is not None)  # every rank taking 0 is caught by the later check
+
+
 def test_no_process_group_no_check(monkeypatch):
     monkeypatch.setattr(rd, "_settled", False)
     monkeypatch.setattr(rd, "_gather_digests", lambda d: pytest.fail("no collective without a group"))
