@@ -18,6 +18,7 @@ import copy
 
 from torch import nn
 
+from rnndrop.compiling import CompiledModel
 from rnndrop.recurrent import VariationalRNNStack, compact_weights
 from rnndrop.sparse import Sparsified
 from rnndrop.validation import check_instance
@@ -26,10 +27,23 @@ from rnndrop.weight_drop import WeightDrop
 __all__ = ["to_torch"]
 
 
+def _compiled_from(module: nn.Module) -> nn.Module | None:
+    """The module a compiled wrapper runs (:class:`~rnndrop.CompiledModel`, or torch.compile's
+    ``OptimizedModule``, known by name: importing torch._dynamo takes seconds), else None."""
+    if isinstance(module, CompiledModel):
+        return module.module
+    inner = getattr(module, "_orig_mod", None)
+    if type(module).__name__ == "OptimizedModule" and isinstance(inner, nn.Module):
+        return inner
+    return None
+
+
 def _plain(module: nn.Module) -> nn.Module | None:
     """The plain module replacing ``module``, or None to keep it (and convert its children)."""
-    if isinstance(module, WeightDrop):  # in eval mode exactly module(*args): the wrapped module
-        inner = module.module
+    # A compiled wrapper's copy would go on running the compiled function of the module it was
+    # made from (bound to it, in training mode): the copy is what it wraps, uncompiled.
+    inner = _compiled_from(module) if not isinstance(module, WeightDrop) else module.module
+    if inner is not None:  # WeightDrop: in eval mode exactly module(*args), the wrapped module
         return _plain(inner) or inner
     if isinstance(module, VariationalRNNStack):
         return module.to_plain()
@@ -46,8 +60,10 @@ def to_torch(model: nn.Module) -> nn.Module:
     ``SparseLinear`` -> ``nn.Linear``, ``SparseEmbedding`` -> ``nn.Embedding``, ``WeightDrop(m)``
     -> ``m``. Other modules are copied as they are (``LockedDropout`` and ``EmbeddingDropout``
     are the identity in eval mode and export as such). In eval mode the copy's outputs equal
-    ``model``'s; ``model`` itself is not changed. Raises ``TypeError`` for a layer whose class
-    overrides the forward pass (see :meth:`~rnndrop.VariationalLSTM.to_plain`).
+    ``model``'s; ``model`` itself is not changed. A compiled model (:func:`~rnndrop.compile_model`,
+    ``torch.compile``, whole or a part of it) becomes the copy of what it compiles, uncompiled
+    (compile the copy again where wanted). Raises ``TypeError`` for a layer whose class overrides
+    the forward pass (see :meth:`~rnndrop.VariationalLSTM.to_plain`).
 
     Example::
 

@@ -110,6 +110,26 @@ def test_to_torch_converts_every_layer_and_keeps_the_model_and_its_outputs():
     assert isinstance(rnndrop.to_torch(VariationalGRU(3, 4)), nn.GRU)
 
 
+def test_to_torch_of_a_compiled_model_is_the_plain_copy_of_what_it_compiles():
+    """A compiled wrapper's deep copy ran the compiled function of the original module, in
+    training mode: two calls gave two outputs, neither the eval-mode model's."""
+    layer = VariationalLSTM(5, 7, dropout_hidden=0.3, dropout_output=0.5)
+    x = torch.randn(4, 2, 5)
+    expected = layer.eval()(x)[0]
+    layer.train()
+    outer = nn.Sequential(nn.Linear(5, 5), torch.compile(VariationalLSTM(5, 7, dropout_hidden=0.3),
+                                                          backend="eager"))
+    for compiled in (rnndrop.compile_model(layer, mode=None, backend="eager"),
+                     torch.compile(layer, backend="eager")):
+        compiled(x)  # a training call first
+        deployed = rnndrop.to_torch(compiled)
+        assert type(deployed) is nn.LSTM and not deployed.training
+        torch.testing.assert_close(deployed(x)[0], expected, rtol=0, atol=1e-6)
+    deployed = rnndrop.to_torch(outer)
+    assert type(deployed[1]) is nn.LSTM and layer.training  # a compiled part too; the originals unchanged
+    torch.testing.assert_close(deployed(x)[0], outer.eval()(x)[0], rtol=0, atol=1e-6)
+
+
 def test_quantize_dynamic_quantizes_the_converted_layers():
     """quantize_dynamic swaps modules by exact type: it leaves rnndrop's layers in float, and
     quantizes the nn.LSTM of the converted model."""
