@@ -368,7 +368,9 @@ class VariationalRNNStack(Stochastic):
         ``module`` is an ``nn.LSTM`` (for VariationalLSTM) or ``nn.GRU`` (for VariationalGRU),
         or a subclass with the same cell (``module.mode``); ``dropout_kwargs`` are this
         class's keyword arguments (``dropout_hidden=0.3``, ...). ``dropout`` defaults to
-        ``module.dropout``. Example::
+        ``module.dropout``. The parameters a subclass adds (the log alphas of a
+        :class:`~rnndrop.GaussianLSTM`, the log sigmas of a :class:`~rnndrop.SparseLSTM`) keep
+        their initialisation: Gaussian or sparse training from a trained ``nn.LSTM``. Example::
 
             model.rnn = VariationalLSTM.from_module(model.rnn, dropout_hidden=0.3)
         """
@@ -390,7 +392,12 @@ class VariationalRNNStack(Stochastic):
             config["proj_size"] = module.proj_size
         dropout_kwargs.setdefault("dropout", module.dropout)
         layer = cls(module.input_size, module.hidden_size, **config, **dropout_kwargs)  # type: ignore[call-arg]
-        layer.load_state_dict(module.state_dict())  # type: ignore[attr-defined]
+        loaded = layer.load_state_dict(module.state_dict(), strict=False)  # type: ignore[attr-defined]
+        weights = set(layer._flat_weights_names)  # type: ignore[attr-defined]
+        lost = [k for k in loaded.missing_keys if k in weights] + list(loaded.unexpected_keys)
+        if lost:  # the same configuration: only a subclass's own parameters may be missing
+            raise RuntimeError(f"{cls.__name__}.from_module: {module!r} gives other weights than the "
+                               f"layer takes: {', '.join(lost)}")
         layer.train(module.training)  # type: ignore[attr-defined]
         return layer
 

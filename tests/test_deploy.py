@@ -75,6 +75,19 @@ def test_from_module_and_to_plain_give_back_the_module_they_started_from(torch_c
     torch.testing.assert_close(back.state_dict(), start.state_dict(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("cls", [GaussianLSTM, GaussianGRU, SparseLSTM, SparseGRU])
+def test_gaussian_and_sparse_layers_start_from_a_torch_module_with_their_own_parameters_initialised(cls):
+    """from_module loaded nn.LSTM's state strictly: the log alphas / log sigmas it lacks failed it."""
+    start = (nn.LSTM if "LSTM" in cls.__name__ else nn.GRU)(4, 6, 2)
+    layer = cls.from_module(start)
+    fresh = cls(4, 6, 2)
+    for name, value in layer.state_dict().items():
+        if name in start.state_dict():
+            assert torch.equal(value, start.state_dict()[name]), name
+        else:  # the subclass's own: its initialisation
+            assert torch.equal(value, fresh.state_dict()[name]), name
+
+
 def test_to_plain_refuses_a_class_that_overrides_the_forward_pass():
     class Custom(VariationalLSTM):
         def _forward(self, *args):
