@@ -605,13 +605,15 @@ class VariationalRNNStack(Stochastic):
     ) -> tuple:
         """:meth:`_forward` without the check for torch.compile (which calls this one eagerly, or
         traces it: :meth:`_traces`)."""
-        if exporting() and self._computes_as_torch(masks):
-            # torch.export of the eval-mode layer: nn.LSTM's own forward, the same function, which
-            # exports with dynamic shapes (the row layout below would specialise the batch size).
+        device_type = _autocast_device_type(input)
+        if (exporting() or device_type is not None) and self._computes_as_torch(masks):
+            # nn.LSTM's own forward, the same function: torch.export of the eval-mode layer exports
+            # it with dynamic shapes (the row layout below would specialise the batch size), and
+            # under autocast it is nn.LSTM's function bit for bit (autocast casts the fused op's
+            # arguments its own way: batch-first rows, projections).
             torch_forward = (nn.LSTM if self._cell.mode == "LSTM" else nn.GRU).forward
             output, final = torch_forward(self, input, hx)  # type: ignore[call-overload]
             return (output, final, output) if return_raw_output else (output, final)
-        device_type = _autocast_device_type(input)
         if device_type is not None:
             return self._forward_autocast(input, hx, masks, return_raw_output, device_type)
         owner = type(self).__name__
