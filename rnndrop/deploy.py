@@ -75,9 +75,12 @@ def to_torch(model: nn.Module) -> nn.Module:
     plain = _plain(converted)
     if plain is not None:
         return plain.eval()
+    replacements: dict[int, nn.Module | None] = {}  # a layer registered twice stays one module
     for module in list(converted.modules()):
         for name, child in list(module.named_children()):
-            replacement = _plain(child)
+            if id(child) not in replacements:
+                replacements[id(child)] = _plain(child)
+            replacement = replacements[id(child)]
             if replacement is not None:
                 setattr(module, name, replacement)
     compact_weights(converted)  # the deep copy's recurrent weights in one buffer again (cuDNN)

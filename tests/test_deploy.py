@@ -143,6 +143,14 @@ def test_to_torch_of_a_compiled_model_is_the_plain_copy_of_what_it_compiles():
     torch.testing.assert_close(deployed(x)[0], outer.eval()(x)[0], rtol=0, atol=1e-6)
 
 
+def test_to_torch_keeps_a_layer_registered_twice_one_module():
+    shared = VariationalLSTM(4, 4, dropout_hidden=0.3)
+    model = nn.ModuleDict({"encoder": shared, "decoder": shared})
+    deployed = rnndrop.to_torch(model)
+    assert deployed["encoder"] is deployed["decoder"] and type(deployed["encoder"]) is nn.LSTM
+    assert sum(p.numel() for p in deployed.parameters()) == sum(p.numel() for p in model.parameters())
+
+
 def test_quantize_dynamic_quantizes_the_converted_layers():
     """quantize_dynamic swaps modules by exact type: it leaves rnndrop's layers in float, and
     quantizes the nn.LSTM of the converted model."""
