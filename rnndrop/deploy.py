@@ -77,7 +77,9 @@ def to_torch(model: nn.Module) -> nn.Module:
         return plain.eval()
     replacements: dict[int, nn.Module | None] = {}  # a layer registered twice stays one module
     for module in list(converted.modules()):
-        for name, child in list(module.named_children()):
+        for name, child in list(module._modules.items()):  # (named_children skips a repeat)
+            if child is None:
+                continue
             if id(child) not in replacements:
                 replacements[id(child)] = _plain(child)
             replacement = replacements[id(child)]
