@@ -163,7 +163,12 @@ def ensure_noise_per_rank() -> None:
 
 
 def _rng_digest() -> str:
-    return hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()
+    """A hash of the generators rnndrop's noise comes from: the CPU's, and the current CUDA
+    device's where CUDA is in use (masks of CUDA tensors come from it)."""
+    digest = hashlib.sha256(torch.get_rng_state().numpy().tobytes())
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        digest.update(torch.cuda.get_rng_state().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _gather_digests(digest: str) -> list[str]:
