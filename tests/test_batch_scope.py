@@ -365,9 +365,11 @@ def test_masks_drawn_per_sequence_when_asked_give_each_row_its_own(cls, per_gate
             apart = layer(same)[0]
             apart_packed = nn.utils.rnn.pad_packed_sequence(layer(packed)[0])[0]
         again = layer(same)[0]  # the setting ends with the block
-    assert all(torch.equal(shared[:, 0], shared[:, b]) for b in range(6))
-    assert all(torch.equal(again[:, 0], again[:, b]) for b in range(6))
+    for b in range(6):  # one mask: equal rows, to the rounding of products blocked by rows (AVX-512)
+        torch.testing.assert_close(shared[:, b], shared[:, 0], rtol=0, atol=1e-6)
+        torch.testing.assert_close(again[:, b], again[:, 0], rtol=0, atol=1e-6)
     assert distinct(apart, 1) == 6 and distinct(apart_packed, 1) == 6
+    assert all((apart[:, b] - apart[:, 0]).abs().max() > 1e-3 for b in range(1, 6))  # masks, not rounding
 
 
 def test_drawing_per_sequence_is_each_module_s_switch_seen_by_threads_and_replicas():
