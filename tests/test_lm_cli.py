@@ -320,7 +320,44 @@ def test_dropout_sets_the_sites_it_names_and_keeps_the_configs_others(tmp_path, 
     assert {site: p for site, p in dropout.items() if p or site in given} == expected
 
 
+def _grid_summary(path: Path, **fields) -> Path:
+    path.write_text(json.dumps({"grid": True, "dataset": "ptb", "runs": [{"regime": "tied", "dropout": {}}],
+                                **fields}))
+    return path
+
+
+def test_dropout_tuned_on_text_of_the_test_split_is_refused_unless_allowed(tmp_path, capsys, caplog):
+    """ptb-mini's validation lines are a fifth of ptb-144k's test split (both are cut from PTB's
+    validation file): a grid's choice carried over with --dropout-from tuned on test text."""
+    from rnndrop.lm.cli.checks import checked_job
+    from rnndrop.lm.cli.parser import corpus_parser
+    from rnndrop.lm.data.overlap import split_fingerprints
+
+    data = write_corpus(tmp_path / "data")
+    tuned = write_corpus(tmp_path / "tuned", sizes=(40, 30, 30))
+    (tuned / "ptb.valid.txt").write_text((data / "ptb.test.txt").read_text())  # its test text
+    shared = len(split_fingerprints(data, "test"))
+    recorded = _grid_summary(tmp_path / "recorded.json", tuned_on={
+        "data": str(tuned), "valid_lines": sorted(split_fingerprints(tuned, "valid"))})
+    older = _grid_summary(tmp_path / "older.json", command=f"rnndrop-lm ptb --data {tuned} --grid")
+    for summary in (recorded, older):  # fingerprints recorded, or read from the folder its command names
+        argv = ["ptb", "--data", str(data), "--regimes", "tied", "--dropout-from", str(summary),
+                "--out", str(tmp_path / "out"), "--no-progress"]
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"shares {shared} of the {shared} lines of the test split" in err, err
+        assert "--allow-tuning-overlap" in err and not (tmp_path / "out" / "tied").exists()
+        args = corpus_parser("ptb").parse_args([*argv[1:], "--allow-tuning-overlap"])
+        assert checked_job(args, "ptb")[4] == {"tied": {}}  # allowed: checked, with a warning
+        assert "is not of text nobody tuned on" in caplog.text
+    apart = _grid_summary(tmp_path / "apart.json", command=f"rnndrop-lm ptb --data {data} --grid")
+    args = corpus_parser("ptb").parse_args(["--data", str(data), "--regimes", "tied", "--dropout-from",
+                                            str(apart), "--out", str(tmp_path / "out2")])
+    assert checked_job(args, "ptb")[4] == {"tied": {}}  # its own validation split: no test line
+
+
 @pytest.mark.parametrize(("args", "message"), [
+    (["--allow-tuning-overlap"], "--allow-tuning-overlap goes with --dropout-from"),
     (["--regimes", ""], "--regimes must name at least one regime"),
     (["--regimes", "none,nonsense"], "regime must be one of"),
     (["--threads", "0"], "--threads must be >= 1, got 0"),

@@ -226,6 +226,9 @@ def test_dropout_from_a_grid_summary_sets_each_regimes_dropout(corpus, tmp_path)
                                    mc_samples=0, progress=False)
     chosen = job.chosen_dropout(tmp_path / "grid" / "summary.json")
     assert chosen["naive"] == grid["runs"][0]["dropout"]
+    from rnndrop.lm.data.overlap import split_fingerprints
+    assert set(grid["tuned_on"]["valid_lines"]) == split_fingerprints(data, "valid")  # what it chose on
+    assert job.tuning_fingerprints(tmp_path / "grid" / "summary.json")[0] == split_fingerprints(data, "valid")
     summary = job.run_benchmark(data, "ptb", TINY, ["naive"], [2], tmp_path / "final",
                                       dropout_by_regime=chosen, mc_samples=0, progress=False)
     assert summary["runs"][0]["dropout"] == chosen["naive"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import tempfile
 from contextlib import ExitStack
@@ -16,13 +17,16 @@ from rnndrop.lm.cli.errors import UsageError, check_seed, positive
 from rnndrop.lm.cli.parser import CONFIG_FLAGS
 from rnndrop.lm.data.corpus import cached_corpus, sample_dir
 from rnndrop.lm.data.download import download_corpus
+from rnndrop.lm.data.overlap import shared_lines, split_fingerprints
 from rnndrop.lm.model.presets import get_config
 from rnndrop.lm.model.regimes import get_regime
 from rnndrop.lm.model.train_config import TrainConfig
 from rnndrop.lm.run.checkpoint import SUMMARY, JobLock, best_file, run_files
-from rnndrop.lm.run.job import chosen_dropout, parse_dropout
+from rnndrop.lm.run.job import chosen_dropout, parse_dropout, tuning_fingerprints
 
 __all__ = ["check_writable", "checked_job", "config_from_args", "resolve_data"]
+
+log = logging.getLogger(__name__)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -47,6 +51,28 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         return replace(config, **changes) if changes else config
     except (TypeError, ValueError) as e:
         raise UsageError(f"{e} (config {config.name!r} with {', '.join(flags)})") from None
+
+
+def _check_tuning_overlap(summary: str, data_dir: Path, allowed: bool) -> None:
+    """Refuse dropout chosen on validation text that is part of this corpus' test split
+    (:mod:`rnndrop.lm.data.overlap`), unless ``allowed``; say so where it cannot be checked."""
+    tuned = tuning_fingerprints(summary)
+    if tuned is None:
+        log.warning("--dropout-from %s: the summary names no validation split that is still there, so "
+                    "whether the grid tuned on this test split's text is not checked", summary)
+        return
+    lines, where = tuned
+    test = split_fingerprints(data_dir, "test")
+    shared = shared_lines(lines, test)
+    if not shared:
+        return
+    what = (f"--dropout-from {summary!r}: the grid chose on {where}, which shares {shared} of the "
+            f"{len(test)} lines of the test split of {str(data_dir)!r}")
+    if allowed:
+        log.warning("%s: the test perplexity is not of text nobody tuned on (--allow-tuning-overlap)", what)
+        return
+    raise UsageError(f"{what} (tuning on test text); choose on a validation split apart from it (a "
+                     "--grid on this corpus), or pass --allow-tuning-overlap to train anyway")
 
 
 def resolve_data(data: str | None, dataset: str, args: argparse.Namespace) -> Path:
@@ -121,6 +147,10 @@ def checked_job(args: argparse.Namespace, dataset: str, claim: ExitStack | None 
     positive("--mc-samples", args.mc_samples, 0)
     data_dir = resolve_data(args.data, dataset, args)
     cached_corpus(str(data_dir))  # fail early, with the corpus' own message (read once)
+    if args.dropout_from:
+        _check_tuning_overlap(args.dropout_from, data_dir, args.allow_tuning_overlap)
+    elif args.allow_tuning_overlap:
+        raise UsageError("--allow-tuning-overlap goes with --dropout-from")
     sample = "-sample" if args.data == "sample" else ""
     out = Path(args.out) if args.out else Path("runs") / f"{dataset}{sample}-{config.name}"
     check_writable(out)

@@ -121,7 +121,12 @@ def add_train_arguments(parser: argparse.ArgumentParser, dataset: str) -> None:
                      help="start every run from the weights of a finished run (its folder or best.pt), "
                      "e.g. --regimes sparse_vd --config sparse-vd-cpu-200 fine-tuning a dense tied run")
     job.add_argument("--dropout-from", default=None, metavar="SUMMARY",
-                     help="take each regime's dropout from the summary.json of a --grid run")
+                     help="take each regime's dropout from the summary.json of a --grid run (refused "
+                     "where the grid's validation text shares lines with this corpus' test split)")
+    job.add_argument("--allow-tuning-overlap", action="store_true",
+                     help="with --dropout-from: train even where the grid's validation text shares lines "
+                     "with the test split (the test perplexity is then not of text nobody tuned on; "
+                     "the flag is kept in the job's command)")
     job.add_argument("--mc-samples", type=int, default=None,
                      help="Monte-Carlo dropout samples for the test perplexity (0: skip; default: "
                      "the config's)")

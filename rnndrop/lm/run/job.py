@@ -29,6 +29,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import shlex
 import signal
 import statistics
 import threading
@@ -44,7 +45,8 @@ from typing import Any
 import torch
 
 from rnndrop.lm.atomic import atomic_write
-from rnndrop.lm.data.corpus import Corpus, batchify, cached_corpus
+from rnndrop.lm.data.corpus import Corpus, CorpusError, batchify, cached_corpus, sample_dir
+from rnndrop.lm.data.overlap import split_fingerprints
 from rnndrop.lm.model.build import build_model
 from rnndrop.lm.model.regimes import SITES, get_regime, regime_probabilities
 from rnndrop.lm.model.train_config import TrainConfig
@@ -289,9 +291,16 @@ def _summary(
         "markdown": markdown,
         "files": [RESULTS_TABLE, SUMMARY] + ([plot.name] if plot is not None else []),
     }
+    if grid:  # what the choices were made on, for --dropout-from's check against a test split
+        summary["tuned_on"] = files_on_main(functools.partial(_tuned_on, job.corpus_dir), ctx,
+                                            "reading the validation split")
     files_on_main(functools.partial(write_json_atomic, summary, job.out / SUMMARY), ctx,
                   "writing summary.json")
     return summary
+
+
+def _tuned_on(corpus_dir: str) -> dict[str, Any]:
+    return {"data": corpus_dir, "valid_lines": sorted(split_fingerprints(corpus_dir, "valid"))}
 
 
 def _run_key(result: Mapping[str, Any]) -> str:
@@ -891,6 +900,28 @@ def parse_dropout(text: str) -> dict[str, float]:
         except ValueError:
             raise ValueError(f"--dropout takes site=p pairs with p a number, got {item!r}") from None
     return out
+
+
+def tuning_fingerprints(summary_path: str | Path) -> tuple[set[str], str] | None:
+    """The line fingerprints (:mod:`rnndrop.lm.data.overlap`) of the validation split a grid run
+    chose its dropout on, and where they come from: its ``summary.json``'s ``tuned_on``, or for a
+    summary written before it recorded them, the corpus its command's ``--data`` names where that
+    folder is still there; None where neither is."""
+    with open(summary_path, encoding="utf-8") as f:
+        summary = json.load(f)
+    tuned_on = summary.get("tuned_on")
+    if isinstance(tuned_on, dict) and isinstance(tuned_on.get("valid_lines"), list):
+        return set(tuned_on["valid_lines"]), f"the validation split of {tuned_on.get('data', '?')}"
+    words = shlex.split(str(summary.get("command", "")))
+    data = words[words.index("--data") + 1] if "--data" in words[:-1] else None
+    try:
+        if data == "sample":
+            data = str(sample_dir(str(summary.get("dataset", ""))))
+        if data is None or not Path(data).is_dir():
+            return None
+        return split_fingerprints(data, "valid"), f"the validation split of {data}"
+    except (CorpusError, ValueError):
+        return None
 
 
 def chosen_dropout(summary_path: str | Path) -> dict[str, dict[str, float]]:
