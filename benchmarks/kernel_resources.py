@@ -141,10 +141,14 @@ def compile_loop(cell: str, backward: bool, constexprs: dict, warps: int, stages
 
 
 class _OnHopper:
-    """What ``persistent.plan`` reads of a CUDA tensor: its dtype and device."""
+    """What ``persistent.plan`` reads of a CUDA tensor: its dtype, device and size (speed.py's
+    shapes are far below the 32-bit offsets' limit)."""
 
     dtype = torch.float32
     device = torch.device("cuda", 0)
+
+    def numel(self) -> int:
+        return 0
 
 
 def planned(hidden: int, batch: int) -> persistent.Launch | None:

@@ -18,6 +18,7 @@ that says why, rather than fail or be wrong in the middle of a user's training.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import warnings
@@ -93,7 +94,8 @@ def lstm_recurrence(
     reverse: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The LSTM recurrence of one layer and direction (contract in :mod:`rnndrop.kernels`)."""
-    return load()[0].lstm_recurrence(gates_x, batch_sizes, h0, c0, w_hh, w_hr, hidden_mask, reverse)
+    with _on_device(gates_x):
+        return load()[0].lstm_recurrence(gates_x, batch_sizes, h0, c0, w_hh, w_hr, hidden_mask, reverse)
 
 
 def gru_recurrence(
@@ -106,7 +108,17 @@ def gru_recurrence(
     reverse: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """The GRU recurrence of one layer and direction (contract in :mod:`rnndrop.kernels`)."""
-    return load()[1].gru_recurrence(gates_x, batch_sizes, h0, w_hh, b_hh, hidden_mask, reverse)
+    with _on_device(gates_x):
+        return load()[1].gru_recurrence(gates_x, batch_sizes, h0, w_hh, b_hh, hidden_mask, reverse)
+
+
+def _on_device(x: Tensor) -> contextlib.AbstractContextManager:
+    """``x``'s CUDA device made current where another is: Triton launches on the current device
+    and its current stream (a model on ``cuda:1`` without ``torch.cuda.set_device(1)``)."""
+    index = x.device.index
+    if x.device.type == "cuda" and index is not None and index != torch.cuda.current_device():
+        return torch.cuda.device(x.device)
+    return contextlib.nullcontext()
 
 
 def first_use_failure(device: torch.device | str) -> str | None:

@@ -95,6 +95,11 @@ T = TypeVar("T")
 
 #: The counter value a program that gave up waiting adds (far above any step count times programs).
 GAVE_UP = 1 << 30
+
+#: The persistent loops compute a row's offset as ``row * width`` in 32 bits (64-bit products in
+#: every address cost registers the loop needs): a call whose gates ``[N, G * H]`` hold this many
+#: elements or more runs the step kernel, whose offsets are within one step.
+MAX_ELEMENTS = 1 << 31
 #: Spins of the barrier before a program gives up (a step takes microseconds; this is about a second).
 SPIN_LIMIT = 1 << 21
 #: The largest batch kept in one block of rows, and the widest block of hidden units a program owns.
@@ -174,8 +179,8 @@ def _wait(counter_ptr, target, SYNC: tl.constexpr):
         while (seen < target) & (spins < 2097152):
             seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
             spins += 1
-        if seen < target:
-            tl.atomic_add(counter_ptr, 1073741824)
+        if seen < target:  # the GAVE_UP bit, set once however many programs give up together
+            tl.atomic_or(counter_ptr, 1073741824)
         tl.debug_barrier()  # no thread reads the next step's data before the acquire
 
 
@@ -950,7 +955,8 @@ def first_or_step(how: Launch | None, like: Tensor, persistent_pass: Callable[[L
 def plan(gates_x: Tensor, hidden: int, batch: int, projected: bool) -> Launch | None:
     """How the persistent loop runs a call, or None where it cannot and the step kernel runs:
     float64 (``tl.dot`` keeps float32 at most), a projection (``h_t = W_hr r_t`` is a second
-    product per step), more hidden units than :data:`MAX_UNITS` times the multiprocessors (one
+    product per step), gates of :data:`MAX_ELEMENTS` or more (the loops' offsets are 32-bit),
+    more hidden units than :data:`MAX_UNITS` times the multiprocessors (one
     program each, or :data:`PER_SM`, all resident), or a batch whose blocks of at most
     :data:`MAX_BATCH` rows do not fit beside them (under Triton's interpreter: a batch over
     :data:`MAX_BATCH`).
@@ -960,7 +966,7 @@ def plan(gates_x: Tensor, hidden: int, batch: int, projected: bool) -> Launch | 
     ``tl.dot``'s least): a step takes each program about ``a + b * rows * units`` (the H200's
     launch-setting sweep: twice the units, twice the time; four times the rows, about twice),
     so programs with fewer rows on otherwise idle multiprocessors finish the step sooner."""
-    if disabled() or projected or gates_x.dtype == torch.float64:
+    if disabled() or projected or gates_x.dtype == torch.float64 or gates_x.numel() >= MAX_ELEMENTS:
         return None
     if gates_x.device.type != "cuda" or _forced is not None:
         if batch > MAX_BATCH:
@@ -1066,7 +1072,7 @@ def _step_table(schedule: Schedule, mask: Tensor | None, device: torch.device) -
     table = _TABLES.get(key)
     if table is not None:
         _TABLES.move_to_end(key)
-        return table
+        return _kept_while_captured(key, table, device)
     rows = [[0, 0, 0, 0]]
     for step in schedule.steps:
         prev = schedule.offsets[step.prev] if step.prev >= 0 else 0
@@ -1078,6 +1084,16 @@ def _step_table(schedule: Schedule, mask: Tensor | None, device: torch.device) -
     _TABLES[key] = table
     if len(_TABLES) > 256:
         _TABLES.popitem(last=False)
+    return _kept_while_captured(key, table, device)
+
+
+#: Step tables a CUDA graph captured: its replays read them by address, so they are never freed.
+_CAPTURED_TABLES: dict[tuple, Tensor] = {}
+
+
+def _kept_while_captured(key: tuple, table: Tensor, device: torch.device) -> Tensor:
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        _CAPTURED_TABLES[key] = table
     return table
 
 
@@ -1120,8 +1136,11 @@ _pending: list[tuple[torch.cuda.Event, Tensor, torch.device]] = []
 def _read_finished_counters() -> None:
     """Read the counters of finished cooperative launches (no waiting): one that gave up marks its
     device (:func:`gave_up`); its outputs were NaN."""
-    while _pending and _pending[0][0].query():
-        _, values, device = _pending.pop(0)
+    while True:
+        with _pools_lock:  # take() appends from other threads (DataParallel's replicas)
+            if not (_pending and _pending[0][0].query()):
+                return
+            _, values, device = _pending.pop(0)
         if int(values.max()) >= GAVE_UP:
             gave_up(device, "a grid barrier gave up waiting; that call's results were NaN")
 
@@ -1230,8 +1249,9 @@ def _run(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constex
     counter = _counter(device, pooled=cooperative and not capturing)
     deepest = _setting("stages", _DEEPEST_STAGES, lambda n: n >= 1, "a positive number of stages")
     depths = tuple(range(deepest, 0, -1))
-    key = (kernel.__name__, constexprs["BB"], constexprs["BK"], constexprs["MASK_GATES"],
-           constexprs["RESIDENT"], args[0].dtype, depths[0])
+    # every setting that changes what the loads take (not B and N, which vary from call to call)
+    key = (kernel.__name__, tuple(sorted((k, v) for k, v in constexprs.items() if k not in ("B", "N"))),
+           warps, args[0].dtype, depths[0])
     fitting = _stages.get(key, depths[0])  # 0: nothing fits (remembered, not tried again)
     for stages in depths[depths.index(fitting):] if fitting else ():
         try:
@@ -1341,7 +1361,7 @@ def lstm_forward(how: Launch, schedule: Schedule, gates_x, h0, c0, w_hh, mask, k
     cells = torch.empty(N, H, dtype=accumulation_dtype(gates_x.dtype), device=device) if keep else None
     masked = gates_x.new_empty(N, G, H) if G > 1 else gates_x.new_empty(N, H)
     # written by the loop (every row runs a step), read only as the state a row carries on
-    h_state, c_state = torch.empty(B, H, device=device), torch.empty(B, H, device=device)
+    h_state, c_state = (torch.empty(B, H, dtype=torch.float32, device=device) for _ in range(2))
     table = _step_table(schedule, mask, device)
     mask_row, mask_gate = _mask_strides(mask)
     read = _products_read(gates_x, masked, mask)
@@ -1372,12 +1392,12 @@ def lstm_backward(how: Launch, schedule: Schedule, needs: Sequence[bool], saved,
     G = s.mask.shape[2] if s.mask is not None and s.mask.dim() == 4 else 1
     d_gates = s.acts.new_empty(N, 4 * H)
     # every row starts once, so the loop writes every row of dh_0 and dc_0 (at the step it starts)
-    dh0, dc0 = torch.empty(B, H, device=device), torch.empty(B, H, device=device)
+    dh0, dc0 = (torch.empty(B, H, dtype=torch.float32, device=device) for _ in range(2))
     has_carry = _carries(how, d_hn, d_cn)
     if not has_carry:  # the loop starts from zeros of its own (the pointers are never read)
         carry, dc = dh0, dc0
     elif d_hn is None and d_cn is None:  # one fill for both (the launches' scratch)
-        carry, dc = torch.zeros(2, B, H, device=device).unbind()
+        carry, dc = torch.zeros(2, B, H, dtype=torch.float32, device=device).unbind()
     else:
         carry, dc = initial_grad(d_hn, s.h0, torch.float32), initial_grad(d_cn, s.c0, torch.float32)
     need_dmask = bool(needs[5]) and s.mask is not None
@@ -1407,7 +1427,7 @@ def gru_forward(how: Launch, schedule: Schedule, gates_x, h0, w_hh, b_hh, mask, 
     acts = gates_x.new_empty(N, 3 * H) if keep else None
     a_n = torch.empty(N, H, dtype=accumulation_dtype(gates_x.dtype), device=device) if keep else None
     masked = gates_x.new_empty(N, G, H) if G > 1 else gates_x.new_empty(N, H)
-    h_state = torch.empty(B, H, device=device)  # as in lstm_forward
+    h_state = torch.empty(B, H, dtype=torch.float32, device=device)  # as in lstm_forward
     mask_row, mask_gate = _mask_strides(mask)
     read = _products_read(gates_x, masked, mask)
     args = (gates_x, w_hh, h0 if b_hh is None else b_hh, h0, h0 if mask is None else mask, mask_row,
@@ -1431,7 +1451,7 @@ def gru_backward(how: Launch, schedule: Schedule, needs: Sequence[bool], saved, 
     G = s.mask.shape[2] if s.mask is not None and s.mask.dim() == 4 else 1
     d_a = s.acts.new_empty(N, 3 * H)
     d_n = s.acts.new_empty(N, H)
-    dh0 = torch.empty(B, H, device=device)  # every row written at the step it starts
+    dh0 = torch.empty(B, H, dtype=torch.float32, device=device)  # every row written at the step it starts
     has_carry = _carries(how, d_hn)
     carry = initial_grad(d_hn, s.h0, torch.float32) if has_carry else dh0  # (dh0: never read then)
     need_dmask = bool(needs[4]) and s.mask is not None
