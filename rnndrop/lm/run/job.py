@@ -6,7 +6,9 @@ the config's dropout probabilities; ``--grid`` first searches each regime's smal
 grid (``TrainConfig.grid``) with the first seed, keeps the candidate with the best
 *validation* perplexity, trains it again with the other ``--seeds``, and adds the
 Monte-Carlo test perplexity of the chosen runs. The test split plays no part in any
-choice.
+choice; a grid's choices carried to another corpus (``--dropout-from``) are refused where
+the grid's validation lines are in that corpus' test split (:func:`tuning_fingerprints`,
+:mod:`rnndrop.lm.data.overlap`).
 
 Outputs in ``--out``: one folder per run (checkpoint, best model, results.json,
 metrics.csv, curve.png), ``results.md`` (tables, :func:`rnndrop.lm.run.report.benchmark_markdown`),
