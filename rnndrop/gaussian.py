@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,7 +57,8 @@ from rnndrop.kl import (
     initial_log_alpha,
 )
 from rnndrop.layout import mask_packed_sequence
-from rnndrop.noise import MaskSite, learned_gaussian_mask
+from rnndrop.masks import RecurrentMasks, check_seq_len
+from rnndrop.noise import MaskSite, learned_gaussian_mask, scaled_gaussian_noise, standard_normal_noise
 from rnndrop.recurrent import VariationalGRU, VariationalLSTM
 from rnndrop.stochastic import Stochastic
 from rnndrop.validation import (
@@ -68,7 +70,10 @@ from rnndrop.validation import (
     fix_settings,
 )
 
-__all__ = ["GRANULARITIES", "GaussianGRU", "GaussianLSTM", "GaussianLockedDropout", "rnn_state_dict"]
+__all__ = [
+    "GRANULARITIES", "GaussianGRU", "GaussianLSTM", "GaussianLockedDropout", "LearnedGaussianMasks",
+    "rnn_state_dict",
+]
 
 GRANULARITIES: tuple[str, ...] = ("layer", "unit", "weight")
 
@@ -98,6 +103,18 @@ _SITES_MADE = "the constructor built its noise sites, their learned log alpha an
 
 def _fixed(name: str, check: Callable[[str, Any], Any] = _as_given) -> property:
     return checked_setting(name, check, fixed=_SITES_MADE)
+
+
+@dataclass(frozen=True)
+class LearnedGaussianMasks(RecurrentMasks):
+    """The masks a learned-``alpha`` layer's :meth:`sample_masks` draws: ``1 + sqrt(alpha) * eps``
+    at every site, and the standard normal draws ``eps`` themselves (``draws``, in the order of
+    ``site_names``: every layer's input, every layer's and direction's state, the output). The
+    layer's ``forward`` rebuilds the masks from the draws with its ``alpha`` of that call (a
+    ``map`` of them is a plain :class:`RecurrentMasks`, used as it is)."""
+
+    draws: tuple[Tensor | None, ...] = ()
+    site_names: tuple[str, ...] = ()
 
 
 class _LearnedAlphaMixin(KLRegularized):
@@ -212,6 +229,44 @@ class _LearnedAlphaMixin(KLRegularized):
         if log_alpha is None:
             return None
         return learned_gaussian_mask(site.shape, log_alpha, device=device, dtype=dtype, generator=generator)
+
+    def sample_masks(
+        self,
+        batch_size: int,
+        seq_len: int | None = None,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        generator: torch.Generator | None = None,
+    ) -> RecurrentMasks:
+        """:meth:`VariationalLSTM.sample_masks`, whose masks keep their standard normal draws
+        (:class:`LearnedGaussianMasks`): a forward call given them scales the draws by each site's
+        ``alpha`` of that moment, so the same masks serve several calls and backward passes
+        (truncated BPTT) while ``alpha`` learns. The same random numbers as a draw in ``forward``."""
+        check_positive_int("batch_size", batch_size)
+        check_seq_len(self.mask_scope, seq_len)
+        weight = self.weight_ih_l0
+        device = weight.device if device is None else device
+        dtype = weight.dtype if dtype is None else dtype
+        sites = self._mask_sites(batch_size, seq_len, self.mask_scope)
+        names = tuple(site.name for site in sites)
+        draws = tuple(
+            None if self._log_alpha(f"log_alpha_{site.name}") is None
+            else standard_normal_noise(site.shape, device=device, dtype=dtype, generator=generator)
+            for site in sites
+        )
+        masks = self._assembled(self._scaled(names, draws), self.mask_scope)
+        return LearnedGaussianMasks(masks.inputs, masks.hidden, masks.output, masks.scope, masks.per_gate,
+                                    draws=draws, site_names=names)
+
+    def _scaled(self, names: tuple[str, ...], draws: tuple[Tensor | None, ...]) -> list[Tensor | None]:
+        return [None if eps is None else scaled_gaussian_noise(self._log_alpha(f"log_alpha_{name}"), eps)
+                for name, eps in zip(names, draws)]
+
+    def _given_masks(self, masks: RecurrentMasks, layout: Any, x: Tensor) -> RecurrentMasks:
+        if isinstance(masks, LearnedGaussianMasks):  # the draws scaled by alpha now: a graph of this call's
+            masks = self._assembled(self._scaled(masks.site_names, masks.draws), masks.scope)
+        return super()._given_masks(masks, layout, x)  # type: ignore[misc]
 
     def extra_repr(self) -> str:
         s = super().extra_repr() + f", granularity={self.granularity!r}"

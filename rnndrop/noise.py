@@ -158,10 +158,23 @@ def learned_gaussian_mask(
     """
     device = device or log_alpha.device
     dtype = dtype or log_alpha.dtype
-    std = (0.5 * log_alpha.clamp(max=MAX_NOISE_LOG_ALPHA)).exp().to(device=device, dtype=dtype)
+    return scaled_gaussian_noise(log_alpha, standard_normal_noise(shape, device=device, dtype=dtype,
+                                                                  generator=generator))
+
+
+def standard_normal_noise(
+    shape: Sequence[int], *, device: torch.device | str, dtype: torch.dtype,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """The draw ``eps ~ N(0, 1)`` of :func:`learned_gaussian_mask` (the same random numbers)."""
     if generator is None:
         ensure_noise_per_rank()
-    eps = _draw(torch.randn, tuple(shape), generator, device=device, dtype=dtype)
+    return _draw(torch.randn, tuple(shape), generator, device=device, dtype=dtype)
+
+
+def scaled_gaussian_noise(log_alpha: Tensor, eps: Tensor) -> Tensor:
+    """``1 + e^(log_alpha / 2) * eps`` in ``eps``'s dtype and device (see :func:`learned_gaussian_mask`)."""
+    std = (0.5 * log_alpha.clamp(max=MAX_NOISE_LOG_ALPHA)).exp().to(device=eps.device, dtype=eps.dtype)
     return 1.0 + std * eps
 
 

@@ -81,7 +81,7 @@ from rnndrop.kernels.gates import GRU_GATES, LSTM_GATES
 from rnndrop.kernels.ops import TRACEABLE
 from rnndrop.layout import SequenceLayout
 from rnndrop.masks import MASK_SCOPES, RecurrentMasks, StackGeometry, check_seq_len, mask_sites
-from rnndrop.noise import NOISES, draw_mask, draw_masks
+from rnndrop.noise import NOISES, MaskSite, draw_mask, draw_masks
 from rnndrop.stochastic import Stochastic
 from rnndrop.validation import (
     check_bool,
@@ -526,7 +526,18 @@ class VariationalRNNStack(Stochastic):
         weight = self.weight_ih_l0
         device = weight.device if device is None else device
         dtype = weight.dtype if dtype is None else dtype
-        sites = mask_sites(
+        sites = self._mask_sites(batch_size, seq_len, scope)
+        if type(self)._draw_mask is draw_mask:  # the stack's masks in one draw
+            drawn = draw_masks(sites, self.noise, device=device, dtype=dtype, generator=generator)
+        else:  # a subclass's hook, site by site
+            drawn = [self._draw_mask(site, self.noise, device=device, dtype=dtype, generator=generator)
+                     for site in sites]
+        return self._assembled(drawn, scope)
+
+    def _mask_sites(self, batch_size: int, seq_len: int | None, scope: str) -> list[MaskSite]:
+        """The mask sites of a call (:func:`~rnndrop.masks.mask_sites`): every layer's input,
+        every layer's and direction's state, the output, in that order."""
+        return mask_sites(
             self._geometry,
             batch_size,
             seq_len,
@@ -536,11 +547,9 @@ class VariationalRNNStack(Stochastic):
             hidden_p=self.dropout_hidden,
             output_p=self.dropout_output,
         )
-        if type(self)._draw_mask is draw_mask:  # the stack's masks in one draw
-            drawn = draw_masks(sites, self.noise, device=device, dtype=dtype, generator=generator)
-        else:  # a subclass's hook, site by site
-            drawn = [self._draw_mask(site, self.noise, device=device, dtype=dtype, generator=generator)
-                     for site in sites]
+
+    def _assembled(self, drawn: Sequence[Tensor | None], scope: str) -> RecurrentMasks:
+        """The masks drawn for :meth:`_mask_sites`, in its order, as :class:`RecurrentMasks`."""
         L = self.num_layers
         return RecurrentMasks(tuple(drawn[:L]), tuple(drawn[L:-1]), drawn[-1], scope, self.per_gate_masks)
 

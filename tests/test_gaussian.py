@@ -87,6 +87,35 @@ def test_masks_are_tied_over_time_with_mean_one_and_variance_alpha():
     torch.testing.assert_close(mask.var(0), torch.tensor([0.01, 0.1, 0.5, 1.0, 4.0]), atol=0, rtol=0.05)
 
 
+@pytest.mark.parametrize("cls", [GaussianLSTM, GaussianGRU])
+def test_sampled_masks_serve_several_backward_passes_with_the_alpha_of_each_call(cls):
+    """Truncated BPTT with one set of masks (sample_masks' documented use): the second backward
+    failed ("backward through the graph a second time": the masks kept a graph to log_alpha), and
+    the masks kept the alpha of their draw after the optimiser changed it."""
+    torch.manual_seed(0)
+    layer = cls(6, 5, num_layers=2, dropout=0.3, dropout_input=0.4, dropout_hidden=0.2, output_fan_out=1)
+    optimiser = torch.optim.SGD(layer.parameters(), lr=0.5)
+    masks = layer.sample_masks(3)
+    x, state = torch.randn(7, 3, 6), None
+    for _ in range(3):
+        out, state = layer(x, state, masks=masks)
+        state = tuple(s.detach() for s in state) if isinstance(state, tuple) else state.detach()
+        (out.pow(2).mean() + 1e-3 * layer.kl()).backward()
+        optimiser.step()
+        optimiser.zero_grad()
+    # the draws scaled by today's alpha: what a layer with these alphas gives for the same draws
+    torch.manual_seed(5)
+    drawn = layer.sample_masks(3)
+    torch.manual_seed(5)
+    assert torch.equal(layer(x, masks=drawn)[0], layer(x)[0])  # forward's own draw: the same numbers
+    site = "log_alpha_hidden_l0"
+    with torch.no_grad():
+        getattr(layer, site).fill_(math.log(0.01))
+    torch.manual_seed(5)
+    expected = layer(x)[0]  # a fresh draw with the new alpha
+    torch.testing.assert_close(layer(x, masks=drawn)[0], expected)
+
+
 def test_batch_scope_shares_the_recurrent_noise():
     layer = GaussianLSTM(5, 6, dropout_hidden=0.3, mask_scope="batch")
     assert layer.sample_masks(4).hidden[0].shape == (1, 6)
