@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +66,8 @@ __all__ = [
     "prune",
     "sparsity_report",
 ]
+
+log = logging.getLogger(__name__)
 
 #: Weights with ``log alpha`` at or above this are zero in eval mode.
 DEFAULT_THRESHOLD = 3.0
@@ -402,19 +405,28 @@ class SparsityReport:
 
 
 def sparsity_report(model: nn.Module) -> SparsityReport:
-    """Count the weights that eval mode zeroes in every sparse layer of ``model``."""
+    """Count the weights that eval mode zeroes in every sparse layer of ``model``.
+
+    A sparse weight that a plain module also holds (an embedding tied to a decoder) is counted
+    dense, with a warning: that module reads all of it, pruned or not."""
     check_instance("model", model, nn.Module, "an nn.Module")
     layers = []
     sparse_params: set[int] = set()
+    held_by_plain = {id(p) for m in model.modules() if not isinstance(m, Sparsified)
+                     for p in m._parameters.values() if p is not None}
     for prefix, module in model.named_modules():
         if not isinstance(module, Sparsified):
             continue
         for name in module.sparse_weight_names():
-            keep = module.keep_mask(name)
             full = f"{prefix}.{name}" if prefix else name
+            sparse_params.add(id(getattr(module, "log_sigma2_" + name)))  # training's alone
+            if id(getattr(module, name)) in held_by_plain:
+                log.warning("sparsity_report: %s is also a parameter of a plain module (tied weights), "
+                            "which reads all of it: counted dense", full)
+                continue
+            keep = module.keep_mask(name)
             layers.append(LayerSparsity(full, keep.numel(), int((~keep).sum())))
             sparse_params.add(id(getattr(module, name)))
-            sparse_params.add(id(getattr(module, "log_sigma2_" + name)))
     dense = sum(p.numel() for p in model.parameters() if id(p) not in sparse_params)
     return SparsityReport(tuple(layers), dense)
 
@@ -425,7 +437,9 @@ def prune(model: nn.Module) -> nn.Module:
     ``SparseLSTM`` -> ``nn.LSTM``, ``SparseGRU`` -> ``nn.GRU``, ``SparseLinear`` ->
     ``nn.Linear``, ``SparseEmbedding`` -> ``nn.Embedding``, with the weights over the
     threshold set to zero and no ``log_sigma2``. In eval mode the copy computes what
-    ``model`` computes in eval mode. ``model`` itself is not changed.
+    ``model`` computes in eval mode. ``model`` itself is not changed. A sparse weight tied to a
+    plain module (an embedding and its decoder) is untied in the copy: the plain module keeps the
+    whole weight it read, the pruned layer its pruned copy.
     """
     check_instance("model", model, nn.Module, "an nn.Module")
     if isinstance(model, Sparsified):

@@ -244,3 +244,17 @@ def test_a_report_of_a_model_with_nothing_left_or_nothing_at_all_divides_by_no_z
     assert report.compression == report.model_compression == math.inf and "xinf" in str(report)
     empty = sparsity_report(nn.Sequential())
     assert empty.compression == empty.model_compression == 1.0 and "x1.00" in str(empty)
+
+
+def test_a_sparse_weight_tied_to_a_plain_module_is_counted_dense(caplog):
+    """An embedding tied to its decoder: the decoder reads the whole weight, so pruning it saves
+    nothing (the report said x8.41 where the pruned model kept every weight)."""
+    embedding, decoder = SparseEmbedding(100, 8), nn.Linear(8, 100)
+    decoder.weight = embedding.weight
+    with torch.no_grad():
+        embedding.log_sigma2_weight.fill_(5.0)  # nearly every weight over the threshold
+    model = nn.ModuleDict({"embedding": embedding, "decoder": decoder})
+    report = sparsity_report(model)
+    assert report.layers == () and "embedding.weight is also a parameter of a plain module" in caplog.text
+    assert report.dense_params == 800 + 100  # the tied weight and the decoder's bias; log_sigma2 is training's
+    assert report.model_compression == 1.0
