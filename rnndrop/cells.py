@@ -101,6 +101,9 @@ class VariationalLSTMCell(nn.LSTMCell):
         if hx is None:
             zeros = input.new_zeros((*input.shape[:-1], self.hidden_size))
             hx = (zeros, zeros)
+        if not isinstance(hx, (tuple, list)) or len(hx) != 2:
+            got = f"{len(hx)} values" if isinstance(hx, (tuple, list)) else type(hx).__name__
+            raise TypeError(f"{type(self).__name__}: hx must be a tuple (h, c) of two Tensors, got {got}")
         h, c = hx
         _check_cell_state(self, "hx[0]", h, input)
         _check_cell_state(self, "hx[1]", c, input)

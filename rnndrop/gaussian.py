@@ -146,6 +146,10 @@ class _LearnedAlphaMixin(KLRegularized):
                 f"{type(self).__name__} always draws Gaussian noise: noise must not be given, "
                 f"got noise={kwargs['noise']!r}"
             )
+        if granularity == "weight" and kwargs.get("per_gate_masks") is False:
+            raise ValueError(f"{type(self).__name__}: granularity='weight' learns one alpha per gate and "
+                             "input unit, so its masks are per gate: per_gate_masks=False contradicts it "
+                             "(leave per_gate_masks out)")
         super().__init__(*args, noise="gaussian", **kwargs)
         self._init_learned_alpha(granularity, max_alpha, kl_approximation, output_fan_out)
         fix_settings(self)

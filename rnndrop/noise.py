@@ -173,9 +173,15 @@ def standard_normal_noise(
 
 
 def scaled_gaussian_noise(log_alpha: Tensor, eps: Tensor) -> Tensor:
-    """``1 + e^(log_alpha / 2) * eps`` in ``eps``'s dtype and device (see :func:`learned_gaussian_mask`)."""
+    """``1 + e^(log_alpha / 2) * eps`` in ``eps``'s dtype and device (see :func:`learned_gaussian_mask`);
+    in float16 clamped to its range (the sd e^10 of the cap times an ``eps`` over 3 overflows it:
+    an infinite mask times a dropped 0 is NaN)."""
     std = (0.5 * log_alpha.clamp(max=MAX_NOISE_LOG_ALPHA)).exp().to(device=eps.device, dtype=eps.dtype)
-    return 1.0 + std * eps
+    mask = 1.0 + std * eps
+    if eps.dtype == torch.float16:
+        limit = torch.finfo(torch.float16).max
+        mask = mask.clamp(-limit, limit)
+    return mask
 
 
 def sample_mask(

@@ -1093,7 +1093,9 @@ class VariationalGRU(VariationalRNNStack, nn.GRU):
         h_t = (1 - z_t) ∘ n_t + z_t ∘ h_{t-1}
 
     and the output of the last layer is ``y_t = h_t ∘ M_y``. The recurrent mask acts inside
-    ``W_hh h_{t-1}`` only: the update ``z_t ∘ h_{t-1}`` uses the unmasked state. Masks,
+    ``W_hh h_{t-1}`` only: the update ``z_t ∘ h_{t-1}`` uses the unmasked state. The reset
+    gate acts after the product, as in ``nn.GRU`` and cuDNN; Gal & Ghahramani's GRU applies it
+    before (``W_hn (r_t ∘ h̃_{t-1})``), a different cell with the same masks. Masks,
     scopes and per-gate masks as for :class:`VariationalLSTM`. This is the step of
     :class:`~rnndrop.VariationalGRUCell` called with ``input_mask=M_x, hidden_mask=M_h``;
     the tests hold every loop kernel to the cell.

@@ -84,3 +84,13 @@ def test_cell_errors_name_the_argument():
         cell(x, (torch.zeros(B, H), torch.zeros(2, H)))
     with pytest.raises(ValueError, match="input must be 1-D .* or 2-D .* got 3-D"):
         VariationalGRUCell(I, H)(torch.randn(2, B, I))
+
+
+def test_an_lstm_cell_given_a_tensor_for_its_state_pair_names_hx():
+    """Was "too many values to unpack (expected 2)"."""
+    cell = VariationalLSTMCell(5, 7)
+    x, h = torch.randn(3, 5), torch.randn(3, 7)
+    with pytest.raises(TypeError, match=r"LSTMCell: hx must be a tuple \(h, c\) of two Tensors, got Tensor"):
+        cell(x, h)
+    with pytest.raises(TypeError, match="got 3 values"):
+        cell(x, (h, h, h))

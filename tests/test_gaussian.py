@@ -311,3 +311,15 @@ def test_a_built_gaussian_locked_dropout_keeps_its_noise_settings():
     drop.batch_first = True  # how it reads its input: checked, and free to change
     with pytest.raises(TypeError, match="batch_first must be True or False"):
         drop.batch_first = 1
+
+
+def test_weight_granularity_refuses_masks_not_per_gate_and_float16_masks_stay_finite():
+    """per_gate_masks=False was silently turned on; a float16 mask at the alpha cap overflowed
+    to inf wherever |eps| > 3 (inf times a dropped 0 is NaN)."""
+    with pytest.raises(ValueError, match="granularity='weight' .* per_gate_masks=False contradicts it"):
+        GaussianLSTM(4, 5, dropout_hidden=0.3, granularity="weight", per_gate_masks=False)
+    assert GaussianLSTM(4, 5, dropout_hidden=0.3, granularity="weight").per_gate_masks
+    from rnndrop.noise import learned_gaussian_mask
+    torch.manual_seed(0)
+    mask = learned_gaussian_mask((100_000,), torch.tensor([100.0]), dtype=torch.float16)
+    assert torch.isfinite(mask).all() and mask.abs().max() == torch.finfo(torch.float16).max

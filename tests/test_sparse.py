@@ -256,5 +256,5 @@ def test_a_sparse_weight_tied_to_a_plain_module_is_counted_dense(caplog):
     model = nn.ModuleDict({"embedding": embedding, "decoder": decoder})
     report = sparsity_report(model)
     assert report.layers == () and "embedding.weight is also a parameter of a plain module" in caplog.text
-    assert report.dense_params == 800 + 100  # the tied weight and the decoder's bias; log_sigma2 is training's
+    assert report.dense_params == 800 + 100  # the tied weight, the decoder's bias (log_sigma2: training's)
     assert report.model_compression == 1.0
