@@ -61,7 +61,7 @@ buffers
 buffers() {
 step "cuDNN runs the masked weights' buffers as they are: no compaction, no flatten (odd sizes too)"
 timeout $(limit 60) $PY -m pytest -q -p no:cacheprovider --timeout $(limit 50) tests/test_batch_scope.py tests/test_weight_drop.py \
-    tests/test_flat_weights.py -k "on_cuda" 2>&1 | tee -a "$OUT/cuda-tests.log" | tail -n 10
+    tests/test_flat_weights.py tests/test_awd_recipe.py -k "on_cuda" 2>&1 | tee -a "$OUT/cuda-tests.log" | tail -n 10
 }
 
 weight_drop_memory() {

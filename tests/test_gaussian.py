@@ -83,7 +83,7 @@ def test_masks_are_tied_over_time_with_mean_one_and_variance_alpha():
         layer.log_alpha_input_l0.copy_(torch.log(torch.tensor([0.01, 0.1, 0.5, 1.0, 4.0])))
     mask = layer.sample_masks(40000).inputs[0]
     assert mask.shape == (40000, 5)  # one per sequence, reused at every step
-    torch.testing.assert_close(mask.mean(0), torch.ones(5), atol=0.03, rtol=0)
+    torch.testing.assert_close(mask.mean(0), torch.ones(5), atol=0.05, rtol=0)  # 5 sd of the mean at alpha 4
     torch.testing.assert_close(mask.var(0), torch.tensor([0.01, 0.1, 0.5, 1.0, 4.0]), atol=0, rtol=0.05)
 
 

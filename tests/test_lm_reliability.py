@@ -53,13 +53,14 @@ def test_a_run_stopped_between_its_first_best_and_checkpoint_starts_again_with_r
     for name in ("results.json", "metrics.csv", "curve.png"):
         (run / name).unlink(missing_ok=True)
     _strip_checkpoints(run)  # best.pt alone: the moment between the two writes of epoch 1
-    with pytest.raises(FileExistsError):
+    holds = r"holds files of a run \(best.pt.*\) but no checkpoint to continue it from"
+    with pytest.raises(FileExistsError, match=holds):
         train_run(corpus, ONE, "tied", run, seed=1, progress=False)
     result = train_run(corpus, ONE, "tied", run, seed=1, resume=True, progress=False)
     assert result["test_ppl"] == expected["test_ppl"]
-    with pytest.raises(FileExistsError):  # another run's best.pt is not taken for this one's
-        _strip_checkpoints(run)
-        (run / "results.json").unlink()
+    _strip_checkpoints(run)
+    (run / "results.json").unlink()
+    with pytest.raises(FileExistsError, match=holds):  # another run's best.pt is not taken for this one's
         train_run(corpus, replace(ONE, lr=ONE.lr / 2), "tied", run, seed=1, resume=True, progress=False)
 
 

@@ -206,7 +206,8 @@ def test_the_persistent_plan_of_a_shape_is_named_on_cuda_and_nothing_elsewhere(s
     monkeypatch.setattr(persistent, "_multiprocessors", lambda device: 132)
     on_cuda = SimpleNamespace(device=torch.device("cuda", 0), shape=(35, 128, 650),
                               new_empty=lambda *shape: SimpleNamespace(dtype=torch.float32,
-                                                                       device=torch.device("cuda", 0)))
+                                                                       device=torch.device("cuda", 0),
+                                                                       numel=lambda: 0))
     assert speed.persistent_plan(on_cuda, 128) == "; persistent loop: 41 x 2 programs of 16 units x 64 rows"
     monkeypatch.setattr(persistent, "_multiprocessors", lambda device: 4)  # 650 units do not fit
     assert speed.persistent_plan(on_cuda, 128) == "; persistent loop: no (the step kernel runs)"

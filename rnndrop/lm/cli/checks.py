@@ -17,7 +17,7 @@ from rnndrop.lm.cli.errors import UsageError, check_seed, positive
 from rnndrop.lm.cli.parser import CONFIG_FLAGS
 from rnndrop.lm.data.corpus import cached_corpus, sample_dir
 from rnndrop.lm.data.download import download_corpus
-from rnndrop.lm.data.overlap import shared_lines, split_fingerprints
+from rnndrop.lm.data.overlap import shared_lines, split_fingerprints, tuned_on_test
 from rnndrop.lm.model.presets import get_config
 from rnndrop.lm.model.regimes import get_regime
 from rnndrop.lm.model.train_config import TrainConfig
@@ -63,11 +63,10 @@ def _check_tuning_overlap(summary: str, data_dir: Path, allowed: bool) -> None:
         return
     lines, where = tuned
     test = split_fingerprints(data_dir, "test")
-    shared = shared_lines(lines, test)
-    if not shared:
+    if not tuned_on_test(lines, test):
         return
-    what = (f"--dropout-from {summary!r}: the grid chose on {where}, which shares {shared} of the "
-            f"{len(test)} lines of the test split of {str(data_dir)!r}")
+    what = (f"--dropout-from {summary!r}: the grid chose on {where}, whose lines are in the test split "
+            f"of {str(data_dir)!r} ({shared_lines(lines, test)} of its {len(lines)})")
     if allowed:
         log.warning("%s: the test perplexity is not of text nobody tuned on (--allow-tuning-overlap)", what)
         return

@@ -6,7 +6,7 @@ Carved corpora can overlap without their names saying so: the offline ``ptb-mini
 and ``ptb-mini``'s validation lines are a fifth of ``ptb-144k``'s test split. A grid run
 (``--grid``) records a fingerprint of every line of the validation split it chose on
 (:func:`split_fingerprints`); ``--dropout-from`` compares them with the test split it is about
-to report (:func:`shared_lines`).
+to report (:func:`tuned_on_test`).
 
 A line is compared by the SHA-256 of its words (whitespace normalised), and only lines of at
 least :data:`MIN_WORDS` words: short lines (``N N``, a header) recur in unrelated text.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from rnndrop.lm.data.corpus import EOS, find_split_files, read_words
 
-__all__ = ["MIN_WORDS", "line_fingerprints", "shared_lines", "split_fingerprints"]
+__all__ = ["MIN_WORDS", "MOST", "line_fingerprints", "shared_lines", "split_fingerprints", "tuned_on_test"]
 
 #: Lines shorter than this many words are not compared.
 MIN_WORDS = 5
@@ -53,3 +53,15 @@ def split_fingerprints(directory: str | Path, split: str) -> set[str]:
 def shared_lines(tuned: set[str], reported: set[str]) -> int:
     """How many of the lines ``reported`` (a test split's fingerprints) the tuning text holds."""
     return len(tuned & reported)
+
+
+#: The share of the tuning split's lines in a test split from which it counts as tuned on test
+#: text. A split carved out of the same text lies there whole (ptb-mini's validation split in
+#: ptb-144k's test split: all of it); sentences that merely recur (short stock phrases, a small
+#: grammar) stay far below.
+MOST = 0.5
+
+
+def tuned_on_test(tuned: set[str], reported: set[str]) -> bool:
+    """Whether most of the tuning split's lines (:data:`MOST`) are lines of the test split."""
+    return bool(tuned) and shared_lines(tuned, reported) > MOST * len(tuned)
