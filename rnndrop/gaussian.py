@@ -57,7 +57,7 @@ from rnndrop.kl import (
     initial_log_alpha,
 )
 from rnndrop.layout import mask_packed_sequence
-from rnndrop.masks import RecurrentMasks, check_seq_len
+from rnndrop.masks import RecurrentMasks
 from rnndrop.noise import MaskSite, learned_gaussian_mask, scaled_gaussian_noise, standard_normal_noise
 from rnndrop.recurrent import VariationalGRU, VariationalLSTM
 from rnndrop.stochastic import Stochastic
@@ -216,50 +216,23 @@ class _LearnedAlphaMixin(KLRegularized):
         terms = list(self.site_kl().values())
         return torch.stack(terms).sum() if terms else self.weight_ih_l0.new_zeros(())
 
-    def _draw_mask(
-        self,
-        site: MaskSite,
-        noise: str,
-        *,
-        device: torch.device | str,
-        dtype: torch.dtype,
+    def _draw_sites(
+        self, sites: list[MaskSite], scope: str, device: torch.device | str, dtype: torch.dtype,
         generator: torch.Generator | None,
-    ) -> Tensor | None:
-        """The layer's mask-draw hook (:class:`~rnndrop.recurrent.VariationalRNNStack`):
-        ``1 + e^(log_alpha / 2) * eps`` with the site's learned ``alpha``, differentiable in
-        ``log_alpha`` (``noise`` is always ``"gaussian"``); shapes and scopes are those of
-        :meth:`VariationalLSTM.sample_masks`."""
-        log_alpha = self._log_alpha(f"log_alpha_{site.name}")
-        if log_alpha is None:
-            return None
-        return learned_gaussian_mask(site.shape, log_alpha, device=device, dtype=dtype, generator=generator)
-
-    def sample_masks(
-        self,
-        batch_size: int,
-        seq_len: int | None = None,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        generator: torch.Generator | None = None,
     ) -> RecurrentMasks:
-        """:meth:`VariationalLSTM.sample_masks`, whose masks keep their standard normal draws
-        (:class:`LearnedGaussianMasks`): a forward call given them scales the draws by each site's
-        ``alpha`` of that moment, so the same masks serve several calls and backward passes
-        (truncated BPTT) while ``alpha`` learns. The same random numbers as a draw in ``forward``."""
-        check_positive_int("batch_size", batch_size)
-        check_seq_len(self.mask_scope, seq_len)
-        weight = self.weight_ih_l0
-        device = weight.device if device is None else device
-        dtype = weight.dtype if dtype is None else dtype
-        sites = self._mask_sites(batch_size, seq_len, self.mask_scope)
+        """The layer's draw (:class:`~rnndrop.recurrent.VariationalRNNStack`): ``1 + e^(log_alpha / 2)
+        * eps`` at every site with noise, differentiable in ``log_alpha``, as
+        :class:`LearnedGaussianMasks`, which keep the standard normal draws ``eps``: a forward call
+        *given* them (:meth:`VariationalLSTM.sample_masks`) scales the draws by each site's ``alpha``
+        of that moment, so one set of masks serves several calls and backward passes (truncated
+        BPTT) while ``alpha`` learns."""
         names = tuple(site.name for site in sites)
         draws = tuple(
             None if self._log_alpha(f"log_alpha_{site.name}") is None
             else standard_normal_noise(site.shape, device=device, dtype=dtype, generator=generator)
             for site in sites
         )
-        masks = self._assembled(self._scaled(names, draws), self.mask_scope)
+        masks = self._assembled(self._scaled(names, draws), scope)
         return LearnedGaussianMasks(masks.inputs, masks.hidden, masks.output, masks.scope, masks.per_gate,
                                     draws=draws, site_names=names)
 

@@ -526,7 +526,13 @@ class VariationalRNNStack(Stochastic):
         weight = self.weight_ih_l0
         device = weight.device if device is None else device
         dtype = weight.dtype if dtype is None else dtype
-        sites = self._mask_sites(batch_size, seq_len, scope)
+        return self._draw_sites(self._mask_sites(batch_size, seq_len, scope), scope, device, dtype, generator)
+
+    def _draw_sites(
+        self, sites: list[MaskSite], scope: str, device: torch.device | str, dtype: torch.dtype,
+        generator: torch.Generator | None,
+    ) -> RecurrentMasks:
+        """The masks of ``sites`` (:meth:`_mask_sites`), drawn: a subclass's hook for a whole draw."""
         if type(self)._draw_mask is draw_mask:  # the stack's masks in one draw
             drawn = draw_masks(sites, self.noise, device=device, dtype=dtype, generator=generator)
         else:  # a subclass's hook, site by site
