@@ -78,6 +78,13 @@ def test_wheel_installs_into_a_fresh_environment_and_its_command_runs(tmp_path):
     env = tmp_path / "env"
     venv.create(env, system_site_packages=True, with_pip=False)
     python = env / "bin" / "python"
+    # torch and numpy from where this run has them: the system site, or (a venv) this run's own
+    # site-packages, as a path line (its .pth files, the checkout's editable install, are not read)
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    import numpy
+    parents = {str(Path(module.__file__).resolve().parents[1]) for module in (torch, numpy)}
+    (Path(site) / "_rnndrop_test_dependencies.pth").write_text("\n".join(sorted(parents)) + "\n")
     subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)],
         check=True, timeout=600, cwd=tmp_path,
