@@ -27,10 +27,13 @@ from rnndrop.weight_drop import WeightDrop
 __all__ = ["to_torch"]
 
 
-def _compiled_from(module: nn.Module) -> nn.Module | None:
-    """The module a compiled wrapper runs (:class:`~rnndrop.CompiledModel`, or torch.compile's
-    ``OptimizedModule``, known by name: importing torch._dynamo takes seconds), else None."""
-    if isinstance(module, CompiledModel):
+def _wrapped(module: nn.Module) -> nn.Module | None:
+    """The module a wrapper stands for in eval mode, else None: :class:`~rnndrop.WeightDrop`'s
+    (exactly ``module(*args)`` there), and a compiled one's (:class:`~rnndrop.CompiledModel`, or
+    torch.compile's ``OptimizedModule``, known by name: importing torch._dynamo takes seconds),
+    whose copy would go on running the compiled function of the module it was made from (bound
+    to it, in training mode): the copy is what it wraps, uncompiled."""
+    if isinstance(module, (WeightDrop, CompiledModel)):
         return module.module
     inner = getattr(module, "_orig_mod", None)
     if type(module).__name__ == "OptimizedModule" and isinstance(inner, nn.Module):
@@ -40,10 +43,8 @@ def _compiled_from(module: nn.Module) -> nn.Module | None:
 
 def _plain(module: nn.Module) -> nn.Module | None:
     """The plain module replacing ``module``, or None to keep it (and convert its children)."""
-    # A compiled wrapper's copy would go on running the compiled function of the module it was
-    # made from (bound to it, in training mode): the copy is what it wraps, uncompiled.
-    inner = _compiled_from(module) if not isinstance(module, WeightDrop) else module.module
-    if inner is not None:  # WeightDrop: in eval mode exactly module(*args), the wrapped module
+    inner = _wrapped(module)
+    if inner is not None:
         return _plain(inner) or inner
     if isinstance(module, VariationalRNNStack):
         return module.to_plain()

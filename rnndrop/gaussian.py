@@ -228,7 +228,7 @@ class _LearnedAlphaMixin(KLRegularized):
         BPTT) while ``alpha`` learns."""
         names = tuple(site.name for site in sites)
         draws = tuple(
-            None if self._log_alpha(f"log_alpha_{site.name}") is None
+            None if f"log_alpha_{site.name}" not in self._alpha_sites
             else standard_normal_noise(site.shape, device=device, dtype=dtype, generator=generator)
             for site in sites
         )

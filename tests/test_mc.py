@@ -668,7 +668,7 @@ def test_batch_dims_and_untiled_lists_are_checked():
         mc_predict(model, (x, torch.tensor([6, 2, 4, 1, 3])), batch_dim=(1, 0, 0))
     with pytest.raises(TypeError, match="batch_dim must be an int .* one int or None per argument"):
         mc_predict(model, (x, torch.tensor([6, 2, 4, 1, 3])), batch_dim=(1, "0"))
-    with pytest.raises(ValueError, match=r"inputs\[1\] hold\(s\) a tensor of 1 dim.*batch_dim=\(1, 0\)"):
+    with pytest.raises(ValueError, match=r"1 dimensions \(in inputs\[1\]\).*batch_dim=\(1, 0\)"):
         mc_predict(model, (x, torch.tensor([6, 2, 4, 1, 3])), batch_dim=1, output_batch_dim=0,
                    method="batched", chunk_size=3)
     with pytest.raises(TypeError, match=r"inputs\[1\] holds a list of 5 numbers, as long as the batch"):

@@ -105,13 +105,12 @@ def _replicate(obj: Any, copies: int, batch_dim: int, where: str = "the inputs")
     if copies == 1:
         return obj
     if isinstance(obj, Tensor):
-        if not -obj.dim() <= batch_dim < obj.dim():
-            raise ValueError(
-                f"{where} hold(s) a tensor of {obj.dim()} dimension(s), for which batch_dim={batch_dim} is "
-                "out of range: give one batch dimension per positional argument (batch_dim=(1, 0), say; None "
-                "for one the batch does not split), or use method='loop'")
+        d = _normalize_dim(batch_dim, obj.dim(), "batch_dim",
+                           f" (in {where}): give one batch dimension per positional argument "
+                           "(batch_dim=(1, 0), say; None for one the batch does not split), or use "
+                           "method='loop'")
         reps = [1] * obj.dim()
-        reps[batch_dim % obj.dim()] = copies
+        reps[d] = copies
         return obj.repeat(*reps)
     if isinstance(obj, PackedSequence):
         raise TypeError(f"{where}: a PackedSequence cannot be stacked into copies; use method='loop'")
