@@ -34,12 +34,13 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from rnndrop.deploy import prune
 from rnndrop.lm.data.corpus import batchify, load_corpus
 from rnndrop.lm.model.presets import get_config
 from rnndrop.lm.run.checkpoint import load_model, read_verified_result, write_json_atomic
 from rnndrop.lm.run.evaluate import score
 from rnndrop.lm.run.train import train_run
-from rnndrop.sparse import DEFAULT_THRESHOLD, prune, sparsity_report
+from rnndrop.sparse import DEFAULT_THRESHOLD, sparsity_report
 
 
 def set_threshold(model: nn.Module, threshold: float) -> None:

@@ -11,7 +11,7 @@ from rnndrop.bptt import VariableBPTT, scaled_learning_rate
 from rnndrop.calibration import ReliabilityDiagram, expected_calibration_error, reliability_diagram
 from rnndrop.cells import VariationalGRUCell, VariationalLSTMCell
 from rnndrop.compiling import CompiledModel, compile_model
-from rnndrop.deploy import to_torch
+from rnndrop.deploy import prune, to_torch
 from rnndrop.embedding_dropout import EmbeddingDropout
 from rnndrop.gaussian import GaussianGRU, GaussianLockedDropout, GaussianLSTM
 from rnndrop.kl import KLRegularized, KLRegularizer, model_kl, negative_elbo
@@ -27,7 +27,7 @@ from rnndrop.mc import (
 )
 from rnndrop.noise import bernoulli_mask, gaussian_mask, sample_mask
 from rnndrop.recurrent import VariationalGRU, VariationalLSTM
-from rnndrop.sparse import SparseEmbedding, SparseGRU, SparseLinear, SparseLSTM, prune, sparsity_report
+from rnndrop.sparse import SparseEmbedding, SparseGRU, SparseLinear, SparseLSTM, sparsity_report
 from rnndrop.weight_drop import WeightDrop
 
 __version__ = "0.1.0"

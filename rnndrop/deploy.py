@@ -15,6 +15,7 @@ run Monte-Carlo prediction with the original.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 from torch import nn
 
@@ -24,7 +25,29 @@ from rnndrop.sparse import Sparsified
 from rnndrop.validation import check_instance
 from rnndrop.weight_drop import WeightDrop
 
-__all__ = ["to_torch"]
+__all__ = ["prune", "to_torch"]
+
+
+def _replaced_copy(model: nn.Module, replacement: Callable[[nn.Module], nn.Module | None]) -> nn.Module:
+    """A deep copy of ``model`` in which every module that ``replacement`` maps to a module is
+    that module (the copy itself, where it maps the whole model); None keeps a module and walks
+    its children. A module registered in two places (twice in one parent, or shared by two) is
+    replaced by one module in both: ``named_children`` would skip the repeat, and replacing each
+    place on its own would untie what the model shares."""
+    converted = copy.deepcopy(model)
+    whole = replacement(converted)
+    if whole is not None:
+        return whole
+    replacements: dict[int, nn.Module | None] = {}
+    for module in list(converted.modules()):
+        for name, child in list(module._modules.items()):
+            if child is None:
+                continue
+            if id(child) not in replacements:
+                replacements[id(child)] = replacement(child)
+            if replacements[id(child)] is not None:
+                setattr(module, name, replacements[id(child)])
+    return converted
 
 
 def _wrapped(module: nn.Module) -> nn.Module | None:
@@ -72,19 +95,21 @@ def to_torch(model: nn.Module) -> nn.Module:
         quantized = torch.ao.quantization.quantize_dynamic(deployed, {nn.LSTM, nn.Linear})
     """
     check_instance("model", model, nn.Module, "an nn.Module")
-    converted = copy.deepcopy(model)
-    plain = _plain(converted)
-    if plain is not None:
-        return plain.eval()
-    replacements: dict[int, nn.Module | None] = {}  # a layer registered twice stays one module
-    for module in list(converted.modules()):
-        for name, child in list(module._modules.items()):  # (named_children skips a repeat)
-            if child is None:
-                continue
-            if id(child) not in replacements:
-                replacements[id(child)] = _plain(child)
-            replacement = replacements[id(child)]
-            if replacement is not None:
-                setattr(module, name, replacement)
+    converted = _replaced_copy(model, _plain)
     compact_weights(converted)  # the deep copy's recurrent weights in one buffer again (cuDNN)
     return converted.eval()
+
+
+def prune(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with every sparse layer replaced by its plain pruned counterpart.
+
+    ``SparseLSTM`` -> ``nn.LSTM``, ``SparseGRU`` -> ``nn.GRU``, ``SparseLinear`` ->
+    ``nn.Linear``, ``SparseEmbedding`` -> ``nn.Embedding``, with the weights over the
+    threshold set to zero and no ``log_sigma2``. In eval mode the copy computes what
+    ``model`` computes in eval mode. ``model`` itself is not changed. A sparse layer registered in
+    two places is one pruned layer in both. A sparse weight tied to a plain module (an embedding
+    and its decoder) is untied in the copy: the plain module keeps the whole weight it read, the
+    pruned layer its pruned copy.
+    """
+    check_instance("model", model, nn.Module, "an nn.Module")
+    return _replaced_copy(model, lambda module: module.to_dense() if isinstance(module, Sparsified) else None)

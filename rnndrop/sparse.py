@@ -26,7 +26,7 @@ What is tied to what in training:
 
 Truncated BPTT: each call (segment) draws new weights.
 
-:func:`sparsity_report` counts the zeroed weights; :func:`prune` returns a copy of
+:func:`sparsity_report` counts the zeroed weights; :func:`rnndrop.prune` (in ``rnndrop.deploy``) returns a copy of
 a model with plain ``nn.LSTM`` / ``nn.GRU`` / ``nn.Linear`` / ``nn.Embedding`` holding
 the zeros, which computes what the sparse model computes in eval mode. A sparse layer is a
 :class:`Sparsified` module: it names the weights it sparsifies, says which entries survive in
@@ -36,7 +36,6 @@ counterpart with the zeros (``to_dense``).
 
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 from abc import ABC, abstractmethod
@@ -63,7 +62,6 @@ __all__ = [
     "SparseLinear",
     "Sparsified",
     "SparsityReport",
-    "prune",
     "sparsity_report",
 ]
 
@@ -429,24 +427,3 @@ def sparsity_report(model: nn.Module) -> SparsityReport:
             sparse_params.add(id(getattr(module, name)))
     dense = sum(p.numel() for p in model.parameters() if id(p) not in sparse_params)
     return SparsityReport(tuple(layers), dense)
-
-
-def prune(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` with every sparse layer replaced by its plain pruned counterpart.
-
-    ``SparseLSTM`` -> ``nn.LSTM``, ``SparseGRU`` -> ``nn.GRU``, ``SparseLinear`` ->
-    ``nn.Linear``, ``SparseEmbedding`` -> ``nn.Embedding``, with the weights over the
-    threshold set to zero and no ``log_sigma2``. In eval mode the copy computes what
-    ``model`` computes in eval mode. ``model`` itself is not changed. A sparse weight tied to a
-    plain module (an embedding and its decoder) is untied in the copy: the plain module keeps the
-    whole weight it read, the pruned layer its pruned copy.
-    """
-    check_instance("model", model, nn.Module, "an nn.Module")
-    if isinstance(model, Sparsified):
-        return model.to_dense()
-    pruned = copy.deepcopy(model)
-    for module in list(pruned.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, Sparsified):
-                setattr(module, name, child.to_dense())
-    return pruned

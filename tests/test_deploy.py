@@ -151,6 +151,20 @@ def test_to_torch_keeps_a_layer_registered_twice_one_module():
     assert sum(p.numel() for p in deployed.parameters()) == sum(p.numel() for p in model.parameters())
 
 
+def test_prune_keeps_a_sparse_layer_registered_twice_one_pruned_layer():
+    """Twice in one parent (named_children skips the repeat) and in two parents (replacing each
+    place on its own would untie them): one nn.Linear in every place."""
+    shared = rnndrop.SparseLinear(3, 3)
+    twice = nn.Module()
+    twice.a = twice.b = shared
+    pruned = rnndrop.prune(twice)
+    assert type(pruned.a) is nn.Linear and pruned.a is pruned.b
+    two_parents = nn.ModuleDict({"left": nn.Sequential(shared), "right": nn.Sequential(shared)})
+    pruned = rnndrop.prune(two_parents)
+    assert type(pruned["left"][0]) is nn.Linear and pruned["left"][0] is pruned["right"][0]
+    assert type(shared) is rnndrop.SparseLinear  # the original unchanged
+
+
 def test_quantize_dynamic_quantizes_the_converted_layers():
     """quantize_dynamic swaps modules by exact type: it leaves rnndrop's layers in float, and
     quantizes the nn.LSTM of the converted model."""

@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from rnndrop.deploy import prune
 from rnndrop.kl import MOLCHANOV_COEFFICIENTS
 from rnndrop.lm.cli.checks import config_from_args
 from rnndrop.lm.cli.errors import UsageError
@@ -18,7 +19,7 @@ from rnndrop.lm.model.regimes import REGIMES, get_hook
 from rnndrop.lm.run.checkpoint import load_checkpoint, load_model, read_verified_result
 from rnndrop.lm.run.evaluate import score
 from rnndrop.lm.run.train import train_run
-from rnndrop.sparse import SparseLSTM, prune, sparsity_report
+from rnndrop.sparse import SparseLSTM, sparsity_report
 from tests.lm_helpers import (
     TINY,
     Killed,

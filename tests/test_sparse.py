@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rnndrop.deploy import prune
 from rnndrop.kl import kl_molchanov, model_kl, negative_elbo
 from rnndrop.sparse import (
     INIT_LOG_SIGMA2,
@@ -12,7 +13,6 @@ from rnndrop.sparse import (
     SparseGRU,
     SparseLinear,
     SparseLSTM,
-    prune,
     sparsity_report,
 )
 from tests.oracle import assert_close, plain_twin
