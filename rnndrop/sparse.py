@@ -26,8 +26,8 @@ What is tied to what in training:
 
 Truncated BPTT: each call (segment) draws new weights.
 
-:func:`sparsity_report` counts the zeroed weights; :func:`rnndrop.prune` (in ``rnndrop.deploy``) returns a copy of
-a model with plain ``nn.LSTM`` / ``nn.GRU`` / ``nn.Linear`` / ``nn.Embedding`` holding
+:func:`sparsity_report` counts the zeroed weights; :func:`rnndrop.prune` (``rnndrop.deploy``)
+returns a copy of a model with plain ``nn.LSTM`` / ``nn.GRU`` / ``nn.Linear`` / ``nn.Embedding`` holding
 the zeros, which computes what the sparse model computes in eval mode. A sparse layer is a
 :class:`Sparsified` module: it names the weights it sparsifies, says which entries survive in
 eval mode (``keep_mask``), keeps a ``log_sigma2_<name>`` parameter per weight, and gives its plain

@@ -432,6 +432,16 @@ def test_mc_perplexity_with_one_deterministic_sample_is_ordinary_perplexity():
     assert mc == pytest.approx(perplexity_in_current_mode(lm.train(), batches), rel=1e-6)
 
 
+def test_mc_perplexity_of_a_diverged_model_is_infinite_not_an_overflow_error():
+    """An NLL over ~709 nats a word (logits of 1e6) overflows exp: a diverged model's perplexity
+    is inf, as rnndrop-lm reports it."""
+    torch.manual_seed(8)
+    lm = TinyLM(p_hidden=0.4)
+    with torch.no_grad():
+        lm.decoder.weight.mul_(1e6)
+    assert mc_perplexity(lm, token_batches(), n_samples=2) == math.inf
+
+
 def test_mc_perplexity_averages_probabilities_with_a_state_per_sample():
     torch.manual_seed(10)
     lm = TinyLM(p_hidden=0.5, p_input=0.3)

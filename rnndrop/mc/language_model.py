@@ -26,6 +26,15 @@ from rnndrop.validation import check_positive_int, check_word_ids
 __all__ = ["LanguageModelLoss", "mc_language_model_loss", "mc_perplexity"]
 
 
+#: Beyond this mean NLL (nats per word) the perplexity overflows a float: a divergence.
+MAX_NLL = math.log(torch.finfo(torch.float64).max)
+
+
+def perplexity(nll: float) -> float:
+    """``exp(nll)``, infinite where it would overflow (a diverged model's NLL)."""
+    return math.exp(nll) if nll < MAX_NLL else math.inf
+
+
 @dataclass(frozen=True)
 class LanguageModelLoss:
     """Negative log-likelihood of a corpus under Monte-Carlo averaged predictions.
@@ -50,8 +59,8 @@ class LanguageModelLoss:
 
     @property
     def perplexity(self) -> float:
-        """``exp(nll)``."""
-        return math.exp(self.nll)
+        """``exp(nll)``, infinite where it would overflow."""
+        return perplexity(self.nll)
 
 
 def _check_lm_batch(batch: Any, index: int) -> tuple[Tensor, Tensor]:

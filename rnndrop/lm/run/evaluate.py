@@ -16,7 +16,6 @@ state; dropout is off (eval mode).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from rnndrop.lm.data.corpus import EOS, Vocabulary, bptt_batches, check_words
 from rnndrop.lm.run.process_group import Distributed, all_reduce_reliability, all_reduce_sums, shard_columns
 from rnndrop.lm.run.report import EpochProgress
 from rnndrop.mc import mc_language_model_loss, sampling_modules
+from rnndrop.mc.language_model import MAX_NLL, perplexity
 
 __all__ = [
     "CALIBRATION_BINS",
@@ -60,15 +60,6 @@ MC_UNIT = "test segments"
 
 #: Confidence bins of the next-word calibration measured on the test split.
 CALIBRATION_BINS = 15
-
-#: Beyond this mean NLL (nats per word) the perplexity overflows a float: a divergence.
-MAX_NLL = math.log(torch.finfo(torch.float64).max)
-
-
-def perplexity(nll: float) -> float:
-    """``exp(nll)``, infinite where it would overflow."""
-    return math.exp(nll) if nll < MAX_NLL else math.inf
-
 
 def token_loss(logits: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
     """Cross-entropy of ``logits [T, B, V]`` against ``targets [T, B]`` (mean or sum over tokens)."""
