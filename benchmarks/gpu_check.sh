@@ -18,12 +18,24 @@
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
+# everything printed is kept in $OUT too (a lease's reply keeps only the output's last 12,000 characters)
+exec > >(tee -a "$OUT/console.log") 2>&1
 DEADLINE=${DEADLINE:-}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# the CPU's C++ loop kernel is not used on a GPU: the tests' session fixture would build it (1-4 min)
+export RNNDROP_NO_COMPILE=1
 unset TRITON_INTERPRET
 PY=${PYTHON:-python3}
 
 step() { echo; echo "=== $1 ($(date +%T))"; }
+
+bundle() {  # BUNDLE: a .tgz of $OUT, remade after every step (a call cut short still returns one)
+    if [ -n "${BUNDLE:-}" ]; then tar czf "$BUNDLE.part" -C "$OUT" . && mv "$BUNDLE.part" "$BUNDLE"; fi
+}
+
+speed_failed() {  # a speed.py run that failed or was stopped: its last lines of stderr on the console
+    echo "speed.py stopped or failed ($1): the end of $OUT/speed.err:"; tail -n 5 "$OUT/speed.err"
+}
 
 limit() {  # a time limit of $1 s, cut to what DEADLINE leaves (at least 1 s)
     if [ -z "$DEADLINE" ]; then echo "$1"; return; fi
@@ -46,13 +58,13 @@ step "kernels against the reference kernel, compiled (tests/triton_checks.py)"
 # The random configurations compile a dozen more shapes (a minute of a short lease): CHECKS_ALL=1 runs them
 local select=(-k "not random_configurations")
 [ -n "${CHECKS_ALL:-}" ] && select=()
-timeout $(limit 240) $PY -m pytest -q -p no:cacheprovider -n 8 --timeout $(limit 180) tests/triton_checks.py "${select[@]}" 2>&1 \
+timeout -s INT -k 10 $(limit 240) $PY -m pytest -q -p no:cacheprovider -n 8 --timeout $(limit 180) tests/triton_checks.py "${select[@]}" 2>&1 \
     | tee "$OUT/triton-checks.log" | tail -n 40
 }
 
 tests() {
 step "the layers on CUDA (auto picks triton), CUDA graphs, cuDNN given masked weights without a copy"
-timeout $(limit 150) $PY -m pytest -q -p no:cacheprovider --timeout $(limit 100) tests/test_cuda_graphs.py \
+timeout -s INT -k 10 $(limit 150) $PY -m pytest -q -p no:cacheprovider --timeout $(limit 100) tests/test_cuda_graphs.py \
     tests/test_triton_kernel.py tests/test_traced_layers.py -k "not match_the_reference and (cuda or triton)" \
     2>&1 | tee "$OUT/cuda-tests.log" | tail -n 30
 buffers
@@ -60,7 +72,7 @@ buffers
 
 buffers() {
 step "cuDNN runs the masked weights' buffers as they are: no compaction, no flatten (odd sizes too)"
-timeout $(limit 60) $PY -m pytest -q -p no:cacheprovider --timeout $(limit 50) tests/test_batch_scope.py tests/test_weight_drop.py \
+timeout -s INT -k 10 $(limit 60) $PY -m pytest -q -p no:cacheprovider --timeout $(limit 50) tests/test_batch_scope.py tests/test_weight_drop.py \
     tests/test_flat_weights.py tests/test_awd_recipe.py -k "on_cuda" 2>&1 | tee -a "$OUT/cuda-tests.log" | tail -n 10
 }
 
@@ -68,7 +80,7 @@ weight_drop_memory() {
 step "WeightDrop's peak memory in a training step: the op on the masked views, or the module's forward (a hook)"
 # A wrapped RNN with a hook goes through its own forward, which flattens the views into a buffer of
 # its own at every call (the path before 2026-11-26's seventh session): the A/B of that change.
-timeout $(limit 60) $PY - <<'MEMORY' 2>&1 | tee "$OUT/weight-drop-memory.txt"
+timeout -k 10 $(limit 60) $PY - <<'MEMORY' 2>&1 | tee "$OUT/weight-drop-memory.txt"
 import torch
 from torch import nn
 from rnndrop import WeightDrop
@@ -95,9 +107,10 @@ MEMORY
 speed() {
 step "training speed against cuDNN, torch's defaults (cuDNN TF32, cuBLAS IEEE)"
 # SPEED_SHAPES, SPEED_BATCH, SPEED_VARIANTS (speed.py --variants) and SPEED_TIMEOUT narrow it
-timeout $(limit ${SPEED_TIMEOUT:-300}) $PY benchmarks/speed.py --device cuda --shapes ${SPEED_SHAPES:-small,medium,large} \
+timeout -k 10 $(limit ${SPEED_TIMEOUT:-300}) $PY benchmarks/speed.py --device cuda --shapes ${SPEED_SHAPES:-small,medium,large} \
     --batch ${SPEED_BATCH:-20,64,128} ${SPEED_VARIANTS:+--variants $SPEED_VARIANTS} --kernels triton \
-    --rounds ${ROUNDS:-8} --json "$OUT/gpu-speed-train.json" 2>>"$OUT/speed.err" >"$OUT/gpu-speed-train.txt"
+    --rounds ${ROUNDS:-8} --json "$OUT/gpu-speed-train.json" 2>>"$OUT/speed.err" >"$OUT/gpu-speed-train.txt" \
+    || speed_failed gpu-speed-train
 grep -E "^(lstm|gru) |GPU's time alone" "$OUT/gpu-speed-train.txt" \
     | grep -vE "^(lstm|gru) +[0-9]+ +[0-9]+ +nn\.(LSTM|GRU) " | head -n 90
 }
@@ -107,20 +120,22 @@ step "torch.compile(mode='reduce-overhead'), allow_rnn: the layers traced, each 
 # COMPILE_SHAPES, COMPILE_MODELS (lstm,gru doubles it), COMPILE_VARIANTS (gates+compile and
 # batch+compile besides) and COMPILE_TIMEOUT set its size; each +compile variant compiles once a shape
 # (tens of seconds)
-timeout $(limit ${COMPILE_TIMEOUT:-240}) $PY benchmarks/speed.py --device cuda --shapes ${COMPILE_SHAPES:-small,medium} \
+timeout -k 10 $(limit ${COMPILE_TIMEOUT:-240}) $PY benchmarks/speed.py --device cuda --shapes ${COMPILE_SHAPES:-small,medium} \
     --batch 20 --models ${COMPILE_MODELS:-lstm} --kernels triton --rounds ${ROUNDS:-8} --no-memory \
     --variants ${COMPILE_VARIANTS:-nn.LSTM+compile,nn.GRU+compile,sequence+compile,sequence/triton,nn.LSTM+graph,nn.GRU+graph,sequence+graph} \
-    --json "$OUT/gpu-speed-compile.json" 2>>"$OUT/speed.err" >"$OUT/gpu-speed-compile.txt"
+    --json "$OUT/gpu-speed-compile.json" 2>>"$OUT/speed.err" >"$OUT/gpu-speed-compile.txt" \
+    || speed_failed gpu-speed-compile
 grep -E "^(lstm|gru) |GPU's time alone" "$OUT/gpu-speed-compile.txt"
 grep -E "left out" "$OUT/speed.err" | tail -n 4
 }
 
 mc_compile() {
 step "Monte-Carlo prediction under torch.compile (rnndrop.compile_model, steps from CUDA graphs), per sample"
-timeout $(limit ${COMPILE_TIMEOUT:-240}) $PY benchmarks/speed.py --device cuda --shapes ${COMPILE_SHAPES:-small,medium} \
+timeout -k 10 $(limit ${COMPILE_TIMEOUT:-240}) $PY benchmarks/speed.py --device cuda --shapes ${COMPILE_SHAPES:-small,medium} \
     --batch 20 --models ${COMPILE_MODELS:-lstm} --mode mc-predict --samples 20 --kernels triton --no-memory \
     --rounds ${ROUNDS:-8} --variants sequence/triton,sequence+compile --json "$OUT/gpu-speed-mc-compile.json" \
-    2>>"$OUT/speed.err" >"$OUT/gpu-speed-mc-compile.txt"
+    2>>"$OUT/speed.err" >"$OUT/gpu-speed-mc-compile.txt" \
+    || speed_failed gpu-speed-mc-compile
 grep -E "^(lstm|gru) " "$OUT/gpu-speed-mc-compile.txt"
 grep -E "left out" "$OUT/speed.err" | tail -n 4
 }
@@ -128,28 +143,30 @@ grep -E "left out" "$OUT/speed.err" | tail -n 4
 tf32() {
 for tf32 in on off; do
     step "training speed, the Triton kernel, every float32 product in ${tf32/on/TF32}${tf32/off/IEEE}"
-    timeout $(limit 80) $PY benchmarks/speed.py --device cuda --shapes medium,large --batch 20,128 --kernels triton \
+    timeout -k 10 $(limit 80) $PY benchmarks/speed.py --device cuda --shapes medium,large --batch 20,128 --kernels triton \
         --tf32 $tf32 --rounds ${ROUNDS:-8} --no-memory --json "$OUT/gpu-speed-tf32-$tf32.json" \
-        2>>"$OUT/speed.err" | grep -E "^(lstm|gru) .*(nn\.|sequence/triton|batch|weight)"
+        2>>"$OUT/speed.err" >"$OUT/gpu-speed-tf32-$tf32.txt" || speed_failed gpu-speed-tf32-$tf32
+    grep -E "^(lstm|gru) .*(nn\.|sequence/triton|batch|weight)" "$OUT/gpu-speed-tf32-$tf32.txt"
 done
 }
 
 mc() {
 step "Monte-Carlo forward speed against cuDNN"
-timeout $(limit 60) $PY benchmarks/speed.py --device cuda --shapes small,medium --batch 20,64 --mode mc-eval \
+timeout -k 10 $(limit 60) $PY benchmarks/speed.py --device cuda --shapes small,medium --batch 20,64 --mode mc-eval \
     --kernels triton --rounds ${ROUNDS:-8} --json "$OUT/gpu-speed-mc.json" 2>>"$OUT/speed.err" \
-    >"$OUT/gpu-speed-mc.txt"
+    >"$OUT/gpu-speed-mc.txt" || speed_failed gpu-speed-mc
 grep -E "^(lstm|gru) .*(sequence/triton|batch)" "$OUT/gpu-speed-mc.txt"
 step "Monte-Carlo prediction through rnndrop.mc (20 samples a call, stacked), per sample, against cuDNN's inference"
-timeout $(limit 60) $PY benchmarks/speed.py --device cuda --shapes small,medium --batch 20,64 --mode mc-predict \
+timeout -k 10 $(limit 60) $PY benchmarks/speed.py --device cuda --shapes small,medium --batch 20,64 --mode mc-predict \
     --samples 20 --kernels triton --variants sequence/triton,batch/fused --rounds ${ROUNDS:-8} \
-    --json "$OUT/gpu-speed-mc-predict.json" 2>>"$OUT/speed.err" >"$OUT/gpu-speed-mc-predict.txt"
+    --json "$OUT/gpu-speed-mc-predict.json" 2>>"$OUT/speed.err" >"$OUT/gpu-speed-mc-predict.txt" \
+    || speed_failed gpu-speed-mc-predict
 grep -E "^(lstm|gru) .*(sequence/triton|batch)" "$OUT/gpu-speed-mc-predict.txt"
 }
 
 profile() {
 step "where batch-shared masks and WeightDrop spend a training step (LSTM 650, batch 20)"
-timeout $(limit 60) $PY - <<'PROFILE' 2>&1 | tee "$OUT/profile.txt" | head -n 60
+timeout -k 10 $(limit 60) $PY - <<'PROFILE' 2>&1 | tee "$OUT/profile.txt" | head -n 60
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
@@ -182,7 +199,7 @@ PROFILE
 
 loop_profile() {
 step "where a tied-mask training step spends GPU time (LSTM, 2 layers, batch 20, the persistent loop)"
-timeout $(limit 90) $PY - <<'PROFILE' 2>&1 | tee "$OUT/loop-profile.txt" | head -n 40
+timeout -k 10 $(limit 90) $PY - <<'PROFILE' 2>&1 | tee "$OUT/loop-profile.txt" | head -n 40
 import torch
 from torch.profiler import ProfilerActivity, profile
 from rnndrop import VariationalLSTM
@@ -209,13 +226,13 @@ PROFILE
 tuning() {
 step "the persistent loop's GPU time by launch setting; host vs GPU time of a training step"
 # TUNING_CELLS: the loops to sweep (persistent_tuning.py --cells; default lstm)
-timeout $(limit 330) $PY benchmarks/persistent_tuning.py --cells "${TUNING_CELLS:-lstm}" --json "$OUT/persistent-tuning.json" 2>&1 \
+timeout -k 10 $(limit 330) $PY benchmarks/persistent_tuning.py --cells "${TUNING_CELLS:-lstm}" --json "$OUT/persistent-tuning.json" 2>&1 \
     | tee "$OUT/persistent-tuning.txt" | tail -n 100
 }
 
 projection() {
 step "the per-gate input projection's batched CUDA path against a masked copy per gate (float64)"
-timeout $(limit 60) $PY - <<'CHECK' 2>&1 | tee "$OUT/projection-check.txt"
+timeout -k 10 $(limit 60) $PY - <<'CHECK' 2>&1 | tee "$OUT/projection-check.txt"
 import torch
 from rnndrop.kernels.gates import masked_linear
 from rnndrop.kernels.per_gate_projection import per_gate_projection
@@ -238,7 +255,7 @@ CHECK
 
 host_profile() {
 step "where the host's time goes in a tied-mask training step (LSTM 200, batch 20: host-bound)"
-timeout $(limit 90) $PY - <<'PROFILE' 2>&1 | tee "$OUT/host-profile.txt" | head -n 75
+timeout -k 10 $(limit 90) $PY - <<'PROFILE' 2>&1 | tee "$OUT/host-profile.txt" | head -n 75
 import cProfile, pstats, torch
 from torch.profiler import ProfilerActivity, profile
 from rnndrop import VariationalLSTM
@@ -269,9 +286,9 @@ PROFILE
 
 lm() {  # words/s of rnndrop-lm's own training loop on CUDA (the shipped PTB sample; $2 epochs, default 1)
     local out=runs/gpu-$1 epochs=${2:-1}; shift 2
-    timeout $(limit $((90 * epochs))) $PY -c "import sys; from rnndrop.lm.cli import main; sys.exit(main())" \
+    timeout -k 10 $(limit $((90 * epochs))) $PY -c "import sys; from rnndrop.lm.cli import main; sys.exit(main())" \
         ptb --data sample --epochs "$epochs" --mc-samples 0 --device cuda --no-progress --out "$out" "$@" \
-        >"$OUT/lm.log" 2>&1 || tail -n 3 "$OUT/lm.log"
+        >"$OUT/lm-$1.log" 2>&1 || tail -n 3 "$OUT/lm-$1.log"
     # the whole run's words/s (the first epoch's compiles count), and its last epoch's
     $PY -c "import csv, json, pathlib, sys
 for f in sorted(pathlib.Path(sys.argv[1]).glob('*/*/results.json')):
@@ -279,7 +296,7 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob('*/*/results.json')):
     rows = list(csv.DictReader(f.with_name('metrics.csv').open()))
     last = float(rows[-1]['words_per_second']) if rows else float('nan')
     print(f'{sys.argv[1]:26} {f.parts[-3]:12} {r[\"words_per_second\"]:9.0f} words/s, last epoch {last:9.0f},'
-          f' valid {r[\"best_valid_ppl\"]:.2f}')" "$out"
+          f' valid {r[\"best_valid_ppl\"]:.2f}')" "$out" | tee -a "$OUT/lm-words-per-second.txt"
 }
 lms() {
 # LMS: space-separated name:config:regimes[:flag[:epochs]] runs (default: the goal's pairs of issue 41,
@@ -296,7 +313,7 @@ done
 # are the kernels and the CUDA-only tests right compiled, what do compiled steps give, the table;
 # then the launch sweep, Monte-Carlo and the language models.
 LEASE1="machine checks tests compile speed"
-LEASE2="tuning mc mc_compile lms"
+LEASE2="mc lms tuning mc_compile"
 sections="${*:-machine checks tests speed tf32 mc profile lms}"
 if [[ " $sections " == *" lease1 "* ]]; then  # the speed table's variants, the settings off until timed among them
     : "${SPEED_SHAPES:=small,medium,large}" "${SPEED_BATCH:=20,128}" "${ROUNDS:=4}"
@@ -312,7 +329,8 @@ for section in $sections; do
             continue
         fi
         "$name"
+        bundle
     done
 done
 step "done"
-if [ -n "${BUNDLE:-}" ]; then tar czf "$BUNDLE" -C "$OUT" . && echo "bundled $OUT into $BUNDLE"; fi
+bundle && [ -n "${BUNDLE:-}" ] && echo "bundled $OUT into $BUNDLE"

@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import argparse
 import functools
+import signal
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -125,8 +127,8 @@ def time_launches(fn, device: torch.device) -> float:
     return statistics.median(times)
 
 
-def sweep(device: torch.device, cell: str = "lstm", per_gate: bool = False) -> list[dict]:
-    rows = []
+def sweep(device: torch.device, cell: str = "lstm", per_gate: bool = False) -> Iterator[dict]:
+    """The timed rows, one a launch setting, as they are timed."""
     masks = "per-gate" if per_gate else "tied"
     for hidden, batch in PER_GATE_SHAPES if per_gate else SHAPES:
         inputs = loop_inputs(cell, hidden, batch, device, per_gate)
@@ -135,8 +137,7 @@ def sweep(device: torch.device, cell: str = "lstm", per_gate: bool = False) -> l
             with persistent.tuned(**setting):  # plan, compile and time under the setting
                 row = time_setting(cell, masks, hidden, batch, setting, inputs, seen, device)
             if row is not None:
-                rows.append(row)
-    return rows
+                yield row
 
 
 def time_setting(cell: str, masks: str, hidden: int, batch: int, setting: dict, inputs, seen: set,
@@ -253,12 +254,35 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.device("cuda")
     print(torch.cuda.get_device_name(device), torch.__version__, flush=True)
-    rows = [row for cell in cells for kind in masks for row in sweep(device, cell, kind == "per-gate")]
-    print("\n".join(best_settings(rows)), flush=True)
-    result = dict(sweep=rows, host_and_gpu=host_and_gpu(device))
-    if args.json:
-        write_json_atomic(result, args.json)
+    rows: list[dict] = []
+    result: dict = dict(sweep=rows, host_and_gpu=None, complete=False)
+    # `timeout` (gpu_check.sh's time limits) sends SIGTERM: stop as Ctrl-C does, with what is timed
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        for cell in cells:
+            for kind in masks:
+                for row in sweep(device, cell, kind == "per-gate"):
+                    rows.append(row)
+                    save(result, args.json)  # a time limit keeps the rows timed
+        print("\n".join(best_settings(rows)), flush=True)
+        result["host_and_gpu"] = host_and_gpu(device)
+    except KeyboardInterrupt:
+        print("interrupted: the rows timed so far are kept", file=sys.stderr, flush=True)
+        print("\n".join(best_settings(rows)), flush=True)
+        save(result, args.json)
+        return 130
+    result["complete"] = True
+    save(result, args.json)
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def save(result: dict, path: str | None) -> None:
+    if path:
+        write_json_atomic(result, path)
 
 
 if __name__ == "__main__":

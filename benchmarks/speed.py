@@ -85,6 +85,7 @@ import os
 import platform
 import random
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -353,28 +354,45 @@ def bench_shape(
     for m in variants.values():
         m.to(device).train()
     variants = {name: compile_model(m) if name.endswith(COMPILED) else m for name, m in variants.items()}
+    baseline = next(iter(variants))
+
+    def leave_out(name: str, what: str, error: Exception) -> None:
+        """A variant that fails here is reported and left out, not the run (the baseline's failure
+        fails the case)."""
+        if name == baseline:
+            raise error
+        note(f"{model} {shape}: {name} left out, {what} failed: "
+             f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}")
+        del variants[name]
+
     for name in [n for n in variants if n.endswith(COMPILED)]:
-        try:  # compiles: a variant torch cannot compile here is reported and left out, not the run
+        try:  # compiles
             train_step(variants[name], torch.randn(args.seq_len, batch, hidden, device=device))
         except Exception as error:  # whatever dynamo, Inductor or the backend raise
-            note(f"{model} {shape}: {name} left out, torch.compile failed: "
-                 f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}")
-            del variants[name]
+            leave_out(name, "torch.compile", error)
     x = torch.randn(args.seq_len, batch, hidden, device=device)
-    held = {name: graph_whole_layer(m, x) for name, m in variants.items() if name.endswith(WHOLE_GRAPH)}
+    held = {}
+    for name in [n for n in variants if n.endswith(WHOLE_GRAPH)]:
+        try:  # a capture no earlier run has made (a cooperative launch, cuDNN's RNN) may be refused
+            held[name] = graph_whole_layer(variants[name], x)
+        except Exception as error:
+            leave_out(name, "the CUDA-graph capture", error)
     step_fn = STEPS[args.mode]
-    names = list(variants)
-    baseline = names[0]
     # mc-predict: a variant's call draws --samples samples, the baseline's is one inference forward
-    samples = {name: args.samples if args.mode == "mc-predict" and name != baseline else 1 for name in names}
+    samples = {name: args.samples if args.mode == "mc-predict" and name != baseline else 1
+               for name in variants}
     calls = {name: with_switches(name, (lambda m=m, n=samples[name]: mc_predict_step(m, x, n))
                                  if samples[name] > 1 else (lambda m=m: step_fn(m, x)))
              for name, m in variants.items()}
 
     first = {}
-    for name in names:
+    for name in list(variants):
         variants[name].zero_grad(set_to_none=True)
-        first[name] = timed(calls[name], device)
+        try:  # the first call of a variant no GPU has run yet (a new loop setting) may fail
+            first[name] = timed(calls[name], device)
+        except Exception as error:
+            leave_out(name, "the first call", error)
+    names = list(variants)
     for _ in range(args.warmup - 1):
         for name in names:
             variants[name].zero_grad(set_to_none=True)
@@ -756,11 +774,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> None:
+    # `timeout` (gpu_check.sh's time limits) sends SIGTERM: stop as Ctrl-C does, tables and JSON of
+    # the finished cases kept
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         _run(argv)
     except KeyboardInterrupt:
-        note("interrupted: the tables printed above are complete; the others were not timed")
+        note("interrupted: the tables printed above (and --json's cases) are complete; "
+             "the others were not timed")
         sys.exit(130)
 
 
@@ -791,10 +817,25 @@ def _run(argv: list[str] | None = None) -> None:
         f"kernel='auto' runs the loop kernel {auto!r}"
     )
     print(header, flush=True)
-    rows = []
+    rows: list[dict] = []
+    failed: list[dict] = []
     cases = [(shape, model, batch) for shape in args.shapes for model in args.models for batch in args.batch]
+    config = dict(vars(args), device=str(device), header=header)
+
+    def save(complete: bool) -> None:
+        """--json after every case (a time limit that stops the run keeps the cases done)."""
+        if args.json:
+            write_json_atomic(dict(config=config, results=rows, failed=failed, complete=complete), args.json)
+
     for i, (shape, model, batch) in enumerate(cases, 1):
-        shape_rows = bench_shape(model, shape, batch, args, device, step=f"[{i}/{len(cases)}] ")
+        try:
+            shape_rows = bench_shape(model, shape, batch, args, device, step=f"[{i}/{len(cases)}] ")
+        except Exception as error:  # the baseline failed: the next case may still run
+            reason = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
+            note(f"{model} {shape} batch {batch}: failed, left out: {reason}")
+            failed.append(dict(model=model, shape=shape, batch=batch, error=reason))
+            save(complete=False)
+            continue
         rows += shape_rows
         print(format_table(shape_rows), flush=True)
         for r in shape_rows:
@@ -809,11 +850,12 @@ def _run(argv: list[str] | None = None) -> None:
                   "rnndrop.mc.mc_predict, the baseline's call is one inference forward", flush=True)
         loads = shape_rows[0]["load"]
         print(f"load average during timing: {loads[0]:.2f} -> {loads[1]:.2f}\n", flush=True)
+        save(complete=False)
     if device.type == "cuda":
         print("against the goals of docs/gpu.md (baseline: cuDNN):\n" + "\n".join(goal_rows(rows, auto)))
-    if args.json:
-        config = dict(vars(args), device=str(device), header=header)
-        write_json_atomic(dict(config=config, results=rows), args.json)
+    save(complete=True)
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,33 @@ def test_persistent_tuning_names_the_fastest_setting_of_each_case():
     assert lines[2].endswith("fastest    8.0 (1.00x): built-in")
 
 
+def test_persistent_tuning_keeps_the_rows_timed_when_its_time_limit_stops_it(tmp_path, monkeypatch):
+    """gpu_check.sh's `timeout` stops the sweep (SIGTERM, raised as KeyboardInterrupt): the rows timed
+    so far are in --json and their fastest settings printed."""
+    import importlib.util
+    import json
+
+    script = ROOT / "benchmarks" / "persistent_tuning.py"
+    spec = importlib.util.spec_from_file_location("persistent_tuning", script)
+    tuning = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tuning)
+    row = dict(cell="lstm", masks="tied", hidden=200, batch=20, built_in=True, us_per_step=7.4, units=16)
+
+    def sweep(device, cell, per_gate):
+        yield row
+        yield dict(row, built_in=False, us_per_step=7.0, units=8)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "a GPU")
+    monkeypatch.setattr(tuning, "sweep", sweep)
+    monkeypatch.setattr(tuning, "host_and_gpu", lambda device: pytest.fail("not reached"))
+    out = tmp_path / "tuning.json"
+    assert tuning.main(["--json", str(out)]) == 130
+    saved = json.loads(out.read_text())
+    assert len(saved["sweep"]) == 2 and not saved["complete"] and saved["host_and_gpu"] is None
+
+
 def test_gpu_check_cuts_its_steps_to_the_deadline_and_bundles_what_it_wrote(tmp_path):
     """With DEADLINE a lease's one call ends in time: a step's limits are cut to what is left, a step
     with under 30 s left is skipped and says so (``lease2``: the second call's steps), and BUNDLE
@@ -74,3 +101,35 @@ def test_gpu_check_cuts_its_steps_to_the_deadline_and_bundles_what_it_wrote(tmp_
                                             "PYTHON": "false"})
     steps = re.findall(r"^=== (\w+) skipped", first.stdout, re.M)
     assert steps == ["machine", "checks", "tests", "compile", "speed"], first.stdout
+
+
+def test_gpu_check_bundles_after_every_step_so_a_call_cut_short_returns_what_it_did(tmp_path):
+    """The lease's own time limit may kill the call in the middle of a step: the bundle written
+    after the step before holds that step's output, and the console's lines (console.log)."""
+    import os
+    import signal
+    import tarfile
+    import time
+
+    python = tmp_path / "python"
+    python.write_text('#!/bin/sh\ncase "$*" in *persistent_tuning*) sleep 60;; esac\necho "fake python $1"\n')
+    python.chmod(0o755)
+    out, bundle = tmp_path / "out", tmp_path / "gpu.tgz"
+    process = subprocess.Popen(["bash", str(CHECK), "machine tuning"], cwd=ROOT, stdout=subprocess.PIPE,
+                               text=True, start_new_session=True,
+                               env={"PATH": "/usr/bin:/bin", "OUT": str(out), "BUNDLE": str(bundle),
+                                    "PYTHON": str(python)})
+    try:
+        for line in process.stdout:
+            if line.startswith("=== the persistent loop's"):
+                break
+        deadline = time.monotonic() + 20
+        while not bundle.is_file() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    with tarfile.open(bundle) as packed:
+        console = packed.extractfile("./console.log").read().decode()
+    assert "=== machine" in console and "fake python -c" in console
+    assert not (tmp_path / "gpu.tgz.part").exists()

@@ -84,6 +84,64 @@ def test_variants_times_the_baseline_and_the_variants_named(speed, capsys, monke
     assert names == ["nn.LSTM", "step/manual", "batch/fused"]
 
 
+def test_a_variant_that_fails_is_left_out_and_a_failed_case_does_not_stop_the_others(
+        speed, capsys, monkeypatch, tmp_path):
+    """A lease's first run of a variant (a capture, a launch setting) may fail: that variant is
+    left out with a line; a case whose baseline fails is left out and the next cases run; --json
+    holds the finished cases and the failures, and the exit code says something failed."""
+    monkeypatch.setitem(speed.SHAPES, "small", 8)
+    real = speed.with_switches
+
+    def failing(name, fn):
+        def call():
+            if name == "step/manual" or (name == "nn.LSTM" and failing.batch == 3):
+                raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+            return fn()
+        return real(name, call)
+
+    real_bench = speed.bench_shape
+
+    def bench(model, shape, batch, *args, **kwargs):
+        failing.batch = batch
+        return real_bench(model, shape, batch, *args, **kwargs)
+
+    monkeypatch.setattr(speed, "with_switches", failing)
+    monkeypatch.setattr(speed, "bench_shape", bench)
+    out = tmp_path / "speed.json"
+    with pytest.raises(SystemExit) as done:
+        speed.main(["--shapes", "small", "--models", "lstm", "--kernels", "manual", "--batch", "2,3,4",
+                    "--seq-len", "3", "--rounds", "1", "--warmup", "1", "--no-memory", "--variants",
+                    "step/manual,batch/fused", "--json", str(out)])
+    assert done.value.code == 1
+    err = capsys.readouterr().err
+    assert "step/manual left out, the first call failed: RuntimeError: CUDA error" in err
+    assert "lstm small batch 3: failed, left out: RuntimeError" in err
+    saved = json.loads(out.read_text())
+    assert [(r["batch"], r["variant"]) for r in saved["results"]] == [
+        (2, "nn.LSTM"), (2, "batch/fused"), (4, "nn.LSTM"), (4, "batch/fused")]
+    assert [f["batch"] for f in saved["failed"]] == [3] and saved["complete"]
+
+
+def test_json_holds_the_finished_cases_when_a_run_is_stopped(speed, capsys, monkeypatch, tmp_path):
+    """gpu_check.sh's time limits stop speed.py mid-run: the cases done are in --json already."""
+    monkeypatch.setitem(speed.SHAPES, "small", 8)
+    real_bench = speed.bench_shape
+
+    def bench(model, shape, batch, *args, **kwargs):
+        if batch == 3:
+            raise KeyboardInterrupt  # what SIGTERM raises too
+        return real_bench(model, shape, batch, *args, **kwargs)
+
+    monkeypatch.setattr(speed, "bench_shape", bench)
+    out = tmp_path / "speed.json"
+    with pytest.raises(SystemExit) as done:
+        speed.main(["--shapes", "small", "--models", "gru", "--kernels", "manual", "--batch", "2,3",
+                    "--seq-len", "3", "--rounds", "1", "--warmup", "1", "--no-memory", "--json", str(out)])
+    assert done.value.code == 130
+    saved = json.loads(out.read_text())
+    assert {r["batch"] for r in saved["results"]} == {2} and not saved["complete"]
+
+
 def test_mc_eval_mode_times_forward_passes_with_fresh_masks_and_no_graph(speed, capsys, monkeypatch):
     monkeypatch.setitem(speed.SHAPES, "small", 8)
     seen = []

@@ -26,14 +26,15 @@ def test_speed_says_what_it_times_and_how_long(tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_speed_with_one_line(tmp_path):
+@pytest.mark.parametrize("sent", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "timeout"])
+def test_ctrl_c_stops_speed_with_one_line(tmp_path, sent):
     process = subprocess.Popen([sys.executable, str(SCRIPT), *SMALL, "--rounds", "100000"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
                                env=dict(os.environ, PYTHONUNBUFFERED="1"), preexec_fn=ctrl_c_reaches)
     for line in process.stderr:
         if "rounds, up to about" in line:
             break
-    process.send_signal(signal.SIGINT)
+    process.send_signal(sent)
     _, err = process.communicate(timeout=120)
     assert process.returncode == 130
     assert "Traceback" not in err and err.strip().endswith("the others were not timed")
