@@ -32,7 +32,14 @@ from torch import Tensor, nn
 from rnndrop.compiling import tracing_for_compile
 from rnndrop.noise import bernoulli_mask
 from rnndrop.stochastic import Stochastic
-from rnndrop.validation import check_bool, check_choice, check_instance, check_probability, check_word_ids
+from rnndrop.validation import (
+    check_bool,
+    check_choice,
+    check_instance,
+    check_probability,
+    check_word_ids,
+    checked_setting,
+)
 
 __all__ = ["EmbeddingDropout", "word_keep_mask"]
 
@@ -116,6 +123,11 @@ class EmbeddingDropout(Stochastic, nn.Module):
         decoder.weight = embed.embedding.weight
     """
 
+    # checked whenever set (a dropout schedule sets p between epochs)
+    p = checked_setting("p", check_probability)
+    scope = checked_setting("scope", lambda name, value: check_choice(name, value, EMBEDDING_SCOPES))
+    batch_first = checked_setting("batch_first", check_bool)
+
     def __init__(
         self,
         embedding: nn.Embedding,
@@ -127,9 +139,9 @@ class EmbeddingDropout(Stochastic, nn.Module):
         super().__init__()
         check_instance("embedding", embedding, nn.Embedding, "an nn.Embedding")
         self.embedding = embedding
-        self.p = check_probability("p", p)
-        self.scope = check_choice("scope", scope, EMBEDDING_SCOPES)
-        self.batch_first = check_bool("batch_first", batch_first)
+        self.p = p
+        self.scope = scope
+        self.batch_first = batch_first
 
     @classmethod
     def from_sizes(

@@ -14,7 +14,7 @@ from torch.nn.utils.rnn import PackedSequence
 from rnndrop.layout import mask_packed_sequence, packed_sequence_index
 from rnndrop.noise import NOISES, sample_mask
 from rnndrop.stochastic import Stochastic
-from rnndrop.validation import check_bool, check_choice, check_probability
+from rnndrop.validation import check_bool, check_choice, check_probability, checked_setting
 
 __all__ = ["LockedDropout", "packed_sequence_index"]
 
@@ -36,11 +36,16 @@ class LockedDropout(Stochastic, nn.Module):
     In eval mode (or with ``p = 0``) the input is returned unchanged.
     """
 
+    # checked whenever set (a dropout schedule sets p between epochs)
+    p = checked_setting("p", check_probability)
+    batch_first = checked_setting("batch_first", check_bool)
+    noise = checked_setting("noise", lambda name, value: check_choice(name, value, NOISES))
+
     def __init__(self, p: float, *, batch_first: bool = False, noise: str = "bernoulli") -> None:
         super().__init__()
-        self.p = check_probability("p", p)
-        self.batch_first = check_bool("batch_first", batch_first)
-        self.noise = check_choice("noise", noise, NOISES)
+        self.p = p
+        self.batch_first = batch_first
+        self.noise = noise
 
     def is_stochastic(self) -> bool:
         return self.p > 0

@@ -29,7 +29,14 @@ from rnndrop.flat_weights import forward_with_weights, masked_views, runs_withou
 from rnndrop.noise import MaskSite, bernoulli_mask, draw_masks
 from rnndrop.recurrent import quiet_weight_compaction
 from rnndrop.stochastic import Stochastic
-from rnndrop.validation import check_bool, check_instance, check_probability, check_tensor_like
+from rnndrop.validation import (
+    check_bool,
+    check_instance,
+    check_probability,
+    check_tensor_like,
+    checked_setting,
+    fix_settings,
+)
 
 __all__ = ["WeightDrop"]
 
@@ -67,6 +74,11 @@ class WeightDrop(Stochastic, nn.Module):
     #: :func:`rnndrop.compile_model` reads before it refuses a torch RNN on the CPU.
     runs_torch_rnns_eagerly: ClassVar[bool] = True
 
+    # Checked whenever set (a dropout schedule sets p between epochs); which weights are dropped,
+    # and whether by column, are checked against the module once, by the constructor.
+    p = checked_setting("p", check_probability)
+    variational = checked_setting("variational", check_bool, fixed="its weights were checked for it")
+
     def __init__(
         self,
         module: nn.Module,
@@ -78,8 +90,8 @@ class WeightDrop(Stochastic, nn.Module):
         super().__init__()
         check_instance("module", module, nn.Module, "an nn.Module")
         self.module = module
-        self.p = check_probability("p", p)
-        self.variational = check_bool("variational", variational)
+        self.p = p
+        self.variational = variational
         names = (weights,) if isinstance(weights, str) else tuple(weights)
         if not names:
             raise ValueError("weights must name at least one parameter of the module, got none")
@@ -106,6 +118,7 @@ class WeightDrop(Stochastic, nn.Module):
                     "only (set the p you want on that one)"
                 )
         self.weights = names
+        fix_settings(self)
 
     def _weight(self, name: str) -> Tensor:
         """The wrapped module's weight ``name`` as it is now: a Parameter, or the plain tensor
@@ -136,7 +149,7 @@ class WeightDrop(Stochastic, nn.Module):
     def _sample_masks(
         self, weights: Mapping[str, Tensor], generator: torch.Generator | None
     ) -> dict[str, Tensor]:
-        p = check_probability("p", self.p)  # a public attribute: it may have been set since
+        p = self.p
         first = next(iter(weights.values()))
         if p == 0 or any(w.device != first.device or w.dtype != first.dtype for w in weights.values()):
             return {name: bernoulli_mask(self._mask_shape(w), p, device=w.device, dtype=w.dtype,

@@ -9,11 +9,14 @@ from torch import nn
 from torch.nn.utils.rnn import pack_sequence
 
 from rnndrop import (
+    EmbeddingDropout,
+    LockedDropout,
     RecurrentMasks,
     VariationalGRU,
     VariationalGRUCell,
     VariationalLSTM,
     VariationalLSTMCell,
+    WeightDrop,
 )
 from rnndrop.kernels import KERNELS
 from tests.oracle import assert_close, check_against_oracle, plain_twin, random_state
@@ -409,6 +412,35 @@ def test_a_setting_changed_after_the_constructor_is_checked_as_it_checked(cls, n
     assert layer.dropout_hidden == 0.4 and "dropout_hidden=0.4" in repr(layer)
     layer.dropout = 0
     assert type(layer.dropout) is float and layer(torch.randn(3, 2, I))[0].shape == (3, 2, H)
+
+
+@pytest.mark.parametrize(("make", "name", "bad", "error", "message"), [
+    (lambda: WeightDrop(nn.LSTM(3, 3), ["weight_hh_l0"], p=0.3), "p", "0.3", TypeError, "must be a float"),
+    (lambda: WeightDrop(nn.LSTM(3, 3), ["weight_hh_l0"]), "p", 1.5, ValueError, "must be a probability"),
+    (lambda: LockedDropout(0.3), "p", float("nan"), ValueError, "must be a probability"),
+    (lambda: LockedDropout(0.3), "noise", "uniform", ValueError, "must be one of .*got 'uniform'"),
+    (lambda: LockedDropout(0.3), "batch_first", 1, TypeError, "must be True or False"),
+    (lambda: EmbeddingDropout.from_sizes(5, 3, p=0.1), "p", 1.0, ValueError, "must be a probability"),
+    (lambda: EmbeddingDropout.from_sizes(5, 3, p=0.1), "scope", "step", ValueError, "must be one of"),
+], ids=["weight-drop-str", "weight-drop-1.5", "locked-nan", "locked-noise", "locked-batch-first",
+        "embedding-1.0", "embedding-scope"])
+def test_the_other_dropout_modules_check_a_setting_changed_after_the_constructor(make, name, bad, error,
+                                                                                 message):
+    """WeightDrop, LockedDropout and EmbeddingDropout too: ``wd.p = "0.3"`` was a bare comparison
+    TypeError at the next call, ``p = 1.5`` or NaN a wrong answer. WeightDrop's ``variational``
+    cannot change (the constructor checked the weights for it)."""
+    module = make()
+    before = getattr(module, name)
+    with pytest.raises(error, match=f"{name} {message}"):
+        setattr(module, name, bad)
+    assert getattr(module, name) == before
+    setattr(module, name, before)
+    if name == "p":
+        module.p = 0.25
+        assert module.p == 0.25 and "p=0.25" in repr(module)
+    if isinstance(module, WeightDrop):
+        with pytest.raises(AttributeError, match="WeightDrop.variational cannot change after construction"):
+            module.variational = True
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
