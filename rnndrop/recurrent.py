@@ -81,7 +81,7 @@ from rnndrop.kernels.gates import GRU_GATES, LSTM_GATES
 from rnndrop.kernels.ops import TRACEABLE
 from rnndrop.layout import SequenceLayout
 from rnndrop.masks import MASK_SCOPES, RecurrentMasks, StackGeometry, check_seq_len, mask_sites
-from rnndrop.noise import NOISES, MaskSite, draw_mask, draw_masks
+from rnndrop.noise import NOISES, MaskSite, draw_masks
 from rnndrop.stochastic import Stochastic
 from rnndrop.validation import (
     check_bool,
@@ -291,11 +291,12 @@ class VariationalRNNStack(Stochastic):
     Hooks for subclasses (:class:`~rnndrop.GaussianLSTM` and :class:`~rnndrop.SparseLSTM`
     override them; plain methods, overridden the usual way):
 
-    ``_draw_mask(site, noise, *, device, dtype, generator) -> Tensor | None``
-        the mask of one :class:`~rnndrop.noise.MaskSite` (name, shape, probability), or None
-        for no mask there; :func:`rnndrop.noise.draw_mask` unless overridden (GaussianLSTM
-        draws its learned-variance noise). :meth:`sample_masks` calls it for every site, and
-        the forward pass checks what it returns like masks passed in.
+    ``_draw_sites(sites, scope, device, dtype, generator) -> RecurrentMasks``
+        the masks of a call's :class:`~rnndrop.noise.MaskSite` list (:meth:`_mask_sites`: name,
+        shape, probability of every site), drawn: :func:`rnndrop.noise.draw_masks` in one draw
+        unless overridden (GaussianLSTM draws its learned-variance noise). :meth:`sample_masks`
+        and the forward pass's own draw both call it; the forward pass checks what an override
+        returns like masks passed in.
     ``_layer_weights(layer, direction) -> LayerWeights``
         the weights one layer and direction computes with, asked once per layer and direction
         in every forward call: the module's parameters unless overridden (SparseLSTM samples
@@ -303,7 +304,6 @@ class VariationalRNNStack(Stochastic):
     """
 
     _cell: ClassVar[CellSpec]
-    _draw_mask = staticmethod(draw_mask)
     #: Set while a forward pass runs under autocast: the dtype it computes in (see
     #: :meth:`_forward_autocast`); None otherwise.
     _compute_dtype: torch.dtype | None = None
@@ -533,11 +533,7 @@ class VariationalRNNStack(Stochastic):
         generator: torch.Generator | None,
     ) -> RecurrentMasks:
         """The masks of ``sites`` (:meth:`_mask_sites`), drawn: a subclass's hook for a whole draw."""
-        if type(self)._draw_mask is draw_mask:  # the stack's masks in one draw
-            drawn = draw_masks(sites, self.noise, device=device, dtype=dtype, generator=generator)
-        else:  # a subclass's hook, site by site
-            drawn = [self._draw_mask(site, self.noise, device=device, dtype=dtype, generator=generator)
-                     for site in sites]
+        drawn = draw_masks(sites, self.noise, device=device, dtype=dtype, generator=generator)
         return self._assembled(drawn, scope)
 
     def _mask_sites(self, batch_size: int, seq_len: int | None, scope: str) -> list[MaskSite]:
@@ -619,7 +615,7 @@ class VariationalRNNStack(Stochastic):
         return_raw_output: bool,
     ) -> tuple:
         """:meth:`_forward` without the check for torch.compile (which calls this one eagerly, or
-        traces it: :meth:`_traces`)."""
+        traces it: :meth:`_untraced_because`)."""
         device_type = _autocast_device_type(input)
         if (exporting() or device_type is not None) and self._computes_as_torch(masks):
             # nn.LSTM's own forward, the same function: torch.export of the eval-mode layer exports
@@ -645,13 +641,13 @@ class VariationalRNNStack(Stochastic):
         elif self.training and self._has_dropout():
             # Fresh masks are drawn in the batch's own order and sorted as given ones are: a seed
             # gives a sequence the same mask packed or padded, drawn here or by sample_masks. A
-            # _draw_mask hook's are checked like given ones, so that one that draws a wrong shape
+            # _draw_sites override's are checked like given ones, so that one that draws a wrong shape
             # fails here; the built-in draw gives every site its shape, dtype and device by
             # construction. Masks shared by the batch are drawn per sequence where asked
             # (Monte-Carlo samples stacked in one batch).
             scope = self._scope_to_draw(self.mask_scope)
             masks = self._sample_masks(layout.batch_size, layout.seq_len, scope, x.device, x.dtype)
-            if type(self)._draw_mask is not draw_mask:
+            if type(self)._draw_sites is not VariationalRNNStack._draw_sites:
                 masks.check(self._geometry, layout.batch_size, layout.seq_len, x)
             masks = masks.in_sorted_order(layout.sorted_indices)
         if masks is not None and masks.is_empty():

@@ -215,14 +215,14 @@ def test_the_masks_of_one_draw_are_independent_and_keep_one_minus_p():
     assert abs(agree - 0.5) < 0.01 and not torch.equal(b, c)
 
 
-def test_a_draw_mask_hook_that_draws_a_wrong_shape_fails_in_forward():
-    """Masks a ``_draw_mask`` hook draws are checked in ``forward`` like given ones."""
+def test_a_draw_sites_hook_that_draws_a_wrong_shape_fails_in_forward():
+    """Masks a ``_draw_sites`` override draws are checked in ``forward`` like given ones."""
 
     class Wrong(VariationalLSTM):
-        @staticmethod
-        def _draw_mask(site, noise, *, device, dtype, generator):
-            mask = draw_mask(site, noise, device=device, dtype=dtype, generator=generator)
-            return None if mask is None else mask[..., :-1]
+        def _draw_sites(self, sites, scope, device, dtype, generator):
+            drawn = [draw_mask(site, self.noise, device=device, dtype=dtype, generator=generator)
+                     for site in sites]
+            return self._assembled([None if m is None else m[..., :-1] for m in drawn], scope)
 
     with pytest.raises(ValueError, match=r"masks\.hidden\[0\] must have shape \[2, 4\]"):
         Wrong(3, 4, dropout_hidden=0.5).train()(torch.randn(5, 2, 3))

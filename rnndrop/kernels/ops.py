@@ -26,7 +26,7 @@ The kernels that run as operators are :data:`TRACEABLE`: ``"compiled"`` (CPU) an
 ``saved`` list), ``saved_like`` (that list's shapes, empty: what tracing sees) and
 ``backward_saved``. A layer on another kernel (or, under autocast, whose loop runs the "manual"
 kernel in the dtype it computes in) runs eagerly inside ``torch.compile``, as before: see
-:meth:`rnndrop.recurrent.VariationalRNNStack._traces`.
+:meth:`rnndrop.recurrent.VariationalRNNStack._untraced_because`.
 """
 
 from __future__ import annotations
