@@ -46,8 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rnndrop.distributed import ensure_noise_per_rank
 from rnndrop.kl import KLRegularized, kl_molchanov
+from rnndrop.noise import standard_normal_noise
 from rnndrop.recurrent import VariationalGRU, VariationalLSTM
 from rnndrop.stochastic import Stochastic
 from rnndrop.validation import check_bool, check_finite_float, check_instance, check_word_ids, checked_setting
@@ -74,6 +74,11 @@ INIT_LOG_SIGMA2 = -10.0
 _LOG_ALPHA_CLIP = 10.0  # KL and its gradient are flat beyond this; keeps exp() finite
 _EPS = 1e-8
 
+
+
+def _noise_like(t: Tensor) -> Tensor:
+    """``eps ~ N(0, 1)`` of ``t``'s shape, dtype and device (rnndrop.noise's one draw: per rank under DDP)."""
+    return standard_normal_noise(t.shape, device=t.device, dtype=t.dtype)
 
 class Sparsified(ABC):
     """A module whose weights sparse variational dropout zeroes (see the module docstring)."""
@@ -146,8 +151,7 @@ class _SparseWeightsMixin(KLRegularized, Stochastic, Sparsified):
         """One draw ``θ + σ ε`` of the weight ``name``."""
         theta = getattr(self, name)
         sigma = torch.exp(0.5 * getattr(self, "log_sigma2_" + name))
-        ensure_noise_per_rank()
-        return theta + sigma * torch.randn_like(theta)
+        return theta + sigma * _noise_like(theta)
 
     def kl(self) -> Tensor:
         """Molchanov's KL summed over all sparsified weights of this module (scalar)."""
@@ -270,8 +274,7 @@ class SparseLinear(_SparseWeightsMixin, nn.Linear):
             return F.linear(input, self.sampled_weight("weight"), self.bias)
         mean = F.linear(input, self.weight, self.bias)
         var = F.linear(input * input, self.log_sigma2_weight.exp())
-        ensure_noise_per_rank()
-        return mean + torch.sqrt(var + _EPS) * torch.randn_like(mean)
+        return mean + torch.sqrt(var + _EPS) * _noise_like(mean)
 
     def to_dense(self) -> nn.Linear:
         """A plain ``nn.Linear`` holding the pruned weight."""
@@ -317,8 +320,7 @@ class SparseEmbedding(_SparseWeightsMixin, nn.Embedding):
             return F.embedding(input, self.pruned_weight("weight"))
         types, where = torch.unique(input, return_inverse=True)
         theta = self.weight[types]
-        ensure_noise_per_rank()
-        rows = theta + torch.exp(0.5 * self.log_sigma2_weight[types]) * torch.randn_like(theta)
+        rows = theta + torch.exp(0.5 * self.log_sigma2_weight[types]) * _noise_like(theta)
         return F.embedding(where, rows)
 
     def to_dense(self) -> nn.Embedding:
