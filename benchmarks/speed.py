@@ -103,11 +103,7 @@ from rnndrop.kernels.precision import cudnn_rnn_tf32, matmul_precision
 from rnndrop.lm.run.checkpoint import write_json_atomic
 from rnndrop.lm.run.train import resolve_device
 from rnndrop.mc import mc_predict
-
-try:
-    from rnndrop.weight_drop import WeightDrop
-except ImportError:  # written by another part of the project; optional here
-    WeightDrop = None
+from rnndrop.weight_drop import WeightDrop
 
 SHAPES = {"small": 200, "medium": 650, "large": 1500}
 
@@ -147,9 +143,8 @@ def build_variants(
     # (each layer alone through the fused kernel)
     variants["naive/fused"] = ours_cls(hidden, hidden, layers, mask_scope="step", dropout=p, dropout_input=p,
                                        dropout_output=p)
-    if WeightDrop is not None:
-        names = [f"weight_hh_l{k}" for k in range(layers)]
-        variants["weight_drop"] = WeightDrop(base_cls(hidden, hidden, layers), names, p=p)
+    names = [f"weight_hh_l{k}" for k in range(layers)]
+    variants["weight_drop"] = WeightDrop(base_cls(hidden, hidden, layers), names, p=p)
     return variants
 
 

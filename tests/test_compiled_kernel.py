@@ -151,7 +151,7 @@ def test_forward_split_by_units_matches_reference_kernel(threads, H, dtype):
                 args = helpers.kernel_inputs("lstm", batch_sizes, mask_shape, 0, dtype=dtype, H=H)
                 with torch.no_grad():
                     args[3] /= H**0.5
-                parts = compiled.split_parts(args[3], None, args[5], [], batch_sizes)
+                parts = compiled.split_parts(args[3], None, [], batch_sizes)
                 assert parts == min(threads, H // 32)  # the split runs
                 for reverse in (False, True):
                     where = f"{batch_sizes} mask {mask_shape} reverse {reverse}"
@@ -202,17 +202,15 @@ def test_forward_split_by_units_only_where_it_applies():
     with_threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert compiled.split_parts(w, None, None, [], [20] * 5) == 0
+        assert compiled.split_parts(w, None, [], [20] * 5) == 0
         torch.set_num_threads(2)
-        assert compiled.split_parts(w, None, None, [], [20] * 5) == 2
-        assert compiled.split_parts(w, None, torch.ones(1, 20, 200), [], [20] * 5) == 2
-        assert compiled.split_parts(w, None, torch.ones(1, 20, 4, 200), [], [20] * 5) == 2  # per gate
-        assert compiled.split_parts(w, torch.randn(200, 50), None, [], [20] * 5) == 0  # projection
-        assert compiled.split_parts(w, None, None, [torch.empty(0)], [20] * 5) == 0  # oneDNN's products
-        assert compiled.split_parts(w, None, None, [], [20, 20, 19]) == 0  # packed sequences
-        assert compiled.split_parts(w, None, None, [], []) == 0  # no step
+        assert compiled.split_parts(w, None, [], [20] * 5) == 2  # with a mask or without, per gate or not
+        assert compiled.split_parts(w, torch.randn(200, 50), [], [20] * 5) == 0  # projection
+        assert compiled.split_parts(w, None, [torch.empty(0)], [20] * 5) == 0  # oneDNN's products
+        assert compiled.split_parts(w, None, [], [20, 20, 19]) == 0  # packed sequences
+        assert compiled.split_parts(w, None, [], []) == 0  # no step
         narrow = torch.randn(4 * 63, 63)  # under 32 units a part
-        assert compiled.split_parts(narrow, None, None, [], [20] * 5) == 0
+        assert compiled.split_parts(narrow, None, [], [20] * 5) == 0
     finally:
         torch.set_num_threads(with_threads)
 

@@ -329,7 +329,7 @@ def _lstm_forward(inputs: LSTMInputs, batch_sizes: list[int], reverse: bool, kee
     """The extension's ``LSTMForward``, W_hh packed where oneDNN runs the products; ``keep``:
     whether the buffers backward reads are kept."""
     packed = packed_weights(inputs.w_hh, inputs.mask, batch_sizes[0])
-    parts = split_parts(inputs.w_hh, inputs.w_hr, inputs.mask, packed, batch_sizes)
+    parts = split_parts(inputs.w_hh, inputs.w_hr, packed, batch_sizes)
     extension = build()
     return extension.lstm_forward(
         inputs=_struct(extension.LSTMInputs, **inputs._asdict()), schedule=_schedule(batch_sizes, reverse),
@@ -385,8 +385,7 @@ def gate_parts(gates: int, out_rows: int) -> int:
     return max(1, min(threads // math.gcd(gates, threads), out_rows // 32))
 
 
-def split_parts(w_hh: Tensor, w_hr: Tensor | None, mask: Tensor | None, packed: list[Tensor],
-                batch_sizes: list[int]) -> int:
+def split_parts(w_hh: Tensor, w_hr: Tensor | None, packed: list[Tensor], batch_sizes: list[int]) -> int:
     """Into how many parts of hidden units (one a thread) the LSTM's forward step is split, or 0
     for the loop split by rows. The split runs a step in one parallel region instead of three
     (mask, product, rows), each thread with its own units' columns of W_hh (per-gate masks:

@@ -37,8 +37,6 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     for flag, (field_name, _, _) in CONFIG_FLAGS.items():
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None:
-            if field_name not in config.__dataclass_fields__:
-                raise UsageError(f"{flag} is not supported by this version's TrainConfig")
             changes[field_name] = value
             if isinstance(value, bool):
                 flags.append(flag if value else f"--no-{flag[2:]}")

@@ -27,7 +27,6 @@ import hashlib
 import importlib.util
 import logging
 import os
-import shutil
 import tarfile
 import urllib.error
 import urllib.request
@@ -274,8 +273,3 @@ def download_corpus(
 def _datasets_installed() -> bool:
     return importlib.util.find_spec("datasets") is not None
 
-
-def clear_cache(name: str, cache_dir: str | Path | None = None) -> None:
-    """Delete the cached files of ``name`` (to force a fresh download)."""
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    shutil.rmtree(root / name, ignore_errors=True)

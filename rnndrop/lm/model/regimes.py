@@ -39,8 +39,6 @@ from dataclasses import asdict, dataclass, fields
 from types import MappingProxyType
 from typing import Any
 
-from torch import Tensor, nn
-
 from rnndrop.kl import KLRegularizer
 from rnndrop.lm.model.rnn_factories import learned_gaussian, sparse_variational
 from rnndrop.validation import check_probability
@@ -58,10 +56,6 @@ __all__ = [
 ]
 
 SITES: tuple[str, ...] = ("embedding", "input", "between", "hidden", "output")
-
-#: ``regularizer(model, progress, train_tokens) -> scalar Tensor`` added to the loss.
-Regularizer = Callable[[nn.Module, float, int], Tensor]
-
 
 @dataclass(frozen=True)
 class Regime:

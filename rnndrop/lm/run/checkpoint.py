@@ -108,7 +108,6 @@ __all__ = [
     "RunState",
     "best_file",
     "best_of_another_run",
-    "checkpoint_damage",
     "claim_folder",
     "content_sha256",
     "corpus_fingerprint",
@@ -263,19 +262,6 @@ def _bad(path: Path, what: str) -> CheckpointError:
     error = CheckpointError(f"checkpoint {str(path)!r} {what}; {_RESTART_HINT}")
     error.what = what
     return error
-
-
-def checkpoint_damage(path: str | Path) -> str | None:
-    """What is wrong with the checkpoint file at ``path`` (missing, empty, truncated, corrupted),
-    or None when it verifies (loaded with ``weights_only=True``, its checksum matched)."""
-    path = Path(path)
-    if not path.is_file():
-        return "is missing"
-    try:
-        _verified(path, path.read_bytes())
-    except CheckpointError as error:
-        return error.what
-    return None
 
 
 def _is_torch_file(data: bytes) -> bool:
@@ -668,8 +654,9 @@ def describe_differences(differences: Sequence[str], limit: int = 3) -> str:
 
 
 def best_of_another_run(path: Path, identity: Mapping[str, Any]) -> str | None:
-    """What is wrong with the ``best.pt`` at ``path`` for the run ``identity``: damaged (as
-    :func:`checkpoint_damage` says), or written by another run (what differs), or None."""
+    """What is wrong with the ``best.pt`` at ``path`` for the run ``identity``: missing, damaged
+    (empty, truncated, corrupted: loaded with ``weights_only=True``, its checksum checked), or
+    written by another run (what differs), or None."""
     if not path.is_file():
         return "is missing"
     try:

@@ -180,7 +180,7 @@ def _plan(
     return _Plan(finals, len(finals), [(f.regime, f.dropout) for f in finals], mc)
 
 
-def _estimate(job: _Job, plan: _Plan, jobs: int) -> list[RunCost | None] | None:
+def _estimate(job: _Job, plan: _Plan) -> list[RunCost | None] | None:
     """What each run of the job should cost at the speed timed on this machine just now
     (:func:`run_costs`), in run order; None for a run it will reuse, and None in all when
     every run is reused (said in a log line).
@@ -424,7 +424,7 @@ def _run_job(
 ) -> dict[str, Any]:
     config = job.config
     plan = _plan(job, regimes, seeds, mc, grid=grid, dropout=dropout, dropout_by_regime=dropout_by_regime)
-    costs = _estimate(job, plan, jobs) if estimate else None
+    costs = _estimate(job, plan) if estimate else None
     job_progress = JobProgress(plan.total, config.epochs + config.finetune_epochs, bar=progress and jobs <= 1,
                                costs=costs, jobs=jobs)
     eta = _announce(job, job_progress, jobs)

@@ -124,7 +124,6 @@ class JobProgress:
         self.pending: dict[int, RunCost] = {k: c for k, c in enumerate(planned, 1) if c is not None}
         self.jobs = max(1, jobs)
         self.done_epochs = 0  # epochs trained in this job
-        self.runs_started = 0
         self.runs_done = 0
         self.runs_trained = 0  # runs that trained (not reused)
         self.active: dict[str, int] = {}  # label of a running run -> its next epoch
@@ -212,7 +211,6 @@ class JobProgress:
     def start_run(self, label: str, first_epoch: int = 1) -> None:
         """A run begins (or resumes at ``first_epoch``); ``label`` names it
         (``"run 2/3 tied ... seed 1"``)."""
-        self.runs_started += 1
         self.run_label = label
         self.active[label] = first_epoch
         self.active_cost[label] = self._take(label)
@@ -237,7 +235,6 @@ class JobProgress:
         """A run ended: trained (here or in a worker), or ``reused`` from an earlier job; its
         epochs left (when it stopped early) are dropped."""
         if self.active.pop(label, None) is None:  # not announced by start_run
-            self.runs_started += 1
             cost = self._take(label) if not reused or run_number(label) in self.pending else None
         else:
             cost = self.active_cost.pop(label)
