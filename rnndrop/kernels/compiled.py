@@ -81,7 +81,7 @@ HOW_TO_GET_IT = (
     "install a C++ compiler (g++) and ninja (`pip install ninja`), then build it with "
     "`python -m rnndrop.kernels`"
 )
-#: What a first build usually takes (measured: 40-52 s on a quiet 2-core CPU, 2-4 min on a busy one).
+#: What a first build usually takes, as the messages say it (a quiet 2-core CPU to a busy one).
 USUAL_BUILD_TIME = "about 1-4 min"
 
 _lock = threading.Lock()  # one build or load at a time in this process

@@ -120,10 +120,9 @@ def worth_onednn(weight: Tensor, rows: int) -> bool:
 def sequence_through_onednn(weight: Tensor) -> bool:
     """Whether the compiled and per-gate kernels' whole-sequence products with ``weight`` (every
     step's rows at once, not packed: the per-gate input projection and its gradients, ``dW_hh``)
-    go through oneDNN rather than BLAS: on AMD Zen 5 and later, where oneDNN runs them about twice
-    as fast at any size (700 rows by a 200 x 200 gate block, 1 thread: 250 against 516 us; dW_hh
-    at hidden 200: 0.99 against 2.13 ms; docs/speed.md, "AMD EPYC Zen 5"). Elsewhere BLAS, as
-    measured before (the per-gate forward keeps :func:`worth_onednn`)."""
+    go through oneDNN rather than BLAS: on AMD Zen 5 and later, where oneDNN runs them faster at
+    every size measured (docs/speed.md, "AMD EPYC Zen 5"); elsewhere BLAS, the faster there (the
+    per-gate forward keeps :func:`worth_onednn`)."""
     return amd_cpu_family() >= ZEN5_FAMILY and onednn_enabled(weight)
 
 

@@ -1329,10 +1329,9 @@ _built_in_shape = functools.lru_cache(maxsize=1024)(_shape_of)
 
 def _block_k(hidden: int, rows: int, backward: bool) -> int:
     """The K block of the loops over ``W_hh``: 64 (less where the hidden size is smaller); the
-    forward loop of a program of 32 to 64 rows takes 32, which the H200's launch-setting sweep
-    (2026-11-26, the LSTM) found faster there at every shape (650 x 128 in row blocks of 64: 0.65
-    against 0.87 ms a launch; 1500 x 20, 32 rows: 1.14 against 1.26), while backward was as fast or
-    slower with it."""
+    forward loop of a program of 32 to 64 rows takes 32, which the H200's launch-setting sweep found
+    faster at every such shape, while backward was as fast or slower with it (docs/gpu.md, the
+    launch settings' table)."""
     if "block_k" in tuning:
         return tuning["block_k"]
     k = min(64, max(16, _next_power_of_2(hidden)))

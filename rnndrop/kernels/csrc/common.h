@@ -29,8 +29,8 @@ using at::Tensor;
 
 // f(k) for the rows k = 0..b-1 of a step, `width` elements each, split over the threads when
 // there are enough: otherwise the other threads only wait, spinning, for the next product, and
-// (measured on a 2-core AMD EPYC Zen 4) slow the one thread that runs the pass. Rows share no
-// element, so the results do not depend on the split.
+// slow the one thread that runs the pass. Rows share no element, so the results do not depend on
+// the split.
 template <typename F>
 inline void over_rows(int64_t b, int64_t width, const F& f) {
   const int64_t grain = std::max<int64_t>(1, 2048 / std::max<int64_t>(width, 1));  // rows per thread, at least
@@ -128,10 +128,9 @@ struct StepWeight {
   }
 };
 
-// A forward pass's step weight: W_hhᵀ [P, G * H] as a contiguous copy for BLAS (at hidden 200,
-// products that read the transposed view cost each step more than one copy per call), or
-// oneDNN's packed W_hh, with Wᵀ left a view that no product reads (the copy took 1.2 ms a layer at
-// hidden 650).
+// A forward pass's step weight: W_hhᵀ [P, G * H] as a contiguous copy for BLAS (products that
+// read the transposed view cost more over a sequence than one copy a call), or oneDNN's packed
+// W_hh, with Wᵀ left a view that no product reads (no copy: oneDNN never reads it).
 inline StepWeight forward_weight(const Tensor& w_hh, const std::vector<Tensor>& packed) {
   if (!packed.empty()) return StepWeight{w_hh.t(), packed};
   return StepWeight{w_hh.t().contiguous(), {}};
@@ -339,9 +338,8 @@ inline Tensor masked_states(int64_t rows, const Tensor& mask, const at::TensorOp
 // Per-gate masks: the gates' products m_g W_gᵀ from gate-major masked states
 // m [G, b, P], gate-major into the first G b H elements of `buf`, returned as [G, b, H]: with BLAS
 // one batched product (w_t_gates = every gate's Wᵀ, [G, P, H]), with oneDNN one product a gate
-// (each gate's m_g contiguous: no copy in). Gate-major on both sides costs less than z's gate
-// blocks written through strides (a baddbmm into [b, G H]): 80 against 87 µs a step at H 200, 20 rows,
-// one thread, AMD EPYC Zen 4.
+// (each gate's m_g contiguous: no copy in). Gate-major on both sides, because it cost less than
+// z's gate blocks written through strides (a baddbmm into [b, G H]).
 inline Tensor gate_major_product(const Tensor& buf, const Tensor& m, const StepWeight& w_t,
                                  const Tensor& w_t_gates) {
   const int64_t G = m.size(0), b = m.size(1), H = buf.size(1) / G;
