@@ -379,9 +379,11 @@ class GaussianLockedDropout(KLRegularized, Stochastic, nn.Module):
 
     def forward(self, x: Tensor | PackedSequence) -> Tensor | PackedSequence:
         data = x.data if isinstance(x, PackedSequence) else x
-        if not isinstance(data, Tensor) or data.dim() < 2 or data.shape[-1] != self.size:
-            got = list(data.shape) if isinstance(data, Tensor) else type(data).__name__
-            raise ValueError(f"x must be [T, B, {self.size}] or a PackedSequence, got {got}")
+        layout = f"[B, T, {self.size}]" if self.batch_first else f"[T, B, {self.size}]"
+        if not isinstance(data, Tensor):
+            raise TypeError(f"x must be a Tensor {layout} or a PackedSequence, got {type(data).__name__}")
+        if data.dim() < 2 or data.shape[-1] != self.size:
+            raise ValueError(f"x must be {layout} or a PackedSequence, got shape {list(data.shape)}")
         if not self.training:
             return x
         log_alpha = self._clipped_log_alpha()
@@ -390,7 +392,7 @@ class GaussianLockedDropout(KLRegularized, Stochastic, nn.Module):
             noise = learned_gaussian_mask(shape, log_alpha, device=data.device, dtype=data.dtype)
             return mask_packed_sequence(x, noise)
         if data.dim() != 3:
-            raise ValueError(f"x must be 3-D [T, B, {self.size}], got shape {list(data.shape)}")
+            raise ValueError(f"x must be 3-D {layout}, got shape {list(data.shape)}")
         shape = (data.shape[0], 1, self.size) if self.batch_first else (1, data.shape[1], self.size)
         return x * learned_gaussian_mask(shape, log_alpha, device=data.device, dtype=data.dtype)
 

@@ -17,7 +17,7 @@ caller passes in are checked (:meth:`RecurrentMasks.check`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -167,7 +167,7 @@ class RecurrentMasks:
     scope: str = "sequence"
     per_gate: bool = False
 
-    def map(self, fn) -> RecurrentMasks:
+    def map(self, fn: Callable[[Tensor], Tensor]) -> RecurrentMasks:
         """Apply ``fn`` to every mask that is not None (e.g. ``lambda m: m.to(device)``)."""
 
         def one(m: Tensor | None) -> Tensor | None:

@@ -54,7 +54,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import ClassVar, Literal, TypeVar, overload
+from typing import Any, ClassVar, Literal, TypeVar, overload
 
 import torch
 from torch import Tensor, nn
@@ -362,7 +362,7 @@ class VariationalRNNStack(Stochastic):
         self.kernel = kernel
 
     @classmethod
-    def from_module(cls: type[_Stack], module: nn.RNNBase, **dropout_kwargs) -> _Stack:
+    def from_module(cls: type[_Stack], module: nn.RNNBase, **dropout_kwargs: Any) -> _Stack:
         """A layer of this class with ``module``'s configuration, device, dtype and weights.
 
         ``module`` is an ``nn.LSTM`` (for VariationalLSTM) or ``nn.GRU`` (for VariationalGRU),

@@ -323,3 +323,14 @@ def test_weight_granularity_refuses_masks_not_per_gate_and_float16_masks_stay_fi
     torch.manual_seed(0)
     mask = learned_gaussian_mask((100_000,), torch.tensor([100.0]), dtype=torch.float16)
     assert torch.isfinite(mask).all() and mask.abs().max() == torch.finfo(torch.float16).max
+
+
+def test_gaussian_locked_dropout_names_the_layout_it_expects():
+    """The message follows batch_first; a non-tensor is a TypeError, as LockedDropout's."""
+    drop = GaussianLockedDropout(4, 0.5, fan_out=1, batch_first=True)
+    with pytest.raises(ValueError, match=r"x must be \[B, T, 4\] or a PackedSequence, got shape \[2, 3, 5\]"):
+        drop(torch.randn(2, 3, 5))
+    with pytest.raises(ValueError, match=r"x must be 3-D \[B, T, 4\], got shape \[2, 3, 1, 4\]"):
+        drop(torch.randn(2, 3, 1, 4))
+    with pytest.raises(TypeError, match=r"x must be a Tensor \[T, B, 4\] or a PackedSequence, got list"):
+        GaussianLockedDropout(4, 0.5, fan_out=1)([[0.0] * 4])

@@ -62,7 +62,8 @@ class Regime:
     """Where dropout goes and how its masks live (see the module docstring).
 
     Attributes:
-        description: one line for tables and logs.
+        description: what the regime is, in one line; recorded with every run's settings
+            (``results.json``).
         sites: the dropout sites this regime uses (a subset of :data:`SITES`).
         mask_scope: ``"sequence"`` (tied, Gal), ``"step"`` (naive, Zaremba) or
             ``"batch"`` (recurrent and between-layer masks shared by the batch, folded into
