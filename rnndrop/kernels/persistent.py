@@ -110,6 +110,10 @@ _COLUMNS = 8
 #: The largest hidden size whose ``W_hh`` tiles a program may keep on chip across steps
 #: (:attr:`Launch.resident`: ``4 x 256 x 16`` float32 values for the LSTM, 64 KiB a program).
 MAX_RESIDENT = 256
+# The three as the loops read them (Triton reads a global inside a kernel only as a constexpr).
+_GAVE_UP_BIT = tl.constexpr(GAVE_UP)
+_SPINS = tl.constexpr(SPIN_LIMIT)
+_TABLE_COLUMNS = tl.constexpr(_COLUMNS)
 #: Whether :func:`plan` keeps the tiles resident where the hidden size allows, unless
 #: ``tuning["resident"]`` says otherwise. Off until a GPU has timed it against streaming them
 #: (``benchmarks/persistent_tuning.py``; docs/gpu.md): a kernel may not run slower than before.
@@ -176,11 +180,11 @@ def _wait(counter_ptr, target, SYNC: tl.constexpr):
     if SYNC:
         seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
         spins = 0
-        while (seen < target) & (spins < 2097152):
+        while (seen < target) & (spins < _SPINS):
             seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
             spins += 1
         if seen < target:  # the GAVE_UP bit, set once however many programs give up together
-            tl.atomic_or(counter_ptr, 1073741824)
+            tl.atomic_or(counter_ptr, _GAVE_UP_BIT)
         tl.debug_barrier()  # no thread reads the next step's data before the acquire
 
 
@@ -190,7 +194,7 @@ def _poison_if_gave_up(counter_ptr, ptr, rows, width, ks, cols, H, GATES: tl.con
     """NaN into columns ``g·H + j`` (this program's units) of every row of ``ptr`` ``[rows, width]``
     where a barrier gave up: nothing that ran without its barrier passes for a result."""
     if SYNC:  # noqa: SIM102 (a compile-time test around a run-time one: Triton keeps them apart)
-        if tl.atomic_add(counter_ptr, 0) >= 1073741824:
+        if tl.atomic_add(counter_ptr, 0) >= _GAVE_UP_BIT:
             nan = tl.zeros((BB, BH), dtype=tl.float32) + float("nan")
             for r0 in range(0, rows, BB):
                 for g in tl.static_range(GATES):
@@ -228,7 +232,7 @@ def _row_lengths(H_VEC, VEC: tl.constexpr, MASK_GATES: tl.constexpr):
 @triton.jit
 def _step_row(table_ptr, s):
     """``(b, off, carried, prev_off, nb, noff, nmoff)`` of step ``s`` (see :func:`_step_table`)."""
-    row = table_ptr + s * 8
+    row = table_ptr + s * _TABLE_COLUMNS
     return (tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3),
             tl.load(row + 4), tl.load(row + 5), tl.load(row + 6))
 
