@@ -34,8 +34,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from rnndrop import VariationalGRU, VariationalLSTM
+from rnndrop.atomic import write_json_atomic
 from rnndrop.kernels import persistent
-from rnndrop.lm.run.checkpoint import write_json_atomic
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from speed import launching_ops, machine, microseconds, top_level_ops  # shared with speed.py

@@ -42,9 +42,9 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
+from rnndrop.atomic import write_json_atomic
 from rnndrop.kernels import persistent
 from rnndrop.kernels.triton_plan import LAUNCH_OPTIONS
-from rnndrop.lm.run.checkpoint import write_json_atomic
 
 #: Hopper, where the persistent loop has been measured (H100 / H200), and its multiprocessors.
 CAPABILITY, MULTIPROCESSORS = 90, 132

@@ -36,11 +36,11 @@ import torch
 from torch import nn
 
 from rnndrop import VariationalLSTM
+from rnndrop.atomic import write_json_atomic
 from rnndrop.kernels import persistent
 from rnndrop.kernels.schedule import Schedule
 from rnndrop.kernels.triton_gru import _Saved as _GRUSaved
 from rnndrop.kernels.triton_lstm import _Saved
-from rnndrop.lm.run.checkpoint import write_json_atomic
 
 SHAPES = ((200, 20), (200, 128), (650, 20), (650, 128), (1500, 20), (1500, 128))
 #: Settings of ``persistent.tuning`` to time, the built-in choice first (row blocks: as many as the

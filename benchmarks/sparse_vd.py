@@ -34,10 +34,11 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from rnndrop.atomic import write_json_atomic
 from rnndrop.deploy import prune
 from rnndrop.lm.data.corpus import batchify, load_corpus
 from rnndrop.lm.model.presets import get_config
-from rnndrop.lm.run.checkpoint import load_model, read_verified_result, write_json_atomic
+from rnndrop.lm.run.checkpoint import load_model, read_verified_result
 from rnndrop.lm.run.evaluate import score
 from rnndrop.lm.run.train import train_run
 from rnndrop.sparse import DEFAULT_THRESHOLD, sparsity_report

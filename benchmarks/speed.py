@@ -97,10 +97,10 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from rnndrop import VariationalGRU, VariationalLSTM, compile_model
+from rnndrop.atomic import write_json_atomic
 from rnndrop.kernels import KERNELS, auto_loop_kernel, cuda_graphs, get_kernel
 from rnndrop.kernels.onednn import onednn_enabled
 from rnndrop.kernels.precision import cudnn_rnn_tf32, matmul_precision
-from rnndrop.lm.run.checkpoint import write_json_atomic
 from rnndrop.lm.run.train import resolve_device
 from rnndrop.mc import mc_predict
 from rnndrop.weight_drop import WeightDrop

@@ -29,7 +29,7 @@ from unittest import mock
 
 import torch
 
-from rnndrop.lm.run.checkpoint import write_json_atomic
+from rnndrop.atomic import write_json_atomic
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from speed import machine, microseconds  # shared with speed.py

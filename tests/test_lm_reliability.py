@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from rnndrop.atomic import atomic_write
 from rnndrop.lm import cli
-from rnndrop.lm.atomic import atomic_write
 from rnndrop.lm.data.corpus import Vocabulary, load_corpus
 from rnndrop.lm.model.language_model import RNNLanguageModel
 from rnndrop.lm.run import train

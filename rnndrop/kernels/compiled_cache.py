@@ -46,6 +46,8 @@ from types import ModuleType
 
 import torch
 
+from rnndrop.atomic import file_sha256
+
 try:
     import fcntl
 except ImportError:  # Windows: no flock; the pid and host in the lock decide
@@ -101,14 +103,6 @@ def extensions_root() -> Path:
                    f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu")
     python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
     return Path(cpp_extension.get_default_build_root()) / f"{python}_{accelerator}"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _alive(pid: int) -> bool:
@@ -187,7 +181,7 @@ class Cache:
         actual = self.library.stat().st_size
         if actual != size:
             return f"{self.library} is {actual} bytes, its build wrote {size} (truncated or damaged)"
-        if _sha256(self.library) != sha256:
+        if file_sha256(self.library) != sha256:
             return f"{self.library} is not the file its build wrote (sha256 differs)"
         return None
 
@@ -343,7 +337,7 @@ class Cache:
         shutil.copyfile(built, partial)
         with open(partial, "rb") as file:
             os.fsync(file.fileno())
-        record = {"size": partial.stat().st_size, "sha256": _sha256(partial), "torch": torch.__version__,
+        record = {"size": partial.stat().st_size, "sha256": file_sha256(partial), "torch": torch.__version__,
                   "built": time.strftime("%Y-%m-%d %H:%M:%S")}
         self.remove_library()  # no moment where the old library meets the new record
         manifest = self.folder / f".{self.name}.json.{os.getpid()}.partial"

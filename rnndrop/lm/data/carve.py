@@ -19,7 +19,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from rnndrop.lm.atomic import atomic_write
+from rnndrop.atomic import atomic_write
 
 __all__ = ["CARVINGS", "CarveError", "carve"]
 

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rnndrop.lm.atomic import atomic_write
+from rnndrop.atomic import atomic_write
 from rnndrop.lm.data.corpus import SPLITS
 
 __all__ = ["DATASETS", "DownloadError", "RemoteCorpus", "default_cache_dir", "download_corpus"]

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rnndrop.lm.atomic import atomic_write, file_sha256
+from rnndrop.atomic import atomic_path, atomic_write, file_sha256, write_json_atomic
 from rnndrop.lm.data.corpus import Vocabulary
 from rnndrop.lm.model.build import build_model
 from rnndrop.lm.model.regimes import REGIMES, Regime, get_regime, regime_probabilities
@@ -71,12 +71,6 @@ def _safetensors() -> Any:
     except ImportError:
         return None
     return safetensors.torch
-
-
-def _write_json(obj: Any, path: Path) -> None:
-    with atomic_write(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, allow_nan=False)
-        f.write("\n")
 
 
 def save_pretrained(
@@ -130,19 +124,18 @@ def save_pretrained(
     name = next((n for n, r in REGIMES.items() if r == rules), None)
     config_data = {"format": FORMAT, "config": config.to_dict(), "regime": name,
                    "regime_settings": rules.settings(), "dropout": probabilities, "vocab_size": len(words)}
-    _write_json(config_data, folder / CONFIG)
-    _write_json(words, folder / VOCAB)
+    write_json_atomic(config_data, folder / CONFIG)
+    write_json_atomic(words, folder / VOCAB)
     weights = folder / (SAFETENSORS if use_st else TORCH_WEIGHTS)
     if use_st:
-        tmp = weights.with_name(f".{weights.name}.tmp")
-        st.save_model(_cpu_copy(model), str(tmp), metadata={"format": FORMAT})
-        os.replace(tmp, weights)
+        with atomic_path(weights) as tmp:  # save_model writes a file by name (shared weights once)
+            st.save_model(_cpu_copy(model), str(tmp), metadata={"format": FORMAT})
     else:
         with atomic_write(weights) as f:
             torch.save({k: v.detach().to("cpu") for k, v in model.state_dict().items()}, f)
     written = [folder / CONFIG, folder / VOCAB, weights]
     manifest = {"format": FORMAT, "sha256": {p.name: file_sha256(p) for p in written}}
-    _write_json(manifest, folder / MANIFEST)
+    write_json_atomic(manifest, folder / MANIFEST)
     return [*written, folder / MANIFEST]
 
 

@@ -74,7 +74,13 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-from rnndrop.lm.atomic import atomic_write, file_sha256, fsync_folder, remove_stale_temporaries
+from rnndrop.atomic import (
+    atomic_write,
+    file_sha256,
+    fsync_folder,
+    remove_stale_temporaries,
+    write_json_atomic,
+)
 from rnndrop.lm.data.corpus import Corpus, Vocabulary
 from rnndrop.lm.model.build import build_model
 from rnndrop.lm.model.regimes import Regime, get_regime, regime_probabilities
@@ -802,13 +808,6 @@ REQUIRED_KEYS: tuple[str, ...] = (
     "best_valid_ppl", "test_ppl", "test_ppl_mc", "mc_samples", "words_per_second",
     "wall_seconds", "peak_memory_bytes", "versions",
 )
-
-
-def write_json_atomic(obj: Any, path: str | Path) -> None:
-    """Write ``obj`` as JSON through a temporary file and ``os.replace``."""
-    with atomic_write(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, sort_keys=False, allow_nan=False)
-        f.write("\n")
 
 
 def read_result(path: str | Path) -> dict[str, Any]:

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from rnndrop.lm.atomic import atomic_write
+from rnndrop.atomic import atomic_write
 from rnndrop.lm.data.corpus import Corpus, CorpusError, batchify, cached_corpus, sample_dir
 from rnndrop.lm.data.overlap import split_fingerprints
 from rnndrop.lm.model.build import build_model

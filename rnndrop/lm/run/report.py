@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rnndrop.lm.atomic import atomic_write
+from rnndrop.atomic import atomic_write
 from rnndrop.lm.run.checkpoint import METRICS
 
 __all__ = [

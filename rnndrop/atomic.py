@@ -11,14 +11,22 @@ not the ``0o600`` of a temporary file. Temporaries left by a killed writer
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
-__all__ = ["atomic_write", "file_sha256", "fsync_folder", "remove_stale_temporaries"]
+__all__ = [
+    "atomic_path",
+    "atomic_write",
+    "file_sha256",
+    "fsync_folder",
+    "remove_stale_temporaries",
+    "write_json_atomic",
+]
 
 
 def _umask() -> int:
@@ -43,6 +51,33 @@ def fsync_folder(folder: str | Path) -> None:
 
 
 @contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """A temporary file's path in ``path``'s folder, for a writer that takes a file name (safetensors);
+    when the block ends without an error the file is flushed to disk and moved onto ``path``,
+    otherwise it is removed."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
+    except OSError as e:
+        raise _naming(e, path) from None
+    try:
+        yield Path(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
+        with open(tmp, "rb") as written:
+            os.fsync(written.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise _naming(e, path) from None
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_folder(path.parent)
+
+
+@contextmanager
 def atomic_write(path: str | Path, mode: str = "wb", encoding: str | None = None) -> Iterator[IO]:
     """Open a temporary file in ``path``'s folder; when the block ends without an error it
     is flushed to disk and moved onto ``path``, otherwise it is removed.
@@ -52,26 +87,15 @@ def atomic_write(path: str | Path, mode: str = "wb", encoding: str | None = None
         with atomic_write("results.json", "w", encoding="utf-8") as f:
             json.dump(obj, f)
     """
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as e:
-        raise _naming(e, path) from None
-    try:
-        os.chmod(tmp, 0o666 & ~_umask())
-        with os.fdopen(fd, mode, encoding=encoding) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        Path(tmp).unlink(missing_ok=True)
-        raise _naming(e, path) from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_folder(path.parent)
+    with atomic_path(path) as tmp, open(tmp, mode, encoding=encoding) as f:
+        yield f
+
+
+def write_json_atomic(obj: Any, path: str | Path) -> None:
+    """Write ``obj`` as JSON (indented, no NaN) through :func:`atomic_write`."""
+    with atomic_write(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, allow_nan=False)
+        f.write("\n")
 
 
 def _naming(error: OSError, path: Path) -> OSError:
