@@ -127,7 +127,9 @@ def constant_for_compile(fn: F) -> F:
 class CompiledModel(nn.Module):
     """``module`` under ``torch.compile`` (``mode``; ``"auto"``: ``"reduce-overhead"`` on CUDA,
     torch's default elsewhere), with ``torch._dynamo.config.allow_rnn`` on while it compiles and
-    runs. Its ``state_dict`` is the module's under ``module.``; save ``module``'s own.
+    runs. Its ``state_dict`` is the module's under ``module.``; save ``module``'s own. Other
+    attributes are the module's (``compiled.rnn`` is ``module.rnn``), as torch.compile's wrapper
+    gives them.
 
     With CUDA graphs each call is a new step (``torch.compiler.cudagraph_mark_step_begin``): the
     outputs of a call may be overwritten by the next one, so clone what a loop carries over (a
@@ -151,6 +153,15 @@ class CompiledModel(nn.Module):
         self.cuda_graphs = mode in ("reduce-overhead", "max-autotune")
         # not a submodule: the compiled wrapper holds the same parameters under other names
         self.__dict__["_compiled"] = torch.compile(module, mode=mode, **compile_kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None:
+                raise
+            return getattr(module, name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         ensure_noise_per_rank()  # under DDP: the check cannot run inside the graph

@@ -95,6 +95,8 @@ def to_torch(model: nn.Module) -> nn.Module:
         quantized = torch.ao.quantization.quantize_dynamic(deployed, {nn.LSTM, nn.Linear})
     """
     check_instance("model", model, nn.Module, "an nn.Module")
+    while (inner := _wrapped(model)) is not None:  # a compiled (or WeightDrop) model: what it wraps
+        model = inner
     converted = _replaced_copy(model, _plain)
     compact_weights(converted)  # the deep copy's recurrent weights in one buffer again (cuDNN)
     return converted.eval()

@@ -143,6 +143,25 @@ def test_to_torch_of_a_compiled_model_is_the_plain_copy_of_what_it_compiles():
     torch.testing.assert_close(deployed(x)[0], outer.eval()(x)[0], rtol=0, atol=1e-6)
 
 
+def test_to_torch_of_a_whole_compiled_model_converts_the_layers_inside():
+    """A compiled container (not a compiled layer): its layers were left rnndrop's, so
+    quantize_dynamic skipped them. And the compiled wrapper gives the model's attributes."""
+    model = nn.Sequential(VariationalLSTM(5, 7, dropout_hidden=0.3))
+    x = torch.randn(4, 2, 5)
+    expected = model.eval()(x)[0]
+    model.train()
+    for compiled in (rnndrop.compile_model(model, mode=None, backend="eager"),
+                     torch.compile(model, backend="eager")):
+        deployed = rnndrop.to_torch(compiled)
+        assert type(deployed) is nn.Sequential and type(deployed[0]) is nn.LSTM
+        torch.testing.assert_close(deployed(x)[0], expected, rtol=0, atol=1e-6)
+    named = nn.Module()
+    named.rnn = VariationalLSTM(5, 7)
+    assert rnndrop.compile_model(named, mode=None, backend="eager").rnn is named.rnn
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        rnndrop.compile_model(named, mode=None, backend="eager").nope
+
+
 def test_to_torch_keeps_a_layer_registered_twice_one_module():
     shared = VariationalLSTM(4, 4, dropout_hidden=0.3)
     model = nn.ModuleDict({"encoder": shared, "decoder": shared})
