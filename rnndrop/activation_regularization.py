@@ -38,6 +38,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from rnndrop.validation import check_nonnegative_float
+
 __all__ = [
     "ActivationRegularization",
     "RecurrentOutputs",
@@ -51,14 +53,6 @@ class RecurrentOutputs(NamedTuple):
 
     raw: Tensor
     dropped: Tensor
-
-
-def _check_weight(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float >= 0, got {type(value).__name__} {value!r}")
-    if not 0.0 <= value < float("inf"):  # also rejects NaN
-        raise ValueError(f"{name} must be a finite float >= 0, got {value!r}")
-    return float(value)
 
 
 def _check_output(name: str, x: Any, time_dim: int) -> Tensor:
@@ -112,7 +106,7 @@ def activation_regularization(
             is real; padding is left out of the mean.
         time_dim: where the time dimension is (0 or 1).
     """
-    alpha = _check_weight("alpha", alpha)
+    alpha = check_nonnegative_float("alpha", alpha)
     dropped = _check_output("dropped", dropped, time_dim)
     mask = _check_mask(mask, dropped)
     if alpha == 0.0:
@@ -132,7 +126,7 @@ def temporal_activation_regularization(
         mask: optional bool ``[T, B]``: only pairs of two real steps count.
         time_dim: where the time dimension is (0 or 1).
     """
-    beta = _check_weight("beta", beta)
+    beta = check_nonnegative_float("beta", beta)
     raw = _check_output("raw", raw, time_dim)
     mask = _check_mask(mask, raw)
     if beta == 0.0 or raw.shape[time_dim] < 2:
@@ -161,8 +155,8 @@ class ActivationRegularization(nn.Module):
 
     def __init__(self, alpha: float = 2.0, beta: float = 1.0, *, time_dim: int = 0) -> None:
         super().__init__()
-        self.alpha = _check_weight("alpha", alpha)
-        self.beta = _check_weight("beta", beta)
+        self.alpha = check_nonnegative_float("alpha", alpha)
+        self.beta = check_nonnegative_float("beta", beta)
         if isinstance(time_dim, bool) or time_dim not in (0, 1):
             raise ValueError(f"time_dim must be 0 ([T, B, H]) or 1 ([B, T, H]), got {time_dim!r}")
         self.time_dim = time_dim

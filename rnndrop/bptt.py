@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rnndrop.validation import check_positive_int
+from rnndrop.validation import check_fraction, check_nonnegative_float, check_positive_int
 
 __all__ = ["VariableBPTT", "scaled_learning_rate"]
 
@@ -78,12 +78,8 @@ class VariableBPTT:
         generator: torch.Generator | None = None,
     ) -> None:
         self.bptt = check_positive_int("bptt", bptt)
-        if isinstance(p_full, bool) or not isinstance(p_full, (int, float)) or not 0.0 <= p_full <= 1.0:
-            raise ValueError(f"p_full must be a probability in [0, 1], got {p_full!r}")
-        if isinstance(std, bool) or not isinstance(std, (int, float)) or not (
-                math.isfinite(std) and std >= 0):
-            raise ValueError(f"std must be a finite float >= 0, got {std!r}")
-        self.p_full, self.std = float(p_full), float(std)
+        self.p_full = check_fraction("p_full", p_full)
+        self.std = check_nonnegative_float("std", std)
         self.min_len = check_positive_int("min_len", min_len)
         if max_len is not None:
             check_positive_int("max_len", max_len)

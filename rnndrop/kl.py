@@ -30,7 +30,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rnndrop.validation import check_choice, check_instance, check_positive_float, check_positive_int
+from rnndrop.validation import (
+    check_choice,
+    check_fraction,
+    check_instance,
+    check_positive_float,
+    check_positive_int,
+)
 
 __all__ = [
     "KINGMA_COEFFICIENTS",
@@ -192,8 +198,7 @@ def kl_warmup(progress: float, warmup: float) -> float:
     The weight rises linearly from 0 to 1 over the first ``warmup`` fraction of
     training and stays at 1 after; ``warmup=0`` gives 1 from the start.
     """
-    if isinstance(warmup, bool) or not isinstance(warmup, (int, float)) or not 0 <= warmup <= 1:
-        raise ValueError(f"warmup must be a fraction of training in [0, 1], got {warmup!r}")
+    warmup = check_fraction("warmup", warmup, "a fraction of training")
     if warmup == 0:
         return 1.0
     return float(min(1.0, max(0.0, progress) / warmup))

@@ -66,6 +66,28 @@ def check_positive_float(name: str, value: Any) -> float:
     return float(value)
 
 
+def check_nonnegative_int(name: str, value: Any) -> int:
+    """``value`` if it is an int >= 0 (not a bool), else a ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    return value
+
+
+def check_nonnegative_float(name: str, value: Any) -> float:
+    """``value`` as a float if it is a finite real number >= 0 (not a bool), else a ValueError."""
+    if not _is_real(value) or not 0 <= value < math.inf:  # also rejects NaN
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def check_fraction(name: str, value: Any, meaning: str = "a probability") -> float:
+    """``value`` as a float if it is a real number in [0, 1] (not a bool), else a ValueError:
+    ``"warmup must be a fraction of training in [0, 1]"`` with ``meaning`` that fraction."""
+    if not _is_real(value) or not 0 <= value <= 1:
+        raise ValueError(f"{name} must be {meaning} in [0, 1], got {value!r}")
+    return float(value)
+
+
 def check_bool(name: str, value: Any) -> bool:
     """``value`` if it is a bool, else a TypeError (``'no'`` is not False)."""
     if not isinstance(value, bool):

@@ -72,7 +72,7 @@ def test_a_mask_leaves_padding_out_of_both_means():
 @pytest.mark.parametrize("call, error, message", [
     (lambda: activation_regularization(torch.randn(3, 2, 4), -1.0), ValueError, "alpha must be a finite"),
     (lambda: activation_regularization(torch.randn(3, 2, 4), float("nan")), ValueError, "alpha must be"),
-    (lambda: temporal_activation_regularization(torch.randn(3, 2, 4), True), TypeError, "beta must be"),
+    (lambda: temporal_activation_regularization(torch.randn(3, 2, 4), True), ValueError, "beta must be"),
     (lambda: activation_regularization([1.0, 2.0], 1.0), TypeError, "dropped must be a Tensor"),
     (lambda: activation_regularization(torch.ones(3, 2, dtype=torch.long), 1.0), TypeError, "floating"),
     (lambda: temporal_activation_regularization(torch.randn(5), 1.0), ValueError, "at least 2-D"),
@@ -197,7 +197,7 @@ def test_variable_bptt_resumes_from_its_state_and_checks_its_arguments():
         VariableBPTT(0)
     with pytest.raises(ValueError, match=r"p_full must be a probability in \[0, 1\]"):
         VariableBPTT(10, p_full=1.5)
-    with pytest.raises(ValueError, match="std must be a finite float >= 0"):
+    with pytest.raises(ValueError, match="std must be a finite number >= 0"):
         VariableBPTT(10, std=-1)
     with pytest.raises(ValueError, match="max_len must be >= min_len = 5"):
         VariableBPTT(10, max_len=3)

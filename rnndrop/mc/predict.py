@@ -25,7 +25,7 @@ from rnndrop.mc.sampling import (
     _split_samples,
     mc_dropout,
 )
-from rnndrop.validation import check_choice, check_positive_int
+from rnndrop.validation import check_bool, check_choice, check_positive_int
 
 __all__ = ["TASKS", "MCPrediction", "mc_predict"]
 
@@ -191,9 +191,8 @@ def mc_predict(
     if chunk_size is not None:
         chunk_size = check_positive_int("chunk_size", chunk_size)
     memory_budget = check_positive_int("memory_budget", memory_budget)
-    for name, flag in (("return_samples", return_samples), ("strict", strict)):
-        if not isinstance(flag, bool):  # a string such as "no" would read as True
-            raise TypeError(f"{name} must be True or False, got {flag!r} of type {type(flag).__name__}")
+    check_bool("return_samples", return_samples)  # a string such as "no" would read as True
+    check_bool("strict", strict)
     single = not isinstance(inputs, (tuple, list)) or isinstance(inputs, PackedSequence)
     args = (inputs,) if single else tuple(inputs)
     dims = _argument_batch_dims(batch_dim, len(args))

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rnndrop.validation import check_positive_int
+
 __all__ = [
     "EOS",
     "SPLITS",
@@ -303,8 +305,7 @@ def batchify(data: Tensor, batch_size: int, *, split: str = "a split",
     ``N % batch_size`` words are dropped. ``split`` and ``size_name`` name the stream and the
     setting in the error of a stream too short.
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"{size_name} must be a positive int, got {batch_size!r}")
+    check_positive_int(size_name, batch_size)
     if data.dim() != 1:
         raise ValueError(f"data must be a 1-D stream of word ids, got shape {list(data.shape)}")
     rows = data.numel() // batch_size
@@ -322,8 +323,7 @@ def bptt_batches(batched: Tensor, bptt: int) -> Iterator[tuple[Tensor, Tensor]]:
     Yields ``(inputs, targets)``, both ``[T, B]`` with ``T <= bptt`` (the last segment
     may be shorter); ``targets`` are ``inputs`` shifted one word ahead.
     """
-    if not isinstance(bptt, int) or bptt < 1:
-        raise ValueError(f"bptt must be a positive int, got {bptt!r}")
+    check_positive_int("bptt", bptt)
     n = batched.shape[0]
     for start in range(0, n - 1, bptt):
         length = min(bptt, n - 1 - start)

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from rnndrop.activation_regularization import RecurrentOutputs
 from rnndrop.embedding_dropout import EmbeddingDropout
 from rnndrop.recurrent import VariationalGRU, VariationalLSTM, VariationalRNNStack
-from rnndrop.validation import check_bool, check_probability
+from rnndrop.validation import check_bool, check_positive_int, check_probability
 from rnndrop.weight_drop import WeightDrop
 
 __all__ = ["RNNLanguageModel", "detach_hidden"]
@@ -96,8 +96,7 @@ class RNNLanguageModel(nn.Module):
         super().__init__()
         for name, value in (("vocab_size", vocab_size), ("embedding_size", embedding_size),
                             ("hidden_size", hidden_size), ("num_layers", num_layers)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_positive_int(name, value)
         weight_drop = check_probability("weight_drop", weight_drop)
         dropout_embedding = check_probability("dropout_embedding", dropout_embedding)
         check_bool("tie_weights", tie_weights)

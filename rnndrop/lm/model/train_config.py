@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from rnndrop.lm.model.regimes import REGIMES, regime_probabilities
+from rnndrop.validation import check_nonnegative_float, check_nonnegative_int, check_positive_int
 
 __all__ = ["CELLS", "OPTIMIZERS", "SELECTIONS", "TrainConfig"]
 
@@ -127,9 +128,7 @@ class TrainConfig:
             raise ValueError(f"cell must be one of {', '.join(CELLS)}, got {self.cell!r}")
         for name in ("embedding_size", "hidden_size", "num_layers", "batch_size", "bptt", "epochs",
                      "eval_batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_positive_int(name, getattr(self, name))
         positive_number("lr", self.lr)
         if self.lr > _FLOAT32_MAX:  # the optimisers scale float32 gradients by it: it must be one
             raise ValueError(f"lr must be at most {_FLOAT32_MAX:.4g} (the largest float32), got {self.lr!r}")
@@ -138,12 +137,8 @@ class TrainConfig:
         positive_number("adam_eps", self.adam_eps)
         if self.init_scale is not None:
             positive_number("init_scale", self.init_scale)
-        if isinstance(self.kl_weight, bool) or not isinstance(self.kl_weight, (int, float)) \
-                or not (math.isfinite(self.kl_weight) and self.kl_weight >= 0):
-            raise ValueError(f"kl_weight must be a finite number >= 0, got {self.kl_weight!r}")
-        if isinstance(self.weight_decay, bool) or not isinstance(self.weight_decay, (int, float)) \
-                or not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
-            raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
+        check_nonnegative_float("kl_weight", self.kl_weight)
+        check_nonnegative_float("weight_decay", self.weight_decay)
         betas = tuple(self.adam_betas) if isinstance(self.adam_betas, (tuple, list)) else None
         if betas is None or len(betas) != 2 or not all(
                 isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas):
@@ -158,9 +153,7 @@ class TrainConfig:
         if not isinstance(self.tie_weights, bool):
             raise ValueError(f"tie_weights must be True or False, got {self.tie_weights!r}")
         for name in ("decay_after", "mc_samples"):  # decay_after: the last epoch at the full rate
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+            check_nonnegative_int(name, getattr(self, name))
         if self.lr_decay < 1:  # the rate is divided by it: below 1 it would grow
             raise ValueError(f"lr_decay must be >= 1 (the rate is divided by it), got {self.lr_decay!r}")
         self._own_dropout()
@@ -187,18 +180,12 @@ class TrainConfig:
     def _check_recipe(self) -> None:
         """The AWD-LSTM fields (see the class docstring)."""
         for name in ("ar", "tar"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+            check_nonnegative_float(name, getattr(self, name))
         for name in ("variable_bptt", "nt_asgd"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if isinstance(self.nonmono, bool) or not isinstance(self.nonmono, int) or self.nonmono < 1:
-            raise ValueError(f"nonmono must be a positive int, got {self.nonmono!r}")
-        if isinstance(self.finetune_epochs, bool) or not isinstance(self.finetune_epochs, int) \
-                or self.finetune_epochs < 0:
-            raise ValueError(f"finetune_epochs must be an int >= 0, got {self.finetune_epochs!r}")
+        check_positive_int("nonmono", self.nonmono)
+        check_nonnegative_int("finetune_epochs", self.finetune_epochs)
         if self.nt_asgd and self.optimizer != "sgd":
             raise ValueError(f"nt_asgd averages SGD's iterates (NT-ASGD): it needs optimizer 'sgd', "
                              f"got {self.optimizer!r}")
