@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from rnndrop.kernels.gates import GRU_GATES, LSTM_GATES, gru_pointwise, lstm_pointwise, masked_linear
 from rnndrop.stochastic import refuse_torchscript
-from rnndrop.validation import check_tensor_like
+from rnndrop.validation import check_input_features, check_tensor_like
 
 __all__ = [
     "VariationalGRUCell",
@@ -55,16 +55,7 @@ def _check_cell_input(cell: nn.Module, input: Tensor) -> None:
             f"{type(cell).__name__}: input must be 1-D [input_size] or 2-D [batch, input_size], "
             f"got {input.dim()}-D with shape {list(input.shape)}"
         )
-    if input.shape[-1] != cell.input_size:
-        raise ValueError(
-            f"{type(cell).__name__}: input.size(-1) must be input_size={cell.input_size}, "
-            f"got {input.shape[-1]}"
-        )
-    if input.dtype != cell.weight_ih.dtype:
-        raise TypeError(
-            f"{type(cell).__name__}: input dtype {input.dtype} does not match the weights' "
-            f"dtype {cell.weight_ih.dtype}"
-        )
+    check_input_features(type(cell).__name__, input, cell.input_size, cell.weight_ih)
 
 
 def _check_cell_state(cell: nn.Module, name: str, state: Tensor, input: Tensor) -> None:

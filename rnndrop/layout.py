@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
 from rnndrop.compiling import tracing_for_compile
-from rnndrop.validation import check_tensor_like
+from rnndrop.validation import check_input_features, check_tensor_like
 
 __all__ = ["EqualBatchSizes", "SequenceLayout", "mask_packed_sequence", "packed_sequence_index"]
 
@@ -150,16 +150,7 @@ class SequenceLayout:
             x = x.reshape(T * B, x.shape[-1])
             sizes = EqualBatchSizes(T, B) if tracing_for_compile() else [B] * T
             layout = cls(sizes, None, None, None, batch_first, unbatched, T, B)
-        if x.shape[-1] != input_size:
-            raise ValueError(
-                f"{owner}: input.size(-1) must be equal to input_size={input_size}, got {x.shape[-1]}"
-            )
-        if x.dtype != weight.dtype:
-            raise TypeError(
-                f"{owner}: input dtype {x.dtype} does not match the weights' dtype {weight.dtype}"
-            )
-        if x.device != weight.device:
-            raise ValueError(f"{owner}: input is on {x.device} but the weights are on {weight.device}")
+        check_input_features(owner, x, input_size, weight)
         return x, layout
 
     def initial_states(

@@ -141,6 +141,19 @@ def check_tensor_like(
         raise ValueError(f"{name} must be on {like_name}'s device {like.device}, got {tensor.device}")
 
 
+def check_input_features(owner: str, x: Tensor, input_size: int, weight: Tensor) -> None:
+    """An input ``x [..., input_size]`` that the weights can take: its last size ``input_size``, its
+    dtype and device the weights' (``owner`` names the module in the message)."""
+    if x.shape[-1] != input_size:
+        raise ValueError(
+            f"{owner}: input.size(-1) must be equal to input_size={input_size}, got {x.shape[-1]}"
+        )
+    if x.dtype != weight.dtype:
+        raise TypeError(f"{owner}: input dtype {x.dtype} does not match the weights' dtype {weight.dtype}")
+    if x.device != weight.device:
+        raise ValueError(f"{owner}: input is on {x.device} but the weights are on {weight.device}")
+
+
 def check_word_ids(name: str, tokens: Any, num_embeddings: int) -> None:
     """Raise unless ``tokens`` is an int64 / int32 tensor of ids in ``[0, num_embeddings)``
     (a TypeError for the type, a ValueError naming the first id outside the range)."""

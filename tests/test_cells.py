@@ -78,12 +78,14 @@ def test_cell_errors_name_the_argument():
         cell(x, hidden_mask=torch.ones(B + 1, H))
     with pytest.raises(TypeError, match="input_mask must have the input's dtype"):
         cell(x, input_mask=torch.ones(B, I, dtype=torch.float64))
-    with pytest.raises(ValueError, match=r"input.size\(-1\) must be input_size=5, got 4"):
+    with pytest.raises(ValueError, match=r"input.size\(-1\) must be equal to input_size=5, got 4"):
         cell(torch.randn(B, 4))
     with pytest.raises(ValueError, match=r"hx\[1\] must have shape \[3, 6\], got \[2, 6\]"):
         cell(x, (torch.zeros(B, H), torch.zeros(2, H)))
     with pytest.raises(ValueError, match="input must be 1-D .* or 2-D .* got 3-D"):
         VariationalGRUCell(I, H)(torch.randn(2, B, I))
+    with pytest.raises(ValueError, match="input is on meta but the weights are on cpu"):
+        cell(torch.randn(B, I, device="meta"))  # the layer's check, now the cell's too
 
 
 def test_an_lstm_cell_given_a_tensor_for_its_state_pair_names_hx():
