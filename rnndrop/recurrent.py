@@ -49,12 +49,13 @@ has its own recurrent mask. How long a mask lives is ``mask_scope`` (:mod:`rnndr
 
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, TypeVar, overload
+from typing import Any, ClassVar, Literal, NamedTuple, TypeVar, overload
 
 import torch
 from torch import Tensor, nn
@@ -225,6 +226,16 @@ def compact_weights(model: nn.Module) -> None:
             module.flatten_parameters()
 
 
+class _Autocast(NamedTuple):
+    """A forward pass under autocast (:meth:`VariationalRNNStack._forward_autocast`), passed down
+    the call: the dtype the layer computes in, and the caller's autocast (device type, dtype),
+    which torch's fused op runs under again, as in ``nn.LSTM``."""
+
+    compute_dtype: torch.dtype
+    device_type: str
+    caller_dtype: torch.dtype
+
+
 @constant_for_compile
 def _autocast_result_dtype(
     mode: str, device_type: str, weight_dtype: torch.dtype, autocast_dtype: torch.dtype
@@ -304,12 +315,6 @@ class VariationalRNNStack(Stochastic):
     """
 
     _cell: ClassVar[CellSpec]
-    #: Set while a forward pass runs under autocast: the dtype it computes in (see
-    #: :meth:`_forward_autocast`); None otherwise.
-    _compute_dtype: torch.dtype | None = None
-    #: Set with ``_compute_dtype``: the caller's autocast (device type, dtype), which the fused
-    #: op runs under again, as in ``nn.LSTM``.
-    _caller_autocast: tuple[str, torch.dtype] | None = None
 
     # Attributes of nn.RNNBase, which a subclass also derives from.
     input_size: int
@@ -432,18 +437,17 @@ class VariationalRNNStack(Stochastic):
             dropout=self.dropout if self.num_layers > 1 else 0.0,  # one layer: nn.RNNBase's warning
             device=weight.device, dtype=weight.dtype, **({"proj_size": proj_size} if proj_size else {}),
         )
-        training = self.training
-        self.training = False  # the weights of eval mode (this module only: no child computes them)
-        try:
-            with torch.no_grad():
-                state = {
-                    name + f"_l{layer}" + ("_reverse" if d else ""): w.detach().clone()
-                    for layer in range(self.num_layers)
-                    for d in range(self._num_directions)
-                    for name, w in self._layer_weights(layer, d).items()
-                }
-        finally:
-            self.training = training
+        # the weights of eval mode, read from a shallow copy in eval mode (the same parameters): the
+        # module itself is never switched, which a call in another thread would see
+        evaluating = copy.copy(self)
+        evaluating.training = False
+        with torch.no_grad():
+            state = {
+                name + f"_l{layer}" + ("_reverse" if d else ""): w.detach().clone()
+                for layer in range(self.num_layers)
+                for d in range(self._num_directions)
+                for name, w in evaluating._layer_weights(layer, d).items()
+            }
         plain.load_state_dict(state)
         return plain.eval()
 
@@ -613,9 +617,12 @@ class VariationalRNNStack(Stochastic):
         hx: Tensor | tuple[Tensor, ...] | None,
         masks: RecurrentMasks | None,
         return_raw_output: bool,
+        autocast: _Autocast | None = None,
     ) -> tuple:
         """:meth:`_forward` without the check for torch.compile (which calls this one eagerly, or
-        traces it: :meth:`_untraced_because`)."""
+        traces it: :meth:`_untraced_because`); under autocast (:meth:`_forward_autocast`) with the
+        dtype it computes in, passed down (never kept on the module: a call in another thread
+        would read it)."""
         device_type = _autocast_device_type(input)
         if (exporting() or device_type is not None) and self._computes_as_torch(masks):
             # nn.LSTM's own forward, the same function: torch.export of the eval-mode layer exports
@@ -629,8 +636,8 @@ class VariationalRNNStack(Stochastic):
             return self._forward_autocast(input, hx, masks, return_raw_output, device_type)
         owner = type(self).__name__
         weight = self.weight_ih_l0
-        if self._compute_dtype is not None:
-            weight = weight.new_empty(0, dtype=self._compute_dtype)
+        if autocast is not None:
+            weight = weight.new_empty(0, dtype=autocast.compute_dtype)
         x, layout = SequenceLayout.from_input(
             input, batch_first=self.batch_first, input_size=self.input_size, weight=weight, owner=owner,
         )
@@ -654,12 +661,14 @@ class VariationalRNNStack(Stochastic):
             masks = None
         raw: list[Tensor] = []
         if masks is None and self.kernel == "auto" and not under_transform(x):
-            out, states = self._forward_fused(x, layout, states)
+            out, states = self._forward_fused(x, layout, states, autocast)
         elif (self.kernel == "auto" and masks is not None and masks.scope == "batch" and not masks.per_gate
               and self._fuses(x)):
-            out, states = self._forward_folded(x, layout, states, masks, raw if return_raw_output else None)
+            out, states = self._forward_folded(x, layout, states, masks, raw if return_raw_output else None,
+                                               autocast)
         else:
-            out, states = self._forward_by_layer(x, layout, states, masks, raw if return_raw_output else None)
+            out, states = self._forward_by_layer(x, layout, states, masks, raw if return_raw_output else None,
+                                                 autocast)
         output, states = layout.restore(out, states)
         final = states if self._cell.num_states > 1 else states[0]
         if not return_raw_output:
@@ -718,20 +727,15 @@ class VariationalRNNStack(Stochastic):
             hx = cast(hx)
         if isinstance(masks, RecurrentMasks):
             masks = masks.map(cast)
-        previous = self._compute_dtype, self._caller_autocast
-        self._compute_dtype = dtype
-        self._caller_autocast = (device_type, torch.get_autocast_dtype(device_type))
-        try:
-            with torch.autocast(device_type, enabled=False):
-                return self._forward_body(input, hx, masks, return_raw_output)
-        finally:
-            self._compute_dtype, self._caller_autocast = previous
+        context = _Autocast(dtype, device_type, torch.get_autocast_dtype(device_type))
+        with torch.autocast(device_type, enabled=False):
+            return self._forward_body(input, hx, masks, return_raw_output, context)
 
-    def _weights(self, layer: int, direction: int) -> LayerWeights:
+    def _weights(self, layer: int, direction: int, autocast: _Autocast | None) -> LayerWeights:
         """:meth:`_layer_weights`, cast to the dtype the layer computes in under autocast."""
         weights = self._layer_weights(layer, direction)
-        if self._compute_dtype is not None:
-            weights = {name: w.to(self._compute_dtype) for name, w in weights.items()}
+        if autocast is not None:
+            weights = {name: w.to(autocast.compute_dtype) for name, w in weights.items()}
         return weights
 
     def _given_masks(self, masks: RecurrentMasks, layout: SequenceLayout, x: Tensor) -> RecurrentMasks:
@@ -748,19 +752,20 @@ class VariationalRNNStack(Stochastic):
         states: tuple[Tensor, ...],
         weights: list[Tensor],
         num_layers: int,
+        autocast: _Autocast | None,
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
-        """``num_layers`` layers in torch's fused op: rows ``[N, in]`` -> ``[N, D * out]``.
+        """``num_layers`` layers in torch's fused op: rows ``[N, in]`` -> ``[N, D * out]``; under
+        the caller's autocast again where there was one, as in ``nn.LSTM``.
 
         ``weights`` are the flat weights of every layer and direction in nn.LSTM's order;
         the op's own dropout is always 0 (the layers apply theirs as masks).
         """
         if tracing_for_compile():  # Inductor cannot compile torch's fused RNN ops
-            return run_eagerly(_UNTRACED["fused"])(self, x, layout, states, weights, num_layers)
+            return run_eagerly(_UNTRACED["fused"])(self, x, layout, states, weights, num_layers, autocast)
         hx = states if self._cell.num_states > 1 else states[0]
         common = (weights, self.bias, num_layers, 0.0, self.training, self.bidirectional)
-        if self._caller_autocast is not None:
-            device_type, dtype = self._caller_autocast
-            with torch.autocast(device_type, dtype=dtype):
+        if autocast is not None:
+            with torch.autocast(autocast.device_type, dtype=autocast.caller_dtype):
                 return self._run_fused_op(x, layout, hx, common)
         return self._run_fused_op(x, layout, hx, common)
 
@@ -776,20 +781,20 @@ class VariationalRNNStack(Stochastic):
         return out, tuple(new_states)
 
     def _forward_fused(
-        self, x: Tensor, layout: SequenceLayout, states: tuple[Tensor, ...]
+        self, x: Tensor, layout: SequenceLayout, states: tuple[Tensor, ...], autocast: _Autocast | None
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
         """Path 1, no mask: every layer in one call of torch's fused op."""
         weights = [
             w
             for layer in range(self.num_layers)
             for d in range(self._num_directions)
-            for w in self._weights(layer, d).values()
+            for w in self._weights(layer, d, autocast).values()
         ]
-        return self._run_fused(x, layout, states, weights, self.num_layers)
+        return self._run_fused(x, layout, states, weights, self.num_layers, autocast)
 
     def _forward_folded(
         self, x: Tensor, layout: SequenceLayout, states: tuple[Tensor, ...], masks: RecurrentMasks,
-        raw: list[Tensor] | None,
+        raw: list[Tensor] | None, autocast: _Autocast | None,
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
         """Path 2, masks shared by the batch (``[1, size]``): ``W (m * v) = (W * m) v``, so layer
         ``k``'s input mask (``k >= 1``) multiplies the columns of its ``W_ih`` and each recurrent
@@ -805,14 +810,14 @@ class VariationalRNNStack(Stochastic):
         column_masks: list[Tensor | None] = []
         for layer in range(self.num_layers):
             for d in range(D):
-                w = self._weights(layer, d)
+                w = self._weights(layer, d, autocast)
                 folded = {"weight_ih": masks.inputs[layer] if layer else None,
                           "weight_hh": masks.hidden[layer * D + d]}
                 weights.extend(w.values())
                 column_masks.extend(folded.get(name) for name in w)
         weights = masked_weights(weights, column_masks)
         with quiet_weight_compaction(x.device):
-            out, new_states = self._run_fused(x, layout, states, weights, self.num_layers)
+            out, new_states = self._run_fused(x, layout, states, weights, self.num_layers, autocast)
         if masks.output is not None:
             if raw is not None:
                 raw.append(out)
@@ -821,7 +826,7 @@ class VariationalRNNStack(Stochastic):
 
     def _forward_by_layer(
         self, x: Tensor, layout: SequenceLayout, states: tuple[Tensor, ...], masks: RecurrentMasks | None,
-        raw: list[Tensor] | None = None,
+        raw: list[Tensor] | None = None, autocast: _Autocast | None = None,
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
         """Path 3, layer by layer: the fused op for a layer without recurrent masks, else the
         loop. With ``raw`` (a list), the last layer's rows before the output mask are appended
@@ -841,12 +846,12 @@ class VariationalRNNStack(Stochastic):
             plain_layer = in_rows is None and all(m is None for m in hidden)  # no mask inside the layer
             if self.kernel == "auto" and plain_layer and self._fuses(x):
                 layer_states = tuple(s[layer * D : (layer + 1) * D] for s in states)
-                x, fused_states = self._layer_fused(x, layout, layer, layer_states)
+                x, fused_states = self._layer_fused(x, layout, layer, layer_states, autocast)
                 new_states: tuple[tuple[Tensor, ...], ...] = tuple(s.unbind() for s in fused_states)
             else:
                 # the kernels' form [T', B', (G,) P]: a time dimension of 1 unless per step
                 loop_masks = [m if m is None or per_step else m.unsqueeze(0) for m in hidden]
-                x, new_states = self._layer_loop(x_in, layout, layer, states, in_rows, loop_masks)
+                x, new_states = self._layer_loop(x_in, layout, layer, states, in_rows, loop_masks, autocast)
             for acc, s in zip(finals, new_states):
                 acc.extend(s)
         if masks is not None and masks.output is not None:
@@ -856,17 +861,18 @@ class VariationalRNNStack(Stochastic):
         return x, tuple(torch.stack(acc) for acc in finals)
 
     def _layer_fused(
-        self, x: Tensor, layout: SequenceLayout, layer: int, states: tuple[Tensor, ...]
+        self, x: Tensor, layout: SequenceLayout, layer: int, states: tuple[Tensor, ...],
+        autocast: _Autocast | None,
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
         """One layer (both directions) without recurrent masks through the fused op. cuDNN takes
         a layer's weights without a copy of its own only laid out as a one-layer buffer; in a
         stack's buffer a layer's matrices and its biases lie apart, so they are copied side by side
         into a buffer of their own first (:func:`~rnndrop.flat_weights.masked_weights`: one copy
         instead of cuDNN's one per weight and its host cost)."""
-        weights = [w for d in range(self._num_directions) for w in self._weights(layer, d).values()]
+        weights = [w for d in range(self._num_directions) for w in self._weights(layer, d, autocast).values()]
         weights = masked_weights(weights, [None] * len(weights))
         with quiet_weight_compaction(x.device):
-            return self._run_fused(x, layout, states, weights, 1)
+            return self._run_fused(x, layout, states, weights, 1, autocast)
 
     def _layer_loop(
         self,
@@ -876,6 +882,7 @@ class VariationalRNNStack(Stochastic):
         states: tuple[Tensor, ...],
         in_rows: Tensor | None,
         hidden: list[Tensor | None],
+        autocast: _Autocast | None,
     ) -> tuple[Tensor, tuple[tuple[Tensor, ...], ...]]:
         """Path 3: each direction through the cell's loop (:attr:`CellSpec.loop`): the input
         projection of every step at once, with the per-gate input mask ``in_rows`` (paired with
@@ -887,7 +894,7 @@ class VariationalRNNStack(Stochastic):
         outs, finals = [], []
         for d, mask in enumerate(hidden):
             out, final = self._cell.loop(
-                self.kernel, x, in_rows, self._weights(layer, d), layout.batch_sizes,
+                self.kernel, x, in_rows, self._weights(layer, d, autocast), layout.batch_sizes,
                 tuple(s[layer * D + d] for s in states), mask, bool(d),
             )
             outs.append(out)

@@ -248,3 +248,19 @@ def test_legacy_onnx_export(make):
     session = ort.InferenceSession(f.getvalue(), providers=["CPUExecutionProvider"])
     (got, *_) = session.run(["output"], {"input": args[0].numpy()})
     torch.testing.assert_close(torch.from_numpy(got), model(*args)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_to_plain_never_switches_the_layer_itself_to_eval_mode():
+    """It read the eval-mode weights by flipping the layer's own ``training`` for a moment, which a
+    call in another thread would have run under (test_autocast.py: an autocast call keeps nothing
+    on the layer either)."""
+    seen = []
+
+    class Spy(VariationalLSTM):
+        def _layer_weights(self, layer, direction):
+            seen.append((self.training, spied.training))
+            return super()._layer_weights(layer, direction)
+
+    spied = Spy(3, 4, num_layers=2, dropout_hidden=0.3).train()
+    spied.to_plain()
+    assert seen and all(copy_mode is False and own is True for copy_mode, own in seen)
