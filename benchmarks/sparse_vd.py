@@ -41,12 +41,12 @@ from rnndrop.lm.model.presets import get_config
 from rnndrop.lm.run.checkpoint import load_model, read_verified_result
 from rnndrop.lm.run.evaluate import score
 from rnndrop.lm.run.train import train_run
-from rnndrop.sparse import DEFAULT_THRESHOLD, sparsity_report
+from rnndrop.sparse import DEFAULT_THRESHOLD, Sparsified, sparsity_report
 
 
 def set_threshold(model: nn.Module, threshold: float) -> None:
     for module in model.modules():
-        if hasattr(module, "sparse_weight_names"):
+        if isinstance(module, Sparsified):
             module.threshold = threshold
 
 

@@ -14,7 +14,7 @@ closed form. Two published approximations, both elementwise in ``log_alpha``:
 
 Modules with a KL term inherit :class:`KLRegularized` and implement ``kl()``;
 :func:`model_kl` sums them over a model and :func:`negative_elbo` /
-:func:`kl_regularizer` turn the sum into a training loss.
+:class:`KLRegularizer` turn the sum into a training loss.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ __all__ = [
     "kl_divergence",
     "kl_kingma",
     "kl_molchanov",
-    "kl_regularizer",
     "kl_warmup",
     "model_kl",
     "negative_elbo",
@@ -254,8 +253,3 @@ class KLRegularizer:
             )
         weight = kl_warmup(progress, self.warmup)
         return model_kl(model) * (weight / check_positive_int("dataset_size", n))
-
-
-def kl_regularizer(dataset_size: int | None = None, warmup: float = 0.0) -> KLRegularizer:
-    """``KLRegularizer(dataset_size, warmup)``: the KL loss hook with linear warm-up."""
-    return KLRegularizer(dataset_size, warmup)

@@ -9,10 +9,10 @@ from rnndrop.gaussian import GaussianLockedDropout
 from rnndrop.kl import (
     KINGMA_COEFFICIENTS,
     MOLCHANOV_COEFFICIENTS,
+    KLRegularizer,
     kl_divergence,
     kl_kingma,
     kl_molchanov,
-    kl_regularizer,
     kl_warmup,
     model_kl,
     negative_elbo,
@@ -131,10 +131,10 @@ def test_negative_elbo_and_regularizer_scale_by_dataset_size():
     kl = model_kl(model)
     torch.testing.assert_close(negative_elbo(nll, kl, 1000), nll + kl / 1000)
     torch.testing.assert_close(negative_elbo(nll, kl, 1000, kl_weight=0.5), nll + 0.5 * kl / 1000)
-    hook = kl_regularizer(1000, warmup=0.5)
+    hook = KLRegularizer(1000, warmup=0.5)
     torch.testing.assert_close(hook(model, 0.25), 0.5 * kl / 1000)
     torch.testing.assert_close(hook(model, 0.9), kl / 1000)
-    from_caller = kl_regularizer(warmup=0.5)
+    from_caller = KLRegularizer(warmup=0.5)
     torch.testing.assert_close(from_caller(model, 0.9, 500), kl / 500)
     with pytest.raises(ValueError, match="dataset_size"):
         from_caller(model, 0.9)

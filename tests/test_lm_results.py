@@ -316,3 +316,24 @@ def test_the_job_says_how_far_off_its_estimate_was(caplog):
         caplog.clear()
         _report_estimate(600.0, 1.0, reused)  # nothing trained: no comparison
     assert not [r for r in caplog.records if r.name.endswith("benchmark")]
+
+
+def test_the_public_evaluate_and_evaluate_mc_score_a_stream():
+    """rnndrop.lm's evaluate / evaluate_mc: with dropout the Monte-Carlo perplexity is another
+    number than the eval-mode one, reproducible from the seed; without, it is refused (all samples
+    would be the eval prediction)."""
+    import torch
+
+    from rnndrop.lm import RNNLanguageModel, evaluate, evaluate_mc
+
+    torch.manual_seed(0)
+    stream = torch.randint(30, (41, 2))
+    plain = RNNLanguageModel(30, 8, 8, 1)
+    with pytest.raises(ValueError, match="no stochastic module"):
+        evaluate_mc(plain, stream, 4, 2)
+    noisy = RNNLanguageModel(30, 8, 8, 1, dropout_hidden=0.5, dropout_output=0.5)
+    torch.manual_seed(1)
+    first = evaluate_mc(noisy, stream, 4, 3)
+    torch.manual_seed(1)
+    assert evaluate_mc(noisy, stream, 4, 3) == first != evaluate(noisy, stream, 4)
+    assert 1 < first < float("inf")
