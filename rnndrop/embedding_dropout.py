@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rnndrop.compiling import tracing_for_compile
 from rnndrop.noise import bernoulli_mask
 from rnndrop.stochastic import Stochastic
+from rnndrop.tracing import tracing_for_compile
 from rnndrop.validation import (
     check_bool,
     check_choice,

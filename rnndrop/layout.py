@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
-from rnndrop.compiling import tracing_for_compile
+from rnndrop.tracing import tracing_for_compile
 from rnndrop.validation import check_input_features, check_tensor_like
 
 __all__ = ["EqualBatchSizes", "SequenceLayout", "mask_packed_sequence", "packed_sequence_index"]

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from rnndrop.compiling import traced_cache
 from rnndrop.noise import MaskSite
+from rnndrop.tracing import traced_cache
 from rnndrop.validation import (
     check_bool,
     check_choice,

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rnndrop.compiling import traced_cache
 from rnndrop.distributed import ensure_noise_per_rank
+from rnndrop.tracing import traced_cache
 from rnndrop.validation import check_probability
 
 __all__ = ["NOISES", "MaskSite", "bernoulli_mask", "draw_mask", "draw_masks", "gaussian_mask", "sample_mask"]

@@ -61,14 +61,6 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from rnndrop.compiling import (
-    constant_for_compile,
-    eager_under_compile,
-    exporting,
-    run_eagerly,
-    traced_cache,
-    tracing_for_compile,
-)
 from rnndrop.flat_weights import masked_weights
 from rnndrop.kernels import (
     KERNELS,
@@ -84,6 +76,14 @@ from rnndrop.layout import SequenceLayout
 from rnndrop.masks import MASK_SCOPES, RecurrentMasks, StackGeometry, check_seq_len, mask_sites
 from rnndrop.noise import NOISES, MaskSite, draw_masks
 from rnndrop.stochastic import Stochastic
+from rnndrop.tracing import (
+    constant_for_compile,
+    eager_under_compile,
+    exporting,
+    run_eagerly,
+    traced_cache,
+    tracing_for_compile,
+)
 from rnndrop.validation import (
     check_bool,
     check_choice,

@@ -24,11 +24,12 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from rnndrop.compiling import eager_under_compile, is_torch_rnn, run_eagerly, tracing_for_compile
+from rnndrop.compiling import is_torch_rnn
 from rnndrop.flat_weights import forward_with_weights, masked_views, runs_without_hooks, shares_one_buffer
 from rnndrop.noise import MaskSite, bernoulli_mask, draw_masks
 from rnndrop.recurrent import quiet_weight_compaction
 from rnndrop.stochastic import Stochastic
+from rnndrop.tracing import eager_under_compile, run_eagerly, tracing_for_compile
 from rnndrop.validation import (
     check_bool,
     check_instance,

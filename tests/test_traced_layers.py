@@ -19,9 +19,9 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 import rnndrop
 from rnndrop import VariationalGRU, VariationalLSTM
-from rnndrop.compiling import BEFORE_TRACING
 from rnndrop.kernels import auto_loop_kernel_on, get_kernel, ops
 from rnndrop.layout import EqualBatchSizes
+from rnndrop.tracing import BEFORE_TRACING
 from tests.helpers import assert_close
 from tests.test_random_configurations import build, draw_configuration, inputs, tolerance
 

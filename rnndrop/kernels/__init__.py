@@ -51,10 +51,10 @@ from typing import Literal, Protocol, TypedDict, overload
 import torch
 from torch import Tensor
 
-from rnndrop.compiling import BEFORE_TRACING, constant_for_compile, exporting, tracing_for_compile
 from rnndrop.kernels import compiled, gpu, gru, lstm, ops, reference
 from rnndrop.kernels.first_order import transformed
 from rnndrop.kernels.matmul import input_projection
+from rnndrop.tracing import BEFORE_TRACING, constant_for_compile, exporting, tracing_for_compile
 
 
 class LSTMRecurrence(Protocol):

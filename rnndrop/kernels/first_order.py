@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from torch.autograd import forward_ad
 
-from rnndrop.compiling import exporting
+from rnndrop.tracing import exporting
 
 
 def functorch_wrapped(*tensors: Tensor) -> bool:

@@ -18,12 +18,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from rnndrop.compiling import constant_for_compile, tracing_for_compile
 from rnndrop.kernels.first_order import grads_like, needed, register_first_order, transformed
 from rnndrop.kernels.gates import masked_linear
 from rnndrop.kernels.onednn import matmul, onednn_enabled, onednn_enabled_on
 from rnndrop.kernels.per_gate_projection import per_gate_projection, per_gate_projection_op
 from rnndrop.kernels.precision import products_as_cudnn
+from rnndrop.tracing import constant_for_compile, tracing_for_compile
 
 
 class StepWeight:
