@@ -155,8 +155,8 @@ def _step(layer, c: dict, masks, hx):
     def step(x):
         out, state = layer(x, hx if hx is None or c["cell"] == "lstm" else hx[0], masks)
         states = state if isinstance(state, tuple) else (state,)
-        loss = sum((t * torch.arange(t.numel(), dtype=t.dtype).view(t.shape).cos()).sum()
-                   for t in (out, *states))
+        loss = sum((t * torch.arange(t.numel(), dtype=t.dtype, device=t.device).view(t.shape).cos()).sum()
+                   for t in (out, *states))  # (on the outputs' device: the GPU runs this too)
         return out, states, loss
 
     return step

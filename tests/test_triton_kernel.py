@@ -3,6 +3,7 @@ run in a subprocess: under Triton's interpreter on CPU, compiled on a GPU); kern
 on CUDA only; rnndrop imports and runs without Triton; the switch that turns it off.
 """
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from rnndrop import VariationalGRU, VariationalLSTM
-from rnndrop.kernels import auto_loop_kernel, get_kernel, gpu
+from rnndrop.kernels import auto_loop_kernel, auto_loop_kernel_on, get_kernel, gpu
 from tests import helpers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -217,6 +218,48 @@ def test_pooled_counters_are_kept_apart_per_device_and_stream(monkeypatch):
     assert elsewhere.data_ptr() == persistent._pools[(1, 11)].slots[0].data_ptr()
 
 
+def test_buffers_kept_across_calls_are_made_outside_the_callers_cuda_graph_pool(monkeypatch):
+    """torch.compile's CUDA graphs route every allocation of the thread warming a graph up into the
+    graph's pool, and refuse one that outlives the call (the H200, 2026-11-27: "tensor(s) in the
+    cudagraph pool not tracked as outputs"): pooled counters and cached step tables are made in a
+    thread of their own (its stream work finished), except while a graph is being captured."""
+    import threading
+
+    from rnndrop.kernels import persistent
+    from rnndrop.kernels.schedule import Schedule
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda *args: SimpleNamespace(synchronize=lambda: seen.append("synchronized")))
+    cuda = torch.device("cuda")
+    assert persistent._outside_graph_pools(cuda, lambda: seen.append(threading.current_thread()) or 7) == 7
+    assert seen[0] is not threading.current_thread() and seen[1] == "synchronized"
+
+    def fails():
+        raise ValueError("out of memory")
+
+    with pytest.raises(ValueError, match="out of memory"):  # in the caller's thread
+        persistent._outside_graph_pools(cuda, fails)
+    here = threading.current_thread()
+    assert persistent._outside_graph_pools(torch.device("cpu"), threading.current_thread) is here
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert persistent._outside_graph_pools(cuda, threading.current_thread) is here
+
+    made = []
+    monkeypatch.setattr(persistent, "_outside_graph_pools",
+                        lambda device, make: made.append(device) or make())
+    monkeypatch.setattr(persistent, "_pools", {})
+    monkeypatch.setattr(persistent, "_current_raw_stream", lambda index: 5)
+    monkeypatch.setattr(persistent, "_TABLES", persistent.OrderedDict())
+    persistent._counter(torch.device("cpu", 0), pooled=True)
+    persistent._counter(torch.device("cpu", 0), pooled=True)  # the pool made once
+    persistent._step_table(Schedule.of([3, 2], False), None, torch.device("cpu"))
+    persistent._step_table(Schedule.of([3, 2], False), None, torch.device("cpu"))  # cached
+    assert len(made) == 2
+
+
 class _WithMasks(torch.nn.Module):
     """``layer(x, masks=masks)`` with fixed masks: a callable of tensors alone, as
     ``torch.cuda.make_graphed_callables`` wants, whose replays can be compared with eager calls."""
@@ -357,3 +400,26 @@ def test_the_whole_layer_replays_from_cuda_graphs_as_eager_computes(cls, monkeyp
     x = torch.randn(35, 20, 24, device="cuda")
     first, second = fresh(x)[0].detach().clone(), fresh(x)[0].detach().clone()
     assert torch.isfinite(first).all() and not torch.equal(first, second)
+
+
+def test_auto_runs_the_manual_kernel_for_half_types_on_cuda_and_triton_warns_there(monkeypatch):
+    """On an H200 the kernel's bfloat16 results were wrong (docs/gpu.md, 2026-11-27) while float32
+    was right: until a GPU shows it fixed, kernel="auto" does not pick it for half types on CUDA,
+    and kernel="triton" asked for there says so once. Triton's interpreter on the CPU still runs it."""
+    monkeypatch.setattr(gpu, "is_available", lambda: True)
+    monkeypatch.setattr(gpu, "passes_first_use_check", lambda device: True)
+    cuda = torch.device("cuda")
+    assert auto_loop_kernel_on(cuda, torch.float32) == "triton"
+    for half in (torch.bfloat16, torch.float16):
+        assert auto_loop_kernel_on(cuda, half) == "manual"
+        assert gpu.runs_half_precision(torch.device("cpu"), half)
+    monkeypatch.setattr(gpu, "_warned_half", False)
+    with pytest.warns(UserWarning, match="kernel='triton' in float16 / bfloat16 on CUDA gave wrong results"):
+        gpu.warn_if_half(cuda, torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gpu.warn_if_half(cuda, torch.bfloat16)  # once
+        gpu.warn_if_half(cuda, torch.float32)
+        gpu.warn_if_half(torch.device("cpu"), torch.float16)  # the interpreter
+    monkeypatch.setattr(gpu, "HALF_PRECISION_SHOWN_RIGHT", True)
+    assert auto_loop_kernel_on(cuda, torch.bfloat16) == "triton"

@@ -1084,11 +1084,42 @@ def _step_table(schedule: Schedule, mask: Tensor | None, device: torch.device) -
     for k, step in enumerate(schedule.steps):
         rows[k].extend([step.size, schedule.offsets[step.t], step.t * step_stride, 0])
     rows[-1].extend([0, 0, 0, 0])
-    table = torch.tensor(rows, dtype=torch.int32).to(device, non_blocking=True)
+    table = _outside_graph_pools(device, lambda: torch.tensor(rows, dtype=torch.int32).to(device))
     _TABLES[key] = table
     if len(_TABLES) > 256:
         _TABLES.popitem(last=False)
     return _kept_while_captured(key, table, device)
+
+
+def _outside_graph_pools(device: torch.device, make: Callable[[], T]) -> T:
+    """``make()``, whose device tensors outlive the call (a cached step table, a pool of counters),
+    run in a thread of its own where ``device`` is CUDA and no graph is being captured: what it
+    allocates then comes from the caching allocator's ordinary memory, never from a CUDA-graph
+    pool that this thread's allocations are routed to. torch.compile's CUDA graphs
+    (``mode="reduce-overhead"``) warm a graph up and record it with every allocation of the thread
+    in the graph's pool, and refuse a tensor there that outlives the call ("tensor(s) in the
+    cudagraph pool not tracked as outputs"). The thread's stream work is finished before this
+    returns (the caller's stream may be another). During a capture it runs here: another thread's
+    allocation would break a capture that checks every thread."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return make()
+    made: list[T] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            with torch.cuda.device(device):
+                made.append(make())
+                torch.cuda.current_stream().synchronize()
+        except BaseException as error:  # raised again in the caller's thread
+            failed.append(error)
+
+    worker = threading.Thread(target=run, name="rnndrop-persistent-alloc")
+    worker.start()
+    worker.join()
+    if failed:
+        raise failed[0]
+    return made[0]
 
 
 #: Step tables a CUDA graph captured: its replays read them by address, so they are never freed.
@@ -1205,8 +1236,8 @@ def _counter(device: torch.device, pooled: bool) -> Tensor:
     key = (index, _current_raw_stream(index))
     with _pools_lock:
         pool = _pools.get(key)
-        if pool is None:
-            pool = _pools[key] = _CounterPool(device)
+        if pool is None:  # kept for the process: never in a CUDA graph's memory pool
+            pool = _pools[key] = _outside_graph_pools(device, lambda: _CounterPool(device))
         return pool.take()
 
 
