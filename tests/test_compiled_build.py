@@ -360,3 +360,25 @@ def test_compile_wait_builds_in_the_first_call(tmp_path, good):
     result = _result(_run(tmp_path, good, RNNDROP_COMPILE_WAIT="1"))
     assert result["first"] == result["later"] == "compiled"
     assert not any("in the background" in line for line in result["log"])
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX's")
+def test_a_child_forked_during_a_build_has_a_free_lock_and_no_build_of_its_own(monkeypatch):
+    """The build thread holds the lock; a forked child inherits it held, without the thread that
+    would release it (kernel="compiled" there waited forever). The child starts with a free lock."""
+    import threading
+
+    monkeypatch.setattr(compiled, "_lock", threading.Lock())
+    monkeypatch.setattr(compiled, "_background", threading.Thread(target=lambda: None))
+    compiled._lock.acquire()  # as the build thread holds it
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: answer, then leave without running anything of the parent's
+        free = compiled._lock.acquire(blocking=False)
+        os.write(write, json.dumps([free, compiled._background is None]).encode())
+        os._exit(0)
+    os.close(write)
+    answer = json.loads(os.read(read, 100).decode())
+    os.waitpid(pid, 0)
+    compiled._lock.release()
+    assert answer == [True, True]

@@ -199,6 +199,21 @@ def _build_in_background() -> None:
                            "now on", time.monotonic() - started)
 
 
+def _after_fork_in_child() -> None:
+    """A child forked while the parent builds (a DataLoader worker, Hogwild) inherits the lock the
+    build thread holds but not the thread, which would never release it: kernel="compiled" there
+    waited forever, and kernel="auto" ran "manual" for the child's life. The child starts with a
+    free lock and no build of its own; its first call finds the library the parent published, or
+    waits on the build's file lock (:mod:`rnndrop.kernels.compiled_cache`) as any other process."""
+    global _lock, _background
+    _lock = threading.Lock()
+    _background = None
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 @atexit.register
 def _stop_background_build() -> None:
     """A build kernel="auto" started does not outlive its process (nor leave a compiler running)."""

@@ -130,6 +130,17 @@ cpp_extension.load(name=name, sources=sources, extra_cflags=cflags, extra_ldflag
 #: that, none starts.
 _children: dict[subprocess.Popen[bytes], Path] = {}  # each with its work folder
 _children_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child's own lock and no compiler children of its own (they are the parent's)."""
+    global _children_lock
+    _children_lock = threading.Lock()
+    _children.clear()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 _stopping = False
 
 

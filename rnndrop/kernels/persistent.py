@@ -1075,7 +1075,8 @@ def _step_table(schedule: Schedule, mask: Tensor | None, device: torch.device) -
     key = (schedule, step_stride, device)  # a schedule is built once per batch sizes and never changes
     table = _TABLES.get(key)
     if table is not None:
-        _TABLES.move_to_end(key)
+        with contextlib.suppress(KeyError):  # another thread may have evicted it since
+            _TABLES.move_to_end(key)
         return _kept_while_captured(key, table, device)
     rows = [[0, 0, 0, 0]]
     for step in schedule.steps:
