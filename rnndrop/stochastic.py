@@ -15,7 +15,8 @@ stacked into one batch).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from typing import NoReturn
 
 import torch
@@ -72,6 +73,35 @@ class Stochastic:
         return "sequence" if scope == "batch" and self._noise_per_sequence else scope
 
 
+_switches: dict[tuple[int, str], list] = {}  # (model, switch) -> [blocks inside, restore]
+_switches_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def shared_switch(
+    model: torch.nn.Module, name: str, switch: Callable[[], Callable[[], None]]
+) -> Iterator[None]:
+    """A block under which ``model`` is switched (``switch()`` sets it and returns what puts it
+    back), for every thread in it at once: the first block to enter switches, the last to leave
+    puts back. Each block saving and restoring for itself, two threads' blocks that overlapped left
+    the model as the first one found it switched (a model stuck in training mode after two
+    concurrent Monte-Carlo predictions)."""
+    key = (id(model), name)
+    with _switches_lock:
+        entry = _switches.get(key)
+        if entry is None:
+            entry = _switches[key] = [0, switch()]
+        entry[0] += 1
+    try:
+        yield
+    finally:
+        with _switches_lock:
+            entry[0] -= 1
+            if entry[0] == 0:
+                del _switches[key]
+                entry[1]()
+
+
 @contextlib.contextmanager
 def noise_per_sequence(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """In the block, the modules of ``model`` (itself included) that
@@ -89,16 +119,21 @@ def noise_per_sequence(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
         ``model``.
     """
     check_instance("model", model, torch.nn.Module, "an nn.Module")
-    switching = [m for m in model.modules()
-                 if isinstance(m, Stochastic) and m.switches_to_noise_per_sequence()]
-    before = [m.__dict__.get("_noise_per_sequence") for m in switching]
-    for m in switching:
-        m._noise_per_sequence = True
-    try:
+    def switch() -> Callable[[], None]:
+        switching = [m for m in model.modules()
+                     if isinstance(m, Stochastic) and m.switches_to_noise_per_sequence()]
+        before = [m.__dict__.get("_noise_per_sequence") for m in switching]
+        for m in switching:
+            m._noise_per_sequence = True
+
+        def restore() -> None:
+            for m, value in zip(switching, before):
+                if value is None:
+                    del m._noise_per_sequence  # back to the class's False
+                else:
+                    m._noise_per_sequence = value
+
+        return restore
+
+    with shared_switch(model, "noise_per_sequence", switch):
         yield model
-    finally:
-        for m, value in zip(switching, before):
-            if value is None:
-                del m._noise_per_sequence  # back to the class's False
-            else:
-                m._noise_per_sequence = value

@@ -686,3 +686,18 @@ def test_batch_dims_and_untiled_lists_are_checked():
     looped = mc_predict(model, (x, [6, 2, 4, 1, 3]), n_samples=3, batch_dim=(1, None), output_batch_dim=0,
                         method="loop")  # one copy a call: the list goes as it is
     assert looped.mean.shape == (5, 4)
+
+
+def test_two_overlapping_monte_carlo_blocks_leave_the_model_as_they_found_it():
+    """Two threads' mc_dropout / noise_per_sequence blocks that overlap (A enters, B enters, A
+    leaves, B leaves): each saved and restored for itself, so B put back the switched modes A had
+    made, and the model stayed in training mode (every later inference stochastic)."""
+    lstm = VariationalLSTM(4, 4, dropout_hidden=0.5, mask_scope="batch").eval()
+    for block in (lambda: mc_dropout(lstm), lambda: noise_per_sequence(lstm)):
+        first, second = block(), block()
+        first.__enter__()
+        second.__enter__()
+        first.__exit__(None, None, None)
+        assert lstm.training or lstm.__dict__.get("_noise_per_sequence")  # the other still inside
+        second.__exit__(None, None, None)
+        assert not lstm.training and "_noise_per_sequence" not in lstm.__dict__

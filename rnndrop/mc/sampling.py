@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.nn.modules.dropout import _DropoutNd
 from torch.nn.utils.rnn import PackedSequence
 
-from rnndrop.stochastic import Stochastic, noise_per_sequence
+from rnndrop.stochastic import Stochastic, noise_per_sequence, shared_switch
 from rnndrop.validation import check_choice, check_instance
 
 __all__ = ["DEFAULT_MEMORY_BUDGET", "METHODS", "mc_dropout", "sampling_modules"]
@@ -55,7 +55,9 @@ def mc_dropout(model: nn.Module, *, strict: bool = True) -> Iterator[nn.Module]:
     docstring) to training mode, that module alone: its children keep eval mode
     unless they sample too. On exit, also after an exception, every module gets back
     the mode it had. Gradients are not touched: wrap the call in ``torch.no_grad()``
-    for inference.
+    for inference. The modes are the model's own: while a block runs, another thread's call of
+    the same model samples too (serve Monte-Carlo and plain predictions from two copies); blocks
+    of several threads at once leave it as the first found it.
 
     Args:
         model: any ``nn.Module``.
@@ -75,15 +77,20 @@ def mc_dropout(model: nn.Module, *, strict: bool = True) -> Iterator[nn.Module]:
             "with p > 0); Monte-Carlo samples would all equal the eval prediction. "
             "Pass strict=False to allow it."
         )
-    modes = [(m, m.training) for m in model.modules()]
-    try:
+    def switch() -> Callable[[], None]:
+        modes = [(m, m.training) for m in model.modules()]
         model.eval()
         for m in samplers:
             m.training = True
+
+        def restore() -> None:
+            for m, mode in modes:
+                m.training = mode
+
+        return restore
+
+    with shared_switch(model, "mc_dropout", switch):
         yield model
-    finally:
-        for m, mode in modes:
-            m.training = mode
 
 
 # ------------------------------------------------------------------ batching
