@@ -8,15 +8,19 @@ dropped: for ``W_hh`` that is a unit of ``h_{t-1}`` dropped for every gate, ever
 step and every sequence of the batch, i.e. Gal & Ghahramani's recurrent dropout
 with one mask per batch (what ``VariationalLSTM(mask_scope="batch")`` does).
 
-The parameters are never replaced: each forward call computes the dropped
-weights from the module's own parameters and runs the module with them
-(:func:`torch.func.functional_call`), so the raw weight is what learns, the state
-dict is the module's, and ``.to()``, ``deepcopy`` and ``torch.compile`` need no
-care.
+The parameters stay the module's own: each forward call computes the dropped weights from them
+and runs the module with them, so the raw weight is what learns, the state dict is the module's,
+and ``.to()``, ``deepcopy`` and ``torch.compile`` need no care. A torch RNN without hooks gets them
+through torch's fused op directly; any other module through :func:`torch.func.functional_call`,
+which puts them in place for the call's length, so calls of one WeightDrop from several threads
+take turns there.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
@@ -188,16 +192,39 @@ class WeightDrop(Stochastic, nn.Module):
         if tracing_for_compile() and is_torch_rnn(self.module):
             dropped = {name: weights[name] * m for name, m in masks.items()}
             return run_eagerly(_TORCH_RNN_UNTRACED)(self.module, dropped, args, kwargs)
+        swap_free = is_torch_rnn(self.module) and runs_without_hooks(self.module)
         if not masks:
-            return self.module(*args, **kwargs)
+            with self._swaps(swap_free):
+                return self.module(*args, **kwargs)
         if (not torch.compiler.is_compiling() and shares_one_buffer(self.module)
                 and set(masks) <= set(self.module._flat_weights_names)):  # (torch.compile: as before)
-            views = masked_views(self.module, masks)
             if runs_without_hooks(self.module):
+                views = masked_views(self.module, masks)
                 return forward_with_weights(self.module, list(views.values()), *args, **kwargs)
-            return functional_call(self.module, views, args, kwargs)
-        return _call_with_weights(self.module, {name: weights[name] * m for name, m in masks.items()},
-                                  args, kwargs)
+            with self._swaps(False):  # (a hook: the module's own forward, given the views for the call)
+                return functional_call(self.module, masked_views(self.module, masks), args, kwargs)
+        if swap_free and not torch.compiler.is_compiling():  # torch's fused op given the weights
+            dropped = {name: weights[name] * m for name, m in masks.items()}
+            flat = [dropped.get(name, getattr(self.module, name)) for name in self.module._flat_weights_names]
+            with quiet_weight_compaction(flat[0].device):
+                return forward_with_weights(self.module, flat, *args, **kwargs)
+        with self._swaps(False):  # the weights read inside: another call's are not in place then
+            dropped = {name: self._weight(name) * m for name, m in masks.items()}
+            return _call_with_weights(self.module, dropped, args, kwargs)
+
+    def _swaps(self, swap_free: bool) -> contextlib.AbstractContextManager:
+        """The lock of the calls that put dropped weights into the wrapped module for their length
+        (``torch.func.functional_call``), held by every call through this wrapper that runs the
+        module's own forward: two threads' calls otherwise read, and put back, each other's dropped
+        weights (a Parameter left replaced by a masked tensor for good). None is needed where the
+        module is a torch RNN without hooks: its weights are then given to torch's op, never set."""
+        if swap_free:
+            return contextlib.nullcontext()
+        with _LOCKS_LOCK:
+            lock = _LOCKS.get(self)
+            if lock is None:
+                lock = _LOCKS[self] = threading.RLock()
+        return lock
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.training and self.p > 0):
@@ -217,6 +244,10 @@ class WeightDrop(Stochastic, nn.Module):
         if self.variational:
             s += ", variational=True"
         return s
+
+
+_LOCKS: weakref.WeakKeyDictionary[WeightDrop, Any] = weakref.WeakKeyDictionary()  # an RLock each
+_LOCKS_LOCK = threading.Lock()  # (kept apart from the module: a lock cannot be copied or pickled)
 
 
 def _dropping_wrapper(module: nn.Module, name: str) -> str | None:

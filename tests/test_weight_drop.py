@@ -291,3 +291,40 @@ def test_on_cuda_weight_drop_runs_cudnn_without_compacting_the_weights():
         warnings.simplefilter("error")
         out, _ = wd(torch.randn(5, 3, 8, device="cuda"))
         out.sum().backward()
+
+
+@pytest.mark.parametrize("inner", ["nn.LSTM", "VariationalLSTM"])
+def test_calls_from_several_threads_give_what_each_gives_alone(inner):
+    """torch.func.functional_call puts the dropped weights into the wrapped module for a call's
+    length: two threads' calls read, and put back, each other's (outputs of another mask, and a
+    Parameter left replaced by a masked tensor for good). A torch RNN is now given its weights, a
+    wrapped rnndrop layer's calls take turns."""
+    import threading
+
+    from rnndrop import VariationalLSTM
+
+    torch.manual_seed(0)
+    lstm = nn.LSTM(6, 8) if inner == "nn.LSTM" else VariationalLSTM(6, 8)
+    wd = WeightDrop(lstm, ["weight_hh_l0"], p=0.5).eval()
+    x = torch.randn(5, 3, 6)
+    masks = [wd.sample_masks() for _ in range(2)]
+    with torch.no_grad():
+        alone = [wd.forward_with_masks(m, x)[0] for m in masks]
+        plain = wd(x)[0]
+    wrong = []
+
+    def calls(k):
+        with torch.no_grad():
+            for _ in range(150):
+                out = wd.forward_with_masks(masks[k], x)[0] if k < 2 else wd(x)[0]
+                wrong.append(not torch.equal(out, alone[k] if k < 2 else plain))
+
+    threads = [threading.Thread(target=calls, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not any(wrong)
+    assert isinstance(lstm._parameters["weight_hh_l0"], nn.Parameter)
+    with torch.no_grad():
+        assert torch.equal(wd(x)[0], plain)
