@@ -49,7 +49,6 @@ has its own recurrent mask. How long a mask lives is ``mask_scope`` (:mod:`rnndr
 
 from __future__ import annotations
 
-import copy
 import functools
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -108,10 +107,10 @@ LayerLoop = Callable[
 ]
 
 
-def _kernel_name(kernel: str, gates_x: Tensor) -> str:
-    """The entry of :data:`~rnndrop.kernels.KERNELS` a layer set to ``kernel`` runs on ``gates_x``:
-    the one named, or for ``"auto"`` :func:`~rnndrop.kernels.auto_loop_kernel`'s choice."""
-    return auto_loop_kernel(gates_x) if kernel == "auto" else kernel
+def _kernel_name(kernel: str, gates_x: Tensor, w_hh: Tensor) -> str:
+    """The entry of :data:`~rnndrop.kernels.KERNELS` a layer set to ``kernel`` runs on ``gates_x``
+    with ``w_hh``: the one named, or for ``"auto"`` :func:`~rnndrop.kernels.auto_loop_kernel`'s choice."""
+    return auto_loop_kernel(gates_x, w_hh) if kernel == "auto" else kernel
 
 
 def _rows(gates_x: Tensor) -> Tensor:
@@ -132,7 +131,7 @@ def _lstm_loop(
     """``gates_x = W_ih x + b_ih + b_hh`` of every step in one product, then the LSTM kernel."""
     bias = w["bias_ih"] + w["bias_hh"] if "bias_ih" in w else None
     gates_x = _rows(input_projection(x, in_rows, w["weight_ih"], bias))  # [N, 4H]
-    recurrence = recurrence_of(_kernel_name(kernel, gates_x), "lstm")
+    recurrence = recurrence_of(_kernel_name(kernel, gates_x, w["weight_hh"]), "lstm")
     h0, c0 = states
     out, h, c = recurrence(
         gates_x, batch_sizes, h0, c0, w["weight_hh"], w.get("weight_hr"), hidden_mask, reverse
@@ -153,7 +152,7 @@ def _gru_loop(
     """``gates_x = W_ih x + b_ih`` of every step in one product (``b_hh`` sits inside
     ``r * (W_hn h + b_hn)``), then the GRU kernel."""
     gates_x = _rows(input_projection(x, in_rows, w["weight_ih"], w.get("bias_ih")))  # [N, 3H]
-    recurrence = recurrence_of(_kernel_name(kernel, gates_x), "gru")
+    recurrence = recurrence_of(_kernel_name(kernel, gates_x, w["weight_hh"]), "gru")
     (h0,) = states
     out, h = recurrence(gates_x, batch_sizes, h0, w["weight_hh"], w.get("bias_hh"), hidden_mask, reverse)
     return out, (h,)
@@ -375,7 +374,9 @@ class VariationalRNNStack(Stochastic):
         class's keyword arguments (``dropout_hidden=0.3``, ...). ``dropout`` defaults to
         ``module.dropout``. The parameters a subclass adds (the log alphas of a
         :class:`~rnndrop.GaussianLSTM`, the log sigmas of a :class:`~rnndrop.SparseLSTM`) keep
-        their initialisation: Gaussian or sparse training from a trained ``nn.LSTM``. Example::
+        their initialisation: Gaussian or sparse training from a trained ``nn.LSTM``. A module
+        pruned (``torch.nn.utils.prune``) or parametrized gives the weights it computes with now,
+        as plain parameters. Example::
 
             model.rnn = VariationalLSTM.from_module(model.rnn, dropout_hidden=0.3)
         """
@@ -397,7 +398,10 @@ class VariationalRNNStack(Stochastic):
             config["proj_size"] = module.proj_size
         dropout_kwargs.setdefault("dropout", module.dropout)
         layer = cls(module.input_size, module.hidden_size, **config, **dropout_kwargs)  # type: ignore[call-arg]
-        loaded = layer.load_state_dict(module.state_dict(), strict=False)  # type: ignore[attr-defined]
+        # the weights it computes with, by name: a pruned or parametrized module's as they are now
+        # (its state dict holds weight_orig and the mask, or the parametrization's original)
+        state = {name: getattr(module, name).detach() for name in module._flat_weights_names}
+        loaded = layer.load_state_dict(state, strict=False)  # type: ignore[attr-defined]
         weights = set(layer._flat_weights_names)  # type: ignore[attr-defined]
         lost = [k for k in loaded.missing_keys if k in weights] + list(loaded.unexpected_keys)
         if lost:  # the same configuration: only a subclass's own parameters may be missing
@@ -439,7 +443,8 @@ class VariationalRNNStack(Stochastic):
         )
         # the weights of eval mode, read from a shallow copy in eval mode (the same parameters): the
         # module itself is never switched, which a call in another thread would see
-        evaluating = copy.copy(self)
+        evaluating = object.__new__(type(self))  # (copy.copy refuses a parametrized module)
+        evaluating.__dict__.update(self.__dict__)
         evaluating.training = False
         with torch.no_grad():
             state = {
@@ -660,7 +665,7 @@ class VariationalRNNStack(Stochastic):
         if masks is not None and masks.is_empty():
             masks = None
         raw: list[Tensor] = []
-        if masks is None and self.kernel == "auto" and not under_transform(x):
+        if masks is None and self.kernel == "auto" and not under_transform(x, *self._transform_probes()):
             out, states = self._forward_fused(x, layout, states, autocast)
         elif (self.kernel == "auto" and masks is not None and masks.scope == "batch" and not masks.per_gate
               and self._fuses(x)):
@@ -675,6 +680,12 @@ class VariationalRNNStack(Stochastic):
             return output, final
         return output, final, layout.restore(raw[0], ())[0] if raw else output
 
+    def _transform_probes(self) -> tuple[Tensor, Tensor]:
+        """The first layer's weights, asked with the input whether a call runs under a ``torch.func``
+        transform: ``vmap`` over an ensemble's stacked weights (``functional_call``) batches the
+        weights alone, and the fused op has no vmap rule."""
+        return self.weight_ih_l0, self.weight_hh_l0
+
     def _fuses(self, x: Tensor) -> bool:
         """Whether ``kernel="auto"`` runs the fused op for a call with masks on rows like ``x``
         (masks shared by the batch folded into the weights, path 2; a layer without a recurrent
@@ -682,7 +693,7 @@ class VariationalRNNStack(Stochastic):
         :attr:`CellSpec.fused_on_cpu` where the compiled loop kernel runs, and under a
         ``torch.func`` transform or forward-mode AD (the fused op has no vmap rule: the loop of
         torch's own ops runs there)."""
-        if under_transform(x):
+        if under_transform(x, *self._transform_probes()):
             return False
         return self._cell.fused_on_cpu or x.device.type != "cpu" or auto_loop_kernel(x) != "compiled"
 

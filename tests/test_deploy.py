@@ -264,3 +264,23 @@ def test_to_plain_never_switches_the_layer_itself_to_eval_mode():
     spied = Spy(3, 4, num_layers=2, dropout_hidden=0.3).train()
     spied.to_plain()
     assert seen and all(copy_mode is False and own is True for copy_mode, own in seen)
+
+
+def test_parametrized_and_pruned_layers_convert_both_ways():
+    """to_plain / to_torch of a layer with a parametrization (copy.copy refused it), and from_module
+    of a pruned or parametrized nn.LSTM (its state dict holds weight_orig and the mask): the
+    weights it computes with, as plain parameters; eval outputs equal."""
+    from torch.nn.utils import parametrizations, prune
+
+    layer = VariationalLSTM(5, 6, dropout_hidden=0.3)
+    parametrizations.orthogonal(layer, "weight_hh_l0")
+    x = torch.randn(4, 2, 5)
+    plain = rnndrop.to_torch(layer)
+    assert type(plain) is nn.LSTM and layer.training
+    torch.testing.assert_close(plain(x)[0], layer.eval()(x)[0], rtol=0, atol=1e-6)
+    for treat in (lambda m: prune.l1_unstructured(m, "weight_hh_l0", amount=0.5),
+                  lambda m: parametrizations.weight_norm(m, "weight_ih_l0")):
+        module = nn.LSTM(5, 6)
+        treat(module)
+        ours = VariationalLSTM.from_module(module, dropout_hidden=0.3).eval()
+        torch.testing.assert_close(ours(x)[0], module.eval()(x)[0], rtol=0, atol=1e-6)

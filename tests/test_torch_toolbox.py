@@ -241,3 +241,28 @@ def test_import_leaves_torch_dynamo_to_torch_compile():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+ENSEMBLE_SETTINGS = [{}, {"dropout_hidden": 0.3}, {"dropout_hidden": 0.3, "mask_scope": "batch"}]
+
+
+@pytest.mark.parametrize("setting", ENSEMBLE_SETTINGS,
+                         ids=["plain", "tied", "batch"])
+def test_vmap_over_an_ensembles_stacked_weights_runs_in_eval_mode(setting):
+    """torch.func's ensembling (stack_module_state, functional_call, vmap over the weights alone,
+    the input shared): the weights are batched and the input is not, so the fused op ran and had no
+    vmap rule. Every layer's output equals its own call."""
+    import copy
+
+    from torch.func import functional_call, stack_module_state, vmap
+
+    for cls in (VariationalLSTM, VariationalGRU):
+        models = [cls(4, 5, 2, **setting).eval() for _ in range(3)]
+        params, buffers = stack_module_state(models)
+        base = copy.deepcopy(models[0]).to("meta")
+        x = torch.randn(6, 2, 4)
+        def one(p, b, x, base=base):
+            return functional_call(base, (p, b), (x,))[0]
+
+        out = vmap(one, in_dims=(0, 0, None))(params, buffers, x)
+        torch.testing.assert_close(out, torch.stack([m(x)[0] for m in models]), atol=1e-6, rtol=1e-5)

@@ -118,23 +118,24 @@ KERNELS: Mapping[str, CellKernels] = {
 DEFAULT_LOOP_KERNEL = "manual"
 
 
-def auto_loop_kernel(x: Tensor) -> str:
+def auto_loop_kernel(x: Tensor, *others: Tensor) -> str:
     """The loop kernel ``kernel="auto"`` runs on tensors like ``x``: ``"autograd"`` inside a
     ``torch.func`` transform (``grad``, ``vmap``, ...) or under forward-mode AD (the hand-written
     backward passes are autograd Functions those cannot run: :func:`under_transform`) and while
     ``torch.export`` traces (it cannot trace into the C++ loop nor the manual kernel's ``out=``
-    calls), else :func:`auto_loop_kernel_on` for ``x``'s device and dtype."""
-    if exporting() or under_transform(x):
+    calls), else :func:`auto_loop_kernel_on` for ``x``'s device and dtype. ``others`` (the weights)
+    are asked about transforms too: ``vmap`` over an ensemble's stacked weights batches them alone."""
+    if exporting() or under_transform(x, *others):
         return "autograd"
     return auto_loop_kernel_on(x.device, x.dtype)
 
 
-def under_transform(x: Tensor) -> bool:
-    """Whether a call on ``x`` runs inside a ``torch.func`` transform or under forward-mode AD
-    (:func:`~rnndrop.kernels.first_order.transformed`): only torch's own ops run there, layer by
-    layer (torch's fused RNN op has no vmap rule). Never while torch.compile traces: the check
+def under_transform(*xs: Tensor) -> bool:
+    """Whether a call on ``xs`` (an input, weights) runs inside a ``torch.func`` transform or under
+    forward-mode AD (:func:`~rnndrop.kernels.first_order.transformed`): only torch's own ops run
+    there, layer by layer (torch's fused RNN op has no vmap rule). Never while torch.compile traces: the check
     would be a graph break."""
-    return not torch.compiler.is_compiling() and transformed(x)
+    return not torch.compiler.is_compiling() and transformed(*xs)
 
 
 @constant_for_compile
