@@ -398,9 +398,11 @@ class VariationalRNNStack(Stochastic):
             config["proj_size"] = module.proj_size
         dropout_kwargs.setdefault("dropout", module.dropout)
         layer = cls(module.input_size, module.hidden_size, **config, **dropout_kwargs)  # type: ignore[call-arg]
-        # the weights it computes with, by name: a pruned or parametrized module's as they are now
-        # (its state dict holds weight_orig and the mask, or the parametrization's original)
-        state = {name: getattr(module, name).detach() for name in module._flat_weights_names}
+        # its state dict, with the weights it computes with: a pruned or parametrized module's as they
+        # are now (its state dict holds weight_orig and the mask, or the parametrization's original)
+        state = {key: value for key, value in module.state_dict().items()
+                 if not (key.endswith(("_orig", "_mask")) or key.startswith("parametrizations."))}
+        state.update({name: getattr(module, name).detach() for name in module._flat_weights_names})
         loaded = layer.load_state_dict(state, strict=False)  # type: ignore[attr-defined]
         weights = set(layer._flat_weights_names)  # type: ignore[attr-defined]
         lost = [k for k in loaded.missing_keys if k in weights] + list(loaded.unexpected_keys)
@@ -596,8 +598,8 @@ class VariationalRNNStack(Stochastic):
         docs/ecosystem.md): in training mode (masks; eval mode is the fused op, which runs
         eagerly) on a loop kernel that runs as an operator
         (:mod:`rnndrop.kernels.ops`) in the dtype it computes in (under autocast the one
-        ``nn.LSTM`` / ``nn.GRU`` would: on CUDA the autocast dtype, which the "triton" kernel runs;
-        on the CPU a bfloat16 LSTM's loop is the "manual" kernel's, which runs eagerly), for a
+        ``nn.LSTM`` / ``nn.GRU`` would: a half type on CUDA, or a bfloat16 LSTM on the CPU, runs the
+        "manual" kernel's loop, which runs eagerly), for a
         padded batch (a packed one's batch sizes are data the graph would depend on), and not while
         torch.export traces (an exported program must not need rnndrop's operators: export runs as
         before). Its masks, projections and states are then part of the graph, and the fused op

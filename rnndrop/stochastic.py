@@ -15,6 +15,7 @@ stacked into one batch).
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import NoReturn
@@ -74,7 +75,18 @@ class Stochastic:
 
 
 _switches: dict[tuple[int, str], list] = {}  # (model, switch) -> [blocks inside, restore]
-_switches_lock = threading.Lock()
+_switches_lock = threading.RLock()  # (re-entrant: a switch runs the model's train() / eval())
+
+
+def _after_fork_in_child() -> None:
+    """A forked child's own lock and no blocks inside (their threads stayed in the parent)."""
+    global _switches_lock
+    _switches.clear()
+    _switches_lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @contextlib.contextmanager

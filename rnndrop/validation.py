@@ -21,7 +21,11 @@ __all__ = [
     "check_bool",
     "check_choice",
     "check_finite_float",
+    "check_fraction",
+    "check_input_features",
     "check_instance",
+    "check_nonnegative_float",
+    "check_nonnegative_int",
     "check_positive_float",
     "check_positive_int",
     "check_probability",
@@ -221,7 +225,12 @@ def checked_setting(name: str, check: Callable[[str, Any], Any], *, fixed: str |
     stored = f"_checked_{name}"
 
     def get(self: Any) -> Any:
-        return getattr(self, stored)
+        values = self.__dict__
+        if stored in values:
+            return values[stored]
+        if name in values:  # a module pickled before the setting was checked: its own name alone
+            return values[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     def set_(self: Any, value: Any) -> None:
         value = check(name, value)

@@ -19,6 +19,7 @@ take turns there.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import weakref
 from collections.abc import Iterable, Mapping
@@ -192,7 +193,8 @@ class WeightDrop(Stochastic, nn.Module):
         if tracing_for_compile() and is_torch_rnn(self.module):
             dropped = {name: weights[name] * m for name, m in masks.items()}
             return run_eagerly(_TORCH_RNN_UNTRACED)(self.module, dropped, args, kwargs)
-        swap_free = is_torch_rnn(self.module) and runs_without_hooks(self.module)
+        # torch's own RNN (not a subclass, whose forward may differ) without hooks: given its weights
+        swap_free = type(self.module) in (nn.LSTM, nn.GRU, nn.RNN) and runs_without_hooks(self.module)
         if not masks:
             with self._swaps(swap_free):
                 return self.module(*args, **kwargs)
@@ -218,7 +220,7 @@ class WeightDrop(Stochastic, nn.Module):
         module's own forward: two threads' calls otherwise read, and put back, each other's dropped
         weights (a Parameter left replaced by a masked tensor for good). None is needed where the
         module is a torch RNN without hooks: its weights are then given to torch's op, never set."""
-        if swap_free:
+        if swap_free or torch.compiler.is_compiling():  # a traced call puts nothing in place
             return contextlib.nullcontext()
         with _LOCKS_LOCK:
             lock = _LOCKS.get(self)
@@ -248,6 +250,18 @@ class WeightDrop(Stochastic, nn.Module):
 
 _LOCKS: weakref.WeakKeyDictionary[WeightDrop, Any] = weakref.WeakKeyDictionary()  # an RLock each
 _LOCKS_LOCK = threading.Lock()  # (kept apart from the module: a lock cannot be copied or pickled)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child's own locks: one held by a parent's thread at the fork stays held in the child
+    for good (the thread that would release it is not there)."""
+    global _LOCKS_LOCK
+    _LOCKS.clear()
+    _LOCKS_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _dropping_wrapper(module: nn.Module, name: str) -> str | None:

@@ -284,3 +284,16 @@ def test_parametrized_and_pruned_layers_convert_both_ways():
         treat(module)
         ours = VariationalLSTM.from_module(module, dropout_hidden=0.3).eval()
         torch.testing.assert_close(ours(x)[0], module.eval()(x)[0], rtol=0, atol=1e-6)
+
+
+def test_from_module_of_a_sparse_layer_keeps_what_its_state_dict_holds():
+    """The weights a module computes with are read by name, and the rest of its state dict still
+    goes over: a SparseLSTM's log sigmas to a SparseLSTM, and a VariationalLSTM refuses them (it
+    would compute with the unpruned weights)."""
+    sparse = rnndrop.SparseLSTM(3, 4)
+    with torch.no_grad():
+        sparse.log_sigma2_weight_hh_l0.fill_(-1.25)
+    again = rnndrop.SparseLSTM.from_module(sparse)
+    assert torch.all(again.log_sigma2_weight_hh_l0 == -1.25)
+    with pytest.raises(RuntimeError, match="gives other weights than the layer takes: log_sigma2_"):
+        VariationalLSTM.from_module(sparse)

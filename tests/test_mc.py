@@ -701,3 +701,26 @@ def test_two_overlapping_monte_carlo_blocks_leave_the_model_as_they_found_it():
         assert lstm.training or lstm.__dict__.get("_noise_per_sequence")  # the other still inside
         second.__exit__(None, None, None)
         assert not lstm.training and "_noise_per_sequence" not in lstm.__dict__
+
+
+def test_a_switch_that_fails_part_way_is_undone_and_the_lock_is_not_held():
+    """A user's train() that raises inside mc_dropout's switch: every module gets its mode back,
+    and the next block (any model) is not kept waiting."""
+
+    class Fails(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = VariationalLSTM(3, 3, dropout_hidden=0.5)
+
+        def train(self, mode=True):
+            if not mode:
+                self.lstm.training = False
+                raise RuntimeError("a hook of the user's")
+            return super().train(mode)
+
+    model = Fails().train()
+    with pytest.raises(RuntimeError, match="a hook of the user's"), mc_dropout(model):
+        pass
+    assert model.training and model.lstm.training
+    with mc_dropout(TinyLM()):
+        pass

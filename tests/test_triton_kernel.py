@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from rnndrop import VariationalGRU, VariationalLSTM
-from rnndrop.kernels import auto_loop_kernel, auto_loop_kernel_on, get_kernel, gpu
+from rnndrop.kernels import auto_loop_kernel, auto_loop_kernel_on, get_kernel, gpu, precision
 from tests import helpers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -221,21 +221,29 @@ def test_pooled_counters_are_kept_apart_per_device_and_stream(monkeypatch):
 def test_buffers_kept_across_calls_are_made_outside_the_callers_cuda_graph_pool(monkeypatch):
     """torch.compile's CUDA graphs route every allocation of the thread warming a graph up into the
     graph's pool, and refuse one that outlives the call (the H200, 2026-11-27: "tensor(s) in the
-    cudagraph pool not tracked as outputs"): pooled counters and cached step tables are made in a
-    thread of their own (its stream work finished), except while a graph is being captured."""
+    cudagraph pool not tracked as outputs"): pooled counters and cached step tables are allocated in
+    a thread of their own, the caller's stream made to wait for that thread's (the default) stream
+    and recorded on the tensor, except while a graph is being captured."""
     import threading
 
     from rnndrop.kernels import persistent
     from rnndrop.kernels.schedule import Schedule
 
     seen = []
+    caller, default = SimpleNamespace(wait_stream=lambda s: seen.append(("waits", s))), object()
+
+    class Made:
+        def record_stream(self, stream):
+            seen.append(("recorded", stream))
+
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream",
-                        lambda *args: SimpleNamespace(synchronize=lambda: seen.append("synchronized")))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args: caller)
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda *args: default)
     cuda = torch.device("cuda")
-    assert persistent._outside_graph_pools(cuda, lambda: seen.append(threading.current_thread()) or 7) == 7
-    assert seen[0] is not threading.current_thread() and seen[1] == "synchronized"
+    made = persistent._outside_graph_pools(cuda, lambda: seen.append(threading.current_thread()) or Made())
+    assert isinstance(made, Made) and seen[0] is not threading.current_thread()
+    assert seen[1:] == [("waits", default), ("recorded", caller)]
 
     def fails():
         raise ValueError("out of memory")
@@ -249,15 +257,14 @@ def test_buffers_kept_across_calls_are_made_outside_the_callers_cuda_graph_pool(
 
     made = []
     monkeypatch.setattr(persistent, "_outside_graph_pools",
-                        lambda device, make: made.append(device) or make())
+                        lambda device, allocate: made.append(device) or allocate())
     monkeypatch.setattr(persistent, "_pools", {})
     monkeypatch.setattr(persistent, "_current_raw_stream", lambda index: 5)
     monkeypatch.setattr(persistent, "_TABLES", persistent.OrderedDict())
-    persistent._counter(torch.device("cpu", 0), pooled=True)
-    persistent._counter(torch.device("cpu", 0), pooled=True)  # the pool made once
-    persistent._step_table(Schedule.of([3, 2], False), None, torch.device("cpu"))
-    persistent._step_table(Schedule.of([3, 2], False), None, torch.device("cpu"))  # cached
-    assert len(made) == 2
+    counters = [persistent._counter(torch.device("cpu", 0), pooled=True) for _ in range(2)]  # one pool
+    tables = [persistent._step_table(Schedule.of([3, 2], False), None, torch.device("cpu")) for _ in range(2)]
+    assert len(made) == 2 and all(int(c) == 0 for c in counters)
+    assert tables[0] is tables[1] and tables[0].tolist()[1][:4] == [3, 0, 0, 0]
 
 
 class _WithMasks(torch.nn.Module):
@@ -412,14 +419,14 @@ def test_auto_runs_the_manual_kernel_for_half_types_on_cuda_and_triton_warns_the
     assert auto_loop_kernel_on(cuda, torch.float32) == "triton"
     for half in (torch.bfloat16, torch.float16):
         assert auto_loop_kernel_on(cuda, half) == "manual"
-        assert gpu.runs_half_precision(torch.device("cpu"), half)
-    monkeypatch.setattr(gpu, "_warned_half", False)
+        assert precision.auto_may_run_triton_in(torch.device("cpu"), half)
+    monkeypatch.setattr(precision, "_warned_half", False)
     with pytest.warns(UserWarning, match="kernel='triton' in float16 / bfloat16 on CUDA gave wrong results"):
-        gpu.warn_if_half(cuda, torch.bfloat16)
+        precision.warn_if_triton_in_half(cuda, torch.bfloat16)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        gpu.warn_if_half(cuda, torch.bfloat16)  # once
-        gpu.warn_if_half(cuda, torch.float32)
-        gpu.warn_if_half(torch.device("cpu"), torch.float16)  # the interpreter
-    monkeypatch.setattr(gpu, "HALF_PRECISION_SHOWN_RIGHT", True)
+        precision.warn_if_triton_in_half(cuda, torch.bfloat16)  # once
+        precision.warn_if_triton_in_half(cuda, torch.float32)
+        precision.warn_if_triton_in_half(torch.device("cpu"), torch.float16)  # the interpreter
+    monkeypatch.setattr(precision, "HALF_PRECISION_SHOWN_RIGHT", True)
     assert auto_loop_kernel_on(cuda, torch.bfloat16) == "triton"

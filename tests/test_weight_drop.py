@@ -1,6 +1,7 @@
 """WeightDrop: DropConnect on the weights of nn.LSTM / nn.GRU / VariationalLSTM / any module."""
 
 import copy
+import os
 import warnings
 
 import pytest
@@ -328,3 +329,68 @@ def test_calls_from_several_threads_give_what_each_gives_alone(inner):
     assert isinstance(lstm._parameters["weight_hh_l0"], nn.Parameter)
     with torch.no_grad():
         assert torch.equal(wd(x)[0], plain)
+
+
+def test_a_traced_call_takes_no_lock_and_a_subclass_keeps_its_forward():
+    """torch.compile cannot enter a lock (a graph break, an error with fullgraph): a traced call
+    puts nothing in place and takes none. An nn.LSTM subclass's own forward runs in training too
+    (torch's op given the weights serves torch's own RNN classes alone)."""
+    wd = WeightDrop(nn.Linear(4, 4), "weight", p=0.5)
+    compiled = torch.compile(wd, backend="eager", fullgraph=True)
+    for mode in (True, False):
+        wd.train(mode)
+        assert compiled(torch.randn(3, 4)).shape == (3, 4)
+
+    class Sevens(nn.LSTM):
+        def forward(self, x, hx=None):
+            out, state = super().forward(x, hx)
+            return out * 0 + 7, state
+
+    subclassed = WeightDrop(Sevens(3, 3), ["weight_hh_l0"], p=0.5).train()
+    assert torch.equal(subclassed(torch.randn(4, 2, 3))[0], torch.full((4, 2, 3), 7.0))
+
+
+def test_a_module_pickled_before_its_settings_were_checked_still_loads():
+    """Modules saved whole before WeightDrop / LockedDropout / EmbeddingDropout checked ``p`` when
+    set hold it under ``p`` alone."""
+    import pickle
+
+    wd = WeightDrop(nn.LSTM(3, 3), ["weight_hh_l0"], p=0.3)
+    del wd.__dict__["_checked_p"]
+    old = pickle.loads(pickle.dumps(wd))
+    assert old.p == 0.3 and old(torch.randn(2, 1, 3))[0].shape == (2, 1, 3)
+    assert not hasattr(WeightDrop.__new__(WeightDrop), "p")  # (an AttributeError, not a KeyError)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX's")
+def test_a_child_forked_while_a_call_held_the_lock_can_call():
+    """A lock a parent's thread held at the fork stays held in the child for good."""
+    import signal
+    import threading
+
+    from rnndrop import VariationalLSTM
+
+    wd = WeightDrop(VariationalLSTM(3, 3), ["weight_hh_l0"], p=0.5)
+    inside, done = threading.Event(), threading.Event()
+
+    def a_call_in_another_thread():
+        with wd._swaps(False):
+            inside.set()
+            done.wait(30)
+
+    other = threading.Thread(target=a_call_in_another_thread)
+    other.start()
+    inside.wait(30)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(10)  # a child that would wait for good is ended, and the parent reads nothing
+        free = wd._swaps(False).acquire(blocking=False)
+        os.write(write, b"1" if free else b"0")
+        os._exit(0)
+    os.close(write)
+    answer = os.read(read, 1)
+    os.waitpid(pid, 0)
+    done.set()
+    other.join()
+    assert answer == b"1"

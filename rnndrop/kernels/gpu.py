@@ -39,19 +39,10 @@ __all__ = [
     "load",
     "lstm_recurrence",
     "passes_first_use_check",
-    "runs_half_precision",
-    "warn_if_half",
 ]
 
 HOW_TO_GET_IT = 'pip install "rnndrop[gpu]" (Triton)'
 
-#: Whether the kernel's float16 / bfloat16 path (autocast, or half tensors) has been shown right on a
-#: GPU. It has not: on an H200 (2026-11-27; tests/triton_checks.py, the autocast checks) its bfloat16
-#: outputs were unrelated to the reference's while every float32 check passed, and no GPU has been
-#: at hand since to find why (under Triton's interpreter, on the CPU, the same checks pass). Until one
-#: shows the cause found and fixed, ``kernel="auto"`` runs the "manual" kernel for half types on CUDA
-#: (:func:`runs_half_precision`) and ``kernel="triton"`` warns there.
-HALF_PRECISION_SHOWN_RIGHT = False
 
 _lock = threading.Lock()
 _modules: tuple[ModuleType, ModuleType] | None = None
@@ -59,27 +50,6 @@ _failure: str | None = None
 _warned = False
 _checked: dict[str, str | None] = {}  # device -> why it failed the first-use check, or None
 _check_lock = threading.Lock()
-_warned_half = False
-
-
-def runs_half_precision(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``kernel="auto"`` may run the kernel in ``dtype`` on ``device``: not float16 / bfloat16
-    on CUDA until :data:`HALF_PRECISION_SHOWN_RIGHT` (Triton's interpreter, on the CPU, may)."""
-    return HALF_PRECISION_SHOWN_RIGHT or device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16)
-
-
-def warn_if_half(device: torch.device, dtype: torch.dtype) -> None:
-    """One warning where the kernel runs its products in a half type on CUDA (``kernel="triton"``
-    asked for: ``"auto"`` does not pick it there, :data:`HALF_PRECISION_SHOWN_RIGHT`)."""
-    global _warned_half
-    if _warned_half or runs_half_precision(device, dtype):
-        return
-    _warned_half = True
-    warnings.warn(
-        "kernel='triton' in float16 / bfloat16 on CUDA gave wrong results on the one GPU that checked it "
-        "(an H200, 2026-11-27: docs/gpu.md); kernel='auto' runs the 'manual' kernel there instead",
-        stacklevel=4,
-    )
 
 
 def load() -> tuple[ModuleType, ModuleType]:

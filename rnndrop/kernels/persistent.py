@@ -1085,33 +1085,34 @@ def _step_table(schedule: Schedule, mask: Tensor | None, device: torch.device) -
     for k, step in enumerate(schedule.steps):
         rows[k].extend([step.size, schedule.offsets[step.t], step.t * step_stride, 0])
     rows[-1].extend([0, 0, 0, 0])
-    table = _outside_graph_pools(device, lambda: torch.tensor(rows, dtype=torch.int32).to(device))
+    table = _outside_graph_pools(device, lambda: torch.empty(len(rows), 8, dtype=torch.int32, device=device))
+    table.copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
     _TABLES[key] = table
     if len(_TABLES) > 256:
         _TABLES.popitem(last=False)
     return _kept_while_captured(key, table, device)
 
 
-def _outside_graph_pools(device: torch.device, make: Callable[[], T]) -> T:
-    """``make()``, whose device tensors outlive the call (a cached step table, a pool of counters),
-    run in a thread of its own where ``device`` is CUDA and no graph is being captured: what it
-    allocates then comes from the caching allocator's ordinary memory, never from a CUDA-graph
-    pool that this thread's allocations are routed to. torch.compile's CUDA graphs
-    (``mode="reduce-overhead"``) warm a graph up and record it with every allocation of the thread
-    in the graph's pool, and refuse a tensor there that outlives the call ("tensor(s) in the
-    cudagraph pool not tracked as outputs"). The thread's stream work is finished before this
-    returns (the caller's stream may be another). During a capture it runs here: another thread's
-    allocation would break a capture that checks every thread."""
+def _outside_graph_pools(device: torch.device, allocate: Callable[[], Tensor]) -> Tensor:
+    """``allocate()`` (an empty tensor kept across calls: a cached step table, a pool of counters),
+    run in a thread of its own where ``device`` is CUDA and no graph is being captured: its memory
+    then comes from the caching allocator's ordinary pool, never from a CUDA-graph pool that this
+    thread's allocations are routed to. torch.compile's CUDA graphs (``mode="reduce-overhead"``)
+    warm a graph up and record it with every allocation of the thread in the graph's pool, and
+    refuse a tensor there that outlives the call ("tensor(s) in the cudagraph pool not tracked as
+    outputs"). The block is the other thread's stream's (the default one): the caller's stream
+    waits for that stream before it fills the tensor, and the tensor is recorded on the caller's
+    stream (its memory is not reused while this stream may read it). During a capture the tensor
+    is allocated here: another thread's allocation would break a capture that checks every thread."""
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return make()
-    made: list[T] = []
+        return allocate()
+    made: list[Tensor] = []
     failed: list[BaseException] = []
 
     def run() -> None:
         try:
             with torch.cuda.device(device):
-                made.append(make())
-                torch.cuda.current_stream().synchronize()
+                made.append(allocate())
         except BaseException as error:  # raised again in the caller's thread
             failed.append(error)
 
@@ -1120,6 +1121,9 @@ def _outside_graph_pools(device: torch.device, make: Callable[[], T]) -> T:
     worker.join()
     if failed:
         raise failed[0]
+    current = torch.cuda.current_stream(device)
+    current.wait_stream(torch.cuda.default_stream(device))
+    made[0].record_stream(current)
     return made[0]
 
 
@@ -1190,11 +1194,13 @@ class _CounterPool:
 
     SLOTS = 16
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, values: Tensor | None = None) -> None:
         self.device = device
         # 16 bytes apart: every slot as aligned as a fresh counter (Triton compiles a variant per
         # pointer alignment); a slot's second word is the float16 range flag (_flag_beyond_half)
-        self.values = torch.zeros(self.SLOTS, 4, dtype=torch.int32, device=device)
+        if values is None:
+            values = torch.empty(self.SLOTS, 4, dtype=torch.int32, device=device)
+        self.values = values.zero_()
         self.slots = [row[:1] for row in self.values]
         self.used = 0
 
@@ -1238,7 +1244,9 @@ def _counter(device: torch.device, pooled: bool) -> Tensor:
     with _pools_lock:
         pool = _pools.get(key)
         if pool is None:  # kept for the process: never in a CUDA graph's memory pool
-            pool = _pools[key] = _outside_graph_pools(device, lambda: _CounterPool(device))
+            values = _outside_graph_pools(
+                device, lambda: torch.empty(_CounterPool.SLOTS, 4, dtype=torch.int32, device=device))
+            pool = _pools[key] = _CounterPool(device, values)
         return pool.take()
 
 

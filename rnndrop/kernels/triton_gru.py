@@ -33,10 +33,11 @@ import triton.language as tl
 from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
-from rnndrop.kernels import gpu, persistent
 from rnndrop.kernels import masked_product as mp
+from rnndrop.kernels import persistent
 from rnndrop.kernels.cuda_graphs import GRAPHS
 from rnndrop.kernels.first_order import first_order_backward, will_differentiate
+from rnndrop.kernels.precision import warn_if_triton_in_half
 from rnndrop.kernels.schedule import Schedule, gather_previous
 from rnndrop.kernels.triton_common import (
     gather_state_grad,
@@ -286,7 +287,7 @@ def _prepare(gates_x: Tensor, h0: Tensor, w_hh: Tensor, b_hh: Tensor | None,
     """As :func:`rnndrop.kernels.triton_lstm._prepare`, for the GRU."""
     check_device(gates_x)
     dtype = compute_dtype(gates_x)
-    gpu.warn_if_half(gates_x.device, dtype)
+    warn_if_triton_in_half(gates_x.device, dtype)
     return (as_dtype(gates_x, dtype).contiguous(), h0.contiguous(), as_dtype(w_hh, dtype).contiguous(),
             None if b_hh is None else b_hh.contiguous(),
             None if hidden_mask is None else hidden_mask.contiguous())

@@ -79,14 +79,18 @@ def mc_dropout(model: nn.Module, *, strict: bool = True) -> Iterator[nn.Module]:
         )
     def switch() -> Callable[[], None]:
         modes = [(m, m.training) for m in model.modules()]
-        model.eval()
-        for m in samplers:
-            m.training = True
 
         def restore() -> None:
             for m, mode in modes:
                 m.training = mode
 
+        try:
+            model.eval()
+            for m in samplers:
+                m.training = True
+        except BaseException:  # a train() / eval() of the user's that failed part-way
+            restore()
+            raise
         return restore
 
     with shared_switch(model, "mc_dropout", switch):
