@@ -3,8 +3,10 @@
 Each check returns the value (normalised: ``float``, ``int``, ``bool``) or raises an
 error whose message names the argument, says what was expected and shows what came,
 in the manner of ``torch.nn.modules.rnn``. Wrong *types* raise ``TypeError``, values
-of the right type that are out of range raise ``ValueError`` (except the positive-int
-checks, which have always raised ``ValueError`` for both).
+of the right type that are out of range raise ``ValueError``, except the checks of counts and of
+numbers in a range (``check_positive_int``, ``check_nonnegative_int``, ``check_positive_float``,
+``check_nonnegative_float``, ``check_fraction``), which raise ``ValueError`` for both: the
+configuration checks of ``rnndrop.lm`` report a ``ValueError`` as their one-line message.
 """
 
 from __future__ import annotations
