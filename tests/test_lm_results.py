@@ -209,7 +209,7 @@ def test_a_resumed_job_estimates_only_the_runs_and_epochs_left_to_train(tmp_path
     planned = job._Job(str(data), "ptb", config, out, True, "cpu", 1, False, None)
     plan = job._plan(planned, ["naive"], [1, 2, 3], 0, grid=False, dropout=None, dropout_by_regime=None)
     with caplog.at_level(logging.INFO, logger="rnndrop.lm.run.job"):
-        costs = job._estimate(planned, plan, 1)
+        costs = job._estimate(planned, plan)
         assert costs == [None, RunCost(2, 10.0, 0.0), RunCost(3, 10.0, 0.0)]
         progress = JobProgress(3, 3, bar=False, costs=costs)
         assert job._announce(planned, progress, 1) == pytest.approx(50.0, abs=0.1)
@@ -217,12 +217,12 @@ def test_a_resumed_job_estimates_only_the_runs_and_epochs_left_to_train(tmp_path
         assert "this job trains 2 runs (1 more finished earlier: reused), 5 epochs left in all at most " \
                "(up to 3 a run)" in caplog.text
         assert progress.remaining_epochs() == 5
-        assert job._estimate(replace(planned, resume=False), plan, 1) == [RunCost(3, 10.0, 0.0)] * 3
+        assert job._estimate(replace(planned, resume=False), plan) == [RunCost(3, 10.0, 0.0)] * 3
         seed1 = job._plan(planned, ["naive"], [1], 0, grid=False, dropout=None, dropout_by_regime=None)
-        assert job._estimate(planned, seed1, 1) is None
+        assert job._estimate(planned, seed1) is None
         assert "all 1 run of this job finished earlier: reusing their results" in caplog.text
     (partial / "checkpoint.pt").unlink()
-    assert job._estimate(planned, plan, 1) == [None, RunCost(3, 10.0, 0.0), RunCost(3, 10.0, 0.0)]
+    assert job._estimate(planned, plan) == [None, RunCost(3, 10.0, 0.0), RunCost(3, 10.0, 0.0)]
     assert counted == [[2, 3], [3, 3, 3], [3, 3]]
 
 
