@@ -200,7 +200,7 @@ class WeightDrop(Stochastic, nn.Module):
                 return self.module(*args, **kwargs)
         if (not torch.compiler.is_compiling() and shares_one_buffer(self.module)
                 and set(masks) <= set(self.module._flat_weights_names)):  # (torch.compile: as before)
-            if runs_without_hooks(self.module):
+            if swap_free:  # (one buffer: torch's own RNN class, as swap_free asks)
                 views = masked_views(self.module, masks)
                 return forward_with_weights(self.module, list(views.values()), *args, **kwargs)
             with self._swaps(False):  # (a hook: the module's own forward, given the views for the call)

@@ -1085,7 +1085,8 @@ def _step_table(schedule: Schedule, mask: Tensor | None, device: torch.device) -
     for k, step in enumerate(schedule.steps):
         rows[k].extend([step.size, schedule.offsets[step.t], step.t * step_stride, 0])
     rows[-1].extend([0, 0, 0, 0])
-    table = _outside_graph_pools(device, lambda: torch.empty(len(rows), 8, dtype=torch.int32, device=device))
+    table = _outside_graph_pools(
+        device, lambda: torch.empty(len(rows), _COLUMNS, dtype=torch.int32, device=device))
     table.copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
     _TABLES[key] = table
     if len(_TABLES) > 256:
