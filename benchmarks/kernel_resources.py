@@ -111,11 +111,23 @@ def tiles_before_loop(ttgir: str) -> int:
     return len(re.findall(r"ttg\.local_alloc %", head))
 
 
+def async_copies(ttgir: str) -> tuple[int, int]:
+    """``(before the first loop, in all)``: asynchronous copies to shared memory
+    (``ttg.async_copy_global_to_local``, the loads of a software-pipelined loop). Those before the
+    kernel's first loop are the prologue of a pipelined time loop, loading steps not yet run; a
+    pipelined ``K`` loop inside a step has its prologue inside the time loop."""
+    copy = r"ttg\.async_copy_global_to_local"
+    return len(re.findall(copy, ttgir.split("scf.for", 1)[0])), len(re.findall(copy, ttgir))
+
+
 def loop_constexprs(cell: str, backward: bool, tiles: dict, hidden: int, mask_gates: int = 1) -> dict:
     """The compile-time arguments of a loop launch: ``tiles`` (``BB``, ``BH``, ``BK``, ``RESIDENT``),
-    the vector width of ``hidden``, a mask (``mask_gates`` per gate), float32 in TF32, a grid barrier;
-    what training passes."""
+    the vector width of ``hidden`` (and ``H_VEC`` where it is 1, which Triton compiles as a constant,
+    as it does every integer argument equal to 1), a mask (``mask_gates`` per gate), float32 in TF32,
+    a grid barrier; what training passes."""
     extra = dict(HAS_DOUT=True, NEED_DMASK=False, HAS_CARRY=False) if backward else dict(SAVE=True)
+    if hidden == persistent._vector(hidden):
+        extra["H_VEC"] = 1
     if not backward:
         extra["HALF_STATE"] = bool(persistent.tuning.get("half_state", persistent.HALF_STATE))
     if cell == "gru" and not backward:
@@ -128,16 +140,19 @@ def compile_loop(cell: str, backward: bool, constexprs: dict, warps: int, stages
                  integers: dict[str, int] | None = None) -> dict:
     """Compile one loop for :data:`CAPABILITY` with a load pipeline ``stages`` deep, specialised for
     the values ``integers`` of its integer arguments (:func:`specialization`): ``registers``,
-    ``spilled``, ``shared``, ``tiles_before_loop`` and the ``scalar`` and ``vector`` loads."""
+    ``spilled``, ``shared``, ``tiles_before_loop``, the asynchronous ``copies`` (``copies_before_loop``
+    of them before the time loop: :func:`async_copies`) and the ``scalar`` and ``vector`` loads."""
     kernel = getattr(persistent, f"_{cell}_{'backward' if backward else 'forward'}")
     source = ASTSource(kernel, signature(kernel, constexprs), constexprs=constexprs,
                        attrs=specialization(kernel, constexprs, integers or {}))
     compiled = triton.compile(source, target=GPUTarget("cuda", CAPABILITY, 32),
                               options=dict(num_warps=warps, num_stages=stages, **LAUNCH_OPTIONS))
     registers, spilled = registers_and_spills(compiled.asm["ptx"])
+    ahead, copies = async_copies(compiled.asm["ttgir"])
     scalar, vector = load_widths(compiled.asm["ptx"])
     return dict(registers=registers, spilled=spilled, shared=compiled.metadata.shared,
-                tiles_before_loop=tiles_before_loop(compiled.asm["ttgir"]), scalar=scalar, vector=vector)
+                tiles_before_loop=tiles_before_loop(compiled.asm["ttgir"]), scalar=scalar, vector=vector,
+                copies_before_loop=ahead, copies=copies)
 
 
 class _OnHopper:

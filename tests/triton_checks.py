@@ -391,6 +391,24 @@ def test_persistent_loop_follows_cudnns_tf32_switch(device):
     assert not torch.equal(tf32[0][0], ieee[0][0])
 
 
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("hidden, resident", [(8, False), (16, False), (16, True)])
+def test_tensor_core_products_without_a_loop_in_a_step_match_the_reference(kind, hidden, resident, device):
+    """TF32 products where no loop runs inside a step (one program, at a hidden size of one ``K``
+    block the compiler knows; tiles streamed or resident): the time loop is then the innermost loop
+    feeding ``tl.dot``, which Triton pipelines unless told not to, loading states before they are
+    stored (bfloat16 on an H200 at hidden 8 and 16: outputs unrelated to the reference's). Within
+    TF32's rounding of the float32 reference, forward and backward; under the interpreter (IEEE
+    products, one program) the same comparison."""
+    torch.backends.cudnn.allow_tf32 = True  # put back by the ieee_float32 fixture
+    batch_sizes = [6, 6, 5, 3, 3, 1]
+    args = inputs(kind, batch_sizes, ("T", "B", "P"), 0, device, torch.float32, mask_grad=False, H=hidden)
+    ref = run("autograd", kind, batch_sizes, args, False)
+    with persistent.tuned(resident=resident):
+        ours = run("triton", kind, batch_sizes, args, False)
+    assert_close(ours, ref, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("reverse", [False, True])
 def test_gru_without_recurrent_bias_matches_reference(reverse, device):
     for batch_sizes, mask_shape in [([4, 3, 3, 1], None), ([4, 2, 2, 1, 1], (1, "B", "G", "P"))]:

@@ -6,7 +6,8 @@ the interpreter cannot (a kernel the compiler rejects: types that change around 
 
 Not collected: ``tests/test_triton_compile.py`` runs it in a subprocess (Triton's interpreter must
 be off, and the compile cache in a folder of its own) and reads the JSON it prints: one record per
-case, ``{"case", "ok", "error", "registers", "spilled", "shared", "tiles_before_loop"}``.
+case, ``{"case", "ok", "error", "registers", "spilled", "shared", "tiles_before_loop",
+"copies_before_loop", "copies", "scalar", "vector"}``.
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ resources = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(resources)
 
 
-def cases() -> list[tuple[str, str, bool, dict, int]]:
-    """``(name, cell, backward, tiles, mask gates)``: each loop, forward and backward, streaming
-    ``W_hh`` (tied masks, blocks of 16 rows and units, K blocks of 32 forward and 64 backward; and
-    programs of 12 units in tiles of 16, ``persistent.SPREAD``) and with resident tiles (hidden 200:
-    one K block of 256; tied and per-gate masks); and the forward loops reading the masked states
-    from a float16 copy (``persistent.HALF_STATE``, tied and per-gate masks)."""
+def cases() -> list[tuple[str, str, bool, dict, int, int]]:
+    """``(name, cell, backward, tiles, mask gates, hidden)``: each loop, forward and backward,
+    streaming ``W_hh`` (tied masks, blocks of 16 rows and units, K blocks of 32 forward and 64
+    backward; and programs of 12 units in tiles of 16, ``persistent.SPREAD``) and with resident
+    tiles (hidden 200: one K block of 256; tied and per-gate masks); the forward loops reading the
+    masked states from a float16 copy (``persistent.HALF_STATE``, tied and per-gate masks); and
+    hidden 16 as ``persistent.plan`` launches it for a batch under 32, one program (no barrier to
+    spin at), whose one K block of 16 the compiler knows (``H_VEC`` 1), tiles streamed or resident:
+    no loop inside a step."""
     found = []
     for cell, gates in (("lstm", 4), ("gru", 3)):
         for backward in (False, True):
@@ -37,25 +41,31 @@ def cases() -> list[tuple[str, str, bool, dict, int]]:
                 block_k = 256 if resident else 64 if backward else 32
                 tiles = dict(BB=16, BH=16, BK=block_k, RESIDENT=resident, UNITS=units)
                 name = f"{cell} {'backward' if backward else 'forward'} {label}"
-                found.append((name, cell, backward, tiles, mask_gates))
+                found.append((name, cell, backward, tiles, mask_gates, 200))
+            for resident in (False, True):
+                tiles = dict(BB=16, BH=16, BK=16, RESIDENT=resident, UNITS=16)
+                name = f"{cell} {'backward' if backward else 'forward'} hidden 16"
+                found.append((f"{name} resident" if resident else name, cell, backward, tiles, 1, 16))
         for label, mask_gates in (("streaming float16 states", 1),
                                   ("streaming float16 states per-gate", gates)):
             tiles = dict(BB=16, BH=16, BK=32, RESIDENT=False, UNITS=16)
-            found.append((f"{cell} forward {label}", cell, False, tiles, mask_gates))
+            found.append((f"{cell} forward {label}", cell, False, tiles, mask_gates, 200))
     return found
 
 
 def main() -> None:
     records = []
-    for name, cell, backward, tiles, mask_gates in cases():
+    for name, cell, backward, tiles, mask_gates, hidden in cases():
         record: dict = dict(case=name, ok=False, error=None)
         warps = resources.persistent._warps(tiles["BB"], tiles["RESIDENT"])
         try:
-            constexprs = resources.loop_constexprs(cell, backward, tiles, 200, mask_gates)
+            constexprs = resources.loop_constexprs(cell, backward, tiles, hidden, mask_gates)
             if backward:
                 constexprs["NEED_DMASK"] = True  # the mask's gradient written too
             if "float16" in name:
                 constexprs["HALF_STATE"] = True
+            if "hidden 16" in name:
+                constexprs["SYNC"] = False  # one program
             record.update(ok=True, **resources.compile_loop(cell, backward, constexprs, warps))
         except Exception as error:  # reported, not raised: the test names every case that failed
             record["error"] = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"

@@ -55,6 +55,16 @@ also write each ``m_{s+1}`` in float16 and read that copy for the products (half
 program reads of the state a step), unless a program finds, before the first step, that a state
 could leave float16's range (:func:`_flag_beyond_half`): then every program reads the float32
 states (two compiled copies of the time loop, one per reading); backward reads the float32 states.
+
+The time loops are never software-pipelined (``tl.range(..., num_stages=1)``). Triton pipelines the
+innermost loop whose loads feed ``tl.dot`` on tensor cores (TF32, bfloat16, float16): it issues
+the loads of later iterations before the current one has run. That is meant for the loop over
+``K`` blocks of ``W_hh`` inside a step; where there is none (resident tiles, or a hidden size the
+compiler knows to be one block: ``H_VEC`` 1, hidden 16 or less), the time loop is the innermost,
+and its pipeline would read the masked states (backward: ``dz``) of steps ``s + 1`` and ``s + 2``
+before step ``s`` has stored them, which no compiler can see through global memory. That read
+stale memory, on a GPU only (the interpreter does not pipeline, and IEEE float32 products run
+without tensor cores).
 """
 
 from __future__ import annotations
@@ -456,7 +466,7 @@ def _lstm_steps(s_lo, s_hi, s_begin, s_end, gx_ptr, w_ptr, w0, w1, w2, w3, mask_
     the masked states at ``m_ptr``, or where ``READ_HALF`` their float16 copy at ``m16_ptr``; what a
     step carries to the next in, and out."""
     read_ptr = m16_ptr if READ_HALF else m_ptr
-    for s in range(s_lo, s_hi):
+    for s in tl.range(s_lo, s_hi, num_stages=1):  # never pipelined (module docstring)
         live = (ks < b)[:, None] & (cols < H)[None, :]
         z_i, z_f, z_g, z_o = _gate_products(read_ptr, m_row, m_gate, w_ptr, w0, w1, w2, w3, off, b, ks, cols,
                                             H, 4, MASK_GATES, RESIDENT, PRECISION, UPCAST, READ_HALF, BB, BH,
@@ -550,7 +560,7 @@ def _gru_steps(s_lo, s_hi, s_begin, s_end, gx_ptr, w_ptr, w0, w1, w2, w3, mask_p
                BK: tl.constexpr):
     """:func:`_lstm_steps` for the GRU."""
     read_ptr = m16_ptr if READ_HALF else m_ptr
-    for s in range(s_lo, s_hi):
+    for s in tl.range(s_lo, s_hi, num_stages=1):  # never pipelined (module docstring)
         live = (ks < b)[:, None] & (cols < H)[None, :]
         a_r, a_z, a_n, _ = _gate_products(read_ptr, m_row, m_gate, w_ptr, w0, w1, w2, w3, off, b, ks, cols, H,
                                           3, MASK_GATES, RESIDENT, PRECISION, UPCAST, READ_HALF, BB, BH, BK)
@@ -786,7 +796,7 @@ def _lstm_backward(
     b, off, carried, nb, noff, nmoff, i, f, g, o, m0, c, c_prev, d_out = _backward_inputs(
         table_ptr, s_end - 1, acts_ptr, cells_ptr, cells_ptr, d_out_ptr, mask_ptr, mask_row, ks, cols, H, 4,
         HAS_MASK, HAS_DOUT)
-    for rs in range(s_begin, s_end):
+    for rs in tl.range(s_begin, s_end, num_stages=1):  # never pipelined (module docstring)
         s = s_end - 1 - (rs - s_begin)
         live = (ks < b)[:, None] & (cols < H)[None, :]
         dh = _step_state_grad(dz_ptr, w_ptr, w0, w1, w2, w3, m0, mask_ptr, mask_row, mask_gate, d_masked_ptr,
@@ -836,7 +846,7 @@ def _gru_backward(
     b, off, carried, nb, noff, nmoff, r, z, n, _, m0, a_n, h_prev, d_out = _backward_inputs(
         table_ptr, s_end - 1, acts_ptr, a_n_ptr, out_ptr, d_out_ptr, mask_ptr, mask_row, ks, cols, H, 3,
         HAS_MASK, HAS_DOUT)
-    for rs in range(s_begin, s_end):
+    for rs in tl.range(s_begin, s_end, num_stages=1):  # never pipelined (module docstring)
         s = s_end - 1 - (rs - s_begin)
         live = (ks < b)[:, None] & (cols < H)[None, :]
         dh = _step_state_grad(da_ptr, w_ptr, w0, w1, w2, w3, m0, mask_ptr, mask_row, mask_gate, d_masked_ptr,

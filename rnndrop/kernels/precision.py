@@ -88,10 +88,12 @@ def _tf32_products() -> Iterator[None]:
 
 
 #: Whether the "triton" kernel's float16 / bfloat16 path (autocast, or half tensors) has been shown
-#: right on a GPU. It has not: on an H200 (2026-11-27; tests/triton_checks.py, the autocast checks)
-#: its bfloat16 outputs were unrelated to the reference's while every float32 check passed, and no
-#: GPU has been at hand since to find why (under Triton's interpreter, on the CPU, the same checks
-#: pass). Until one shows the cause found and fixed, ``kernel="auto"`` runs the "manual" kernel for
+#: right on a GPU. Not yet: on an H200 (2026-11-27; tests/triton_checks.py, the autocast checks) its
+#: bfloat16 outputs were unrelated to the reference's while every (IEEE) float32 check passed. The
+#: cause, found since by reading the compiled kernel (docs/gpu.md): the persistent loop's time loop
+#: was software-pipelined in one-program launches at hidden 16 or less, the checks' shapes, reading
+#: states before they were stored (TF32 products too); fixed (:mod:`rnndrop.kernels.persistent`),
+#: no GPU has run the checks since. Until one does, ``kernel="auto"`` runs the "manual" kernel for
 #: half types on CUDA (:func:`auto_may_run_triton_in`) and ``kernel="triton"`` warns there.
 HALF_PRECISION_SHOWN_RIGHT = False
 
