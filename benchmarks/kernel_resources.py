@@ -53,14 +53,30 @@ SHAPES = ((200, 20), (200, 128), (650, 20), (650, 128), (1500, 20), (1500, 128))
 INT_POINTERS = {"table_ptr", "counter_ptr"}
 
 
-def signature(kernel, constexprs: dict) -> dict[str, str]:
-    """Triton's signature of ``kernel``: ``*_ptr`` arguments are pointers (float16 for the masked
-    states' copy where ``HALF_STATE``), the rest ``i32``."""
+#: The pointers of each loop that hold the products' dtype (``persistent.lstm_forward`` and the
+#: others allocate them like the gates): bfloat16 / float16 under autocast; the states, cells and
+#: running gradients stay float32.
+COMPUTE_POINTERS = {
+    "_lstm_forward": {"gx_ptr", "w_ptr", "m_ptr", "m16_ptr", "acts_ptr", "out_ptr"},
+    "_lstm_backward": {"d_out_ptr", "w_ptr", "acts_ptr", "dz_ptr", "d_masked_ptr"},
+    "_gru_forward": {"gx_ptr", "w_ptr", "m_ptr", "m16_ptr", "acts_ptr", "out_ptr"},
+    "_gru_backward": {"d_out_ptr", "w_ptr", "acts_ptr", "out_ptr", "da_ptr", "dn_ptr", "d_masked_ptr"},
+}
+
+
+def signature(kernel, constexprs: dict, dtype: str = "fp32") -> dict[str, str]:
+    """Triton's signature of ``kernel``: ``*_ptr`` arguments are pointers (``dtype``, Triton's name
+    of the products' dtype, for :data:`COMPUTE_POINTERS`; float16 for the masked states' copy where
+    ``HALF_STATE``), the rest ``i32``."""
     names = inspect.signature(kernel.fn).parameters
-    half = {"m16_ptr"} if constexprs.get("HALF_STATE") else set()
+    compute = COMPUTE_POINTERS[kernel.fn.__name__]
 
     def pointer(name: str) -> str:
-        return "*i32" if name in INT_POINTERS else "*fp16" if name in half else "*fp32"
+        if name in INT_POINTERS:
+            return "*i32"
+        if name == "m16_ptr" and constexprs.get("HALF_STATE"):
+            return "*fp16"
+        return f"*{dtype}" if name in compute else "*fp32"
 
     return {name: "constexpr" if name in constexprs else pointer(name) if name.endswith("_ptr") else "i32"
             for name in names}
@@ -137,13 +153,14 @@ def loop_constexprs(cell: str, backward: bool, tiles: dict, hidden: int, mask_ga
 
 
 def compile_loop(cell: str, backward: bool, constexprs: dict, warps: int, stages: int = 3,
-                 integers: dict[str, int] | None = None) -> dict:
-    """Compile one loop for :data:`CAPABILITY` with a load pipeline ``stages`` deep, specialised for
-    the values ``integers`` of its integer arguments (:func:`specialization`): ``registers``,
+                 integers: dict[str, int] | None = None, dtype: str = "fp32") -> dict:
+    """Compile one loop for :data:`CAPABILITY` with a load pipeline ``stages`` deep, products in
+    ``dtype`` (:func:`signature`), specialised for the values ``integers`` of its integer arguments
+    (:func:`specialization`): ``registers``,
     ``spilled``, ``shared``, ``tiles_before_loop``, the asynchronous ``copies`` (``copies_before_loop``
     of them before the time loop: :func:`async_copies`) and the ``scalar`` and ``vector`` loads."""
     kernel = getattr(persistent, f"_{cell}_{'backward' if backward else 'forward'}")
-    source = ASTSource(kernel, signature(kernel, constexprs), constexprs=constexprs,
+    source = ASTSource(kernel, signature(kernel, constexprs, dtype), constexprs=constexprs,
                        attrs=specialization(kernel, constexprs, integers or {}))
     compiled = triton.compile(source, target=GPUTarget("cuda", CAPABILITY, 32),
                               options=dict(num_warps=warps, num_stages=stages, **LAUNCH_OPTIONS))

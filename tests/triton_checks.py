@@ -11,6 +11,9 @@ it), and compiled on CUDA tensors where there is one. By hand::
     python -m pytest tests/triton_checks.py                        # GPU
 """
 
+import contextlib
+import random
+
 import pytest
 import torch
 from torch.nn.utils.rnn import pack_sequence
@@ -407,6 +410,36 @@ def test_tensor_core_products_without_a_loop_in_a_step_match_the_reference(kind,
     with persistent.tuned(resident=resident):
         ours = run("triton", kind, batch_sizes, args, False)
     assert_close(ours, ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_configurations_in_reduced_precision_match_the_reference(seed, device):
+    """TF32 float32 (torch's default on CUDA), bfloat16 and float16 (autocast): the loop's
+    tensor-core paths, which the IEEE float32 checks above never take, at a random cell, hidden size,
+    packed layout, mask kind, direction and launch setting, against the float32 reference kernel
+    (IEEE): outputs, final states and gradients within the precision's rounding, loosely (what this
+    catches is a wrong loop: the fourth GPU round's bfloat16 outputs were off by the size of the
+    values). Under the interpreter, small shapes, products in IEEE float32 or upcast."""
+    rng = random.Random(seed)
+    cuda = device.type == "cuda"
+    kind = rng.choice(["lstm", "gru"])
+    hidden = rng.choice([8, 16, 24, 48] + ([200, 650] if cuda else []))
+    lengths = sorted((rng.randint(1, 9) for _ in range(rng.randint(1, 40 if cuda else 6))), reverse=True)
+    batch_sizes = [sum(length > t for length in lengths) for t in range(lengths[0])]
+    mask_shape, reverse = rng.choice(helpers.MASK_SHAPES), rng.random() < 0.5
+    setting = rng.choice([{}, {"resident": True}, {"spread": True}])
+    args = inputs(kind, batch_sizes, mask_shape, 0, device, torch.float32, mask_grad=False, H=hidden)
+    ref = run("autograd", kind, batch_sizes, args, reverse)
+    where = f"seed {seed}: {kind} hidden {hidden} {batch_sizes} mask {mask_shape} reverse {reverse} {setting}"
+    for precision in ("tf32", torch.bfloat16, torch.float16):
+        tf32 = precision == "tf32"
+        torch.backends.cudnn.allow_tf32 = tf32  # put back by the ieee_float32 fixture
+        cast = contextlib.nullcontext() if tf32 else torch.autocast(device.type, dtype=precision)
+        with persistent.tuned(**setting), cast:
+            ours = run("triton", kind, batch_sizes, args, reverse)
+        tol = 3e-2 if tf32 else 1e-1
+        outputs = [o.float() for o in ours[0]]
+        assert_close([outputs, ours[1]], ref, atol=tol, rtol=tol, msg=f"{where} {precision}")
 
 
 @pytest.mark.parametrize("reverse", [False, True])

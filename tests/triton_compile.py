@@ -23,50 +23,55 @@ resources = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(resources)
 
 
-def cases() -> list[tuple[str, str, bool, dict, int, int]]:
-    """``(name, cell, backward, tiles, mask gates, hidden)``: each loop, forward and backward,
+def cases() -> list[tuple[str, str, bool, dict, int, int, str]]:
+    """``(name, cell, backward, tiles, mask gates, hidden, dtype)``: each loop, forward and backward,
     streaming ``W_hh`` (tied masks, blocks of 16 rows and units, K blocks of 32 forward and 64
     backward; and programs of 12 units in tiles of 16, ``persistent.SPREAD``) and with resident
     tiles (hidden 200: one K block of 256; tied and per-gate masks); the forward loops reading the
     masked states from a float16 copy (``persistent.HALF_STATE``, tied and per-gate masks); and
     hidden 16 as ``persistent.plan`` launches it for a batch under 32, one program (no barrier to
     spin at), whose one K block of 16 the compiler knows (``H_VEC`` 1), tiles streamed or resident:
-    no loop inside a step."""
+    no loop inside a step. Products in TF32, and in bfloat16 (autocast's loads and ``tl.dot``, which
+    the interpreter runs upcast to float32) streaming at hidden 200 and at hidden 16."""
     found = []
     for cell, gates in (("lstm", 4), ("gru", 3)):
         for backward in (False, True):
-            for label, mask_gates, resident, units in (("streaming", 1, False, 16), ("resident", 1, True, 16),
-                                                       ("resident per-gate", gates, True, 16),
-                                                       ("streaming spread", 1, False, 12)):
-                block_k = 256 if resident else 64 if backward else 32
-                tiles = dict(BB=16, BH=16, BK=block_k, RESIDENT=resident, UNITS=units)
-                name = f"{cell} {'backward' if backward else 'forward'} {label}"
-                found.append((name, cell, backward, tiles, mask_gates, 200))
-            for resident in (False, True):
-                tiles = dict(BB=16, BH=16, BK=16, RESIDENT=resident, UNITS=16)
-                name = f"{cell} {'backward' if backward else 'forward'} hidden 16"
-                found.append((f"{name} resident" if resident else name, cell, backward, tiles, 1, 16))
+            direction = "backward" if backward else "forward"
+            streamed = dict(BB=16, BH=16, BK=64 if backward else 32, RESIDENT=False, UNITS=16)
+            resident = dict(streamed, BK=256, RESIDENT=True)
+            one_block = dict(streamed, BK=16)  # hidden 16
+            for label, tiles, mask_gates, hidden, dtype in (
+                    ("streaming", streamed, 1, 200, "fp32"), ("resident", resident, 1, 200, "fp32"),
+                    ("resident per-gate", resident, gates, 200, "fp32"),
+                    ("streaming spread", dict(streamed, UNITS=12), 1, 200, "fp32"),
+                    ("streaming bfloat16", streamed, 1, 200, "bf16"), ("hidden 16", one_block, 1, 16, "fp32"),
+                    ("hidden 16 resident", dict(one_block, RESIDENT=True), 1, 16, "fp32"),
+                    ("hidden 16 bfloat16", one_block, 1, 16, "bf16")):
+                name = f"{cell} {direction} {label}"
+                found.append((name, cell, backward, tiles, mask_gates, hidden, dtype))
         for label, mask_gates in (("streaming float16 states", 1),
                                   ("streaming float16 states per-gate", gates)):
             tiles = dict(BB=16, BH=16, BK=32, RESIDENT=False, UNITS=16)
-            found.append((f"{cell} forward {label}", cell, False, tiles, mask_gates, 200))
+            found.append((f"{cell} forward {label}", cell, False, tiles, mask_gates, 200, "fp32"))
     return found
 
 
 def main() -> None:
     records = []
-    for name, cell, backward, tiles, mask_gates, hidden in cases():
+    for name, cell, backward, tiles, mask_gates, hidden, dtype in cases():
         record: dict = dict(case=name, ok=False, error=None)
         warps = resources.persistent._warps(tiles["BB"], tiles["RESIDENT"])
         try:
             constexprs = resources.loop_constexprs(cell, backward, tiles, hidden, mask_gates)
             if backward:
                 constexprs["NEED_DMASK"] = True  # the mask's gradient written too
-            if "float16" in name:
+            if "float16 states" in name:
                 constexprs["HALF_STATE"] = True
             if "hidden 16" in name:
                 constexprs["SYNC"] = False  # one program
-            record.update(ok=True, **resources.compile_loop(cell, backward, constexprs, warps))
+            if dtype != "fp32":
+                constexprs["PRECISION"] = "ieee"  # what persistent._precision gives half types
+            record.update(ok=True, **resources.compile_loop(cell, backward, constexprs, warps, dtype=dtype))
         except Exception as error:  # reported, not raised: the test names every case that failed
             record["error"] = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
         records.append(record)
