@@ -158,7 +158,8 @@ def compile_loop(cell: str, backward: bool, constexprs: dict, warps: int, stages
     ``dtype`` (:func:`signature`), specialised for the values ``integers`` of its integer arguments
     (:func:`specialization`): ``registers``,
     ``spilled``, ``shared``, ``tiles_before_loop``, the asynchronous ``copies`` (``copies_before_loop``
-    of them before the time loop: :func:`async_copies`) and the ``scalar`` and ``vector`` loads."""
+    of them before the time loop: :func:`async_copies`), the ``barriers`` of the program's threads
+    the kernel asks for (``tl.debug_barrier``) and the ``scalar`` and ``vector`` loads."""
     kernel = getattr(persistent, f"_{cell}_{'backward' if backward else 'forward'}")
     source = ASTSource(kernel, signature(kernel, constexprs, dtype), constexprs=constexprs,
                        attrs=specialization(kernel, constexprs, integers or {}))
@@ -169,7 +170,7 @@ def compile_loop(cell: str, backward: bool, constexprs: dict, warps: int, stages
     scalar, vector = load_widths(compiled.asm["ptx"])
     return dict(registers=registers, spilled=spilled, shared=compiled.metadata.shared,
                 tiles_before_loop=tiles_before_loop(compiled.asm["ttgir"]), scalar=scalar, vector=vector,
-                copies_before_loop=ahead, copies=copies)
+                copies_before_loop=ahead, copies=copies, barriers=compiled.asm["ttgir"].count("gpu.barrier"))
 
 
 class _OnHopper:

@@ -64,6 +64,15 @@ def test_no_time_loop_loads_a_step_before_the_step_before_it_has_run(compiled):
     assert unpipelined == set()
 
 
+def test_the_threads_of_a_program_meet_after_every_step(compiled):
+    """A barrier of the program's threads between a step's stores of the state (or ``dz``) and the
+    next step's loads of it, with one program too (hidden 16: no grid barrier to wait at), where
+    the compiler would otherwise order the threads only around its own uses of shared memory."""
+    missing = {case for case, r in compiled.items() if r["barriers"] == 0}
+    assert missing == set()
+    assert {r["barriers"] for case, r in compiled.items() if "hidden 16" in case} == {1}
+
+
 def test_streaming_loops_load_rows_in_vectors(compiled):
     """At hidden 200 (``VEC`` 8: ``H = H_VEC · 8``) the loops that stream ``W_hh`` load its rows, the
     masked states and the gates mostly in vectors, not value by value (told only that 200 is not a

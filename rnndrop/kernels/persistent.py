@@ -186,7 +186,8 @@ def _arrive(counter_ptr, SYNC: tl.constexpr):
 @triton.jit
 def _wait(counter_ptr, target, SYNC: tl.constexpr):
     """Spin until the counter reaches ``target`` (every program has arrived); give up after
-    :data:`SPIN_LIMIT` spins (every later barrier of the launch then passes at once)."""
+    :data:`SPIN_LIMIT` spins (every later barrier of the launch then passes at once). Without
+    ``SYNC`` (one program, or one step a launch) only the program's own threads meet."""
     if SYNC:
         seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
         spins = 0
@@ -195,7 +196,10 @@ def _wait(counter_ptr, target, SYNC: tl.constexpr):
             spins += 1
         if seen < target:  # the GAVE_UP bit, set once however many programs give up together
             tl.atomic_or(counter_ptr, _GAVE_UP_BIT)
-        tl.debug_barrier()  # no thread reads the next step's data before the acquire
+    # no thread reads the next step's data before the acquire, nor (one program) before every thread
+    # of the program has stored its part: the compiler orders a program's threads only around its
+    # own shared memory, which need not lie between the two
+    tl.debug_barrier()
 
 
 @triton.jit
