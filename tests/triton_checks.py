@@ -413,7 +413,7 @@ def test_tensor_core_products_without_a_loop_in_a_step_match_the_reference(kind,
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_random_configurations_in_reduced_precision_match_the_reference(seed, device):
+def test_reduced_precision_at_random_shapes_matches_the_reference(seed, device):
     """TF32 float32 (torch's default on CUDA), bfloat16 and float16 (autocast): the loop's
     tensor-core paths, which the IEEE float32 checks above never take, at a random cell, hidden size,
     packed layout, mask kind, direction and launch setting, against the float32 reference kernel
