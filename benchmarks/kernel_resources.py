@@ -136,6 +136,12 @@ def async_copies(ttgir: str) -> tuple[int, int]:
     return len(re.findall(copy, ttgir.split("scf.for", 1)[0])), len(re.findall(copy, ttgir))
 
 
+def barriers(ttgir: str) -> int:
+    """Barriers of a program's threads the kernel asks for (``tl.debug_barrier``: ``gpu.barrier`` in
+    Triton 3.6's TTGIR, ``ttg.barrier`` in 3.9's)."""
+    return len(re.findall(r"\b(?:gpu|ttg)\.barrier\b", ttgir))
+
+
 def loop_constexprs(cell: str, backward: bool, tiles: dict, hidden: int, mask_gates: int = 1) -> dict:
     """The compile-time arguments of a loop launch: ``tiles`` (``BB``, ``BH``, ``BK``, ``RESIDENT``),
     the vector width of ``hidden`` (and ``H_VEC`` where it is 1, which Triton compiles as a constant,
@@ -170,7 +176,7 @@ def compile_loop(cell: str, backward: bool, constexprs: dict, warps: int, stages
     scalar, vector = load_widths(compiled.asm["ptx"])
     return dict(registers=registers, spilled=spilled, shared=compiled.metadata.shared,
                 tiles_before_loop=tiles_before_loop(compiled.asm["ttgir"]), scalar=scalar, vector=vector,
-                copies_before_loop=ahead, copies=copies, barriers=compiled.asm["ttgir"].count("gpu.barrier"))
+                copies_before_loop=ahead, copies=copies, barriers=barriers(compiled.asm["ttgir"]))
 
 
 class _OnHopper:
