@@ -49,7 +49,7 @@ from rnndrop.kernels.triton_plan import LAUNCH_OPTIONS
 #: Hopper, where the persistent loop has been measured (H100 / H200), and its multiprocessors.
 CAPABILITY, MULTIPROCESSORS = 90, 132
 SHAPES = ((200, 20), (200, 128), (650, 20), (650, 128), (1500, 20), (1500, 128))
-#: Integer pointers among the loops' arguments (every other ``*_ptr`` holds float32 here).
+#: Integer pointers among the loops' arguments (the others hold floats: :func:`signature`).
 INT_POINTERS = {"table_ptr", "counter_ptr"}
 
 

@@ -45,21 +45,26 @@ def test_resident_tiles_are_in_shared_memory_before_the_time_loop(compiled):
 
 
 def test_resident_tiles_spill_no_registers(compiled):
-    """Resident launches take 8 warps and run their one block of ``K`` without a loop (nothing for a
-    pipeline to prefetch): tiles and state then fit without spilling, tied or per-gate masks."""
+    """Resident launches take 8 warps and run their one block of ``K`` without a loop (no pipeline
+    buffers): tiles and state then fit without spilling, tied or per-gate masks."""
     resident = {case: r["spilled"] for case, r in compiled.items() if "resident" in case}
     assert len(resident) == 12 and all(spilled == 0 for spilled in resident.values()), resident
 
 
 def test_no_time_loop_loads_a_step_before_the_step_before_it_has_run(compiled):
     """No launch issues copies ahead of its first step: the pipeline Triton gives the innermost loop
-    whose loads feed tensor-core products (TF32 here) would otherwise be the time loop's wherever no
+    whose loads feed ``tl.dot`` (any precision) would otherwise be the time loop's wherever no
     loop runs inside a step (one program at hidden 16, tiles streamed or resident), reading the
     masked states of steps ``s + 1`` and ``s + 2`` before step ``s`` stores them (on an H200,
-    bfloat16 outputs unrelated to the reference's at hidden 8 and 16). Streaming loops keep the
+    bfloat16 outputs unrelated to the reference's at hidden 8 and 16). Where no loop runs inside a
+    step (resident tiles; forward at hidden 16), no copy at all: a second time loop (the float16
+    states' ``READ_HALF`` copy) would have its prologue after the first's. Streaming loops keep the
     pipeline of their loop over ``W_hh``."""
     ahead = {case: r["copies_before_loop"] for case, r in compiled.items() if r["copies_before_loop"]}
     assert ahead == {}
+    stepless = {case: r["copies"] for case, r in compiled.items()
+                if "resident" in case or ("forward hidden 16" in case)}
+    assert len(stepless) == 16 and set(stepless.values()) == {0}, stepless
     unpipelined = {case for case, r in compiled.items() if "streaming" in case and r["copies"] == 0}
     assert unpipelined == set()
 

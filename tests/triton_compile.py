@@ -29,7 +29,7 @@ def cases() -> list[tuple[str, str, bool, dict, int, int, str]]:
     backward; and programs of 12 units in tiles of 16, ``persistent.SPREAD``) and with resident
     tiles (hidden 200: one K block of 256; tied and per-gate masks); the forward loops reading the
     masked states from a float16 copy (``persistent.HALF_STATE``, tied and per-gate masks); and
-    hidden 16 as ``persistent.plan`` launches it for a batch under 32, one program (no barrier to
+    hidden 16 as ``persistent.plan`` launches it for a batch of 16 or fewer, one program (no barrier to
     spin at), whose one K block of 16 the compiler knows (``H_VEC`` 1), tiles streamed or resident:
     no loop inside a step. Products in TF32, and in bfloat16 (autocast's loads and ``tl.dot``, which
     the interpreter runs upcast to float32) streaming at hidden 200 and at hidden 16."""

@@ -57,14 +57,16 @@ could leave float16's range (:func:`_flag_beyond_half`): then every program read
 states (two compiled copies of the time loop, one per reading); backward reads the float32 states.
 
 The time loops are never software-pipelined (``tl.range(..., num_stages=1)``). Triton pipelines the
-innermost loop whose loads feed ``tl.dot`` on tensor cores (TF32, bfloat16, float16): it issues
-the loads of later iterations before the current one has run. That is meant for the loop over
-``K`` blocks of ``W_hh`` inside a step; where there is none (resident tiles, or a hidden size the
-compiler knows to be one block: ``H_VEC`` 1, hidden 16 or less), the time loop is the innermost,
-and its pipeline would read the masked states (backward: ``dz``) of steps ``s + 1`` and ``s + 2``
-before step ``s`` has stored them, which no compiler can see through global memory. That read
-stale memory, on a GPU only (the interpreter does not pipeline, and IEEE float32 products run
-without tensor cores).
+innermost loop whose loads feed ``tl.dot`` (in every precision): it issues the loads of later
+iterations before the current one has run. That is meant for the loop over ``K`` blocks of
+``W_hh`` inside a step. Where a step holds no loop, neither a grid barrier's spin loop (one program:
+a batch of 16 or fewer where the hidden units fit one program) nor a ``K`` loop (resident tiles, or
+a hidden size the compiler knows to be one block: ``H_VEC`` 1, hidden 1, 2, 4, 8 or 16), the time
+loop is the innermost, and its pipeline read the masked states (backward: ``dz``) of steps
+``s + 1`` and ``s + 2`` before step ``s`` had stored them: stale memory, which no compiler sees
+through global memory, on a GPU only (the interpreter does not pipeline). For the same reason a
+step ends with a barrier of the program's threads also where there is no grid barrier
+(:func:`_wait`).
 """
 
 from __future__ import annotations
@@ -346,7 +348,7 @@ def _gate_products(m_ptr, m_row, m_gate, w_ptr, w0, w1, w2, w3, off, b, ks, cols
     """``[BB, BH]`` per gate ``g``: ``Σ_p m^g[k, p] W[g·H + j, p]`` over the rows ``k < b`` of the state
     at ``off``; the fourth is zeros for a cell of three gates. Streaming ``W_hh``, a loop over blocks of
     ``p``; where ``RESIDENT``, one block (``BK >= H``) with the tiles ``w0 .. w3`` of
-    :func:`_resident_tiles`, and no loop (nothing for a pipeline to prefetch)."""
+    :func:`_resident_tiles`, and no loop over ``K`` blocks (nor a pipeline across steps: module docstring)."""
     a0 = tl.zeros((BB, BH), dtype=tl.float32)
     a1 = tl.zeros((BB, BH), dtype=tl.float32)
     a2 = tl.zeros((BB, BH), dtype=tl.float32)

@@ -91,8 +91,8 @@ def _tf32_products() -> Iterator[None]:
 #: right on a GPU. Not yet: on an H200 (2026-11-27; tests/triton_checks.py, the autocast checks) its
 #: bfloat16 outputs were unrelated to the reference's while every (IEEE) float32 check passed. The
 #: cause, found since by reading the compiled kernel (docs/gpu.md): the persistent loop's time loop
-#: was software-pipelined in one-program launches at hidden 16 or less, the checks' shapes, reading
-#: states before they were stored (TF32 products too); fixed (:mod:`rnndrop.kernels.persistent`),
+#: was software-pipelined in one-program launches at hidden 1, 2, 4, 8 or 16, the checks' shapes,
+#: reading states before they were stored (float32 too); fixed (:mod:`rnndrop.kernels.persistent`),
 #: no GPU has run the checks since. Until one does, ``kernel="auto"`` runs the "manual" kernel for
 #: half types on CUDA (:func:`auto_may_run_triton_in`) and ``kernel="triton"`` warns there.
 HALF_PRECISION_SHOWN_RIGHT = False
