@@ -162,10 +162,10 @@ def compile_loop(cell: str, backward: bool, constexprs: dict, warps: int, stages
                  integers: dict[str, int] | None = None, dtype: str = "fp32") -> dict:
     """Compile one loop for :data:`CAPABILITY` with a load pipeline ``stages`` deep, products in
     ``dtype`` (:func:`signature`), specialised for the values ``integers`` of its integer arguments
-    (:func:`specialization`): ``registers``,
-    ``spilled``, ``shared``, ``tiles_before_loop``, the asynchronous ``copies`` (``copies_before_loop``
-    of them before the time loop: :func:`async_copies`), the ``barriers`` of the program's threads
-    the kernel asks for (``tl.debug_barrier``) and the ``scalar`` and ``vector`` loads."""
+    (:func:`specialization`): ``registers``, ``spilled``, ``shared``, ``tiles_before_loop``, the
+    asynchronous ``copies`` (``copies_before_loop`` of them before the time loop:
+    :func:`async_copies`), the ``barriers`` of the program's threads the kernel asks for
+    (:func:`barriers`) and the ``scalar`` and ``vector`` loads."""
     kernel = getattr(persistent, f"_{cell}_{'backward' if backward else 'forward'}")
     source = ASTSource(kernel, signature(kernel, constexprs, dtype), constexprs=constexprs,
                        attrs=specialization(kernel, constexprs, integers or {}))
