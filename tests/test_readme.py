@@ -61,10 +61,10 @@ def test_block_prints_what_the_page_says(code, expected):
 def test_readme_starts_with_the_offline_sample_command_and_no_shared_folder():
     top = README.read_text(encoding="utf-8").split("## ")[0]
     assert 'pip install torch==2.13.0 -e ".[bench]" && rnndrop-lm ptb --data sample' in top
-    assert 'pip install torch==2.13.0 -e ".[test]" && ruff check . && python -m pytest' in top
+    assert 'pip install torch==2.13.0 -e ".[test]" && ruff check . && python -m pytest -n auto\n' in top
     assert "../shared" not in top and "shared/data" not in top
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-    assert 'torch==2.13.0 -e ".[test]" && ruff check . && python -m pytest\n' in ci
+    assert 'torch==2.13.0 -e ".[test]" && ruff check . && python -m pytest -n auto\n' in ci
 
 
 def test_readme_is_short():
