@@ -148,13 +148,14 @@ def loop_constexprs(cell: str, backward: bool, tiles: dict, hidden: int, mask_ga
     as it does every integer argument equal to 1), a mask (``mask_gates`` per gate), float32 in TF32,
     a grid barrier; what training passes."""
     extra = dict(HAS_DOUT=True, NEED_DMASK=False, HAS_CARRY=False) if backward else dict(SAVE=True)
-    if hidden == persistent._vector(hidden):
+    sizes = persistent._sizes(1, hidden, 1)  # (H_VEC and VEC as a launch passes them)
+    if sizes["H_VEC"] == 1:
         extra["H_VEC"] = 1
     if not backward:
         extra["HALF_STATE"] = bool(persistent.tuning.get("half_state", persistent.HALF_STATE))
     if cell == "gru" and not backward:
         extra["HAS_BIAS"] = True
-    return dict(VEC=persistent._vector(hidden), MASK_GATES=mask_gates, HAS_MASK=True, SYNC=True,
+    return dict(VEC=sizes["VEC"], MASK_GATES=mask_gates, HAS_MASK=True, SYNC=True,
                 PRECISION="tf32", UPCAST=False, **tiles, **extra)
 
 

@@ -23,8 +23,9 @@ resources = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(resources)
 
 
-def cases() -> list[tuple[str, str, bool, dict, int, int, str]]:
-    """``(name, cell, backward, tiles, mask gates, hidden, dtype)``: each loop, forward and backward,
+def cases() -> list[tuple[str, str, bool, dict, int, int, str, dict]]:
+    """``(name, cell, backward, tiles, mask gates, hidden, dtype, settings)``, ``settings`` the
+    compile-time arguments that differ from a training launch's: each loop, forward and backward,
     streaming ``W_hh`` (tied masks, blocks of 16 rows and units, K blocks of 32 forward and 64
     backward; and programs of 12 units in tiles of 16, ``persistent.SPREAD``) and with resident
     tiles (hidden 200: one K block of 256; tied and per-gate masks); the forward loops reading the
@@ -40,35 +41,35 @@ def cases() -> list[tuple[str, str, bool, dict, int, int, str]]:
             streamed = dict(BB=16, BH=16, BK=64 if backward else 32, RESIDENT=False, UNITS=16)
             resident = dict(streamed, BK=256, RESIDENT=True)
             one_block = dict(streamed, BK=16)  # hidden 16
-            for label, tiles, mask_gates, hidden, dtype in (
-                    ("streaming", streamed, 1, 200, "fp32"), ("resident", resident, 1, 200, "fp32"),
-                    ("resident per-gate", resident, gates, 200, "fp32"),
-                    ("streaming spread", dict(streamed, UNITS=12), 1, 200, "fp32"),
-                    ("streaming bfloat16", streamed, 1, 200, "bf16"), ("hidden 16", one_block, 1, 16, "fp32"),
-                    ("hidden 16 resident", dict(one_block, RESIDENT=True), 1, 16, "fp32"),
-                    ("hidden 16 bfloat16", one_block, 1, 16, "bf16")):
+            one_program = dict(SYNC=False)  # no grid barrier
+            for label, tiles, mask_gates, hidden, dtype, settings in (
+                    ("streaming", streamed, 1, 200, "fp32", {}), ("resident", resident, 1, 200, "fp32", {}),
+                    ("resident per-gate", resident, gates, 200, "fp32", {}),
+                    ("streaming spread", dict(streamed, UNITS=12), 1, 200, "fp32", {}),
+                    ("streaming bfloat16", streamed, 1, 200, "bf16", {}),
+                    ("hidden 16", one_block, 1, 16, "fp32", one_program),
+                    ("hidden 16 resident", dict(one_block, RESIDENT=True), 1, 16, "fp32", one_program),
+                    ("hidden 16 bfloat16", one_block, 1, 16, "bf16", one_program)):
                 name = f"{cell} {direction} {label}"
-                found.append((name, cell, backward, tiles, mask_gates, hidden, dtype))
+                found.append((name, cell, backward, tiles, mask_gates, hidden, dtype, settings))
         for label, mask_gates in (("streaming float16 states", 1),
                                   ("streaming float16 states per-gate", gates)):
             tiles = dict(BB=16, BH=16, BK=32, RESIDENT=False, UNITS=16)
-            found.append((f"{cell} forward {label}", cell, False, tiles, mask_gates, 200, "fp32"))
+            found.append((f"{cell} forward {label}", cell, False, tiles, mask_gates, 200, "fp32",
+                          dict(HALF_STATE=True)))
     return found
 
 
 def main() -> None:
     records = []
-    for name, cell, backward, tiles, mask_gates, hidden, dtype in cases():
+    for name, cell, backward, tiles, mask_gates, hidden, dtype, settings in cases():
         record: dict = dict(case=name, ok=False, error=None)
         warps = resources.persistent._warps(tiles["BB"], tiles["RESIDENT"])
         try:
             constexprs = resources.loop_constexprs(cell, backward, tiles, hidden, mask_gates)
             if backward:
                 constexprs["NEED_DMASK"] = True  # the mask's gradient written too
-            if "float16 states" in name:
-                constexprs["HALF_STATE"] = True
-            if "hidden 16" in name:
-                constexprs["SYNC"] = False  # one program
+            constexprs.update(settings)
             if dtype != "fp32":
                 constexprs["PRECISION"] = "ieee"  # what persistent._precision gives half types
             record.update(ok=True, **resources.compile_loop(cell, backward, constexprs, warps, dtype=dtype))
