@@ -2,26 +2,29 @@
 
 Triton lowers a kernel to PTX and assembles it with its own ``ptxas`` on any machine; only loading
 the binary needs a GPU. This script compiles the LSTM and GRU loops, forward and backward, with the
-launch settings ``persistent.plan`` picks on a 132-multiprocessor Hopper GPU (an H100 / H200) for
-the shapes of ``benchmarks/speed.py`` (tied masks, float32 in TF32), specialised as Triton
-specialises a launch (every tensor 16-byte aligned, as torch allocates them; integers that are
-multiples of 16 marked so), and prints what ``ptxas -v`` reports: registers a thread and bytes
-spilled to local memory, the shared memory of a program, and how wide the loads from global memory
-are (``scalar``: loads and asynchronous copies of one 4-byte value, ``vector``: of 8 or 16 bytes).
-Spills inside the time loop cost every step, and so does each load instruction; a change to the
-kernels can be checked here before a GPU times it.
+launch settings ``persistent.plan`` picks on a Hopper GPU (an H100 / H200: 132 multiprocessors), or
+on the GPU ``--gpu`` names, for the shapes of ``benchmarks/speed.py`` (tied masks, float32 in TF32),
+specialised as Triton specialises a launch (every tensor 16-byte aligned, as torch allocates them;
+integers that are multiples of 16 marked so), and prints what ``ptxas -v`` reports: registers a
+thread and bytes spilled to local memory, the shared memory of a program, and how wide the loads
+from global memory are (``scalar``: loads and asynchronous copies of one 4-byte value, ``vector``:
+of 8 or 16 bytes). Spills inside the time loop cost every step, and so does each load instruction;
+a change to the kernels can be checked here before a GPU times it.
 
-    python benchmarks/kernel_resources.py [--resident] [--spread] [--per-sm N] [--half-state] [--stages N]
-                                          [--json FILE]
+    python benchmarks/kernel_resources.py [--gpu NAME] [--resident] [--spread] [--per-sm N] [--half-state]
+                                          [--stages N] [--json FILE]
 
+``--gpu`` is one of :data:`GPUS` (``h100``, the default; ``a100``, ``rtx4090``, ``b200``,
+``rtx5090``, ``t4``): its compute capability, its multiprocessors (the plan's grid) and its shared
+memory, where a load pipeline too deep to fit is compiled shallower, as a launch retries it.
 ``--resident`` asks for resident ``W_hh`` tiles (``persistent.tuning["resident"]``), which the plan
 gives where the hidden size is at most ``persistent.MAX_RESIDENT``; ``--spread`` for programs of
 fewer units than their tile (``persistent.tuning["spread"]``); ``--per-sm N`` for a grid of up to
 N programs a multiprocessor (``persistent.tuning["per_sm"]``); ``--half-state`` for forward loops
 that read the masked states from a float16 copy (``persistent.tuning["half_state"]``). Each line also
-says how many programs of the kernel a Hopper multiprocessor holds at once by its registers and
-shared memory (a cooperative launch of more is refused). Numbers are this Triton's (the GPU machine
-may run another version); ~20 s on a CPU.
+says how many programs of the kernel a multiprocessor holds at once by its registers and shared
+memory (a cooperative launch of more is refused). Numbers are this Triton's (the GPU machine may run
+another version); ~20 s on a CPU.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from typing import NamedTuple
 
 os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not the interpreter's
 
@@ -46,8 +50,29 @@ from rnndrop.atomic import write_json_atomic
 from rnndrop.kernels import persistent
 from rnndrop.kernels.triton_plan import LAUNCH_OPTIONS
 
-#: Hopper, where the persistent loop has been measured (H100 / H200), and its multiprocessors.
-CAPABILITY, MULTIPROCESSORS = 90, 132
+
+class Gpu(NamedTuple):
+    """What the loops' compilation and ``persistent.plan`` depend on of a GPU: its compute capability,
+    multiprocessors, and shared memory (bytes) a multiprocessor has and one program may take."""
+
+    capability: int
+    multiprocessors: int
+    shared: int
+    shared_per_program: int
+
+
+#: GPUs to compile for, by the name ``--gpu`` takes: Hopper (H100 / H200), where the persistent loop
+#: has been measured and which is the default, and one of each other generation users train on.
+GPUS = {
+    "h100": Gpu(90, 132, 228 * 1024, 227 * 1024),
+    "a100": Gpu(80, 108, 164 * 1024, 163 * 1024),
+    "rtx4090": Gpu(89, 128, 100 * 1024, 99 * 1024),
+    "b200": Gpu(100, 148, 228 * 1024, 227 * 1024),
+    "rtx5090": Gpu(120, 170, 100 * 1024, 99 * 1024),
+    "t4": Gpu(75, 40, 64 * 1024, 64 * 1024),
+}
+HOPPER = GPUS["h100"]
+CAPABILITY, MULTIPROCESSORS = HOPPER.capability, HOPPER.multiprocessors
 SHAPES = ((200, 20), (200, 128), (650, 20), (650, 128), (1500, 20), (1500, 128))
 #: Integer pointers among the loops' arguments (the others hold floats: :func:`signature`).
 INT_POINTERS = {"table_ptr", "counter_ptr"}
@@ -106,13 +131,15 @@ def load_widths(ptx: str) -> tuple[int, int]:
     return scalar, vector
 
 
-def registers_and_spills(ptx: str) -> tuple[int, int]:
-    """``(registers a thread, bytes spilled)`` that ``ptxas -v`` reports for ``ptx``."""
+def registers_and_spills(ptx: str, capability: int = CAPABILITY) -> tuple[int, int]:
+    """``(registers a thread, bytes spilled)`` that ``ptxas -v`` reports for ``ptx`` (compiled for
+    ``capability``: the architecture its ``.target`` line names)."""
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as source:
         source.write(ptx)
         source.flush()
-        ptxas = get_ptxas(CAPABILITY).path
-        command = [ptxas, "-v", f"--gpu-name=sm_{CAPABILITY}a", source.name, "-o", "/dev/null"]
+        ptxas = get_ptxas(capability).path
+        architecture = re.search(r"^\.target\s+(\w+)", ptx, re.MULTILINE).group(1)  # sm_90a, sm_80, ...
+        command = [ptxas, "-v", f"--gpu-name={architecture}", source.name, "-o", "/dev/null"]
         report = subprocess.run(command, capture_output=True, text=True, check=True)
     text = report.stdout + report.stderr
     registers = int(re.search(r"Used (\d+) registers", text).group(1))
@@ -160,19 +187,20 @@ def loop_constexprs(cell: str, backward: bool, tiles: dict, hidden: int, mask_ga
 
 
 def compile_loop(cell: str, backward: bool, constexprs: dict, warps: int, stages: int = 3,
-                 integers: dict[str, int] | None = None, dtype: str = "fp32") -> dict:
-    """Compile one loop for :data:`CAPABILITY` with a load pipeline ``stages`` deep, products in
-    ``dtype`` (:func:`signature`), specialised for the values ``integers`` of its integer arguments
-    (:func:`specialization`): ``registers``, ``spilled``, ``shared``, ``tiles_before_loop``, the
-    asynchronous ``copies`` (``copies_before_loop`` of them before the time loop:
+                 integers: dict[str, int] | None = None, dtype: str = "fp32",
+                 capability: int = CAPABILITY) -> dict:
+    """Compile one loop for ``capability`` (Hopper's by default) with a load pipeline ``stages`` deep,
+    products in ``dtype`` (:func:`signature`), specialised for the values ``integers`` of its integer
+    arguments (:func:`specialization`): ``registers``, ``spilled``, ``shared``, ``tiles_before_loop``,
+    the asynchronous ``copies`` (``copies_before_loop`` of them before the time loop:
     :func:`async_copies`), the ``barriers`` of the program's threads the kernel asks for
     (:func:`barriers`) and the ``scalar`` and ``vector`` loads."""
     kernel = getattr(persistent, f"_{cell}_{'backward' if backward else 'forward'}")
     source = ASTSource(kernel, signature(kernel, constexprs, dtype), constexprs=constexprs,
                        attrs=specialization(kernel, constexprs, integers or {}))
-    compiled = triton.compile(source, target=GPUTarget("cuda", CAPABILITY, 32),
+    compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32),
                               options=dict(num_warps=warps, num_stages=stages, **LAUNCH_OPTIONS))
-    registers, spilled = registers_and_spills(compiled.asm["ptx"])
+    registers, spilled = registers_and_spills(compiled.asm["ptx"], capability)
     ahead, copies = async_copies(compiled.asm["ttgir"])
     scalar, vector = load_widths(compiled.asm["ptx"])
     return dict(registers=registers, spilled=spilled, shared=compiled.metadata.shared,
@@ -191,26 +219,48 @@ class _OnHopper:
         return 0
 
 
-def planned(hidden: int, batch: int) -> persistent.Launch | None:
-    """The launch ``persistent.plan`` picks for a float32 call on a 132-multiprocessor GPU."""
+def planned(hidden: int, batch: int, multiprocessors: int = MULTIPROCESSORS) -> persistent.Launch | None:
+    """The launch ``persistent.plan`` picks for a float32 call on a GPU of ``multiprocessors``
+    (Hopper's 132 by default)."""
     saved = persistent._multiprocessors
-    persistent._multiprocessors = lambda device: MULTIPROCESSORS  # no GPU to ask
+    persistent._multiprocessors = lambda device: multiprocessors  # no GPU to ask
     try:
         return persistent.plan(_OnHopper(), hidden, batch, False)  # type: ignore[arg-type]
     finally:
         persistent._multiprocessors = saved
 
 
-#: A Hopper multiprocessor's registers and shared memory (bytes; 1 KiB of it reserved per program).
-REGISTERS, SHARED, SHARED_RESERVED = 65536, 228 * 1024, 1024
+#: A multiprocessor's registers (every GPU of :data:`GPUS`), and the shared memory (bytes) reserved
+#: per program.
+REGISTERS, SHARED_RESERVED = 65536, 1024
 
 
-def programs_per_multiprocessor(registers: int, warps: int, shared: int) -> int:
-    """How many programs of a kernel a Hopper multiprocessor holds at once: registers are allocated
-    per warp in units of 256, shared memory per program plus its reserve; at most 32 programs."""
+def programs_per_multiprocessor(registers: int, warps: int, shared: int, gpu: Gpu = HOPPER) -> int:
+    """How many programs of a kernel a multiprocessor of ``gpu`` holds at once: registers are
+    allocated per warp in units of 256, shared memory per program plus its reserve; at most 32 programs."""
     per_warp = -(-registers * 32 // 256) * 256
     by_registers = REGISTERS // (per_warp * warps) if registers else 32
-    return min(32, by_registers, SHARED // (shared + SHARED_RESERVED))
+    return min(32, by_registers, gpu.shared // (shared + SHARED_RESERVED))
+
+
+def compile_fitting(cell: str, backward: bool, constexprs: dict, warps: int, stages: int,
+                    integers: dict[str, int], gpu: Gpu) -> dict:
+    """:func:`compile_loop` for ``gpu`` at the deepest load pipeline from ``stages`` down whose
+    shared memory one program may take there, as ``persistent._run`` launches it (where none fits,
+    the one-stage loop, with ``stages`` 0: that call would run the step kernel); with ``stages``."""
+    for depth in range(stages, 0, -1):
+        found = compile_loop(cell, backward, constexprs, warps, depth, integers, capability=gpu.capability)
+        if found["shared"] <= gpu.shared_per_program:
+            return dict(found, stages=depth)
+    return dict(found, stages=0)
+
+
+def stages_note(fitted: int, asked: int) -> str:
+    """What a line says of the pipeline depth that fitted (:func:`compile_fitting`), where it is not
+    the one asked for."""
+    if fitted == asked:
+        return ""
+    return f", {fitted} stages (shared memory)" if fitted else ", fits at no depth: the step kernel runs"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,8 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-sm", type=int, default=1,
                         help="programs a multiprocessor may hold (default 1)")
     parser.add_argument("--stages", type=int, default=3, help="load pipeline depth (default 3, the built-in)")
+    parser.add_argument("--gpu", choices=sorted(GPUS), default="h100",
+                        help="the GPU to compile and plan for (default h100: Hopper, H100 / H200)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
+    gpu = GPUS[args.gpu]
     if args.stages < 1:
         parser.error(f"--stages: expected a positive integer, got {args.stages}")
     if not 1 <= args.per_sm <= 4:
@@ -237,12 +290,13 @@ def main(argv: list[str] | None = None) -> int:
         persistent.tuning["per_sm"] = args.per_sm
     if args.half_state:
         persistent.tuning["half_state"] = True
-    print(f"Triton {triton.__version__}, sm_{CAPABILITY}, {MULTIPROCESSORS} multiprocessors, tied masks, "
-          f"TF32, {args.stages} pipeline stages")
+    print(f"Triton {triton.__version__}, {args.gpu}: sm_{gpu.capability}, {gpu.multiprocessors} "
+          f"multiprocessors, {gpu.shared_per_program // 1024} KiB shared a program; tied masks, TF32, "
+          f"{args.stages} pipeline stages (fewer where the loads would not fit, as a launch does)")
     rows = []
     for cell in ("lstm", "gru"):
         for hidden, batch in SHAPES:
-            how = planned(hidden, batch)
+            how = planned(hidden, batch, gpu.multiprocessors)
             if how is None:
                 print(f"{cell:4s} {hidden:5d} x {batch:<4d} the step kernel (no persistent plan)")
                 continue
@@ -251,17 +305,17 @@ def main(argv: list[str] | None = None) -> int:
                 warps = persistent._warps(tiles["BB"], tiles["RESIDENT"])
                 constexprs = loop_constexprs(cell, backward, tiles, hidden)
                 integers = persistent._sizes(batch, hidden, 35 * batch)
-                found = compile_loop(cell, backward, constexprs, warps, args.stages, integers)
+                found = compile_fitting(cell, backward, constexprs, warps, args.stages, integers, gpu)
                 row = dict(cell=cell, hidden=hidden, batch=batch, backward=backward, programs=how.grid,
-                           warps=warps, **tiles, **found)
-                row["fit_per_sm"] = programs_per_multiprocessor(row["registers"], warps, row["shared"])
+                           warps=warps, gpu=args.gpu, **tiles, **found)
+                row["fit_per_sm"] = programs_per_multiprocessor(row["registers"], warps, row["shared"], gpu)
                 rows.append(row)
                 print(f"{cell:4s} {hidden:5d} x {batch:<4d} {'backward' if backward else 'forward '} "
                       f"{how.grid:3d} programs, rows {tiles['BB']:3d}, K {tiles['BK']:3d}, {warps} warps"
                       f"{', resident' if tiles['RESIDENT'] else ''}: {row['registers']:3d} registers, "
                       f"{row['spilled']:4d} bytes spilled, {row['shared'] // 1024:3d} KiB shared, loads "
                       f"{row['scalar']:3d} scalar / {row['vector']:3d} vector, {row['fit_per_sm']} fit a "
-                      "multiprocessor", flush=True)
+                      f"multiprocessor{stages_note(row['stages'], args.stages)}", flush=True)
     if args.json:
         write_json_atomic(rows, args.json)
     return 0

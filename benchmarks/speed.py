@@ -669,8 +669,11 @@ def print_op_counts() -> None:
     print("launching ops per time step of one layer and direction (profiler, CPU):")
     for kernel in KERNELS:
         if kernel == "triton":  # CUDA only; its launches are fixed by construction
-            print("  triton   (CUDA) forward 2, backward 2 per step and direction (4 and 4 with proj_size):"
-                  " a cuBLAS product and a fused Triton kernel each way (rnndrop/kernels/triton_lstm.py)")
+            print("  triton   (CUDA) one launch runs every step of a layer and direction, forward and"
+                  " backward (rnndrop/kernels/persistent.py); where its plan cannot (proj_size, a batch"
+                  " or hidden size past the grid), forward 2, backward 2 per step and direction (4 and 4"
+                  " with proj_size): a cuBLAS product and a fused Triton kernel each way"
+                  " (rnndrop/kernels/triton_lstm.py)")
             continue
         for cell in ("lstm", "gru"):
             for onednn in (True, False):

@@ -1,8 +1,9 @@
 """The persistent loops compiled for a Hopper GPU on a machine without one (tests/triton_compile.py,
-in a subprocess): every loop compiles, forward and backward, streaming ``W_hh`` or keeping its tiles
-resident, in TF32 and in bfloat16; resident tiles sit in shared memory before the time loop, no
-thread of a resident launch spills registers (8 warps), no launch loads a step ahead of the time
-loop, and streaming loops load rows in vectors."""
+in a subprocess), and some of them for an A100 and a B200: every loop compiles, forward and
+backward, streaming ``W_hh`` or keeping its tiles resident, in TF32 and in bfloat16; resident tiles
+sit in shared memory before the time loop, no thread of a resident launch spills registers (8
+warps), no launch loads a step ahead of the time loop on any of the three, and streaming loops load
+rows in vectors."""
 
 import json
 import os
@@ -28,7 +29,8 @@ def compiled(tmp_path_factory):
 
 
 def test_every_loop_compiles_forward_and_backward(compiled):
-    assert len(compiled) == 36
+    assert len(compiled) == 42
+    assert sum(case.endswith(("on sm_80", "on sm_100")) for case in compiled) == 6
     failed = {case: r["error"] for case, r in compiled.items() if not r["ok"]}
     assert failed == {}
 
@@ -64,7 +66,7 @@ def test_no_time_loop_loads_a_step_before_the_step_before_it_has_run(compiled):
     assert ahead == {}
     stepless = {case: r["copies"] for case, r in compiled.items()
                 if "resident" in case or ("forward hidden 16" in case)}
-    assert len(stepless) == 16 and set(stepless.values()) == {0}, stepless
+    assert len(stepless) == 18 and set(stepless.values()) == {0}, stepless
     unpipelined = {case for case, r in compiled.items() if "streaming" in case and r["copies"] == 0}
     assert unpipelined == set()
 
@@ -85,7 +87,8 @@ def test_streaming_loops_load_rows_in_vectors(compiled):
     fewer units than their tile (the lanes past their units moved past ``H``, not set to it)."""
     streaming = {case: (r["scalar"], r["vector"]) for case, r in compiled.items()
                  if "streaming" in case and "bfloat16" not in case}
-    assert len(streaming) == 12  # programs of 12 units in tiles of 16, and float16 states, too
+    # programs of 12 units in tiles of 16, float16 states, and 128 rows on sm_80 / sm_100 too
+    assert len(streaming) == 14
     assert all(vector > scalar for scalar, vector in streaming.values()), streaming
 
 

@@ -23,8 +23,13 @@ resources = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(resources)
 
 
-def cases() -> list[tuple[str, str, bool, dict, int, int, str, dict]]:
-    """``(name, cell, backward, tiles, mask gates, hidden, dtype, settings)``, ``settings`` the
+#: GPUs other than Hopper's the loops are compiled for too: an A100 (cp.async copies, ``mma.sync``)
+#: and a B200 (products of 128 rows on its fifth-generation tensor cores, ``tcgen05``).
+OTHER_CAPABILITIES = (80, 100)
+
+
+def cases() -> list[tuple[str, str, bool, dict, int, int, str, dict, int]]:
+    """``(name, cell, backward, tiles, mask gates, hidden, dtype, settings, capability)``, ``settings`` the
     compile-time arguments that differ from a training launch's: each loop, forward and backward,
     streaming ``W_hh`` (tied masks, blocks of 16 rows and units, K blocks of 32 forward and 64
     backward; and programs of 12 units in tiles of 16, ``persistent.SPREAD``) and with resident
@@ -33,7 +38,10 @@ def cases() -> list[tuple[str, str, bool, dict, int, int, str, dict]]:
     hidden 16 as ``persistent.plan`` launches it for a batch of 16 or fewer, one program (no barrier to
     spin at), whose one K block of 16 the compiler knows (``H_VEC`` 1), tiles streamed or resident:
     no loop inside a step. Products in TF32, and in bfloat16 (autocast's loads and ``tl.dot``, which
-    the interpreter runs upcast to float32) streaming at hidden 200 and at hidden 16."""
+    the interpreter runs upcast to float32) streaming at hidden 200 and at hidden 16. All for Hopper
+    (sm_90); and for each of :data:`OTHER_CAPABILITIES` the LSTM's loops at hidden 16 in one program
+    and its forward loop streaming blocks of 128 rows (8 warps), where each generation's compiler
+    lowers the products its own way."""
     found = []
     for cell, gates in (("lstm", 4), ("gru", 3)):
         for backward in (False, True):
@@ -51,18 +59,28 @@ def cases() -> list[tuple[str, str, bool, dict, int, int, str, dict]]:
                     ("hidden 16 resident", dict(one_block, RESIDENT=True), 1, 16, "fp32", one_program),
                     ("hidden 16 bfloat16", one_block, 1, 16, "bf16", one_program)):
                 name = f"{cell} {direction} {label}"
-                found.append((name, cell, backward, tiles, mask_gates, hidden, dtype, settings))
+                found.append((name, cell, backward, tiles, mask_gates, hidden, dtype, settings,
+                              resources.CAPABILITY))
         for label, mask_gates in (("streaming float16 states", 1),
                                   ("streaming float16 states per-gate", gates)):
             tiles = dict(BB=16, BH=16, BK=32, RESIDENT=False, UNITS=16)
             found.append((f"{cell} forward {label}", cell, False, tiles, mask_gates, 200, "fp32",
-                          dict(HALF_STATE=True)))
+                          dict(HALF_STATE=True), resources.CAPABILITY))
+    for capability in OTHER_CAPABILITIES:
+        one_block = dict(BB=16, BH=16, BK=16, RESIDENT=False, UNITS=16)
+        rows_128 = dict(BB=128, BH=16, BK=64, RESIDENT=False, UNITS=16)
+        for name, backward, tiles, hidden, settings in (
+                ("lstm forward hidden 16", False, one_block, 16, dict(SYNC=False)),
+                ("lstm backward hidden 16", True, one_block, 16, dict(SYNC=False)),
+                ("lstm forward streaming 128 rows", False, rows_128, 200, {})):
+            found.append((f"{name} on sm_{capability}", "lstm", backward, tiles, 1, hidden, "fp32", settings,
+                          capability))
     return found
 
 
 def main() -> None:
     records = []
-    for name, cell, backward, tiles, mask_gates, hidden, dtype, settings in cases():
+    for name, cell, backward, tiles, mask_gates, hidden, dtype, settings, capability in cases():
         record: dict = dict(case=name, ok=False, error=None)
         warps = resources.persistent._warps(tiles["BB"], tiles["RESIDENT"])
         try:
@@ -72,7 +90,8 @@ def main() -> None:
             constexprs.update(settings)
             if dtype != "fp32":
                 constexprs["PRECISION"] = "ieee"  # what persistent._precision gives half types
-            record.update(ok=True, **resources.compile_loop(cell, backward, constexprs, warps, dtype=dtype))
+            record.update(ok=True, **resources.compile_loop(cell, backward, constexprs, warps, dtype=dtype,
+                                                             capability=capability))
         except Exception as error:  # reported, not raised: the test names every case that failed
             record["error"] = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
         records.append(record)
