@@ -29,7 +29,7 @@ def compiled(tmp_path_factory):
 
 
 def test_every_loop_compiles_forward_and_backward(compiled):
-    assert len(compiled) == 42
+    assert len(compiled) == 43
     assert sum(case.endswith(("on sm_80", "on sm_100")) for case in compiled) == 6
     failed = {case: r["error"] for case, r in compiled.items() if not r["ok"]}
     assert failed == {}
@@ -78,6 +78,14 @@ def test_the_threads_of_a_program_meet_after_every_step(compiled):
     missing = {case for case, r in compiled.items() if r["barriers"] == 0}
     assert missing == set()
     assert {r["barriers"] for case, r in compiled.items() if "hidden 16" in case} == {1}
+
+
+def test_a_pipeline_too_deep_for_a_gpu_is_compiled_as_deep_as_fits_there(compiled):
+    """``kernel_resources.compile_fitting``, as a launch retries a depth whose shared memory the
+    device refuses: four stages of a 128-row forward loop do not fit an RTX 4090's 99 KiB, three do."""
+    record = compiled["lstm forward 128 rows, 4 stages asked, fitted to an RTX 4090"]
+    assert record["stages"] == 3
+    assert 64 * 1024 < record["shared"] <= 99 * 1024
 
 
 def test_streaming_loops_load_rows_in_vectors(compiled):
