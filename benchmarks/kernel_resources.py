@@ -15,7 +15,7 @@ a change to the kernels can be checked here before a GPU times it.
                                           [--stages N] [--json FILE]
 
 ``--gpu`` is one of :data:`GPUS` (``h100``, the default; ``a100``, ``rtx4090``, ``b200``,
-``rtx5090``, ``t4``): its compute capability, its multiprocessors (the plan's grid) and its shared
+``rtx5090``, ``t4``, ``v100``): its compute capability, its multiprocessors (the plan's grid) and its shared
 memory, where a load pipeline too deep to fit is compiled shallower, as a launch retries it.
 ``--resident`` asks for resident ``W_hh`` tiles (``persistent.tuning["resident"]``), which the plan
 gives where the hidden size is at most ``persistent.MAX_RESIDENT``; ``--spread`` for programs of
@@ -70,6 +70,7 @@ GPUS = {
     "b200": Gpu(100, 148, 228 * 1024, 227 * 1024),
     "rtx5090": Gpu(120, 170, 100 * 1024, 99 * 1024),
     "t4": Gpu(75, 40, 64 * 1024, 64 * 1024),
+    "v100": Gpu(70, 80, 96 * 1024, 96 * 1024),
 }
 HOPPER = GPUS["h100"]
 CAPABILITY, MULTIPROCESSORS = HOPPER.capability, HOPPER.multiprocessors
