@@ -188,6 +188,29 @@ def test_programs_that_own_fewer_units_than_their_tile_match_reference(kind, dev
     assert calls.count(f"_{kind}_forward") == calls.count(f"_{kind}_backward") == 2 * len(helpers.MASK_SHAPES)
 
 
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_programs_of_32_and_64_units_match_reference(kind, device, monkeypatch):
+    """Programs of 32 units (three over 80: the last block runs past the end) and of 64 units (two over
+    100, two blocks of rows of 20 packed sequences): what ``persistent.plan`` launches on a GPU of
+    fewer multiprocessors than hidden units / 16 (a T4's 40 at hidden 650, an L4's 58 at 1500; an
+    H100's 132 past hidden 2112). No mask, a tied mask and a per-step mask a gate (the masked
+    states' three layouts), forward and reverse, with the mask's gradient, at 1e-5 in float32 (one
+    launch per step under the interpreter)."""
+    calls = persistent_calls(monkeypatch)
+    per_step = device.type != "cuda"
+    wide = persistent.Launch(2, 64, per_step=per_step, row_blocks=2)
+    for how, batch_sizes, H in ((persistent.Launch(3, 32, per_step=per_step), [4, 3, 3, 1], 80),
+                                (wide, [20, 20, 17, 9, 2], 100)):
+        assert persistent._tiles(how, batch_sizes[0], H, False)["BH"] == how.units
+        with persistent.launched_as(how):
+            for mask_shape, reverse in ((None, True), ((1, "B", "P"), False), (("T", "B", "G", "P"), True)):
+                args = inputs(kind, batch_sizes, mask_shape, 0, device, torch.float32, True, H=H)
+                ours = run("triton", kind, batch_sizes, args, reverse)
+                assert_close(ours, run("autograd", kind, batch_sizes, args, reverse), atol=1e-5, rtol=1e-5,
+                             msg=f"{kind} {how} mask {mask_shape} reverse {reverse}")
+    assert calls.count(f"_{kind}_forward") == calls.count(f"_{kind}_backward") == 6
+
+
 def mask_shape_cases(kind, device, shift):
     """``(how, mask shape, reverse, batch sizes, kernel inputs)`` of every mask shape (directions and
     layouts in turn, ``shift`` picking which come first), run inside ``launched_as(how)``: three
