@@ -246,14 +246,17 @@ def programs_per_multiprocessor(registers: int, warps: int, shared: int, gpu: Gp
 
 def compile_fitting(cell: str, backward: bool, constexprs: dict, warps: int, stages: int,
                     integers: dict[str, int], gpu: Gpu) -> dict:
-    """:func:`compile_loop` for ``gpu`` at the deepest load pipeline from ``stages`` down whose
-    shared memory one program may take there, as ``persistent._run`` launches it (where none fits,
-    the one-stage loop, with ``stages`` 0: that call would run the step kernel); with ``stages``."""
-    for depth in range(stages, 0, -1):
-        found = compile_loop(cell, backward, constexprs, warps, depth, integers, capability=gpu.capability)
+    """:func:`compile_loop` for ``gpu`` at the first K block and load pipeline depth, from ``stages``
+    down (``persistent._fittings``: narrower K blocks before one stage), whose shared memory one
+    program may take there, as ``persistent._run`` launches it (where none fits, the last tried, with
+    ``stages`` 0: that call would run the step kernel); with ``stages`` and the ``BK`` compiled."""
+    fixed = constexprs["RESIDENT"] or "block_k" in persistent.tuning
+    for block_k, depth in persistent._fittings(constexprs["BK"], stages, fixed):
+        found = compile_loop(cell, backward, dict(constexprs, BK=block_k), warps, depth, integers,
+                             capability=gpu.capability)
         if found["shared"] <= gpu.shared_per_program:
-            return dict(found, stages=depth)
-    return dict(found, stages=0)
+            return dict(found, stages=depth, BK=block_k)
+    return dict(found, stages=0, BK=block_k)
 
 
 def stages_note(fitted: int, asked: int) -> str:
@@ -307,12 +310,12 @@ def main(argv: list[str] | None = None) -> int:
                 constexprs = loop_constexprs(cell, backward, tiles, hidden)
                 integers = persistent._sizes(batch, hidden, 35 * batch)
                 found = compile_fitting(cell, backward, constexprs, warps, args.stages, integers, gpu)
-                row = dict(cell=cell, hidden=hidden, batch=batch, backward=backward, programs=how.grid,
-                           warps=warps, gpu=args.gpu, **tiles, **found)
+                row = {**dict(cell=cell, hidden=hidden, batch=batch, backward=backward, programs=how.grid,
+                                 warps=warps, gpu=args.gpu), **tiles, **found}  # (the K block compiled)
                 row["fit_per_sm"] = programs_per_multiprocessor(row["registers"], warps, row["shared"], gpu)
                 rows.append(row)
                 print(f"{cell:4s} {hidden:5d} x {batch:<4d} {'backward' if backward else 'forward '} "
-                      f"{how.grid:3d} programs, rows {tiles['BB']:3d}, K {tiles['BK']:3d}, {warps} warps"
+                      f"{how.grid:3d} programs, rows {tiles['BB']:3d}, K {row['BK']:3d}, {warps} warps"
                       f"{', resident' if tiles['RESIDENT'] else ''}: {row['registers']:3d} registers, "
                       f"{row['spilled']:4d} bytes spilled, {row['shared'] // 1024:3d} KiB shared, loads "
                       f"{row['scalar']:3d} scalar / {row['vector']:3d} vector, {row['fit_per_sm']} fit a "

@@ -68,9 +68,12 @@ SETTINGS = (
 #: load-side ones, timed at the shapes where the loop is bound by the GPU. (Wider unit blocks were
 #: 2-3x slower with tied masks in the H200 sweep: a program's time grows with its rows x units.)
 PER_GATE_SHAPES = ((650, 128), (1500, 20), (1500, 128))
+#: (``block_k=64``: the K block as planned at every shape, however shallow its pipeline must then be;
+#: the built-in halves it where that keeps two stages or more: ``persistent._fittings``.)
 PER_GATE_SETTINGS = (
     {}, dict(row_blocks=2), dict(row_blocks=4), dict(row_blocks=8), dict(per_sm=2),
-    dict(per_sm=2, row_blocks=8), dict(block_k=32), dict(warps=8), dict(spread=True), dict(half_state=True),
+    dict(per_sm=2, row_blocks=8), dict(block_k=32), dict(block_k=64), dict(warps=8), dict(spread=True),
+    dict(half_state=True),
 )
 STEPS, REPEATS = 35, 10
 

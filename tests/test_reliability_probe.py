@@ -192,7 +192,7 @@ def test_resident_tiles_only_where_asked_and_they_fit(on_cuda, monkeypatch, hidd
 
 class _Loop:
     """A stand-in for a persistent loop kernel: records ``(RESIDENT, BK, num_stages)`` of every
-    launch and runs out of shared memory where ``too_large(resident, stages)``."""
+    launch and runs out of shared memory where ``too_large(resident, stages, block_k)``."""
 
     __name__ = "_fake_loop"
 
@@ -204,7 +204,7 @@ class _Loop:
             from triton.runtime.errors import OutOfResources
 
             self.launches.append((RESIDENT, BK, num_stages))
-            if self.too_large(RESIDENT, num_stages):
+            if self.too_large(RESIDENT, num_stages, BK):
                 raise OutOfResources(300_000, 232_448, "shared memory")
         return launch
 
@@ -220,7 +220,7 @@ def test_resident_tiles_that_do_not_fit_stream_w_hh_instead_and_are_not_tried_ag
     every pipeline depth runs as before (streaming W_hh, the plan's K block), not the step kernel,
     and later calls go there at once."""
     monkeypatch.setattr(persistent, "_stages", {})
-    kernel = _Loop(lambda resident, stages: resident)
+    kernel = _Loop(lambda resident, stages, block_k: resident)
     for _ in range(2):
         assert _launch(kernel, True, 256) is None
     assert kernel.launches == [(True, 256, 3), (True, 256, 2), (True, 256, 1), (False, 64, 3), (False, 64, 3)]
@@ -230,7 +230,7 @@ def test_a_deeper_load_pipeline_is_tried_first_where_a_measurement_asks(monkeypa
     """``tuning["stages"]``: launches try that depth, then shallower ones where shared memory runs
     out (the depth that fitted is kept per block shape and asked-for depth); without it, 3."""
     monkeypatch.setattr(persistent, "_stages", {})
-    kernel = _Loop(lambda resident, stages: stages > 4)
+    kernel = _Loop(lambda resident, stages, block_k: stages > 4)
     monkeypatch.setitem(persistent.tuning, "stages", 6)
     for _ in range(2):
         assert _launch(kernel, False, 64) is None
@@ -240,6 +240,25 @@ def test_a_deeper_load_pipeline_is_tried_first_where_a_measurement_asks(monkeypa
     monkeypatch.setitem(persistent.tuning, "stages", 0)
     with pytest.raises(ValueError, match=r'tuning\["stages"\] must be a positive number of stages, got 0'):
         _launch(kernel, False, 64)
+
+
+def test_a_k_block_too_wide_to_pipeline_is_halved_before_the_loads_go_unpipelined(monkeypatch):
+    """Where the planned K block fits no pipeline of two stages or more (per-gate masks at hidden 1500,
+    batch 128 on sm_90: 144 KiB a stage at K 64), launches try K blocks half as wide at every depth
+    before the planned one unpipelined, and keep what fitted; a measurement's ``block_k`` is kept as
+    it is, only shallower."""
+    monkeypatch.setattr(persistent, "_stages", {})
+    kernel = _Loop(lambda resident, stages, block_k: block_k * stages > 96)  # a stage's loads ~ K
+    for _ in range(2):
+        assert _launch(kernel, False, 64) is None
+    assert kernel.launches == [(False, 64, 3), (False, 64, 2), (False, 32, 3), (False, 32, 3)]
+    monkeypatch.setitem(persistent.tuning, "block_k", 64)
+    kernel.launches.clear()
+    assert _launch(kernel, False, 64) is None
+    assert kernel.launches == [(False, 64, 3), (False, 64, 2), (False, 64, 1)]
+    halved = [(64, 3), (64, 2), (32, 3), (32, 2), (16, 3), (16, 2), (64, 1)]
+    assert persistent._fittings(64, 3, False) == halved
+    assert persistent._fittings(16, 1, False) == [(16, 1)]
 
 
 def test_a_batch_whose_blocks_of_rows_do_not_fit_runs_the_step_kernel(on_cuda):

@@ -1182,10 +1182,11 @@ def _cooperative_launches() -> bool:
 
 _COOPERATIVE = _cooperative_launches()
 _COOPERATIVE_OPTIONS = dict(LAUNCH_OPTIONS, launch_cooperative_grid=True)
-#: The deepest load pipeline of the loops over ``W_hh``; depths from it down to 1 are tried, and the
-#: first whose shared memory fits is kept per kernel and block shape (0 where none does).
+#: The deepest load pipeline of the loops over ``W_hh``; depths from it down are tried (:func:`_fittings`),
+#: and the first ``(K block, depth)`` whose shared memory fits is kept per kernel and block shape
+#: (None where none does).
 _DEEPEST_STAGES = 3
-_stages: dict[tuple, int] = {}
+_stages: dict[tuple, tuple[int, int] | None] = {}
 #: Pools' counters copied for reading once their launches finished: ``(event, pinned copy, device)``.
 _pending: list[tuple[torch.cuda.Event, Tensor, torch.device]] = []
 
@@ -1309,16 +1310,18 @@ def _run(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constex
         _read_finished_counters()
     counter = _counter(device, pooled=cooperative and not capturing)
     deepest = _setting("stages", _DEEPEST_STAGES, lambda n: n >= 1, "a positive number of stages")
-    depths = tuple(range(deepest, 0, -1))
+    fixed = constexprs["RESIDENT"] or "block_k" in tuning
+    fittings = _fittings(constexprs["BK"], deepest, fixed)
     # every setting that changes what the loads take (not B and N, which vary from call to call)
     key = (kernel.__name__, tuple(sorted((k, v) for k, v in constexprs.items() if k not in ("B", "N"))),
-           warps, args[0].dtype, depths[0])
-    fitting = _stages.get(key, depths[0])  # 0: nothing fits (remembered, not tried again)
-    for stages in depths[depths.index(fitting):] if fitting else ():
+           warps, args[0].dtype, deepest, fixed)
+    fitting = _stages.get(key, fittings[0])  # None: nothing fits (remembered, not tried again)
+    for block_k, stages in fittings[fittings.index(fitting):] if fitting else ():
         try:
-            kernel[(how.grid,)](*args, counter, 0, steps, **constexprs, SYNC=how.grid > 1,
-                                    UPCAST=upcast, num_warps=warps, num_stages=stages, **options)
-            _stages[key] = stages
+            blocks = constexprs if block_k == constexprs["BK"] else dict(constexprs, BK=block_k)
+            kernel[(how.grid,)](*args, counter, 0, steps, **blocks, SYNC=how.grid > 1,
+                                UPCAST=upcast, num_warps=warps, num_stages=stages, **options)
+            _stages[key] = (block_k, stages)
             break
         except OutOfResources:  # the pipelined loads need more shared memory than there is
             continue
@@ -1327,7 +1330,7 @@ def _run(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constex
                 raise
             return f"the cooperative launch was refused ({str(error).strip().splitlines()[0]})"
     else:
-        _stages[key] = 0
+        _stages[key] = None
         if constexprs["RESIDENT"]:  # resident tiles do not fit beside the loads: stream W_hh, as before
             block_k = _block_k(constexprs["H_VEC"] * constexprs["VEC"], constexprs["BB"], backward)
             streaming = dict(constexprs, RESIDENT=False, BK=block_k)
@@ -1338,6 +1341,22 @@ def _run(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constex
     if int(counter.item()) >= GAVE_UP:
         return "a grid barrier gave up waiting (another kernel held multiprocessors)"
     return None
+
+
+def _fittings(block_k: int, deepest: int, fixed: bool) -> list[tuple[int, int]]:
+    """The ``(K block, pipeline depth)`` a launch tries in turn until its shared memory fits: the
+    planned K block ``block_k`` at every depth from ``deepest`` down to 2; then, unless the K block is
+    ``fixed`` (resident tiles: one block over the whole hidden size; a measurement's ``block_k``),
+    K blocks half as wide (down to 16, ``tl.dot``'s least) at those depths; only then the planned K
+    block unpipelined. A wide K block that fits one stage only loads each block while the last one's
+    products wait for nothing to overlap them (per-gate masks at hidden 1500, batch 128: four
+    masked states of 128 rows a block, 144 KiB a stage on sm_90 at K 64, 72 KiB at K 32, where three
+    stages fit: ``benchmarks/kernel_resources.py``)."""
+    depths = range(deepest, 1, -1)
+    blocks = [block_k]
+    while not fixed and blocks[-1] // 2 >= 16:
+        blocks.append(blocks[-1] // 2)
+    return [(k, depth) for k in blocks for depth in depths] + [(block_k, 1)]
 
 
 _given_up: set[str] = set()
