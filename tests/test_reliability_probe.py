@@ -256,9 +256,9 @@ def test_a_k_block_too_wide_to_pipeline_is_halved_before_the_loads_go_unpipeline
     kernel.launches.clear()
     assert _launch(kernel, False, 64) is None
     assert kernel.launches == [(False, 64, 3), (False, 64, 2), (False, 64, 1)]
-    halved = [(64, 3), (64, 2), (32, 3), (32, 2), (16, 3), (16, 2), (64, 1)]
+    halved = ((64, 3), (64, 2), (32, 3), (32, 2), (16, 3), (16, 2), (64, 1))
     assert persistent._fittings(64, 3, False) == halved
-    assert persistent._fittings(16, 1, False) == [(16, 1)]
+    assert persistent._fittings(16, 1, False) == ((16, 1),)
 
 
 def test_a_batch_whose_blocks_of_rows_do_not_fit_runs_the_step_kernel(on_cuda):

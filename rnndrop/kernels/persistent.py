@@ -1343,7 +1343,8 @@ def _run(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constex
     return None
 
 
-def _fittings(block_k: int, deepest: int, fixed: bool) -> list[tuple[int, int]]:
+@functools.lru_cache(maxsize=64)  # (a host cost of every launch)
+def _fittings(block_k: int, deepest: int, fixed: bool) -> tuple[tuple[int, int], ...]:
     """The ``(K block, pipeline depth)`` a launch tries in turn until its shared memory fits: the
     planned K block ``block_k`` at every depth from ``deepest`` down to 2; then, unless the K block is
     ``fixed`` (resident tiles: one block over the whole hidden size; a measurement's ``block_k``),
@@ -1356,7 +1357,7 @@ def _fittings(block_k: int, deepest: int, fixed: bool) -> list[tuple[int, int]]:
     blocks = [block_k]
     while not fixed and blocks[-1] // 2 >= 16:
         blocks.append(blocks[-1] // 2)
-    return [(k, depth) for k in blocks for depth in depths] + [(block_k, 1)]
+    return (*((k, depth) for k in blocks for depth in depths), (block_k, 1))
 
 
 _given_up: set[str] = set()
