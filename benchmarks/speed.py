@@ -195,6 +195,30 @@ def persistent_plan(x: torch.Tensor, batch: int) -> str:
             f"{-(-batch // how.row_blocks)} rows")
 
 
+def fitted_pipelines(shown: set) -> str:
+    """The K block and load pipeline depth each persistent launch kept (``persistent._stages``) that
+    is not yet in ``shown`` (then added to it): where shared memory made a launch take a narrower K
+    block or a shallower pipeline than planned (``persistent._fittings``), a GPU run says so here.
+    Empty where no persistent loop ran."""
+    if "rnndrop.kernels.persistent" not in sys.modules:  # (never imports Triton itself)
+        return ""
+    from rnndrop.kernels import persistent
+
+    found = []
+    for key, fit in list(persistent._stages.items()):
+        if key in shown:
+            continue
+        shown.add(key)
+        settings = dict(key[1])
+        launch = (f"{key[0].strip('_')} (rows {settings.get('BB')}, "
+                  f"mask gates {settings.get('MASK_GATES', 1)}, K {settings.get('BK')})")
+        found.append(f"{launch}: " + ("nothing fits" if fit is None else f"K {fit[0]} x {fit[1]} stages"))
+    return "; ".join(found)
+
+
+_PIPELINES_SHOWN: set = set()
+
+
 def train_step(module: nn.Module, x: torch.Tensor) -> None:
     out, _ = module(x)
     out.sum().backward()
@@ -395,6 +419,9 @@ def bench_shape(
     round_seconds = sum(first.values())  # the first calls: an upper bound of a round
     note(f"{step}{model} {shape} (hidden {hidden}, batch {batch}): {len(names)} variants, "
          f"{args.rounds} rounds, up to about {round_seconds * args.rounds:.0f} s{persistent_plan(x, batch)}")
+    pipelines = fitted_pipelines(_PIPELINES_SHOWN)
+    if pipelines:
+        note(f"  pipelines: {pipelines}")
     load_before = os.getloadavg()[0]
     times: dict[str, list[float]] = {name: [] for name in names}
     rng = random.Random(0)

@@ -293,3 +293,18 @@ def test_mc_predict_mode_times_samples_through_mc_predict_per_sample(speed, caps
     assert "times per sample" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         speed.parse_args(["--mode", "mc-predict", "--samples", "0"])
+
+
+def test_the_k_block_and_pipeline_each_persistent_launch_kept_are_named_once(speed, monkeypatch):
+    """What ``persistent._run`` fitted into shared memory, once per launch shape (a GPU run's log
+    says where a launch took a narrower K block or a shallower pipeline than planned)."""
+    pytest.importorskip("triton")
+    from rnndrop.kernels import persistent
+
+    key = ("_lstm_forward", (("BB", 128), ("BK", 64), ("MASK_GATES", 4)), 8, torch.float32, 3, False)
+    other = ("_gru_backward", (("BB", 16), ("BK", 64), ("MASK_GATES", 1)), 4, torch.float32, 3, False)
+    monkeypatch.setattr(persistent, "_stages", {key: (32, 3), other: None})
+    shown: set = set()
+    assert speed.fitted_pipelines(shown) == ("lstm_forward (rows 128, mask gates 4, K 64): K 32 x 3 stages; "
+                                             "gru_backward (rows 16, mask gates 1, K 64): nothing fits")
+    assert speed.fitted_pipelines(shown) == ""
