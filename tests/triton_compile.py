@@ -7,7 +7,8 @@ the interpreter cannot (a kernel the compiler rejects: types that change around 
 Not collected: ``tests/test_triton_compile.py`` runs it in a subprocess (Triton's interpreter must
 be off, and the compile cache in a folder of its own) and reads the JSON it prints: one record per
 case, ``{"case", "ok", "error", "registers", "spilled", "shared", "tiles_before_loop", "barriers",
-"copies_before_loop", "copies", "scalar", "vector"}``.
+"copies_before_loop", "copies", "scalar", "vector"}`` (and ``"stages"``, ``"BK"`` for
+:data:`FITTED`, compiled as deep as fits a smaller GPU).
 """
 
 from __future__ import annotations
