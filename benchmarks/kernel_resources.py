@@ -209,7 +209,7 @@ def compile_loop(cell: str, backward: bool, constexprs: dict, warps: int, stages
                 copies_before_loop=ahead, copies=copies, barriers=barriers(compiled.asm["ttgir"]))
 
 
-class _OnHopper:
+class _PlannedCall:
     """What ``persistent.plan`` reads of a CUDA tensor: its dtype, device and size (speed.py's
     shapes are far below the 32-bit offsets' limit)."""
 
@@ -226,7 +226,7 @@ def planned(hidden: int, batch: int, multiprocessors: int = MULTIPROCESSORS) -> 
     saved = persistent._multiprocessors
     persistent._multiprocessors = lambda device: multiprocessors  # no GPU to ask
     try:
-        return persistent.plan(_OnHopper(), hidden, batch, False)  # type: ignore[arg-type]
+        return persistent.plan(_PlannedCall(), hidden, batch, False)  # type: ignore[arg-type]
     finally:
         persistent._multiprocessors = saved
 
@@ -250,7 +250,7 @@ def compile_fitting(cell: str, backward: bool, constexprs: dict, warps: int, sta
     down (``persistent._fittings``: narrower K blocks before one stage), whose shared memory one
     program may take there, as ``persistent._run`` launches it (where none fits, the last tried, with
     ``stages`` 0: that call would run the step kernel); with ``stages`` and the ``BK`` compiled."""
-    fixed = constexprs["RESIDENT"] or "block_k" in persistent.tuning
+    fixed = persistent._block_k_fixed(constexprs)
     for block_k, depth in persistent._fittings(constexprs["BK"], stages, fixed):
         found = compile_loop(cell, backward, dict(constexprs, BK=block_k), warps, depth, integers,
                              capability=gpu.capability)

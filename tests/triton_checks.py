@@ -140,12 +140,12 @@ def test_persistent_loop_over_several_programs_matches_reference(kind, device, m
     assert calls.count(f"_{kind}_forward") == calls.count(f"_{kind}_backward") == 2 * len(helpers.MASK_SHAPES)
 
 
-def check_every_mask_shape(kind, how, batch_sizes, device, reverse_first=False, H=40):
+def check_every_mask_shape(kind, how, batch_sizes, device, reverse_first=False, H=40, shapes=None):
     """The loop launched as ``how`` against the reference kernel at 1e-5 in float32, for every mask
-    shape: the directions in turn (reversed first where ``reverse_first``), the mask's gradient asked
-    for two shapes in three."""
+    shape (or those of ``shapes``): the directions in turn (reversed first where ``reverse_first``),
+    the mask's gradient asked for two shapes in three."""
     with persistent.launched_as(how):
-        for i, mask_shape in enumerate(helpers.MASK_SHAPES):
+        for i, mask_shape in enumerate(helpers.MASK_SHAPES if shapes is None else shapes):
             reverse = i % 2 == (0 if reverse_first else 1)
             args = inputs(kind, batch_sizes, mask_shape, 0, device, torch.float32, i % 3 != 2, H=H)
             ours = run("triton", kind, batch_sizes, args, reverse)
@@ -193,21 +193,17 @@ def test_programs_of_32_and_64_units_match_reference(kind, device, monkeypatch):
     """Programs of 32 units (three over 80: the last block runs past the end) and of 64 units (two over
     100, two blocks of rows of 20 packed sequences): what ``persistent.plan`` launches on a GPU of
     fewer multiprocessors than hidden units / 16 (a T4's 40 at hidden 650, an L4's 58 at 1500; an
-    H100's 132 past hidden 2112). No mask, a tied mask and a per-step mask a gate (the masked
-    states' three layouts), forward and reverse, with the mask's gradient, at 1e-5 in float32 (one
-    launch per step under the interpreter)."""
+    H100's 132 past hidden 2112). A tied mask and a per-step mask a gate with their gradients, and no
+    mask (the masked states' three layouts), both directions, at 1e-5 in float32 (one launch per
+    step under the interpreter)."""
     calls = persistent_calls(monkeypatch)
     per_step = device.type != "cuda"
     wide = persistent.Launch(2, 64, per_step=per_step, row_blocks=2)
     for how, batch_sizes, H in ((persistent.Launch(3, 32, per_step=per_step), [4, 3, 3, 1], 80),
                                 (wide, [20, 20, 17, 9, 2], 100)):
         assert persistent._tiles(how, batch_sizes[0], H, False)["BH"] == how.units
-        with persistent.launched_as(how):
-            for mask_shape, reverse in ((None, True), ((1, "B", "P"), False), (("T", "B", "G", "P"), True)):
-                args = inputs(kind, batch_sizes, mask_shape, 0, device, torch.float32, True, H=H)
-                ours = run("triton", kind, batch_sizes, args, reverse)
-                assert_close(ours, run("autograd", kind, batch_sizes, args, reverse), atol=1e-5, rtol=1e-5,
-                             msg=f"{kind} {how} mask {mask_shape} reverse {reverse}")
+        check_every_mask_shape(kind, how, batch_sizes, device, H=H,
+                               shapes=[(1, "B", "P"), ("T", "B", "G", "P"), None])
     assert calls.count(f"_{kind}_forward") == calls.count(f"_{kind}_backward") == 6
 
 

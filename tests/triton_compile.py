@@ -13,9 +13,11 @@ case, ``{"case", "ok", "error", "registers", "spilled", "shared", "tiles_before_
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_resources.py"
@@ -79,25 +81,34 @@ def cases() -> list[tuple[str, str, bool, dict, int, int, str, dict, int]]:
     return found
 
 
+def compile_case(cell: str, backward: bool, tiles: dict, mask_gates: int, hidden: int, dtype: str,
+                 settings: dict, capability: int) -> dict:
+    """What ``kernel_resources.compile_loop`` reports of one case of :func:`cases` (training's
+    compile-time arguments with the mask's gradient written, then the case's ``settings``)."""
+    constexprs = resources.loop_constexprs(cell, backward, tiles, hidden, mask_gates)
+    if backward:
+        constexprs["NEED_DMASK"] = True  # the mask's gradient written too
+    constexprs.update(settings)
+    if dtype != "fp32":
+        constexprs["PRECISION"] = "ieee"  # what persistent._precision gives half types
+    warps = resources.persistent._warps(tiles["BB"], tiles["RESIDENT"])
+    return resources.compile_loop(cell, backward, constexprs, warps, dtype=dtype, capability=capability)
+
+
 def main() -> None:
-    records = []
-    for name, cell, backward, tiles, mask_gates, hidden, dtype, settings, capability in cases():
-        record: dict = dict(case=name, ok=False, error=None)
-        warps = resources.persistent._warps(tiles["BB"], tiles["RESIDENT"])
-        try:
-            constexprs = resources.loop_constexprs(cell, backward, tiles, hidden, mask_gates)
-            if backward:
-                constexprs["NEED_DMASK"] = True  # the mask's gradient written too
-            constexprs.update(settings)
-            if dtype != "fp32":
-                constexprs["PRECISION"] = "ieee"  # what persistent._precision gives half types
-            record.update(ok=True, **resources.compile_loop(cell, backward, constexprs, warps, dtype=dtype,
-                                                             capability=capability))
-        except Exception as error:  # reported, not raised: the test names every case that failed
-            record["error"] = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
-        records.append(record)
-    records.append(fitted_to_a_smaller_gpu())
+    records = [record(name, functools.partial(compile_case, *case)) for name, *case in cases()]
+    records.append(record(FITTED, fitted_to_a_smaller_gpu))
     json.dump(records, sys.stdout)
+
+
+def record(case: str, compiled: Callable[[], dict]) -> dict:
+    """``case``'s record: what ``compiled()`` reports, or the error it raised (reported, not raised:
+    the test names every case that failed)."""
+    try:
+        return dict(case=case, ok=True, error=None, **compiled())
+    except Exception as error:
+        return dict(case=case, ok=False,
+                    error=f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}")
 
 
 #: The case :func:`fitted_to_a_smaller_gpu` compiles.
@@ -105,18 +116,12 @@ FITTED = "lstm forward 128 rows, 4 stages asked, fitted to an RTX 4090"
 
 
 def fitted_to_a_smaller_gpu() -> dict:
-    """The record of :data:`FITTED`: ``kernel_resources.compile_fitting`` for an RTX 4090 (99 KiB of
-    shared memory a program) of a forward loop of 128 rows whose four-stage pipeline would take
-    more (three stages: 96 KiB there), with the ``stages`` it kept."""
-    record: dict = dict(case=FITTED, ok=False, error=None)
+    """:data:`FITTED`: ``kernel_resources.compile_fitting`` for an RTX 4090 (99 KiB of shared memory
+    a program) of a forward loop of 128 rows whose four-stage pipeline would take more (three
+    stages: 96 KiB there), with the ``stages`` it kept."""
     tiles = dict(BB=128, BH=16, BK=64, RESIDENT=False, UNITS=16)
-    try:
-        constexprs = resources.loop_constexprs("lstm", False, tiles, 200)
-        found = resources.compile_fitting("lstm", False, constexprs, 8, 4, {}, resources.GPUS["rtx4090"])
-        record.update(ok=True, **found)
-    except Exception as error:
-        record["error"] = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
-    return record
+    constexprs = resources.loop_constexprs("lstm", False, tiles, 200)
+    return resources.compile_fitting("lstm", False, constexprs, 8, 4, {}, resources.GPUS["rtx4090"])
 
 
 if __name__ == "__main__":

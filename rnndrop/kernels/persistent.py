@@ -1310,7 +1310,7 @@ def _run(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constex
         _read_finished_counters()
     counter = _counter(device, pooled=cooperative and not capturing)
     deepest = _setting("stages", _DEEPEST_STAGES, lambda n: n >= 1, "a positive number of stages")
-    fixed = constexprs["RESIDENT"] or "block_k" in tuning
+    fixed = _block_k_fixed(constexprs)
     fittings = _fittings(constexprs["BK"], deepest, fixed)
     # every setting that changes what the loads take (not B and N, which vary from call to call)
     key = (kernel.__name__, tuple(sorted((k, v) for k, v in constexprs.items() if k not in ("B", "N"))),
@@ -1343,16 +1343,21 @@ def _run(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constex
     return None
 
 
+def _block_k_fixed(constexprs: dict) -> bool:
+    """Whether a launch keeps its K block whatever its shared memory (:func:`_fittings`): resident
+    tiles (one block over the whole hidden size) or a measurement's ``block_k``."""
+    return bool(constexprs["RESIDENT"]) or "block_k" in tuning
+
+
 @functools.lru_cache(maxsize=64)  # (a host cost of every launch)
 def _fittings(block_k: int, deepest: int, fixed: bool) -> tuple[tuple[int, int], ...]:
     """The ``(K block, pipeline depth)`` a launch tries in turn until its shared memory fits: the
     planned K block ``block_k`` at every depth from ``deepest`` down to 2; then, unless the K block is
-    ``fixed`` (resident tiles: one block over the whole hidden size; a measurement's ``block_k``),
-    K blocks half as wide (down to 16, ``tl.dot``'s least) at those depths; only then the planned K
-    block unpipelined. A wide K block that fits one stage only loads each block while the last one's
-    products wait for nothing to overlap them (per-gate masks at hidden 1500, batch 128: four
-    masked states of 128 rows a block, 144 KiB a stage on sm_90 at K 64, 72 KiB at K 32, where three
-    stages fit: ``benchmarks/kernel_resources.py``)."""
+    ``fixed`` (:func:`_block_k_fixed`), K blocks half as wide (down to 16, ``tl.dot``'s least) at
+    those depths; only then the planned K block unpipelined. A wide K block that fits one stage only
+    loads each block while the last one's products wait for nothing to overlap them (per-gate masks
+    at hidden 1500, batch 128: four masked states of 128 rows a block, 144 KiB a stage on sm_90 at
+    K 64, 72 KiB at K 32, where three stages fit: ``benchmarks/kernel_resources.py``)."""
     depths = range(deepest, 1, -1)
     blocks = [block_k]
     while not fixed and blocks[-1] // 2 >= 16:
