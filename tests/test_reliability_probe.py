@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -222,7 +223,7 @@ def test_resident_tiles_that_do_not_fit_stream_w_hh_instead_and_are_not_tried_ag
     monkeypatch.setattr(persistent, "_stages", {})
     kernel = _Loop(lambda resident, stages, block_k: resident)
     for _ in range(2):
-        assert _launch(kernel, True, 256) is None
+        assert _launch(kernel, True, 256)
     assert kernel.launches == [(True, 256, 3), (True, 256, 2), (True, 256, 1), (False, 64, 3), (False, 64, 3)]
 
 
@@ -233,13 +234,35 @@ def test_a_deeper_load_pipeline_is_tried_first_where_a_measurement_asks(monkeypa
     kernel = _Loop(lambda resident, stages, block_k: stages > 4)
     monkeypatch.setitem(persistent.tuning, "stages", 6)
     for _ in range(2):
-        assert _launch(kernel, False, 64) is None
+        assert _launch(kernel, False, 64)
     assert kernel.launches == [(False, 64, 6), (False, 64, 5), (False, 64, 4), (False, 64, 4)]
     del persistent.tuning["stages"]
-    assert _launch(kernel, False, 64) is None and kernel.launches[-1] == (False, 64, 3)
+    assert _launch(kernel, False, 64) and kernel.launches[-1] == (False, 64, 3)
     monkeypatch.setitem(persistent.tuning, "stages", 0)
     with pytest.raises(ValueError, match=r'tuning\["stages"\] must be a positive number of stages, got 0'):
         _launch(kernel, False, 64)
+
+
+def test_a_shape_that_fits_no_shared_memory_runs_the_step_kernel_without_giving_the_device_up(monkeypatch):
+    """A launch whose loads fit no shared memory even unpipelined is that shape's failure, not the
+    device's: its calls run the step kernel (one warning, the shape not tried again) while launches
+    of other shapes still run persistent on that device."""
+    monkeypatch.setattr(persistent, "_stages", {})
+    monkeypatch.setattr(persistent, "_given_up", set())
+    kernel = _Loop(lambda resident, stages, block_k: block_k == 64)  # the 64-wide K block fits nothing
+    monkeypatch.setitem(persistent.tuning, "block_k", 64)  # (kept as it is: no narrower block tried)
+    with pytest.warns(RuntimeWarning, match=r"_fake_loop .* fits no shared memory of cpu, even unpipelined; "
+                      "calls of this shape there run the per-step Triton kernel"):
+        assert not _launch(kernel, False, 64)
+    assert kernel.launches == [(False, 64, 3), (False, 64, 2), (False, 64, 1)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not _launch(kernel, False, 64)  # remembered: neither launched nor said again
+        assert kernel.launches == [(False, 64, 3), (False, 64, 2), (False, 64, 1)]
+        assert persistent.usable(torch.device("cpu"))
+        del persistent.tuning["block_k"]
+        assert _launch(kernel, False, 32)  # another shape on the same device
+    assert kernel.launches[-1] == (False, 32, 3)
 
 
 def test_a_k_block_too_wide_to_pipeline_is_halved_before_the_loads_go_unpipelined(monkeypatch):
@@ -250,11 +273,11 @@ def test_a_k_block_too_wide_to_pipeline_is_halved_before_the_loads_go_unpipeline
     monkeypatch.setattr(persistent, "_stages", {})
     kernel = _Loop(lambda resident, stages, block_k: block_k * stages > 96)  # a stage's loads ~ K
     for _ in range(2):
-        assert _launch(kernel, False, 64) is None
+        assert _launch(kernel, False, 64)
     assert kernel.launches == [(False, 64, 3), (False, 64, 2), (False, 32, 3), (False, 32, 3)]
     monkeypatch.setitem(persistent.tuning, "block_k", 64)
     kernel.launches.clear()
-    assert _launch(kernel, False, 64) is None
+    assert _launch(kernel, False, 64)
     assert kernel.launches == [(False, 64, 3), (False, 64, 2), (False, 64, 1)]
     halved = ((64, 3), (64, 2), (32, 3), (32, 2), (16, 3), (16, 2), (64, 1))
     assert persistent._fittings(64, 3, False) == halved

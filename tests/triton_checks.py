@@ -13,6 +13,7 @@ it), and compiled on CUDA tensors where there is one. By hand::
 
 import contextlib
 import random
+import warnings
 
 import pytest
 import torch
@@ -379,7 +380,7 @@ def test_a_barrier_that_gives_up_reruns_the_step_kernel_with_one_warning(kind, d
         launches.append(kernel)
         return "a grid barrier gave up waiting"
 
-    monkeypatch.setattr(persistent, "_run", gives_up)
+    monkeypatch.setattr(persistent, "_launch", gives_up)
     args = inputs(kind, [4, 3, 3, 1], ("T", "B", "P"), 0, device, torch.float32, H=16)
     with pytest.warns(RuntimeWarning, match="persistent 'triton' loop failed on .*grid barrier gave up"):
         ours = run("triton", kind, [4, 3, 3, 1], args, True)
@@ -387,6 +388,45 @@ def test_a_barrier_that_gives_up_reruns_the_step_kernel_with_one_warning(kind, d
     assert not persistent.usable(device) and len(launches) == 1  # the backward did not try either
     run("triton", kind, [4, 3, 3, 1], args, True)
     assert len(launches) == 1  # nor does a later call
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_a_shape_that_fits_no_shared_memory_runs_the_step_kernel_on_a_device_kept(kind, device, monkeypatch):
+    """A forward loop whose loads fit no shared memory at any K block and depth (simulated: every
+    launch of it runs out) is that shape's failure: the call runs the step kernel, right, with one
+    warning; the device keeps the persistent loop, and the other cell's calls still launch it."""
+    from triton.runtime.errors import OutOfResources
+
+    monkeypatch.setattr(persistent, "_given_up", set())
+    monkeypatch.setattr(persistent, "_stages", {})
+    tried = []
+
+    class DoesNotFit:
+        __name__ = f"_{kind}_forward"
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                tried.append((kwargs["BK"], kwargs["num_stages"]))
+                raise OutOfResources(300_000, 232_448, "shared memory")
+            return launch
+
+    monkeypatch.setattr(persistent, f"_{kind}_forward", DoesNotFit())
+    calls = persistent_calls(monkeypatch)
+    sizes = [4, 3, 3, 1]
+    args = inputs(kind, sizes, ("T", "B", "P"), 0, device, torch.float32, H=16)
+    with pytest.warns(RuntimeWarning, match=f"_{kind}_forward .* fits no shared memory .* of this shape"):
+        ours = run("triton", kind, sizes, args, True)
+    assert_close(ours, run("autograd", kind, sizes, args, True), atol=1e-5, rtol=1e-5)
+    assert persistent.usable(device) and calls == [f"_{kind}_forward"] and tried
+    tried.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        run("triton", kind, sizes, args, True)
+        assert tried == []  # remembered: not tried again
+        other = "gru" if kind == "lstm" else "lstm"
+        other_args = inputs(other, sizes, ("T", "B", "P"), 0, device, torch.float32, H=16)
+        run("triton", other, sizes, other_args, True)
+    assert calls[-2:] == [f"_{other}_forward", f"_{other}_backward"]
 
 
 def test_persistent_loop_follows_cudnns_tf32_switch(device):

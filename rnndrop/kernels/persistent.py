@@ -1281,13 +1281,28 @@ def _warps(batch_block: int, resident: bool) -> int:
     return tuning.get("warps", 8 if batch_block >= 128 or resident else 4)
 
 
-def _run(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constexprs) -> str | None:
-    """Launch ``kernel`` over steps ``0 .. steps - 1``; None, or why the step kernel must run instead.
+def _run(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constexprs) -> bool:
+    """Launch ``kernel`` over steps ``0 .. steps - 1``; False where the step kernel must run the
+    call instead: a failure of the device (a cooperative grid refused, a barrier that gave up) gives
+    the loop up there (:func:`gave_up`), a shape that fits no shared memory only that shape's calls.
 
     One persistent launch on CUDA. Launched cooperatively where Triton can (all programs resident,
     or CUDA refuses the launch), its counter (from a pool) is read later without waiting, since a
     barrier cannot then starve; else the host reads it after the launch (a synchronisation) and a
     barrier that gave up sends the call to the step kernel."""
+    failure = _launch(kernel, how, steps, args, backward, **constexprs)
+    if failure is not None and failure is not DOES_NOT_FIT:  # the device's failure, not the shape's
+        gave_up(args[0].device, failure)
+    return failure is None
+
+
+#: :func:`_launch`'s failure where a launch shape's loads fit no shared memory even unpipelined: the
+#: calls of that shape run the step kernel (one warning a shape), other shapes still run persistent.
+DOES_NOT_FIT = "its loads do not fit in shared memory even unpipelined"
+
+
+def _launch(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constexprs) -> str | None:
+    """:func:`_run`'s launch: None, or why the step kernel must run the call instead."""
     device = args[0].device
     cuda = device.type == "cuda"
     warps = _warps(constexprs["BB"], constexprs["RESIDENT"])
@@ -1330,12 +1345,18 @@ def _run(kernel, how: Launch, steps: int, args: tuple, backward: bool, **constex
                 raise
             return f"the cooperative launch was refused ({str(error).strip().splitlines()[0]})"
     else:
-        _stages[key] = None
         if constexprs["RESIDENT"]:  # resident tiles do not fit beside the loads: stream W_hh, as before
+            _stages[key] = None
             block_k = _block_k(constexprs["H_VEC"] * constexprs["VEC"], constexprs["BB"], backward)
             streaming = dict(constexprs, RESIDENT=False, BK=block_k)
-            return _run(kernel, how._replace(resident=False), steps, args, backward, **streaming)
-        return "its loads do not fit in shared memory even unpipelined"
+            return _launch(kernel, how._replace(resident=False), steps, args, backward, **streaming)
+        if fitting is not None:  # the first call of this shape: said once
+            warnings.warn(f"rnndrop: the persistent 'triton' loop {kernel.__name__} at {how} with blocks "
+                          f"{constexprs['BB']} x {constexprs['BK']} fits no shared memory of {device}, even "
+                          "unpipelined; calls of this shape there run the per-step Triton kernel",
+                          RuntimeWarning, stacklevel=5)
+        _stages[key] = None
+        return DOES_NOT_FIT
     if not cuda or capturing or cooperative:
         return None
     if int(counter.item()) >= GAVE_UP:
@@ -1436,9 +1457,9 @@ def _next_power_of_2(n: int) -> int:
 
 def lstm_forward(how: Launch, schedule: Schedule, gates_x, h0, c0, w_hh, mask, keep: bool = True):
     """The step kernel's forward (:func:`rnndrop.kernels.triton_lstm._forward`, without a
-    projection) in one launch: ``(out, h_n, c_n, acts, cells, None, masked)``, or None where a
-    barrier gave up. ``masked`` is always written (``m_t = h_{t-1}`` without a mask); ``acts`` and
-    ``cells`` (what backward reads) are None unless ``keep``."""
+    projection) in one launch: ``(out, h_n, c_n, acts, cells, None, masked)``, or None where the
+    step kernel must run the call (:func:`_run`). ``masked`` is always written (``m_t = h_{t-1}``
+    without a mask); ``acts`` and ``cells`` (what backward reads) are None unless ``keep``."""
     N, (B, H), device = gates_x.shape[0], h0.shape, gates_x.device
     G = mask.shape[2] if mask is not None and mask.dim() == 4 else 1
     out = gates_x.new_empty(N, H)
@@ -1452,11 +1473,10 @@ def lstm_forward(how: Launch, schedule: Schedule, gates_x, h0, c0, w_hh, mask, k
     read = _products_read(gates_x, masked, mask)
     args = (gates_x, w_hh, h0, c0, h0 if mask is None else mask, mask_row, mask_gate, table, masked, read,
             out if acts is None else acts, out if cells is None else cells, out, h_state, c_state)
-    failure = _run(_lstm_forward, how, len(schedule.steps) + 1, args, False, MASK_GATES=G,
+    ran = _run(_lstm_forward, how, len(schedule.steps) + 1, args, False, MASK_GATES=G,
               HAS_MASK=mask is not None, SAVE=keep, HALF_STATE=read is not masked,
               PRECISION=_precision(gates_x), **_shape(how, B, H, N, False))
-    if failure is not None:
-        gave_up(device, failure)
+    if not ran:
         return None
     return out, as_dtype(h_state, out.dtype), as_dtype(c_state, c0.dtype), acts, cells, None, masked
 
@@ -1471,7 +1491,8 @@ def _carries(how: Launch, *final_grads: Tensor | None) -> bool:
 
 def lstm_backward(how: Launch, schedule: Schedule, needs: Sequence[bool], saved, d_out, d_hn, d_cn):
     """``(d_gates_x, dh_0, dc_0)`` and the whole-sequence products, as the step kernel's backward,
-    from its saved tensors (:class:`rnndrop.kernels.triton_lstm._Saved`); None where a barrier gave up."""
+    from its saved tensors (:class:`rnndrop.kernels.triton_lstm._Saved`); None where the step kernel
+    must run it (:func:`_run`)."""
     s = saved
     (N, H), (B, _), device = s.cells.shape, s.h0.shape, s.cells.device
     G = s.mask.shape[2] if s.mask is not None and s.mask.dim() == 4 else 1
@@ -1493,19 +1514,18 @@ def lstm_backward(how: Launch, schedule: Schedule, needs: Sequence[bool], saved,
     args = (s.acts if d_out is None else d_out, s.w_hh, s.c0, s.h0 if s.mask is None else s.mask, mask_row,
             mask_gate, _step_table(schedule, s.mask, device), s.acts, s.cells, d_gates, dm_target,
             carry, dc, dh0, dc0)
-    failure = _run(_lstm_backward, how, len(schedule.steps) + 1, args, True, MASK_GATES=G,
+    ran = _run(_lstm_backward, how, len(schedule.steps) + 1, args, True, MASK_GATES=G,
               HAS_MASK=s.mask is not None, HAS_DOUT=d_out is not None, NEED_DMASK=need_dmask,
               HAS_CARRY=has_carry, PRECISION=_precision(s.acts), **_shape(how, B, H, N, True))
-    if failure is not None:
-        gave_up(device, failure)
+    if not ran:
         return None
     return d_gates, dh0, dc0, d_masked
 
 
 def gru_forward(how: Launch, schedule: Schedule, gates_x, h0, w_hh, b_hh, mask, keep: bool = True):
     """The step kernel's forward (:func:`rnndrop.kernels.triton_gru._forward`) in one launch:
-    ``(out, h_n, acts, a_n, masked)``, or None where a barrier gave up; ``acts`` and ``a_n`` are
-    None unless ``keep``."""
+    ``(out, h_n, acts, a_n, masked)``, or None where the step kernel must run it (:func:`_run`);
+    ``acts`` and ``a_n`` are None unless ``keep``."""
     N, (B, H), device = gates_x.shape[0], h0.shape, gates_x.device
     G = mask.shape[2] if mask is not None and mask.dim() == 4 else 1
     out = gates_x.new_empty(N, H)
@@ -1518,18 +1538,18 @@ def gru_forward(how: Launch, schedule: Schedule, gates_x, h0, w_hh, b_hh, mask, 
     args = (gates_x, w_hh, h0 if b_hh is None else b_hh, h0, h0 if mask is None else mask, mask_row,
             mask_gate, _step_table(schedule, mask, device), masked, read, out if acts is None else acts,
             out if a_n is None else a_n, out, h_state)
-    failure = _run(_gru_forward, how, len(schedule.steps) + 1, args, False, MASK_GATES=G,
+    ran = _run(_gru_forward, how, len(schedule.steps) + 1, args, False, MASK_GATES=G,
               HAS_MASK=mask is not None, HAS_BIAS=b_hh is not None, SAVE=keep, HALF_STATE=read is not masked,
               PRECISION=_precision(gates_x), **_shape(how, B, H, N, False))
-    if failure is not None:
-        gave_up(device, failure)
+    if not ran:
         return None
     return out, as_dtype(h_state, out.dtype), acts, a_n, masked
 
 
 def gru_backward(how: Launch, schedule: Schedule, needs: Sequence[bool], saved, d_out, d_hn):
     """``(d_a, d_n, dh_0, d_masked)`` of the step kernel's backward from its saved tensors
-    (:class:`rnndrop.kernels.triton_gru._Saved`); None where a barrier gave up."""
+    (:class:`rnndrop.kernels.triton_gru._Saved`); None where the step kernel must run it
+    (:func:`_run`)."""
     s = saved
     (N, H), device = s.out.shape, s.out.device
     B = s.h0.shape[0]
@@ -1547,10 +1567,9 @@ def gru_backward(how: Launch, schedule: Schedule, needs: Sequence[bool], saved, 
     args = (s.acts if d_out is None else d_out, s.w_hh, s.h0, s.h0 if s.mask is None else s.mask, mask_row,
             mask_gate, _step_table(schedule, s.mask, device), s.acts, s.a_n, s.out, d_a, d_n, dm_target,
             carry, dh0)
-    failure = _run(_gru_backward, how, len(schedule.steps) + 1, args, True, MASK_GATES=G,
+    ran = _run(_gru_backward, how, len(schedule.steps) + 1, args, True, MASK_GATES=G,
               HAS_MASK=s.mask is not None, HAS_DOUT=d_out is not None, NEED_DMASK=need_dmask,
               HAS_CARRY=has_carry, PRECISION=_precision(s.acts), **_shape(how, B, H, N, True))
-    if failure is not None:
-        gave_up(device, failure)
+    if not ran:
         return None
     return d_a, d_n, dh0, d_masked
