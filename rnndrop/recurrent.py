@@ -237,42 +237,61 @@ class _Autocast(NamedTuple):
 
 @constant_for_compile
 def _autocast_result_dtype(
-    mode: str, device_type: str, weight_dtype: torch.dtype, autocast_dtype: torch.dtype
-) -> torch.dtype:
-    """The dtype ``nn.LSTM`` / ``nn.GRU`` (torch's fused op; ``mode`` ``"LSTM"`` or ``"GRU"``)
-    computes in under autocast to ``autocast_dtype`` on ``device_type``, with weights and input of
-    ``weight_dtype``; torch.compile keeps the answer as a constant of the graph.
+    mode: str, device_type: str, weight_dtype: torch.dtype, autocast_dtype: torch.dtype,
+    packed: bool = False, projected: bool = False,
+) -> tuple[torch.dtype, ...]:
+    """The dtypes of the output and final states (``h_n``, and ``c_n`` for an LSTM) that ``nn.LSTM``
+    / ``nn.GRU`` (torch's fused op; ``mode`` ``"LSTM"`` or ``"GRU"``) return under autocast to
+    ``autocast_dtype`` on ``device_type``, with weights and input of ``weight_dtype``, for a padded
+    batch or a ``packed`` one whose sequences differ in length, with or without a projection
+    (``projected``); the first is the dtype the layer computes in. torch.compile keeps the answer as
+    a constant of the graph.
 
-    Asked of torch on a one-unit probe, not hard-coded: on the CPU torch 2.13 runs ``torch.lstm``
-    in bfloat16 but ``torch.gru`` in float32; on CUDA both in the autocast dtype. Where torch's op
-    cannot run under that autocast (so ``nn.LSTM`` could not either), the layer computes in its own
-    dtype, after one warning with torch's reason (once per case: the answer is cached).
+    Asked of torch on a probe of the same kind of call, not hard-coded: on the CPU torch 2.13 runs
+    ``torch.lstm`` in bfloat16, but in float32 on a packed batch whose sequences differ in length
+    (a packed batch of equal lengths as a padded one), returns the ``c_n`` of an LSTM with a
+    projection in float32, and runs ``torch.gru`` in float32; on CUDA both in the autocast dtype.
+    Where torch's op cannot run under that autocast (so ``nn.LSTM`` could not either), the layer
+    computes in its own dtype, after one warning with torch's reason (once per case: the answer is
+    cached).
     """
-    return _probed_result_dtype(LSTM_CELL if mode == "LSTM" else GRU_CELL, device_type, weight_dtype,
-                                autocast_dtype)
+    return _probed_result_dtypes(LSTM_CELL if mode == "LSTM" else GRU_CELL, device_type, weight_dtype,
+                                 autocast_dtype, packed, projected)
 
 
 @functools.cache
-def _probed_result_dtype(
-    cell: CellSpec, device_type: str, weight_dtype: torch.dtype, autocast_dtype: torch.dtype
-) -> torch.dtype:
-    """:func:`_autocast_result_dtype` of ``cell``, probed once per case."""
+def _probed_result_dtypes(
+    cell: CellSpec, device_type: str, weight_dtype: torch.dtype, autocast_dtype: torch.dtype,
+    packed: bool = False, projected: bool = False,
+) -> tuple[torch.dtype, ...]:
+    """:func:`_autocast_result_dtype` of ``cell``, probed once per case: one layer of 2 units (a
+    projection to 1 where ``projected``), one step of one sequence, or where ``packed`` two
+    sequences of 2 and 1 steps."""
+    hidden, out_size = 2, 1 if projected else 2
     try:
         with torch.autocast(device_type, dtype=autocast_dtype):
             device = torch.device(device_type)
-            x = torch.zeros(1, 1, 1, device=device, dtype=weight_dtype)
-            h = torch.zeros(1, 1, 1, device=device, dtype=weight_dtype)
-            weights = [torch.zeros(cell.gates, 1, device=device, dtype=weight_dtype) for _ in range(2)]
-            weights += [torch.zeros(cell.gates, device=device, dtype=weight_dtype) for _ in range(2)]
-            hx = (h, h) if cell.num_states > 1 else h
-            out = cell.fused(x, hx, weights, True, 1, 0.0, False, False, False)[0]
-        return out.dtype
+
+            def zeros(*shape: int) -> Tensor:
+                return torch.zeros(*shape, device=device, dtype=weight_dtype)
+
+            weights = [zeros(cell.gates * hidden, 1), zeros(cell.gates * hidden, out_size)]
+            weights += [zeros(cell.gates * hidden), zeros(cell.gates * hidden)]
+            weights += [zeros(out_size, hidden)] if projected else []
+            hx = (zeros(1, 1, out_size), zeros(1, 1, hidden)) if cell.num_states > 1 else zeros(1, 1, hidden)
+            if packed:
+                hx = tuple(h.expand(1, 2, -1) for h in hx) if cell.num_states > 1 else hx.expand(1, 2, -1)
+                sizes = torch.tensor([2, 1], dtype=torch.int64)
+                result = cell.fused(zeros(3, 1), sizes, hx, weights, True, 1, 0.0, False, False)
+            else:
+                result = cell.fused(zeros(1, 1, 1), hx, weights, True, 1, 0.0, False, False, False)
+        return tuple(t.dtype for t in result)
     except (RuntimeError, NotImplementedError) as error:
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
         warnings.warn(f"rnndrop: torch's {cell.mode} cannot run under autocast to {autocast_dtype} on "
                       f"{device_type} ({reason}); Variational{cell.mode} computes in {weight_dtype} there",
                       RuntimeWarning, stacklevel=2)
-        return weight_dtype
+        return (weight_dtype,) * (1 + cell.num_states)
 
 
 def _autocast_device_type(input: object) -> str | None:
@@ -614,7 +633,8 @@ class VariationalRNNStack(Stochastic):
         dtype, device_type = weight.dtype, weight.device.type
         if torch.is_autocast_enabled(device_type):
             dtype = _autocast_result_dtype(self._cell.mode, device_type, dtype,
-                                           torch.get_autocast_dtype(device_type))
+                                           torch.get_autocast_dtype(device_type),
+                                           projected=self._out_size != self.hidden_size)[0]
         kernel = auto_loop_kernel_on(weight.device, dtype) if self.kernel == "auto" else self.kernel
         return None if kernel in TRACEABLE else _UNTRACED["kernel"]
 
@@ -726,9 +746,11 @@ class VariationalRNNStack(Stochastic):
         float32 there but its products run in bfloat16, and eval mode stays ``nn.GRU``'s function
         bit for bit. The casts are differentiable: gradients reach the float32 parameters.
         """
-        dtype = _autocast_result_dtype(
-            self._cell.mode, device_type, self.weight_ih_l0.dtype, torch.get_autocast_dtype(device_type)
-        )
+        uneven = isinstance(input, PackedSequence) and bool(input.batch_sizes[0] != input.batch_sizes[-1])
+        dtypes = _autocast_result_dtype(self._cell.mode, device_type, self.weight_ih_l0.dtype,
+                                        torch.get_autocast_dtype(device_type), uneven,
+                                        self._out_size != self.hidden_size)
+        dtype = dtypes[0]
 
         def cast(t: Tensor) -> Tensor:
             return t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t
@@ -742,7 +764,13 @@ class VariationalRNNStack(Stochastic):
             masks = masks.map(cast)
         context = _Autocast(dtype, device_type, torch.get_autocast_dtype(device_type))
         with torch.autocast(device_type, enabled=False):
-            return self._forward_body(input, hx, masks, return_raw_output, context)
+            result = self._forward_body(input, hx, masks, return_raw_output, context)
+        if all(d == dtype for d in dtypes):
+            return result
+        # a state nn.LSTM returns in another dtype than its output (c_n beside a projection, on the CPU)
+        final = result[1] if self._cell.num_states > 1 else (result[1],)
+        final = tuple(state.to(d) for state, d in zip(final, dtypes[1:]))
+        return (result[0], final if self._cell.num_states > 1 else final[0], *result[2:])
 
     def _weights(self, layer: int, direction: int, autocast: _Autocast | None) -> LayerWeights:
         """:meth:`_layer_weights`, cast to the dtype the layer computes in under autocast."""

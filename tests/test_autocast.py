@@ -5,6 +5,7 @@ neither raises nor caches a wrong answer when autocast is on at its first call."
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
 from rnndrop import GaussianLSTM, SparseLSTM, VariationalGRU, VariationalLSTM
 from rnndrop.kernels import onednn
@@ -22,10 +23,15 @@ def _reference(layer: nn.Module) -> nn.Module:
     return plain.eval()
 
 
+def _data(output):
+    """A layer's output tensor (a packed output's data)."""
+    return output.data if isinstance(output, PackedSequence) else output
+
+
 def _dtypes(result) -> list[torch.dtype]:
     out, states = result[0], result[1]
     states = states if isinstance(states, tuple) else (states,)
-    return [out.dtype, *(s.dtype for s in states)]
+    return [_data(out).dtype, *(s.dtype for s in states)]
 
 
 LAYERS = [
@@ -118,12 +124,50 @@ def test_a_cell_torch_cannot_run_under_autocast_computes_in_its_dtype_with_one_w
     layer keeps its weights' dtype and says why once, instead of falling back silently."""
     import dataclasses
 
-    from rnndrop.recurrent import LSTM_CELL, _autocast_result_dtype, _probed_result_dtype
+    from rnndrop.recurrent import LSTM_CELL, _autocast_result_dtype, _probed_result_dtypes
 
     def refuses(*args):
         raise RuntimeError("no such kernel for this dtype\nsecond line")
 
     cell = dataclasses.replace(LSTM_CELL, fused=refuses)
     with pytest.warns(RuntimeWarning, match=r"cannot run under autocast .*\(no such kernel for this dtype\)"):
-        assert _probed_result_dtype(cell, "cpu", torch.float32, torch.bfloat16) == torch.float32
-    assert _autocast_result_dtype("LSTM", "cpu", torch.float32, torch.bfloat16) == torch.bfloat16
+        assert _probed_result_dtypes(cell, "cpu", torch.float32, torch.bfloat16) == (torch.float32,) * 3
+    assert _autocast_result_dtype("LSTM", "cpu", torch.float32, torch.bfloat16) == (BF16,) * 3
+
+
+CALLS = [  # (layer, input): the calls whose dtypes torch 2.13 decides otherwise than a padded batch's
+    pytest.param(lambda: VariationalLSTM(4, 8, dropout_hidden=0.3), "uneven", id="lstm-packed-uneven"),
+    pytest.param(lambda: VariationalLSTM(4, 8, dropout_hidden=0.3), "even", id="lstm-packed-even"),
+    pytest.param(lambda: VariationalLSTM(4, 8, proj_size=3, dropout_hidden=0.3), "padded", id="lstm-proj"),
+    pytest.param(lambda: VariationalLSTM(4, 8, 2, proj_size=3, dropout=0.3, mask_scope="batch"), "uneven",
+                 id="lstm-proj-packed-folded"),
+    pytest.param(lambda: VariationalGRU(4, 8, dropout_hidden=0.3), "uneven", id="gru-packed-uneven"),
+]
+
+
+@pytest.mark.parametrize(("make", "batch"), CALLS)
+def test_training_returns_nn_lstm_dtypes_for_packed_batches_and_projections(make, batch):
+    """A packed batch of sequences of different lengths runs ``torch.lstm`` in float32 on the CPU
+    (of equal lengths, in bfloat16), and ``c_n`` beside a projection comes back in float32: the
+    layer in training returns what ``nn.LSTM`` returns for the same call (it probed a padded batch
+    without a projection alone: bfloat16 everywhere), and the values follow the dtype it computes in."""
+    torch.manual_seed(0)
+    layer = make().train()
+    x = torch.randn(5, 3, 4)
+    lengths = {"uneven": [5, 4, 2], "even": [5, 5, 5]}.get(batch)
+    given = pack_padded_sequence(x, torch.tensor(lengths)) if lengths else x
+    with torch.autocast("cpu", dtype=BF16):
+        result = layer(given)
+        expected = _reference(layer)(given)
+    assert _dtypes(result) == _dtypes(expected)
+    if batch == "uneven" and isinstance(layer, VariationalLSTM) and not layer.proj_size:
+        assert _dtypes(result)[0] == torch.float32  # not the padded batch's bfloat16
+    torch.manual_seed(1)
+    masks = layer.sample_masks(3)
+    with torch.autocast("cpu", dtype=BF16):
+        under = layer(given, masks=masks)
+    exact = layer(given, masks=masks)
+    tolerance = 1e-5 if _dtypes(under)[0] == torch.float32 else 0.05
+    torch.testing.assert_close(_data(under[0]).float(), _data(exact[0]), atol=tolerance, rtol=tolerance)
+    _data(under[0]).float().sum().backward()
+    assert layer.weight_hh_l0.grad is not None and layer.weight_hh_l0.grad.dtype == torch.float32
