@@ -74,7 +74,7 @@ from rnndrop.kernels.ops import TRACEABLE
 from rnndrop.layout import SequenceLayout
 from rnndrop.masks import MASK_SCOPES, RecurrentMasks, StackGeometry, check_seq_len, mask_sites
 from rnndrop.noise import NOISES, MaskSite, draw_masks
-from rnndrop.stochastic import Stochastic
+from rnndrop.stochastic import Stochastic, refuse_jit_trace
 from rnndrop.tracing import (
     constant_for_compile,
     eager_under_compile,
@@ -931,6 +931,7 @@ class VariationalRNNStack(Stochastic):
         mask ``hidden[d]`` ``[T', B', (G,) P]`` from the initial states ``states`` of the whole
         stack ``[L * D, B, size]``. Returns the rows of both directions side by side ``[N, D * P]``
         and, per state, the final ``[B, size]`` of each direction."""
+        refuse_jit_trace(self, self.kernel)
         D = len(hidden)
         outs, finals = [], []
         for d, mask in enumerate(hidden):

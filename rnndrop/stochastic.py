@@ -7,7 +7,8 @@ passed around as dataclasses, loop kernels that are autograd Functions, keyword-
 ``torch.compile`` runs them (:mod:`rnndrop.compiling`).
 ``torch.jit.script`` calls ``__prepare_scriptable__`` on a module and each of its submodules
 first; :func:`refuse_torchscript` answers there with a one-line :class:`TypeError` that names the
-module and the ways that work. A module whose noise a batch shares says whether it can draw it per
+module and the ways that work; :func:`refuse_jit_trace` does the same for ``torch.jit.trace`` of a
+call that runs a loop kernel. A module whose noise a batch shares says whether it can draw it per
 sequence instead, which :func:`noise_per_sequence` asks of it for a block (Monte-Carlo samples
 stacked into one batch).
 """
@@ -34,6 +35,18 @@ def refuse_torchscript(module: object) -> NoReturn:
         f"{type(module).__name__} cannot be compiled by torch.jit.script (TorchScript cannot express "
         "its per-call masks and loop kernels); use torch.compile, which runs it, or the module as it is"
     )
+
+
+def refuse_jit_trace(module: object, kernel: str) -> None:
+    """Raise a one-line TypeError where ``torch.jit.trace`` records ``module``'s call of a loop
+    kernel (``kernel``): its autograd Functions and oneDNN operators stop TorchScript's tracer with
+    an internal assertion; the fused op (eval mode with ``kernel="auto"``) traces."""
+    if torch.jit.is_tracing():
+        raise TypeError(
+            f"{type(module).__name__} cannot be traced by torch.jit.trace where it runs a loop kernel "
+            f"({kernel!r}: a recurrent mask in training mode, or a kernel named in eval mode): trace it "
+            "in eval mode with kernel='auto', or use torch.compile or torch.export, which run it"
+        )
 
 
 class Stochastic:

@@ -119,6 +119,24 @@ def test_torch_jit_script_refuses_with_one_line_naming_the_module(make):
 
 
 @pytest.mark.parametrize("cls", [VariationalLSTM, VariationalGRU])
+@pytest.mark.parametrize("kernel", ["auto", "manual", "autograd"])
+def test_torch_jit_trace_of_a_loop_kernel_refuses_in_one_line_and_eval_mode_traces(cls, kernel):
+    """Traced in training mode with a recurrent mask (or with a kernel named), the loop kernel's
+    autograd Functions stopped TorchScript's tracer with an internal assertion, or not, depending on
+    what ran before in the process; now one line names the ways that work. Eval mode with
+    kernel='auto' (the fused op, as nn.LSTM) traces and equals the layer."""
+    x = torch.randn(5, 2, 3)
+    layer = cls(3, 4, num_layers=2, dropout_hidden=0.3, kernel=kernel)
+    refused = r"cannot be traced by torch.jit.trace .* eval mode with kernel='auto', or use torch.compile"
+    with pytest.raises(TypeError, match=refused) as error:
+        torch.jit.trace(layer.train(), x, check_trace=False)
+    assert "\n" not in str(error.value)
+    if kernel == "auto":
+        traced = torch.jit.trace(layer.eval(), x)
+        torch.testing.assert_close(traced(x), layer(x))
+
+
+@pytest.mark.parametrize("cls", [VariationalLSTM, VariationalGRU])
 def test_torch_func_grad_of_a_layer_with_masks_runs_the_autograd_kernel_and_equals_autograd(cls):
     """kernel='auto' under torch.func.grad runs the loop kernel written in plain torch ops
     (the hand-written backward passes are autograd Functions torch.func cannot run)."""
