@@ -132,15 +132,18 @@ class _SparseWeightsMixin(KLRegularized, Stochastic, Sparsified):
         # Weights are sampled once per call; local reparameterisation samples per row.
         return not getattr(self, "local_reparameterization", False)
 
-    def log_alpha(self, name: str) -> Tensor:
-        """``log σ² − log θ²`` of the weight ``name``, clipped to [-10, 10]; the weight's shape."""
+    def log_alpha(self, name: str, clipped: bool = True) -> Tensor:
+        """``log σ² − log θ²`` of the weight ``name``, the weight's shape; clipped to [-10, 10]
+        (the KL's range) unless ``clipped`` is False."""
         theta = getattr(self, name)
         log_alpha = getattr(self, "log_sigma2_" + name) - torch.log(theta * theta + _EPS)
-        return log_alpha.clamp(-_LOG_ALPHA_CLIP, _LOG_ALPHA_CLIP)
+        return log_alpha.clamp(-_LOG_ALPHA_CLIP, _LOG_ALPHA_CLIP) if clipped else log_alpha
 
     def keep_mask(self, name: str) -> Tensor:
-        """Bool tensor, the weight's shape: True where ``log alpha < threshold``."""
-        return self.log_alpha(name).detach() < self.threshold
+        """Bool tensor, the weight's shape: True where ``log alpha < threshold``, of the log alpha
+        as it is (clipped to the KL's range, a threshold of 10 or more would prune nothing and one
+        of -10 or less everything)."""
+        return self.log_alpha(name, clipped=False).detach() < self.threshold
 
     def pruned_weight(self, name: str) -> Tensor:
         """``θ`` with the weights over the threshold set to exactly zero."""

@@ -168,6 +168,22 @@ def test_kl_and_log_alpha():
     assert torch.all(layer.log_sigma2_weight.grad <= 0)  # the KL wants more noise
 
 
+@pytest.mark.parametrize("threshold", [12.0, 3.0, -10.0])
+def test_the_threshold_prunes_by_log_alpha_as_it_is_not_as_the_kl_clips_it(threshold):
+    """log alpha 13.8, -28.6 and -10.6: the KL's clip to [-10, 10] made a threshold of 12 prune
+    nothing and one of -10 everything; each weight is now pruned where its log alpha is at or
+    over the threshold (Molchanov et al. clip log alpha in the KL alone)."""
+    layer = SparseLinear(3, 1, bias=False, threshold=threshold)
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([[1e-3, 0.5, 0.5]]))
+        layer.log_sigma2_weight.copy_(torch.tensor([[0.0, -30.0, -12.0]]))
+    log_alpha = layer.log_sigma2_weight - torch.log(layer.weight**2 + 1e-8)
+    assert torch.equal(layer.log_alpha("weight", clipped=False), log_alpha)
+    assert layer.keep_mask("weight").tolist() == (log_alpha < threshold).tolist() == [[False, True, True]]
+    assert sparsity_report(layer).zeros == 1
+    assert torch.equal(prune(layer).weight, layer.pruned_weight("weight"))
+
+
 @pytest.mark.slow
 def test_training_prunes_weights_of_useless_inputs_only():
     torch.manual_seed(0)
