@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import statistics
 import sys
 import time
@@ -34,7 +35,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from rnndrop.atomic import write_json_atomic
+from rnndrop.atomic import atomic_write, write_json_atomic
 from rnndrop.deploy import prune
 from rnndrop.lm.data.corpus import batchify, load_corpus
 from rnndrop.lm.model.presets import get_config
@@ -182,7 +183,8 @@ def gaussian_alphas(folder: Path, png: Path) -> dict:
         ax.set_xlabel("unit (sorted)")
     axes[0].set_ylabel("learned alpha (noise variance)")
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    with atomic_write(png) as f:
+        fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
 
     def p_of(alpha: Tensor) -> Tensor:  # the Bernoulli rate of the same variance
@@ -208,6 +210,18 @@ def markdown(rows: list[dict], dense: dict) -> str:
     return "\n".join(lines)
 
 
+
+def _numbers(parser: argparse.ArgumentParser, flag: str, text: str) -> list[float]:
+    """The comma-separated finite numbers of ``flag``; else the parser's one-line error (exit 2)."""
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or not all(math.isfinite(v) for v in values):
+        parser.error(f"{flag}: expected comma-separated numbers, got {text!r}")
+    return values
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", required=True, help="corpus folder (ptb.train.txt, ...)")
@@ -231,9 +245,9 @@ def main() -> None:
         parser.error(f"--threads and --rounds: expected positive integers, got {args.threads} and "
                      f"{args.rounds}")
     warnings.filterwarnings("ignore", message="Sparse (CSR tensor support|invariant checks)")
+    kl_weights, thresholds = (_numbers(parser, flag, text) for flag, text in
+                              (("--kl-weights", args.kl_weights), ("--thresholds", args.thresholds)))
     try:  # every argument checked before anything trains: one line each, not a traceback
-        kl_weights = [float(w) for w in args.kl_weights.split(",")]
-        thresholds = [float(t) for t in args.thresholds.split(",")]
         dense = read_verified_result(Path(args.dense) / "results.json")
         corpus = load_corpus(args.data)
         base = get_config(args.config)
@@ -282,7 +296,8 @@ def main() -> None:
     if args.gaussian:
         report["gaussian_alphas"] = gaussian_alphas(Path(args.gaussian), out / "gaussian-alphas.png")
     write_json_atomic(report, out / "sparse-vd-results.json")
-    (out / "tradeoff.md").write_text(markdown(rows, dense) + "\n")
+    with atomic_write(out / "tradeoff.md", "w", encoding="utf-8") as f:
+        f.write(markdown(rows, dense) + "\n")
     sys.stdout.write(markdown(rows, dense) + "\n\n" + json.dumps(
         {k: v for k, v in report.items() if k not in ("tradeoff",)}, indent=2) + "\n")
 

@@ -16,6 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
     (["benchmarks/ddp_speed.py", "sample", "{out}", "--regime", "bogus"], "regime must be one of"),
     (["benchmarks/ddp_speed.py", "{missing}", "{out}"], "does not exist"),
     (["benchmarks/sparse_vd.py", "--data", "x", "--dense", "x", "--threads", "0"], "positive integers"),
+    (["benchmarks/sparse_vd.py", "--data", "x", "--dense", "x", "--kl-weights", "abc"],
+     "--kl-weights: expected comma-separated numbers, got 'abc'"),
+    (["benchmarks/sparse_vd.py", "--data", "x", "--dense", "x", "--thresholds", "1,nan"],
+     "--thresholds: expected comma-separated numbers, got '1,nan'"),
     (["-m", "rnndrop.kernels", "--bogus"], "unrecognized arguments: --bogus"),
 ])
 def test_a_wrong_argument_is_one_line(tmp_path, argv, message):

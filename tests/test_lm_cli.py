@@ -266,6 +266,20 @@ def test_flags_override_the_config_and_are_recorded(tmp_path, capsys):
     assert isinstance(model.rnn, torch.nn.GRU)
 
 
+def test_a_valid_split_too_short_for_the_evaluation_batch_is_named_in_one_line(tmp_path, capsys):
+    """Was: "a split of 18 words is too short for batch_size=10" (the job's cost estimate), which
+    named neither the split nor the setting, and pointed at --batch-size, which cannot fix it."""
+    data = write_corpus(tmp_path / "data", sizes=(160, 30, 30))
+    (data / "ptb.valid.txt").write_text("the cat sat on a mat dog ran to house big small red blue green\n")
+    code = run_cli(["ptb", "--data", str(data), "--regimes", "tied", "--epochs", "1", "--emb-size", "8",
+                    "--hidden-size", "8", "--batch-size", "4", "--bptt", "10", "--mc-samples", "0",
+                    "--no-progress", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert ("the valid split of 16 words is too short for eval_batch_size=10 (the config's evaluation batch, "
+            "not --batch-size): 10 columns of at least 2 words need 20") in err
+
+
 @pytest.mark.slow
 def test_compile_trains_under_torch_compile_records_it_and_resumes(tmp_path, capsys):
     """``--compile``: the runs train under ``rnndrop.compile_model`` (a variable BPTT length and

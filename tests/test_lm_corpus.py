@@ -125,6 +125,8 @@ def test_a_validation_split_that_is_mostly_unknown_words_warns(tmp_path, caplog)
     load_corpus(tmp_path)
     [record] = caplog.records
     assert "ptb.valid.txt" in record.getMessage() and "83% of its words are <unk>" in record.getMessage()
+    load_corpus(tmp_path, warn=False)  # read only to tell which corpus it is (evaluate --data DIR)
+    assert len(caplog.records) == 1
 
 
 def test_encode_split_uses_the_given_vocabulary(tmp_path):

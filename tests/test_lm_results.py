@@ -275,6 +275,15 @@ def test_comparison_table_shows_signed_paired_deltas_and_flags_unconverged_runs(
     assert "10/12, 12/12 cap" in tied and "| 0 |" in table  # the baseline's own delta
 
 
+def test_a_baseline_without_monte_carlo_values_has_no_delta_of_them_either():
+    """The "none" baseline draws no noise, so it has no MC perplexity: its Δ MC read 0 beside the
+    tied row's "—"; both are "—" now, and its standard Δ stays 0."""
+    runs = [_run("none", 1, 100.0), _run("tied", 1, 99.0, 99.5)]
+    rows = {line.split(" | ")[0]: line.split(" | ") for line in comparison_table(runs, "none").splitlines()}
+    assert rows["| none"][3:6] == ["0", "—", "—"]  # Δ, test ppl MC, Δ MC
+    assert rows["| tied"][3:6] == ["-1.0", "99.5", "—"]
+
+
 def test_the_monte_carlo_passes_show_progress_lines(caplog):
     import logging
 
@@ -293,8 +302,8 @@ def test_the_monte_carlo_passes_show_progress_lines(caplog):
         shown = score_mc(model, stream, 4, 3, progress="MC test, 3 samples")
     lines = [r.getMessage() for r in caplog.records]
     # what the count counts: the test split's segments, each scored with every sample
-    assert lines[0].startswith("MC test, 3 samples: 1/10 test segments")
-    assert lines[-1].startswith("MC test, 3 samples: 10/10 test segments")
+    assert lines[0].startswith("MC test, 3 samples: 1/10 segments")
+    assert lines[-1].startswith("MC test, 3 samples: 10/10 segments")
     assert len(lines) == 10
     torch.manual_seed(0)
     assert score_mc(model, stream, 4, 3).nll == shown.nll and quiet.tokens == shown.tokens

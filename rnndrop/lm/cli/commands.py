@@ -275,7 +275,8 @@ def _sample_holding(expected: str | None) -> Path | None:
 def _is_training_corpus(data_dir: Path, expected: str | None) -> bool:
     """Whether ``data_dir`` holds the corpus of fingerprint ``expected`` (the run's)."""
     try:
-        return expected is not None and corpus_fingerprint(load_corpus(data_dir)) == expected
+        # (not its splits' words against its own vocabulary: the run's is what scores them)
+        return expected is not None and corpus_fingerprint(load_corpus(data_dir, warn=False)) == expected
     except (CorpusError, OSError, ValueError):
         return False
 
@@ -297,7 +298,8 @@ def evaluate(args: argparse.Namespace) -> str:
         data_dir, own_corpus = _evaluation_data(args.data, run, result)
         ids = encode_split(data_dir, args.split, run.vocab)
         device = next(run.model.parameters()).device
-        batched = batchify(ids, run.config.eval_batch_size).to(device)
+        batched = batchify(ids, run.config.eval_batch_size, split=f"the {args.split} split",
+                           size_name="eval_batch_size").to(device)
     except (UsageError, CorpusError, ValueError) as e:
         raise fail(str(e), EXIT_DATA) from None
     standard = score(run.model, batched, run.config.bptt, CALIBRATION_BINS)
@@ -316,7 +318,7 @@ def evaluate(args: argparse.Namespace) -> str:
     elif args.mc_samples:
         torch.manual_seed(args.seed)
         mc = score_mc(run.model, batched, run.config.bptt, args.mc_samples, CALIBRATION_BINS,
-                      progress=MC_PROGRESS.format(args.mc_samples), bar=True)
+                      progress=MC_PROGRESS.format(split=args.split, samples=args.mc_samples), bar=True)
         lines.append(f"perplexity, MC  {mc.perplexity:.2f}   (NLL {mc.nll:.4f} nats/word, "
                      f"ECE {mc.ece:.4f}; {args.mc_samples} dropout samples)")
     return "\n".join(lines) + "\n"

@@ -232,8 +232,10 @@ class Corpus:
         return out
 
 
-def load_corpus(directory: str | Path) -> Corpus:
-    """Read the three splits of ``directory`` (see :func:`find_split_files`).
+def load_corpus(directory: str | Path, *, warn: bool = True) -> Corpus:
+    """Read the three splits of ``directory`` (see :func:`find_split_files`); a valid or test split
+    mostly ``<unk>`` for the training split's vocabulary is said in a log warning unless not ``warn``
+    (a folder read only to tell whether it holds some corpus).
 
     Raises:
         CorpusError: missing directory or files, or a split with no words.
@@ -248,7 +250,8 @@ def load_corpus(directory: str | Path) -> Corpus:
         split: sum(w not in vocab.stoi for w in words[split]) for split in ("valid", "test")
     }
     for split, n in unseen.items():
-        _warn_if_mostly_unknown(paths[split], words[split], vocab, n)
+        if warn:
+            _warn_if_mostly_unknown(paths[split], words[split], vocab, n)
     return Corpus(
         vocab=vocab,
         train=vocab.encode(words["train"]),
@@ -310,9 +313,12 @@ def batchify(data: Tensor, batch_size: int, *, split: str = "a split",
         raise ValueError(f"data must be a 1-D stream of word ids, got shape {list(data.shape)}")
     rows = data.numel() // batch_size
     if rows < 2:
+        setting = f"{size_name}={batch_size}"
+        if size_name == "eval_batch_size":  # a setting of the config, no command-line flag
+            setting += " (the config's evaluation batch, not --batch-size)"
         raise CorpusError(
-            f"{split} of {data.numel()} words is too short for {size_name}={batch_size}: "
-            "each column needs at least 2 words"
+            f"{split} of {data.numel()} words is too short for {setting}: {batch_size} columns of at "
+            f"least 2 words need {2 * batch_size}"
         )
     return data[: rows * batch_size].view(batch_size, rows).t().contiguous()
 

@@ -53,10 +53,11 @@ __all__ = [
     "words_to_text",
 ]
 
-#: how the Monte-Carlo passes are labelled in bars and log lines, and what they count: the
-#: truncated-BPTT segments of the split, each scored with every sample
-MC_PROGRESS = "MC test, {} samples"
-MC_UNIT = "test segments"
+#: how the Monte-Carlo passes over a split are labelled in bars and log lines
+#: (``MC_PROGRESS.format(split=..., samples=...)``), and what they count: the truncated-BPTT
+#: segments of the split, each scored with every sample
+MC_PROGRESS = "MC {split}, {samples} samples"
+MC_UNIT = "segments"
 
 #: Confidence bins of the next-word calibration measured on the test split.
 CALIBRATION_BINS = 15

@@ -791,8 +791,10 @@ def run_costs(
     cost: dict[str, tuple[float, float, float, float]] = {}
     saves: dict[str, float] = {}
     try:
-        train = batchify(corpus.train, config.batch_size)[: config.bptt + 1].to(device_obj)
-        valid = batchify(corpus.valid, config.eval_batch_size)[: config.bptt + 1].to(device_obj)
+        train = batchify(corpus.train, config.batch_size, split="the train split")[: config.bptt + 1]
+        valid = batchify(corpus.valid, config.eval_batch_size, split="the valid split",
+                         size_name="eval_batch_size")[: config.bptt + 1]
+        train, valid = train.to(device_obj), valid.to(device_obj)
         for regime_name, probabilities in runs:
             key = json.dumps([regime_name, dict(probabilities)], sort_keys=True)
             if key in cost:

@@ -522,9 +522,9 @@ def comparison_table(results: Sequence[Mapping[str, Any]], baseline: str = "naiv
             values = [r[key] * scale for r in runs if r.get(key) is not None]
             return _mean_sd(values, digits) if values and len(values) == len(runs) else "—"
 
-        def delta(diffs: dict[str, list[float]], regime: str = regime) -> str:
-            if regime == baseline:
-                return "0"
+        def delta(diffs: dict[str, list[float]], key: str, regime: str = regime) -> str:
+            if regime == baseline:  # its own difference: 0 where it has the value (no MC without noise)
+                return "0" if column(key) != "—" else "—"
             return _mean_sd(diffs[regime], signed=True) if regime in diffs else "—"
 
         epochs = ", ".join(
@@ -533,9 +533,9 @@ def comparison_table(results: Sequence[Mapping[str, Any]], baseline: str = "naiv
             for r in runs
         )
         lines.append(
-            f"| {regime} | {epochs} | {column('test_ppl')} | {delta(diff)} | {column('test_ppl_mc')} | "
-            f"{delta(diff_mc)} | {column('test_ece', 100, 2)} | {column('test_ece_mc', 100, 2)} | "
-            f"{column('test_nll', 1, 3)} | {column('test_nll_mc', 1, 3)} |"
+            f"| {regime} | {epochs} | {column('test_ppl')} | {delta(diff, 'test_ppl')} | "
+            f"{column('test_ppl_mc')} | {delta(diff_mc, 'test_ppl_mc')} | {column('test_ece', 100, 2)} | "
+            f"{column('test_ece_mc', 100, 2)} | {column('test_nll', 1, 3)} | {column('test_nll_mc', 1, 3)} |"
         )
     return "\n".join(lines) + "\n"
 

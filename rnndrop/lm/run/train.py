@@ -744,7 +744,7 @@ def finish_run(run: Training, bar: bool = False) -> dict[str, Any]:
             _announce_mc(str(run.out), run.model, run.test_data, config.bptt, run.mc_samples)
         seed_noise(run.seed, ctx)
         test_mc = score_split(run.model, run.test_data, config.bptt, CALIBRATION_BINS, ctx, run.mc_samples,
-                              progress=MC_PROGRESS.format(run.mc_samples), bar=bar)
+                              progress=MC_PROGRESS.format(split="test", samples=run.mc_samples), bar=bar)
     run.state.add_wall_time(run.wall_start)
     result = _result(run, test, test_mc)
 
@@ -884,13 +884,14 @@ def add_mc_result(
         else:
             model = load_model(out, device).model
         if n_samples > 0 and has_noise(model):
-            test_data = batchify(corpus.test, config.eval_batch_size).to(device)
+            test_data = batchify(corpus.test, config.eval_batch_size, split="the test split",
+                                 size_name="eval_batch_size").to(device)
             if ctx.is_main:
                 _announce_mc(label or str(out), model, test_data, config.bptt, n_samples)
             seed_noise(result["seed"], ctx)
             start = time.perf_counter()
             test_mc = score_split(model, test_data, config.bptt, CALIBRATION_BINS, ctx, n_samples,
-                                  progress=MC_PROGRESS.format(n_samples))
+                                  progress=MC_PROGRESS.format(split="test", samples=n_samples))
             result.update(test_ppl_mc=test_mc.perplexity, test_nll_mc=test_mc.nll, test_ece_mc=test_mc.ece)
             result["mc_samples"] = n_samples
             result["mc_seconds"] = time.perf_counter() - start
