@@ -278,9 +278,10 @@ def _probed_result_dtypes(
             weights = [zeros(cell.gates * hidden, 1), zeros(cell.gates * hidden, out_size)]
             weights += [zeros(cell.gates * hidden), zeros(cell.gates * hidden)]
             weights += [zeros(out_size, hidden)] if projected else []
-            hx = (zeros(1, 1, out_size), zeros(1, 1, hidden)) if cell.num_states > 1 else zeros(1, 1, hidden)
+            batch = 2 if packed else 1
+            hx = (zeros(1, batch, out_size), zeros(1, batch, hidden)) if cell.num_states > 1 else zeros(
+                1, batch, hidden)
             if packed:
-                hx = tuple(h.expand(1, 2, -1) for h in hx) if cell.num_states > 1 else hx.expand(1, 2, -1)
                 sizes = torch.tensor([2, 1], dtype=torch.int64)
                 result = cell.fused(zeros(3, 1), sizes, hx, weights, True, 1, 0.0, False, False)
             else:
