@@ -382,8 +382,12 @@ class GaussianLockedDropout(KLRegularized, Stochastic, nn.Module):
         layout = f"[B, T, {self.size}]" if self.batch_first else f"[T, B, {self.size}]"
         if not isinstance(data, Tensor):
             raise TypeError(f"x must be a Tensor {layout} or a PackedSequence, got {type(data).__name__}")
-        if data.dim() < 2 or data.shape[-1] != self.size:
-            raise ValueError(f"x must be {layout} or a PackedSequence, got shape {list(data.shape)}")
+        if not data.is_floating_point():
+            raise TypeError(f"x must hold floating-point values (the noise scales them), got {data.dtype}")
+        # checked in eval mode too: a wrong input is found before training starts, not when it does
+        if data.dim() != (2 if isinstance(x, PackedSequence) else 3) or data.shape[-1] != self.size:
+            raise ValueError(f"x must be 3-D {layout} or a PackedSequence of [*, {self.size}], got shape "
+                             f"{list(data.shape)}")
         if not self.training:
             return x
         log_alpha = self._clipped_log_alpha()
@@ -391,8 +395,6 @@ class GaussianLockedDropout(KLRegularized, Stochastic, nn.Module):
             shape = (int(x.batch_sizes[0]), self.size)
             noise = learned_gaussian_mask(shape, log_alpha, device=data.device, dtype=data.dtype)
             return mask_packed_sequence(x, noise)
-        if data.dim() != 3:
-            raise ValueError(f"x must be 3-D {layout}, got shape {list(data.shape)}")
         shape = (data.shape[0], 1, self.size) if self.batch_first else (1, data.shape[1], self.size)
         return x * learned_gaussian_mask(shape, log_alpha, device=data.device, dtype=data.dtype)
 

@@ -12,6 +12,7 @@ configuration checks of ``rnndrop.lm`` report a ``ValueError`` as their one-line
 from __future__ import annotations
 
 import math
+import numbers
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,7 +40,15 @@ __all__ = [
 
 
 def _is_real(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float))
+    """A real number, not a bool: Python's, or NumPy's scalars (``np.float32(0.5)``, as torch's
+    modules take them)."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Real)
+
+
+def _is_int(value: Any) -> bool:
+    """An integer, not a bool: Python's, or NumPy's scalars (``np.int64(4)``; NumPy's bool is
+    neither)."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral)
 
 
 def check_probability(name: str, p: Any) -> float:
@@ -60,9 +69,9 @@ def check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
 
 def check_positive_int(name: str, value: Any) -> int:
     """``value`` if it is an int >= 1 (not a bool), else a ValueError."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not _is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
+    return int(value)
 
 
 def check_positive_float(name: str, value: Any) -> float:
@@ -74,9 +83,9 @@ def check_positive_float(name: str, value: Any) -> float:
 
 def check_nonnegative_int(name: str, value: Any) -> int:
     """``value`` if it is an int >= 0 (not a bool), else a ValueError."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if not _is_int(value) or value < 0:
         raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-    return value
+    return int(value)
 
 
 def check_nonnegative_float(name: str, value: Any) -> float:

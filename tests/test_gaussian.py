@@ -1,4 +1,5 @@
 import math
+import re
 import warnings
 
 import pytest
@@ -328,9 +329,13 @@ def test_weight_granularity_refuses_masks_not_per_gate_and_float16_masks_stay_fi
 def test_gaussian_locked_dropout_names_the_layout_it_expects():
     """The message follows batch_first; a non-tensor is a TypeError, as LockedDropout's."""
     drop = GaussianLockedDropout(4, 0.5, fan_out=1, batch_first=True)
-    with pytest.raises(ValueError, match=r"x must be \[B, T, 4\] or a PackedSequence, got shape \[2, 3, 5\]"):
-        drop(torch.randn(2, 3, 5))
-    with pytest.raises(ValueError, match=r"x must be 3-D \[B, T, 4\], got shape \[2, 3, 1, 4\]"):
-        drop(torch.randn(2, 3, 1, 4))
+    for mode in (drop.train, drop.eval):  # eval mode checks as training does: found before training
+        mode()
+        for shape in ([2, 3, 5], [2, 3, 1, 4], [6, 4]):
+            expected = f"x must be 3-D [B, T, 4] or a PackedSequence of [*, 4], got shape {shape}"
+            with pytest.raises(ValueError, match=re.escape(expected)):
+                drop(torch.randn(*shape))
+        with pytest.raises(TypeError, match="x must hold floating-point values .* got torch.int64"):
+            drop(torch.ones(2, 3, 4, dtype=torch.int64))
     with pytest.raises(TypeError, match=r"x must be a Tensor \[T, B, 4\] or a PackedSequence, got list"):
         GaussianLockedDropout(4, 0.5, fan_out=1)([[0.0] * 4])

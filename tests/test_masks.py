@@ -129,6 +129,24 @@ def test_argument_checks_name_the_argument_what_was_expected_and_what_came():
     assert check_finite_float("t", 3) == 3.0 and check_bool("flag", False) is False
 
 
+def test_numpy_scalars_are_numbers_as_torch_modules_take_them():
+    """Values from NumPy grids (``np.float32(0.5)``, ``np.int64(4)``) were refused by every check
+    while nn.Dropout / nn.Linear take them; NumPy's bool is no number, as Python's is not."""
+    import numpy as np
+
+    from rnndrop.mc import mc_predict
+
+    p, n = check_probability("p", np.float32(0.5)), check_positive_int("n", np.int64(4))
+    assert (p, type(p), n, type(n)) == (0.5, float, 4, int)
+    assert LockedDropout(np.float32(0.25)).p == 0.25
+    model = nn.Sequential(nn.Linear(3, 2), nn.Dropout(0.5))
+    assert mc_predict(model, torch.randn(5, 3), n_samples=np.int64(4)).n_samples == 4
+    with pytest.raises(ValueError, match="n must be a positive int, got (np.)?True"):
+        check_positive_int("n", np.bool_(True))
+    with pytest.raises(TypeError, match="p must be a float in"):
+        check_probability("p", np.bool_(False))
+
+
 @pytest.mark.parametrize(
     "build",
     [

@@ -189,6 +189,17 @@ def test_works_under_torch_compile():
     assert_close(compiled(x), wd.module(x))
 
 
+def test_a_tied_weight_named_by_its_second_name_says_which_name_drops_it():
+    """Weight tying (``decoder.weight = embedding.weight``): named_parameters() lists the shared
+    parameter once, so its second name read "has no parameter" beside a model that has it."""
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10))
+    model[1].weight = model[0].weight
+    tied = r"'1.weight' is tied to '0.weight' \(one parameter\): name '0.weight'"
+    with pytest.raises(ValueError, match=tied):
+        WeightDrop(model, ["1.weight"], p=0.5)
+    WeightDrop(model, ["0.weight"], p=0.5)
+
+
 def test_clear_errors():
     no_such = r"LSTM has no parameter 'weight_hh'; its parameters are weight_ih_l0, "
     with pytest.raises(ValueError, match=no_such):
