@@ -238,35 +238,36 @@ class _Autocast(NamedTuple):
 @constant_for_compile
 def _autocast_result_dtype(
     mode: str, device_type: str, weight_dtype: torch.dtype, autocast_dtype: torch.dtype,
-    packed: bool = False, projected: bool = False,
+    packing: str = "padded", projected: bool = False,
 ) -> tuple[torch.dtype, ...]:
     """The dtypes of the output and final states (``h_n``, and ``c_n`` for an LSTM) that ``nn.LSTM``
     / ``nn.GRU`` (torch's fused op; ``mode`` ``"LSTM"`` or ``"GRU"``) return under autocast to
-    ``autocast_dtype`` on ``device_type``, with weights and input of ``weight_dtype``, for a padded
-    batch or a ``packed`` one whose sequences differ in length, with or without a projection
-    (``projected``); the first is the dtype the layer computes in. torch.compile keeps the answer as
-    a constant of the graph.
+    ``autocast_dtype`` on ``device_type``, with weights and input of ``weight_dtype``, for a batch
+    ``packing`` ``"padded"``, or packed with sequences of ``"even"`` or ``"uneven"`` lengths, with or
+    without a projection (``projected``); the first is the dtype the layer computes in.
+    torch.compile keeps the answer as a constant of the graph.
 
-    Asked of torch on a probe of the same kind of call, not hard-coded: on the CPU torch 2.13 runs
-    ``torch.lstm`` in bfloat16, but in float32 on a packed batch whose sequences differ in length
-    (a packed batch of equal lengths as a padded one), returns the ``c_n`` of an LSTM with a
-    projection in float32, and runs ``torch.gru`` in float32; on CUDA both in the autocast dtype.
+    Asked of torch on a probe of the same kind of call, not hard-coded, since torch decides it per
+    kind of call and version: on the CPU torch 2.13 runs ``torch.lstm`` in bfloat16 but a packed
+    batch of uneven lengths in float32 (torch 2.11 every packed batch), returns the ``c_n`` of an
+    LSTM with a projection in float32, and runs ``torch.gru`` in float32; on CUDA both in the
+    autocast dtype.
     Where torch's op cannot run under that autocast (so ``nn.LSTM`` could not either), the layer
     computes in its own dtype, after one warning with torch's reason (once per case: the answer is
     cached).
     """
     return _probed_result_dtypes(LSTM_CELL if mode == "LSTM" else GRU_CELL, device_type, weight_dtype,
-                                 autocast_dtype, packed, projected)
+                                 autocast_dtype, packing, projected)
 
 
 @functools.cache
 def _probed_result_dtypes(
     cell: CellSpec, device_type: str, weight_dtype: torch.dtype, autocast_dtype: torch.dtype,
-    packed: bool = False, projected: bool = False,
+    packing: str = "padded", projected: bool = False,
 ) -> tuple[torch.dtype, ...]:
     """:func:`_autocast_result_dtype` of ``cell``, probed once per case: one layer of 2 units (a
-    projection to 1 where ``projected``), one step of one sequence, or where ``packed`` two
-    sequences of 2 and 1 steps."""
+    projection to 1 where ``projected``) over one step of one sequence (padded), or two packed
+    sequences of 2 and 2 steps (even) or of 2 and 1 (uneven)."""
     hidden, out_size = 2, 1 if projected else 2
     try:
         with torch.autocast(device_type, dtype=autocast_dtype):
@@ -278,12 +279,13 @@ def _probed_result_dtypes(
             weights = [zeros(cell.gates * hidden, 1), zeros(cell.gates * hidden, out_size)]
             weights += [zeros(cell.gates * hidden), zeros(cell.gates * hidden)]
             weights += [zeros(out_size, hidden)] if projected else []
-            batch = 2 if packed else 1
+            batch = 1 if packing == "padded" else 2
             hx = (zeros(1, batch, out_size), zeros(1, batch, hidden)) if cell.num_states > 1 else zeros(
                 1, batch, hidden)
-            if packed:
-                sizes = torch.tensor([2, 1], dtype=torch.int64)
-                result = cell.fused(zeros(3, 1), sizes, hx, weights, True, 1, 0.0, False, False)
+            if packing != "padded":
+                sizes = [2, 2] if packing == "even" else [2, 1]
+                result = cell.fused(zeros(sum(sizes), 1), torch.tensor(sizes), hx, weights, True, 1, 0.0,
+                                    False, False)
             else:
                 result = cell.fused(zeros(1, 1, 1), hx, weights, True, 1, 0.0, False, False, False)
         return tuple(t.dtype for t in result)
@@ -747,9 +749,11 @@ class VariationalRNNStack(Stochastic):
         float32 there but its products run in bfloat16, and eval mode stays ``nn.GRU``'s function
         bit for bit. The casts are differentiable: gradients reach the float32 parameters.
         """
-        uneven = isinstance(input, PackedSequence) and bool(input.batch_sizes[0] != input.batch_sizes[-1])
+        packing = "padded"
+        if isinstance(input, PackedSequence):
+            packing = "uneven" if bool(input.batch_sizes[0] != input.batch_sizes[-1]) else "even"
         dtypes = _autocast_result_dtype(self._cell.mode, device_type, self.weight_ih_l0.dtype,
-                                        torch.get_autocast_dtype(device_type), uneven,
+                                        torch.get_autocast_dtype(device_type), packing,
                                         self._out_size != self.hidden_size)
         dtype = dtypes[0]
 

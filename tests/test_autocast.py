@@ -148,9 +148,10 @@ CALLS = [  # (layer, input): the calls whose dtypes torch 2.13 decides otherwise
 @pytest.mark.parametrize(("make", "batch"), CALLS)
 def test_training_returns_nn_lstm_dtypes_for_packed_batches_and_projections(make, batch):
     """A packed batch of sequences of different lengths runs ``torch.lstm`` in float32 on the CPU
-    (of equal lengths, in bfloat16), and ``c_n`` beside a projection comes back in float32: the
-    layer in training returns what ``nn.LSTM`` returns for the same call (it probed a padded batch
-    without a projection alone: bfloat16 everywhere), and the values follow the dtype it computes in."""
+    (of equal lengths, in bfloat16 on torch 2.13 and float32 on 2.11), and ``c_n`` beside a
+    projection comes back in float32: the layer in training returns what ``nn.LSTM`` returns for
+    the same call (it probed a padded batch without a projection alone: bfloat16 everywhere), and
+    the values follow the dtype it computes in."""
     torch.manual_seed(0)
     layer = make().train()
     x = torch.randn(5, 3, 4)
