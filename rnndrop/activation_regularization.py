@@ -64,7 +64,7 @@ def _check_output(name: str, x: Any, time_dim: int) -> Tensor:
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
     if x.dim() < 2:
         raise ValueError(f"{name} must be at least 2-D (time and features), got shape {list(x.shape)}")
-    if time_dim not in (0, 1):
+    if isinstance(time_dim, bool) or time_dim not in (0, 1):
         raise ValueError(f"time_dim must be 0 ([T, B, H]) or 1 ([B, T, H]), got {time_dim!r}")
     return x
 

@@ -236,18 +236,23 @@ class NTAveraging:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (the model's own weights are restored by its own
         ``load_state_dict``)."""
-        unknown = sorted(set(state) - {"trigger", "should_stop", "switches", "averaged"})
-        if unknown:
-            raise ValueError(f"not an NTAveraging state: unknown keys {unknown}")
-        self.trigger.load_state_dict(state["trigger"])
-        if state["averaged"] is None:
-            self.averaged = None
-        else:
-            self.averaged = self._averaged_copy()
-            self.averaged.load_state_dict(state["averaged"])
-            self._steps = int(self.averaged.n_averaged)
-        self.should_stop = bool(state["should_stop"])
-        self.switches = int(state["switches"])
+        keys = {"trigger", "should_stop", "switches", "averaged"}
+        unknown, missing = sorted(set(state) - keys), sorted(keys - set(state))
+        if unknown or missing:
+            raise ValueError(f"not an NTAveraging state: {'unknown' if unknown else 'missing'} keys "
+                             f"{unknown or missing}")
+        # Everything is read before anything is set: a state that fails to load leaves this one as it was.
+        trigger = NonMonotoneTrigger(self.trigger.n)
+        trigger.load_state_dict(state["trigger"])
+        averaged = None
+        if state["averaged"] is not None:
+            averaged = self._averaged_copy()
+            averaged.load_state_dict(state["averaged"])
+        should_stop, switches = bool(state["should_stop"]), int(state["switches"])
+        self.trigger.history, self.averaged = trigger.history, averaged
+        self.should_stop, self.switches = should_stop, switches
+        if averaged is not None:
+            self._steps = int(averaged.n_averaged)
 
     def __repr__(self) -> str:
         n = None if self.averaged is None else int(self.averaged.n_averaged)

@@ -85,6 +85,8 @@ def test_a_mask_leaves_padding_out_of_both_means():
     (lambda: ActivationRegularization()(torch.randn(3, 2, 4), torch.randn(3, 2, 5)), ValueError,
      "raw and dropped must have the same shape"),
     (lambda: ActivationRegularization(time_dim=3), ValueError, "time_dim"),
+    (lambda: temporal_activation_regularization(torch.randn(3, 2, 4), 1.0, time_dim=True), ValueError,
+     "time_dim"),
 ])
 def test_ar_tar_check_their_input(call, error, message):
     with pytest.raises(error, match=message):
@@ -379,6 +381,17 @@ def test_nt_averaging_resumes_bit_for_bit_from_its_state():
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="unknown keys"):
         resumed.load_state_dict({**saved["averaging"], "extra": 1})
+    with pytest.raises(ValueError, match=r"missing keys \['averaged'\]"):  # was a bare KeyError
+        resumed.load_state_dict({k: v for k, v in saved["averaging"].items() if k != "averaged"})
+    # a state that fails to load leaves the averaging as it was (it replaced the history and the
+    # average before the shapes failed, leaving a count that no longer matched the weights)
+    before = [p.clone() for p in resumed.evaluation_model.parameters()], list(resumed.trigger.history)
+    misshapen = {k: torch.zeros(7) if v.dim() else v for k, v in saved["averaging"]["averaged"].items()}
+    wrong = {**saved["averaging"], "trigger": {"n": 1, "history": [9.0]}, "averaged": misshapen}
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        resumed.load_state_dict(wrong)
+    assert resumed.trigger.history == before[1]
+    assert all(torch.equal(a, b) for a, b in zip(resumed.evaluation_model.parameters(), before[0]))
     ddp_like = nn.parallel.DistributedDataParallel.__new__(nn.parallel.DistributedDataParallel)
     nn.Module.__init__(ddp_like)
     with pytest.raises(TypeError, match="pass ddp.module"):

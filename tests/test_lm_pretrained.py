@@ -65,6 +65,59 @@ def test_a_vocabulary_of_another_size_is_refused(tmp_path):
         save_pretrained(tmp_path, _model(), vocab=WORDS[:3], config=TINY, regime="tied")
 
 
+def test_a_vocabulary_without_its_unknown_word_is_refused_when_saved_not_when_loaded():
+    """Was: saved (all four files, manifest included), then refused by from_pretrained, blaming
+    config.json."""
+    vocab = ["a", "b", "c", "d", "e", "f", "g"]
+    with pytest.raises(PretrainedError, match="vocab is not a vocabulary from_pretrained could read back: "
+                       "words must contain the unknown-word token '<unk>'"):
+        save_pretrained("never-written", _model(), vocab=vocab, config=TINY, regime="tied")
+
+
+def _rehashed(folder, name, write) -> None:
+    """``name`` in ``folder`` rewritten by ``write(path)``, its SHA-256 recorded again in the manifest
+    (a folder edited by hand or written by something else passes the hash check)."""
+    from rnndrop.atomic import file_sha256
+
+    write(folder / name)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["sha256"][name] = file_sha256(folder / name)
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(("name", "write", "message"), [
+    ("model.pt", lambda p: torch.save([torch.zeros(1)], p), r"model.pt' does not fit .* holds a list, not a"),
+    ("model.pt", lambda p: torch.save(torch.zeros(1), p), r"model.pt' does not fit .* holds a Tensor"),
+    ("config.json", lambda p: p.write_text(json.dumps({**json.loads(p.read_text()), "regime_settings": "x"})),
+     r"config.json' does not describe a model"),
+    ("config.json", lambda p: p.write_text(json.dumps({**json.loads(p.read_text()), "vocab_size": 999})),
+     r"config.json' does not describe a model \(vocab_size 999, but vocab.json holds 7 words\)"),
+    ("vocab.json", lambda p: p.write_text("3"), r"vocab.json' is not a vocabulary"),
+])
+def test_files_that_pass_the_manifest_but_are_malformed_are_one_error_naming_the_file(tmp_path, name, write,
+                                                                                       message):
+    """Was: TypeError, AttributeError, a plain ValueError naming no file, or a load of a config whose
+    vocab_size disagreed with its vocabulary."""
+    folder = tmp_path / "lm"
+    save_pretrained(folder, _model(), vocab=WORDS, config=TINY, regime="tied", safetensors=False)
+    _rehashed(folder, name, write)
+    with pytest.raises(PretrainedError, match=message):
+        from_pretrained(folder)
+
+
+def test_a_manifest_naming_files_outside_the_model_is_refused_before_reading_them(tmp_path):
+    folder = tmp_path / "lm"
+    save_pretrained(folder, _model(), vocab=WORDS, config=TINY, regime="tied", safetensors=False)
+    outside = tmp_path / "elsewhere.txt"
+    outside.write_text("not the model's")
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["sha256"][str(outside)] = "0" * 64
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    refused = r"lists files a pretrained model does not hold: '.*elsewhere.txt'"
+    with pytest.raises(PretrainedError, match=refused):
+        from_pretrained(folder)
+
+
 def test_the_safetensors_layout_when_it_is_installed(tmp_path):
     pytest.importorskip("safetensors")
     model = _model("tied")  # tied weights: one tensor under two names

@@ -46,6 +46,8 @@ __all__ = ["FORMAT", "PretrainedError", "PretrainedModel", "from_pretrained", "s
 FORMAT = "rnndrop.lm.pretrained/1"
 CONFIG, VOCAB, MANIFEST = "config.json", "vocab.json", "manifest.json"
 SAFETENSORS, TORCH_WEIGHTS = "model.safetensors", "model.pt"
+#: The files a manifest may list.
+_FILES = (CONFIG, VOCAB, SAFETENSORS, TORCH_WEIGHTS)
 
 
 class PretrainedError(ValueError):
@@ -71,6 +73,15 @@ def _safetensors() -> Any:
     except ImportError:
         return None
     return safetensors.torch
+
+
+def _safetensors_errors() -> tuple[type[BaseException], ...]:
+    """The error safetensors raises for a file it cannot read (none without the package)."""
+    try:
+        from safetensors import SafetensorError
+    except ImportError:
+        return ()
+    return (SafetensorError,)
 
 
 def save_pretrained(
@@ -104,6 +115,10 @@ def save_pretrained(
     repeated = sorted({w for w in words if words.count(w) > 1}) if len(set(words)) < len(words) else []
     if repeated:  # two ids for one word: text would encode to the first, the model predicts both
         raise PretrainedError(f"vocab lists {len(repeated)} word(s) more than once, e.g. {repeated[0]!r}")
+    try:  # as from_pretrained reads it back: a folder written is a folder that loads
+        Vocabulary(words)
+    except (TypeError, ValueError) as e:
+        raise PretrainedError(f"vocab is not a vocabulary from_pretrained could read back: {e}") from None
     decoder = getattr(model, "decoder", None)
     if isinstance(decoder, nn.Linear) and decoder.out_features != len(words):
         raise PretrainedError(f"vocab has {len(words)} words, the model predicts {decoder.out_features}")
@@ -194,6 +209,10 @@ def from_pretrained(folder: str | os.PathLike[str], device: str | torch.device =
     for name in (CONFIG, VOCAB):
         if name not in hashes:
             raise PretrainedError(f"{str(folder / MANIFEST)!r} lists no {name}")
+    foreign = sorted(str(name) for name in hashes if name not in _FILES)
+    if foreign:  # (a path it names would be read and hashed, wherever it leads)
+        raise PretrainedError(f"{str(folder / MANIFEST)!r} lists files a pretrained model does not hold: "
+                              f"{', '.join(map(repr, foreign))} (its files: {', '.join(_FILES)})")
     for name, expected in hashes.items():
         path = folder / name
         if not path.is_file():
@@ -207,13 +226,18 @@ def from_pretrained(folder: str | os.PathLike[str], device: str | torch.device =
     data = _read_json(folder / CONFIG)
     words = _read_json(folder / VOCAB)
     try:
+        vocab = Vocabulary(list(words))
+    except (TypeError, ValueError) as e:
+        raise PretrainedError(f"{str(folder / VOCAB)!r} is not a vocabulary ({e})") from None
+    try:
         config = TrainConfig.from_dict(data["config"])
         rules = Regime.from_settings(data["regime_settings"])
         dropout = dict(data["dropout"])
-        vocab = Vocabulary(list(words))
-    except (KeyError, TypeError, ValueError) as e:
+        if data.get("vocab_size", len(vocab)) != len(vocab):
+            raise ValueError(f"vocab_size {data['vocab_size']!r}, but {VOCAB} holds {len(vocab)} words")
+        model = build_model(len(vocab), config, rules, dropout)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise PretrainedError(f"{str(folder / CONFIG)!r} does not describe a model ({e})") from None
-    model = build_model(len(vocab), config, rules, dropout)
     weights = next((folder / n for n in (SAFETENSORS, TORCH_WEIGHTS) if n in hashes), None)
     if weights is None:
         raise PretrainedError(f"{str(folder / MANIFEST)!r} lists no weights ({SAFETENSORS} or "
@@ -232,8 +256,10 @@ def from_pretrained(folder: str | os.PathLike[str], device: str | torch.device =
                 why = f"({type(e).__name__}); not weights save_pretrained wrote"
                 raise PretrainedError(f"{str(weights)!r} holds data that cannot be loaded as plain "
                                       f"tensors {why}") from None
+            if not isinstance(state, Mapping):
+                raise TypeError(f"it holds a {type(state).__name__}, not a state dict")
             model.load_state_dict(state)
-    except (RuntimeError, KeyError, ValueError) as e:
+    except (RuntimeError, KeyError, ValueError, TypeError, *_safetensors_errors()) as e:
         if isinstance(e, PretrainedError):
             raise
         first = str(e).strip().splitlines()
