@@ -210,7 +210,6 @@ def markdown(rows: list[dict], dense: dict) -> str:
     return "\n".join(lines)
 
 
-
 def _numbers(parser: argparse.ArgumentParser, flag: str, text: str) -> list[float]:
     """The comma-separated finite numbers of ``flag``; else the parser's one-line error (exit 2)."""
     try:

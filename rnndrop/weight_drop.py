@@ -101,12 +101,12 @@ class WeightDrop(Stochastic, nn.Module):
         names = (weights,) if isinstance(weights, str) else tuple(weights)
         if not names:
             raise ValueError("weights must name at least one parameter of the module, got none")
-        available = [name for name, _ in module.named_parameters()]
-        first_name = {id(p): name for name, p in module.named_parameters()}
+        first_name = {id(p): name for name, p in module.named_parameters()}  # a shared one listed once
+        available = list(first_name.values())
         tied = {name: first_name[id(p)] for name, p in module.named_parameters(remove_duplicate=False)
                 if name not in available}
         for name in names:
-            if isinstance(name, str) and name in tied:  # named_parameters() lists a shared one once
+            if isinstance(name, str) and name in tied:
                 raise ValueError(
                     f"weights: {name!r} is tied to {tied[name]!r} (one parameter): name {tied[name]!r}, "
                     "whose mask then drops the weight at every place it is used"
