@@ -54,7 +54,6 @@ from torch import Tensor
 from rnndrop.kernels import compiled, gpu, gru, lstm, ops, reference
 from rnndrop.kernels.first_order import transformed
 from rnndrop.kernels.matmul import input_projection
-from rnndrop.kernels.precision import auto_may_run_triton_in
 from rnndrop.tracing import BEFORE_TRACING, constant_for_compile, exporting, tracing_for_compile
 
 
@@ -144,11 +143,10 @@ def auto_loop_kernel_on(device: torch.device, dtype: torch.dtype) -> str:
     """``kernel="auto"``'s loop kernel for tensors of ``dtype`` on ``device``: ``"compiled"`` on
     CPU in float32 / float64 where it can be built (the first call builds it), ``"triton"`` on CUDA
     where Triton imports (the first call imports it) and passes its first-use check on the device,
-    in float32 / float64 (half types: :data:`rnndrop.kernels.precision.HALF_PRECISION_SHOWN_RIGHT`), else
+    in every dtype (float16 / bfloat16 under autocast too), else
     :data:`DEFAULT_LOOP_KERNEL`. torch.compile calls it while it traces and keeps the answer
     as a constant of the graph."""
-    if (device.type == "cuda" and auto_may_run_triton_in(device, dtype) and gpu.is_available()
-            and gpu.passes_first_use_check(device)):
+    if device.type == "cuda" and gpu.is_available() and gpu.passes_first_use_check(device):
         return "triton"
     if device.type == "cpu" and dtype in (torch.float32, torch.float64) and compiled.is_available():
         return "compiled"

@@ -16,16 +16,12 @@ afterwards ("a mix of the legacy and new APIs"), which torch.compile and Lightni
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
-__all__ = [
-    "HALF_PRECISION_SHOWN_RIGHT", "UNCHANGED", "auto_may_run_triton_in", "cudnn_rnn_tf32", "matmul_precision",
-    "products_as_cudnn", "warn_if_triton_in_half",
-]
+__all__ = ["UNCHANGED", "cudnn_rnn_tf32", "matmul_precision", "products_as_cudnn"]
 
 
 #: torch's getter of its precision API (torch >= 2.9), called directly: the properties
@@ -85,36 +81,3 @@ def _tf32_products() -> Iterator[None]:
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = False
-
-
-#: Whether the "triton" kernel's float16 / bfloat16 path (autocast, or half tensors) has been shown
-#: right on a GPU. Not yet: on an H200 (2026-11-27; tests/triton_checks.py, the autocast checks) its
-#: bfloat16 outputs were unrelated to the reference's while every (IEEE) float32 check passed. The
-#: cause, found since by reading the compiled kernel (docs/gpu.md): the persistent loop's time loop
-#: was software-pipelined in one-program launches at hidden 1, 2, 4, 8 or 16, the checks' shapes,
-#: reading states before they were stored (float32 too); fixed (:mod:`rnndrop.kernels.persistent`),
-#: no GPU has run the checks since. Until one does, ``kernel="auto"`` runs the "manual" kernel for
-#: half types on CUDA (:func:`auto_may_run_triton_in`) and ``kernel="triton"`` warns there.
-HALF_PRECISION_SHOWN_RIGHT = False
-
-_warned_half = False
-
-
-def auto_may_run_triton_in(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``kernel="auto"`` may run the "triton" kernel in ``dtype`` on ``device``: not float16 /
-    bfloat16 on CUDA until :data:`HALF_PRECISION_SHOWN_RIGHT` (Triton's interpreter, on the CPU, may)."""
-    return HALF_PRECISION_SHOWN_RIGHT or device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16)
-
-
-def warn_if_triton_in_half(device: torch.device, dtype: torch.dtype) -> None:
-    """One warning where the "triton" kernel runs its products in a half type on CUDA (asked for by
-    name: ``"auto"`` does not pick it there, :data:`HALF_PRECISION_SHOWN_RIGHT`)."""
-    global _warned_half
-    if _warned_half or auto_may_run_triton_in(device, dtype):
-        return
-    _warned_half = True
-    warnings.warn(
-        "kernel='triton' in float16 / bfloat16 on CUDA gave wrong results on the one GPU that checked it "
-        "(an H200, 2026-11-27: docs/gpu.md); kernel='auto' runs the 'manual' kernel there instead",
-        stacklevel=4,
-    )

@@ -37,7 +37,6 @@ from rnndrop.kernels import masked_product as mp
 from rnndrop.kernels import persistent
 from rnndrop.kernels.cuda_graphs import GRAPHS
 from rnndrop.kernels.first_order import first_order_backward, will_differentiate
-from rnndrop.kernels.precision import warn_if_triton_in_half
 from rnndrop.kernels.schedule import Schedule, gather_previous
 from rnndrop.kernels.triton_common import (
     gather_state_grad,
@@ -287,7 +286,6 @@ def _prepare(gates_x: Tensor, h0: Tensor, w_hh: Tensor, b_hh: Tensor | None,
     """As :func:`rnndrop.kernels.triton_lstm._prepare`, for the GRU."""
     check_device(gates_x)
     dtype = compute_dtype(gates_x)
-    warn_if_triton_in_half(gates_x.device, dtype)
     return (as_dtype(gates_x, dtype).contiguous(), h0.contiguous(), as_dtype(w_hh, dtype).contiguous(),
             None if b_hh is None else b_hh.contiguous(),
             None if hidden_mask is None else hidden_mask.contiguous())

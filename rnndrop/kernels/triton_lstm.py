@@ -41,7 +41,6 @@ from rnndrop.kernels import persistent
 from rnndrop.kernels.cuda_graphs import GRAPHS
 from rnndrop.kernels.first_order import first_order_backward, will_differentiate
 from rnndrop.kernels.matmul import matmul
-from rnndrop.kernels.precision import warn_if_triton_in_half
 from rnndrop.kernels.schedule import Schedule, gather_previous
 from rnndrop.kernels.triton_common import (
     gather_state_grad,
@@ -306,7 +305,6 @@ def _prepare(gates_x: Tensor, h0: Tensor, c0: Tensor, w_hh: Tensor, w_hr: Tensor
     dtype (autocast's, under autocast)."""
     check_device(gates_x)
     dtype = compute_dtype(gates_x)
-    warn_if_triton_in_half(gates_x.device, dtype)
     return (as_dtype(gates_x, dtype).contiguous(), h0.contiguous(), c0.contiguous(),
             as_dtype(w_hh, dtype).contiguous(),
             None if w_hr is None else as_dtype(w_hr, dtype).contiguous(),
