@@ -4,7 +4,7 @@
 # so a hang in one still leaves the others' numbers. Logs and JSON go to $OUT (default: gpu-out/).
 #
 #   bash benchmarks/gpu_check.sh                    # every section, about 9 minutes on an H200
-#   bash benchmarks/gpu_check.sh checks tf32 lms    # some of them: machine checks tests buffers speed tf32 mc
+#   bash benchmarks/gpu_check.sh checks tf32 lms    # some of them: machine checks tests buffers speed amp tf32 mc
 #                                                   # profile loop_profile tuning projection host_profile lms
 #                                                   # compile mc_compile
 #                                                   # weight_drop_memory
@@ -113,8 +113,20 @@ timeout -k 10 $(limit ${SPEED_TIMEOUT:-300}) $PY benchmarks/speed.py --device cu
     --batch ${SPEED_BATCH:-20,64,128} ${SPEED_VARIANTS:+--variants $SPEED_VARIANTS} --kernels triton \
     --rounds ${ROUNDS:-8} --json "$OUT/gpu-speed-train.json" 2>>"$OUT/speed.err" >"$OUT/gpu-speed-train.txt" \
     || speed_failed gpu-speed-train
+# the goals' table last and whole (the reply keeps the output's end); the rows above it cut
 grep -E "^(lstm|gru) |GPU's time alone" "$OUT/gpu-speed-train.txt" \
-    | grep -vE "^(lstm|gru) +[0-9]+ +[0-9]+ +nn\.(LSTM|GRU) " | head -n 90
+    | grep -vE "^(lstm|gru) +[0-9]+ +[0-9]+ +nn\.(LSTM|GRU) " | grep -vE "(yes|NO)$" | head -n 60
+grep -E "^(lstm|gru) .*(yes|NO)$" "$OUT/gpu-speed-train.txt"
+}
+
+amp() {
+step "training speed with the forward under autocast (bfloat16): the loop against cuDNN, and the 'manual' kernel it replaced there"
+# AMP_SHAPES, AMP_BATCH and AMP_DTYPE (bfloat16 or float16) set its size
+timeout -k 10 $(limit ${AMP_TIMEOUT:-150}) $PY benchmarks/speed.py --device cuda --shapes ${AMP_SHAPES:-small,medium} \
+    --batch ${AMP_BATCH:-20,128} --kernels triton,manual --autocast ${AMP_DTYPE:-bfloat16} --rounds ${ROUNDS:-4} \
+    --variants sequence/triton,sequence/manual,gates/triton,batch/fused,weight_drop \
+    --json "$OUT/gpu-speed-amp.json" 2>>"$OUT/speed.err" >"$OUT/gpu-speed-amp.txt" || speed_failed gpu-speed-amp
+grep -E "^(lstm|gru) " "$OUT/gpu-speed-amp.txt" | grep -vE "(yes|NO)$"
 }
 
 compile() {
@@ -287,10 +299,10 @@ PROFILE
 }
 
 lm() {  # words/s of rnndrop-lm's own training loop on CUDA (the shipped PTB sample; $2 epochs, default 1)
-    local out=runs/gpu-$1 epochs=${2:-1}; shift 2
+    local name=$1 out=runs/gpu-$1 epochs=${2:-1}; shift 2
     timeout -k 10 $(limit $((90 * epochs))) $PY -c "import sys; from rnndrop.lm.cli import main; sys.exit(main())" \
         ptb --data sample --epochs "$epochs" --mc-samples 0 --device cuda --no-progress --out "$out" "$@" \
-        >"$OUT/lm-$1.log" 2>&1 || tail -n 3 "$OUT/lm-$1.log"
+        >"$OUT/lm-$name.log" 2>&1 || tail -n 3 "$OUT/lm-$name.log"
     # the whole run's words/s (the first epoch's compiles count), and its last epoch's
     $PY -c "import csv, json, pathlib, sys
 for f in sorted(pathlib.Path(sys.argv[1]).glob('*/*/results.json')):
@@ -312,11 +324,12 @@ done
 }
 
 # The next lease's two calls (docs/gpu.md, "How to measure"), steps in the order of what they decide:
-# are the kernels and the CUDA-only tests right compiled, the table of issue 41's goals, then what
-# compiled steps give (torch.compile's compiles may take minutes: last, so that they cannot cut the
-# table); then Monte-Carlo, the language models and the launch sweep.
-LEASE1="machine checks tests speed compile"
-LEASE2="mc lms tuning mc_compile"
+# are the kernels and the CUDA-only tests right compiled, the table of issue 41's goals, the same
+# under autocast (on by default since the fifth round, never timed); then the launch sweep and
+# Monte-Carlo under torch.compile (neither has run yet), torch.compile's steps and the language
+# models (the fifth round's, again: the compiles take minutes, so last).
+LEASE1="machine checks tests speed amp"
+LEASE2="tuning mc_compile compile lms"
 sections="${*:-machine checks tests speed tf32 mc profile lms}"
 if [[ " $sections " == *" lease1 "* ]]; then  # the speed table's variants, the settings off until timed among them
     : "${SPEED_SHAPES:=small,medium,large}" "${SPEED_BATCH:=20,128}" "${ROUNDS:=4}"

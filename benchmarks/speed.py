@@ -5,6 +5,7 @@
     python benchmarks/speed.py --device cuda --shapes small,medium,large --batch 20,64,128 --json speed.json
     python benchmarks/speed.py --mode mc-eval                # Monte-Carlo prediction: forward only
     python benchmarks/speed.py --mode mc-predict --samples 20  # ... through rnndrop.mc, per sample
+    python benchmarks/speed.py --device cuda --autocast bfloat16  # forward under AMP
 
 Every variant runs forward + backward of ``out.sum()`` in training mode on the
 Zaremba et al. (2014) shapes: batch 20 (``--batch``: one or more), 35 steps, 2 layers, input
@@ -55,6 +56,11 @@ samples through ``rnndrop.mc.mc_predict`` (stacked into one forward of that many
 batch where the masks are per sequence, a call a sample where a mask is shared by the batch) and
 its time is divided by them, against one inference forward of the baseline: the time a sample of
 uncertainty costs next to a point prediction.
+
+``--autocast bfloat16`` (or ``float16``) runs every variant's forward, the baseline's too, under
+``torch.autocast`` in that dtype and the backward outside it, as an AMP training loop does (the
+loops' products then run in that dtype with a float32 state); the ``+graph`` and ``+compile``
+variants are left out then.
 
 Timing: warm-up calls, then interleaved rounds; every round runs the variants once each
 in a fresh random order, so load from other processes hits all of them alike. A
@@ -168,6 +174,24 @@ TUNED = {RESIDENT: {"resident": True}, SPREAD: {"spread": True}, HALF: {"half_st
 WHOLE_GRAPH = "+graph"
 #: The suffix of the variants that run under torch.compile.
 COMPILED = "+compile"
+
+
+#: ``--autocast``'s dtypes.
+AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class UnderAutocast(nn.Module):
+    """``module`` whose forward runs under ``torch.autocast`` in ``dtype`` (``--autocast``); the
+    backward runs outside it, as an AMP training loop runs it."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.module = module
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        with torch.autocast(x.device.type, dtype=self.dtype):
+            return self.module(x)
 
 
 def graph_whole_layer(module: nn.Module, x: torch.Tensor) -> int:
@@ -370,6 +394,11 @@ def bench_shape(
     if args.variants is not None:  # the baseline, then the variants asked for
         variants = {name: m for k, (name, m) in enumerate(variants.items())
                     if k == 0 or name.rstrip("*") in args.variants}
+    if args.autocast is not None:  # whole-layer graphs and torch.compile are timed in float32 only
+        for name in [n for n in variants if n.endswith((WHOLE_GRAPH, COMPILED))]:
+            note(f"{model} {shape}: {name} left out under --autocast")
+            del variants[name]
+        variants = {name: UnderAutocast(m, AUTOCAST[args.autocast]) for name, m in variants.items()}
     for m in variants.values():
         m.to(device).train()
     variants = {name: compile_model(m) if name.endswith(COMPILED) else m for name, m in variants.items()}
@@ -738,6 +767,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tf32", default="default", choices=["default", "on", "off"],
                         help="CUDA float32 products: torch's defaults (cuDNN, so nn.LSTM and the Triton "
                              "kernel, in TF32; other cuBLAS products in IEEE), or all TF32, or all IEEE")
+    parser.add_argument("--autocast", default=None, choices=sorted(AUTOCAST),
+                        help="every variant's forward (the baseline's too) under torch.autocast in it")
     parser.add_argument("--variants", default=None,
                         help="comma-separated variants to time besides the baseline, as the table names "
                              "them without '*' (default: all)")
@@ -838,7 +869,8 @@ def _run(argv: list[str] | None = None) -> None:
         + (f"{gpu_setup(device)}\n{float32_products()}\n" if device.type == "cuda" else "")
         + f"device {device}, {torch.get_num_threads()} threads, {args.mode}, "
         f"batch {','.join(map(str, args.batch))}, seq {args.seq_len}, {args.layers} layers, p {args.p}, "
-        f"{args.rounds} rounds, load average {os.getloadavg()[0]:.2f}\n"
+        f"{args.rounds} rounds, load average {os.getloadavg()[0]:.2f}"
+        + (f", forward under autocast in {args.autocast}" if args.autocast else "") + "\n"
         f"kernel='auto' runs the loop kernel {auto!r}"
     )
     print(header, flush=True)

@@ -47,6 +47,7 @@ def test_defaults_time_the_kernels_that_run_on_the_device(speed):
     (["--seq-len", "0"], "--seq-len: expected a positive integer, got 0"),
     (["--threads", "0"], "--threads: expected a positive integer, got 0"),
     (["--variants", "sequence/manual,bogus"], "--variants: expected names among "),
+    (["--autocast", "float32"], "--autocast: invalid choice: 'float32'"),
 ])
 def test_bad_arguments_are_refused_naming_the_flag(speed, capsys, argv, message):
     with pytest.raises(SystemExit):
@@ -72,6 +73,33 @@ def test_a_tiny_run_prints_a_table_per_shape_model_and_batch(speed, capsys, monk
     results = json.loads(out.read_text())["results"]
     assert {r["batch"] for r in results} == {2, 3}
     assert all(r["ratio"] > 0 for r in results)
+
+
+def test_autocast_runs_every_forward_under_autocast_and_the_backward_outside(
+        speed, capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(speed.SHAPES, "small", 8)
+    seen = []
+    real = speed.train_step
+
+    def spy(module, x):
+        seen.append(type(module.module).__name__)
+        real(module, x)
+
+    monkeypatch.setitem(speed.STEPS, "train", spy)
+    out = tmp_path / "speed.json"
+    speed.main(["--shapes", "small", "--models", "lstm", "--kernels", "manual", "--batch", "2",
+                "--seq-len", "3", "--rounds", "1", "--warmup", "1", "--no-memory", "--autocast", "bfloat16",
+                "--variants", "sequence/manual,weight_drop", "--json", str(out)])
+    assert "forward under autocast in bfloat16" in capsys.readouterr().out
+    assert set(seen) == {"LSTM", "VariationalLSTM", "WeightDrop"}
+    assert [r["variant"] for r in json.loads(out.read_text())["results"]] == ["nn.LSTM", "sequence/manual",
+                                                                              "weight_drop"]
+    lstm = speed.VariationalLSTM(4, 4, dropout_hidden=0.5, kernel="manual")
+    layer = speed.UnderAutocast(lstm, torch.bfloat16)
+    output = layer(torch.randn(3, 2, 4))[0]
+    assert output.dtype == torch.bfloat16 and not torch.is_autocast_enabled("cpu")
+    output.float().sum().backward()
+    assert layer.module.weight_hh_l0.grad.dtype == torch.float32
 
 
 def test_variants_times_the_baseline_and_the_variants_named(speed, capsys, monkeypatch, tmp_path):
