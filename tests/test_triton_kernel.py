@@ -409,13 +409,55 @@ def test_the_whole_layer_replays_from_cuda_graphs_as_eager_computes(cls, monkeyp
     assert torch.isfinite(first).all() and not torch.equal(first, second)
 
 
-def test_auto_runs_the_triton_kernel_for_half_types_on_cuda_without_a_warning(monkeypatch):
+def test_auto_runs_the_triton_kernel_for_half_types_on_cuda_where_it_passes_its_check_in_them(monkeypatch):
     """The fifth GPU round (an H200, 2026-11-28) passed the bfloat16 / float16 checks the fourth had
     failed (tests/triton_checks.py: autocast, one program, reduced precision at random shapes), so
-    kernel="auto" runs the loop in every dtype on CUDA, as in float32, and says nothing."""
+    kernel="auto" runs the loop in every dtype on CUDA, as in float32, where the first-use check in
+    that dtype passes, and says nothing; where it fails there, the "manual" kernel in that dtype."""
     monkeypatch.setattr(gpu, "is_available", lambda: True)
-    monkeypatch.setattr(gpu, "passes_first_use_check", lambda device: True)
-    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+    asked = []
+
+    def check(device, dtype=torch.float32):
+        asked.append(dtype)
+        return dtype != torch.float16
+
+    monkeypatch.setattr(gpu, "passes_first_use_check", check)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert auto_loop_kernel_on(torch.device("cuda"), dtype) == "triton"
+    assert auto_loop_kernel_on(torch.device("cuda"), torch.float16) == "manual"
+    assert asked == [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_first_use_check_in_a_half_type_runs_the_kernel_under_autocast_and_catches_a_wrong_one(
+        monkeypatch, dtype):
+    """In a half type the check runs the kernel under autocast in it against the float32 reference,
+    in relative norm: rounding passes, a kernel wrong only there fails it there alone, with one
+    warning naming the dtype, and float32 still passes."""
+    reference_lstm, reference_gru = get_kernel("autograd", "lstm"), get_kernel("autograd", "gru")
+    seen = []
+
+    def lstm_in_half(*args):  # the reference's products in the half type, as autocast casts them
+        seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+        return reference_lstm(*args)
+
+    def wrong_in_half(*args):
+        out, h_n = reference_gru(*args)
+        return (out, -h_n) if torch.is_autocast_enabled("cpu") else (out, h_n)
+
+    _fake_triton(monkeypatch, lstm_in_half, reference_gru)
+    assert gpu.first_use_failure("cpu", dtype) is None
+    assert seen == [dtype]  # the kernel under autocast; the reference outside it
+    _fake_triton(monkeypatch, reference_lstm, wrong_in_half)
+    name = str(dtype).removeprefix("torch.")
+    assert gpu.first_use_failure("cpu", dtype) == (
+        f"its GRU in {name} differs from the float32 reference kernel by 2 in relative norm")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert gpu.passes_first_use_check(torch.device("cpu"), torch.float32)
+        assert [gpu.passes_first_use_check(torch.device("cpu"), dtype) for _ in range(2)] == [False, False]
+    assert len(caught) == 1
+    assert f"failed its first-use check in {name} on cpu" in str(caught[0].message)
+    assert f"runs the 'manual' kernel there in {name} instead" in str(caught[0].message)

@@ -682,10 +682,12 @@ def test_loops_replayed_from_graphs_match_eager_ones(kind, device, monkeypatch):
     assert passes.count("forward") == 4 and passes.count("backward") == 3
 
 
-def test_the_first_use_check_passes(device):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_first_use_check_passes(device, dtype):
     """The check kernel="auto" runs before it first picks the kernel on a device (compiled on a
-    GPU, interpreted on CPU) finds nothing wrong."""
-    assert gpu.first_use_failure(device) is None
+    GPU, interpreted on CPU), and in a half type before it first runs it in that type under
+    autocast, finds nothing wrong."""
+    assert gpu.first_use_failure(device, dtype) is None
 
 
 @pytest.mark.parametrize("per_gate", [False, True])

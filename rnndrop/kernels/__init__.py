@@ -142,11 +142,11 @@ def under_transform(*xs: Tensor) -> bool:
 def auto_loop_kernel_on(device: torch.device, dtype: torch.dtype) -> str:
     """``kernel="auto"``'s loop kernel for tensors of ``dtype`` on ``device``: ``"compiled"`` on
     CPU in float32 / float64 where it can be built (the first call builds it), ``"triton"`` on CUDA
-    where Triton imports (the first call imports it) and passes its first-use check on the device,
-    in every dtype (float16 / bfloat16 under autocast too), else
+    where Triton imports (the first call imports it) and passes its first-use check on the device
+    (in float32, and in ``dtype`` where it is float16 / bfloat16: autocast's), else
     :data:`DEFAULT_LOOP_KERNEL`. torch.compile calls it while it traces and keeps the answer
     as a constant of the graph."""
-    if device.type == "cuda" and gpu.is_available() and gpu.passes_first_use_check(device):
+    if device.type == "cuda" and gpu.is_available() and gpu.passes_first_use_check(device, dtype):
         return "triton"
     if device.type == "cpu" and dtype in (torch.float32, torch.float64) and compiled.is_available():
         return "compiled"

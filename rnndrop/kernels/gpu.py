@@ -11,9 +11,10 @@ cached on disk by Triton. ``RNNDROP_NO_TRITON=1`` turns it off: :func:`is_availa
 False and ``kernel="auto"`` runs the "manual" kernel on CUDA. See docs/gpu.md.
 
 Before ``kernel="auto"`` first runs it on a device, :func:`passes_first_use_check` runs a small
-LSTM and GRU through it and through the reference kernel, forward and backward; if Triton's
-compiler or the device fails that, ``"auto"`` runs the "manual" kernel there, with one warning
-that says why, rather than fail or be wrong in the middle of a user's training.
+LSTM and GRU through it and through the reference kernel, forward and backward, in float32, and
+before it first runs it in float16 / bfloat16 (autocast) there, in that dtype too; if Triton's
+compiler or the device fails that, ``"auto"`` runs the "manual" kernel there (in that dtype), with
+one warning that says why, rather than fail or be wrong in the middle of a user's training.
 """
 
 from __future__ import annotations
@@ -48,7 +49,15 @@ _lock = threading.Lock()
 _modules: tuple[ModuleType, ModuleType] | None = None
 _failure: str | None = None
 _warned = False
-_checked: dict[str, str | None] = {}  # device -> why it failed the first-use check, or None
+#: (device, dtype checked) -> why the kernel failed the first-use check there, or None
+_checked: dict[tuple[str, torch.dtype], str | None] = {}
+#: The dtypes the first-use check runs the kernel in apart from float32 (autocast's): the products'
+#: rounding differs, and the fourth GPU round found a half path wrong where float32 was right.
+HALF_TYPES = (torch.bfloat16, torch.float16)
+#: How far a half-precision run of the check may be from the float32 reference, in relative norm
+#: per output and gradient: bfloat16 keeps 8 bits of mantissa (about 1e-2 at the check's shapes);
+#: a wrong kernel is off by the size of the values.
+HALF_TOLERANCE = 5e-2
 _check_lock = threading.Lock()
 
 
@@ -122,17 +131,21 @@ def _on_device(x: Tensor) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def first_use_failure(device: torch.device | str) -> str | None:
+def first_use_failure(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str | None:
     """Why the kernel fails on ``device``, or None: a small packed LSTM (tied mask) and GRU
     (per-gate mask), on a GPU over several programs (the LSTM's over blocks of rows too), in float32,
     outputs and every gradient against the reference kernel within 1e-4, or within 2e-2 where
     float32 products may run in TF32 (or bfloat16): cuBLAS's mode for the reference, cuDNN's switch
     for RNNs (:func:`~rnndrop.kernels.precision.cudnn_rnn_tf32`, on by default) for this kernel,
-    which keep 10 (7) bits of mantissa, each rounding its own way.
+    which keep 10 (7) bits of mantissa, each rounding its own way. With ``dtype`` one of
+    :data:`HALF_TYPES` the kernel runs under ``torch.autocast`` in it (its products in that dtype,
+    its state in float32, as a layer under autocast runs it) against the float32 reference, each
+    output and gradient within :data:`HALF_TOLERANCE` in relative norm.
 
     Uses its own generator (the global random state is left as it was) and runs outside any
     ``torch.autocast`` the caller is in."""
     device = torch.device(device)
+    half = dtype in HALF_TYPES
     generator = torch.Generator().manual_seed(0)
     # this kernel's products follow cuDNN's TF32 switch on CUDA, the reference's cuBLAS's
     tf32 = device.type == "cuda" and cudnn_rnn_tf32()
@@ -154,13 +167,19 @@ def first_use_failure(device: torch.device | str) -> str | None:
             results = []
             for kernel in kernels:
                 args = [None if v is None else v.to(device).requires_grad_() for v in values]
-                with torch.enable_grad(), torch.autocast(device.type, enabled=False):
+                in_half = half and kernel is kernels[0]
+                with torch.enable_grad(), torch.autocast(device.type, dtype=dtype, enabled=in_half):
                     outputs = kernel(args[0], sizes, *args[1:])
-                    loss = sum(((k + 1) * o).sum() for k, o in enumerate(outputs))
+                    loss = sum(((k + 1) * o.float()).sum() for k, o in enumerate(outputs))
                     grads = torch.autograd.grad(loss, [a for a in args if a is not None])
-                results.append([t.detach().cpu() for t in (*outputs, *grads)])
+                results.append([t.detach().float().cpu() for t in (*outputs, *grads)])
             for ours, expected in zip(*results, strict=True):
-                if not torch.allclose(ours, expected, atol=tolerance, rtol=tolerance):
+                if half:
+                    gap = float((ours - expected).norm() / expected.norm().clamp_min(1e-12))
+                    if not gap <= HALF_TOLERANCE:  # NaN fails too
+                        return (f"its {cell.upper()} in {str(dtype).removeprefix('torch.')} differs from the "
+                                f"float32 reference kernel by {gap:.3g} in relative norm")
+                elif not torch.allclose(ours, expected, atol=tolerance, rtol=tolerance):
                     gap = (ours - expected).abs().max()
                     return f"its {cell.upper()} differs from the reference kernel by {gap:.3g}"
     except Exception as error:  # whatever Triton's compiler or the driver raise
@@ -169,21 +188,28 @@ def first_use_failure(device: torch.device | str) -> str | None:
     return None
 
 
-def passes_first_use_check(device: torch.device) -> bool:
-    """Whether ``kernel="auto"`` may run the kernel on ``device``: :func:`first_use_failure`, once
-    per device and process (not while a CUDA graph is being captured: then True, checked later).
-    A failure warns once, with the reason."""
-    key = str(device)
+def passes_first_use_check(device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether ``kernel="auto"`` may run the kernel on ``device`` in ``dtype``: :func:`first_use_failure`
+    in float32, and in ``dtype`` too where it is a half type, each once per device and process (not
+    while a CUDA graph is being captured: then True, checked later). A failure warns once, with the
+    reason."""
+    checked = [torch.float32, *([dtype] if dtype in HALF_TYPES else [])]
+    return all(_passes(device, d) for d in checked)
+
+
+def _passes(device: torch.device, dtype: torch.dtype) -> bool:
+    key = (str(device), dtype)
     if key not in _checked:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return True
         with _check_lock:
             if key not in _checked:
-                _checked[key] = failure = first_use_failure(device)
+                _checked[key] = failure = first_use_failure(device, dtype)
                 if failure is not None:
+                    where = "" if dtype == torch.float32 else f" in {str(dtype).removeprefix('torch.')}"
                     warnings.warn(
-                        f"rnndrop: the 'triton' loop kernel failed its first-use check on {key} ({failure}); "
-                        "kernel='auto' runs the 'manual' kernel there instead. Please report it, with "
-                        "`python -m pytest tests/test_triton_kernel.py` run on this machine.",
-                        RuntimeWarning, stacklevel=3)
+                        f"rnndrop: the 'triton' loop kernel failed its first-use check{where} on {key[0]} "
+                        f"({failure}); kernel='auto' runs the 'manual' kernel there{where} instead. Please "
+                        "report it, with `python -m pytest tests/test_triton_kernel.py` run on this machine.",
+                        RuntimeWarning, stacklevel=4)
     return _checked[key] is None
