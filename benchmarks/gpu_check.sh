@@ -313,12 +313,13 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob('*/*/results.json')):
           f' valid {r[\"best_valid_ppl\"]:.2f}')" "$out" | tee -a "$OUT/lm-words-per-second.txt"
 }
 lms() {
-# LMS: space-separated name:config:regimes[:flag[:epochs]] runs (default: the goal's pairs of issue 41
-# for 2 epochs, the second's words/s without the first's start (one epoch of the sample is a second
-# or two), and the AWD pair again under --compile for 3 epochs: a step replayed from CUDA graphs
-# once each truncated-BPTT length has been recorded, which the last epoch's words/s shows)
+# LMS: space-separated name:config:regimes[:flag[:epochs]] runs (default: the goal's pairs of issue 41,
+# zaremba-medium for 2 epochs, the second's words/s without the first's start (an epoch of the
+# sample is a second or two), AWD for 1 and its config's 20 fine-tuning epochs; and the AWD pair
+# again under --compile for 3 (and 20): a step replayed from CUDA graphs once each truncated-BPTT
+# length has been recorded, which the last epoch's words/s shows)
 step "rnndrop-lm on CUDA: words/s (${LMS:-zaremba-medium none,tied; AWD tied,weight_drop, eager and compiled})"
-for run in ${LMS:-medium:zaremba-medium:none,tied::2 awd:awd:tied,weight_drop::2 awd-compiled:awd:tied,weight_drop:compile:3}; do
+for run in ${LMS:-medium:zaremba-medium:none,tied::2 awd:awd:tied,weight_drop awd-compiled:awd:tied,weight_drop:compile:3}; do
     IFS=: read -r name config regimes flag epochs <<<"$run"
     lm "$name" "${epochs:-1}" --config "$config" --regimes "$regimes" ${flag:+--$flag}
 done
