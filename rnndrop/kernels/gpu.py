@@ -193,8 +193,8 @@ def passes_first_use_check(device: torch.device, dtype: torch.dtype = torch.floa
     in float32, and in ``dtype`` too where it is a half type, each once per device and process (not
     while a CUDA graph is being captured: then True, checked later). A failure warns once, with the
     reason."""
-    checked = [torch.float32, *([dtype] if dtype in HALF_TYPES else [])]
-    return all(_passes(device, d) for d in checked)
+    # asked at every layer call (kernel="auto"): two cached lookups, nothing built
+    return _passes(device, torch.float32) and (dtype not in HALF_TYPES or _passes(device, dtype))
 
 
 def _passes(device: torch.device, dtype: torch.dtype) -> bool:
