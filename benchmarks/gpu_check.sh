@@ -309,17 +309,21 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob('*/*/results.json')):
     r = json.loads(f.read_text())
     rows = list(csv.DictReader(f.with_name('metrics.csv').open()))
     last = float(rows[-1]['words_per_second']) if rows else float('nan')
+    mode = 'compiled' if r.get('compiled') else 'eager'
+    if r.get('compile_failure'):
+        mode = 'eager after: ' + r['compile_failure']
     print(f'{sys.argv[1]:26} {f.parts[-3]:12} {r[\"words_per_second\"]:9.0f} words/s, last epoch {last:9.0f},'
-          f' valid {r[\"best_valid_ppl\"]:.2f}')" "$out" | tee -a "$OUT/lm-words-per-second.txt"
+          f' valid {r[\"best_valid_ppl\"]:.2f}, {mode}')" "$out" | tee -a "$OUT/lm-words-per-second.txt"
 }
 lms() {
-# LMS: space-separated name:config:regimes[:flag[:epochs]] runs (default: the goal's pairs of issue 41,
-# zaremba-medium for 2 epochs, the second's words/s without the first's start (an epoch of the
-# sample is a second or two), AWD for 1 and its config's 20 fine-tuning epochs; and the AWD pair
-# again under --compile for 3 (and 20): a step replayed from CUDA graphs once each truncated-BPTT
-# length has been recorded, which the last epoch's words/s shows)
-step "rnndrop-lm on CUDA: words/s (${LMS:-zaremba-medium none,tied; AWD tied,weight_drop, eager and compiled})"
-for run in ${LMS:-medium:zaremba-medium:none,tied::2 awd:awd:tied,weight_drop awd-compiled:awd:tied,weight_drop:compile:3}; do
+# LMS: space-separated name:config:regimes[:flag[:epochs]] runs (default: the goal's pairs of issue 41
+# as a user runs them, with rnndrop-lm's default: tied masks under torch.compile on CUDA, none and
+# weight_drop eagerly; zaremba-medium for 3 epochs (the last one's words/s without the compiles and
+# the start; an epoch of the sample is a second or two), AWD for 3 and its config's 20 fine-tuning
+# epochs (a step replayed from CUDA graphs once each truncated-BPTT length has been recorded); then
+# each tied run eagerly (--no-compile) for what the default gains)
+step "rnndrop-lm on CUDA: words/s (${LMS:-zaremba-medium none,tied; AWD tied,weight_drop; tied again eagerly})"
+for run in ${LMS:-medium:zaremba-medium:none,tied::3 awd:awd:tied,weight_drop::3 medium-eager:zaremba-medium:tied:no-compile:2 awd-eager:awd:tied:no-compile:1}; do
     IFS=: read -r name config regimes flag epochs <<<"$run"
     lm "$name" "${epochs:-1}" --config "$config" --regimes "$regimes" ${flag:+--$flag}
 done

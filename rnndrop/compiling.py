@@ -8,22 +8,30 @@ from CUDA graphs) on CUDA::
     model = rnndrop.compile_model(model)        # instead of torch.compile(model)
     loss = criterion(model(x), y)               # each call one step
 
+A compile that fails, or a compiled call that fails where the eager call succeeds (an operator
+Inductor cannot lower, a CUDA graph that runs out of memory), does not fail the user's step: the call
+runs eagerly, one warning names the error, and the model runs eagerly from then on
+(:meth:`CompiledModel.run_eagerly`; a training loop calls it itself for an error raised by the
+backward, which torch compiles at its first call).
+
 What the library's own code needs while torch.compile traces it: :mod:`rnndrop.tracing`. What is
 traced and what still runs eagerly: docs/ecosystem.md, "torch.compile".
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
 from rnndrop.distributed import ensure_noise_per_rank
+from rnndrop.recurrent import VariationalRNNStack
 from rnndrop.stochastic import Stochastic
 from rnndrop.tracing import BEFORE_TRACING, make_eager_calls
 
-__all__ = ["CompiledModel", "compile_model", "is_torch_rnn"]
+__all__ = ["CompiledModel", "compile_model", "is_torch_rnn", "speeds_up_under_compile"]
 
 
 class CompiledModel(nn.Module):
@@ -36,13 +44,25 @@ class CompiledModel(nn.Module):
     With CUDA graphs each call is a new step (``torch.compiler.cudagraph_mark_step_begin``): the
     outputs of a call may be overwritten by the next one, so clone what a loop carries over (a
     recurrent state to the next batch, as truncated BPTT does).
+
+    With ``fallback`` (the default) a compiled call that raises where the same call eagerly does not
+    returns the eager call's result, and the model runs eagerly from then on (:meth:`run_eagerly`,
+    one warning); where the eager call raises too, its error is raised (a mistake of the caller's,
+    not the compiler's) and the model stays compiled. A graph break under ``fullgraph=True`` is
+    raised as asked. ``failure``: None while calls run compiled, else the one-line summary of the
+    error that ended it.
     """
 
-    def __init__(self, module: nn.Module, *, mode: str | None = "auto", **compile_kwargs: Any) -> None:
+    def __init__(self, module: nn.Module, *, mode: str | None = "auto", fallback: bool = True,
+                 **compile_kwargs: Any) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+        if not isinstance(fallback, bool):
+            raise TypeError(f"fallback must be a bool, got {type(fallback).__name__}")
         self.module = module
+        self.fallback = fallback
+        self.failure: str | None = None
         if compile_kwargs.get("backend", "inductor") == "inductor":
             _refuse_torch_rnns_on_the_cpu(module)
         make_eager_calls()
@@ -65,12 +85,72 @@ class CompiledModel(nn.Module):
                 raise
             return getattr(module, name)
 
+    @property
+    def compiled(self) -> bool:
+        """Whether calls run compiled (False once :meth:`run_eagerly` was called)."""
+        return "_compiled" in self.__dict__
+
+    def run_eagerly(self, error: BaseException) -> None:
+        """Run ``module`` eagerly from now on, with one warning that names ``error`` (what failed
+        compiled). The compiled graphs are released: torch.compile's caches are reset
+        (``torch._dynamo.reset()``: other compiled functions of the process compile again at their
+        next call) and the CUDA graphs' memory given back to the allocator's cache."""
+        if not self.compiled:
+            return
+        del self.__dict__["_compiled"]
+        cuda_graphs, self.cuda_graphs = self.cuda_graphs, False
+        self.failure = _one_line(error)
+        torch._dynamo.reset()
+        if cuda_graphs:
+            torch.cuda.empty_cache()
+        warnings.warn(f"compile_model: the compiled model failed ({self.failure}); it runs eagerly from "
+                      "here on (the same computation, without the compiled speed)", RuntimeWarning,
+                      stacklevel=3)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         ensure_noise_per_rank()  # under DDP: the check cannot run inside the graph
+        if not self.compiled:
+            return self.module(*args, **kwargs)
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        with torch._dynamo.config.patch(allow_rnn=True):
-            return self._compiled(*args, **kwargs)
+        try:
+            with torch._dynamo.config.patch(allow_rnn=True):
+                return self._compiled(*args, **kwargs)
+        except torch._dynamo.exc.Unsupported:
+            raise  # a graph break under fullgraph=True, which asked for this error
+        except Exception as error:
+            if not self.fallback:
+                raise
+            compiled_error = error
+        result = self.module(*args, **kwargs)  # what raises here is the caller's mistake, not the compiler's
+        self.run_eagerly(compiled_error)
+        return result
+
+
+def _one_line(error: BaseException) -> str:
+    """``error``'s type and the first line of its message (torch's compile errors run to pages),
+    with the backend's own error where dynamo wrapped one (``BackendCompilerFailed``)."""
+    inner = getattr(error, "inner_exception", None)
+    if isinstance(inner, BaseException):
+        return f"{type(error).__name__}, {_one_line(inner)}"
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+def speeds_up_under_compile(module: nn.Module, device: torch.device | str | None = None) -> bool:
+    """Whether :func:`compile_model` is measured to make a training step of ``module`` faster on
+    ``device`` (default: where its parameters are): a CUDA device, and one of its layers running a
+    loop kernel of rnndrop's when it trains (:meth:`~rnndrop.recurrent.VariationalRNNStack.trains_in_loop`).
+    That loop is bound by the host's launches, which CUDA graphs take away (docs/gpu.md, fifth
+    round: a step 0.39-0.52x cuDNN's against 0.78x eagerly; AWD's tied LM 1.9x the words/s). A
+    model whose recurrence runs cuDNN gains nothing there (``nn.LSTM`` compiled 0.92-1.08x eager,
+    AWD's WeightDrop LM 0.8x), nor does one on the CPU (the same oneDNN products)."""
+    if device is None:
+        on_cuda = any(p.is_cuda for p in module.parameters())
+    else:
+        on_cuda = torch.device(device).type == "cuda"
+    loops = (m for m in module.modules() if isinstance(m, VariationalRNNStack) and m.trains_in_loop())
+    return on_cuda and any(loops)
 
 
 def is_torch_rnn(module: nn.Module) -> bool:
@@ -100,7 +180,8 @@ def _refuse_torch_rnns_on_the_cpu(model: nn.Module) -> None:
             )
 
 
-def compile_model(module: nn.Module, *, mode: str | None = "auto", **compile_kwargs: Any) -> CompiledModel:
+def compile_model(module: nn.Module, *, mode: str | None = "auto", fallback: bool = True,
+                  **compile_kwargs: Any) -> CompiledModel:
     """``module`` under ``torch.compile`` with rnndrop's layers traced: a :class:`CompiledModel`
-    (``compile_kwargs`` go to ``torch.compile``)."""
-    return CompiledModel(module, mode=mode, **compile_kwargs)
+    (``compile_kwargs`` go to ``torch.compile``; ``fallback``: a failed compile runs eagerly)."""
+    return CompiledModel(module, mode=mode, fallback=fallback, **compile_kwargs)

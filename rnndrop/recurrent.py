@@ -508,6 +508,18 @@ class VariationalRNNStack(Stochastic):
     def switches_to_noise_per_sequence(self) -> bool:
         return self.mask_scope == "batch"
 
+    def trains_in_loop(self) -> bool:
+        """Whether a training call runs a loop kernel of rnndrop's rather than one fused op a layer
+        (cuDNN / oneDNN), as :meth:`_forward_body` decides: a kernel other than ``"auto"`` always
+        does; ``"auto"`` for a recurrent mask per sequence or per step, or per-gate masks (the
+        fused op takes no mask, or masks shared by the batch folded into the weights)."""
+        if self.kernel != "auto":
+            return True
+        between = self.dropout if self.num_layers > 1 else 0.0
+        if self.per_gate_masks:
+            return max(self.dropout_input, between, self.dropout_hidden) > 0
+        return self.mask_scope != "batch" and self.dropout_hidden > 0
+
     def extra_repr(self) -> str:
         s = super().extra_repr()  # type: ignore[misc]
         for name in ("dropout_input", "dropout_hidden", "dropout_output"):

@@ -274,3 +274,21 @@ def flattened(module):
 def distinct(t: torch.Tensor, dim: int = 0) -> int:
     """How many different slices ``t`` holds along ``dim`` (rows drawn apart, or sharing a draw)."""
     return len({tuple(part.flatten().tolist()) for part in t.unbind(dim)})
+
+
+def failing_backend(where: str):
+    """A torch.compile backend whose compiler fails: on the forward graph (``where="forward"``:
+    dynamo raises it at the first call) or on the backward graph (``"backward"``: AOT autograd
+    compiles it at the first backward)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def fail(gm, example_inputs):
+        raise RuntimeError(f"no lowering for the {where} graph\n(the compiler's second line)")
+
+    def keep(gm, example_inputs):
+        return make_boxed_func(gm.forward)
+
+    if where == "forward":
+        return fail
+    return aot_autograd(fw_compiler=keep, bw_compiler=fail)

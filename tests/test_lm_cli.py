@@ -297,6 +297,16 @@ def test_compile_trains_under_torch_compile_records_it_and_resumes(tmp_path, cap
     assert all(math.isfinite(e["valid_ppl"]) for e in result["epochs"])
 
 
+def test_compile_is_left_to_the_run_unless_asked_either_way():
+    """``--compile`` / ``--no-compile`` ask for one mode; neither leaves it to the run (None:
+    compiled where it is faster, :func:`rnndrop.compiling.speeds_up_under_compile`)."""
+    from rnndrop.lm.cli.parser import corpus_parser
+
+    parse = corpus_parser("ptb").parse_args
+    assert parse([]).compile is None
+    assert parse(["--compile"]).compile is True and parse(["--no-compile"]).compile is False
+
+
 def _write_non_utf8(folder: Path) -> Path:
     write_corpus(folder)
     (folder / "ptb.valid.txt").write_bytes(b"the cat\nthe caf\xe9 sees\n")

@@ -1,3 +1,4 @@
+import functools
 import json
 import math
 import re
@@ -6,13 +7,15 @@ from dataclasses import replace
 import pytest
 import torch
 
+from rnndrop.compiling import compile_model
 from rnndrop.lm.cli import train_main
 from rnndrop.lm.model.presets import CONFIGS
 from rnndrop.lm.model.regimes import Regime, registered
-from rnndrop.lm.run import job
+from rnndrop.lm.run import job, train
 from rnndrop.lm.run.checkpoint import load_checkpoint, read_result, validate_result
 from rnndrop.lm.run.report import markdown_table
 from rnndrop.lm.run.train import TrainingDiverged, train_run
+from tests.helpers import failing_backend
 from tests.lm_helpers import TINY, Killed, write_corpus
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -334,3 +337,24 @@ def test_the_divergence_check_reads_steps_in_batches_and_names_the_step_that_div
     check.step(torch.tensor(float("nan")), one, norm, 5, 7)
     with pytest.raises(TrainingDiverged, match=r"the gradient norm is inf at epoch 3, batch 5/35 \(lr 0.5\)"):
         check.read()
+
+
+def test_a_backward_failing_compiled_goes_on_eagerly_and_the_result_says_why(corpus, tmp_path, monkeypatch):
+    """``compile=None`` asks :func:`speeds_up_under_compile` with the model (False on the CPU: the
+    run trains eagerly); where it says yes the run trains under ``compile_model``, and a backward
+    whose compiler fails (at the first backward, after the compiled forward ran) is run again
+    eagerly: the run finishes with one warning, and its result names the failure."""
+    config = replace(TINY, epochs=1)
+    eager = train_run(corpus, config, "tied", tmp_path / "eager", seed=1, progress=False, mc_samples=0)
+    assert eager["compiled"] is False and eager["compile_failure"] is None
+    asked = []
+    monkeypatch.setattr(train, "speeds_up_under_compile", lambda model: asked.append(model) or True)
+    monkeypatch.setattr(train, "compile_model",
+                        functools.partial(compile_model, mode=None, backend=failing_backend("backward")))
+    with pytest.warns(RuntimeWarning, match=r"compile_model: the compiled model failed") as caught:
+        result = train_run(corpus, config, "tied", tmp_path / "run", seed=1, progress=False, mc_samples=0)
+    assert len([w for w in caught if "compile_model" in str(w.message)]) == 1
+    assert [type(m).__name__ for m in asked] == ["RNNLanguageModel"]
+    assert result["compiled"] is True and "no lowering for the backward graph" in result["compile_failure"]
+    assert [e["epoch"] for e in result["epochs"]] == [1] and math.isfinite(result["best_valid_ppl"])
+    assert read_result(tmp_path / "run" / "results.json")["compile_failure"] == result["compile_failure"]

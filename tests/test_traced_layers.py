@@ -12,6 +12,8 @@ packed input, another kernel, a bfloat16 LSTM on the CPU) still run, eagerly, wi
 """
 
 import random
+import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -19,10 +21,11 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 import rnndrop
 from rnndrop import VariationalGRU, VariationalLSTM
+from rnndrop.compiling import speeds_up_under_compile
 from rnndrop.kernels import auto_loop_kernel_on, get_kernel, ops
 from rnndrop.layout import EqualBatchSizes
 from rnndrop.tracing import BEFORE_TRACING
-from tests.helpers import assert_close
+from tests.helpers import assert_close, failing_backend
 from tests.test_random_configurations import build, draw_configuration, inputs, tolerance
 
 pytestmark = pytest.mark.filterwarnings("ignore:LSTM with projections is not supported")
@@ -297,6 +300,87 @@ def test_compile_model_traces_the_layers_and_leaves_the_switch_as_it_was():
     assert len(list(compiled.parameters())) == len(list(layer.parameters()))
     with pytest.raises(TypeError, match="module must be an nn.Module, got function"):
         rnndrop.compile_model(lambda x: x)
+
+
+def test_a_failed_compile_runs_the_call_eagerly_with_one_warning_and_stays_eager():
+    """``compile_model`` over a compiler that fails: the call returns the eager layer's result
+    (same masks), one warning names the compiler's error, and later calls run eagerly without one."""
+    torch.manual_seed(0)
+    layer = VariationalLSTM(4, 6, 2, dropout_input=0.3, dropout_hidden=0.3, dropout_output=0.3)
+    masks = layer.sample_masks(3, 5, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(5, 3, 4)
+    compiled = rnndrop.compile_model(layer, mode=None, backend=failing_backend("forward"))
+    assert compiled.compiled and compiled.failure is None
+    failed = (r"compile_model: the compiled model failed \(BackendCompilerFailed, RuntimeError: no lowering "
+              r"for the forward graph\); it runs eagerly")
+    with pytest.warns(RuntimeWarning, match=failed) as caught:
+        actual = compiled(x, None, masks)
+    assert len(caught) == 1 and "second line" not in str(caught[0].message)
+    assert_close(actual, layer(x, None, masks), atol=0, rtol=0)
+    assert not compiled.compiled and compiled.failure.startswith("BackendCompilerFailed")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_close(compiled(x, None, masks), actual, atol=0, rtol=0)
+
+
+def test_a_callers_mistake_is_raised_as_eager_raises_it_and_the_model_stays_compiled():
+    """A call that fails eagerly too (an input of the wrong size) raises the layer's own error,
+    and the model stays compiled; ``fallback=False`` raises the compiler's error itself."""
+    layer = VariationalLSTM(4, 6, 1, dropout_hidden=0.3)
+    compiled = rnndrop.compile_model(layer, mode=None, backend="eager")
+    with pytest.raises(ValueError, match="input") as error:
+        compiled(torch.randn(5, 3, 7))
+    assert type(error.value) is ValueError and compiled.compiled
+    assert compiled(torch.randn(5, 3, 4))[0].shape == (5, 3, 6) and compiled.compiled
+    strict = rnndrop.compile_model(layer, mode=None, backend=failing_backend("forward"), fallback=False)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="no lowering for the forward graph"):
+        strict(torch.randn(5, 3, 4))
+    assert strict.compiled
+    with pytest.raises(TypeError, match="fallback must be a bool, got str"):
+        rnndrop.compile_model(layer, fallback="yes")
+
+
+@pytest.mark.parametrize(("settings", "loops"), [
+    ({}, False),
+    ({"dropout_input": 0.3, "dropout_output": 0.3, "dropout": 0.3}, False),
+    ({"dropout_input": 0.3, "mask_scope": "step"}, False),
+    ({"dropout_hidden": 0.3}, True),
+    ({"dropout_hidden": 0.3, "mask_scope": "step"}, True),
+    ({"dropout_hidden": 0.3, "mask_scope": "batch"}, False),
+    ({"dropout": 0.3, "mask_scope": "batch"}, False),
+    ({"dropout_input": 0.3, "per_gate_masks": True}, True),
+    ({"dropout": 0.3, "per_gate_masks": True}, True),
+    ({"dropout_hidden": 0.3, "per_gate_masks": True, "mask_scope": "batch"}, True),
+    ({"dropout_output": 0.3, "per_gate_masks": True}, False),
+    ({"kernel": "manual"}, True),
+])
+def test_trains_in_loop_says_whether_a_training_call_runs_the_loop_kernel(settings, loops):
+    """``trains_in_loop()`` against what a training call of an LSTM runs (the CPU makes the LSTM's
+    choice as CUDA does: the fused op wherever no mask is inside a layer)."""
+    layer = VariationalLSTM(4, 6, 2, **settings)
+    ran: list[int] = []
+    original = VariationalLSTM._layer_loop
+
+    def spy(self, *args, **kwargs):
+        ran.append(1)
+        return original(self, *args, **kwargs)
+
+    with mock.patch.object(VariationalLSTM, "_layer_loop", spy):
+        layer(torch.randn(5, 3, 4))
+    assert layer.trains_in_loop() is loops and bool(ran) is loops
+
+
+def test_speeds_up_under_compile_on_cuda_where_a_layer_trains_in_its_loop():
+    """``speeds_up_under_compile``: on CUDA for a model with a layer that trains in rnndrop's loop
+    (recurrent masks per sequence), not for masks shared by the batch, torch's own LSTM (as
+    WeightDrop wraps it), a model without dropout, nor anywhere on the CPU."""
+    cuda = torch.device("cuda")
+    tied = torch.nn.Sequential(torch.nn.Linear(4, 4), VariationalLSTM(4, 6, dropout_hidden=0.3))
+    assert speeds_up_under_compile(tied, cuda) and not speeds_up_under_compile(tied, "cpu")
+    assert not speeds_up_under_compile(tied)  # its parameters are on the CPU
+    for model in (VariationalLSTM(4, 6, dropout_hidden=0.3, mask_scope="batch"), torch.nn.LSTM(4, 6),
+                  VariationalGRU(4, 6), rnndrop.WeightDrop(torch.nn.LSTM(4, 6), ["weight_hh_l0"], 0.3)):
+        assert not speeds_up_under_compile(model, cuda), model
 
 
 def test_monte_carlo_prediction_through_a_compiled_model_samples_in_its_graph():

@@ -154,9 +154,12 @@ def add_train_arguments(parser: argparse.ArgumentParser, dataset: str) -> None:
                          help="torch threads per run: 1 is fastest for the small configs on a shared "
                          "CPU; give more to big models on a machine of their own")
     machine.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
-    machine.add_argument("--compile", action="store_true",
+    machine.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                          help="train under torch.compile (rnndrop.compile_model: the whole step from CUDA "
-                         "graphs on a GPU; compiles for a while first; evaluation runs eagerly)")
+                         "graphs on a GPU; compiles for a while first; evaluation runs eagerly; a step "
+                         "that fails compiled goes on eagerly). Default: on CUDA for regimes whose "
+                         "recurrence runs rnndrop's loop kernel (tied, untied, Gaussian masks), eager "
+                         "elsewhere and under torchrun")
     machine.add_argument("--no-progress", action="store_true",
                          help="no progress bars (log lines only)")
 

@@ -129,8 +129,8 @@ class _Job:
     #: per-epoch bars of the runs (only when one run trains at a time)
     progress: bool
     init_from: str | None
-    #: train under torch.compile (rnndrop.compile_model)
-    compile: bool = False
+    #: train under torch.compile (rnndrop.compile_model); None: where it is faster
+    compile: bool | None = None
 
     def spec(self, regime: str, probabilities: Mapping[str, float], seed: int, mc_samples: int) -> RunSpec:
         p = regime_probabilities(get_regime(regime), probabilities)
@@ -374,7 +374,7 @@ def run_benchmark(
     estimate: bool = False,
     command: str = "",
     init_from: str | Path | None = None,
-    compile: bool = False,
+    compile: bool | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark and write its summary files; returns the summary.
 
@@ -393,7 +393,8 @@ def run_benchmark(
             bar's ETA starts from the same number, then follows the measured speed.
         init_from: a finished run (its folder or ``best.pt``) every run starts from, e.g.
             a dense ``tied`` run that regime ``sparse_vd`` fine-tunes.
-        compile: train every run under torch.compile (``train_run(compile=True)``).
+        compile: train every run under torch.compile (True), eagerly (False), or (None) where
+            it is faster (``train_run(compile=None)``).
     """
     if not regimes:
         raise ValueError("regimes must name at least one regime, got none")
@@ -467,8 +468,8 @@ class RunSpec:
     label: str = ""
     #: a finished run (folder or best.pt) whose weights the run starts from
     init_from: str | None = None
-    #: train under torch.compile (rnndrop.compile_model)
-    compile: bool = False
+    #: train under torch.compile (rnndrop.compile_model); None: where it is faster
+    compile: bool | None = None
 
 
 class JobInterrupted(KeyboardInterrupt):

@@ -59,7 +59,7 @@ from torch.nn.parallel import DistributedDataParallel
 import rnndrop
 from rnndrop.activation_regularization import ActivationRegularization
 from rnndrop.bptt import scaled_learning_rate
-from rnndrop.compiling import CompiledModel, compile_model
+from rnndrop.compiling import CompiledModel, compile_model, speeds_up_under_compile
 from rnndrop.distributed import check_parameters_agree, seed_noise_per_rank
 from rnndrop.lm.data.corpus import Corpus, batchify
 from rnndrop.lm.model.build import build_model, build_optimizer, trainable_parameters
@@ -126,6 +126,7 @@ from rnndrop.lm.run.recipe import (
     EpochSegments,
     LRSchedule,
     RunAveraging,
+    Segment,
     activation_regularizer,
     epoch_segments,
     forward_with_penalty,
@@ -192,7 +193,7 @@ def train_run(
     dataset: str = "",
     on_epoch_end: EpochCallback | None = None,
     init_from: str | Path | None = None,
-    compile: bool = False,
+    compile: bool | None = None,
 ) -> dict[str, Any]:
     """Train one run to the end (or resume it) and return its result (also in results.json).
 
@@ -218,9 +219,14 @@ def train_run(
             sparse VD, keep their initialisation). With regime ``sparse_vd`` this is the
             recipe "train dense, then fine-tune with sparse VD". Recorded in the results.
         compile: train under ``torch.compile`` (:func:`rnndrop.compile_model`: the whole step
-            replayed from CUDA graphs on a GPU); evaluation runs eagerly. The same model and
-            distribution, other masks than an eager run of the same seed (Inductor draws its
-            own random numbers); a run resumed in the other mode goes on, not bit for bit.
+            replayed from CUDA graphs on a GPU); evaluation runs eagerly. None (the default):
+            where it is measured to be faster (:func:`rnndrop.compiling.speeds_up_under_compile`:
+            on CUDA, a regime whose recurrence runs rnndrop's loop kernel; one process). The
+            same model and distribution, other masks than an eager run of the same seed
+            (Inductor draws its own random numbers); a run resumed in the other mode goes on,
+            not bit for bit. A compile or compiled step that fails where the eager step does not
+            makes the run go on eagerly with one warning (one process; under torchrun it fails
+            the run). Recorded in the results, with the failure if any.
             Recorded in the results.
 
     Under torchrun (an initialised default process group of N > 1 ranks, e.g. from
@@ -249,6 +255,12 @@ def train_run(
         claim_folder(out, stack, ctx)
         run = prepare(corpus, config, regime, out, dropout=dropout, seed=seed, resume=resume, device=device,
                       mc_samples=mc_samples, init_from=init_from, dataset=dataset, ctx=ctx, compile=compile)
+        if run.compiled and run.net.cuda_graphs:
+            # a CUDA graph a truncated-BPTT length: variable lengths are the recipe's (AWD), and
+            # torch warns past 8 of them at every recording
+            from torch._inductor import config as inductor_config
+
+            stack.enter_context(inductor_config.patch({"triton.cudagraph_dynamic_shape_warn_limit": None}))
         # The epoch loop: set the rate, train an epoch, validate, keep the best, checkpoint.
         # It ends at the epoch cap or when the schedule stops the run; NT-ASGD's fine-tuning
         # stage then goes on through the same loop (_stages). Ctrl-C becomes RunInterrupted
@@ -308,6 +320,8 @@ def train_run(
             # Free the DDP wrapper (its reducer holds gradient buckets and the process group)
             # now, not whenever a reference cycle through a frame is collected: torch aborts
             # at exit when gloo work outlives destroy_process_group.
+            if isinstance(run.net, CompiledModel):
+                run.compile_failure = run.net.failure
             run.net = run.model
         try:
             return finish_run(run, bar=progress)
@@ -345,22 +359,19 @@ def _train_epoch(
     run.net.train()
     bar = EpochProgress(segments.count, f"epoch {epoch}", progress and ctx.is_main)
     total, words, hidden = 0.0, 0, None
-    # copied where CUDA graphs replay the step: the next replay overwrites this one's outputs
-    copy_state = isinstance(run.net, CompiledModel) and run.net.cuda_graphs
     read_words = 0  # the words of the steps read (checked, summed: in order, a few steps behind)
     start = time.perf_counter()
     try:
         for i, segment in enumerate(segments.items):
             targets = segment.targets
-            logits, hidden, penalty = forward_with_penalty(run.net, segment.inputs, hidden,
-                                                           run.activation_reg)
-            hidden = detach_hidden(hidden, copy=copy_state)
-            loss = token_loss(logits, targets)
-            objective = loss if penalty is None else loss + penalty
-            if run.extra_loss is not None:
-                objective = objective + run.extra_loss((epoch - 1 + segment.done) / config.epochs)
-            run.optimizer.zero_grad(set_to_none=True)
-            objective.backward()
+            try:
+                objective, loss, next_hidden = _forward_backward(run, segment, hidden, epoch)
+            except Exception as error:  # a backward that fails compiled (torch compiles it at its first call)
+                if not (isinstance(run.net, CompiledModel) and run.net.compiled and run.net.fallback):
+                    raise
+                run.net.run_eagerly(error)
+                objective, loss, next_hidden = _forward_backward(run, segment, hidden, epoch)
+            hidden = next_hidden
             grad_norm = nn.utils.clip_grad_norm_(run.model.parameters(), config.clip)
             with scaled_learning_rate(run.optimizer, segment.lr_scale):
                 run.optimizer.step()
@@ -381,6 +392,21 @@ def _train_epoch(
         total, all_words = all_reduce_sums([total, words], ctx)
         words = round(all_words)
     return perplexity(total / words), words, time.perf_counter() - start
+
+
+def _forward_backward(run: Training, segment: Segment, hidden: Any, epoch: int) -> tuple[Tensor, Tensor, Any]:
+    """One step's forward and backward from ``hidden`` (gradients set, not applied):
+    ``(objective, mean NLL, the next step's hidden state detached)``."""
+    logits, next_hidden, penalty = forward_with_penalty(run.net, segment.inputs, hidden, run.activation_reg)
+    # copied where CUDA graphs replay the step: the next replay overwrites this one's outputs
+    next_hidden = detach_hidden(next_hidden, copy=isinstance(run.net, CompiledModel) and run.net.cuda_graphs)
+    loss = token_loss(logits, segment.targets)
+    objective = loss if penalty is None else loss + penalty
+    if run.extra_loss is not None:
+        objective = objective + run.extra_loss((epoch - 1 + segment.done) / run.config.epochs)
+    run.optimizer.zero_grad(set_to_none=True)
+    objective.backward()
+    return objective, loss, next_hidden
 
 
 # -- what a run trains with, built before its first epoch ------------------------------------------
@@ -411,6 +437,8 @@ class Training:
         averaging: NT-ASGD (:class:`~rnndrop.lm.run.recipe.RunAveraging`), or None.
         compiled: whether it trains under torch.compile (``net`` a
             :class:`~rnndrop.compiling.CompiledModel`).
+        compile_failure: why the compiled model fell back to eager in this process's training
+            (:attr:`~rnndrop.compiling.CompiledModel.failure`), or None.
     """
 
     corpus: Corpus
@@ -437,6 +465,7 @@ class Training:
     activation_reg: ActivationRegularization | None = None
     averaging: RunAveraging | None = None
     compiled: bool = False
+    compile_failure: str | None = None
 
     @property
     def evaluation_model(self) -> nn.Module:
@@ -489,7 +518,7 @@ def rank_device(device: str | torch.device, ctx: Distributed) -> torch.device:
 def prepare(
     corpus: Corpus, config: TrainConfig, regime: str, out: Path, *, dropout: Mapping[str, float] | None,
     seed: int, resume: bool, device: str | torch.device, mc_samples: int | None,
-    init_from: str | Path | None, dataset: str, ctx: Distributed, compile: bool = False,
+    init_from: str | Path | None, dataset: str, ctx: Distributed, compile: bool | None = None,
 ) -> Training:
     """Check the arguments, seed, build the model, the data and the optimiser, and restore
     the checkpoint in ``out`` when resuming (see :func:`rnndrop.lm.run.checkpoint.read_checkpoint`)."""
@@ -539,8 +568,14 @@ def prepare(
     if ctx.enabled:
         net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         train_stream = shard_columns(train_data, ctx.rank, ctx.world_size)
+    if compile is None:  # not measured under DDP: eager there unless asked
+        compile = not ctx.enabled and speeds_up_under_compile(model)
+        if compile:
+            log.info("%s: training under torch.compile, the step replayed from CUDA graphs (its loop "
+                     "kernel is bound by the host's launches; --no-compile trains eagerly)", regime)
     if compile:
-        net = compile_model(net)
+        # a rank that fell back alone would leave the others' collectives waiting: fail there instead
+        net = compile_model(net, fallback=not ctx.enabled)
     return Training(
         corpus=corpus, config=config, regime=regime, rules=rules, dropout=probabilities, seed=seed,
         out=out, dataset=dataset, identity=identity, device=device, ctx=ctx, mc_samples=mc_samples,
@@ -825,6 +860,7 @@ def _result(run: Training, test: Score, test_mc: Score | None) -> dict[str, Any]
         "parameters": sum(p.numel() for p in run.model.parameters()),
         "device": str(run.device),
         "compiled": run.compiled,
+        "compile_failure": run.compile_failure,
         "threads": torch.get_num_threads(),
         # Processes that trained the model together (DDP) and their backend (None: one process).
         "world_size": run.ctx.world_size,
