@@ -121,7 +121,7 @@ class CompiledModel(nn.Module):
         except Exception as error:
             if not self.fallback:
                 raise
-            compiled_error = error
+            compiled_error = error.with_traceback(None)  # its frames' tensors released before the eager call
         result = self.module(*args, **kwargs)  # what raises here is the caller's mistake, not the compiler's
         self.run_eagerly(compiled_error)
         return result

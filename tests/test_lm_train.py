@@ -1,4 +1,3 @@
-import functools
 import json
 import math
 import re
@@ -343,16 +342,30 @@ def test_a_backward_failing_compiled_goes_on_eagerly_and_the_result_says_why(cor
     """``compile=None`` asks :func:`speeds_up_under_compile` with the model (False on the CPU: the
     run trains eagerly); where it says yes the run trains under ``compile_model``, and a backward
     whose compiler fails (at the first backward, after the compiled forward ran) is run again
-    eagerly: the run finishes with one warning, and its result names the failure."""
+    eagerly: the run finishes with one warning, and its result names the failure. torch's warning
+    of a CUDA graph per truncated-BPTT length is off while a run with CUDA graphs trains."""
     config = replace(TINY, epochs=1)
     eager = train_run(corpus, config, "tied", tmp_path / "eager", seed=1, progress=False, mc_samples=0)
     assert eager["compiled"] is False and eager["compile_failure"] is None
     asked = []
     monkeypatch.setattr(train, "speeds_up_under_compile", lambda model: asked.append(model) or True)
-    monkeypatch.setattr(train, "compile_model",
-                        functools.partial(compile_model, mode=None, backend=failing_backend("backward")))
+
+    def compiled_as_on_cuda(net, **kwargs):  # CUDA graphs' bookkeeping too: state copied, torch's warning off
+        compiled = compile_model(net, mode=None, backend=failing_backend("backward"), **kwargs)
+        compiled.cuda_graphs = True
+        return compiled
+
+    monkeypatch.setattr(train, "compile_model", compiled_as_on_cuda)
+    from torch._inductor import config as inductor_config
+
+    triton_config = inductor_config.triton
+    limit, during = triton_config.cudagraph_dynamic_shape_warn_limit, []
     with pytest.warns(RuntimeWarning, match=r"compile_model: the compiled model failed") as caught:
-        result = train_run(corpus, config, "tied", tmp_path / "run", seed=1, progress=False, mc_samples=0)
+        result = train_run(
+            corpus, config, "tied", tmp_path / "run", seed=1, progress=False, mc_samples=0,
+            on_epoch_end=lambda *_: during.append(triton_config.cudagraph_dynamic_shape_warn_limit))
+    # torch's warning of a CUDA graph a length is off while the run trains, and only then
+    assert during == [None] and triton_config.cudagraph_dynamic_shape_warn_limit == limit
     assert len([w for w in caught if "compile_model" in str(w.message)]) == 1
     assert [type(m).__name__ for m in asked] == ["RNNLanguageModel"]
     assert result["compiled"] is True and "no lowering for the backward graph" in result["compile_failure"]

@@ -365,13 +365,15 @@ def _train_epoch(
         for i, segment in enumerate(segments.items):
             targets = segment.targets
             try:
-                objective, loss, next_hidden = _forward_backward(run, segment, hidden, epoch)
+                done = _forward_backward(run, segment, hidden, epoch)
             except Exception as error:  # a backward that fails compiled (torch compiles it at its first call)
                 if not (isinstance(run.net, CompiledModel) and run.net.compiled and run.net.fallback):
                     raise
                 run.net.run_eagerly(error)
-                objective, loss, next_hidden = _forward_backward(run, segment, hidden, epoch)
-            hidden = next_hidden
+                done = None
+            if done is None:  # again, eagerly, the failed attempt's tensors released with its traceback
+                done = _forward_backward(run, segment, hidden, epoch)
+            objective, loss, hidden = done
             grad_norm = nn.utils.clip_grad_norm_(run.model.parameters(), config.clip)
             with scaled_learning_rate(run.optimizer, segment.lr_scale):
                 run.optimizer.step()
