@@ -7,7 +7,7 @@
 #   bash benchmarks/gpu_check.sh checks tf32 lms    # some of them: machine checks tests buffers speed amp tf32 mc
 #                                                   # profile loop_profile tuning projection host_profile lms
 #                                                   # compile mc_compile
-#                                                   # weight_drop_memory
+#                                                   # weight_drop_memory lengths
 #   DEADLINE=540 BUNDLE=x.tgz bash benchmarks/gpu_check.sh ...   # for a lease: below
 #   DEADLINE=560 BUNDLE=x.tgz bash benchmarks/gpu_check.sh lease1  # the next lease's first call; lease2
 #
@@ -298,10 +298,10 @@ pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
 PROFILE
 }
 
-lm() {  # words/s of rnndrop-lm's own training loop on CUDA (the shipped PTB sample; $2 epochs, default 1)
+lm() {  # words/s of rnndrop-lm's own training loop on CUDA (LM_DATA, default the shipped PTB sample; $2 epochs)
     local name=$1 out=runs/gpu-$1 epochs=${2:-1}; shift 2
     timeout -k 10 $(limit $((90 * epochs))) $PY -c "import sys; from rnndrop.lm.cli import main; sys.exit(main())" \
-        ptb --data sample --epochs "$epochs" --mc-samples 0 --device cuda --no-progress --out "$out" "$@" \
+        ptb --data "${LM_DATA:-sample}" --epochs "$epochs" --mc-samples 0 --device cuda --no-progress --out "$out" "$@" \
         >"$OUT/lm-$name.log" 2>&1 || tail -n 3 "$OUT/lm-$name.log"
     # the whole run's words/s (the first epoch's compiles count), and its last epoch's
     $PY -c "import csv, json, pathlib, sys
@@ -313,7 +313,8 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob('*/*/results.json')):
     if r.get('compile_failure'):
         mode = 'eager after: ' + r['compile_failure']
     print(f'{sys.argv[1]:26} {f.parts[-3]:12} {r[\"words_per_second\"]:9.0f} words/s, last epoch {last:9.0f},'
-          f' valid {r[\"best_valid_ppl\"]:.2f}, {mode}')" "$out" | tee -a "$OUT/lm-words-per-second.txt"
+          f' valid {r[\"best_valid_ppl\"]:.2f}, peak {r[\"peak_memory_bytes\"] / 2**30:.2f} GiB, {mode}')" "$out" \
+    | tee -a "$OUT/lm-words-per-second.txt"
 }
 lms() {
 # LMS: space-separated name:config:regimes[:flag[:epochs]] runs (default: the goal's pairs of issue 41
@@ -329,13 +330,38 @@ for run in ${LMS:-medium:zaremba-medium:none,tied::3 awd:awd:tied,weight_drop::3
 done
 }
 
+lengths() {
+# rnndrop-lm's default on CUDA (tied masks compiled) where full PTB's spread of truncated-BPTT lengths
+# means a CUDA graph each: AWD on 400k words of generated text (about 35 lengths in 3 epochs against
+# the sample's 9), compiled and eagerly; the last epoch's words/s and the peak memory say what the
+# graphs cost once recorded, the whole run's words/s what recording them cost
+step "rnndrop-lm --config awd --regimes tied on 400k generated words: compiled (the default) and --no-compile"
+local data=runs/gpu-lengths-data
+$PY - "$data" <<'CORPUS'
+import pathlib, random, sys
+folder = pathlib.Path(sys.argv[1])
+folder.mkdir(parents=True, exist_ok=True)
+rng = random.Random(0)
+vocab = [f"w{i}" for i in range(10000)]
+for split, words in (("train", 400_000), ("valid", 20_000), ("test", 20_000)):
+    lines, n = [], 0
+    while n < words:
+        k = rng.randint(5, 30)
+        lines.append(" ".join(rng.choices(vocab, k=k)))
+        n += k
+    (folder / f"ptb.{split}.txt").write_text("\n".join(lines) + "\n")
+CORPUS
+LM_DATA=$data lm lengths-compiled 3 --config awd --regimes tied --finetune-epochs 0
+LM_DATA=$data lm lengths-eager 2 --config awd --regimes tied --finetune-epochs 0 --no-compile
+}
+
 # The next lease's two calls (docs/gpu.md, "How to measure"), steps in the order of what they decide:
 # are the kernels and the CUDA-only tests right compiled, the table of issue 41's goals, the same
 # under autocast (on by default since the fifth round, never timed); then the launch sweep and
 # Monte-Carlo under torch.compile (neither has run yet), torch.compile's steps and the language
 # models (the fifth round's, again: the compiles take minutes, so last).
 LEASE1="machine checks tests speed amp"
-LEASE2="tuning mc_compile compile lms"
+LEASE2="tuning mc_compile compile lms lengths"
 sections="${*:-machine checks tests speed tf32 mc profile lms}"
 if [[ " $sections " == *" lease1 "* ]]; then  # the speed table's variants, the settings off until timed among them
     : "${SPEED_SHAPES:=small,medium,large}" "${SPEED_BATCH:=20,128}" "${ROUNDS:=4}"

@@ -133,3 +133,26 @@ def test_gpu_check_bundles_after_every_step_so_a_call_cut_short_returns_what_it_
         console = packed.extractfile("./console.log").read().decode()
     assert "=== machine" in console and "fake python -c" in console
     assert not (tmp_path / "gpu.tgz.part").exists()
+
+
+def test_lengths_trains_awd_on_a_generated_corpus_compiled_and_eagerly(tmp_path):
+    """``lengths``: a corpus of 400k generated words in PTB's layout (enough segments for some 35
+    truncated-BPTT lengths), then two AWD runs of rnndrop-lm on it, the default (compiled on CUDA)
+    and ``--no-compile``; the LM calls are recorded by a stand-in python, the corpus is written by
+    the real one."""
+    calls = tmp_path / "calls"
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nif [ "$1" = "-" ]; then exec {sys.executable} "$@"; fi\n'
+                      f'echo "$@" >> {calls}\n')
+    python.chmod(0o755)
+    done = subprocess.run(["bash", str(CHECK), "lengths"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"),
+                                            "PYTHON": str(python)})
+    assert "=== done" in done.stdout, done.stdout + done.stderr
+    corpus = tmp_path / "runs" / "gpu-lengths-data"
+    assert 400_000 <= len((corpus / "ptb.train.txt").read_text().split()) < 400_030
+    assert len(set((corpus / "ptb.valid.txt").read_text().split())) > 5000
+    trained = [line for line in calls.read_text().splitlines() if "sys.exit(main())" in line]
+    assert len(trained) == 2 and all("--data runs/gpu-lengths-data" in line and "--config awd --regimes tied"
+                                     in line and "--device cuda" in line for line in trained)
+    assert "--no-compile" not in trained[0] and trained[1].endswith("--no-compile")
