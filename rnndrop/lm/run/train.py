@@ -257,9 +257,8 @@ def train_run(
                       mc_samples=mc_samples, init_from=init_from, dataset=dataset, ctx=ctx, compile=compile)
         if run.compiled and run.net.cuda_graphs:
             # a CUDA graph a truncated-BPTT length: variable lengths are the recipe's (AWD), and
-            # torch warns past 8 of them at every recording
-            from torch._inductor import config as inductor_config
-
+            # torch warns past 8 of them at every recording (torch._inductor: imported on first use)
+            inductor_config = torch._inductor.config
             stack.enter_context(inductor_config.patch({"triton.cudagraph_dynamic_shape_warn_limit": None}))
         # The epoch loop: set the rate, train an epoch, validate, keep the best, checkpoint.
         # It ends at the epoch cap or when the schedule stops the run; NT-ASGD's fine-tuning
