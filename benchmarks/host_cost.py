@@ -6,7 +6,9 @@ dispatcher take to issue the step, not the kernels. This script measures that pa
 layer runs with ``kernel="triton"`` on CPU tensors under Triton's interpreter, with the persistent
 loop's launches skipped (``kernel[grid](...)`` returns at once, their outputs are left as allocated;
 the host's work around a launch is measured), on tiny tensors (hidden 16, batch 4,
-35 steps, 2 layers, tied masks p 0.5 everywhere), so what remains is the layer's own host work.
+35 steps, 2 layers, masks p 0.5 everywhere: tied for the LSTM and the GRU, and one a gate for the
+LSTM, whose input projection runs the batched products CUDA runs), so what remains is the layer's
+own host work.
 It prints microseconds per forward, per training step and per Monte-Carlo sample (a forward under
 ``torch.no_grad``, fresh masks; median of rounds) and the torch ops one training step issues (those
 that would launch a kernel on a GPU, and the views and allocations apart; ``speed.launching_ops``),
@@ -35,7 +37,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from rnndrop import VariationalGRU, VariationalLSTM
 from rnndrop.atomic import write_json_atomic
-from rnndrop.kernels import persistent
+from rnndrop.kernels import per_gate_projection, persistent
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from speed import launching_ops, machine, microseconds, top_level_ops  # shared with speed.py
@@ -65,15 +67,22 @@ def launches_skipped():
         yield
 
 
-def build(cell: str) -> torch.nn.Module:
+def build(cell: str, per_gate: bool = False) -> torch.nn.Module:
     cls = VariationalLSTM if cell == "lstm" else VariationalGRU
     return cls(HIDDEN, HIDDEN, LAYERS, dropout=0.5, dropout_input=0.5, dropout_hidden=0.5, dropout_output=0.5,
-               kernel="triton")
+               kernel="triton", per_gate_masks=per_gate)
 
 
-def measure(cell: str, rounds: int) -> dict:
+@contextlib.contextmanager
+def projections_as_on_cuda():
+    """The per-gate input projection's batched products (what CUDA runs) on CPU tensors too."""
+    with mock.patch.object(per_gate_projection, "BATCHED_DEVICES", {"cuda", "cpu"}):
+        yield
+
+
+def measure(cell: str, rounds: int, per_gate: bool = False) -> dict:
     torch.manual_seed(0)
-    layer = build(cell).train()
+    layer = build(cell, per_gate).train()
     x = torch.randn(STEPS, BATCH, HIDDEN)
 
     def forward() -> None:
@@ -92,7 +101,7 @@ def measure(cell: str, rounds: int) -> dict:
     with profile(activities=[ProfilerActivity.CPU]) as prof:  # after the timing: it slows what follows
         step()
     launching = launching_ops(prof)
-    return dict(cell=cell, **times, ops=sum(launching.values()),
+    return dict(cell=cell, masks="per-gate" if per_gate else "tied", **times, ops=sum(launching.values()),
                 views=sum(top_level_ops(prof).values()) - sum(launching.values()),
                 by_op=dict(launching.most_common()))
 
@@ -106,13 +115,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rounds: expected a positive integer, got {args.rounds}")
     torch.set_num_threads(1)
     print(f"{machine()}\nhost work of the 'triton' path, launches skipped: hidden {HIDDEN}, batch {BATCH}, "
-          f"{STEPS} steps, {LAYERS} layers, tied masks, 1 thread, load average {os.getloadavg()[0]:.2f}")
+          f"{STEPS} steps, {LAYERS} layers, 1 thread, load average {os.getloadavg()[0]:.2f}")
     rows = []
-    with launches_skipped():
-        for cell in ("lstm", "gru"):
-            row = measure(cell, args.rounds)
+    with launches_skipped(), projections_as_on_cuda():
+        for cell, per_gate in (("lstm", False), ("gru", False), ("lstm", True)):
+            row = measure(cell, args.rounds, per_gate)
             rows.append(row)
-            print(f"{cell:4s} forward {row['forward_us']:6.0f} us   training step {row['step_us']:6.0f} us   "
+            print(f"{cell:4s} {row['masks']:8s} forward {row['forward_us']:6.0f} us   training step "
+                  f"{row['step_us']:6.0f} us   "
                   f"Monte-Carlo sample {row['mc_sample_us']:5.0f} us   ops a step {row['ops']:3d} "
                   f"(+ {row['views']} views and allocations)", flush=True)
     if args.json:

@@ -41,22 +41,26 @@ def test_ctrl_c_stops_speed_with_one_line(tmp_path, sent):
 
 
 HOST_COST = SCRIPT.parent / "host_cost.py"
+LAYERS_TIMED = 2  # host_cost.LAYERS: one batched forward product a layer
 
 
 def test_host_cost_times_the_triton_path_on_the_cpu_with_launches_skipped(tmp_path):
-    """benchmarks/host_cost.py: both cells, a forward and a training step timed, the ops a step
-    issues counted (views apart); a bad --rounds is one line and exit code 2."""
+    """benchmarks/host_cost.py: both cells with tied masks and the LSTM with per-gate masks (the
+    batched projection CUDA runs: no product per gate), a forward and a training step timed, the
+    ops a step issues counted (views apart); a bad --rounds is one line and exit code 2."""
     out = tmp_path / "host.json"
     done = subprocess.run([sys.executable, str(HOST_COST), "--rounds", "1", "--json", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "launches skipped" in done.stdout and "training step" in done.stdout
     rows = json.loads(out.read_text())
-    assert [r["cell"] for r in rows] == ["lstm", "gru"]
+    kinds = [(r["cell"], r["masks"]) for r in rows]
+    assert kinds == [("lstm", "tied"), ("gru", "tied"), ("lstm", "per-gate")]
     for row in rows:
         assert row["mc_sample_us"] > 0 and 0 < row["forward_us"] < row["step_us"]
         assert row["ops"] > 20 and row["views"] > 0 and row["by_op"]["aten::rand"] == 1
         assert not any(name in row["by_op"] for name in ("aten::view", "aten::t", "aten::empty"))
+    assert rows[2]["by_op"]["aten::baddbmm"] == LAYERS_TIMED and "aten::addmm" not in rows[2]["by_op"]
     bad = subprocess.run([sys.executable, str(HOST_COST), "--rounds", "0"], capture_output=True, text=True,
                          timeout=120, cwd=tmp_path)
     assert bad.returncode == 2 and "--rounds: expected a positive integer, got 0" in bad.stderr
