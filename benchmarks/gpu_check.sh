@@ -318,13 +318,15 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob('*/*/results.json')):
 }
 lms() {
 # LMS: space-separated name:config:regimes[:flag[:epochs]] runs (default: the goal's pairs of issue 41
-# as a user runs them, with rnndrop-lm's default: tied masks under torch.compile on CUDA, none and
-# weight_drop eagerly; zaremba-medium for 3 epochs (the last one's words/s without the compiles and
-# the start; an epoch of the sample is a second or two), AWD for 3 and its config's 20 fine-tuning
-# epochs (a step replayed from CUDA graphs once each truncated-BPTT length has been recorded); then
-# each tied run eagerly (--no-compile) for what the default gains)
-step "rnndrop-lm on CUDA: words/s (${LMS:-zaremba-medium none,tied; AWD tied,weight_drop; tied again eagerly})"
-for run in ${LMS:-medium:zaremba-medium:none,tied::3 awd:awd:tied,weight_drop::3 medium-eager:zaremba-medium:tied:no-compile:2 awd-eager:awd:tied:no-compile:1}; do
+# as a user runs them, with rnndrop-lm's default: tied masks under torch.compile on CUDA where the
+# recurrence runs the loop, none and weight_drop eagerly). zaremba-medium's config has no recurrent
+# dropout (Zaremba et al.'s), so its tied run runs cuDNN with masks around it; gal-medium is the same
+# model with recurrent masks (0.2): the pair that times the loop. Each for 3 epochs (the last one's
+# words/s without the compiles and the start; an epoch of the sample is a second or two), AWD for 3
+# and its config's 20 fine-tuning epochs (a step replayed from CUDA graphs once each truncated-BPTT
+# length has been recorded); then the compiled runs again eagerly (--no-compile): what the default gains
+step "rnndrop-lm on CUDA: words/s (${LMS:-zaremba-medium and gal-medium none,tied; AWD tied,weight_drop; tied again eagerly})"
+for run in ${LMS:-medium:zaremba-medium:none,tied::3 gal:gal-medium:none,tied::3 awd:awd:tied,weight_drop::3 gal-eager:gal-medium:tied:no-compile:2 awd-eager:awd:tied:no-compile:1}; do
     IFS=: read -r name config regimes flag epochs <<<"$run"
     lm "$name" "${epochs:-1}" --config "$config" --regimes "$regimes" ${flag:+--$flag}
 done
