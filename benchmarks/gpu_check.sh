@@ -359,11 +359,12 @@ LM_DATA=$data lm lengths-eager 2 --config awd --regimes tied --finetune-epochs 0
 
 # The next lease's two calls (docs/gpu.md, "How to measure"), steps in the order of what they decide:
 # are the kernels and the CUDA-only tests right compiled, the table of issue 41's goals, the same
-# under autocast (on by default since the fifth round, never timed); then the launch sweep and
-# Monte-Carlo under torch.compile (neither has run yet), torch.compile's steps and the language
-# models (the fifth round's, again: the compiles take minutes, so last).
+# under autocast (on by default since the fifth round, never timed); then rnndrop-lm's compiled
+# default (twenty-third session, never run) against --no-compile and the LM goals, the launch sweep
+# (not run since the third round; its own limit is 330 s), the default on PTB's spread of BPTT
+# lengths, and Monte-Carlo and the steps under torch.compile (the fifth round timed the steps).
 LEASE1="machine checks tests speed amp"
-LEASE2="tuning mc_compile compile lms lengths"
+LEASE2="lms tuning lengths mc_compile compile"
 sections="${*:-machine checks tests speed tf32 mc profile lms}"
 if [[ " $sections " == *" lease1 "* ]]; then  # the speed table's variants, the settings off until timed among them
     : "${SPEED_SHAPES:=small,medium,large}" "${SPEED_BATCH:=20,128}" "${ROUNDS:=4}"
