@@ -227,7 +227,6 @@ def train_run(
             not bit for bit. A compile or compiled step that fails where the eager step does not
             makes the run go on eagerly with one warning (one process; under torchrun it fails
             the run). Recorded in the results, with the failure if any.
-            Recorded in the results.
 
     Under torchrun (an initialised default process group of N > 1 ranks, e.g. from
     :func:`rnndrop.lm.run.process_group.init_from_env`) call it on every rank with the same
