@@ -16,6 +16,7 @@ from rnndrop.lm.run.report import (
     comparison_table,
     format_duration,
     learning_curve_figure,
+    markdown_table,
     paired_differences,
     plot_learning_curves,
 )
@@ -162,6 +163,18 @@ def test_benchmark_markdown_has_the_table_and_the_grid():
     text = benchmark_markdown("ptb", "mini", finals, grid, command="rnndrop-lm ptb", grid_seed=1)
     assert "rnndrop-lm ptb" in text and "| tied | in 0.5 | 1 | 2 | 60.0 | 130.0 | — |" in text
     assert "Grid (seed 1)" in text and text.count("✓") == 1
+
+
+def test_the_table_says_which_runs_trained_compiled():
+    """words/s of runs trained under torch.compile (rnndrop-lm's default for some regimes on CUDA)
+    are marked as such beside eager ones; a run that fell back to eager does not count."""
+    eager = _result(2, "none")
+    compiled = [{**_result(2, "tied", seed), "compiled": True, "compile_failure": None} for seed in (1, 2)]
+    fell_back = {**compiled[1], "compile_failure": "BackendCompilerFailed, RuntimeError: no lowering"}
+    table = markdown_table([eager, *compiled])
+    assert "| none | in 0.5 | 1 | 2 | 60.0 | 130.0 | — | 50 | 1.0 |" in table
+    assert "| — | 50 (compiled) | 1.0 |" in table
+    assert "| — | 50 (1 of 2 compiled) | 1.0 |" in markdown_table([compiled[0], fell_back])
 
 
 def test_format_duration():

@@ -477,11 +477,21 @@ def markdown_table(results: Sequence[Mapping[str, Any]], *, group: bool = True) 
                 valid=_mean_sd([r["best_valid_ppl"] for r in runs]),
                 test=_mean_sd([r["test_ppl"] for r in runs]),
                 mc=mc_text,
-                wps=f"{statistics.mean(r['words_per_second'] for r in runs):,.0f}",
+                wps=_words_per_second(runs),
                 wall=f"{statistics.mean(r['wall_seconds'] for r in runs) / 60:.1f}",
             )
         )
     return "\n".join(lines) + "\n"
+
+
+def _words_per_second(runs: Sequence[Mapping[str, Any]]) -> str:
+    """The runs' mean words/s, marked where they trained under torch.compile (``rnndrop-lm``'s
+    default for some regimes on CUDA: a table beside eager runs says which were)."""
+    text = f"{statistics.mean(r['words_per_second'] for r in runs):,.0f}"
+    compiled = sum(bool(r.get("compiled")) and not r.get("compile_failure") for r in runs)
+    if compiled == len(runs):
+        return f"{text} (compiled)"
+    return f"{text} ({compiled} of {len(runs)} compiled)" if compiled else text
 
 
 def paired_differences(
