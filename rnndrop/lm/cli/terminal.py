@@ -10,7 +10,9 @@ import re
 
 __all__ = ["markdown_for_terminal"]
 
-_NUMBER = re.compile(r"^[+\-−]?[\d,]*\.?\d+(\s*±\s*[\d.]+)?(\s*\(S=\d+\))?$|^[—-]$")
+# a number, with its sd, Monte-Carlo samples or "(compiled)" (words/s of runs under torch.compile)
+_NUMBER = re.compile(r"^[+\-−]?[\d,]*\.?\d+(\s*±\s*[\d.]+)?(\s*\(S=\d+\))?"
+                     r"(\s*\((\d+ of \d+ )?compiled\))?$|^[—-]$")
 
 
 def markdown_for_terminal(markdown: str) -> str:
