@@ -11,8 +11,9 @@ from CUDA graphs) on CUDA::
 A compile that fails, or a compiled call that fails where the eager call succeeds (an operator
 Inductor cannot lower, a CUDA graph that runs out of memory), does not fail the user's step: the call
 runs eagerly, one warning names the error, and the model runs eagerly from then on
-(:meth:`CompiledModel.run_eagerly`; a training loop calls it itself for an error raised by the
-backward, which torch compiles at its first call).
+(:meth:`CompiledModel.run_eagerly`; for an error raised by the backward, which torch compiles at
+its first call, a training loop runs the step again with ``compiled.module`` and, where that
+succeeds, calls it itself).
 
 What the library's own code needs while torch.compile traces it: :mod:`rnndrop.tracing`. What is
 traced and what still runs eagerly: docs/ecosystem.md, "torch.compile".

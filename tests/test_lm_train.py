@@ -1,12 +1,13 @@
 import json
 import math
 import re
+import warnings
 from dataclasses import replace
 
 import pytest
 import torch
 
-from rnndrop.compiling import compile_model
+from rnndrop.compiling import CompiledModel, compile_model
 from rnndrop.lm.cli import train_main
 from rnndrop.lm.model.presets import CONFIGS
 from rnndrop.lm.model.regimes import Regime, registered
@@ -371,3 +372,24 @@ def test_a_backward_failing_compiled_goes_on_eagerly_and_the_result_says_why(cor
     assert result["compiled"] is True and "no lowering for the backward graph" in result["compile_failure"]
     assert [e["epoch"] for e in result["epochs"]] == [1] and math.isfinite(result["best_valid_ppl"])
     assert read_result(tmp_path / "run" / "results.json")["compile_failure"] == result["compile_failure"]
+
+
+def test_a_step_failing_eagerly_too_raises_its_eager_error_and_stays_compiled(corpus, tmp_path, monkeypatch):
+    """The LM loop's retry: a compiled step that fails and then fails eagerly too is not the
+    compiler's failure: the eager error is raised, without the fallback's warning."""
+    monkeypatch.setattr(train, "speeds_up_under_compile", lambda model: True)
+    monkeypatch.setattr(train, "compile_model",
+                        lambda net, **kwargs: compile_model(net, mode=None, backend="eager", **kwargs))
+    nets = []
+
+    def failing_step(run, net, *args):
+        nets.append(net)
+        raise RuntimeError("out of memory (compiled)" if len(nets) == 1 else "out of memory (eager too)")
+
+    monkeypatch.setattr(train, "_forward_backward", failing_step)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="compile_model")
+        with pytest.raises(RuntimeError, match=r"out of memory \(eager too\)"):
+            train_run(corpus, replace(TINY, epochs=1), "tied", tmp_path / "run", seed=1, progress=False,
+                      mc_samples=0)
+    assert isinstance(nets[0], CompiledModel) and nets[1] is nets[0].module and nets[0].compiled

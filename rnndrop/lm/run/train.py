@@ -363,14 +363,14 @@ def _train_epoch(
         for i, segment in enumerate(segments.items):
             targets = segment.targets
             try:
-                done = _forward_backward(run, segment, hidden, epoch)
+                done = _forward_backward(run, run.net, segment, hidden, epoch)
             except Exception as error:  # a backward that fails compiled (torch compiles it at its first call)
                 if not (isinstance(run.net, CompiledModel) and run.net.compiled and run.net.fallback):
                     raise
-                run.net.run_eagerly(error)
-                done = None
-            if done is None:  # again, eagerly, the failed attempt's tensors released with its traceback
-                done = _forward_backward(run, segment, hidden, epoch)
+                failed, done = error.with_traceback(None), None  # the attempt's tensors go with its frames
+            if done is None:  # the step again, eagerly; an error here is not the compiler's: raised as it is
+                done = _forward_backward(run, run.net.module, segment, hidden, epoch)
+                run.net.run_eagerly(failed)
             objective, loss, hidden = done
             grad_norm = nn.utils.clip_grad_norm_(run.model.parameters(), config.clip)
             with scaled_learning_rate(run.optimizer, segment.lr_scale):
@@ -394,12 +394,14 @@ def _train_epoch(
     return perplexity(total / words), words, time.perf_counter() - start
 
 
-def _forward_backward(run: Training, segment: Segment, hidden: Any, epoch: int) -> tuple[Tensor, Tensor, Any]:
-    """One step's forward and backward from ``hidden`` (gradients set, not applied):
-    ``(objective, mean NLL, the next step's hidden state detached)``."""
-    logits, next_hidden, penalty = forward_with_penalty(run.net, segment.inputs, hidden, run.activation_reg)
+def _forward_backward(
+    run: Training, net: nn.Module, segment: Segment, hidden: Any, epoch: int
+) -> tuple[Tensor, Tensor, Any]:
+    """One step's forward and backward of ``net`` (``run.net``, or the model it compiles) from
+    ``hidden`` (gradients set, not applied): ``(objective, mean NLL, the next hidden state detached)``."""
+    logits, next_hidden, penalty = forward_with_penalty(net, segment.inputs, hidden, run.activation_reg)
     # copied where CUDA graphs replay the step: the next replay overwrites this one's outputs
-    next_hidden = detach_hidden(next_hidden, copy=isinstance(run.net, CompiledModel) and run.net.cuda_graphs)
+    next_hidden = detach_hidden(next_hidden, copy=isinstance(net, CompiledModel) and net.cuda_graphs)
     loss = token_loss(logits, segment.targets)
     objective = loss if penalty is None else loss + penalty
     if run.extra_loss is not None:
