@@ -114,15 +114,20 @@ class CompiledModel(nn.Module):
             return self.module(*args, **kwargs)
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
+        # allow_rnn set and put back by hand: this runs at every step of a host-bound loop, where
+        # config.patch (a context manager object a call) is the slower way
+        config = torch._dynamo.config
+        allow_rnn, config.allow_rnn = config.allow_rnn, True
         try:
-            with torch._dynamo.config.patch(allow_rnn=True):
-                return self._compiled(*args, **kwargs)
+            return self._compiled(*args, **kwargs)
         except torch._dynamo.exc.Unsupported:
             raise  # a graph break under fullgraph=True, which asked for this error
         except Exception as error:
             if not self.fallback:
                 raise
             compiled_error = error.with_traceback(None)  # its frames' tensors released before the eager call
+        finally:
+            config.allow_rnn = allow_rnn
         result = self.module(*args, **kwargs)  # what raises here is the caller's mistake, not the compiler's
         self.run_eagerly(compiled_error)
         return result
