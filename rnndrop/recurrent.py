@@ -462,7 +462,7 @@ class VariationalRNNStack(Stochastic):
         plain = plain_cls(  # type: ignore[call-overload]
             self.input_size, self.hidden_size, self.num_layers, bias=self.bias,
             batch_first=self.batch_first, bidirectional=self.bidirectional,
-            dropout=self.dropout if self.num_layers > 1 else 0.0,  # one layer: nn.RNNBase's warning
+            dropout=self._dropout_between,  # one layer: nn.RNNBase's warning
             device=weight.device, dtype=weight.dtype, **({"proj_size": proj_size} if proj_size else {}),
         )
         # the weights of eval mode, read from a shallow copy in eval mode (the same parameters): the
@@ -494,16 +494,20 @@ class VariationalRNNStack(Stochastic):
             self.input_size, self._out_size, self.num_layers, self._num_directions, self._cell.gates
         )
 
+    @property
+    def _dropout_between(self) -> float:
+        """``dropout``, the between-layer probability, where there is a layer after the first."""
+        return self.dropout if self.num_layers > 1 else 0.0
+
     def _has_dropout(self) -> bool:
-        between = self.dropout if self.num_layers > 1 else 0.0
-        return any(p > 0 for p in (self.dropout_input, between, self.dropout_hidden, self.dropout_output))
+        return any(p > 0 for p in (self.dropout_input, self._dropout_between, self.dropout_hidden,
+                                   self.dropout_output))
 
     def is_stochastic(self) -> bool:
         return self._has_dropout()
 
     def shares_noise_across_batch(self) -> bool:
-        between = self.dropout if self.num_layers > 1 else 0.0
-        return self.mask_scope == "batch" and (self.dropout_hidden > 0 or between > 0)
+        return self.mask_scope == "batch" and (self.dropout_hidden > 0 or self._dropout_between > 0)
 
     def switches_to_noise_per_sequence(self) -> bool:
         return self.mask_scope == "batch"
@@ -515,9 +519,8 @@ class VariationalRNNStack(Stochastic):
         fused op takes no mask, or masks shared by the batch folded into the weights)."""
         if self.kernel != "auto":
             return True
-        between = self.dropout if self.num_layers > 1 else 0.0
         if self.per_gate_masks:
-            return max(self.dropout_input, between, self.dropout_hidden) > 0
+            return max(self.dropout_input, self._dropout_between, self.dropout_hidden) > 0
         return self.mask_scope != "batch" and self.dropout_hidden > 0
 
     def extra_repr(self) -> str:
