@@ -112,7 +112,7 @@ def _check_probabilities(name: str, values: Tensor) -> None:
     if low < 0 or high > 1:
         raise ValueError(
             f"{name} must be probabilities in [0, 1] (apply softmax to logits), got values in "
-            f"[{low:.6g}, {high:.6g}]"
+            f"[{low!r}, {high!r}]"
         )
 
 

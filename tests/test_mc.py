@@ -155,6 +155,36 @@ def test_with_p_zero_every_sample_is_the_eval_prediction_and_mi_is_zero():
     torch.testing.assert_close(regression.std, torch.zeros_like(expected), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"method": "loop"}, {"chunk_size": 2}], ids=["auto", "loop", "chunk"])
+def test_an_empty_batch_gives_empty_statistics_whatever_the_method(kwargs):
+    """The default plan divided by the batch size (a ZeroDivisionError) where loop did not."""
+    model = nn.Sequential(nn.Linear(4, 3), nn.Dropout(0.5))
+    result = mc_predict(model, torch.randn(0, 4), 5, **kwargs)
+    assert result.mean.shape == (0, 3) and result.n_samples == 5
+
+
+class ComplexOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return torch.complex(torch.zeros_like(x), self.drop(x))
+
+
+@pytest.mark.parametrize("kwargs", [{"method": "loop"}, {"chunk_size": 3}], ids=["loop", "chunk_size=3"])
+def test_the_spread_of_complex_outputs_is_real_and_classification_refuses_them(kwargs):
+    """std squared ``z - mean`` (imaginary for imaginary outputs); it is ``sqrt(mean |z - mean|^2)``."""
+    x = torch.tensor([[1.0, 2.0]])
+    torch.manual_seed(3)
+    result = mc_predict(ComplexOutput(), x, 7, task="regression", return_samples=True, **kwargs)
+    samples = result.samples.imag
+    assert not result.std.is_complex()
+    torch.testing.assert_close(result.std, samples.std(0, correction=0))
+    with pytest.raises(TypeError, match="complex64 tensor; task='classification' averages the softmax"):
+        mc_predict(ComplexOutput(), x, 4, **kwargs)
+
+
 def test_samples_differ_when_p_positive_also_within_one_batched_chunk():
     torch.manual_seed(1)
     model = Classifier(p=0.5).eval()
@@ -442,6 +472,21 @@ def test_mc_perplexity_of_a_diverged_model_is_infinite_not_an_overflow_error():
     assert mc_perplexity(lm, token_batches(), n_samples=2) == math.inf
 
 
+def test_a_near_certain_next_word_has_confidence_one_not_an_error():
+    """The mean over samples of a near-certain word's probability is 1 within rounding; the
+    logsumexp over samples and chunks can round it to 1 + 1 ulp, which the reliability diagram
+    refuses: the confidence is at most 1 and the ECE of always-right certainty is 0."""
+    torch.manual_seed(8)
+    lm = TinyLM(p_hidden=0.4, p_input=0.3)
+    with torch.no_grad():
+        lm.decoder.bias[3] = 60.0
+    tokens = torch.full((6, 2), 3)
+    for S in range(1, 25):
+        for kwargs in ({"method": "loop"}, {"chunk_size": 2}, {"chunk_size": 7}, {}):
+            result = mc_language_model_loss(lm, [(tokens[:-1], tokens[1:])], S, calibration_bins=15, **kwargs)
+            assert result.reliability.ece == pytest.approx(0.0, abs=1e-6), (S, kwargs)
+
+
 def test_mc_perplexity_averages_probabilities_with_a_state_per_sample():
     torch.manual_seed(10)
     lm = TinyLM(p_hidden=0.5, p_input=0.3)
@@ -525,8 +570,17 @@ class LogitsOnly(nn.Module):
 
 def test_mc_perplexity_checks_the_lm_protocol():
     lm = TinyLM()
-    with pytest.raises(TypeError, match="LongTensor"):
+    with pytest.raises(TypeError, match=r"inputs must be a 2-D int64 or int32 tensor .* got torch.float32"):
         mc_perplexity(lm, [(torch.randn(3, 2), torch.zeros(3, 2, dtype=torch.long))], n_samples=2)
+    with pytest.raises(TypeError, match="strict must be True or False, got str 'no'"):
+        mc_perplexity(lm, [(torch.zeros(3, 2, dtype=torch.long),) * 2], n_samples=2, strict="no")
+    # Word ids of either type nn.Embedding takes: the same perplexity.
+    ids = torch.randint(7, (4, 2))
+    scores = []
+    for dtype in (torch.long, torch.int32):
+        torch.manual_seed(5)
+        scores.append(mc_perplexity(lm, [(ids[:-1].to(dtype), ids[1:].to(dtype))], n_samples=3))
+    assert scores[0] == scores[1]
     with pytest.raises(ValueError, match="same shape"):
         mc_perplexity(lm, [(torch.zeros(3, 2, dtype=torch.long), torch.zeros(3, 1, dtype=torch.long))])
     with pytest.raises(ValueError, match="at least one"):

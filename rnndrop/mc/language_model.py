@@ -71,9 +71,12 @@ def _check_lm_batch(batch: Any, index: int) -> tuple[Tensor, Tensor]:
         )
     tokens, targets = batch
     for name, t in (("inputs", tokens), ("targets", targets)):
-        if not isinstance(t, Tensor) or t.dim() != 2 or t.dtype != torch.long:
+        if not isinstance(t, Tensor) or t.dim() != 2 or t.dtype not in (torch.long, torch.int32):
             got = f"{t.dtype} of shape {list(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
-            raise TypeError(f"batch {index}: {name} must be a 2-D LongTensor [T, B], got {got}")
+            raise TypeError(f"batch {index}: {name} must be a 2-D int64 or int32 tensor of word ids [T, B], "
+                            f"got {got}")
+    # Word ids in either type nn.Embedding takes; the targets index as int64.
+    targets = targets.long()
     if tokens.shape != targets.shape:
         raise ValueError(
             f"batch {index}: inputs and targets must have the same shape [T, B], got "
@@ -111,7 +114,7 @@ def mc_language_model_loss(
     Args:
         model: a language model under the LM protocol: ``model(tokens [T, B], hidden)
             -> (logits [T, B, V], hidden)``, time-major, ``hidden=None`` for zeros.
-        batches: yields ``(inputs [T, B], targets [T, B])`` LongTensors in corpus order,
+        batches: yields ``(inputs [T, B], targets [T, B])`` int64 / int32 word ids in corpus order,
             on the model's device; iterated once.
         n_samples: ``S``.
         method, chunk_size, memory_budget, strict: as for :func:`mc_predict`; the batch
@@ -224,7 +227,9 @@ class _Totals:
         """Add one segment: ``log_prob`` from :meth:`_SampleChunks.log_prob`, ``targets [T, B]``."""
         if self.calibration_bins is not None:
             top_log_prob, top_word = log_prob.max(-1)
-            self.confidences.append((top_log_prob - self.log_s).exp())
+            # A mean of probabilities is at most 1; the logsumexp over samples can round a
+            # near-certain word's to 1 + 1 ulp, which the reliability diagram would refuse.
+            self.confidences.append((top_log_prob - self.log_s).exp().clamp_(max=1.0))
             self.correct.append(top_word == targets)
             log_prob = log_prob.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         self.segment_nlls.append((log_prob.double() - self.log_s).sum())

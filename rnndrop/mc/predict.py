@@ -49,7 +49,8 @@ class MCPrediction:
             regression: mean output ``[*out]``.
         n_samples: ``S``.
         std: regression only: standard deviation over samples ``[*out]`` (divided by
-            ``S``, not ``S - 1``, so it is 0 for ``S = 1``). This is the model
+            ``S``, not ``S - 1``, so it is 0 for ``S = 1``; of complex outputs the real
+            ``sqrt(mean |z - mean|^2)``). This is the model
             (epistemic) part; add observation noise yourself if your model has one.
         predictive_entropy: classification only: ``H[mean]`` in nats, ``[*lead]``.
         expected_entropy: classification only: mean over samples of each sample's
@@ -71,6 +72,11 @@ class MCPrediction:
 
 def _entropy(probs: Tensor) -> Tensor:
     return -torch.special.xlogy(probs, probs).sum(-1)
+
+
+def _squared_magnitude(deviation: Tensor) -> Tensor:
+    """``|d|^2``: a complex output's spread is real (``std = sqrt(E |z - mean|^2)``)."""
+    return deviation.abs().square() if deviation.is_complex() else deviation.square()
 
 
 class _Accumulator:
@@ -102,14 +108,14 @@ class _Accumulator:
             self.count += k
             return
         chunk_mean = chunk.mean(0)
-        chunk_m2 = (chunk - chunk_mean).square().sum(0)
+        chunk_m2 = _squared_magnitude(chunk - chunk_mean).sum(0)
         if self.mean is None:
             self.mean, self.m2 = chunk_mean, chunk_m2
         else:
             n = self.count + k
             delta = chunk_mean - self.mean
             self.mean = self.mean + delta * (k / n)
-            self.m2 = self.m2 + chunk_m2 + delta.square() * (self.count * k / n)
+            self.m2 = self.m2 + chunk_m2 + _squared_magnitude(delta) * (self.count * k / n)
         self.count += k
 
     def result(self) -> MCPrediction:
@@ -229,6 +235,9 @@ def mc_predict(
                             f"task={task!r} outputs, which must be floating point (logits or values, "
                             "not predicted classes)")
         if task == "classification":
+            if out.is_complex():
+                raise TypeError(f"the model's output is a {out.dtype} tensor; task='classification' "
+                                "averages the softmax of real logits")
             _check_classes(out, out_dim, out_name, out_note)
         checked_size = None if packed else batch_size
         accumulator.add(_split_samples(out, copies, checked_size, out_dim, out_name, out_note))

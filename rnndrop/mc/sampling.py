@@ -20,7 +20,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from torch.nn.utils.rnn import PackedSequence
 
 from rnndrop.stochastic import Stochastic, noise_per_sequence, shared_switch
-from rnndrop.validation import check_choice, check_instance
+from rnndrop.validation import check_bool, check_choice, check_instance
 
 __all__ = ["DEFAULT_MEMORY_BUDGET", "METHODS", "mc_dropout", "sampling_modules"]
 
@@ -69,6 +69,7 @@ def mc_dropout(model: nn.Module, *, strict: bool = True) -> Iterator[nn.Module]:
     Yields:
         ``model``.
     """
+    check_bool("strict", strict)
     samplers = sampling_modules(model)
     if strict and not samplers:
         raise ValueError(
@@ -310,6 +311,6 @@ def _plan_chunks(
     most = remaining
     if device.type == "cpu":
         memory_budget = min(memory_budget, CPU_CHUNK_BYTES)
-        most = max(1, CPU_STACKED_ROWS // batch_size)
+        most = max(1, CPU_STACKED_ROWS // max(1, batch_size))  # an empty batch: any number of copies
     size = max(1, min(remaining, memory_budget // max(1, bytes_per_sample), most))
     return ChunkPlan(n_samples, size, first=1), 1
