@@ -34,6 +34,7 @@ from rnndrop.validation import (
     check_choice,
     check_fraction,
     check_instance,
+    check_nonnegative_float,
     check_positive_float,
     check_positive_int,
 )
@@ -218,6 +219,8 @@ def negative_elbo(nll: Tensor, kl: Tensor, dataset_size: int, kl_weight: float =
         dataset_size: number of data points in the training set.
         kl_weight: factor on the KL term, e.g. :func:`kl_warmup`.
     """
+    if not isinstance(kl_weight, Tensor):  # a tensor's value is not read: it would wait for the device
+        check_nonnegative_float("kl_weight", kl_weight)
     return nll + kl_weight * kl / check_positive_int("dataset_size", dataset_size)
 
 

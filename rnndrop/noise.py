@@ -24,7 +24,7 @@ from torch import Tensor
 
 from rnndrop.distributed import ensure_noise_per_rank
 from rnndrop.tracing import traced_cache
-from rnndrop.validation import check_probability
+from rnndrop.validation import check_choice, check_nonnegative_float, check_probability
 
 __all__ = ["NOISES", "MaskSite", "bernoulli_mask", "draw_mask", "draw_masks", "gaussian_mask", "sample_mask"]
 
@@ -122,11 +122,14 @@ def gaussian_mask(
     """``1 + sqrt(alpha) * eps``, ``eps ~ N(0, 1)``: multiplicative noise of mean 1, variance alpha.
 
     ``alpha`` may be a tensor (a learned variance) broadcastable to ``shape``; the
-    result is then differentiable with respect to it.
+    result is then differentiable with respect to it. A float ``alpha`` must be finite and
+    ``>= 0``; a tensor's values are not checked (that would wait for the device at every draw).
     """
     if isinstance(alpha, Tensor):
         device = device or alpha.device
         dtype = dtype or alpha.dtype
+    else:
+        alpha = check_nonnegative_float("alpha", alpha)
     dtype = _mask_dtype(dtype)
     if generator is None:
         ensure_noise_per_rank()
@@ -198,13 +201,13 @@ def sample_mask(
     ``noise="gaussian"`` draws Gaussian noise of the same variance as Bernoulli
     dropout with probability ``p``: ``alpha = p / (1 - p)``.
     """
+    check_choice("noise", noise, NOISES)
+    p = check_probability("p", p)
     if p == 0:
         return None
     if noise == "bernoulli":
-        return bernoulli_mask(shape, p, device=device, dtype=dtype, generator=generator)
-    if noise == "gaussian":
-        return gaussian_mask(shape, p / (1.0 - p), device=device, dtype=dtype, generator=generator)
-    raise ValueError(f"noise must be one of {', '.join(map(repr, NOISES))}, got {noise!r}")
+        return _bernoulli(shape, p, device, dtype, generator)
+    return gaussian_mask(shape, p / (1.0 - p), device=device, dtype=dtype, generator=generator)
 
 
 @dataclass(frozen=True)

@@ -140,6 +140,11 @@ def test_negative_elbo_and_regularizer_scale_by_dataset_size():
         from_caller(model, 0.9)
     with pytest.raises(ValueError, match="dataset_size"):
         negative_elbo(nll, kl, 0)
+    for bad in (-1.0, float("nan")):  # a negative weight rewards the KL; NaN poisons the loss
+        with pytest.raises(ValueError, match=f"kl_weight must be a finite number >= 0, got {bad}"):
+            negative_elbo(nll, kl, 1000, kl_weight=bad)
+    annealed = negative_elbo(nll, kl, 1000, kl_weight=torch.tensor(0.5))
+    torch.testing.assert_close(annealed, nll + 0.5 * kl / 1000)
 
 
 @pytest.mark.slow

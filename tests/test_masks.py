@@ -1,6 +1,7 @@
 """The one mask sampler (every Bernoulli site draws through it) and the argument checks."""
 
 import ast
+import math
 import os
 import subprocess
 import sys
@@ -17,6 +18,8 @@ from rnndrop import (
     VariationalLSTM,
     WeightDrop,
     bernoulli_mask,
+    gaussian_mask,
+    sample_mask,
 )
 from rnndrop.noise import MaskSite, draw_mask, draw_masks
 from rnndrop.validation import check_bool, check_finite_float, check_positive_int, check_probability
@@ -127,6 +130,31 @@ def test_argument_checks_name_the_argument_what_was_expected_and_what_came():
     with pytest.raises(ValueError, match="t must be a finite number"):
         check_finite_float("t", float("inf"))
     assert check_finite_float("t", 3) == 3.0 and check_bool("flag", False) is False
+
+
+ALPHA = "alpha must be a finite number >= 0, got"
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda: sample_mask((2,), 1.5, "gaussian"), ValueError, "p must be a probability in .* got 1.5"),
+        (lambda: sample_mask((2,), 1.0, "gaussian"), ValueError, "p must be a probability in .* got 1.0"),
+        (lambda: sample_mask((2,), math.nan, "gaussian"), ValueError, "p must be a probability .* got nan"),
+        (lambda: sample_mask((2,), "0.5", "gaussian"), TypeError, "p must be a float in .* got str '0.5'"),
+        (lambda: sample_mask((2,), 0.0, "typo"), ValueError, "noise must be one of 'bernoulli', 'gauss"),
+        (lambda: gaussian_mask((2,), -1.0), ValueError, f"{ALPHA} -1.0"),
+        (lambda: gaussian_mask((2,), math.inf), ValueError, f"{ALPHA} inf"),
+        (lambda: gaussian_mask((2,), math.nan), ValueError, f"{ALPHA} nan"),
+    ],
+    ids=["p>1", "p=1", "p=nan", "p=str", "noise=typo even at p=0", "alpha<0", "alpha=inf", "alpha=nan"],
+)
+def test_gaussian_masks_check_their_arguments_as_bernoulli_masks_do(call, error, message):
+    """The Gaussian path had no check: a math domain error, a ZeroDivisionError, or a NaN mask."""
+    with pytest.raises(error, match=message):
+        call()
+    assert sample_mask((2,), 0.0, "gaussian") is None
+    assert torch.isfinite(sample_mask((3,), 0.5, "gaussian")).all() and gaussian_mask((3,), 0).eq(1).all()
 
 
 def test_numpy_scalars_are_numbers_as_torch_modules_take_them():
