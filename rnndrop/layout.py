@@ -43,6 +43,19 @@ def packed_sequence_index(batch_sizes: Tensor) -> Tensor:
     return rows - torch.repeat_interleave(offsets, batch_sizes)
 
 
+def _check_batch_sizes(owner: str, sizes: list[int], rows: int) -> None:
+    """A ``PackedSequence``'s ``batch_sizes`` as ``pack_padded_sequence`` makes them: positive,
+    non-increasing, summing to the data's rows (a kernel trusts them; a hand-built one that is not
+    gave a crash of the process or rows left unwritten)."""
+    if not sizes or sizes[-1] < 1 or any(later > earlier for earlier, later in itertools.pairwise(sizes)):
+        shown = sizes if len(sizes) <= 8 else [*sizes[:8], "..."]
+        raise ValueError(f"{owner}: PackedSequence batch_sizes must be positive and non-increasing, "
+                         f"got {shown}")
+    if sum(sizes) != rows:
+        raise ValueError(f"{owner}: PackedSequence data must have sum(batch_sizes) = {sum(sizes)} rows, "
+                         f"got {rows}")
+
+
 def mask_packed_sequence(x: PackedSequence, mask: Tensor) -> PackedSequence:
     """``x`` with every row multiplied by its sequence's mask.
 
@@ -116,6 +129,7 @@ class SequenceLayout:
             if x.dim() != 2:
                 raise ValueError(f"{owner}: PackedSequence data must be 2-D, got {x.dim()}-D")
             sizes: Sequence[int] = input.batch_sizes.tolist()
+            _check_batch_sizes(owner, sizes, x.shape[0])
             layout = cls(
                 sizes,
                 input.batch_sizes,
@@ -181,7 +195,9 @@ class SequenceLayout:
             states, names = (hx,), ["hx"]
         else:
             if not isinstance(hx, (tuple, list)) or len(hx) != len(sizes):
-                raise TypeError(f"{owner}: hx must be a tuple (h_0, c_0) or None, got {type(hx).__name__}")
+                sequence = isinstance(hx, (tuple, list))
+                got = f"{type(hx).__name__} of {len(hx)}" if sequence else type(hx).__name__
+                raise TypeError(f"{owner}: hx must be a tuple (h_0, c_0) or None, got {got}")
             states, names = tuple(hx), [f"hx[{i}]" for i in range(len(sizes))]
         out = []
         for state, size, name in zip(states, sizes, names):

@@ -59,10 +59,11 @@ def mask_shape(
 
 
 def check_seq_len(scope: str, seq_len: int | None) -> None:
-    """Raise unless ``seq_len`` is a positive int where ``scope`` (``"step"``) needs one."""
-    if scope == "step":
-        if seq_len is None:
-            raise ValueError("seq_len is required for masks with scope 'step', got None")
+    """Raise unless ``seq_len`` is a positive int where ``scope`` (``"step"``) needs one, and
+    None or a positive int elsewhere (where it is not used)."""
+    if scope == "step" and seq_len is None:
+        raise ValueError("seq_len is required for masks with scope 'step', got None")
+    if seq_len is not None:
         check_positive_int("seq_len", seq_len)
 
 

@@ -86,6 +86,7 @@ from rnndrop.tracing import (
 from rnndrop.validation import (
     check_bool,
     check_choice,
+    check_instance,
     check_positive_int,
     check_probability,
     checked_setting,
@@ -559,6 +560,8 @@ class VariationalRNNStack(Stochastic):
         """
         check_positive_int("batch_size", batch_size)
         check_seq_len(self.mask_scope, seq_len)
+        if generator is not None:
+            check_instance("generator", generator, torch.Generator, "a torch.Generator or None")
         return self._sample_masks(batch_size, seq_len, self.mask_scope, device, dtype, generator)
 
     def _sample_masks(

@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.nn.utils.rnn import pack_sequence
+from torch.nn.utils.rnn import PackedSequence, pack_sequence
 
 from rnndrop import (
     EmbeddingDropout,
@@ -457,6 +457,36 @@ def test_bad_inputs_name_what_was_expected_and_what_came(kind):
     name = "hx" if kind == "gru" else r"hx\[0\]"
     with pytest.raises(ValueError, match=rf"{name} must have shape \[2, 4, 6\], got \[2, 5, 6\]"):
         layer(torch.randn(T, B, I), hx)
+
+
+@pytest.mark.parametrize("kernel", KERNEL_NAMES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_hand_built_packed_sequence_is_checked_as_packing_makes_them(kind, kernel):
+    """batch_sizes of 0 killed the process (SIGFPE in the C++ kernel); data with more rows than
+    batch_sizes sum to left rows of the output unwritten. pack_padded_sequence makes neither."""
+    layer = make_pair(kind, kernel=kernel, **ALL_P)[1].train()
+    order = "batch_sizes must be positive and non-increasing, got"
+    rows_sum = r"data must have sum\(batch_sizes\) = 5 rows, got"
+    for sizes, rows, message in (([0], 0, rf"{order} \[0\]"), ([2, 0], 2, rf"{order} \[2, 0\]"),
+                                 ([2, 3], 5, rf"{order} \[2, 3\]"), ([3, 2], 9, f"{rows_sum} 9"),
+                                 ([3, 2], 4, f"{rows_sum} 4")):
+        packed = PackedSequence(torch.randn(rows, I), torch.tensor(sizes))
+        with pytest.raises(ValueError, match=f"{type(layer).__name__}: PackedSequence " + message):
+            layer(packed)
+
+
+def test_sample_masks_and_hx_name_what_came():
+    layer = VariationalLSTM(I, H, **ALL_P)
+    with pytest.raises(ValueError, match="seq_len must be a positive int, got -1"):
+        layer.sample_masks(B, -1)  # not used by masks of a sequence, still not a length
+    with pytest.raises(TypeError, match="generator must be a torch.Generator or None, got int"):
+        layer.sample_masks(B, generator=5)
+    x = torch.randn(T, B, I)
+    h = torch.zeros(1, B, H)
+    with pytest.raises(TypeError, match=r"hx must be a tuple \(h_0, c_0\) or None, got tuple of 3"):
+        layer(x, (h, h, h))
+    with pytest.raises(TypeError, match=r"hx must be a tuple \(h_0, c_0\) or None, got Tensor"):
+        layer(x, h)
 
 
 def test_bad_masks_name_the_mask_and_the_shapes():
