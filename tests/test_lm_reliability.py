@@ -94,6 +94,26 @@ def test_resume_with_mc_samples_adds_mc_to_a_run_finished_without_it(tmp_path):
     assert result["mc_samples"] == 3 and result["test_ppl_mc"] > 1
 
 
+@pytest.mark.slow
+def test_resume_refuses_a_folder_whose_runs_were_trained_with_other_settings(tmp_path, capsys):
+    """A new seed with another hidden size (or epoch cap) beside a finished run: the report put both
+    in one row, mean and sd over seeds trained differently. Refused before anything trains; the
+    same settings, or a cap that grows for the runs the job continues, go on."""
+    data, out = write_corpus(tmp_path / "data"), tmp_path / "out"
+    assert _job(data, out, "--mc-samples", "0") == 0
+    capsys.readouterr()
+    for extra, differs in ((["--hidden-size", "16"], "config.hidden_size: 16 here vs 12 there"),
+                           (["--epochs", "2"], "epochs: 2 here vs 1 there")):
+        assert _job(data, out, "--mc-samples", "0", "--resume", "--seeds", "2", *extra) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "was trained with other settings than this job's" in err, err
+        assert differs in err and "train into another --out" in err
+        assert not list(out.glob("tied/*seed2"))  # refused before it trained
+    assert _job(data, out, "--mc-samples", "0", "--resume", "--seeds", "1,2", "--epochs", "2") == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert sorted(r["seed"] for r in summary["runs"]) == [1, 2]
+
+
 @pytest.mark.parametrize("device", ["cuda", "cuda:0", "cuda:7"])
 def test_a_device_this_machine_lacks_is_a_value_error_that_says_so(device, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -239,7 +259,7 @@ def test_resume_with_init_from_never_reuses_a_run_that_did_not_start_from_those_
     capsys.readouterr()
     assert _job(data, out, "--mc-samples", "0", "--resume", "--init-from", str(dense)) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "belongs to another run" in err and "init_from" in err, err
+    assert err.count("\n") == 1 and "was trained with other settings" in err and "init_from" in err, err
     fine_tuned = tmp_path / "fine-tuned"  # a run that did start from them is reused as it is
     assert _job(data, fine_tuned, "--mc-samples", "0", "--init-from", str(dense)) == 0
     (result,) = fine_tuned.glob("tied/*/results.json")

@@ -177,6 +177,14 @@ def test_the_table_says_which_runs_trained_compiled():
     assert "| — | 50 (1 of 2 compiled) | 1.0 |" in markdown_table([compiled[0], fell_back])
 
 
+def test_a_row_names_every_number_of_monte_carlo_samples_its_seeds_used():
+    """A row printed the first run's S for every seed's MC perplexity."""
+    runs = [{**_result(2, "tied", seed), "test_ppl_mc": 120.0 + seed, "mc_samples": samples}
+            for seed, samples in ((1, 2), (2, 5), (3, 5))]
+    assert "| 122.0 ± 1.0 (S=2, 5) |" in markdown_table(runs)
+    assert "| 121.0 (S=2) |" in markdown_table(runs[:1])
+
+
 def test_format_duration():
     assert [format_duration(s) for s in (4.4, 89, 600, 3900)] == ["4 s", "89 s", "10 min", "1 h 05 min"]
 

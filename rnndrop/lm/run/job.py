@@ -68,6 +68,7 @@ from rnndrop.lm.run.checkpoint import (
     files_on_main,
     finished_result,
     has_checkpoint,
+    identity_differences,
     load_latest,
     read_verified_result,
     run_identity,
@@ -343,6 +344,37 @@ def _other_runs(
     return finals, grids
 
 
+def _refuse_runs_of_other_settings(job: _Job, regimes: Sequence[str], seeds: Sequence[int]) -> None:
+    """Refuse, before anything trains, a folder holding finished runs trained otherwise than this
+    job trains (another config but for the dropout and seed, corpus, starting weights; and, for a
+    run this job does not continue, another epoch cap): the folder's report puts every run of a
+    regime and dropout in one row, mean and sd over its seeds, which would then mix settings. A
+    run this job continues would be refused anyway, but only when the job reached it."""
+    corpus = cached_corpus(job.corpus_dir)
+    for path in sorted(job.out.glob(f"*/*/{RESULTS}")):
+        try:
+            result = read_verified_result(path)
+            if result.get("dataset") != job.dataset:
+                continue
+            ours = run_identity(corpus, job.config, result["regime"], result["dropout"], result["seed"],
+                                job.init_from)
+        except (ResultsError, KeyError, TypeError, ValueError):
+            continue  # left out of the report with a warning there (_other_runs)
+        differences = [d for d in identity_differences(ours, result.get("identity", {}))
+                       if not d.startswith("regime_settings")]  # a regime's description may change
+        continued = result["regime"] in regimes and result["seed"] in seeds
+        cap = result.get("config", {}).get("epochs")
+        if not continued and cap != job.config.epochs:
+            differences.append(f"epochs: {job.config.epochs!r} here vs {cap!r} there")
+        if differences:
+            run = path.parent.relative_to(job.out)
+            raise ValueError(
+                f"the run {str(run)!r} in {str(job.out)!r} was trained with other settings than this job's "
+                f"({'; '.join(differences[:4])}{'; ...' if len(differences) > 4 else ''}), and the folder's "
+                "report would average them with this job's runs: resume with the settings it was trained "
+                "with, or train into another --out")
+
+
 def _one_seed_each(results: Sequence[Mapping[str, Any]], seed: int) -> list[Mapping[str, Any]]:
     """One run of each (regime, dropout): the one of ``seed``, else the one of the lowest seed."""
     chosen: dict[str, Mapping[str, Any]] = {}
@@ -425,6 +457,9 @@ def _run_job(
 ) -> dict[str, Any]:
     config = job.config
     plan = _plan(job, regimes, seeds, mc, grid=grid, dropout=dropout, dropout_by_regime=dropout_by_regime)
+    if job.resume:
+        files_on_main(functools.partial(_refuse_runs_of_other_settings, job, regimes, seeds), current(),
+                      "reading the finished runs of the output folder")
     costs = _estimate(job, plan) if estimate else None
     job_progress = JobProgress(plan.total, config.epochs + config.finetune_epochs, bar=progress and jobs <= 1,
                                costs=costs, jobs=jobs)

@@ -467,7 +467,8 @@ def markdown_table(results: Sequence[Mapping[str, Any]], *, group: bool = True) 
     for runs in groups.values():
         first = runs[0]
         mc = [r["test_ppl_mc"] for r in runs if r.get("test_ppl_mc") is not None]
-        mc_text = f"{_mean_sd(mc)} (S={first['mc_samples']})" if len(mc) == len(runs) else "—"
+        samples = ", ".join(str(n) for n in dict.fromkeys(r["mc_samples"] for r in runs))  # each S, once
+        mc_text = f"{_mean_sd(mc)} (S={samples})" if len(mc) == len(runs) else "—"
         lines.append(
             "| {regime} | {dropout} | {seeds} | {epoch} | {valid} | {test} | {mc} | {wps} | {wall} |".format(
                 regime=first["regime"],
