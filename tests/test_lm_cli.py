@@ -315,14 +315,19 @@ def _write_non_utf8(folder: Path) -> Path:
 
 def _awkward_files(folder: Path) -> dict[str, Path]:
     """Awkward inputs a user may pass: a JSON list as --dropout-from, a grid summary that chose
-    for regime none only, a symbolic link to nowhere as --out, another corpus' job as --out."""
+    for regime none only, a symbolic link to nowhere as --out, another corpus' job as --out, a
+    folder of the user's own notes as --out."""
     (folder / "list.json").write_text("[1, 2]")
     (folder / "grid.json").write_text(json.dumps({"grid": True, "runs": [{"regime": "none", "dropout": {}}]}))
     (folder / "dangling").symlink_to(folder / "nowhere")
     (folder / "wikitext-job").mkdir()
     (folder / "wikitext-job" / "summary.json").write_text(json.dumps({"dataset": "wikitext-2", "runs": []}))
+    (folder / "notes").mkdir()
+    for name in ("results.md", "summary.json"):
+        (folder / "notes" / name).write_text("my own notes\n")
     return {"a_list": folder / "list.json", "grid_of_none": folder / "grid.json",
-            "dangling": folder / "dangling", "wikitext_job": folder / "wikitext-job"}
+            "dangling": folder / "dangling", "wikitext_job": folder / "wikitext-job",
+            "notes": folder / "notes"}
 
 
 @pytest.mark.parametrize(("config", "given", "expected"), [
@@ -402,6 +407,8 @@ def test_dropout_tuned_on_text_of_the_test_split_is_refused_unless_allowed(tmp_p
     (["--seeds", "1,2,1", "--epochs", "1"], "--seeds names 1 more than once, got '1,2,1'"),
     (["--regimes", "tied,none,tied", "--epochs", "1"], "--regimes names tied more than once"),
     (["--seeds", str(2**70)], "--seeds must be seeds in ["),  # was torch's "Overflow when unpacking"
+    (["--seeds", "1,4294967297"], "a wider one repeats another seed's run), got 4294967297"),  # seed 1's run
+    (["--seeds", "-1"], "--seeds must be seeds in [0, 4294967295]"),
     (["--dropout", "input=abc"], "--dropout takes site=p pairs with p a number, got 'input=abc'"),
     (["--dropout", "input=0.5,input=0.3"], "--dropout names site 'input' more than once"),
     (["--dropout-from", "{a_list}"], "it is not the summary of a --grid run"),  # was a traceback
@@ -410,6 +417,8 @@ def test_dropout_tuned_on_text_of_the_test_split_is_refused_unless_allowed(tmp_p
     (["--out", "{dangling}"], "is a symbolic link to"),
     # its report would have mixed the two corpora's runs under one title
     (["--out", "{wikitext_job}", "--resume"], "holds a wikitext-2 job (its summary.json); a ptb job writes"),
+    # a folder of the user's own (or a report whose runs are gone) was written over
+    (["--out", "{notes}"], "already holds results.md, summary.json, which the job would write over"),
 ])
 def test_usage_and_data_errors_are_one_line_with_exit_2(tmp_path, capsys, args, message):
     data = write_corpus(tmp_path / "data")

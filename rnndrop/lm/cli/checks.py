@@ -21,12 +21,15 @@ from rnndrop.lm.data.overlap import shared_lines, split_fingerprints, tuned_on_t
 from rnndrop.lm.model.presets import get_config
 from rnndrop.lm.model.regimes import get_regime
 from rnndrop.lm.model.train_config import TrainConfig
-from rnndrop.lm.run.checkpoint import SUMMARY, JobLock, best_file, run_files
+from rnndrop.lm.run.checkpoint import LEARNING_CURVES, RESULTS_TABLE, SUMMARY, JobLock, best_file, run_files
 from rnndrop.lm.run.job import chosen_dropout, parse_dropout, tuning_fingerprints
 
 __all__ = ["check_writable", "checked_job", "config_from_args", "resolve_data"]
 
 log = logging.getLogger(__name__)
+
+#: The files a job writes at the top of its folder (its report).
+JOB_FILES = (RESULTS_TABLE, SUMMARY, LEARNING_CURVES)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -163,6 +166,12 @@ def checked_job(args: argparse.Namespace, dataset: str, claim: ExitStack | None 
             raise UsageError(
                 f"{str(out)!r} already holds runs of a job (e.g. {str(held[0])!r}); add --resume "
                 "to continue them (finished runs are reused), or pass another --out"
+            )
+        reports = [name for name in JOB_FILES if (out / name).exists()]
+        if reports:  # a job's report without its runs, or files of the user's own: never written over
+            raise UsageError(
+                f"{str(out)!r} already holds {', '.join(reports)}, which the job would write over; "
+                "pass another --out (or --resume to continue the job that wrote them)"
             )
     return config, regimes, seeds, dropout, by_regime, data_dir, out
 

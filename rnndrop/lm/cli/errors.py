@@ -30,16 +30,18 @@ def positive(name: str, value: int | None, minimum: int = 1) -> None:
         raise UsageError(f"{name} must be >= {minimum}, got {value}")
 
 
-#: The seeds torch's generators take (``torch.manual_seed``): a wider one overflowed inside torch.
-SEED_RANGE = (-(2**63), 2**64 - 1)
+#: The seeds that give runs of their own: torch's CPU generator keeps the low 32 bits of a seed
+#: (``manual_seed(1)`` and ``manual_seed(2**32 + 1)`` draw the same numbers), so a wider range
+#: would repeat another seed's run under another name; wider than torch takes overflowed in torch.
+SEED_RANGE = (0, 2**32 - 1)
 
 
 def check_seed(name: str, value: int) -> int:
-    """Raise UsageError unless ``value`` is a seed torch accepts; returns it."""
+    """Raise UsageError unless ``value`` is a seed of :data:`SEED_RANGE`; returns it."""
     low, high = SEED_RANGE
     if not low <= value <= high:
-        raise UsageError(f"{name} must be seeds in [{low}, {high}] (what torch's generators take), "
-                         f"got {value}")
+        raise UsageError(f"{name} must be seeds in [{low}, {high}] (torch's CPU generator keeps a seed's low "
+                         f"32 bits: a wider one repeats another seed's run), got {value}")
     return value
 
 
