@@ -417,6 +417,7 @@ def test_dropout_tuned_on_text_of_the_test_split_is_refused_unless_allowed(tmp_p
     (["--out", "{dangling}"], "is a symbolic link to"),
     # its report would have mixed the two corpora's runs under one title
     (["--out", "{wikitext_job}", "--resume"], "holds a wikitext-2 job (its summary.json); a ptb job writes"),
+    (["--threads", "100000"], "--threads must be <= 1024, got 100000"),  # OpenMP crashed the process
     # a folder of the user's own (or a report whose runs are gone) was written over
     (["--out", "{notes}"], "already holds results.md, summary.json, which the job would write over"),
 ])
@@ -429,6 +430,19 @@ def test_usage_and_data_errors_are_one_line_with_exit_2(tmp_path, capsys, args, 
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["ptb", "--hidden-size", str(2**70)], "--hidden-size: expected an integer of at most 2147483647"),
+    (["ptb", "--mc-samples", str(10**20)], "argument --mc-samples: expected an integer of at most"),
+    (["ptb", "--epochs", "abc"], "argument --epochs: expected an integer, got 'abc'"),
+    (["generate", "run", "--threads", str(10**11)], "argument --threads: expected an integer of at most"),
+])
+def test_an_integer_flag_beyond_what_torch_takes_is_named_by_argparse(capsys, argv, message):
+    """Sizes and counts past 64 bits overflowed in torch: a traceback, or an error naming no flag."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("error", [

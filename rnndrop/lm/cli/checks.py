@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from rnndrop.lm.cli.errors import UsageError, check_seed, positive
+from rnndrop.lm.cli.errors import UsageError, check_seed, check_threads, positive
 from rnndrop.lm.cli.parser import CONFIG_FLAGS
 from rnndrop.lm.data.corpus import cached_corpus, sample_dir
 from rnndrop.lm.data.download import download_corpus
@@ -143,7 +143,7 @@ def checked_job(args: argparse.Namespace, dataset: str, claim: ExitStack | None 
         raise UsageError(f"--init-from: expected a finished run's folder (holding best.pt) or a best.pt "
                          f"file, got {args.init_from!r}, where there is none")
     positive("--jobs", args.jobs)
-    positive("--threads", args.threads)
+    check_threads(args.threads)
     positive("--mc-samples", args.mc_samples, 0)
     data_dir = resolve_data(args.data, dataset, args)
     cached_corpus(str(data_dir))  # fail early, with the corpus' own message (read once)

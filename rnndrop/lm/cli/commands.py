@@ -25,6 +25,7 @@ from rnndrop.lm.cli.errors import (
     EXIT_INTERRUPTED,
     UsageError,
     check_seed,
+    check_threads,
     fail,
     positive,
 )
@@ -286,7 +287,7 @@ def evaluate(args: argparse.Namespace) -> str:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     try:
         positive("--mc-samples", args.mc_samples, 0)
-        positive("--threads", args.threads)
+        check_threads(args.threads)
         check_seed("--seed", args.seed)
     except UsageError as e:
         raise fail(str(e), EXIT_DATA) from None
@@ -328,7 +329,7 @@ def generate(args: argparse.Namespace) -> str:
     """``rnndrop-lm generate RUN``: sample words from the trained model."""
     try:
         positive("--words", args.words, 0)
-        positive("--threads", args.threads)
+        check_threads(args.threads)
         check_seed("--seed", args.seed)
         if not args.temperature > 0:
             raise UsageError(f"--temperature must be > 0, got {args.temperature}")

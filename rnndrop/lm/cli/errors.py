@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["EXIT_DATA", "EXIT_DIVERGED", "EXIT_INTERRUPTED", "UsageError", "check_seed", "fail",
-           "out_of_memory", "positive"]
+__all__ = ["EXIT_DATA", "EXIT_DIVERGED", "EXIT_INTERRUPTED", "UsageError", "check_seed", "check_threads",
+           "fail", "out_of_memory", "positive"]
 
 EXIT_DATA = 2
 EXIT_DIVERGED = 3
@@ -24,10 +24,22 @@ def fail(message: str, code: int) -> SystemExit:
     return SystemExit(code)
 
 
-def positive(name: str, value: int | None, minimum: int = 1) -> None:
-    """Raise UsageError unless ``value`` is None or at least ``minimum``."""
+def positive(name: str, value: int | None, minimum: int = 1, maximum: int | None = None) -> None:
+    """Raise UsageError unless ``value`` is None or at least ``minimum`` (and at most ``maximum``)."""
     if value is not None and value < minimum:
         raise UsageError(f"{name} must be >= {minimum}, got {value}")
+    if value is not None and maximum is not None and value > maximum:
+        raise UsageError(f"{name} must be <= {maximum}, got {value}")
+
+
+#: The most torch threads a run takes: far more than any machine's cores, and under what makes
+#: OpenMP fail to create them (20,000 here) or crash the process (100,000).
+MOST_THREADS = 1024
+
+
+def check_threads(value: int | None) -> None:
+    """Raise UsageError unless ``--threads`` is None or in [1, :data:`MOST_THREADS`]."""
+    positive("--threads", value, 1, MOST_THREADS)
 
 
 #: The seeds that give runs of their own: torch's CPU generator keeps the low 32 bits of a seed

@@ -25,6 +25,23 @@ __all__ = [
 CORPORA = {"ptb": "ptb", "wikitext2": "wikitext-2", "wikitext-2": "wikitext-2"}
 
 
+#: The largest integer a flag takes: sizes and counts beyond it overflow inside torch (a
+#: traceback) long before they would fit a machine.
+LARGEST_INTEGER = 2**31 - 1
+
+
+def integer(text: str) -> int:
+    """An integer flag's value (argparse's ``type``): one line naming the flag for a value that
+    is no integer or overflows what torch takes."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if abs(value) > LARGEST_INTEGER:
+        raise argparse.ArgumentTypeError(f"expected an integer of at most {LARGEST_INTEGER}, got {text}")
+    return value
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """``(default: X)`` after an option's help unless the help states its default itself, or
     there is none to state (None, an empty text, a flag that is off)."""
@@ -127,7 +144,7 @@ def add_train_arguments(parser: argparse.ArgumentParser, dataset: str) -> None:
                      help="with --dropout-from: train even where the grid's validation text shares lines "
                      "with the test split (the test perplexity is then not of text nobody tuned on; "
                      "the flag is kept in the job's command)")
-    job.add_argument("--mc-samples", type=int, default=None,
+    job.add_argument("--mc-samples", type=integer, default=None,
                      help="Monte-Carlo dropout samples for the test perplexity (0: skip; default: "
                      "the config's)")
     job.add_argument("--out", default=None,
@@ -147,10 +164,10 @@ def add_train_arguments(parser: argparse.ArgumentParser, dataset: str) -> None:
         elif kind is bool:  # --flag / --no-flag; absent: the config's
             model.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
-            model.add_argument(flag, type=kind, default=None, help=text)
+            model.add_argument(flag, type=integer if kind is int else kind, default=None, help=text)
     machine = parser.add_argument_group("machine")
-    machine.add_argument("--jobs", type=int, default=1, help="runs trained at once (processes)")
-    machine.add_argument("--threads", type=int, default=1,
+    machine.add_argument("--jobs", type=integer, default=1, help="runs trained at once (processes)")
+    machine.add_argument("--threads", type=integer, default=1,
                          help="torch threads per run: 1 is fastest for the small configs on a shared "
                          "CPU; give more to big models on a machine of their own")
     machine.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
@@ -223,22 +240,22 @@ def _add_evaluate(sub: Any) -> None:
                           help="corpus to score (default: the one the run was trained on)")
     evaluate.add_argument("--split", choices=("train", "valid", "test"), default="test",
                           help="the split to score")
-    evaluate.add_argument("--mc-samples", type=int, default=0,
+    evaluate.add_argument("--mc-samples", type=integer, default=0,
                           help="Monte-Carlo dropout samples (0: weight-scaling only)")
     evaluate.add_argument("--seed", type=int, default=1, help="seed of the Monte-Carlo masks")
     evaluate.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
-    evaluate.add_argument("--threads", type=int, default=1, help="torch threads")
+    evaluate.add_argument("--threads", type=integer, default=1, help="torch threads")
 
 
 def _add_generate(sub: Any) -> None:
     generate = sub.add_parser("generate", help="sample text from a trained run",
                               formatter_class=HelpFormatter)
     generate.add_argument("run", help="a run folder (holding best.pt) or a best.pt file")
-    generate.add_argument("--words", type=int, default=50, help="words to generate")
+    generate.add_argument("--words", type=integer, default=50, help="words to generate")
     generate.add_argument("--prompt", default="", help="words to start from (unknown ones become <unk>)")
     generate.add_argument("--temperature", type=float, default=1.0,
                           help="softmax temperature (lower: more likely words)")
-    generate.add_argument("--top-k", type=int, default=None, metavar="K",
+    generate.add_argument("--top-k", type=integer, default=None, metavar="K",
                           help="draw each word among the K likeliest only (default: among all words)")
     generate.add_argument("--top-p", type=float, default=None, metavar="P",
                           help="nucleus sampling: draw each word among the fewest likeliest words whose "
@@ -247,4 +264,4 @@ def _add_generate(sub: Any) -> None:
                           help="seed of the draws (default: 1): the same run, prompt, options and seed "
                           "give the same text; pass another seed for other text")
     generate.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
-    generate.add_argument("--threads", type=int, default=1, help="torch threads")
+    generate.add_argument("--threads", type=integer, default=1, help="torch threads")
