@@ -418,6 +418,11 @@ def test_dropout_tuned_on_text_of_the_test_split_is_refused_unless_allowed(tmp_p
     # its report would have mixed the two corpora's runs under one title
     (["--out", "{wikitext_job}", "--resume"], "holds a wikitext-2 job (its summary.json); a ptb job writes"),
     (["--threads", "100000"], "--threads must be <= 1024, got 100000"),  # OpenMP crashed the process
+    # trained naive dropout without the recurrent site asked for, saying nothing
+    (["--regimes", "naive", "--dropout", "hidden=0.3"], "--dropout names hidden, where none of the"),
+    (["--regimes", "foo"], "--regimes: regime must be one of none, naive"),
+    (["--out", ""], "--out must name a folder, got ''"),  # trained into the default folder
+    (["--dropout", "input=2"], "--dropout input: expected a probability in [0, 1), got 2"),
     # a folder of the user's own (or a report whose runs are gone) was written over
     (["--out", "{notes}"], "already holds results.md, summary.json, which the job would write over"),
 ])

@@ -68,6 +68,21 @@ def test_missing_split_file_is_named(tmp_path):
         load_corpus(tmp_path)
 
 
+def test_a_split_that_is_a_folder_or_two_corpora_in_one_folder_are_named(tmp_path):
+    """A folder named ptb.test.txt was reported as "lacks ptb.test.txt"; a folder holding both PTB's
+    and WikiText's files gave a wikitext2 job PTB's text under WikiText's name."""
+    write_corpus(tmp_path)
+    (tmp_path / "ptb.test.txt").unlink()
+    (tmp_path / "ptb.test.txt").mkdir()
+    with pytest.raises(CorpusError, match="ptb.test.txt is not a file"):
+        load_corpus(tmp_path)
+    both = tmp_path / "both"
+    write_corpus(both)
+    write_corpus(both, "{split}.txt")
+    with pytest.raises(CorpusError, match=r"splits of two corpora \(ptb.train.txt, .* and train.txt, "):
+        find_split_files(both)
+
+
 def test_directory_without_corpus_files(tmp_path):
     (tmp_path / "notes.md").write_text("hi")
     with pytest.raises(CorpusError, match="holds no corpus split files.*notes.md"):

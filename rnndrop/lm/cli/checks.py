@@ -116,7 +116,10 @@ def checked_job(args: argparse.Namespace, dataset: str, claim: ExitStack | None 
     if not regimes:
         raise UsageError(f"--regimes must name at least one regime, got {args.regimes!r}")
     for r in regimes:
-        get_regime(r)
+        try:
+            get_regime(r)
+        except ValueError as e:
+            raise UsageError(f"--regimes: {e}") from None
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     except ValueError:
@@ -130,7 +133,13 @@ def checked_job(args: argparse.Namespace, dataset: str, claim: ExitStack | None 
     if args.grid and args.dropout:
         raise UsageError("--dropout cannot be combined with --grid (the grid sets the dropout)")
     # the sites it names, the others the config's (the AWD table's "--dropout hidden=P")
-    dropout = {**config.dropout, **parse_dropout(args.dropout)} if args.dropout else None
+    named = parse_dropout(args.dropout) if args.dropout else {}
+    dropped_at = {site for r in regimes for site in get_regime(r).sites}
+    unused = [site for site, p in named.items() if p > 0 and site not in dropped_at]
+    if unused:  # it would train without them, saying nothing
+        raise UsageError(f"--dropout names {', '.join(unused)}, where none of the regimes "
+                         f"({', '.join(regimes)}) drops; leave it out, or add a regime that drops there")
+    dropout = {**config.dropout, **named} if args.dropout else None
     if args.dropout_from and (args.grid or args.dropout):
         raise UsageError("--dropout-from cannot be combined with --grid or --dropout")
     by_regime = chosen_dropout(args.dropout_from) if args.dropout_from else None
@@ -152,6 +161,8 @@ def checked_job(args: argparse.Namespace, dataset: str, claim: ExitStack | None 
     elif args.allow_tuning_overlap:
         raise UsageError("--allow-tuning-overlap goes with --dropout-from")
     sample = "-sample" if args.data == "sample" else ""
+    if args.out is not None and not args.out.strip():  # an unset shell variable: not the default folder
+        raise UsageError(f"--out must name a folder, got {args.out!r}")
     out = Path(args.out) if args.out else Path("runs") / f"{dataset}{sample}-{config.name}"
     check_writable(out)
     if claim is not None:

@@ -91,20 +91,30 @@ def find_split_files(directory: str | Path) -> dict[str, Path]:
         )
     if not directory.is_dir():
         raise CorpusError(f"data directory {str(directory)!r} is a file, expected a folder")
+    complete: list[dict[str, Path]] = []
     for layout in SPLIT_LAYOUTS:
         paths = {split: directory / layout.format(split=split) for split in SPLITS}
         for path in paths.values():
             _check_link(path)
-        present = [split for split, path in paths.items() if path.is_file()]
+        present = [split for split, path in paths.items() if path.exists()]
         if not present:
             continue
+        not_files = [paths[split].name for split in present if not paths[split].is_file()]
+        if not_files:
+            raise CorpusError(f"data directory {str(directory)!r}: {', '.join(not_files)} is not a file")
         missing = [paths[split].name for split in SPLITS if split not in present]
         if missing:
             raise CorpusError(
                 f"data directory {str(directory)!r} lacks {', '.join(missing)} "
                 f"(found {', '.join(paths[s].name for s in present)}); all three splits are needed"
             )
-        return paths
+        complete.append(paths)
+    if len(complete) > 1:  # which corpus it is would be a guess (a wikitext2 job read PTB's files)
+        found = " and ".join(", ".join(p.name for p in paths.values()) for paths in complete)
+        raise CorpusError(f"data directory {str(directory)!r} holds the splits of two corpora ({found}); "
+                          "keep one corpus in a folder")
+    if complete:
+        return complete[0]
     listing = sorted(p.name for p in directory.iterdir())[:10]
     raise CorpusError(
         f"data directory {str(directory)!r} holds no corpus split files: expected "

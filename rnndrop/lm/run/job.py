@@ -939,6 +939,8 @@ def parse_dropout(text: str) -> dict[str, float]:
             out[site] = float(value)
         except ValueError:
             raise ValueError(f"--dropout takes site=p pairs with p a number, got {item!r}") from None
+        if not 0 <= out[site] < 1:  # also NaN
+            raise ValueError(f"--dropout {site}: expected a probability in [0, 1), got {value}")
     return out
 
 
