@@ -100,6 +100,9 @@ def test_sample_run_offline_with_an_empty_home_then_evaluate_and_generate(tmp_pa
                         rel_tol=1e-6)
     assert cli.main(["evaluate", str(run)]) == 0
     assert f"perplexity      {reported['test_ppl']:.2f}" in capsys.readouterr().out
+    # A shell pattern naming several runs (seeds, a grid): each scored in turn (was "unrecognized arguments").
+    assert cli.main(["evaluate", str(run), str(run / "best.pt")]) == 0
+    assert capsys.readouterr().out.count(f"perplexity      {reported['test_ppl']:.2f}") == 2
     assert cli.main(["generate", str(run), "--words", "12", "--prompt", "the company"]) == 0
     words = capsys.readouterr().out.split()
     assert words[:2] == ["the", "company"] and 2 < len(words) <= 14

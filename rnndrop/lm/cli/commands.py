@@ -283,7 +283,8 @@ def _is_training_corpus(data_dir: Path, expected: str | None) -> bool:
 
 
 def evaluate(args: argparse.Namespace) -> str:
-    """``rnndrop-lm evaluate RUN``: perplexity, MC perplexity and ECE on a split."""
+    """``rnndrop-lm evaluate RUN [RUN ...]``: perplexity, MC perplexity and ECE on a split, of
+    each run in turn (a shell pattern may name several: the seeds or the grid of a regime)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     try:
         positive("--mc-samples", args.mc_samples, 0)
@@ -292,7 +293,12 @@ def evaluate(args: argparse.Namespace) -> str:
     except UsageError as e:
         raise fail(str(e), EXIT_DATA) from None
     torch.set_num_threads(args.threads)
-    run = _load_run(args.run, args.device)
+    return "\n".join(_evaluate_run(path, args) for path in args.runs)
+
+
+def _evaluate_run(path: str, args: argparse.Namespace) -> str:
+    """:func:`evaluate`'s lines for one run."""
+    run = _load_run(path, args.device)
     result = _run_result(run.path)
     try:
         _check_own_weights(run, result)

@@ -235,7 +235,8 @@ def _add_evaluate(sub: Any) -> None:
     evaluate = sub.add_parser("evaluate", help="score a trained run on a corpus split: perplexity, "
                               "Monte-Carlo perplexity, calibration (ECE)",
                               formatter_class=HelpFormatter)
-    evaluate.add_argument("run", help="a run folder (holding best.pt) or a best.pt file")
+    evaluate.add_argument("runs", nargs="+", metavar="RUN",
+                          help="run folders (holding best.pt) or best.pt files, scored one after another")
     evaluate.add_argument("--data", metavar="sample|DIR", default=None,
                           help="corpus to score (default: the one the run was trained on)")
     evaluate.add_argument("--split", choices=("train", "valid", "test"), default="test",
