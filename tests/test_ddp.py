@@ -374,6 +374,36 @@ def test_jobs_above_1_under_torchrun_is_a_one_line_usage_error_from_rank_0(rank,
     assert capsys.readouterr().err == (expected if rank == "0" else "")
 
 
+def test_an_error_one_rank_meets_alone_is_written_by_that_rank(tmp_path, monkeypatch, capsys):
+    """A rank's own data missing (or a step failing there) was written nowhere: rank 0 alone
+    reports, and rank 0 only saw its peer go (a gloo traceback). The rank now writes its line, and
+    a rank whose peer went writes one line too."""
+    from rnndrop.lm import cli
+    from rnndrop.lm.cli import commands
+    from rnndrop.lm.data.corpus import CorpusError
+
+    def missing_on_this_rank(*args, **kwargs):
+        raise CorpusError("data directory '/data' does not exist (on this node)")
+
+    monkeypatch.setenv("RANK", "1")  # one process (no WORLD_SIZE): the rank's own step, as on rank 1
+    monkeypatch.setattr(commands, "run_benchmark", missing_on_this_rank)
+    data = write_corpus(tmp_path / "data")
+    argv = ["ptb", "--data", str(data), "--out", str(tmp_path / "out"), "--no-progress"]
+    assert cli.main(argv) == cli.EXIT_DATA
+    assert capsys.readouterr().err == "error (rank 1): data directory '/data' does not exist (on this node)\n"
+
+    def peer_gone(*args, **kwargs):
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                           "[127.0.0.1]:16001. This is typically caused by a remote worker crashing.\nmore")
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(commands, "run_benchmark", peer_gone)
+    assert cli.main(argv) == cli.EXIT_DATA
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: another process of the job stopped ([") and (
+        "its error is in the lines above or in torchrun's report" in err)
+
+
 @pytest.mark.slow
 def test_a_nan_on_one_rank_stops_every_rank_with_the_same_message(runs):
     messages = [r["diverged"] for r in runs["first"]]

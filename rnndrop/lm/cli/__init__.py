@@ -29,7 +29,15 @@ import torch.distributed as dist
 
 from rnndrop.kernels.cuda_graphs import check_environment
 from rnndrop.lm.cli.commands import carve, evaluate, generate, train, train_main
-from rnndrop.lm.cli.errors import EXIT_DATA, EXIT_DIVERGED, EXIT_INTERRUPTED, UsageError, fail, out_of_memory
+from rnndrop.lm.cli.errors import (
+    EXIT_DATA,
+    EXIT_DIVERGED,
+    EXIT_INTERRUPTED,
+    UsageError,
+    fail,
+    lost_peer,
+    out_of_memory,
+)
 from rnndrop.lm.cli.parser import CORPORA, build_parser
 from rnndrop.lm.run.process_group import end_worker, torchrun_world_size
 
@@ -71,10 +79,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stderr.write("error: interrupted\n")
             code = EXIT_INTERRUPTED
         except (MemoryError, RuntimeError) as e:
-            message = out_of_memory(e)
+            message = out_of_memory(e) or lost_peer(e)
             if message is None:
                 raise
-            fail(message, EXIT_DATA)
+            fail(message, EXIT_DATA, every_rank=True)  # a rank may meet either alone
             code = EXIT_DATA
     if dist.is_available() and dist.is_initialized():
         end_worker(code)

@@ -129,8 +129,9 @@ def _train(
         raise fail(str(e), EXIT_DIVERGED) from None
     except (RunLocked, OSError, CorpusError, ValueError, RankFailed, WorkerDied) as e:
         # another process holds a run folder, a file cannot be written, a damaged or
-        # foreign checkpoint or result: the message names the file and what to do
-        raise fail(str(e), EXIT_DATA) from None
+        # foreign checkpoint or result: the message names the file and what to do (under torchrun
+        # from the rank that met it: rank 0 reports what it met for all, RankFailed elsewhere)
+        raise fail(str(e), EXIT_DATA, every_rank=not isinstance(e, RankFailed)) from None
     if not ctx.is_main:
         return ""
     report = markdown_for_terminal(summary["markdown"]).rstrip() + "\n\n"

@@ -6,7 +6,7 @@ import os
 import sys
 
 __all__ = ["EXIT_DATA", "EXIT_DIVERGED", "EXIT_INTERRUPTED", "UsageError", "check_seed", "check_threads",
-           "fail", "out_of_memory", "positive"]
+           "fail", "lost_peer", "out_of_memory", "positive"]
 
 EXIT_DATA = 2
 EXIT_DIVERGED = 3
@@ -17,11 +17,32 @@ class UsageError(Exception):
     """A problem with the command line or the data, reported in one line (exit 2)."""
 
 
-def fail(message: str, code: int) -> SystemExit:
-    """Write ``error: <message>`` (on one line) to stderr; returns the SystemExit to raise."""
-    if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 alone reports
-        sys.stderr.write("error: " + " ".join(str(message).split()) + "\n")
+def fail(message: str, code: int, *, every_rank: bool = False) -> SystemExit:
+    """Write ``error: <message>`` (on one line) to stderr; returns the SystemExit to raise.
+
+    Under torchrun rank 0 alone reports what every rank meets (the arguments, the files rank 0
+    reads for all); ``every_rank`` for what a rank may meet alone (its own data, a step that failed
+    there), which another rank writes as ``error (rank N): <message>``: rank 0 would not know it."""
+    rank = os.environ.get("RANK", "0")
+    if rank == "0" or (every_rank and message):
+        where = "" if rank == "0" else f" (rank {rank})"
+        sys.stderr.write(f"error{where}: " + " ".join(str(message).split()) + "\n")
     return SystemExit(code)
+
+
+#: What gloo and NCCL say on a rank whose peer has gone (its process ended with its own error).
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def lost_peer(error: BaseException) -> str | None:
+    """The one line for a collective that failed because another process of the job ended, or
+    None for any other error: that process wrote its own error; a traceback here hides it."""
+    text = str(error).strip()
+    if not isinstance(error, RuntimeError) or not any(sign in text for sign in _PEER_LOST):
+        return None
+    first = " ".join(text.splitlines()[0].split())[:200]
+    return (f"another process of the job stopped ({first}); its error is in the lines above or in "
+            "torchrun's report")
 
 
 def positive(name: str, value: int | None, minimum: int = 1, maximum: int | None = None) -> None:
