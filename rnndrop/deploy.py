@@ -52,12 +52,13 @@ def _replaced_copy(model: nn.Module, replacement: Callable[[nn.Module], nn.Modul
 
 def _wrapped(module: nn.Module) -> nn.Module | None:
     """The module a wrapper stands for in eval mode, else None: :class:`~rnndrop.WeightDrop`'s
-    (exactly ``module(*args)`` there), and a compiled one's (:class:`~rnndrop.CompiledModel`, or
+    (exactly ``module(*args)`` there), ``DistributedDataParallel``'s and ``DataParallel``'s, and a
+    compiled one's (:class:`~rnndrop.CompiledModel`, or
     torch.compile's ``OptimizedModule``, known by name: importing torch._dynamo takes seconds),
     whose copy would go on running the compiled function of the module it was made from (bound
     to it, in training mode): the copy is what it wraps, uncompiled."""
-    if isinstance(module, (WeightDrop, CompiledModel)):
-        return module.module
+    if isinstance(module, (WeightDrop, CompiledModel, nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        return module.module  # a data-parallel copy would carry its process group into deployment
     inner = getattr(module, "_orig_mod", None)
     if type(module).__name__ == "OptimizedModule" and isinstance(inner, nn.Module):
         return inner
@@ -86,7 +87,8 @@ def to_torch(model: nn.Module) -> nn.Module:
     are the identity in eval mode and export as such). In eval mode the copy's outputs equal
     ``model``'s; ``model`` itself is not changed. A compiled model (:func:`~rnndrop.compile_model`,
     ``torch.compile``, whole or a part of it) becomes the copy of what it compiles, uncompiled
-    (compile the copy again where wanted). Raises ``TypeError`` for a layer whose class overrides
+    (compile the copy again where wanted); a data-parallel one (``DistributedDataParallel``,
+    ``DataParallel``) the copy of its ``module``. Raises ``TypeError`` for a layer whose class overrides
     the forward pass (see :meth:`~rnndrop.VariationalLSTM.to_plain`).
 
     Example::

@@ -162,6 +162,25 @@ def test_to_torch_of_a_whole_compiled_model_converts_the_layers_inside():
         getattr(rnndrop.compile_model(named, mode=None, backend="eager"), "nope")  # noqa: B009
 
 
+def test_to_torch_of_a_data_parallel_model_is_the_plain_copy_of_its_module(tmp_path):
+    """DistributedDataParallel was copied whole: the copy kept its process group (torch.export
+    refused it, torch.save failed once the group was gone)."""
+    model = nn.Sequential(VariationalLSTM(5, 7, dropout_hidden=0.3))
+    x = torch.randn(4, 2, 5)
+    expected = model.eval()(x)[0]
+    group = f"file://{tmp_path / 'group'}"
+    torch.distributed.init_process_group("gloo", init_method=group, rank=0, world_size=1)
+    try:
+        wrappers = [nn.parallel.DistributedDataParallel(model), nn.DataParallel(model)]
+        for wrapped in (*wrappers, rnndrop.compile_model(wrappers[0], mode=None, backend="eager")):
+            deployed = rnndrop.to_torch(wrapped)
+            assert type(deployed) is nn.Sequential and type(deployed[0]) is nn.LSTM, type(deployed)
+            torch.testing.assert_close(deployed(x)[0], expected, rtol=0, atol=1e-6)
+    finally:
+        torch.distributed.destroy_process_group()
+    torch.save(deployed, io.BytesIO())  # no process group in the copy
+
+
 def test_to_torch_keeps_a_layer_registered_twice_one_module():
     shared = VariationalLSTM(4, 4, dropout_hidden=0.3)
     model = nn.ModuleDict({"encoder": shared, "decoder": shared})
