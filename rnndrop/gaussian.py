@@ -288,7 +288,7 @@ class GaussianLSTM(_LearnedAlphaMixin, VariationalLSTM):
 
         lstm = GaussianLSTM(200, 200, dropout_input=0.5, dropout_hidden=0.2,
                             dropout_output=0.5, granularity="unit", output_fan_out=vocab_size)
-        loss = negative_elbo(nll, model_kl(model), dataset_size=n_tokens)
+        loss = negative_elbo(nll, model_kl(lstm), dataset_size=n_tokens)
 """
         + _GAUSSIAN_ARGS_DOC
     )
