@@ -176,6 +176,11 @@ def _worker(scenario: str, folder: Path) -> None:
                     train_run(corpus, FULL, "tied_nan", folder / "nan", seed=7, progress=False)
                 except TrainingDiverged as e:
                     report["diverged"] = str(e)
+                cut_short = corpus if ctx.rank == 0 else replace(corpus, train=corpus.train[:-8])
+                try:  # a node's copy of the corpus cut short: failed in a collective, gloo's error
+                    train_run(cut_short, FULL, "tied", folder / "other_corpus", seed=7, progress=False)
+                except ValueError as e:
+                    report["other_corpus"] = str(e)
                 train_run(corpus, ONE_STEP, "tied", folder / "one_step", dropout=NO_DROPOUT, seed=4,
                           progress=False)
                 report["recipe"] = train_run(corpus, RECIPE, "weight_drop", folder / "recipe", seed=2,
@@ -402,6 +407,13 @@ def test_an_error_one_rank_meets_alone_is_written_by_that_rank(tmp_path, monkeyp
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: another process of the job stopped ([") and (
         "its error is in the lines above or in torchrun's report" in err)
+
+
+@pytest.mark.slow
+def test_a_corpus_that_differs_on_one_rank_stops_every_rank_before_training(runs):
+    messages = [r.get("other_corpus") for r in runs["first"]]
+    assert messages[0] == messages[1], messages
+    assert messages[0].startswith("the corpus read by rank 1 is not the one rank 0 read")
 
 
 @pytest.mark.slow

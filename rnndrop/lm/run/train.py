@@ -80,6 +80,7 @@ from rnndrop.lm.run.checkpoint import (
     RunState,
     best_file,
     claim_folder,
+    corpus_fingerprint,
     file_sha256,
     files_on_main,
     get_rng_state,
@@ -530,6 +531,8 @@ def prepare(
     # rank 0 reads init_from's best.pt for its checksum
     identity = files_on_main(partial(run_identity, corpus, config, regime, probabilities, seed, init_from),
                             ctx, "making the run's identity")
+    if ctx.enabled:
+        _check_same_corpus(corpus, identity["corpus"], ctx)
     if resume and not dataset:  # resumed without a name: the one its results were written with stays
         dataset = files_on_main(partial(_previous_dataset_name, out / RESULTS), ctx,
                                 "reading the run's results")
@@ -585,6 +588,18 @@ def prepare(
         valid_data=valid_data, test_data=test_data, state=state, wall_start=wall_start,
         activation_reg=activation_regularizer(config), averaging=averaging, compiled=compile,
     )
+
+
+def _check_same_corpus(corpus: Corpus, main_fingerprint: str, ctx: Distributed) -> None:
+    """Every rank trains on the text rank 0 read (each reads its own copy: a node's may differ or
+    be cut short, and training then failed in a collective with gloo's error, or went on with
+    other text per rank); the same ValueError on every rank where one differs."""
+    fingerprints = all_gather_objects(corpus_fingerprint(corpus), ctx)
+    other = [rank for rank, fingerprint in enumerate(fingerprints) if fingerprint != main_fingerprint]
+    if other:
+        raise ValueError(f"the corpus read by rank {', '.join(map(str, other))} is not the one rank 0 read "
+                         "(another folder or other files there): every process of the job needs the same "
+                         "corpus")
 
 
 def _extra_loss(model: nn.Module, config: TrainConfig, regime: Regime, train_tokens: int) -> ExtraLoss | None:
