@@ -107,6 +107,12 @@ def test_sample_run_offline_with_an_empty_home_then_evaluate_and_generate(tmp_pa
     words = capsys.readouterr().out.split()
     assert words[:2] == ["the", "company"] and 2 < len(words) <= 14
     assert set(words) <= set(corpus.vocab.itos)
+    # Two prompts, one seed: drawn apart (the same random numbers gave them the same words).
+    continuations = []
+    for prompt in ("the company", "stock prices fell"):
+        assert cli.main(["generate", str(run), "--words", "12", "--prompt", prompt]) == 0
+        continuations.append(capsys.readouterr().out.split()[len(prompt.split()):])
+    assert continuations[0] != continuations[1]
 
     # The same command again: a refusal naming --resume; with --resume the finished run is reused.
     again = ["ptb", "--data", "sample", "--epochs", "1", "--regimes", "none", "--mc-samples", "0",

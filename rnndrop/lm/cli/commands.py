@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import logging
 import shlex
@@ -352,8 +353,8 @@ def generate(args: argparse.Namespace) -> str:
         _check_own_weights(run, _run_result(run.path))
     except UsageError as e:
         raise fail(str(e), EXIT_DATA) from None
-    generator = torch.Generator().manual_seed(args.seed)
     prompt = args.prompt.split()
+    generator = torch.Generator().manual_seed(draw_seed(args.seed, prompt))
     unknown = [word for word in prompt if word not in run.vocab.stoi]
     if unknown:
         logging.getLogger(__name__).warning(
@@ -361,6 +362,15 @@ def generate(args: argparse.Namespace) -> str:
     words = generate_words(run.model, run.vocab, prompt, args.words, temperature=args.temperature,
                            top_k=args.top_k, top_p=args.top_p, generator=generator)
     return words_to_text([*prompt, *words]) + "\n"
+
+
+def draw_seed(seed: int, prompt: Sequence[str]) -> int:
+    """The seed of ``generate``'s draws: ``seed`` and the prompt's words together. One seed alone
+    gave every prompt the same random numbers, and a word drawn by them is mostly the one of the
+    smallest exponential variate whatever the probabilities (torch.multinomial), so two prompts
+    went on with the same words."""
+    text = f"{seed}\0{' '.join(prompt)}".encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1  # < 2^63, what torch takes
 
 
 def carve(args: argparse.Namespace) -> str:

@@ -262,7 +262,7 @@ def _add_generate(sub: Any) -> None:
                           help="nucleus sampling: draw each word among the fewest likeliest words whose "
                           "probabilities add up to P or more, 0 < P <= 1 (default: 1, all words)")
     generate.add_argument("--seed", type=int, default=1,
-                          help="seed of the draws (default: 1): the same run, prompt, options and seed "
-                          "give the same text; pass another seed for other text")
+                          help="seed of the draws (default: 1), taken with the prompt: the same run, "
+                          "prompt, options and seed give the same text; pass another seed for other text")
     generate.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     generate.add_argument("--threads", type=integer, default=1, help="torch threads")
