@@ -40,8 +40,8 @@ def test_tie_weights_help_says_tying_needs_equal_sizes_and_untying_does_not():
 
 def test_generate_help_states_the_seed_and_what_a_fixed_seed_means():
     text = _help("generate")
-    assert "--seed SEED seed of the draws (default: 1): the same run, prompt, options and seed give the " \
-           "same text" in text
+    assert "--seed SEED seed of the draws (default: 1), taken with the prompt: the same run, prompt, " \
+           "options and seed give the same text" in text
     assert "--top-k K" in text and "--top-p P nucleus sampling" in text
     assert "--device DEVICE auto, cpu, cuda" in text
 
