@@ -3,7 +3,7 @@
 # checked against the reference kernel, then timed against cuDNN. Every step has its own time limit,
 # so a hang in one still leaves the others' numbers. Logs and JSON go to $OUT (default: gpu-out/).
 #
-#   bash benchmarks/gpu_check.sh                    # every section, about 9 minutes on an H200
+#   bash benchmarks/gpu_check.sh                    # machine checks tests speed tf32 mc profile lms (9 min, H200)
 #   bash benchmarks/gpu_check.sh checks tf32 lms    # some of them: machine checks tests buffers speed amp tf32 mc
 #                                                   # profile loop_profile tuning projection host_profile lms
 #                                                   # compile mc_compile
@@ -17,10 +17,16 @@
 # lease returns a few files, not dozens).
 set -u
 OUT=${OUT:-gpu-out}
+DEADLINE=${DEADLINE:-}
+if [[ -n "$DEADLINE" && ! "$DEADLINE" =~ ^[0-9]+$ ]]; then
+    echo "gpu_check.sh: DEADLINE must be whole seconds, got '$DEADLINE'" >&2; exit 2
+fi
+if [ -n "${BUNDLE:-}" ] && [[ "$(realpath -m "$BUNDLE")" == "$(realpath -m "$OUT")"/* ]]; then
+    echo "gpu_check.sh: BUNDLE must be outside OUT (it packs OUT), got BUNDLE=$BUNDLE OUT=$OUT" >&2; exit 2
+fi
 mkdir -p "$OUT"
 # everything printed is kept in $OUT too (a lease's reply keeps only the output's last 12,000 characters)
 exec > >(tee -a "$OUT/console.log") 2>&1
-DEADLINE=${DEADLINE:-}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # the CPU's C++ loop kernel is not used on a GPU: the tests' session fixture would build it (1-4 min)
 export RNNDROP_NO_COMPILE=1
@@ -35,6 +41,10 @@ bundle() {  # BUNDLE: a .tgz of $OUT, remade after every step (a call cut short 
 
 speed_failed() {  # a speed.py run that failed or was stopped: its last lines of stderr on the console
     echo "speed.py stopped or failed ($1): the end of $OUT/speed.err:"; tail -n 5 "$OUT/speed.err"
+}
+
+err_lines() {  # speed.err's line count: a step reads only the lines its own run appended after it
+    if [ -f "$OUT/speed.err" ]; then wc -l <"$OUT/speed.err"; else echo 0; fi
 }
 
 limit() {  # a time limit of $1 s, cut to what DEADLINE leaves (at least 1 s)
@@ -131,6 +141,7 @@ grep -E "^(lstm|gru) " "$OUT/gpu-speed-amp.txt" | grep -vE "(yes|NO)$"
 
 compile() {
 step "torch.compile(mode='reduce-overhead'), allow_rnn: the layers traced, each recurrence an operator, steps from CUDA graphs"
+local before; before=$(err_lines)
 # COMPILE_SHAPES, COMPILE_MODELS (lstm,gru doubles it), COMPILE_VARIANTS (gates+compile and
 # batch+compile besides) and COMPILE_TIMEOUT set its size; each +compile variant compiles once a shape
 # (tens of seconds)
@@ -140,18 +151,19 @@ timeout -k 10 $(limit ${COMPILE_TIMEOUT:-240}) $PY benchmarks/speed.py --device 
     --json "$OUT/gpu-speed-compile.json" 2>>"$OUT/speed.err" >"$OUT/gpu-speed-compile.txt" \
     || speed_failed gpu-speed-compile
 grep -E "^(lstm|gru) |GPU's time alone" "$OUT/gpu-speed-compile.txt"
-grep -E "left out" "$OUT/speed.err" | tail -n 4
+tail -n +$((before + 1)) "$OUT/speed.err" | grep -E "left out" | tail -n 4
 }
 
 mc_compile() {
 step "Monte-Carlo prediction under torch.compile (rnndrop.compile_model, steps from CUDA graphs), per sample"
+local before; before=$(err_lines)
 timeout -k 10 $(limit ${COMPILE_TIMEOUT:-240}) $PY benchmarks/speed.py --device cuda --shapes ${COMPILE_SHAPES:-small,medium} \
     --batch 20 --models ${COMPILE_MODELS:-lstm} --mode mc-predict --samples 20 --kernels triton --no-memory \
     --rounds ${ROUNDS:-8} --variants sequence/triton,sequence+compile --json "$OUT/gpu-speed-mc-compile.json" \
     2>>"$OUT/speed.err" >"$OUT/gpu-speed-mc-compile.txt" \
     || speed_failed gpu-speed-mc-compile
 grep -E "^(lstm|gru) " "$OUT/gpu-speed-mc-compile.txt"
-grep -E "left out" "$OUT/speed.err" | tail -n 4
+tail -n +$((before + 1)) "$OUT/speed.err" | grep -E "left out" | tail -n 4
 }
 
 tf32() {
@@ -300,6 +312,7 @@ PROFILE
 
 lm() {  # words/s of rnndrop-lm's own training loop on CUDA (LM_DATA, default the shipped PTB sample; $2 epochs)
     local name=$1 out=runs/gpu-$1 epochs=${2:-1}; shift 2
+    rm -rf "$out"  # this script's scratch: an earlier call's runs would be summed up as this one's
     timeout -k 10 $(limit $((90 * epochs))) $PY -c "import sys; from rnndrop.lm.cli import main; sys.exit(main())" \
         ptb --data "${LM_DATA:-sample}" --epochs "$epochs" --mc-samples 0 --device cuda --no-progress --out "$out" "$@" \
         >"$OUT/lm-$name.log" 2>&1 || tail -n 3 "$OUT/lm-$name.log"
@@ -372,6 +385,12 @@ if [[ " $sections " == *" lease1 "* ]]; then  # the speed table's variants, the 
 fi
 sections=${sections//lease1/$LEASE1}
 sections=${sections//lease2/$LEASE2}
+known=" machine checks tests buffers speed amp tf32 mc profile loop_profile tuning projection host_profile lms compile mc_compile weight_drop_memory lengths "
+for name in $sections; do  # a name is run as a command: only the sections'
+    if [[ "$known" != *" $name "* ]]; then
+        echo "gpu_check.sh: unknown section '$name' (sections:${known% })" >&2; exit 2
+    fi
+done
 
 for section in $sections; do
     for name in $section; do
@@ -384,4 +403,5 @@ for section in $sections; do
     done
 done
 step "done"
-bundle && [ -n "${BUNDLE:-}" ] && echo "bundled $OUT into $BUNDLE"
+bundle
+if [ -n "${BUNDLE:-}" ]; then echo "bundled $OUT into $BUNDLE"; fi

@@ -21,6 +21,42 @@ def test_gpu_check_parses_and_defines_every_section_its_header_names():
     defined = set(re.findall(r"^(\w+)\(\) \{", text, re.M))
     assert named <= defined, f"named in the header but not defined: {named - defined}"
     assert {"speed", "tuning", "projection", "host_profile", "lms"} <= named
+    known = set(re.search(r'^known=" (.*) "$', text, re.M).group(1).split())
+    assert known == named, f"sections it runs {sorted(known)} but names {sorted(named)}"
+
+
+@pytest.mark.parametrize(("args", "env", "message"), [
+    (["speeed"], {}, "unknown section 'speeed' (sections: machine checks"),  # was run as a command
+    (["machine uname"], {}, "unknown section 'uname'"),
+    (["machine"], {"DEADLINE": "9m"}, "DEADLINE must be whole seconds, got '9m'"),  # arithmetic errors
+    (["machine"], {"BUNDLE": "{out}/gpu.tgz"}, "BUNDLE must be outside OUT"),  # tar read its own file
+])
+def test_gpu_check_refuses_what_it_cannot_run_before_any_step(tmp_path, args, env, message):
+    out = tmp_path / "out"
+    env = {k: v.format(out=out) for k, v in env.items()}
+    done = subprocess.run(["bash", str(CHECK), *args], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "OUT": str(out), "PYTHON": "false", **env})
+    said = done.stdout + done.stderr  # the sections are checked where the console goes to console.log too
+    assert done.returncode == 2 and message in said and "===" not in said, said
+
+
+def test_gpu_check_ends_with_status_0_without_a_bundle_and_sums_up_only_this_calls_lm_runs(tmp_path):
+    """The last line failed without BUNDLE (status 1 after every step ran); an LM run's summary
+    read every results.json its folder held, an earlier call's when this one's run failed."""
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\ncase "$*" in *"sys.exit(main())"*) exit 2;; esac\n'
+                      f'exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    stale = tmp_path / "runs" / "gpu-medium" / "none" / "seed-1"
+    stale.mkdir(parents=True)
+    (stale / "results.json").write_text('{"words_per_second": 12345, "best_valid_ppl": 99.0, '
+                                        '"peak_memory_bytes": 0}')
+    (stale / "metrics.csv").write_text("epoch,words_per_second\n1,11111\n")
+    done = subprocess.run(["bash", str(CHECK), "lms"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"),
+                                            "PYTHON": str(python), "LMS": "medium:zaremba-medium:none::1"})
+    assert done.returncode == 0 and "=== done" in done.stdout, done.stdout + done.stderr
+    assert "12345" not in done.stdout and not stale.exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
