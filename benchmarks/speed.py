@@ -429,8 +429,10 @@ def bench_shape(
     # mc-predict: a variant's call draws --samples samples, the baseline's is one inference forward
     samples = {name: args.samples if args.mode == "mc-predict" and name != baseline else 1
                for name in variants}
+    # through mc_predict at --samples 1 too
+    predicted = {name for name in variants if args.mode == "mc-predict" and name != baseline}
     calls = {name: with_switches(name, (lambda m=m, n=samples[name]: mc_predict_step(m, x, n))
-                                 if samples[name] > 1 else (lambda m=m: step_fn(m, x)))
+                                 if name in predicted else (lambda m=m: step_fn(m, x)))
              for name, m in variants.items()}
 
     first = {}

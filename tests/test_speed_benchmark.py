@@ -319,6 +319,11 @@ def test_mc_predict_mode_times_samples_through_mc_predict_per_sample(speed, caps
     assert drawn == [3, 3, 3]  # the variant alone draws: its first call, then one a round
     assert rows["nn.LSTM"]["samples_per_call"] == 1 and rows["sequence/manual"]["samples_per_call"] == 3
     assert "times per sample" in capsys.readouterr().out
+    drawn.clear()  # one sample a call is still drawn through mc_predict (it timed mc-eval's step)
+    speed.main(["--shapes", "small", "--models", "lstm", "--kernels", "manual", "--batch", "2",
+                "--seq-len", "3", "--rounds", "1", "--warmup", "1", "--mode", "mc-predict", "--samples", "1",
+                "--variants", "sequence/manual", "--no-memory"])
+    assert drawn == [1, 1]
     with pytest.raises(SystemExit):
         speed.parse_args(["--mode", "mc-predict", "--samples", "0"])
 
