@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from rnndrop.atomic import unwritable
 from rnndrop.lm.data.corpus import load_corpus, sample_dir
 from rnndrop.lm.model.presets import get_config
 from rnndrop.lm.model.regimes import get_regime
@@ -42,6 +43,8 @@ def main() -> None:
     for name in ("threads", "epochs"):
         if getattr(args, name) < 1:
             parser.error(f"--{name}: expected a positive integer, got {getattr(args, name)}")
+    if why := unwritable(args.out, folder=True):
+        parser.error(f"out {args.out!r}: {why}")
     try:  # before anything is written: one line, not a traceback and an empty run folder
         get_regime(args.regime)
         corpus = load_corpus(sample_dir("ptb") if args.data == "sample" else args.data)

@@ -29,14 +29,18 @@ os.environ["TRITON_INTERPRET"] = "1"  # before anything imports Triton (rnndrop'
 
 import argparse
 import contextlib
+import importlib.util
 import sys
 from unittest import mock
+
+if importlib.util.find_spec("triton") is None:  # the persistent loop is Triton's: one line, not a traceback
+    sys.exit("host_cost.py: needs Triton (the [gpu] extra): pip install triton")
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from rnndrop import VariationalGRU, VariationalLSTM
-from rnndrop.atomic import write_json_atomic
+from rnndrop.atomic import unwritable, write_json_atomic
 from rnndrop.kernels import per_gate_projection, persistent
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -111,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds of 200 calls (default 7)")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
+    if args.json and (why := unwritable(args.json)):  # said before measuring, not after
+        parser.error(f"--json {args.json!r}: {why}")
     if args.rounds < 1:
         parser.error(f"--rounds: expected a positive integer, got {args.rounds}")
     torch.set_num_threads(1)

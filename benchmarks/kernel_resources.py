@@ -30,6 +30,7 @@ another version); ~20 s on a CPU.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import inspect
 import os
 import re
@@ -40,13 +41,16 @@ from typing import NamedTuple
 
 os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not the interpreter's
 
+if importlib.util.find_spec("triton") is None:  # the persistent loop is Triton's: one line, not a traceback
+    sys.exit("kernel_resources.py: needs Triton (the [gpu] extra): pip install triton")
+
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
-from rnndrop.atomic import write_json_atomic
+from rnndrop.atomic import unwritable, write_json_atomic
 from rnndrop.kernels import persistent
 from rnndrop.kernels.triton_plan import LAUNCH_OPTIONS
 
@@ -281,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the GPU to compile and plan for (default h100: Hopper, H100 / H200)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
+    if args.json and (why := unwritable(args.json)):  # said before measuring, not after
+        parser.error(f"--json {args.json!r}: {why}")
     gpu = GPUS[args.gpu]
     if args.stages < 1:
         parser.error(f"--stages: expected a positive integer, got {args.stages}")

@@ -26,17 +26,21 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import signal
 import statistics
 import sys
 import time
 from collections.abc import Iterator
 
+if importlib.util.find_spec("triton") is None:  # the persistent loop is Triton's: one line, not a traceback
+    sys.exit("persistent_tuning.py: needs Triton (the [gpu] extra): pip install triton")
+
 import torch
 from torch import nn
 
 from rnndrop import VariationalLSTM
-from rnndrop.atomic import write_json_atomic
+from rnndrop.atomic import unwritable, write_json_atomic
 from rnndrop.kernels import persistent
 from rnndrop.kernels.schedule import Schedule
 from rnndrop.kernels.triton_gru import _Saved as _GRUSaved
@@ -247,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="masks to sweep, comma-separated: tied (every shape and setting), per-gate "
                              "(PER_GATE_SHAPES and PER_GATE_SETTINGS); default both")
     args = parser.parse_args(argv)
+    if args.json and (why := unwritable(args.json)):  # said before measuring, not after
+        parser.error(f"--json {args.json!r}: {why}")
     cells, masks = args.cells.split(","), args.masks.split(",")
     if not cells or any(c not in ("lstm", "gru") for c in cells):
         parser.error(f"--cells: expected a comma-separated list of lstm and gru, got {args.cells!r}")

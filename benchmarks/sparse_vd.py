@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from rnndrop.atomic import atomic_write, write_json_atomic
+from rnndrop.atomic import atomic_write, unwritable, write_json_atomic
 from rnndrop.deploy import prune
 from rnndrop.lm.data.corpus import batchify, load_corpus
 from rnndrop.lm.model.presets import get_config
@@ -243,6 +243,8 @@ def main() -> None:
     if args.threads < 1 or args.rounds < 1:
         parser.error(f"--threads and --rounds: expected positive integers, got {args.threads} and "
                      f"{args.rounds}")
+    if why := unwritable(args.out, folder=True):  # said before the fine-tuning, not after
+        parser.error(f"--out {args.out!r}: {why}")
     warnings.filterwarnings("ignore", message="Sparse (CSR tensor support|invariant checks)")
     kl_weights, thresholds = (_numbers(parser, flag, text) for flag, text in
                               (("--kl-weights", args.kl_weights), ("--thresholds", args.thresholds)))

@@ -103,7 +103,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from rnndrop import VariationalGRU, VariationalLSTM, compile_model
-from rnndrop.atomic import write_json_atomic
+from rnndrop.atomic import unwritable, write_json_atomic
 from rnndrop.kernels import KERNELS, auto_loop_kernel, cuda_graphs, get_kernel
 from rnndrop.kernels.onednn import onednn_enabled
 from rnndrop.kernels.precision import cudnn_rnn_tf32, matmul_precision
@@ -780,6 +780,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--count-ops", action="store_true", help="print the ops per time step of every loop kernel and exit"
     )
     args = parser.parse_args(argv)
+    if args.json and (why := unwritable(args.json)):  # said before measuring, not after
+        parser.error(f"--json {args.json!r}: {why}")
     args.shapes = [s for s in args.shapes.split(",") if s]
     args.models = [m for m in args.models.split(",") if m]
     try:

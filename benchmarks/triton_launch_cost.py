@@ -29,7 +29,7 @@ from unittest import mock
 
 import torch
 
-from rnndrop.atomic import write_json_atomic
+from rnndrop.atomic import unwritable, write_json_atomic
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from speed import machine, microseconds  # shared with speed.py
@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=2000, help="calls a round (default 2000)")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
+    if args.json and (why := unwritable(args.json)):  # said before measuring, not after
+        parser.error(f"--json {args.json!r}: {why}")
     for name in ("rounds", "calls"):
         if getattr(args, name) < 1:
             parser.error(f"--{name}: expected a positive integer, got {getattr(args, name)}")

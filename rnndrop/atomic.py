@@ -25,6 +25,7 @@ __all__ = [
     "file_sha256",
     "fsync_folder",
     "remove_stale_temporaries",
+    "unwritable",
     "write_json_atomic",
 ]
 
@@ -105,6 +106,26 @@ def _naming(error: OSError, path: Path) -> OSError:
     before = "its previous version is intact" if path.exists() else "no partial file is left"
     return type(error)(error.errno, f"cannot write {str(path)!r}: {reason}; {before}, and so is "
                                     "every file written before it")
+
+
+def unwritable(path: str | Path, *, folder: bool = False) -> str | None:
+    """Why a file (``folder``: a folder) could not be written at ``path``, or None: for a script
+    to say so before it measures or trains, not after (the writers make missing parent folders)."""
+    path = Path(path)
+    if str(path) in ("", "."):
+        return None if folder else "expected a file name, got a folder"
+    if path.is_dir() and not folder:
+        return "it is a folder, expected a file"
+    if path.exists() and not path.is_dir() and folder:
+        return "it is a file, expected a folder"
+    existing = path if folder and path.is_dir() else path.parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{str(existing)!r} is a file, not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{str(existing)!r} is not writable"
+    return None
 
 
 def remove_stale_temporaries(folder: str | Path) -> list[Path]:

@@ -21,10 +21,31 @@ ROOT = Path(__file__).resolve().parents[1]
     (["benchmarks/sparse_vd.py", "--data", "x", "--dense", "x", "--thresholds", "1,nan"],
      "--thresholds: expected comma-separated numbers, got '1,nan'"),
     (["-m", "rnndrop.kernels", "--bogus"], "unrecognized arguments: --bogus"),
+    # an output that cannot be written: said before measuring or training (a traceback after it)
+    (["benchmarks/ddp_speed.py", "sample", "{a_file}/runs"], "out '{a_file}/runs': '{a_file}' is a file"),
+    (["benchmarks/sparse_vd.py", "--data", "x", "--dense", "x", "--out", "{a_file}"], "it is a file"),
+    (["benchmarks/speed.py", "--json", "{a_file}/x.json"], "--json '{a_file}/x.json': '{a_file}' is a file"),
+    (["benchmarks/host_cost.py", "--json", "{out}"], "--json '{out}': it is a folder, expected a file"),
+    (["benchmarks/kernel_resources.py", "--json", "{a_file}/k.json"], "is a file, not a folder"),
+    (["benchmarks/triton_launch_cost.py", "--json", "{a_file}/t.json"], "is a file, not a folder"),
 ])
 def test_a_wrong_argument_is_one_line(tmp_path, argv, message):
-    argv = [a.format(out=tmp_path / "out", missing=tmp_path / "missing") for a in argv]
+    names = {"out": tmp_path / "out", "missing": tmp_path / "missing", "a_file": tmp_path / "a_file"}
+    names["a_file"].write_text("")
+    if "{out}" in argv[-1] and "--json" in argv:  # a folder where a file is expected
+        names["out"].mkdir()
+    argv, message = [a.format(**names) for a in argv], message.format(**names)
     done = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
     last = done.stderr.strip().splitlines()[-1]
     assert done.returncode == 2 and "Traceback" not in done.stderr and message in last, done.stderr
-    assert not (tmp_path / "out").exists()
+    assert "--json" in argv or not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("script", ["host_cost.py", "kernel_resources.py", "persistent_tuning.py"])
+def test_a_script_written_in_triton_says_so_in_one_line_where_triton_is_missing(script):
+    """--help too raised ModuleNotFoundError: Triton is the [gpu] extra, not the CPU install's.
+    ``python -S`` finds no site-packages (the check comes before torch is imported)."""
+    done = subprocess.run([sys.executable, "-S", f"benchmarks/{script}", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    expected = f"{script}: needs Triton (the [gpu] extra): pip install triton\n"
+    assert done.returncode == 1 and done.stderr == expected
