@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from rnndrop import VariationalLSTM
+from rnndrop.atomic import unwritable
 from rnndrop.mc import mc_predict
 
 TRAIN_END, VALID_END = 1928, 1958  # last year of each split
@@ -63,6 +64,12 @@ def windows_of(series: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.T
     return x, series[window:].unsqueeze(-1)
 
 
+def fail(message: str) -> None:
+    """One line on stderr and exit status 2 (a usage problem)."""
+    sys.stderr.write(f"error: {message}\n")
+    raise SystemExit(2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("mc_forecast_out"))
@@ -76,6 +83,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="a model this small runs best on one")
     args = parser.parse_args()
+    for name in ("window", "hidden", "epochs", "samples", "horizon", "threads"):
+        if getattr(args, name) < 1:
+            fail(f"--{name} must be a positive integer, got {getattr(args, name)}")
+    for name in ("p", "p_hidden"):
+        if not 0 <= getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} must be a probability in [0, 1), got {getattr(args, name)}")
+    if why := unwritable(args.out, folder=True):
+        fail(f"--out {str(args.out)!r}: {why}")
     try:  # the example's extras, imported only to run it (--help works without them)
         import matplotlib
 
@@ -95,6 +110,8 @@ def main() -> None:
     raw = torch.tensor(data["SUNACTIVITY"].to_numpy(), dtype=torch.float32)
     root = raw.sqrt()  # stabilises the variance of counts
     n_train = int((years <= TRAIN_END).sum())
+    if args.window >= n_train:  # no training window would be left
+        fail(f"--window must be below the {n_train} years up to {TRAIN_END} it trains on, got {args.window}")
     mean, std = root[:n_train].mean(), root[:n_train].std()
     series = (root - mean) / std
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from rnndrop.atomic import unwritable
 from rnndrop.calibration import reliability_diagram
 from rnndrop.lm import (
     CorpusError,
@@ -102,6 +103,8 @@ def main() -> None:
             fail(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     if args.show < 0:
         fail(f"--show must be >= 0, got {args.show}")
+    if why := unwritable(args.out, folder=True):
+        fail(f"--out {str(args.out)!r}: {why}")
     try:  # imported only to run the example (--help works without it)
         import matplotlib
 
@@ -113,8 +116,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
-    try:
+    try:  # the corpus, and batches of the sizes asked for (a split too short for them)
         corpus = load_corpus(args.data)
+        batchify(corpus.train, args.batch_size, split="the train split", size_name="--batch-size")
+        batchify(corpus.test, args.eval_batch_size, split="the test split", size_name="--eval-batch-size")
     except CorpusError as e:
         fail(str(e))
     vocab = corpus.vocab

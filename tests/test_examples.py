@@ -56,3 +56,24 @@ def test_language_model_example_numbers_are_checked_in_one_line(monkeypatch, cap
     assert _run("mc_language_model.py", [*argv, "--out", str(tmp_path)], monkeypatch) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
+
+
+@pytest.mark.parametrize(("script", "argv", "message"), [
+    ("mc_language_model.py", ["--batch-size", "100000"], "too short for --batch-size=100000"),
+    ("mc_language_model.py", ["--out", "{a_file}"], "--out '{a_file}': it is a file, expected a folder"),
+    ("mc_forecast.py", ["--samples", "0"], "--samples must be a positive integer, got 0"),
+    ("mc_forecast.py", ["--horizon", "-5"], "--horizon must be a positive integer, got -5"),
+    ("mc_forecast.py", ["--p-hidden", "1.5"], "--p-hidden must be a probability in [0, 1), got 1.5"),
+    ("mc_forecast.py", ["--out", "{a_file}"], "--out '{a_file}': it is a file, expected a folder"),
+])
+def test_the_examples_check_their_numbers_and_output_in_one_line(monkeypatch, capsys, tmp_path, script, argv,
+                                                                  message):
+    """Tracebacks from the library (batchify, mc_predict, torch.cat), or after the training."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    argv = [a.format(a_file=a_file) for a in argv]
+    out = [] if "--out" in argv else ["--out", str(tmp_path / "out")]
+    assert _run(script, [*argv, *out], monkeypatch) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message.format(a_file=a_file) in err, err
+
