@@ -782,6 +782,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.json and (why := unwritable(args.json)):  # said before measuring, not after
         parser.error(f"--json {args.json!r}: {why}")
+    if args.count_ops and args.json:  # it prints a table of its own and writes nothing
+        parser.error("--count-ops prints the ops per step and exits: it writes no --json")
     args.shapes = [s for s in args.shapes.split(",") if s]
     args.models = [m for m in args.models.split(",") if m]
     try:

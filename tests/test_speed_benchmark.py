@@ -326,6 +326,9 @@ def test_mc_predict_mode_times_samples_through_mc_predict_per_sample(speed, caps
     assert drawn == [1, 1]
     with pytest.raises(SystemExit):
         speed.parse_args(["--mode", "mc-predict", "--samples", "0"])
+    with pytest.raises(SystemExit):  # it wrote nothing, silently
+        speed.parse_args(["--count-ops", "--json", str(tmp_path / "ops.json")])
+    assert "--count-ops prints the ops per step and exits: it writes no --json" in capsys.readouterr().err
 
 
 def test_the_k_block_and_pipeline_each_persistent_launch_kept_are_named_once(speed, monkeypatch):
