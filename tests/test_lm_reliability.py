@@ -108,6 +108,7 @@ def test_resume_refuses_a_folder_whose_runs_were_trained_with_other_settings(tmp
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "was trained with other settings than this job's" in err, err
         assert differs in err and "train into another --out" in err
+        assert ("name its regime and seed in --regimes and --seeds" in err) == ("epochs" in differs)
         assert not list(out.glob("tied/*seed2"))  # refused before it trained
     assert _job(data, out, "--mc-samples", "0", "--resume", "--seeds", "1,2", "--epochs", "2") == 0
     summary = json.loads((out / "summary.json").read_text())

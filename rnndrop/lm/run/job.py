@@ -344,6 +344,10 @@ def _other_runs(
     return finals, grids
 
 
+#: How to bring a run of another epoch cap to this job's: the job continues the runs it names.
+_CONTINUE_IT = " (or name its regime and seed in --regimes and --seeds: this job then continues it)"
+
+
 def _refuse_runs_of_other_settings(job: _Job, regimes: Sequence[str], seeds: Sequence[int]) -> None:
     """Refuse, before anything trains, a folder holding finished runs trained otherwise than this
     job trains (another config but for the dropout and seed, corpus, starting weights; and, for a
@@ -372,7 +376,7 @@ def _refuse_runs_of_other_settings(job: _Job, regimes: Sequence[str], seeds: Seq
                 f"the run {str(run)!r} in {str(job.out)!r} was trained with other settings than this job's "
                 f"({'; '.join(differences[:4])}{'; ...' if len(differences) > 4 else ''}), and the folder's "
                 "report would average them with this job's runs: resume with the settings it was trained "
-                "with, or train into another --out")
+                f"with{_CONTINUE_IT if cap != job.config.epochs else ''}, or train into another --out")
 
 
 def _one_seed_each(results: Sequence[Mapping[str, Any]], seed: int) -> list[Mapping[str, Any]]:
