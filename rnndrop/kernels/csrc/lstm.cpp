@@ -28,11 +28,15 @@ void lstm_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>&
   scalar_t* a_base = acts.data_ptr<scalar_t>();
   scalar_t* c_base = cells.data_ptr<scalar_t>();
   scalar_t* tc_base = tanh_cells.data_ptr<scalar_t>();
-  scalar_t* r_base = r.data_ptr<scalar_t>();
   scalar_t* hs = h_state.data_ptr<scalar_t>();
   scalar_t* cs = c_state.data_ptr<scalar_t>();
   scalar_t* out_base = out.data_ptr<scalar_t>();
   Tensor zr_buf = at::empty({h_state.size(0), 4 * H}, acts.options());
+  // A step's r rows go through one buffer whether or not they are kept: BLAS may sum a product in
+  // another order where its rows start at another alignment, and inference gives training's
+  // outputs bit for bit.
+  Tensor r_step = proj ? at::empty({h_state.size(0), H}, acts.options()) : Tensor();
+  scalar_t* rs_base = proj ? r_step.data_ptr<scalar_t>() : nullptr;
   const bool gate_major = masked.defined() && masked.dim() == 3;  // per-gate masks: [G, B, P]
   for (const Step& s : steps) {
     const int64_t b = s.size, kept = keep ? s.offset : 0;  // kept: the step's first row in the buffers
@@ -50,14 +54,15 @@ void lstm_forward_loop(const std::vector<Step>& steps, const MaskView<scalar_t>&
     const int64_t z_row = gate_major ? H : 4 * H, z_gate = gate_major ? b * H : H;  // strides of zr
     over_rows(b, H, [&](int64_t k) {
       const int64_t row = (kept + k) * H;
-      scalar_t* r_row = proj ? r_base + row : out_base + (s.offset + k) * P;
+      scalar_t* r_row = proj ? rs_base + k * H : out_base + (s.offset + k) * P;
       rows::lstm_step<scalar_t>(H, H, z_gate, x_base + (s.offset + k) * 4 * H, zr + k * z_row,
                                 a_base + (kept + k) * 4 * H, cs + k * H, c_base + row, tc_base + row, r_row);
       if (!proj) std::copy(r_row, r_row + H, hs + k * H);
     });
     if (proj) {
-      Tensor out_t = out.narrow(0, s.offset, b);
-      at::mm_out(out_t, r.narrow(0, kept, b), w_hr_t);
+      Tensor out_t = out.narrow(0, s.offset, b), r_t = r_step.narrow(0, 0, b);
+      at::mm_out(out_t, r_t, w_hr_t);
+      if (keep) r.narrow(0, s.offset, b).copy_(r_t);
       h_state.narrow(0, 0, b).copy_(out_t);
     }
   }
