@@ -36,7 +36,7 @@ import signal
 import statistics
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import ExitStack
@@ -310,6 +310,22 @@ def _run_key(result: Mapping[str, Any]) -> str:
     return json.dumps([result["regime"], result["dropout"], result["seed"]], sort_keys=True)
 
 
+def _finished_runs(job: _Job, *, warn: bool) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """``(path, result)`` of every finished run in the job's folder trained on its corpus, read from
+    a verified results.json naming its regime, dropout and seed; the others are skipped (``warn``:
+    saying so, as the report leaves them out)."""
+    for path in sorted(job.out.glob(f"*/*/{RESULTS}")):
+        try:
+            result = read_verified_result(path)
+            _run_key(result)
+        except (ResultsError, KeyError, TypeError) as e:
+            if warn:
+                log.warning("%s; it is left out of the job's report", e)
+            continue
+        if result.get("dataset") == job.dataset:
+            yield path, result
+
+
 def _other_runs(
     job: _Job, results: Sequence[Mapping[str, Any]]
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -325,14 +341,9 @@ def _other_runs(
         grid_keys, final_keys = set(), set()
     finals: list[dict[str, Any]] = []
     grids: list[dict[str, Any]] = []
-    for path in sorted(job.out.glob(f"*/*/{RESULTS}")):
-        try:
-            result = read_verified_result(path)
-            key = _run_key(result)
-        except (ResultsError, KeyError, TypeError) as e:
-            log.warning("%s; it is left out of the job's report", e)
-            continue
-        if key in ours or result.get("dataset") != job.dataset:
+    for _, result in _finished_runs(job, warn=True):
+        key = _run_key(result)
+        if key in ours:
             continue
         if key in grid_keys:
             grids.append(result)
@@ -355,15 +366,12 @@ def _refuse_runs_of_other_settings(job: _Job, regimes: Sequence[str], seeds: Seq
     regime and dropout in one row, mean and sd over its seeds, which would then mix settings. A
     run this job continues would be refused anyway, but only when the job reached it."""
     corpus = cached_corpus(job.corpus_dir)
-    for path in sorted(job.out.glob(f"*/*/{RESULTS}")):
+    for path, result in _finished_runs(job, warn=False):  # the report warns of the others
         try:
-            result = read_verified_result(path)
-            if result.get("dataset") != job.dataset:
-                continue
             ours = run_identity(corpus, job.config, result["regime"], result["dropout"], result["seed"],
                                 job.init_from)
-        except (ResultsError, KeyError, TypeError, ValueError):
-            continue  # left out of the report with a warning there (_other_runs)
+        except (ValueError, TypeError):  # a regime (or site) this version does not know
+            continue
         differences = [d for d in identity_differences(ours, result.get("identity", {}))
                        if not d.startswith("regime_settings")]  # a regime's description may change
         continued = result["regime"] in regimes and result["seed"] in seeds
