@@ -43,13 +43,13 @@ def main() -> None:
     for name in ("threads", "epochs"):
         if getattr(args, name) < 1:
             parser.error(f"--{name}: expected a positive integer, got {getattr(args, name)}")
-    if why := unwritable(args.out, folder=True):
-        parser.error(f"out {args.out!r}: {why}")
     try:  # before anything is written: one line, not a traceback and an empty run folder
         get_regime(args.regime)
         corpus = load_corpus(sample_dir("ptb") if args.data == "sample" else args.data)
     except (ValueError, OSError) as error:
         parser.error(str(error))
+    if why := unwritable(args.out, folder=True):  # the last check (it makes the folder)
+        parser.error(f"out {args.out!r}: {why}")
     ctx, device = init_from_env("cpu")
     torch.set_num_threads(args.threads)
     config = replace(get_config("mini"), epochs=args.epochs, mc_samples=0)

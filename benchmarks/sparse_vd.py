@@ -243,8 +243,6 @@ def main() -> None:
     if args.threads < 1 or args.rounds < 1:
         parser.error(f"--threads and --rounds: expected positive integers, got {args.threads} and "
                      f"{args.rounds}")
-    if why := unwritable(args.out, folder=True):  # said before the fine-tuning, not after
-        parser.error(f"--out {args.out!r}: {why}")
     warnings.filterwarnings("ignore", message="Sparse (CSR tensor support|invariant checks)")
     kl_weights, thresholds = (_numbers(parser, flag, text) for flag, text in
                               (("--kl-weights", args.kl_weights), ("--thresholds", args.thresholds)))
@@ -258,6 +256,8 @@ def main() -> None:
             replace(base, kl_weight=weight)
     except (ValueError, OSError) as e:
         raise SystemExit(f"sparse_vd.py: error: {e}") from None
+    if why := unwritable(args.out, folder=True):  # the last check (it makes the folder): before training
+        parser.error(f"--out {args.out!r}: {why}")
     torch.set_num_threads(args.threads)
     runs = {}
     for weight in kl_weights:

@@ -109,22 +109,28 @@ def _naming(error: OSError, path: Path) -> OSError:
 
 
 def unwritable(path: str | Path, *, folder: bool = False) -> str | None:
-    """Why a file (``folder``: a folder) could not be written at ``path``, or None: for a script
-    to say so before it measures or trains, not after (the writers make missing parent folders)."""
+    """Why a file (``folder``: a folder) cannot be written at ``path``, or None once shown that it
+    can: the folder (a file's parent) is made where missing and a temporary file written there. For
+    a command to say so before it measures or trains, not after."""
     path = Path(path)
-    if str(path) in ("", "."):
-        return None if folder else "expected a file name, got a folder"
-    if path.is_dir() and not folder:
-        return "it is a folder, expected a file"
-    if path.exists() and not path.is_dir() and folder:
+    if path.is_symlink() and not path.exists():
+        return f"it is a symbolic link to {os.readlink(path)!r}, which does not exist"
+    if folder and path.exists() and not path.is_dir():
         return "it is a file, expected a folder"
-    existing = path if folder and path.is_dir() else path.parent
+    if not folder and path.is_dir():
+        return "it is a folder, expected a file"
+    where = path if folder else path.parent
+    existing = where
     while not existing.exists():
         existing = existing.parent
-    if not existing.is_dir():
+    if not existing.is_dir():  # mkdir would say "File exists"
         return f"{str(existing)!r} is a file, not a folder"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"{str(existing)!r} is not writable"
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=where):
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
     return None
 
 

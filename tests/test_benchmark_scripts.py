@@ -23,7 +23,6 @@ ROOT = Path(__file__).resolve().parents[1]
     (["-m", "rnndrop.kernels", "--bogus"], "unrecognized arguments: --bogus"),
     # an output that cannot be written: said before measuring or training (a traceback after it)
     (["benchmarks/ddp_speed.py", "sample", "{a_file}/runs"], "out '{a_file}/runs': '{a_file}' is a file"),
-    (["benchmarks/sparse_vd.py", "--data", "x", "--dense", "x", "--out", "{a_file}"], "it is a file"),
     (["benchmarks/speed.py", "--json", "{a_file}/x.json"], "--json '{a_file}/x.json': '{a_file}' is a file"),
     (["benchmarks/host_cost.py", "--json", "{out}"], "--json '{out}': it is a folder, expected a file"),
     (["benchmarks/kernel_resources.py", "--json", "{a_file}/k.json"], "is a file, not a folder"),

@@ -6,13 +6,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import tempfile
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from rnndrop.atomic import unwritable
 from rnndrop.lm.cli.errors import UsageError, check_seed, check_threads, positive
 from rnndrop.lm.cli.parser import CONFIG_FLAGS
 from rnndrop.lm.data.corpus import cached_corpus, sample_dir
@@ -93,15 +92,8 @@ def _no_repeats(flag: str, values: list[Any], given: str) -> None:
 
 def check_writable(out: Path) -> None:
     """Create ``out`` if needed; UsageError unless a file can be written in it."""
-    if out.is_symlink() and not out.exists():
-        raise UsageError(f"--out {str(out)!r} is a symbolic link to {os.readlink(out)!r}, "
-                         "which does not exist")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
-            pass
-    except OSError as e:
-        raise UsageError(f"--out {str(out)!r} is not a writable folder: {e.strerror or e}") from None
+    if why := unwritable(out, folder=True):
+        raise UsageError(f"--out {str(out)!r} is not a writable folder: {why}")
 
 
 def checked_job(args: argparse.Namespace, dataset: str, claim: ExitStack | None = None) -> tuple[Any, ...]:
