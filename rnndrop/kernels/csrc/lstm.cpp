@@ -198,7 +198,7 @@ LSTMForward lstm_forward(const LSTMInputs& inputs, const Schedule& schedule, con
   Tensor cells = at::empty({N, H}, gates_x.options());
   Tensor tanh_cells = at::empty({N, H}, gates_x.options());
   Tensor out = at::empty({gates_x.size(0), P}, gates_x.options());
-  Tensor r = w_hr.defined() ? at::empty({N, H}, gates_x.options()) : out;
+  Tensor r = w_hr.defined() && keep ? at::empty({N, H}, gates_x.options()) : Tensor();  // backward's alone
   const bool keep_masked = keep && (!mask.defined() || mask.dim() == 3);  // per gate: rebuilt by backward
   // the masked states: of every row where kept, else of one step's rows
   const Tensor masked = mask.defined() ? masked_states(keep_masked ? N : h0.size(0), mask, x.options()) : Tensor();
@@ -227,7 +227,7 @@ LSTMForward lstm_forward(const LSTMInputs& inputs, const Schedule& schedule, con
   result.acts = acts;
   result.cells = cells;
   result.tanh_cells = tanh_cells;
-  if (w_hr.defined()) result.r = r;
+  if (r.defined()) result.r = r;
   if (keep_masked && masked.defined()) result.masked = masked;
   return result;
 }
