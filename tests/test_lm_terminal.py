@@ -42,3 +42,11 @@ def test_words_per_second_marked_compiled_stays_a_right_aligned_number():
     rows = text.splitlines()[2:5]
     assert len({len(row) for row in rows}) == 1 and rows[0].endswith(" 126,000")
     assert rows[1].endswith("191,355 (compiled)") and rows[2].endswith("90,000 (1 of 2 compiled)")
+
+
+def test_a_monte_carlo_column_of_several_sample_counts_stays_a_right_aligned_number():
+    text = markdown_for_terminal("| regime | test ppl, MC |\n|---|---|\n| naive | 163.7 ± 10.0 (S=50) |\n"
+                                 "| tied | 99.0 (S=2, 5) |\n")
+    rows = text.splitlines()[2:4]
+    assert len(rows[0]) == len(rows[1]) and rows[1].endswith(" 99.0 (S=2, 5)")  # right-aligned
+

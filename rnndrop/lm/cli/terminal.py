@@ -11,7 +11,7 @@ import re
 __all__ = ["markdown_for_terminal"]
 
 # a number, with its sd, Monte-Carlo samples or "(compiled)" (words/s of runs under torch.compile)
-_NUMBER = re.compile(r"^[+\-−]?[\d,]*\.?\d+(\s*±\s*[\d.]+)?(\s*\(S=\d+\))?"
+_NUMBER = re.compile(r"^[+\-−]?[\d,]*\.?\d+(\s*±\s*[\d.]+)?(\s*\(S=\d+(, \d+)*\))?"
                      r"(\s*\((\d+ of \d+ )?compiled\))?$|^[—-]$")
 
 
