@@ -153,6 +153,17 @@ def test_first_use_check_catches_a_kernel_that_fails_or_is_wrong(monkeypatch):
     assert "runs the 'manual' kernel there instead" in str(caught[0].message)
 
 
+def test_first_use_check_under_inference_mode_checks_the_kernel_not_the_mode(monkeypatch):
+    """A first call under ``torch.inference_mode`` (a server's mc_predict) failed the check with
+    "Inference tensors cannot be saved for backward" and sent "auto" to the manual kernel for the
+    process; under no_grad and inference_mode the check computes its gradients all the same."""
+    _fake_triton(monkeypatch, get_kernel("autograd", "lstm"), get_kernel("autograd", "gru"))
+    with torch.inference_mode():
+        assert gpu.first_use_failure("cpu") is None
+    with torch.no_grad():
+        assert gpu.first_use_failure("cpu") is None
+
+
 def test_first_use_check_allows_tf32_rounding_but_not_a_wrong_kernel(monkeypatch):
     """With TF32 products both kernels round their own way (an H200 measured 1.4e-4 apart):
     1e-3 apart passes, 0.1 apart does not; in IEEE float32 1e-3 apart fails (above)."""

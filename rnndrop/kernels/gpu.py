@@ -131,6 +131,9 @@ def _on_device(x: Tensor) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+# gradients even where the caller runs under torch.inference_mode (a server's mc_predict), whose
+# tensors cannot be saved for backward: the mode is not the kernel's failure
+@torch.inference_mode(False)
 def first_use_failure(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str | None:
     """Why the kernel fails on ``device``, or None: a small packed LSTM (tied mask) and GRU
     (per-gate mask), on a GPU over several programs (the LSTM's over blocks of rows too), in float32,
@@ -143,7 +146,7 @@ def first_use_failure(device: torch.device | str, dtype: torch.dtype = torch.flo
     output and gradient within :data:`HALF_TOLERANCE` in relative norm.
 
     Uses its own generator (the global random state is left as it was) and runs outside any
-    ``torch.autocast`` the caller is in."""
+    ``torch.autocast``, ``torch.no_grad`` or ``torch.inference_mode`` the caller is in."""
     device = torch.device(device)
     half = dtype in HALF_TYPES
     generator = torch.Generator().manual_seed(0)
