@@ -99,6 +99,19 @@ def test_gates_too_large_for_32_bit_offsets_run_the_step_kernel(on_cuda):
     assert on_cuda.elements >= persistent.MAX_ELEMENTS and persistent.plan(on_cuda, 1500, 128, False) is None
 
 
+def test_a_packed_batchs_per_step_masks_too_large_for_32_bit_offsets_run_the_step_kernel(on_cuda):
+    """A packed batch's per-step masks ``[T, B, G, H]`` span its longest sequence for every row:
+    256 sequences of hidden 1000, 40 of 2600 steps and 216 of 1000, have gates of 1.28e9 elements
+    but per-gate masks of 2.66e9, whose offsets wrapped in 32 bits (the step table refused them
+    with an int32 overflow; a little shorter, the kernel read beside the mask)."""
+    on_cuda.elements = 320_000 * 4 * 1000
+    mask = type("Mask", (), {"numel": lambda self: 2600 * 256 * 4 * 1000})()
+    assert persistent.plan(on_cuda, 1000, 256, False) is not None
+    assert persistent.plan(on_cuda, 1000, 256, False, mask) is None
+    mask.numel = lambda: persistent.MAX_ELEMENTS - 1
+    assert persistent.plan(on_cuda, 1000, 256, False, mask) is not None
+
+
 @pytest.mark.parametrize("hidden, batch, expected", [
     (200, 20, Launch(13, 16, row_blocks=2)),     # 32 rows -> two blocks of 16
     (200, 128, Launch(13, 16, row_blocks=8)),    # 104 programs of 16 rows

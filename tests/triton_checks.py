@@ -370,6 +370,23 @@ def test_persistent_loop_runs_where_it_can_and_the_step_kernel_elsewhere(device,
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_per_step_masks_beyond_32_bit_offsets_run_the_step_kernel(kind, device, monkeypatch):
+    """A packed batch's per-step masks span its longest sequence for every row: masks beyond
+    ``MAX_ELEMENTS`` (lowered here between the gates' size and the masks') send the call, forward
+    and backward, to the step kernel, whose offsets stay within a step, and it matches."""
+    calls = persistent_calls(monkeypatch)
+    sizes = [3, 1, 1, 1]  # gates [6, G * 16], per-gate per-step masks [4, 3, G, 16]
+    monkeypatch.setattr(persistent, "MAX_ELEMENTS", 500)  # LSTM gates 384 (GRU 288) < 500 <= masks
+    args = inputs(kind, sizes, ("T", "B", "G", "P"), 0, device, torch.float32, H=16)
+    assert args[0].numel() < 500 <= args[-1].numel()
+    ours = run("triton", kind, sizes, args, False)
+    assert calls == []
+    assert_close(ours, run("autograd", kind, sizes, args, False), atol=1e-5, rtol=1e-5)
+    run("triton", kind, sizes, inputs(kind, sizes, (1, "B", "G", "P"), 0, device, torch.float32, H=16), False)
+    assert len(calls) == 2  # a mask of the whole sequence runs persistent
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_a_barrier_that_gives_up_reruns_the_step_kernel_with_one_warning(kind, device, monkeypatch):
     """A launch whose barrier gave up (simulated: the launch reports it) is rerun by the step kernel,
     right, with one warning; later calls on the device go to the step kernel directly."""

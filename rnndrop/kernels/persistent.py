@@ -972,10 +972,14 @@ def first_or_step(how: Launch | None, like: Tensor, persistent_pass: Callable[[L
         return step_pass(), None
 
 
-def plan(gates_x: Tensor, hidden: int, batch: int, projected: bool) -> Launch | None:
+def plan(
+    gates_x: Tensor, hidden: int, batch: int, projected: bool, mask: Tensor | None = None
+) -> Launch | None:
     """How the persistent loop runs a call, or None where it cannot and the step kernel runs:
     float64 (``tl.dot`` keeps float32 at most), a projection (``h_t = W_hr r_t`` is a second
-    product per step), gates of :data:`MAX_ELEMENTS` or more (the loops' offsets are 32-bit),
+    product per step), gates or a (contiguous) recurrent ``mask`` of :data:`MAX_ELEMENTS` or more
+    (the loops' offsets are 32-bit; a packed batch's per-step masks ``[T, B, (G,) H]`` outgrow its
+    gates ``[N, G * H]`` where a few sequences are much longer than the rest),
     more hidden units than :data:`MAX_UNITS` times the multiprocessors (one
     program each, or :data:`PER_SM`, all resident), or a batch whose blocks of at most
     :data:`MAX_BATCH` rows do not fit beside them (under Triton's interpreter: a batch over
@@ -987,6 +991,8 @@ def plan(gates_x: Tensor, hidden: int, batch: int, projected: bool) -> Launch | 
     launch-setting sweep: twice the units, twice the time; four times the rows, about twice),
     so programs with fewer rows on otherwise idle multiprocessors finish the step sooner."""
     if disabled() or projected or gates_x.dtype == torch.float64 or gates_x.numel() >= MAX_ELEMENTS:
+        return None
+    if mask is not None and mask.numel() >= MAX_ELEMENTS:
         return None
     if gates_x.device.type != "cuda" or _forced is not None:
         if batch > MAX_BATCH:
