@@ -229,6 +229,65 @@ def test_pooled_counters_are_kept_apart_per_device_and_stream(monkeypatch):
     assert elsewhere.data_ptr() == persistent._pools[(1, 11)].slots[0].data_ptr()
 
 
+def test_a_pooled_counter_is_held_until_its_launch_is_enqueued(monkeypatch):
+    """A cooperative launch takes its counter and launches holding its pool's lock: another thread
+    launching on the stream in between (a first launch compiles for seconds) could otherwise use
+    the pool's 16 slots up, zero them and reuse this one, and the launch would start from a
+    finished launch's count (barriers that never wait, silently wrong states)."""
+    import threading
+
+    from rnndrop.kernels import persistent
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(persistent, "_pools", {})
+    monkeypatch.setattr(persistent, "_pending", [])
+    monkeypatch.setattr(persistent, "_COOPERATIVE", True)
+    monkeypatch.setattr(persistent, "_current_raw_stream", lambda index: 7)
+    slots = persistent._CounterPool.SLOTS
+    monkeypatch.setattr(persistent, "_outside_graph_pools",
+                        lambda device, allocate: torch.empty(slots, 4, dtype=torch.int32))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    seen = []
+
+    class Kernel:
+        __name__ = "_lstm_forward"
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                pool = persistent._pools[(0, 7)]
+                other = threading.Thread(target=lambda: seen.append(pool.launching.acquire(blocking=False)))
+                other.start()
+                other.join()
+                seen.append(int(args[1]))  # the counter it was given: a zero slot
+            return launch
+
+    gates = SimpleNamespace(device=cuda, dtype=torch.float32)
+    blocks = dict(BB=16, BK=16, RESIDENT=False, UNITS=16, BH=16)
+    assert persistent._launch(Kernel(), persistent.Launch(2, 16), 3, (gates,), False, **blocks) is None
+    assert seen == [False, 0]  # another thread could not take the pool while this launch was issued
+    assert persistent._pools[(0, 7)].launching.acquire(blocking=False)  # released after it
+
+
+def test_step_tables_are_cached_per_stream(monkeypatch):
+    """A cached step table is recorded on the stream it was made for: reused from another stream
+    and evicted (256 schedules: packed batches of many lengths) while a launch there still read
+    it, its memory could be written over. Each stream has tables of its own."""
+    from rnndrop.kernels import persistent
+    from rnndrop.kernels.schedule import Schedule
+
+    streams = {0: 11}
+    monkeypatch.setattr(persistent, "_TABLES", persistent.OrderedDict())
+    monkeypatch.setattr(persistent, "_current_raw_stream", lambda index: streams[index])
+    monkeypatch.setattr(persistent, "_outside_graph_pools",  # the table of two steps, on the CPU
+                        lambda device, allocate: torch.empty(3, 8, dtype=torch.int32))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    schedule, cuda = Schedule.of([3, 2], False), torch.device("cuda", 0)
+    first, again = (persistent._step_table(schedule, None, cuda) for _ in range(2))
+    streams[0] = 12  # another stream made current
+    other = persistent._step_table(schedule, None, cuda)
+    assert first is again and other is not first and len(persistent._TABLES) == 2
+
+
 def test_buffers_kept_across_calls_are_made_outside_the_callers_cuda_graph_pool(monkeypatch):
     """torch.compile's CUDA graphs route every allocation of the thread warming a graph up into the
     graph's pool, and refuse one that outlives the call (the H200, 2026-11-27: "tensor(s) in the

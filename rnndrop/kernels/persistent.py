@@ -1092,9 +1092,13 @@ _TABLES: OrderedDict[tuple, Tensor] = OrderedDict()
 def _step_table(schedule: Schedule, mask: Tensor | None, device: torch.device) -> Tensor:
     """``[S + 1, 8]`` int32: per step in running order (row 0: a virtual step with no rows) ``b``,
     its rows' offset, ``carried``, the previous step's offset, then the next step's ``b``, offset
-    and mask offset (zeros after the last). Cached by schedule and mask layout."""
+    and mask offset (zeros after the last). Cached by schedule, mask layout and stream: a table is
+    recorded on the stream it was made for, so that its memory is not reused while that stream may
+    still read it (a table evicted while another stream's launch read it could be written over)."""
     step_stride = 0 if mask is None or mask.shape[0] == 1 else mask.stride(0)
-    key = (schedule, step_stride, device)  # a schedule is built once per batch sizes and never changes
+    stream = _stream_of(device) if device.type == "cuda" else None
+    # a schedule is built once per batch sizes and never changes
+    key = (schedule, step_stride, device, stream)
     table = _TABLES.get(key)
     if table is not None:
         with contextlib.suppress(KeyError):  # another thread may have evicted it since
@@ -1227,6 +1231,11 @@ class _CounterPool:
         self.values = values.zero_()
         self.slots = [row[:1] for row in self.values]
         self.used = 0
+        #: Held from taking a slot until its launch is enqueued: another thread launching on the
+        #: stream meanwhile (a first launch compiles for seconds) could use the pool up, zero it and
+        #: reuse the slot, and the launch would start from a finished one's count (barriers that
+        #: never wait). Re-entrant: a launch that falls back to another shape launches again.
+        self.launching = threading.RLock()
 
     def take(self) -> Tensor:
         """The next zero counter (a view of the pool)."""
@@ -1257,20 +1266,33 @@ _pools: dict[tuple[int, int], _CounterPool] = {}  # by device index and stream
 _pools_lock = threading.Lock()  # threads launching on one stream take distinct slots
 
 
-def _counter(device: torch.device, pooled: bool) -> Tensor:
-    """A zero counter for one launch: from the pool of ``device``'s current stream where
-    ``pooled``, else a fresh one (CPU, a launch being captured into a CUDA graph, whose replays
-    need it zeroed each time, or a counter the host reads at once)."""
-    if not pooled:  # 16 bytes, as a pool's slot: the counter, then the float16 range flag (_flag_beyond_half)
-        return torch.zeros(4, dtype=torch.int32, device=device)[:1]
+def _stream_of(device: torch.device) -> tuple[int, int]:
+    """``(device index, raw handle of its current stream)`` of a CUDA ``device``."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, _current_raw_stream(index))
+    return index, _current_raw_stream(index)
+
+
+def _pool(device: torch.device) -> _CounterPool:
+    """The counter pool of ``device``'s current stream (made on first use)."""
+    key = _stream_of(device)
     with _pools_lock:
         pool = _pools.get(key)
         if pool is None:  # kept for the process: never in a CUDA graph's memory pool
             values = _outside_graph_pools(
                 device, lambda: torch.empty(_CounterPool.SLOTS, 4, dtype=torch.int32, device=device))
             pool = _pools[key] = _CounterPool(device, values)
+        return pool
+
+
+def _counter(device: torch.device, pooled: bool) -> Tensor:
+    """A zero counter for one launch: from the pool of ``device``'s current stream where
+    ``pooled`` (take it holding the pool's :attr:`~_CounterPool.launching` until the launch is
+    enqueued), else a fresh one (CPU, a launch being captured into a CUDA graph, whose replays
+    need it zeroed each time, or a counter the host reads at once)."""
+    if not pooled:  # 16 bytes, as a pool's slot: the counter, then the float16 range flag (_flag_beyond_half)
+        return torch.zeros(4, dtype=torch.int32, device=device)[:1]
+    pool = _pool(device)
+    with _pools_lock:
         return pool.take()
 
 
@@ -1329,40 +1351,42 @@ def _launch(kernel, how: Launch, steps: int, args: tuple, backward: bool, **cons
     capturing = cuda and torch.cuda.is_current_stream_capturing()
     if cuda and not capturing:
         _read_finished_counters()
-    counter = _counter(device, pooled=cooperative and not capturing)
     deepest = _setting("stages", _DEEPEST_STAGES, lambda n: n >= 1, "a positive number of stages")
     fixed = _block_k_fixed(constexprs)
     fittings = _fittings(constexprs["BK"], deepest, fixed)
     # every setting that changes what the loads take (not B and N, which vary from call to call)
     key = (kernel.__name__, tuple(sorted((k, v) for k, v in constexprs.items() if k not in ("B", "N"))),
            warps, args[0].dtype, deepest, fixed)
-    fitting = _stages.get(key, fittings[0])  # None: nothing fits (remembered, not tried again)
-    for block_k, stages in fittings[fittings.index(fitting):] if fitting else ():
-        try:
-            blocks = constexprs if block_k == constexprs["BK"] else dict(constexprs, BK=block_k)
-            kernel[(how.grid,)](*args, counter, 0, steps, **blocks, SYNC=how.grid > 1,
-                                UPCAST=upcast, num_warps=warps, num_stages=stages, **options)
-            _stages[key] = (block_k, stages)
-            break
-        except OutOfResources:  # the pipelined loads need more shared memory than there is
-            continue
-        except RuntimeError as error:  # a cooperative grid CUDA cannot hold at once
-            if not cooperative:
-                raise
-            return f"the cooperative launch was refused ({str(error).strip().splitlines()[0]})"
-    else:
-        if constexprs["RESIDENT"]:  # resident tiles do not fit beside the loads: stream W_hh, as before
+    pooled = cooperative and not capturing
+    with _pool(device).launching if pooled else contextlib.nullcontext():
+        counter = _counter(device, pooled)
+        fitting = _stages.get(key, fittings[0])  # None: nothing fits (remembered, not tried again)
+        for block_k, stages in fittings[fittings.index(fitting):] if fitting else ():
+            try:
+                blocks = constexprs if block_k == constexprs["BK"] else dict(constexprs, BK=block_k)
+                kernel[(how.grid,)](*args, counter, 0, steps, **blocks, SYNC=how.grid > 1,
+                                    UPCAST=upcast, num_warps=warps, num_stages=stages, **options)
+                _stages[key] = (block_k, stages)
+                break
+            except OutOfResources:  # the pipelined loads need more shared memory than there is
+                continue
+            except RuntimeError as error:  # a cooperative grid CUDA cannot hold at once
+                if not cooperative:
+                    raise
+                return f"the cooperative launch was refused ({str(error).strip().splitlines()[0]})"
+        else:
+            if constexprs["RESIDENT"]:  # resident tiles do not fit beside the loads: stream W_hh, as before
+                _stages[key] = None
+                block_k = _block_k(constexprs["H_VEC"] * constexprs["VEC"], constexprs["BB"], backward)
+                streaming = dict(constexprs, RESIDENT=False, BK=block_k)
+                return _launch(kernel, how._replace(resident=False), steps, args, backward, **streaming)
+            if fitting is not None:  # the first call of this shape: said once
+                warnings.warn(f"rnndrop: the persistent 'triton' loop {kernel.__name__} at {how} with "
+                              f"blocks {constexprs['BB']} x {constexprs['BK']} fits no shared memory of "
+                              f"{device}, even unpipelined; calls of this shape there run the per-step "
+                              "Triton kernel", RuntimeWarning, stacklevel=5)
             _stages[key] = None
-            block_k = _block_k(constexprs["H_VEC"] * constexprs["VEC"], constexprs["BB"], backward)
-            streaming = dict(constexprs, RESIDENT=False, BK=block_k)
-            return _launch(kernel, how._replace(resident=False), steps, args, backward, **streaming)
-        if fitting is not None:  # the first call of this shape: said once
-            warnings.warn(f"rnndrop: the persistent 'triton' loop {kernel.__name__} at {how} with blocks "
-                          f"{constexprs['BB']} x {constexprs['BK']} fits no shared memory of {device}, even "
-                          "unpipelined; calls of this shape there run the per-step Triton kernel",
-                          RuntimeWarning, stacklevel=5)
-        _stages[key] = None
-        return DOES_NOT_FIT
+            return DOES_NOT_FIT
     if not cuda or capturing or cooperative:
         return None
     if int(counter.item()) >= GAVE_UP:
