@@ -138,6 +138,29 @@ def test_local_reparameterization_moments():
     assert torch.equal(y[0], y[3])  # one weight for all rows
 
 
+@pytest.mark.parametrize("make", [
+    lambda: SparseLSTM(6, 5), lambda: SparseGRU(6, 5),
+    lambda: SparseLinear(6, 5, local_reparameterization=False), lambda: SparseEmbedding(6, 5),
+], ids=["lstm", "gru", "linear-per-call", "embedding"])
+def test_weight_noise_has_the_standard_deviation_sigma(make):
+    """A training draw of a weight is ``θ + σ ε``, ``σ = exp(log σ² / 2)``, ε ~ N(0, 1): with
+    log σ² = log 0.04 the draws sit 0.2 from θ in standard deviation (σ², 0.04, passed the
+    other tests: only the local reparameterisation's moments were checked)."""
+    torch.manual_seed(0)
+    module = make().train()
+    name = "weight" if isinstance(module, (SparseLinear, SparseEmbedding)) else "weight_hh_l0"
+    with torch.no_grad():
+        getattr(module, "log_sigma2_" + name).fill_(math.log(0.04))
+    theta = getattr(module, name).detach()
+    if isinstance(module, SparseEmbedding):  # a draw of the rows of the words looked up
+        ids = torch.arange(6)
+        draws = torch.stack([module(ids).detach() for _ in range(400)]) - theta
+    else:
+        draws = torch.stack([module.sampled_weight(name).detach() for _ in range(400)]) - theta
+    assert abs(float(draws.mean())) < 0.01
+    assert abs(float(draws.std()) - 0.2) < 0.01
+
+
 def test_sparse_embedding_ties_a_word_within_the_batch():
     embedding = SparseEmbedding(10, 4)
     randomize_log_sigma2(embedding, 0.0, 0.0)
