@@ -165,6 +165,25 @@ def test_kl_counts_each_alpha_once_per_weight_it_scales(granularity):
             GaussianLSTM(5, 6, dropout_output=0.4, output_fan_out=bad)
 
 
+@pytest.mark.parametrize("granularity", ["layer", "unit", "weight"])
+def test_kl_of_a_bidirectional_stack_counts_both_directions_weights(granularity):
+    """Bidirectional, 2 layers: layer 0's input noise scales both directions' W_ih (2 x 24 x 5
+    weights), layer 1's input (the 12 outputs of both directions) 2 x 24 x 12, each direction's
+    recurrent noise its own W_hh (24 x 6), the output noise the 12 outputs once (fan-out 1)."""
+    layer = GaussianLSTM(5, 6, num_layers=2, bidirectional=True, dropout=0.3, dropout_input=0.5,
+                         dropout_hidden=0.2, dropout_output=0.4, granularity=granularity, output_fan_out=1)
+    per_weight = lambda p: kl_kingma(torch.tensor(math.log(p / (1 - p))))  # noqa: E731
+    expected = {"log_alpha_input_l0": per_weight(0.5) * 2 * 24 * 5,
+                "log_alpha_input_l1": per_weight(0.3) * 2 * 24 * 12,
+                "log_alpha_output": per_weight(0.4) * 12}
+    for suffix in ("_l0", "_l0_reverse", "_l1", "_l1_reverse"):
+        expected["log_alpha_hidden" + suffix] = per_weight(0.2) * 24 * 6
+    kl = layer.site_kl()
+    assert sorted(kl) == sorted(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(kl[name], value, msg=name)
+
+
 def test_max_alpha_clips_and_kingma_needs_it():
     layer = GaussianLSTM(5, 6, dropout_input=0.5, max_alpha=1.0, kl_approximation="kingma")
     with torch.no_grad():
