@@ -148,6 +148,24 @@ def test_the_language_model_returns_raw_and_dropped_outputs_without_changing_its
         RNNLanguageModel(30, 8, 8, 1, rnn=Custom(), init_scale=None)(tokens, return_outputs=True)
 
 
+def test_the_training_step_penalises_the_dropped_outputs_by_ar_and_the_raw_ones_by_tar():
+    """AWD-LSTM: AR on the last layer's outputs after their dropout, TAR on them before it."""
+    from rnndrop.lm.run.recipe import forward_with_penalty
+
+    model = RNNLanguageModel(30, 8, 8, 2, dropout_hidden=0.3, dropout_output=0.5)
+    tokens = torch.randint(0, 30, (6, 4))
+    torch.manual_seed(3)
+    _, _, outputs = model(tokens, return_outputs=True)
+    assert not torch.equal(outputs.raw, outputs.dropped)
+    for alpha, beta, expected in [
+        (2.0, 0.0, 2.0 * outputs.dropped.pow(2).mean()),
+        (0.0, 1.5, 1.5 * (outputs.raw[1:] - outputs.raw[:-1]).pow(2).mean()),
+    ]:
+        torch.manual_seed(3)
+        _, _, penalty = forward_with_penalty(model, tokens, None, ActivationRegularization(alpha, beta))
+        torch.testing.assert_close(penalty, expected)
+
+
 # -- variable-length BPTT ----------------------------------------------------------------------
 
 
@@ -166,6 +184,9 @@ def test_variable_bptt_draws_awd_lengths_from_its_own_generator():
     assert 69 < full.mean() < 70.5 and 4.5 < full.std() < 5.5  # int() truncates: a little below 70
     assert {VariableBPTT(70, p_full=1.0, std=0.0).sample() for _ in range(10)} == {70}
     assert {VariableBPTT(9, p_full=0.0, std=0.0).sample() for _ in range(10)} == {5}  # int(4.5), min 5
+    half = torch.tensor([n for n in lengths if n < 52], dtype=torch.float)
+    assert 33 < half.mean() < 36  # bptt / 2 (AWD-LSTM's), a little below 35 as int() truncates
+    assert {VariableBPTT(40, p_full=0.0, std=0.0).sample() for _ in range(10)} == {20}
     capped = VariableBPTT(70, max_len=72, seed=1)
     assert max(capped.sample() for _ in range(500)) == 72
 
