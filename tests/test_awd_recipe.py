@@ -264,6 +264,8 @@ def test_the_non_monotone_trigger_is_awd_lstms():
             assert [trigger(v) for v in losses] == _awd_trigger(losses, n)
     trigger = NonMonotoneTrigger(2)
     assert [trigger(v) for v in (5.0, 4.0, 4.5, 4.2, 4.1, 3.9, 4.3)] == [False] * 4 + [True, False, True]
+    tie = NonMonotoneTrigger(1)  # AWD-LSTM fires on a loss worse than the best, not on one equal to it
+    assert [tie(v) for v in (3.0, 4.0, 3.0, 3.0)] == [False] * 4
     state = trigger.state_dict()
     other = NonMonotoneTrigger(2)
     other.load_state_dict(state)
@@ -349,6 +351,8 @@ def test_nt_averaging_switches_on_the_trigger_then_says_when_to_stop():
         averaging.validation(loss)
     assert not averaging.should_stop
     averaging.validation(3.1)  # worse than 3.0, the best of all but the last two
+    assert averaging.should_stop
+    averaging.validation(1.0)  # a better check later does not take the stop back
     assert averaging.should_stop
     assert "active=True" in repr(averaging) and "should_stop=True" in repr(averaging)
 

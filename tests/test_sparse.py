@@ -203,6 +203,9 @@ def test_the_threshold_prunes_by_log_alpha_as_it_is_not_as_the_kl_clips_it(thres
     log_alpha = layer.log_sigma2_weight - torch.log(layer.weight**2 + 1e-8)
     assert torch.equal(layer.log_alpha("weight", clipped=False), log_alpha)
     assert layer.keep_mask("weight").tolist() == (log_alpha < threshold).tolist() == [[False, True, True]]
+    layer.threshold = float(log_alpha[0, 2].detach())  # at the threshold exactly: pruned, as the docs say
+    assert layer.keep_mask("weight").tolist() == [[False, True, False]]
+    layer.threshold = threshold
     assert sparsity_report(layer).zeros == 1
     assert torch.equal(prune(layer).weight, layer.pruned_weight("weight"))
 
