@@ -79,3 +79,15 @@ def test_the_monte_carlo_score_of_a_deterministic_model_is_the_eval_score():
         assert loss.num_tokens == (ROWS - 1) * COLUMNS
         assert math.isclose(loss.total_nll / loss.num_tokens, expected_nll, rel_tol=1e-5)
         assert math.isclose(loss.reliability.ece, expected_ece, rel_tol=1e-5, abs_tol=1e-7)
+
+
+def test_the_eval_score_of_a_model_with_dropout_drops_nothing_and_leaves_its_mode():
+    """score() evaluates in eval mode (the weight-scaling approximation) whatever mode the model
+    is in, and gives the model back in that mode."""
+    torch.manual_seed(0)
+    model = RNNLanguageModel(VOCAB, 8, 8, 2, dropout_hidden=0.5, dropout_output=0.5).train()
+    stream = torch.randint(VOCAB, (ROWS, COLUMNS))
+    log_probs, targets = _whole_stream(model.eval(), stream)
+    expected_nll = float(F.nll_loss(log_probs.reshape(-1, VOCAB), targets.reshape(-1)))
+    got = score(model.train(), stream, BPTT)
+    assert math.isclose(got.nll, expected_nll, rel_tol=1e-6) and model.training
