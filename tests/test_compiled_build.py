@@ -9,12 +9,15 @@ kill it) with a private ``TORCH_EXTENSIONS_DIR`` seeded from the session's build
 itself is replaced by a copy of that build (``compiled_cache._COMPILE``), so nothing here compiles.
 """
 
+import fcntl
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -248,6 +251,56 @@ def test_a_lock_kept_by_a_dead_builders_forked_child_is_taken_over(tmp_path, mon
             assert time.monotonic() - start < 10
     finally:
         os.kill(child, 9)
+
+
+def _held_lock_naming(cache, record: dict) -> int:
+    """``cache``'s build lock held by this process through a descriptor of its own (as another
+    process would hold it), its record ``record``; the descriptor."""
+    cache.folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(cache.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.write(fd, json.dumps(record).encode())
+    return fd
+
+
+def _dead_pid() -> int:
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    finished.wait()
+    return finished.pid
+
+
+def test_a_lock_just_won_by_a_live_builder_is_not_taken_over_for_its_old_record(tmp_path, monkeypatch):
+    """A process that has just won the lock writes its record a moment later: until then the lock
+    names its last owner, dead. Taking it over at that first look (two builders, each deleting the
+    other's work folder) waits until the record has stayed for TAKE_OVER_AFTER_S."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(compiled_cache, "TAKE_OVER_AFTER_S", 1.0)
+    cache = compiled._cache()
+    here = {"host": socket.gethostname(), "pidns": compiled_cache._pid_namespace(), "since": time.time()}
+    fd = _held_lock_naming(cache, {**here, "pid": _dead_pid()})
+    threading.Timer(0.3, lambda: (os.ftruncate(fd, 0), os.pwrite(fd, json.dumps(
+        {**here, "pid": os.getpid()}).encode(), 0))).start()  # the new owner writes its record
+    try:
+        with pytest.raises(compiled_cache.Unavailable, match="has been building it"), cache.build_lock(2.0):
+            pass
+        assert cache.lock_file.exists()
+    finally:
+        os.close(fd)
+
+
+def test_a_lock_naming_a_process_of_another_pid_namespace_is_waited_on(tmp_path, monkeypatch):
+    """Containers sharing a host name and a cache folder: a pid of another pid namespace says
+    nothing about that process here, so its lock is not taken over (a live build would be)."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(compiled_cache, "TAKE_OVER_AFTER_S", 0.2)
+    cache = compiled._cache()
+    fd = _held_lock_naming(cache, {"host": socket.gethostname(), "pidns": "pid:[1]", "pid": _dead_pid(),
+                                   "since": time.time()})
+    try:
+        with pytest.raises(compiled_cache.Unavailable, match="has been building it"), cache.build_lock(1.0):
+            pass
+    finally:
+        os.close(fd)
 
 
 # ------------------------------------------------------------------ a damaged library

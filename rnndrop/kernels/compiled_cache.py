@@ -61,6 +61,9 @@ logger = logging.getLogger(__name__)
 WAIT_FOR_OTHER_BUILD_S = 900.0
 #: How often a waiting or compiling build reports (``progress``).
 REPORT_EVERY_S = 15.0
+#: How long a held lock must name the same dead process before it is taken over: the process that
+#: has just locked it writes its own record within microseconds, so a record that stays is stale.
+TAKE_OVER_AFTER_S = 1.0
 
 
 class Unavailable(RuntimeError):
@@ -103,6 +106,15 @@ def extensions_root() -> Path:
                    f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu")
     python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
     return Path(cpp_extension.get_default_build_root()) / f"{python}_{accelerator}"
+
+
+def _pid_namespace() -> str | None:
+    """This process's pid namespace (Linux; None elsewhere): a pid says whether a process runs
+    only within its namespace (containers sharing a host name and a cache have their own)."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
 
 
 def _alive(pid: int) -> bool:
@@ -176,6 +188,7 @@ class Cache:
         self.library = self.folder / f"{name}.so"
         self.manifest = self.folder / f"{name}.json"
         self.lock_file = self.folder / "build.lock"
+        self._dead_record: tuple[bytes, float] | None = None  # (record, first seen): _stale_for_long
 
     # -------------------------------------------------------------- reading
 
@@ -227,10 +240,25 @@ class Cache:
         return f"process {owner.get('pid')} on {owner.get('host')} (since {since})"
 
     def _owner_is_dead(self) -> bool:
-        """Whether the lock names a process of this host that no longer runs."""
+        """Whether the lock names a process of this host and pid namespace that no longer runs (of
+        another namespace, a pid says nothing here: that owner is taken to be alive)."""
         owner = self._owner()
         pid = owner.get("pid")
-        return owner.get("host") == socket.gethostname() and isinstance(pid, int) and not _alive(pid)
+        return (owner.get("host") == socket.gethostname() and owner.get("pidns") == _pid_namespace()
+                and isinstance(pid, int) and not _alive(pid))
+
+    def _stale_for_long(self) -> bool:
+        """Whether the lock's record has named the same dead process for :data:`TAKE_OVER_AFTER_S`
+        (since this process first saw it). A process that has just won the lock has not written its
+        own record yet: the one left names the last owner, which may be dead."""
+        try:
+            record = self.lock_file.read_bytes()
+        except OSError:
+            record = b""
+        now = time.monotonic()
+        if self._dead_record is None or self._dead_record[0] != record:
+            self._dead_record = (record, now)
+        return now - self._dead_record[1] >= TAKE_OVER_AFTER_S
 
     def _try_lock(self) -> int | None:
         """The locked file's descriptor, or None while a live process holds it. OSError when the
@@ -242,7 +270,8 @@ class Cache:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            if self._owner_is_dead():  # held by a process its dead owner forked: take it over
+            # held by a process its dead owner forked: take it over, once the record stays
+            if self._owner_is_dead() and self._stale_for_long():
                 logger.warning("rnndrop: %s names %s, which is gone: taking the build over",
                                self.lock_file, self.describe_owner())
                 with contextlib.suppress(OSError):
@@ -256,7 +285,8 @@ class Cache:
                 os.close(fd)
                 return None
         os.ftruncate(fd, 0)
-        owner = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+        owner = {"pid": os.getpid(), "host": socket.gethostname(), "pidns": _pid_namespace(),
+                 "since": time.time()}
         os.write(fd, json.dumps(owner).encode())
         return fd
 
