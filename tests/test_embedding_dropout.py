@@ -149,9 +149,12 @@ def test_wraps_the_given_embedding_and_keeps_its_state_dict_keys():
     assert decoder.weight is base.weight
 
 
-def test_dtype_follows_the_embedding():
-    embed = _embed(0.5).to(torch.float64)
-    assert embed(_repeated_tokens()).dtype == torch.float64
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_dtype_follows_the_embedding(dtype):
+    """The mask is drawn in the embedding's dtype: a half-precision embedding stays in it (a mask
+    in the default float32 promoted its output, doubling its memory)."""
+    embed = _embed(0.5).to(dtype)
+    assert embed(_repeated_tokens()).dtype == dtype
 
 
 def test_bad_arguments():

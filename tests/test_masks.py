@@ -67,6 +67,16 @@ def test_kept_fraction_is_one_minus_p_everywhere_in_range(p):
     assert torch.all((mask == 0) | (mask == 1 / (1 - p)))
 
 
+@pytest.mark.parametrize("alpha", [0.25, 4.0, torch.tensor(4.0), torch.full((100_000,), 0.25)],
+                         ids=["float 0.25", "float 4", "tensor 4", "tensor of 0.25s"])
+def test_gaussian_masks_have_mean_one_and_variance_alpha(alpha):
+    """``1 + sqrt(alpha) eps``: a float alpha and a tensor one (a learned variance) alike."""
+    mask = gaussian_mask((100_000,), alpha, generator=torch.Generator().manual_seed(0))
+    variance = float(alpha.flatten()[0]) if isinstance(alpha, torch.Tensor) else alpha
+    assert abs(float(mask.mean()) - 1.0) < 0.02
+    assert abs(float(mask.var()) / variance - 1.0) < 0.03
+
+
 def test_a_mask_keeps_the_entries_whose_float32_uniform_from_the_generator_is_at_least_p():
     """The one draw: ``torch.rand`` in float32 from the generator given (or torch's default one),
     compared with ``p``, times ``1 / (1 - p)``; the same entries kept in every dtype, and the

@@ -502,6 +502,8 @@ def test_bad_masks_name_the_mask_and_the_shapes():
     bad_device = good.map(lambda m: m.to("meta"))
     with pytest.raises(ValueError, match=r"masks.inputs\[0\] must be on the input's device cpu"):
         layer(x, masks=bad_device)
+    with pytest.raises(ValueError, match=r"masks.output must have shape \[4, 6\] .*got \[1, 6\]"):
+        layer(x, masks=RecurrentMasks(inputs=good.inputs, hidden=good.hidden, output=good.output[:1]))
     short = RecurrentMasks(inputs=good.inputs[:1], hidden=good.hidden, output=good.output)
     with pytest.raises(ValueError, match=r"masks.inputs must hold 2 masks, got 1"):
         layer(x, masks=short)
@@ -512,6 +514,45 @@ def test_bad_masks_name_the_mask_and_the_shapes():
         step.sample_masks(B)
     with pytest.raises(ValueError, match="seq_len must be a positive int, got 0"):
         step.sample_masks(B, 0)
+
+
+def test_each_site_drops_at_its_own_probability_and_alone():
+    """``dropout`` (between layers, nn.LSTM's) and ``dropout_input`` are separate sites; a layer
+    whose only dropout is on its output drops there (and counts as stochastic for MC dropout); per-gate
+    input masks without a recurrent mask still reach the input."""
+    layer = VariationalLSTM(I, H, num_layers=2, dropout=0.5, dropout_input=0.0)
+    masks = layer.sample_masks(4000)
+    assert masks.inputs[0] is None and abs(float((masks.inputs[1] == 0).float().mean()) - 0.5) < 0.02
+    output_only = VariationalLSTM(I, 8, dropout_output=0.5).train()
+    assert output_only.is_stochastic()
+    out, _ = output_only(torch.randn(T, 50, I))
+    assert 0.3 < float((out == 0).float().mean()) < 0.7
+    per_gate = VariationalLSTM(I, H, dropout_input=1 - 1e-6, per_gate_masks=True).train()
+    x = torch.randn(T, B, I)
+    dropped, _ = per_gate(x)  # every input entry dropped, at every gate
+    assert_close(dropped, per_gate.eval()(torch.zeros_like(x))[0], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("cls", [VariationalLSTM, VariationalGRU])
+def test_sample_masks_draws_from_the_generator_given(cls):
+    layer = cls(I, H, num_layers=2, **ALL_P)
+    first = layer.sample_masks(B, generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(123)  # the global generator plays no part
+    again = layer.sample_masks(B, generator=torch.Generator().manual_seed(3))
+    assert all(torch.equal(a, b) for a, b in zip((*first.inputs, *first.hidden, first.output),
+                                                 (*again.inputs, *again.hidden, again.output)))
+    other = layer.sample_masks(B, generator=torch.Generator().manual_seed(4))
+    assert not torch.equal(first.hidden[0], other.hidden[0])
+
+
+def test_the_raw_output_of_batch_shared_masks_is_before_the_output_mask():
+    """``return_raw_output`` (TAR's input) with ``mask_scope="batch"``: the last layer's output
+    before its output mask, as on the other scopes."""
+    layer = VariationalLSTM(I, H, 2, dropout=0.3, dropout_hidden=0.2, dropout_output=0.5, mask_scope="batch")
+    masks = layer.sample_masks(B)
+    out, _, raw = layer(torch.randn(T, B, I), masks=masks, return_raw_output=True)
+    assert not torch.equal(out, raw)
+    assert_close(out, raw * masks.output.unsqueeze(0))
 
 
 # ------------------------------------------------- arguments checked: refused or warned about

@@ -98,6 +98,15 @@ def test_variational_mode_is_a_per_batch_recurrent_mask():
     assert_close((h_n[0], c_n[0]), state, atol=1e-12, rtol=1e-12)
 
 
+@pytest.mark.parametrize("variational", [False, True])
+def test_sample_masks_draws_from_the_generator_given(variational):
+    wd = WeightDrop(_lstm(), "weight_hh_l0", p=0.5, variational=variational)
+    first = wd.sample_masks(generator=torch.Generator().manual_seed(3))["weight_hh_l0"]
+    torch.manual_seed(99)  # the global generator plays no part
+    assert torch.equal(first, wd.sample_masks(generator=torch.Generator().manual_seed(3))["weight_hh_l0"])
+    assert not torch.equal(first, wd.sample_masks(generator=torch.Generator().manual_seed(4))["weight_hh_l0"])
+
+
 def test_wraps_variational_lstm_together_with_its_own_masks():
     layer = VariationalLSTM(I, H, num_layers=2, dropout=0.3, dropout_input=0.3, dropout_output=0.3)
     wd = WeightDrop(layer, ["weight_hh_l0", "weight_hh_l1"], p=0.5)
