@@ -152,8 +152,10 @@ def ensure_noise_per_rank() -> None:
         return
     seed = torch.initial_seed()
     chosen = seed_noise_per_rank(seed)
+    alike = sum(1 for digest in digests if digests.count(digest) > 1)
+    which = f"the {len(digests)}" if alike == len(digests) else f"{alike} of the {len(digests)}"
     warnings.warn(
-        f"rnndrop: the {len(digests)} ranks of the process group held the same random generator "
+        f"rnndrop: {which} ranks of the process group held the same random generator "
         f"state, so they would have drawn the same dropout masks; each rank now draws its own "
         f"(torch.manual_seed(rnndrop.distributed.rank_seed({seed}, rank)), here {chosen}). Call "
         "rnndrop.distributed.seed_noise_per_rank(seed) after building the model to choose the "

@@ -57,6 +57,18 @@ def test_ranks_seeded_apart_are_left_alone(fake_group):
     assert torch.equal(mask, bernoulli_mask((4, 50), 0.5))
 
 
+def test_some_of_three_ranks_sharing_a_state_are_reseeded(fake_group, monkeypatch):
+    """Three ranks, two of which share a state: those two would draw the same masks; every rank
+    is reseeded (one collective decision, as with two ranks)."""
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **k: 3)
+    fake_group[0] = ["a", "a", "b"]
+    torch.manual_seed(7)
+    with pytest.warns(UserWarning, match="2 of the 3 ranks of the process group held the same"):
+        first = bernoulli_mask((4, 50), 0.5)
+    torch.manual_seed(rd.rank_seed(7, 1))
+    assert torch.equal(first, bernoulli_mask((4, 50), 0.5))
+
+
 def test_seed_noise_per_rank_or_turning_it_off_skips_the_check(fake_group, monkeypatch):
     def fail(digest):
         raise AssertionError("no collective expected")
