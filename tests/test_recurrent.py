@@ -545,6 +545,31 @@ def test_sample_masks_draws_from_the_generator_given(cls):
     assert not torch.equal(first.hidden[0], other.hidden[0])
 
 
+@pytest.mark.parametrize("cls", [VariationalLSTM, VariationalGRU])
+@pytest.mark.parametrize("sites", [dict(dropout=0.3), dict(dropout_input=0.3), dict(dropout_output=0.3)],
+                         ids=["between", "input", "output"])
+def test_layers_without_a_recurrent_mask_run_fused_with_each_layers_and_directions_states(cls, sites):
+    """A stack whose masks are all outside its recurrences (nn.LSTM's own ``dropout``) runs each
+    layer on torch's fused op in training: each layer and direction starts from its own slice of
+    ``hx`` and returns its own final states, as the loop kernels (here "manual", same masks) do.
+    With ``hx`` random (zeros hide a wrong slice) and both directions (a swap shows)."""
+    torch.manual_seed(0)
+    fused = cls(I, H, num_layers=2, bidirectional=True, **sites).train()
+    manual = copy.deepcopy(fused)
+    manual.kernel = "manual"
+    x = torch.randn(T, B, I, requires_grad=True)
+    states = 2 if cls is VariationalLSTM else 1
+    hx = tuple(torch.randn(4, B, H, requires_grad=True) for _ in range(states))
+    masks = fused.sample_masks(B)
+    results = []
+    for layer in (fused, manual):
+        out, h_n = layer(x, hx if states == 2 else hx[0], masks=masks)
+        finals = h_n if states == 2 else (h_n,)
+        loss = out.square().sum() + sum((k + 2) * f.square().sum() for k, f in enumerate(finals))
+        results.append((out, *finals, *torch.autograd.grad(loss, (x, *hx, *layer.parameters()))))
+    assert_close(results[0], results[1], atol=1e-5, rtol=1e-5)
+
+
 def test_the_raw_output_of_batch_shared_masks_is_before_the_output_mask():
     """``return_raw_output`` (TAR's input) with ``mask_scope="batch"``: the last layer's output
     before its output mask, as on the other scopes."""
