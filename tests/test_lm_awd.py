@@ -13,7 +13,7 @@ from rnndrop.lm.cli.checks import config_from_args
 from rnndrop.lm.cli.errors import UsageError
 from rnndrop.lm.cli.parser import build_parser
 from rnndrop.lm.data.corpus import batchify, bptt_batches
-from rnndrop.lm.model.build import build_model
+from rnndrop.lm.model.build import build_model, build_optimizer
 from rnndrop.lm.model.presets import get_config
 from rnndrop.lm.model.regimes import REGIMES
 from rnndrop.lm.model.train_config import TrainConfig
@@ -44,6 +44,21 @@ RECIPE = replace(TINY, epochs=8, schedule="fixed", lr_decay=1.0, lr=16.0, ar=1.0
 def test_recipe_fields_are_checked(change, message):
     with pytest.raises(ValueError, match=message):
         replace(TINY, **change)
+
+
+def test_runs_of_other_dropout_probabilities_are_other_runs(corpus):
+    """A finished run is reused, and a checkpoint resumed, only under the same identity: one of
+    another dropout setting (a grid's candidates) is another run."""
+    low, high = ({**TINY.dropout, "hidden": p} for p in (0.2, 0.5))
+    assert run_identity(corpus, TINY, "tied", low) != run_identity(corpus, TINY, "tied", high)
+    assert run_identity(corpus, TINY, "tied", low) == run_identity(corpus, TINY, "tied", dict(low))
+
+
+def test_the_optimizer_takes_the_configs_weight_decay():
+    weights = [torch.nn.Parameter(torch.zeros(2))]
+    for optimizer in ("sgd", "adam"):
+        config = replace(TINY, optimizer=optimizer, weight_decay=1.2e-6)
+        assert build_optimizer(weights, config).param_groups[0]["weight_decay"] == 1.2e-6
 
 
 def test_recipe_fields_off_keep_a_runs_identity_and_round_trip(corpus):

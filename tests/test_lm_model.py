@@ -100,6 +100,8 @@ def test_weight_tying_and_init_scale():
     model = RNNLanguageModel(V, 16, 16, 1, tie_weights=True, init_scale=0.05)
     assert model.decoder.weight is model.embedding.embedding.weight
     assert all(p.abs().max() <= 0.05 for p in model.parameters())
+    values = torch.cat([p.detach().flatten() for p in model.parameters()])  # uniform in [-0.05, 0.05]
+    assert abs(float(values.mean())) < 0.005 and float((values < 0).float().mean()) > 0.4
     with pytest.raises(ValueError, match="embedding_size == hidden_size"):
         RNNLanguageModel(V, 8, 16, tie_weights=True)
     with pytest.raises(ValueError, match="vocab_size must be a positive int"):

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from rnndrop.atomic import atomic_write
+from rnndrop.atomic import atomic_write, write_json_atomic
 from rnndrop.lm import cli
 from rnndrop.lm.data.corpus import Vocabulary, load_corpus
 from rnndrop.lm.model.language_model import RNNLanguageModel
@@ -218,6 +218,16 @@ def test_a_full_disk_names_the_file_and_keeps_what_was_there(tmp_path, monkeypat
         f.write("new")
     assert error.value.errno == errno.ENOSPC
     assert target.read_text() == "finished" and [p.name for p in tmp_path.iterdir()] == ["results.json"]
+
+
+def test_a_write_that_fails_in_the_writer_leaves_no_temporary_file(tmp_path):
+    """An error inside the block (a value json cannot write) leaves the previous file and no
+    stray temporary file beside it."""
+    target = tmp_path / "summary.json"
+    target.write_text("finished")
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        write_json_atomic({"run": object()}, target)
+    assert target.read_text() == "finished" and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
 
 
 @pytest.mark.slow

@@ -183,6 +183,9 @@ def test_a_row_names_every_number_of_monte_carlo_samples_its_seeds_used():
             for seed, samples in ((1, 2), (2, 5), (3, 5))]
     assert "| 122.0 ± 1.0 (S=2, 5) |" in markdown_table(runs)
     assert "| 121.0 (S=2) |" in markdown_table(runs[:1])
+    assert "| 130.0 ± 0.0 |" in markdown_table(runs)  # each seed's test perplexity, averaged
+    spread = [{**r, "test_ppl": 100.0 + 10 * k} for k, r in enumerate(runs)]
+    assert "| 110.0 ± 10.0 |" in markdown_table(spread)
     partly = [runs[0], {**runs[1], "test_ppl_mc": None}]  # one seed without an MC test: no mean of one
     assert "| — |" in markdown_table(partly) and "121.0" not in markdown_table(partly)
 
