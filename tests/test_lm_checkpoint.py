@@ -43,6 +43,47 @@ def test_load_model_rebuilds_the_best_model_with_its_vocabulary(corpus, tmp_path
     assert load_model(tmp_path / "run" / "best.pt").vocab.itos == corpus.vocab.itos
 
 
+def test_the_test_split_is_scored_with_the_best_epochs_weights_not_the_last(corpus, tmp_path, monkeypatch):
+    """The reported test perplexity is the best epoch's (``best.pt``): the model's weights at the
+    end of training (here disturbed before the test, as a later and worse epoch would leave them)
+    are replaced by the best ones first."""
+    from rnndrop.lm.data.corpus import batchify
+    from rnndrop.lm.run import train
+    from rnndrop.lm.run.evaluate import score
+
+    finish = train.finish_run
+
+    def after_a_worse_epoch(run, **kwargs):
+        with torch.no_grad():
+            for parameter in run.model.parameters():
+                parameter.add_(torch.randn_like(parameter))
+        return finish(run, **kwargs)
+
+    monkeypatch.setattr(train, "finish_run", after_a_worse_epoch)
+    result = train_run(corpus, ONE, "tied", tmp_path / "run", seed=4, progress=False)
+    best = load_model(tmp_path / "run")
+    test = score(best.model, batchify(corpus.test, ONE.eval_batch_size), ONE.bptt)
+    assert test.nll == pytest.approx(result["test_nll"], rel=1e-6)
+
+
+def test_each_epoch_trains_at_the_rate_the_schedule_gives_it(corpus, tmp_path, monkeypatch):
+    """The rate an epoch records is the one its optimizer steps with (a fixed decay by 4 after
+    epoch 1: 8, then 2)."""
+    from rnndrop.lm.run import train
+
+    rates, epoch_of = [], train._train_epoch
+
+    def spy(run, *args, **kwargs):
+        rates.append([group["lr"] for group in run.optimizer.param_groups])
+        return epoch_of(run, *args, **kwargs)
+
+    monkeypatch.setattr(train, "_train_epoch", spy)
+    config = replace(ONE, epochs=2, schedule="fixed", lr=8.0, lr_decay=4.0, decay_after=1)
+    result = train_run(corpus, config, "tied", tmp_path / "run", seed=4, progress=False)
+    assert [record["lr"] for record in result["epochs"]] == [8.0, 2.0]
+    assert [set(r) for r in rates] == [{8.0}, {2.0}]
+
+
 class _Killed(Exception):
     pass
 
