@@ -131,6 +131,18 @@ def test_regularizer_hook_is_added_to_the_loss(corpus, tmp_path):
     assert plain["test_ppl"] != shrunk["test_ppl"]
 
 
+def test_the_grid_chooses_each_regimes_candidate_by_validation_never_by_test():
+    """Candidates whose validation and test perplexities disagree: the one of the lowest
+    validation perplexity is chosen (the first of equals), whatever the test split says."""
+    def run(regime, hidden, valid, test):
+        return {"regime": regime, "dropout": {"hidden": hidden}, "best_valid_ppl": valid, "test_ppl": test}
+
+    grid = [run("naive", 0.1, 90.0, 80.0), run("naive", 0.3, 85.0, 95.0), run("tied", 0.2, 70.0, 60.0),
+            run("tied", 0.5, 70.0, 50.0), run("naive", 0.5, 88.0, 70.0)]
+    chosen = job._chosen_by_validation(grid)
+    assert {regime: r["dropout"]["hidden"] for regime, r in chosen.items()} == {"naive": 0.3, "tied": 0.2}
+
+
 @pytest.mark.slow
 def test_benchmark_cli_grid_selects_on_validation(tmp_path, monkeypatch):
     data = write_corpus(tmp_path / "data")

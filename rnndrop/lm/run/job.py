@@ -239,6 +239,17 @@ def _report_estimate(eta: float | None, seconds: float, progress: JobProgress) -
              format_duration(eta), abs(off), "high" if off > 0 else "low")
 
 
+def _chosen_by_validation(grid_results: Sequence[Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
+    """Each regime's grid run of the best validation perplexity (the first of equals); the test
+    split plays no part in the choice."""
+    chosen: dict[str, Mapping[str, Any]] = {}
+    for r in grid_results:
+        best = chosen.get(r["regime"])
+        if best is None or r["best_valid_ppl"] < best["best_valid_ppl"]:
+            chosen[r["regime"]] = r
+    return chosen
+
+
 def _run_grid(
     job: _Job, plan: _Plan, regimes: Sequence[str], seeds: Sequence[int], mc: int, jobs: int,
     progress: JobProgress,
@@ -247,11 +258,7 @@ def _run_grid(
     seeds, then the Monte-Carlo test perplexity of the chosen runs; returns (final results,
     grid results)."""
     grid_results = run_all(_numbered(plan.first, 1, plan.total), jobs, progress)
-    chosen: dict[str, dict[str, Any]] = {}
-    for r in grid_results:
-        best = chosen.get(r["regime"])
-        if best is None or r["best_valid_ppl"] < best["best_valid_ppl"]:
-            chosen[r["regime"]] = r
+    chosen = _chosen_by_validation(grid_results)
     more = [job.spec(r, chosen[r]["dropout"], s, 0) for r in regimes for s in seeds[1:]]
     run_all(_numbered(more, len(plan.first) + 1, plan.total), jobs, progress)
     finals = [job.spec(r, chosen[r]["dropout"], s, mc) for r in regimes for s in seeds]
