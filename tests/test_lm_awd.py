@@ -107,6 +107,12 @@ def test_the_recipe_flags_reach_the_config():
     assert not ablation.variable_bptt and ablation.finetune_epochs == 0 and ablation.schedule == "plateau"
     assert (ablation.lr_decay, ablation.min_lr, ablation.weight_decay) == (4.0, 0.1, 0.0)
     assert config("--config", "awd") == get_config("awd")
+    plateau = next(name for name in ("mini", "zaremba-medium", "gal-medium")
+                   if get_config(name).schedule == "plateau" and get_config(name).min_lr)
+    preset = get_config(plateau)  # --lr moves the floor with it: as many decays below the start
+    moved = config("--config", plateau, "--lr", str(preset.lr * 2))
+    assert moved.min_lr == pytest.approx(preset.min_lr * 2)
+    assert config("--config", plateau, "--lr", str(preset.lr * 2), "--min-lr", "0.5").min_lr == 0.5
     assert config("--tie-weights").tie_weights and not config().tie_weights  # mini: untied
     on = config("--ar", "2", "--tar", "1", "--variable-bptt", "--nt-asgd", "--nonmono", "3",
                 "--finetune-epochs", "4")
