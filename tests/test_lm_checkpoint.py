@@ -82,6 +82,11 @@ def test_each_epoch_trains_at_the_rate_the_schedule_gives_it(corpus, tmp_path, m
     result = train_run(corpus, config, "tied", tmp_path / "run", seed=4, progress=False)
     assert [record["lr"] for record in result["epochs"]] == [8.0, 2.0]
     assert [set(r) for r in rates] == [{8.0}, {2.0}]
+    # the run's speed is over all its epochs: their words over their seconds
+    seconds = [record["seconds"] for record in result["epochs"]]
+    words = sum(record["words_per_second"] * record["seconds"] for record in result["epochs"])
+    assert result["train_seconds"] == pytest.approx(sum(seconds))
+    assert result["words_per_second"] == pytest.approx(words / sum(seconds))
 
 
 class _Killed(Exception):
