@@ -124,6 +124,28 @@ def test_corrupt_checkpoint_is_refused_with_the_file_named(corpus, tmp_path):
         train_run(corpus, config, "tied", tmp_path / "run", progress=False, resume=True)
 
 
+def test_a_checkpoint_damaged_on_its_way_to_disk_never_replaces_the_last_one(tmp_path, monkeypatch):
+    """The new file is read back and checked before it is moved into place: bytes that reach the
+    disk damaged (a failing disk, a bad network file system) raise, and the checkpoint before it,
+    and nothing else, stays."""
+    from rnndrop.lm.run import checkpoint
+
+    path = tmp_path / "checkpoint.pt"
+    save_checkpoint({"epoch": 1, "weights": torch.ones(300)}, path)
+    before = path.read_bytes()
+    encode = checkpoint._encode
+
+    def damaged(obj):
+        data = bytearray(encode(obj))
+        data[len(data) // 2: len(data) // 2 + 200] = bytes(200)
+        return bytes(data)
+
+    monkeypatch.setattr(checkpoint, "_encode", damaged)
+    with pytest.raises(CheckpointError, match="is corrupted"):
+        save_checkpoint({"epoch": 2, "weights": torch.full((300,), 2.0)}, path)
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
+
+
 def _resaved(data, change):
     import io
 
