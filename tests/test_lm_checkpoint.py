@@ -216,6 +216,21 @@ def test_resume_falls_back_to_the_previous_checkpoint_and_stays_bit_identical(co
                           load_checkpoint(tmp_path / "full" / "checkpoint.pt")["model"])
 
 
+def test_a_progress_record_from_before_best_criterion_keeps_its_best_epoch_best():
+    """Progress written before ``best_criterion`` existed compares later epochs with its best
+    validation perplexity (the criterion then), not with infinity: a worse epoch after the resume
+    does not replace the best one."""
+    from rnndrop.lm.run.checkpoint import RunState
+
+    progress = RunState().to_dict()
+    progress.update(epoch=2, best_epoch=2, best_valid_ppl=90.0)
+    del progress["best_criterion"]
+    state = RunState.from_dict(progress, "checkpoint.pt")
+    assert state.best_criterion == 90.0
+    assert not state.keep_if_best(3, 95.0, 95.0) and state.best_epoch == 2
+    assert state.keep_if_best(3, 85.0, 85.0) and state.best_epoch == 3
+
+
 @pytest.mark.slow
 def test_a_checkpoint_from_before_best_criterion_and_init_from_resumes_bit_for_bit(corpus, tmp_path):
     config = replace(TINY, epochs=3, mc_samples=0)  # plateau: the best so far sets the next rate

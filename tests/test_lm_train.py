@@ -208,6 +208,7 @@ def test_schedule_holds_the_rate_rules_and_the_stopping_rule():
     assert plateau.after_epoch(8.0, improved=True) == (8.0, None)
     assert plateau.after_epoch(8.0, improved=False) == (2.0, None)
     assert plateau.after_epoch(2.0, improved=False) == (0.5, "lr_floor")
+    assert plateau.after_epoch(4.0, improved=False) == (1.0, None)  # at the floor: not below it yet
     assert list(plateau.epochs(RunState(epoch=1))) == [2, 3]  # up to TINY's cap of 3
     state, seen = RunState(epoch=0), []
     for epoch in plateau.epochs(state):
