@@ -1291,7 +1291,11 @@ def _counter(device: torch.device, pooled: bool) -> Tensor:
     need it zeroed each time, or a counter the host reads at once)."""
     if not pooled:  # 16 bytes, as a pool's slot: the counter, then the float16 range flag (_flag_beyond_half)
         return torch.zeros(4, dtype=torch.int32, device=device)[:1]
-    pool = _pool(device)
+    return _taken(_pool(device))
+
+
+def _taken(pool: _CounterPool) -> Tensor:
+    """The next zero counter of ``pool`` (threads launching on one stream take distinct slots)."""
     with _pools_lock:
         return pool.take()
 
@@ -1357,9 +1361,9 @@ def _launch(kernel, how: Launch, steps: int, args: tuple, backward: bool, **cons
     # every setting that changes what the loads take (not B and N, which vary from call to call)
     key = (kernel.__name__, tuple(sorted((k, v) for k, v in constexprs.items() if k not in ("B", "N"))),
            warps, args[0].dtype, deepest, fixed)
-    pooled = cooperative and not capturing
-    with _pool(device).launching if pooled else contextlib.nullcontext():
-        counter = _counter(device, pooled)
+    pool = _pool(device) if cooperative and not capturing else None
+    with pool.launching if pool is not None else contextlib.nullcontext():
+        counter = _counter(device, pooled=False) if pool is None else _taken(pool)
         fitting = _stages.get(key, fittings[0])  # None: nothing fits (remembered, not tried again)
         for block_k, stages in fittings[fittings.index(fitting):] if fitting else ():
             try:

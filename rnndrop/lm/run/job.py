@@ -317,20 +317,20 @@ def _run_key(result: Mapping[str, Any]) -> str:
     return json.dumps([result["regime"], result["dropout"], result["seed"]], sort_keys=True)
 
 
-def _finished_runs(job: _Job, *, warn: bool) -> Iterator[tuple[Path, dict[str, Any]]]:
-    """``(path, result)`` of every finished run in the job's folder trained on its corpus, read from
-    a verified results.json naming its regime, dropout and seed; the others are skipped (``warn``:
-    saying so, as the report leaves them out)."""
+def _finished_runs(job: _Job, *, warn: bool) -> Iterator[tuple[Path, str, dict[str, Any]]]:
+    """``(path, run key, result)`` of every finished run in the job's folder trained on its corpus,
+    read from a verified results.json naming its regime, dropout and seed; the others are skipped
+    (``warn``: saying so, as the report leaves them out)."""
     for path in sorted(job.out.glob(f"*/*/{RESULTS}")):
         try:
             result = read_verified_result(path)
-            _run_key(result)
+            key = _run_key(result)
         except (ResultsError, KeyError, TypeError) as e:
             if warn:
                 log.warning("%s; it is left out of the job's report", e)
             continue
         if result.get("dataset") == job.dataset:
-            yield path, result
+            yield path, key, result
 
 
 def _other_runs(
@@ -348,8 +348,7 @@ def _other_runs(
         grid_keys, final_keys = set(), set()
     finals: list[dict[str, Any]] = []
     grids: list[dict[str, Any]] = []
-    for _, result in _finished_runs(job, warn=True):
-        key = _run_key(result)
+    for _, key, result in _finished_runs(job, warn=True):
         if key in ours:
             continue
         if key in grid_keys:
@@ -373,7 +372,7 @@ def _refuse_runs_of_other_settings(job: _Job, regimes: Sequence[str], seeds: Seq
     regime and dropout in one row, mean and sd over its seeds, which would then mix settings. A
     run this job continues would be refused anyway, but only when the job reached it."""
     corpus = cached_corpus(job.corpus_dir)
-    for path, result in _finished_runs(job, warn=False):  # the report warns of the others
+    for path, _, result in _finished_runs(job, warn=False):  # the report warns of the others
         try:
             ours = run_identity(corpus, job.config, result["regime"], result["dropout"], result["seed"],
                                 job.init_from)
