@@ -77,19 +77,6 @@ def on_cuda(monkeypatch):
                              "elements": 35 * 20 * 4 * 650, "numel": lambda self: self.elements})()
 
 
-def test_a_step_table_used_while_a_cuda_graph_captures_is_never_freed(monkeypatch):
-    """A graph replays the table by address: evicting it from the cache of 256 (packed batches of
-    many lengths) left replays reading freed memory."""
-    monkeypatch.setattr(persistent, "_CAPTURED_TABLES", {})
-    table, cuda = torch.zeros(2, 8, dtype=torch.int32), torch.device("cuda", 0)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert persistent._kept_while_captured(("eager",), table, cuda) is table
-    assert not persistent._CAPTURED_TABLES
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    persistent._kept_while_captured(("captured",), table, cuda)
-    assert list(persistent._CAPTURED_TABLES) == [("captured",)]
-
-
 def test_gates_too_large_for_32_bit_offsets_run_the_step_kernel(on_cuda):
     """The loops' row offsets are 32-bit: an LSTM of 1500 units, batch 128, 2800 steps (gates of
     2^31 elements, 8.6 GB: it fits an 80 GB GPU) wrapped them to negative addresses."""

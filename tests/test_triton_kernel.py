@@ -268,24 +268,86 @@ def test_a_pooled_counter_is_held_until_its_launch_is_enqueued(monkeypatch):
     assert persistent._pools[(0, 7)].launching.acquire(blocking=False)  # released after it
 
 
-def test_step_tables_are_cached_per_stream(monkeypatch):
-    """A cached step table is recorded on the stream it was made for: reused from another stream
-    and evicted (256 schedules: packed batches of many lengths) while a launch there still read
-    it, its memory could be written over. Each stream has tables of its own."""
+class _FakeStreams:
+    """CUDA's streams, events and capture as :func:`persistent._step_table` meets them, on the CPU:
+    ``raw`` is the current stream's handle, ``capturing`` whether it is capturing a graph; what the
+    table's code does to them is appended to ``seen``."""
+
+    def __init__(self, monkeypatch):
+        from rnndrop.kernels import persistent
+
+        self.raw, self.capturing, self.seen = 11, False, []
+        fakes = self
+
+        class Stream:
+            def __init__(self, raw):
+                self.raw = raw
+
+            def wait_event(self, event):
+                fakes.seen.append(("waits", self.raw, event))
+
+        class Event:
+            def record(self, stream):
+                fakes.seen.append(("copied", stream.raw, self))
+
+        monkeypatch.setattr(persistent, "_TABLES", persistent.OrderedDict())
+        monkeypatch.setattr(persistent, "_CAPTURED_TABLES", {})
+        monkeypatch.setattr(persistent, "_CAPTURED_SOURCES", {})
+        monkeypatch.setattr(persistent, "_current_raw_stream", lambda index: self.raw)
+        monkeypatch.setattr(persistent, "_outside_graph_pools",  # a table of two steps, on the CPU
+                            lambda device, allocate: torch.empty(3, 8, dtype=torch.int32))
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: self.capturing)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(self.raw))
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.Tensor, "record_stream",
+                            lambda tensor, stream: self.seen.append(("recorded", stream.raw)))
+        monkeypatch.setattr(torch.Tensor, "pin_memory", lambda tensor: self.seen.append("pinned") or tensor)
+
+
+def test_one_step_table_serves_every_stream_each_ordered_after_its_copy(monkeypatch):
+    """CUDA-graph captures warm a call up on one stream and record it on another (the H200's sixth
+    round: with a table cached per stream the capture made its own, copied from pageable memory,
+    which CUDA refuses while capturing, and ``make_graphed_callables`` failed). A stream new to a
+    table waits for its copy and is recorded on it, once: its memory is not reused (the table
+    evicted from the cache) while that stream may still read it."""
     from rnndrop.kernels import persistent
     from rnndrop.kernels.schedule import Schedule
 
-    streams = {0: 11}
-    monkeypatch.setattr(persistent, "_TABLES", persistent.OrderedDict())
-    monkeypatch.setattr(persistent, "_current_raw_stream", lambda index: streams[index])
-    monkeypatch.setattr(persistent, "_outside_graph_pools",  # the table of two steps, on the CPU
-                        lambda device, allocate: torch.empty(3, 8, dtype=torch.int32))
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    fake = _FakeStreams(monkeypatch)
     schedule, cuda = Schedule.of([3, 2], False), torch.device("cuda", 0)
     first, again = (persistent._step_table(schedule, None, cuda) for _ in range(2))
-    streams[0] = 12  # another stream made current
-    other = persistent._step_table(schedule, None, cuda)
-    assert first is again and other is not first and len(persistent._TABLES) == 2
+    assert first is again and first.tolist()[1][:4] == [3, 0, 0, 0]
+    copied = fake.seen[0][2]
+    assert fake.seen == [("copied", 11, copied)]  # made on stream 11, which needs no wait
+    fake.raw = 12  # another stream made current
+    other, more = (persistent._step_table(schedule, None, cuda) for _ in range(2))
+    assert other is first and more is first and len(persistent._TABLES) == 1
+    assert fake.seen[1:] == [("waits", 12, copied), ("recorded", 12)]
+    fake.capturing, fake.raw = True, 13  # a capture on a third stream reads it as it is
+    assert persistent._step_table(schedule, None, cuda) is first and len(fake.seen) == 3
+
+
+def test_a_step_table_used_while_a_cuda_graph_captures_is_never_freed(monkeypatch):
+    """A graph replays the table by address: evicted from the cache of 256 (packed batches of many
+    lengths) and freed, the replays read memory reused for other tensors. A table first needed
+    while capturing is copied from pinned memory (CUDA refuses pageable memory then), which is kept
+    too: each replay copies it again."""
+    from rnndrop.kernels import persistent
+    from rnndrop.kernels.schedule import Schedule
+
+    fake = _FakeStreams(monkeypatch)
+    cuda = torch.device("cuda", 0)
+    eager = persistent._step_table(Schedule.of([3, 2], False), None, cuda)
+    assert not persistent._CAPTURED_TABLES
+    fake.capturing = True
+    assert persistent._step_table(Schedule.of([3, 2], False), None, cuda) is eager
+    persistent._TABLES.clear()  # evicted
+    assert list(persistent._CAPTURED_TABLES.values()) == [eager]
+    made = persistent._step_table(Schedule.of([4, 1], False), None, cuda)
+    assert fake.seen[-1] == "pinned" and made.tolist()[1][:4] == [4, 0, 0, 0]
+    assert persistent._CAPTURED_TABLES[made.data_ptr()] is made
+    assert made.data_ptr() in persistent._CAPTURED_SOURCES
+    assert not persistent._TABLES  # made in the graph's memory pool: not cached for calls outside it
 
 
 def test_buffers_kept_across_calls_are_made_outside_the_callers_cuda_graph_pool(monkeypatch):

@@ -1086,24 +1086,42 @@ def _precision(x: Tensor) -> str:
     return "ieee"
 
 
-_TABLES: OrderedDict[tuple, Tensor] = OrderedDict()
+class _Table:
+    """A cached step table: its ``values`` on the device, the event after which they are there
+    (CUDA: recorded on the stream that filled them) and the streams it is recorded on."""
+
+    __slots__ = ("ready", "streams", "values")
+
+    def __init__(self, values: Tensor, ready: torch.cuda.Event | None,
+                 stream: tuple[int, int] | None) -> None:
+        self.values, self.ready = values, ready
+        self.streams = {stream}
+
+
+_TABLES: OrderedDict[tuple, _Table] = OrderedDict()
 
 
 def _step_table(schedule: Schedule, mask: Tensor | None, device: torch.device) -> Tensor:
     """``[S + 1, 8]`` int32: per step in running order (row 0: a virtual step with no rows) ``b``,
     its rows' offset, ``carried``, the previous step's offset, then the next step's ``b``, offset
-    and mask offset (zeros after the last). Cached by schedule, mask layout and stream: a table is
-    recorded on the stream it was made for, so that its memory is not reused while that stream may
-    still read it (a table evicted while another stream's launch read it could be written over)."""
+    and mask offset (zeros after the last). Cached by schedule and mask layout, one table for every
+    stream: CUDA graph captures (``torch.cuda.make_graphed_callables``, ``torch.compile``) warm a
+    call up on one stream and record it on another, and a table made while capturing must copy
+    from pinned memory. A stream that had not used the table waits for its copy and is recorded on
+    it, so that its memory is not reused (evicted from the cache) while that stream may read it."""
     step_stride = 0 if mask is None or mask.shape[0] == 1 else mask.stride(0)
-    stream = _stream_of(device) if device.type == "cuda" else None
     # a schedule is built once per batch sizes and never changes
-    key = (schedule, step_stride, device, stream)
+    key = (schedule, step_stride, device)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     table = _TABLES.get(key)
     if table is not None:
         with contextlib.suppress(KeyError):  # another thread may have evicted it since
             _TABLES.move_to_end(key)
-        return _kept_while_captured(key, table, device)
+        if capturing:  # kept for the graph's replays, which read it by address
+            _CAPTURED_TABLES[table.values.data_ptr()] = table.values
+        elif device.type == "cuda":
+            _used_on_this_stream(table, device)
+        return table.values
     rows = [[0, 0, 0, 0]]
     for step in schedule.steps:
         prev = schedule.offsets[step.prev] if step.prev >= 0 else 0
@@ -1111,13 +1129,36 @@ def _step_table(schedule: Schedule, mask: Tensor | None, device: torch.device) -
     for k, step in enumerate(schedule.steps):
         rows[k].extend([step.size, schedule.offsets[step.t], step.t * step_stride, 0])
     rows[-1].extend([0, 0, 0, 0])
-    table = _outside_graph_pools(
+    values = _outside_graph_pools(
         device, lambda: torch.empty(len(rows), _COLUMNS, dtype=torch.int32, device=device))
-    table.copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
-    _TABLES[key] = table
+    source = torch.tensor(rows, dtype=torch.int32)
+    if capturing:  # the graph copies it at every replay: from pinned memory, kept with the table
+        source = source.pin_memory()
+        values.copy_(source, non_blocking=True)
+        _CAPTURED_TABLES[values.data_ptr()] = values
+        _CAPTURED_SOURCES[values.data_ptr()] = source
+        return values  # made in the graph's pool: not for calls outside it
+    values.copy_(source, non_blocking=True)
+    ready = None
+    if device.type == "cuda":
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(device))
+    _TABLES[key] = _Table(values, ready, _stream_of(device) if device.type == "cuda" else None)
     if len(_TABLES) > 256:
         _TABLES.popitem(last=False)
-    return _kept_while_captured(key, table, device)
+    return values
+
+
+def _used_on_this_stream(table: _Table, device: torch.device) -> None:
+    """Order the current stream of ``device`` after ``table``'s copy and record the table on it,
+    the first time this stream uses it."""
+    stream = _stream_of(device)
+    if stream not in table.streams:
+        current = torch.cuda.current_stream(device)
+        if table.ready is not None:
+            current.wait_event(table.ready)
+        table.values.record_stream(current)
+        table.streams.add(stream)
 
 
 def _outside_graph_pools(device: torch.device, allocate: Callable[[], Tensor]) -> Tensor:
@@ -1154,14 +1195,11 @@ def _outside_graph_pools(device: torch.device, allocate: Callable[[], Tensor]) -
     return made[0]
 
 
-#: Step tables a CUDA graph captured: its replays read them by address, so they are never freed.
-_CAPTURED_TABLES: dict[tuple, Tensor] = {}
-
-
-def _kept_while_captured(key: tuple, table: Tensor, device: torch.device) -> Tensor:
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        _CAPTURED_TABLES[key] = table
-    return table
+#: Step tables a CUDA graph captured, by address: its replays read them there, so they are never
+#: freed (a table evicted from the cache and made again is another one); and the pinned memory a
+#: table made while capturing is copied from at each replay.
+_CAPTURED_TABLES: dict[int, Tensor] = {}
+_CAPTURED_SOURCES: dict[int, Tensor] = {}
 
 
 def _sizes(batch: int, hidden: int, rows: int) -> dict[str, int]:
