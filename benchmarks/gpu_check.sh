@@ -381,7 +381,7 @@ LEASE2="lms tuning lengths mc_compile compile"
 sections="${*:-machine checks tests speed tf32 mc profile lms}"
 if [[ " $sections " == *" lease1 "* ]]; then  # the speed table's variants, the settings off until timed among them
     : "${SPEED_SHAPES:=small,medium,large}" "${SPEED_BATCH:=20,128}" "${ROUNDS:=4}"
-    : "${SPEED_VARIANTS:=sequence/triton,gates/triton,sequence/triton-resident,sequence/triton-spread,sequence/triton-half,batch/fused,naive/fused,weight_drop,nn.LSTM+graph,nn.GRU+graph,sequence+graph}"
+    : "${SPEED_VARIANTS:=sequence/triton,gates/triton,sequence/triton-resident,sequence/triton-spread,sequence/triton-unspread,sequence/triton-half,batch/fused,naive/fused,weight_drop,nn.LSTM+graph,nn.GRU+graph,sequence+graph}"
 fi
 sections=${sections//lease1/$LEASE1}
 sections=${sections//lease2/$LEASE2}

@@ -224,13 +224,14 @@ class _PlannedCall:
         return 0
 
 
-def planned(hidden: int, batch: int, multiprocessors: int = MULTIPROCESSORS) -> persistent.Launch | None:
-    """The launch ``persistent.plan`` picks for a float32 call on a GPU of ``multiprocessors``
-    (Hopper's 132 by default)."""
+def planned(hidden: int, batch: int, multiprocessors: int = MULTIPROCESSORS,
+            cell: str = "lstm") -> persistent.Launch | None:
+    """The launch ``persistent.plan`` picks for a float32 call of ``cell`` on a GPU of
+    ``multiprocessors`` (Hopper's 132 by default)."""
     saved = persistent._multiprocessors
     persistent._multiprocessors = lambda device: multiprocessors  # no GPU to ask
     try:
-        return persistent.plan(_PlannedCall(), hidden, batch, False)  # type: ignore[arg-type]
+        return persistent.plan(_PlannedCall(), hidden, batch, False, cell=cell)  # type: ignore[arg-type]
     finally:
         persistent._multiprocessors = saved
 
@@ -306,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for cell in ("lstm", "gru"):
         for hidden, batch in SHAPES:
-            how = planned(hidden, batch, gpu.multiprocessors)
+            how = planned(hidden, batch, gpu.multiprocessors, cell)
             if how is None:
                 print(f"{cell:4s} {hidden:5d} x {batch:<4d} the step kernel (no persistent plan)")
                 continue

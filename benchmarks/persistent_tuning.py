@@ -61,7 +61,7 @@ SETTINGS = (
     dict(stages=4), dict(stages=6), dict(stages=6, warps=8),
     dict(vector=1),  # rows of W_hh and of the states loaded value by value, as before VEC
     dict(vector=2),  # 8-byte loads: Triton copies them through L1 (.ca), 16-byte ones past it (.cg)
-    dict(spread=True),  # fewer units a program, on multiprocessors that would idle
+    dict(spread=True), dict(spread=False),  # fewer units a program on idle multiprocessors (LSTM: built in)
     # two programs a multiprocessor: more loads of W_hh in flight (rows split first, or units spread)
     dict(per_sm=2), dict(per_sm=2, spread=True), dict(per_sm=2, row_blocks=1, spread=True),
     dict(half_state=True),  # the forward loop reads the masked states from a float16 copy
@@ -151,7 +151,7 @@ def time_setting(cell: str, masks: str, hidden: int, batch: int, setting: dict, 
                  device: torch.device) -> dict | None:
     """One forward and one backward launch of the loop under ``setting`` (in force), timed and printed;
     None where the setting plans a launch already timed (``seen``) or fails to compile or launch."""
-    how = persistent.plan(inputs[1], hidden, batch, False)  # inputs[1]: gates_x
+    how = persistent.plan(inputs[1], hidden, batch, False, cell=cell)  # inputs[1]: gates_x
     block_k, warps, stages = setting.get("block_k"), setting.get("warps"), setting.get("stages")
     vector, per_sm, half = setting.get("vector"), setting.get("per_sm"), setting.get("half_state")
     # (row blocks that do not fit fall back to a setting already timed)

@@ -25,8 +25,10 @@ size = hidden size (small 200, medium 650, large 1500), float32. Variants, for t
   (``rnndrop.kernels.cuda_graphs``, on for this variant only; CUDA);
 - ``sequence/triton-resident``: the persistent loop with its ``W_hh`` tiles resident on chip
   (``persistent.tuning["resident"]``, on for this variant only; hidden 200; CUDA);
-- ``sequence/triton-spread``: the persistent loop with programs of fewer units than their tile on
-  multiprocessors that would idle (``persistent.tuning["spread"]``, on for this variant only; CUDA);
+- ``sequence/triton-spread`` / ``sequence/triton-unspread``: the persistent loop with / without
+  programs of fewer units than their tile on multiprocessors that would idle
+  (``persistent.tuning["spread"]``, on / off for this variant only; by default on for the LSTM since
+  the H200's sixth round, off for the GRU: ``persistent.SPREAD``; CUDA);
 - ``sequence/triton-half``: the persistent loop whose forward reads the masked states from a float16
   copy (``persistent.tuning["half_state"]``, on for this variant only; CUDA);
 - ``nn.LSTM+graph`` / ``nn.GRU+graph`` and ``sequence+graph``: the baseline and the per-sequence
@@ -162,14 +164,15 @@ STEP_KERNEL = "sequence/triton-step"
 #: The per-sequence masks on the persistent loop with resident ``W_hh`` tiles (hidden <= 256; off by
 #: default until measured; elsewhere the same launches as ``sequence/triton``).
 RESIDENT = "sequence/triton-resident"
-#: The per-sequence masks on the persistent loop with programs of fewer units on multiprocessors that
-#: would idle (``persistent.SPREAD``; off by default until measured).
-SPREAD = "sequence/triton-spread"
+#: The per-sequence masks on the persistent loop with / without programs of fewer units on
+#: multiprocessors that would idle (``persistent.SPREAD``: the LSTM's default, not the GRU's).
+SPREAD, UNSPREAD = "sequence/triton-spread", "sequence/triton-unspread"
 #: The per-sequence masks on the persistent loop whose forward reads the masked states from a float16
 #: copy (``persistent.HALF_STATE``; off by default until measured).
 HALF = "sequence/triton-half"
 #: The variants that run with a launch setting of ``persistent.tuning`` on, for them only.
-TUNED = {RESIDENT: {"resident": True}, SPREAD: {"spread": True}, HALF: {"half_state": True}}
+TUNED = {RESIDENT: {"resident": True}, SPREAD: {"spread": True}, UNSPREAD: {"spread": False},
+         HALF: {"half_state": True}}
 #: The suffix of the variants whose whole layer (forward and backward) replays from CUDA graphs.
 WHOLE_GRAPH = "+graph"
 #: The suffix of the variants that run under torch.compile.
@@ -204,15 +207,17 @@ def graph_whole_layer(module: nn.Module, x: torch.Tensor) -> int:
     return torch.cuda.memory_allocated(x.device) - before
 
 
-def persistent_plan(x: torch.Tensor, batch: int) -> str:
-    """How the Triton kernel's persistent loop runs a layer of this shape on CUDA (empty elsewhere):
-    the programs per block of rows, the row blocks and the hidden units a program owns."""
+def persistent_plan(x: torch.Tensor, batch: int, model: str = "lstm") -> str:
+    """How the Triton kernel's persistent loop runs a layer of ``model`` (``"lstm"``, ``"gru"``) of
+    this shape on CUDA (empty elsewhere): the programs per block of rows, the row blocks and the
+    hidden units a program owns."""
     if x.device.type != "cuda":
         return ""
     from rnndrop.kernels import persistent
 
     hidden = x.shape[-1]
-    how = persistent.plan(x.new_empty(0, 4 * hidden), hidden, batch, False)
+    gates = 4 if model == "lstm" else 3
+    how = persistent.plan(x.new_empty(0, gates * hidden), hidden, batch, False, cell=model)
     if how is None:
         return "; persistent loop: no (the step kernel runs)"
     return (f"; persistent loop: {how.programs} x {how.row_blocks} programs of {how.units} units x "
@@ -448,8 +453,8 @@ def bench_shape(
             variants[name].zero_grad(set_to_none=True)
             calls[name]()
     round_seconds = sum(first.values())  # the first calls: an upper bound of a round
-    note(f"{step}{model} {shape} (hidden {hidden}, batch {batch}): {len(names)} variants, "
-         f"{args.rounds} rounds, up to about {round_seconds * args.rounds:.0f} s{persistent_plan(x, batch)}")
+    note(f"{step}{model} {shape} (hidden {hidden}, batch {batch}): {len(names)} variants, {args.rounds} "
+         f"rounds, up to about {round_seconds * args.rounds:.0f} s{persistent_plan(x, batch, model)}")
     pipelines = fitted_pipelines(_PIPELINES_SHOWN)
     if pipelines:
         note(f"  pipelines: {pipelines}")

@@ -129,9 +129,16 @@ def test_the_plan_splits_rows_while_the_grid_has_room(on_cuda, monkeypatch, hidd
 ])
 def test_spread_gives_programs_fewer_units_to_fill_the_multiprocessors(on_cuda, monkeypatch, hidden, batch,
                                                                        expected, width):
-    """``tuning["spread"]`` (off by default, :data:`persistent.SPREAD`): as many programs as the
-    multiprocessors the row blocks leave, each owning fewer units than its tile is wide."""
-    assert persistent.plan(on_cuda, hidden, batch, False).units in (16, 32)  # off by default
+    """:data:`persistent.SPREAD` (the LSTM's calls; every cell's or none under ``tuning["spread"]``):
+    as many programs as the multiprocessors the row blocks leave, each owning fewer units than its
+    tile is wide."""
+    assert persistent.plan(on_cuda, hidden, batch, False, cell="lstm") == expected
+    for cell in ("gru", None):  # the GRU's steps at hidden 1500 were slower spread
+        assert persistent.plan(on_cuda, hidden, batch, False, cell=cell).units in (16, 32)
+    monkeypatch.setitem(persistent.tuning, "spread", True)
+    assert persistent.plan(on_cuda, hidden, batch, False, cell="gru") == expected
+    monkeypatch.setitem(persistent.tuning, "spread", False)
+    assert persistent.plan(on_cuda, hidden, batch, False, cell="lstm").units in (16, 32)
     monkeypatch.setitem(persistent.tuning, "spread", True)
     how = persistent.plan(on_cuda, hidden, batch, False)
     assert how == expected and how.grid <= 132 and how.programs * how.units >= hidden and how.units % 4 == 0

@@ -279,9 +279,9 @@ def test_the_tuned_variants_ask_for_their_launch_setting_for_themselves_only(spe
     def probe():
         seen.append(dict(persistent.tuning))
 
-    for name in (speed.RESIDENT, speed.SPREAD, speed.HALF, "sequence/triton*"):
+    for name in (speed.RESIDENT, speed.SPREAD, speed.UNSPREAD, speed.HALF, "sequence/triton*"):
         speed.with_switches(name, probe)()
-    assert seen == [{"resident": True}, {"spread": True}, {"half_state": True}, {}]
+    assert seen == [{"resident": True}, {"spread": True}, {"spread": False}, {"half_state": True}, {}]
     assert persistent.tuning == {}
 
 
@@ -294,7 +294,10 @@ def test_the_persistent_plan_of_a_shape_is_named_on_cuda_and_nothing_elsewhere(s
                               new_empty=lambda *shape: SimpleNamespace(dtype=torch.float32,
                                                                        device=torch.device("cuda", 0),
                                                                        numel=lambda: 0))
-    assert speed.persistent_plan(on_cuda, 128) == "; persistent loop: 41 x 2 programs of 16 units x 64 rows"
+    gru = speed.persistent_plan(on_cuda, 128, "gru")
+    assert gru == "; persistent loop: 41 x 2 programs of 16 units x 64 rows"
+    # the LSTM's programs spread over the multiprocessors the row blocks leave (persistent.SPREAD)
+    assert speed.persistent_plan(on_cuda, 128) == "; persistent loop: 55 x 2 programs of 12 units x 64 rows"
     monkeypatch.setattr(persistent, "_multiprocessors", lambda device: 4)  # 650 units do not fit
     assert speed.persistent_plan(on_cuda, 128) == "; persistent loop: no (the step kernel runs)"
 

@@ -20,7 +20,7 @@ import torch
 from torch.nn.utils.rnn import pack_sequence
 
 from rnndrop import VariationalGRU, VariationalLSTM
-from rnndrop.kernels import get_kernel, gpu, persistent
+from rnndrop.kernels import get_kernel, gpu, persistent, triton_gru, triton_lstm
 from rnndrop.kernels.cuda_graphs import GraphCache
 from rnndrop.kernels.first_order import SecondOrderGradientError
 from rnndrop.kernels.triton_plan import interpreted
@@ -384,6 +384,26 @@ def test_per_step_masks_beyond_32_bit_offsets_run_the_step_kernel(kind, device, 
     assert_close(ours, run("autograd", kind, sizes, args, False), atol=1e-5, rtol=1e-5)
     run("triton", kind, sizes, inputs(kind, sizes, (1, "B", "G", "P"), 0, device, torch.float32, H=16), False)
     assert len(calls) == 2  # a mask of the whole sequence runs persistent
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_each_cell_plans_its_launches_as_itself(kind, device, monkeypatch):
+    """A cell's measured launch settings apply to its calls alone (``persistent.SPREAD``: the
+    LSTM's programs spread over idle multiprocessors, not the GRU's): forward and backward plan
+    their launches naming their cell."""
+    cells, plan = [], persistent.plan
+    monkeypatch.setattr(persistent, "plan", lambda *args, **kwargs: cells.append(kwargs.get("cell"))
+                        or plan(*args, **kwargs))
+    args = inputs(kind, [3, 2], (1, "B", "P"), 0, device, torch.float32, H=16)
+    run("triton", kind, [3, 2], args, False)  # autograd's: backward runs forward's plan
+    assert cells == [kind]
+    module = triton_lstm if kind == "lstm" else triton_gru  # the traced operators' two passes
+    with torch.no_grad():
+        forward = module.forward_saving(args[0], [3, 2], *args[1:], False, True)
+        out, saved, states = forward[0], forward[-1], len(forward) - 2
+        module.backward_saved([3, 2], False, [a is not None for a in args], *args[1:], out, saved,
+                              torch.ones_like(out), *[None] * states)
+    assert cells == [kind] * 3
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])

@@ -130,11 +130,13 @@ _TABLE_COLUMNS = tl.constexpr(_COLUMNS)
 #: ``tuning["resident"]`` says otherwise. Off until a GPU has timed it against streaming them
 #: (``benchmarks/persistent_tuning.py``; docs/gpu.md): a kernel may not run slower than before.
 RESIDENT = False
-#: Whether :func:`plan` gives each program fewer units than a tile holds where that puts programs
-#: on multiprocessors that would idle (hidden 1500 in blocks of 16: 94 of 132), unless
-#: ``tuning["spread"]`` says otherwise: each program then streams fewer rows of ``W_hh`` a step,
-#: for the same ``tl.dot`` work. Off until a GPU has timed it, as :data:`RESIDENT`.
-SPREAD = False
+#: The cells (``"lstm"``, ``"gru"``) whose calls :func:`plan` gives each program fewer units than
+#: a tile holds where that puts programs on multiprocessors that would idle (hidden 1500 in blocks
+#: of 16: 94 of 132), unless ``tuning["spread"]`` says otherwise: each program then streams fewer
+#: rows of ``W_hh`` a step, for the same ``tl.dot`` work. The LSTM's since the H200's sixth round
+#: (docs/gpu.md: its GPU time and its training step as fast or faster at every shape timed, in three
+#: rounds); not the GRU's, whose steps at hidden 1500 it made slower in each of them.
+SPREAD = frozenset({"lstm"})
 #: Programs a multiprocessor holds at once in :func:`plan`'s grid, unless ``tuning["per_sm"]`` says
 #: otherwise. Where the loop waits on L2 for ``W_hh`` (hidden 1500: each program streams its rows a
 #: step), two programs a multiprocessor keep twice the loads in flight, if the kernel's registers
@@ -973,7 +975,8 @@ def first_or_step(how: Launch | None, like: Tensor, persistent_pass: Callable[[L
 
 
 def plan(
-    gates_x: Tensor, hidden: int, batch: int, projected: bool, mask: Tensor | None = None
+    gates_x: Tensor, hidden: int, batch: int, projected: bool, mask: Tensor | None = None,
+    cell: str | None = None,
 ) -> Launch | None:
     """How the persistent loop runs a call, or None where it cannot and the step kernel runs:
     float64 (``tl.dot`` keeps float32 at most), a projection (``h_t = W_hr r_t`` is a second
@@ -989,7 +992,9 @@ def plan(
     has room for twice the programs, the batch's rows split in two (down to blocks of 16 rows,
     ``tl.dot``'s least): a step takes each program about ``a + b * rows * units`` (the H200's
     launch-setting sweep: twice the units, twice the time; four times the rows, about twice),
-    so programs with fewer rows on otherwise idle multiprocessors finish the step sooner."""
+    so programs with fewer rows on otherwise idle multiprocessors finish the step sooner; and for
+    a ``cell`` in :data:`SPREAD`, programs of fewer units fill the multiprocessors still idle
+    (``cell`` None: the rule without a cell's measured settings)."""
     if disabled() or projected or gates_x.dtype == torch.float64 or gates_x.numel() >= MAX_ELEMENTS:
         return None
     if mask is not None and mask.numel() >= MAX_ELEMENTS:
@@ -1019,7 +1024,7 @@ def plan(
         row_blocks //= 2
     if programs * row_blocks > sms:
         return None
-    if tuning.get("spread", SPREAD) and programs * row_blocks < sms:
+    if tuning.get("spread", cell in SPREAD) and programs * row_blocks < sms:
         # fewer units a program, so that the unit blocks fill the multiprocessors the row blocks leave
         spread = -(-hidden // (sms // row_blocks) // 4) * 4  # in fours: the lanes stay in vectors
         if spread < units:
@@ -1340,8 +1345,9 @@ def _taken(pool: _CounterPool) -> Tensor:
 
 #: Launch settings a measurement may set (``benchmarks/persistent_tuning.py``): ``units``,
 #: ``row_blocks``, ``block_k``, ``warps``, ``resident``, ``stages`` (the deepest load pipeline
-#: tried, instead of :data:`_DEEPEST_STAGES`), ``vector`` (the widest ``VEC``), ``spread`` (:data:`SPREAD`),
-#: ``per_sm`` (:data:`PER_SM`), ``half_state`` (:data:`HALF_STATE`); empty in normal use.
+#: tried, instead of :data:`_DEEPEST_STAGES`), ``vector`` (the widest ``VEC``), ``spread`` (every
+#: cell's or none, instead of :data:`SPREAD`), ``per_sm`` (:data:`PER_SM`), ``half_state``
+#: (:data:`HALF_STATE`); empty in normal use.
 tuning: dict[str, int] = {}
 
 

@@ -240,7 +240,7 @@ def _persistent_backward(how: persistent.Launch, schedule: Schedule, needs: Sequ
 def _forward_pass(schedule: Schedule, inputs: tuple, keep: bool):
     """As :func:`rnndrop.kernels.triton_lstm._forward_pass`, for the GRU."""
     gates_x, h0, w_hh, b_hh, mask = inputs
-    how = persistent.plan(gates_x, h0.shape[1], h0.shape[0], False, mask)
+    how = persistent.plan(gates_x, h0.shape[1], h0.shape[0], False, mask, cell="gru")
     return persistent.first_or_step(
         how, gates_x,
         lambda how: persistent.gru_forward(how, schedule, gates_x, h0, w_hh, b_hh, mask, keep=keep),
@@ -351,6 +351,6 @@ def backward_saved(
     acts, a_n, masked = saved
     _, h0, w_hh, b_hh, mask = _prepare(acts, h0, w_hh, b_hh, hidden_mask)
     schedule = Schedule.of(batch_sizes, reverse)
-    how = persistent.plan(acts, h0.shape[1], h0.shape[0], False, mask)
+    how = persistent.plan(acts, h0.shape[1], h0.shape[0], False, mask, cell="gru")
     s = _Saved(acts, a_n, out, masked, h0, w_hh, b_hh, mask)
     return _backward_pass(schedule, how, needs, s, d_out, d_hn)

@@ -257,7 +257,7 @@ def _forward_pass(schedule: Schedule, inputs: tuple, keep: bool):
     """The forward pass by the persistent loop or the step kernel: ``(result of _forward, the
     launch that ran or None)``; the persistent loop keeps what backward reads only if ``keep``."""
     gates_x, h0, c0, w_hh, w_hr, mask = inputs
-    how = persistent.plan(gates_x, c0.shape[1], c0.shape[0], w_hr is not None, mask)
+    how = persistent.plan(gates_x, c0.shape[1], c0.shape[0], w_hr is not None, mask, cell="lstm")
     return persistent.first_or_step(
         how, gates_x,
         lambda how: persistent.lstm_forward(how, schedule, gates_x, h0, c0, w_hh, mask, keep=keep),
@@ -377,6 +377,6 @@ def backward_saved(
     acts, cells, masked, *projected = saved
     _, h0, c0, w_hh, w_hr, mask = _prepare(acts, h0, c0, w_hh, w_hr, hidden_mask)
     schedule = Schedule.of(batch_sizes, reverse)
-    how = persistent.plan(acts, c0.shape[1], c0.shape[0], w_hr is not None, mask)
+    how = persistent.plan(acts, c0.shape[1], c0.shape[0], w_hr is not None, mask, cell="lstm")
     s = _Saved(acts, cells, out, projected[0] if projected else None, masked, h0, c0, w_hh, w_hr, mask)
     return _backward_pass(schedule, how, needs, s, d_out, d_hn, d_cn)
