@@ -98,19 +98,27 @@ def loop_inputs(cell: str, hidden: int, batch: int, device: torch.device, per_ga
     return schedule, gates_x, h0, c0, w_hh, mask
 
 
+def ran(result):
+    """A launch's results; a launch the loop did not run (CUDA refused it: its warning says why)
+    returns None, and is an error here."""
+    if result is None:
+        raise RuntimeError("the persistent loop did not run this launch (refused; see the warning)")
+    return result
+
+
 def launches(cell: str, how, schedule, gates_x, h0, c0, w_hh, mask):
     """``(forward, backward)``: callables that issue one forward and one backward launch of the loop
     (the backward from the saved tensors of a first forward pass)."""
     if cell == "lstm":
         forward = functools.partial(persistent.lstm_forward, how, schedule, gates_x, h0, c0, w_hh, mask)
-        out, _, _, acts, cells, _, masked = forward()
+        out, _, _, acts, cells, _, masked = ran(forward())
         saved = _Saved(acts, cells, out, None, masked, h0, c0, w_hh, None, mask)
         needs = (True, False, False, True, False, False)  # d gates_x and dW_hh, as in training
         d_out = torch.randn_like(out)
         backward = functools.partial(persistent.lstm_backward, how, schedule, needs, saved, d_out, None, None)
         return forward, backward
     forward = functools.partial(persistent.gru_forward, how, schedule, gates_x, h0, w_hh, None, mask)
-    out, _, acts, a_n, masked = forward()
+    out, _, acts, a_n, masked = ran(forward())
     saved = _GRUSaved(acts, a_n, out, masked, h0, w_hh, None, mask)
     needs = (True, False, True, False, False)  # d gates_x and dW_hh, as in training
     d_out = torch.randn_like(out)

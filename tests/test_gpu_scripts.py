@@ -66,14 +66,20 @@ def test_persistent_tuning_refuses_without_cuda_in_one_line():
     assert done.returncode == 2 and done.stderr.strip() == "persistent_tuning.py: needs a CUDA GPU"
 
 
-def test_persistent_tuning_names_the_fastest_setting_of_each_case():
-    """The sweep's last lines: per case the built-in rule's time, the fastest setting and the ratio."""
+@pytest.fixture
+def tuning():
+    """benchmarks/persistent_tuning.py as a module."""
     import importlib.util
 
     script = ROOT / "benchmarks" / "persistent_tuning.py"
     spec = importlib.util.spec_from_file_location("persistent_tuning", script)
-    tuning = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tuning)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_persistent_tuning_names_the_fastest_setting_of_each_case(tuning):
+    """The sweep's last lines: per case the built-in rule's time, the fastest setting and the ratio."""
 
     def row(us, built_in=False, **setting):
         base = dict(units=16, row_blocks=1, block_k=None, warps=None, resident=False, stages=None,
@@ -88,16 +94,30 @@ def test_persistent_tuning_names_the_fastest_setting_of_each_case():
     assert lines[2].endswith("fastest    8.0 (1.00x): built-in")
 
 
-def test_persistent_tuning_keeps_the_rows_timed_when_its_time_limit_stops_it(tmp_path, monkeypatch):
+def test_a_setting_whose_launch_is_refused_is_one_line_and_the_sweep_goes_on(tuning, capsys, monkeypatch):
+    """CUDA refused a setting's cooperative launch (the sixth round: two programs a multiprocessor,
+    650 x 128), so the loop returned no result: the line says so (it said "cannot unpack
+    non-iterable NoneType"), and the device is not left to the step kernel for later settings."""
+    from rnndrop.kernels import persistent
+
+    monkeypatch.setattr(persistent, "_given_up", set())
+    monkeypatch.setattr(persistent, "plan", lambda *args, **kwargs: persistent.Launch(1, 16))
+    monkeypatch.setattr(persistent, "lstm_forward",
+                        lambda *args, **kwargs: persistent._given_up.add("cuda:0"))  # refused: None
+    cpu = torch.device("cpu")
+    inputs = tuning.loop_inputs("lstm", 16, 2, cpu)
+    assert tuning.time_setting("lstm", "tied", 16, 2, {"per_sm": 2}, inputs, set(), cpu) is None
+    line = capsys.readouterr().out
+    assert line.count("\n") == 1
+    assert "RuntimeError: the persistent loop did not run this launch (refused" in line
+    assert not persistent._given_up
+
+
+def test_persistent_tuning_keeps_the_rows_timed_when_its_time_limit_stops_it(tuning, tmp_path, monkeypatch):
     """gpu_check.sh's `timeout` stops the sweep (SIGTERM, raised as KeyboardInterrupt): the rows timed
     so far are in --json and their fastest settings printed."""
-    import importlib.util
     import json
 
-    script = ROOT / "benchmarks" / "persistent_tuning.py"
-    spec = importlib.util.spec_from_file_location("persistent_tuning", script)
-    tuning = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tuning)
     row = dict(cell="lstm", masks="tied", hidden=200, batch=20, built_in=True, us_per_step=7.4, units=16)
 
     def sweep(device, cell, per_gate):
