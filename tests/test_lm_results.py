@@ -173,8 +173,27 @@ def test_the_table_says_which_runs_trained_compiled():
     fell_back = {**compiled[1], "compile_failure": "BackendCompilerFailed, RuntimeError: no lowering"}
     table = markdown_table([eager, *compiled])
     assert "| none | in 0.5 | 1 | 2 | 60.0 | 130.0 | — | 50 | 1.0 |" in table
-    assert "| — | 50 (compiled) | 1.0 |" in table
+    assert "| — | 50 (compiled; 50 after epoch 1) | 1.0 |" in table
     assert "| — | 50 (1 of 2 compiled) | 1.0 |" in markdown_table([compiled[0], fell_back])
+
+
+def test_compiled_runs_show_the_words_per_second_they_train_at_after_their_first_epoch():
+    """A compiled run's first epoch compiles and records a CUDA graph per truncated-BPTT length:
+    over a few short epochs its whole-run words/s is mostly that (an H200's tied gal-medium run on
+    the PTB sample: 10k words/s over three epochs, 229k in the last). Its words after the first
+    epoch over their seconds say what it trains at; one epoch, or records without timing, say
+    nothing more."""
+    run = {**_result(3, "tied"), "compiled": True, "compile_failure": None, "words_per_second": 10.0}
+    run["epochs"] = [{**r, "seconds": s, "words_per_second": w}
+                     for r, s, w in zip(run["epochs"], (60.0, 2.0, 1.0), (1.0, 200.0, 230.0))]
+    assert "| 10 (compiled; 210 after epoch 1) |" in markdown_table([run])  # (400 + 230) / 3 s
+    seeds = [run, {**run, "seed": 2, "epochs": [{**r, "words_per_second": 2 * r["words_per_second"]}
+                                                for r in run["epochs"]]}]
+    assert "| 10 (compiled; 315 after epoch 1) |" in markdown_table(seeds)  # the mean of 210 and 420
+    one = {**run, "epochs": run["epochs"][:1]}
+    untimed = {**run, "epochs": [{k: v for k, v in r.items() if k != "seconds"} for r in run["epochs"]]}
+    for result in (one, untimed):
+        assert "| 10 (compiled) |" in markdown_table([result])
 
 
 def test_a_row_names_every_number_of_monte_carlo_samples_its_seeds_used():

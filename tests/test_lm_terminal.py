@@ -38,10 +38,12 @@ def test_tables_are_aligned_columns_and_the_markup_is_gone():
 
 def test_words_per_second_marked_compiled_stays_a_right_aligned_number():
     text = markdown_for_terminal("| regime | words/s |\n|---|---|\n| none | 126,000 |\n"
-                                 "| tied | 191,355 (compiled) |\n| untied | 90,000 (1 of 2 compiled) |\n")
-    rows = text.splitlines()[2:5]
+                                 "| tied | 191,355 (compiled) |\n| untied | 90,000 (1 of 2 compiled) |\n"
+                                 "| gaussian | 10,084 (compiled; 199,877 after epoch 1) |\n")
+    rows = text.splitlines()[2:6]
     assert len({len(row) for row in rows}) == 1 and rows[0].endswith(" 126,000")
     assert rows[1].endswith("191,355 (compiled)") and rows[2].endswith("90,000 (1 of 2 compiled)")
+    assert rows[3].endswith("10,084 (compiled; 199,877 after epoch 1)")
 
 
 def test_a_monte_carlo_column_of_several_sample_counts_stays_a_right_aligned_number():

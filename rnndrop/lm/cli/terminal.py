@@ -10,9 +10,10 @@ import re
 
 __all__ = ["markdown_for_terminal"]
 
-# a number, with its sd, Monte-Carlo samples or "(compiled)" (words/s of runs under torch.compile)
+# a number, with its sd, Monte-Carlo samples or "(compiled)" (words/s of runs under torch.compile,
+# with their words/s after the first epoch)
 _NUMBER = re.compile(r"^[+\-−]?[\d,]*\.?\d+(\s*±\s*[\d.]+)?(\s*\(S=\d+(, \d+)*\))?"
-                     r"(\s*\((\d+ of \d+ )?compiled\))?$|^[—-]$")
+                     r"(\s*\((\d+ of \d+ )?compiled(; [\d,]+ after epoch 1)?\))?$|^[—-]$")
 
 
 def markdown_for_terminal(markdown: str) -> str:

@@ -487,12 +487,28 @@ def markdown_table(results: Sequence[Mapping[str, Any]], *, group: bool = True) 
 
 def _words_per_second(runs: Sequence[Mapping[str, Any]]) -> str:
     """The runs' mean words/s, marked where they trained under torch.compile (``rnndrop-lm``'s
-    default for some regimes on CUDA: a table beside eager runs says which were)."""
+    default for some regimes on CUDA: a table beside eager runs says which were); for compiled
+    runs also their words/s after the first epoch, which compiles and records a CUDA graph per
+    truncated-BPTT length: the speed they train at, where the whole run's average of a short run
+    is mostly the compile's."""
     text = f"{statistics.mean(r['words_per_second'] for r in runs):,.0f}"
     compiled = sum(bool(r.get("compiled")) and not r.get("compile_failure") for r in runs)
     if compiled == len(runs):
+        later = [_after_first_epoch(r) for r in runs]
+        if all(w is not None for w in later):
+            return f"{text} (compiled; {statistics.mean(later):,.0f} after epoch 1)"
         return f"{text} (compiled)"
     return f"{text} ({compiled} of {len(runs)} compiled)" if compiled else text
+
+
+def _after_first_epoch(result: Mapping[str, Any]) -> float | None:
+    """A run's training words/s over its epochs after the first (``result["epochs"]``' words over
+    their seconds); None for a run of one epoch or records without their timing."""
+    later = [r for r in result["epochs"][1:] if "seconds" in r and "words_per_second" in r]
+    seconds = sum(r["seconds"] for r in later)
+    if not later or seconds <= 0:
+        return None
+    return sum(r["words_per_second"] * r["seconds"] for r in later) / seconds
 
 
 def paired_differences(
