@@ -1122,7 +1122,8 @@ def _step_table(schedule: Schedule, mask: Tensor | None, device: torch.device) -
     if table is not None:
         with contextlib.suppress(KeyError):  # another thread may have evicted it since
             _TABLES.move_to_end(key)
-        if capturing:  # kept for the graph's replays, which read it by address
+        if capturing:  # kept for the graph's replays, which read it by address; no wait: a capture
+            # cannot wait for an event recorded outside it, and its replays come after it ends
             _CAPTURED_TABLES[table.values.data_ptr()] = table.values
         elif device.type == "cuda":
             _used_on_this_stream(table, device)

@@ -494,8 +494,8 @@ def _words_per_second(runs: Sequence[Mapping[str, Any]]) -> str:
     text = f"{statistics.mean(r['words_per_second'] for r in runs):,.0f}"
     compiled = sum(bool(r.get("compiled")) and not r.get("compile_failure") for r in runs)
     if compiled == len(runs):
-        later = [_after_first_epoch(r) for r in runs]
-        if all(w is not None for w in later):
+        later = [w for w in map(_after_first_epoch, runs) if w is not None]
+        if len(later) == len(runs):
             return f"{text} (compiled; {statistics.mean(later):,.0f} after epoch 1)"
         return f"{text} (compiled)"
     return f"{text} ({compiled} of {len(runs)} compiled)" if compiled else text
