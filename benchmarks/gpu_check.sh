@@ -147,7 +147,7 @@ local before; before=$(err_lines)
 # (tens of seconds)
 timeout -k 10 $(limit ${COMPILE_TIMEOUT:-240}) $PY benchmarks/speed.py --device cuda --shapes ${COMPILE_SHAPES:-small,medium} \
     --batch 20 --models ${COMPILE_MODELS:-lstm} --kernels triton --rounds ${ROUNDS:-8} --no-memory \
-    --variants ${COMPILE_VARIANTS:-nn.LSTM+compile,nn.GRU+compile,sequence+compile,sequence/triton,nn.LSTM+graph,nn.GRU+graph,sequence+graph} \
+    --variants ${COMPILE_VARIANTS:-nn.LSTM+compile,nn.GRU+compile,sequence+compile,none/triton+compile,sequence/triton,nn.LSTM+graph,nn.GRU+graph,sequence+graph} \
     --json "$OUT/gpu-speed-compile.json" 2>>"$OUT/speed.err" >"$OUT/gpu-speed-compile.txt" \
     || speed_failed gpu-speed-compile
 grep -E "^(lstm|gru) |GPU's time alone" "$OUT/gpu-speed-compile.txt"

@@ -35,9 +35,10 @@ size = hidden size (small 200, medium 650, large 1500), float32. Variants, for t
   masks on the loop ``kernel="auto"`` runs, each whole layer's forward and backward replayed from
   CUDA graphs (``torch.cuda.make_graphed_callables``: what a user can do at fixed shapes; no host
   work is left in a step, so their ratio is the GPU's time alone; CUDA);
-- ``nn.LSTM+compile`` / ``nn.GRU+compile``, ``sequence+compile``, ``gates+compile`` and
-  ``batch+compile`` (only when ``--variants`` names them: each compiles for a while): the baseline,
-  the per-sequence, per-gate and batch-shared masks, each module under ``rnndrop.compile_model``
+- ``nn.LSTM+compile`` / ``nn.GRU+compile``, ``sequence+compile``, ``gates+compile``,
+  ``batch+compile`` and ``none/triton+compile`` (only when ``--variants`` names them: each compiles
+  for a while): the baseline, the per-sequence, per-gate and batch-shared masks, and no dropout on
+  the Triton loop (``kernel="triton"``; CUDA), each module under ``rnndrop.compile_model``
   (``torch.compile`` with ``allow_rnn``; ``mode="reduce-overhead"`` on CUDA: forward and backward
   replayed from CUDA graphs), so that the layer's masks and projections are in the graph and each
   recurrence one operator (``rnndrop.kernels.ops``; batch-shared masks run torch's fused op
@@ -146,6 +147,8 @@ def build_variants(
         variants[f"sequence{COMPILED}"] = ours_cls(hidden, hidden, layers, **probs)
         variants[f"gates{COMPILED}"] = ours_cls(hidden, hidden, layers, per_gate_masks=True, **probs)
         variants[f"batch{COMPILED}"] = ours_cls(hidden, hidden, layers, mask_scope="batch", **probs)
+        if "triton" in kernels:  # no dropout, the recurrence on the loop all the same (kernel="triton")
+            variants[PLAIN_LOOP] = ours_cls(hidden, hidden, layers, kernel="triton")
     variants["batch/fused"] = ours_cls(hidden, hidden, layers, mask_scope="batch", **probs)
     # Zaremba's naive dropout: fresh masks every step between layers, none on the recurrent state
     # (each layer alone through the fused kernel)
@@ -173,6 +176,10 @@ HALF = "sequence/triton-half"
 #: The variants that run with a launch setting of ``persistent.tuning`` on, for them only.
 TUNED = {RESIDENT: {"resident": True}, SPREAD: {"spread": True}, UNSPREAD: {"spread": False},
          HALF: {"half_state": True}}
+#: No dropout, the recurrence on the persistent loop (``kernel="triton"``), under torch.compile: what
+#: the LM regimes without a recurrent mask (``none``, ``naive``, zaremba's tied) would train at were
+#: their recurrence run on the loop, compiled, instead of on cuDNN eagerly.
+PLAIN_LOOP = "none/triton+compile"
 #: The suffix of the variants whose whole layer (forward and backward) replays from CUDA graphs.
 WHOLE_GRAPH = "+graph"
 #: The suffix of the variants that run under torch.compile.

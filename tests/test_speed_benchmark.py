@@ -290,6 +290,18 @@ def test_the_graphed_variant_runs_the_triton_kernel_with_graphs_on_for_it_only(s
     assert seen == [8, 0] and speed.cuda_graphs.GRAPHS.max_graphs == 0
 
 
+def test_no_dropout_on_the_loop_compiled_is_a_variant_where_triton_runs(speed):
+    """What the LM regimes without a recurrent mask would train at on the loop, compiled: a layer
+    without dropout whose recurrence runs the loop all the same (``kernel="triton"``)."""
+    variants = speed.build_variants("lstm", 8, 2, 0.5, ["triton"], "triton", compiled=True)
+    plain = variants[speed.PLAIN_LOOP]
+    assert plain.kernel == "triton" and plain.trains_in_loop()
+    assert (plain.dropout_input, plain.dropout_hidden, plain.dropout_output, plain.dropout) == (0, 0, 0, 0)
+    on_cpu = speed.build_variants("lstm", 8, 2, 0.5, ["manual"], "compiled", compiled=True)
+    assert speed.PLAIN_LOOP not in on_cpu
+    assert speed.PLAIN_LOOP not in speed.build_variants("lstm", 8, 2, 0.5, ["triton"], "triton")
+
+
 def test_the_tuned_variants_ask_for_their_launch_setting_for_themselves_only(speed):
     from rnndrop.kernels import persistent
 
