@@ -217,11 +217,11 @@ def test_pooled_counters_are_kept_apart_per_device_and_stream(monkeypatch):
     streams = {0: 11}
     monkeypatch.setattr(persistent, "_pools", {})
     monkeypatch.setattr(persistent, "_current_raw_stream", lambda index: streams[index])
-    first, second = (persistent._counter(torch.device("cpu", 0), pooled=True) for _ in range(2))
+    first, second = (persistent._taken(persistent._pool(torch.device("cpu", 0))) for _ in range(2))
     streams[0] = 12  # another stream made current
-    other = persistent._counter(torch.device("cpu", 0), pooled=True)
+    other = persistent._taken(persistent._pool(torch.device("cpu", 0)))
     streams[1] = 11  # the first stream's handle, on another device
-    elsewhere = persistent._counter(torch.device("cpu", 1), pooled=True)
+    elsewhere = persistent._taken(persistent._pool(torch.device("cpu", 1)))
     assert sorted(persistent._pools) == [(0, 11), (0, 12), (1, 11)]
     pool = persistent._pools[(0, 11)]
     assert (first.data_ptr(), second.data_ptr()) == (pool.slots[0].data_ptr(), pool.slots[1].data_ptr())
@@ -292,7 +292,6 @@ class _FakeStreams:
 
         monkeypatch.setattr(persistent, "_TABLES", persistent.OrderedDict())
         monkeypatch.setattr(persistent, "_CAPTURED_TABLES", {})
-        monkeypatch.setattr(persistent, "_CAPTURED_SOURCES", {})
         monkeypatch.setattr(persistent, "_current_raw_stream", lambda index: self.raw)
         monkeypatch.setattr(persistent, "_outside_graph_pools",  # a table of two steps, on the CPU
                             lambda device, allocate: torch.empty(3, 8, dtype=torch.int32))
@@ -342,11 +341,11 @@ def test_a_step_table_used_while_a_cuda_graph_captures_is_never_freed(monkeypatc
     fake.capturing = True
     assert persistent._step_table(Schedule.of([3, 2], False), None, cuda) is eager
     persistent._TABLES.clear()  # evicted
-    assert list(persistent._CAPTURED_TABLES.values()) == [eager]
+    assert list(persistent._CAPTURED_TABLES.values()) == [(eager,)]
     made = persistent._step_table(Schedule.of([4, 1], False), None, cuda)
     assert fake.seen[-1] == "pinned" and made.tolist()[1][:4] == [4, 0, 0, 0]
-    assert persistent._CAPTURED_TABLES[made.data_ptr()] is made
-    assert made.data_ptr() in persistent._CAPTURED_SOURCES
+    kept, source = persistent._CAPTURED_TABLES[made.data_ptr()]
+    assert kept is made and source.tolist() == made.tolist()  # the pinned rows each replay copies
     assert not persistent._TABLES  # made in the graph's memory pool: not cached for calls outside it
 
 
@@ -393,7 +392,7 @@ def test_buffers_kept_across_calls_are_made_outside_the_callers_cuda_graph_pool(
     monkeypatch.setattr(persistent, "_pools", {})
     monkeypatch.setattr(persistent, "_current_raw_stream", lambda index: 5)
     monkeypatch.setattr(persistent, "_TABLES", persistent.OrderedDict())
-    counters = [persistent._counter(torch.device("cpu", 0), pooled=True) for _ in range(2)]  # one pool
+    counters = [persistent._taken(persistent._pool(torch.device("cpu", 0))) for _ in range(2)]  # one pool
     tables = [persistent._step_table(Schedule.of([3, 2], False), None, torch.device("cpu")) for _ in range(2)]
     assert len(made) == 2 and all(int(c) == 0 for c in counters)
     assert tables[0] is tables[1] and tables[0].tolist()[1][:4] == [3, 0, 0, 0]

@@ -1124,7 +1124,7 @@ def _step_table(schedule: Schedule, mask: Tensor | None, device: torch.device) -
             _TABLES.move_to_end(key)
         if capturing:  # kept for the graph's replays, which read it by address; no wait: a capture
             # cannot wait for an event recorded outside it, and its replays come after it ends
-            _CAPTURED_TABLES[table.values.data_ptr()] = table.values
+            _CAPTURED_TABLES[table.values.data_ptr()] = (table.values,)
         elif device.type == "cuda":
             _used_on_this_stream(table, device)
         return table.values
@@ -1141,8 +1141,7 @@ def _step_table(schedule: Schedule, mask: Tensor | None, device: torch.device) -
     if capturing:  # the graph copies it at every replay: from pinned memory, kept with the table
         source = source.pin_memory()
         values.copy_(source, non_blocking=True)
-        _CAPTURED_TABLES[values.data_ptr()] = values
-        _CAPTURED_SOURCES[values.data_ptr()] = source
+        _CAPTURED_TABLES[values.data_ptr()] = (values, source)
         return values  # made in the graph's pool: not for calls outside it
     values.copy_(source, non_blocking=True)
     ready = None
@@ -1202,10 +1201,9 @@ def _outside_graph_pools(device: torch.device, allocate: Callable[[], Tensor]) -
 
 
 #: Step tables a CUDA graph captured, by address: its replays read them there, so they are never
-#: freed (a table evicted from the cache and made again is another one); and the pinned memory a
-#: table made while capturing is copied from at each replay.
-_CAPTURED_TABLES: dict[int, Tensor] = {}
-_CAPTURED_SOURCES: dict[int, Tensor] = {}
+#: freed (a table evicted from the cache and made again is another one); a table made while
+#: capturing with the pinned memory each replay copies it from.
+_CAPTURED_TABLES: dict[int, tuple[Tensor, ...]] = {}
 
 
 def _sizes(batch: int, hidden: int, rows: int) -> dict[str, int]:
@@ -1328,14 +1326,13 @@ def _pool(device: torch.device) -> _CounterPool:
         return pool
 
 
-def _counter(device: torch.device, pooled: bool) -> Tensor:
-    """A zero counter for one launch: from the pool of ``device``'s current stream where
-    ``pooled`` (take it holding the pool's :attr:`~_CounterPool.launching` until the launch is
-    enqueued), else a fresh one (CPU, a launch being captured into a CUDA graph, whose replays
-    need it zeroed each time, or a counter the host reads at once)."""
-    if not pooled:  # 16 bytes, as a pool's slot: the counter, then the float16 range flag (_flag_beyond_half)
-        return torch.zeros(4, dtype=torch.int32, device=device)[:1]
-    return _taken(_pool(device))
+def _fresh_counter(device: torch.device) -> Tensor:
+    """A zero counter for one launch that takes none from a pool (:func:`_taken`, holding the
+    pool's :attr:`~_CounterPool.launching` until the launch is enqueued): CPU, a launch being
+    captured into a CUDA graph, whose replays need it zeroed each time, or a counter the host reads
+    at once. 16 bytes, as a pool's slot: the counter, then the float16 range flag
+    (:func:`_flag_beyond_half`)."""
+    return torch.zeros(4, dtype=torch.int32, device=device)[:1]
 
 
 def _taken(pool: _CounterPool) -> Tensor:
@@ -1386,7 +1383,7 @@ def _launch(kernel, how: Launch, steps: int, args: tuple, backward: bool, **cons
     # Triton's interpreter multiplies bfloat16 tiles wrongly: it gets float32 ones (exact products)
     upcast = not cuda and interpreted()
     if how.per_step:
-        counter = _counter(device, pooled=False)
+        counter = _fresh_counter(device)
         order = range(steps - 1, -1, -1) if backward else range(steps)
         for s in order:
             kernel[(how.grid,)](*args, counter, s, s + 1, **constexprs, SYNC=False, UPCAST=upcast,
@@ -1408,7 +1405,7 @@ def _launch(kernel, how: Launch, steps: int, args: tuple, backward: bool, **cons
            warps, args[0].dtype, deepest, fixed)
     pool = _pool(device) if cooperative and not capturing else None
     with pool.launching if pool is not None else contextlib.nullcontext():
-        counter = _counter(device, pooled=False) if pool is None else _taken(pool)
+        counter = _fresh_counter(device) if pool is None else _taken(pool)
         fitting = _stages.get(key, fittings[0])  # None: nothing fits (remembered, not tried again)
         for block_k, stages in fittings[fittings.index(fitting):] if fitting else ():
             try:
